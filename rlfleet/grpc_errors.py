@@ -1,0 +1,83 @@
+"""Maps rlfleet errors to gRPC status codes, once, as a server interceptor.
+
+Handlers raise `RlfleetError`s; the interceptor aborts the call with the matching code and the
+error's message. Anything else becomes INTERNAL with a generic message (details go to the log).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc import aio
+
+from rlfleet.errors import RlfleetError
+
+logger = logging.getLogger(__name__)
+
+
+def status_code(error: RlfleetError) -> grpc.StatusCode:
+    return grpc.StatusCode[error.grpc_code]
+
+
+async def _abort(context: aio.ServicerContext, exc: BaseException, method: str) -> None:
+    if isinstance(exc, RlfleetError):
+        if exc.http_status >= 500:
+            logger.error("%s failed: %s", method, exc)
+        await context.abort(status_code(exc), str(exc))
+    logger.exception("%s failed", method, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, "internal error; see the service log")
+
+
+def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
+    async def handler(request: Any, context: aio.ServicerContext) -> Any:
+        try:
+            return await behavior(request, context)
+        except aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to a status code right here
+            await _abort(context, exc, method)
+
+    return handler
+
+
+def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., AsyncIterator[Any]]:
+    async def handler(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for item in behavior(request, context):
+                yield item
+        except aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to a status code right here
+            await _abort(context, exc, method)
+
+    return handler
+
+
+class ErrorInterceptor(aio.ServerInterceptor):
+    """Turns exceptions raised by unary-unary and unary-stream handlers into gRPC statuses."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method = handler_call_details.method
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler

@@ -1,0 +1,116 @@
+"""Child processes of the fleet: start with a log file, wait until healthy (bounded), stop by pid.
+
+Used by the local launcher (`rlfleet up`) and by the e2e tests, so both start services the same
+way and neither can hang: every wait has a deadline, and stopping escalates from SIGTERM to
+SIGKILL of the whole process group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS reports free now (bind to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class ServiceProcess:
+    """One child process in its own process group, logging to `log_path`."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            cwd=cwd,
+            start_new_session=True,
+        )
+        logger.info("started %s (pid %d), log %s", name, self.proc.pid, self.log_path)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def wait_healthy(self, url: str, timeout: float) -> None:
+        """Polls `url` until it answers 200; raises RuntimeError (with the log tail) otherwise."""
+        deadline = time.monotonic() + timeout
+        last = "no answer yet"
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(
+                    f"{self.name} exited with code {self.proc.returncode} before it was healthy; "
+                    f"last lines of {self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                response = httpx.get(url, timeout=2.0)
+                if response.status_code == 200:
+                    return
+                last = f"HTTP {response.status_code}"
+            except httpx.HTTPError as exc:
+                last = type(exc).__name__
+            time.sleep(0.2)
+        raise RuntimeError(
+            f"{self.name} was not healthy at {url} within {timeout:.0f}s ({last}); "
+            f"last lines of {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        self._signal_group(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM the process group, SIGKILL it after `timeout`; returns the exit code."""
+        if self.alive():
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop within %.0fs; killing it", self.name, timeout)
+                self._signal_group(signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self._log.close()
+        return self.proc.returncode
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
