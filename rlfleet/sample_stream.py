@@ -1,0 +1,198 @@
+"""A run's sample stream: SampleGroups (protobuf) on a Redis stream, from the orchestrator (the only
+writer) to the trainer (the only reader, through a consumer group).
+
+Delivery is at least once and nothing is lost: an entry stays pending in the consumer group until
+the trainer acknowledges it, and entries left pending by a dead consumer are claimed again
+(`claim_stale`). Writing is idempotent per `group_id`: a group the stream has already seen is not
+appended twice, so a producer that retries or restarts cannot duplicate a group. An entry that
+cannot be decoded is moved to the run's dead-letter stream with the reason, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import redis
+from google.protobuf.message import DecodeError
+
+from rlfleet.errors import InvalidInput
+from rlfleet.v1.samples_pb2 import SampleGroup
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PREFIX = "rlfleet:"
+DEFAULT_CONSUMER_GROUP = "trainer"
+_GROUP_FIELD = b"group"
+_ID_FIELD = b"group_id"
+
+# Append unless the group id was seen before, atomically (a crash between the two steps would
+# otherwise either lose the group or let it be written twice).
+_APPEND_ONCE = """
+if redis.call('SADD', KEYS[2], ARGV[1]) == 1 then
+  return redis.call('XADD', KEYS[1], '*', 'group_id', ARGV[1], 'group', ARGV[2])
+end
+return false
+"""
+
+
+@dataclass(frozen=True)
+class StreamEntry:
+    entry_id: str
+    group: SampleGroup
+
+
+def connect_redis(url: str, timeout_s: float = 10.0) -> redis.Redis:
+    """A client that never waits forever: connect and socket timeouts of `timeout_s`."""
+    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+
+
+def validate_group(group: SampleGroup) -> None:
+    """Raises InvalidInput naming the first field that would make the group untrainable."""
+    if not group.group_id:
+        raise InvalidInput("SampleGroup.group_id must be set")
+    if not group.run_id:
+        raise InvalidInput(f"SampleGroup {group.group_id}: run_id must be set")
+    if not group.samples:
+        raise InvalidInput(f"SampleGroup {group.group_id}: samples must not be empty")
+    for i, sample in enumerate(group.samples):
+        n = len(sample.response_token_ids)
+        for name in ("rollout_logprobs", "loss_mask"):
+            got = len(getattr(sample, name))
+            if got != n:
+                raise InvalidInput(
+                    f"SampleGroup {group.group_id}: samples[{i}].{name} has {got} entries "
+                    f"but response_token_ids has {n}"
+                )
+
+
+class SampleStream:
+    """The stream `<prefix>run:<run_id>:groups` and its consumer group."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        run_id: str,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        consumer_group: str = DEFAULT_CONSUMER_GROUP,
+    ) -> None:
+        if not run_id:
+            raise ValueError("run_id must be non-empty")
+        self.client = client
+        self.run_id = run_id
+        self.consumer_group = consumer_group
+        self.key = f"{prefix}run:{run_id}:groups"
+        self.ids_key = f"{prefix}run:{run_id}:group_ids"
+        self.dead_key = f"{prefix}run:{run_id}:dead"
+        self._append_once = client.register_script(_APPEND_ONCE)
+
+    # -- producer -------------------------------------------------------------------------------
+
+    def append(self, group: SampleGroup) -> str | None:
+        """Appends `group`; returns its entry id, or None when this group_id was appended before."""
+        validate_group(group)
+        if group.run_id != self.run_id:
+            raise InvalidInput(f"SampleGroup {group.group_id} belongs to run {group.run_id}, not {self.run_id}")
+        entry_id = self._append_once(keys=[self.key, self.ids_key], args=[group.group_id, group.SerializeToString()])
+        if entry_id is None:
+            logger.info("group %s already on stream %s; not appended again", group.group_id, self.key)
+            return None
+        return entry_id.decode()
+
+    # -- consumer -------------------------------------------------------------------------------
+
+    def ensure_consumer_group(self) -> None:
+        """Creates the consumer group (and the stream) if missing; reading starts at the beginning."""
+        try:
+            self.client.xgroup_create(self.key, self.consumer_group, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def read(self, consumer: str, count: int, block_ms: int | None = None) -> list[StreamEntry]:
+        """Up to `count` entries never delivered to the group, waiting at most `block_ms` for one."""
+        return self._read(consumer, count, ">", block_ms)
+
+    def read_own_pending(self, consumer: str, count: int) -> list[StreamEntry]:
+        """Entries delivered to `consumer` but not acknowledged (e.g. before this process restarted)."""
+        return self._read(consumer, count, "0", None)
+
+    def claim_stale(self, consumer: str, min_idle_ms: int, count: int = 100) -> list[StreamEntry]:
+        """Takes over up to `count` entries pending on any consumer for at least `min_idle_ms`."""
+        entries: list[StreamEntry] = []
+        cursor = "0-0"
+        # XAUTOCLAIM pages through the pending list; one pass over it is bounded by its length.
+        while len(entries) < count:
+            reply = self.client.xautoclaim(
+                self.key, self.consumer_group, consumer, min_idle_time=min_idle_ms, start_id=cursor,
+                count=count - len(entries),
+            )
+            cursor, claimed = reply[0], reply[1]
+            entries.extend(self._decode(claimed))
+            cursor = cursor.decode() if isinstance(cursor, bytes) else cursor
+            if cursor == "0-0":
+                break
+        return entries
+
+    def ack(self, entry_ids: Iterable[str]) -> int:
+        ids = list(entry_ids)
+        return int(self.client.xack(self.key, self.consumer_group, *ids)) if ids else 0
+
+    # -- inspection -----------------------------------------------------------------------------
+
+    def length(self) -> int:
+        return int(self.client.xlen(self.key))
+
+    def pending_count(self) -> int:
+        try:
+            return int(self.client.xpending(self.key, self.consumer_group)["pending"])
+        except redis.ResponseError as exc:
+            if "NOGROUP" in str(exc):
+                return 0
+            raise
+
+    def dead_letters(self) -> list[tuple[str, str]]:
+        """(entry id, reason) of every entry moved aside as undecodable."""
+        return [
+            (fields[b"entry_id"].decode(), fields[b"reason"].decode())
+            for _, fields in self.client.xrange(self.dead_key)
+        ]
+
+    def delete(self) -> None:
+        """Removes the stream, its id set and its dead letters (the run is over and archived)."""
+        self.client.delete(self.key, self.ids_key, self.dead_key)
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _read(self, consumer: str, count: int, start: str, block_ms: int | None) -> list[StreamEntry]:
+        if count <= 0:
+            raise ValueError(f"count must be positive, got {count}")
+        reply = self.client.xreadgroup(self.consumer_group, consumer, {self.key: start}, count=count, block=block_ms)
+        if not reply:
+            return []
+        _, messages = reply[0]
+        return self._decode(messages)
+
+    def _decode(self, messages: list[tuple[bytes, dict[bytes, bytes]]]) -> list[StreamEntry]:
+        entries = []
+        for raw_id, fields in messages:
+            entry_id = raw_id.decode()
+            if not fields:  # deleted from the stream while pending (XDEL / trimming)
+                self._move_to_dead_letters(entry_id, b"", "entry was deleted while pending")
+                continue
+            try:
+                group = SampleGroup.FromString(fields[_GROUP_FIELD])
+            except (KeyError, DecodeError) as exc:
+                self._move_to_dead_letters(entry_id, fields.get(_GROUP_FIELD, b""), f"undecodable: {exc!r}")
+                continue
+            entries.append(StreamEntry(entry_id, group))
+        return entries
+
+    def _move_to_dead_letters(self, entry_id: str, payload: bytes, reason: str) -> None:
+        logger.error("stream %s entry %s moved to %s: %s", self.key, entry_id, self.dead_key, reason)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xadd(self.dead_key, {"entry_id": entry_id, "reason": reason, "payload": payload})
+        pipe.xack(self.key, self.consumer_group, entry_id)
+        pipe.execute()

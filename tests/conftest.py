@@ -1,0 +1,35 @@
+"""Fixtures shared by the cross-service tests: a real Redis with a key prefix per test."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from rlfleet.sample_stream import connect_redis
+
+REDIS_URL = os.environ.get("RLFLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+@pytest.fixture
+def redis_client() -> Iterator[redis.Redis]:
+    client = connect_redis(REDIS_URL, timeout_s=5.0)
+    try:
+        client.ping()
+    except redis.ConnectionError as exc:
+        pytest.fail(f"these tests need Redis at {REDIS_URL} ({exc}); start it with redis-server --daemonize yes")
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def redis_prefix(redis_client: redis.Redis) -> Iterator[str]:
+    """A key prefix no other test uses; every key under it is deleted afterwards (never FLUSHALL)."""
+    prefix = f"rlfleet-test:{uuid.uuid4().hex[:12]}:"
+    yield prefix
+    keys = list(redis_client.scan_iter(match=f"{prefix}*", count=500))
+    if keys:
+        redis_client.delete(*keys)
