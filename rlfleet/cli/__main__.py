@@ -1,0 +1,5 @@
+import sys
+
+from rlfleet.cli.main import main
+
+sys.exit(main())

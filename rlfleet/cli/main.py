@@ -1,0 +1,30 @@
+"""`rlfleet`: one entry point, a subcommand per area (`rlfleet model ...`, `rlfleet data ...`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from rlfleet.cli import data, model
+from rlfleet.logs import init_logging
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlfleet", description="rlfleet: RL post-training of LLMs as a fleet.")
+    areas = parser.add_subparsers(dest="area", required=True, metavar="{model,data}")
+    model.register(areas)
+    data.register(areas)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    init_logging("cli")
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileExistsError, FileNotFoundError) as exc:
+        logging.getLogger("rlfleet").debug("command failed", exc_info=True)
+        print(f"rlfleet: error: {exc}", file=sys.stderr)
+        return 2
