@@ -1,0 +1,33 @@
+# rlfleet developer commands. `make test` sets up .venv from scratch (torch's CPU wheel first, then
+# every package of the repo in editable mode) and runs the whole test suite.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+SERVICE_DIRS := $(patsubst %/pyproject.toml,%,$(wildcard services/*/pyproject.toml))
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint protos clean
+
+$(STAMP): pyproject.toml constraints.txt $(wildcard services/*/pyproject.toml)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	@# torch first and pinned: anything looser pulls a multi-GB CUDA build.
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -c constraints.txt -e '.[dev,model]' $(foreach d,$(SERVICE_DIRS),-e $(d))
+	touch $@
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+protos: $(STAMP)
+	$(PY) scripts/gen_protos.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

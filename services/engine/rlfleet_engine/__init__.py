@@ -1,0 +1,1 @@
+"""rlfleet CPU engine: SGLang HTTP API over a Hugging Face causal LM."""

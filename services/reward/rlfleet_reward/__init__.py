@@ -1,0 +1,1 @@
+"""rlfleet reward hub: named reward functions behind one scoring core."""
