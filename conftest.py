@@ -1,10 +1,12 @@
-"""Fixtures shared by the cross-service tests: a real Redis with a key prefix per test."""
+"""Fixtures shared by every test in the repository: a real Redis with a key prefix per test, and
+a tiny model made once per session."""
 
 from __future__ import annotations
 
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -33,3 +35,13 @@ def redis_prefix(redis_client: redis.Redis) -> Iterator[str]:
     keys = list(redis_client.scan_iter(match=f"{prefix}*", count=500))
     if keys:
         redis_client.delete(*keys)
+
+
+@pytest.fixture(scope="session")
+def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A very small model of the tiny-model family (same tokenizer), for tests that need speed."""
+    from rlfleet.tiny_model import TinyModelConfig, create_tiny_model
+
+    out = tmp_path_factory.mktemp("models") / "small"
+    create_tiny_model(out, TinyModelConfig(hidden_size=64, layers=2, heads=4, kv_heads=2, intermediate_size=128))
+    return out
