@@ -108,7 +108,9 @@ def validate(spec: RunSpec) -> None:
     _require(ro.groups_per_step >= 1, "rollout.groups_per_step", "must be >= 1")
     _require(ro.max_staleness >= 0, "rollout.max_staleness", "must be >= 0 (0 is on-policy)")
     sp = ro.sampling
-    _require(_finite(sp.temperature) and 0 <= sp.temperature <= 10, "rollout.sampling.temperature", "must be in [0, 10]")
+    _require(
+        _finite(sp.temperature) and 0 <= sp.temperature <= 10, "rollout.sampling.temperature", "must be in [0, 10]"
+    )
     _require(_finite(sp.top_p) and 0 < sp.top_p <= 1, "rollout.sampling.top_p", "must be in (0, 1]")
     _require(sp.top_k == -1 or sp.top_k >= 1, "rollout.sampling.top_k", "must be -1 (off) or >= 1")
     _require(1 <= sp.max_new_tokens <= 32768, "rollout.sampling.max_new_tokens", "must be in [1, 32768]")

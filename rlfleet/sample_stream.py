@@ -126,7 +126,11 @@ class SampleStream:
         # XAUTOCLAIM pages through the pending list; one pass over it is bounded by its length.
         while len(entries) < count:
             reply = self.client.xautoclaim(
-                self.key, self.consumer_group, consumer, min_idle_time=min_idle_ms, start_id=cursor,
+                self.key,
+                self.consumer_group,
+                consumer,
+                min_idle_time=min_idle_ms,
+                start_id=cursor,
                 count=count - len(entries),
             )
             cursor, claimed = reply[0], reply[1]

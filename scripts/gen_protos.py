@@ -19,8 +19,8 @@ PROTO_ROOT = ROOT / "proto"
 
 def generate(out_dir: Path) -> list[Path]:
     """Runs protoc on every contract, writing `rlfleet/v1/...` below `out_dir`; returns the files."""
-    from grpc_tools import protoc  # a dev dependency: only this script and its test need it
     import grpc_tools
+    from grpc_tools import protoc  # a dev dependency: only this script and its test need it
 
     protos = sorted(PROTO_ROOT.glob("rlfleet/v1/*.proto"))
     if not protos:
@@ -46,7 +46,9 @@ def generate(out_dir: Path) -> list[Path]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT, help="directory that receives rlfleet/v1/ (default: repo root)")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT, help="directory that receives rlfleet/v1/ (default: repo root)"
+    )
     args = parser.parse_args()
     for path in generate(args.out):
         print(path.relative_to(args.out))

@@ -28,7 +28,9 @@ def make_group(run_id: str, i: int, n: int = 2) -> SampleGroup:
         )
         for j in range(n)
     ]
-    return SampleGroup(group_id=f"{run_id}/0/{i}", run_id=run_id, prompt_id=str(i), label="82", samples=samples, weight=1.0)
+    return SampleGroup(
+        group_id=f"{run_id}/0/{i}", run_id=run_id, prompt_id=str(i), label="82", samples=samples, weight=1.0
+    )
 
 
 @pytest.fixture

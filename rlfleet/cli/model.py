@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rlfleet.tiny_model import TinyModelConfig
+from rlfleet.tiny_model import TinyModelConfig, create_tiny_model
 
 
 def register(areas: argparse._SubParsersAction) -> None:
@@ -39,9 +39,9 @@ def run_init(args: argparse.Namespace) -> int:
     )
     config.validate()
     try:
-        from rlfleet.tiny_model import create_tiny_model
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise ValueError(f"creating a model needs torch and transformers: pip install 'rlfleet[model]' ({exc})") from exc
-    params = create_tiny_model(args.out, config)
+        params = create_tiny_model(args.out, config)
+    except ImportError as exc:
+        hint = "creating a model needs torch and transformers: pip install 'rlfleet[model]'"
+        raise ValueError(f"{hint} ({exc})") from exc
     print(f"wrote a {params / 1e6:.1f}M-parameter model and tokenizer to {args.out}")
     return 0
