@@ -1,0 +1,1 @@
+"""rlfleet trainer: the policy, its optimizer and its weight versions."""

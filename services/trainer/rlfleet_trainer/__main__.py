@@ -1,0 +1,123 @@
+"""`python -m rlfleet_trainer serve|sft`, usually under torchrun:
+
+    torchrun --nproc_per_node=1 -m rlfleet_trainer serve --router-url http://127.0.0.1:30000
+    python -m rlfleet_trainer sft --model-path DIR --out DIR --steps 300
+
+Arguments are parsed before torch is imported, so `--help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rlfleet.logs import init_logging
+from rlfleet_trainer.config import TrainerSettings
+
+logger = logging.getLogger("rlfleet_trainer")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlfleet_trainer", description="rlfleet trainer")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,sft}")
+    serve = commands.add_parser("serve", help="serve the gRPC Trainer API (one rank per process, under torchrun)")
+    for name, field in TrainerSettings.model_fields.items():
+        serve.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, help=field.description)
+    sft = commands.add_parser("sft", help="supervised warm start on the arithmetic task, written as a new model")
+    sft.add_argument("--model-path", type=Path, required=True, help="Hugging Face model directory to start from")
+    sft.add_argument("--out", type=Path, required=True, help="directory to write the trained model to")
+    sft.add_argument("--steps", type=int, default=200)
+    sft.add_argument("--batch-size", type=int, default=64)
+    sft.add_argument("--learning-rate", type=float, default=1e-3)
+    sft.add_argument("--digits", type=int, default=2)
+    sft.add_argument("--ops", default="+")
+    sft.add_argument("--seed", type=int, default=0)
+    sft.add_argument("--torch-threads", type=int, default=2)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    init_logging("trainer")
+    if args.command == "sft":
+        return run_sft_command(args)
+    overrides = {k: v for k, v in vars(args).items() if k in TrainerSettings.model_fields and v is not None}
+    settings = TrainerSettings(**overrides)
+    return serve(settings)
+
+
+def run_sft_command(args: argparse.Namespace) -> int:
+    import torch
+
+    from rlfleet.arithmetic import ArithmeticTask
+    from rlfleet_trainer.sft import SftConfig, run_sft
+
+    torch.set_num_threads(args.torch_threads)
+    if args.out.exists() and any(args.out.iterdir()):
+        print(f"rlfleet_trainer sft: error: {args.out} is not empty; choose another --out", file=sys.stderr)
+        return 2
+    config = SftConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate, seed=args.seed)
+    path = run_sft(args.model_path, args.out, ArithmeticTask(digits=args.digits, ops=args.ops, seed=args.seed), config)
+    print(f"wrote the warm-started model to {path}")
+    return 0
+
+
+def serve(settings: TrainerSettings) -> int:
+    import torch
+    import torch.distributed as dist
+    import uvicorn
+
+    from rlfleet.sample_stream import connect_redis
+    from rlfleet_trainer.grpc_server import make_grpc_server
+    from rlfleet_trainer.http_app import make_http_app
+    from rlfleet_trainer.metrics import TrainerMetrics
+    from rlfleet_trainer.router_client import RouterClient
+    from rlfleet_trainer.trainer_core import TrainerCore
+
+    torch.set_num_threads(settings.torch_threads)
+    distributed = "WORLD_SIZE" in os.environ
+    if distributed:
+        dist.init_process_group("gloo")
+        if dist.get_world_size() != 1:
+            logger.error("this trainer trains on one rank; launch it with torchrun --nproc_per_node=1")
+            dist.barrier()
+            dist.destroy_process_group()
+            return 2
+    metrics = TrainerMetrics()
+    core = TrainerCore(
+        settings,
+        connect_redis(settings.redis_url),
+        RouterClient(settings.router_url, settings.weight_load_timeout_s),
+        metrics,
+    )
+
+    async def run_servers() -> None:
+        grpc_server = make_grpc_server(core, settings.host, settings.grpc_port)
+        await grpc_server.start()
+        http = uvicorn.Server(
+            uvicorn.Config(make_http_app(metrics), host=settings.host, port=settings.http_port, log_config=None)
+        )
+        logger.info("trainer serving gRPC on %s:%d, HTTP on %s:%d", settings.host, settings.grpc_port,
+                    settings.host, settings.http_port)
+        try:
+            await http.serve()  # returns on SIGTERM / SIGINT
+        finally:
+            await grpc_server.stop(grace=5)
+            await asyncio.to_thread(core.shutdown)
+
+    try:
+        asyncio.run(run_servers())
+    finally:
+        if distributed:
+            dist.barrier()
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""gRPC `rlfleet.v1.Trainer` over TrainerCore; blocking work runs in threads, errors map once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from grpc import aio
+
+from rlfleet.grpc_errors import ErrorInterceptor
+from rlfleet.v1 import trainer_pb2, trainer_pb2_grpc
+from rlfleet_trainer.trainer_core import TrainerCore
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
+    def __init__(self, core: TrainerCore) -> None:
+        self.core = core
+
+    async def StartRun(self, request: trainer_pb2.StartRunRequest, context: aio.ServicerContext) -> trainer_pb2.TrainerStatus:  # noqa: N802,E501
+        return await asyncio.to_thread(self.core.start_run, request.run_id, request.spec)
+
+    async def Status(self, request: trainer_pb2.StatusRequest, context: aio.ServicerContext) -> trainer_pb2.TrainerStatus:  # noqa: N802,E501
+        return self.core.status(request.run_id)
+
+    async def Checkpoint(self, request: trainer_pb2.CheckpointRequest, context: aio.ServicerContext) -> trainer_pb2.CheckpointResponse:  # noqa: N802,E501
+        return self.core.checkpoint(request.run_id)
+
+    async def StopRun(self, request: trainer_pb2.StopRunRequest, context: aio.ServicerContext) -> trainer_pb2.TrainerStatus:  # noqa: N802,E501
+        return await asyncio.to_thread(self.core.stop_run, request.run_id)
+
+    async def WatchSteps(self, request: trainer_pb2.WatchStepsRequest, context: aio.ServicerContext) -> AsyncIterator[trainer_pb2.StepReport]:  # noqa: N802,E501
+        next_step = request.from_step or self.core.status(request.run_id).step + 1
+        while True:
+            reports, finished = self.core.reports(request.run_id, next_step)
+            for report in reports:
+                yield report
+                next_step = report.step + 1
+            if finished and not reports:
+                return
+            await asyncio.to_thread(self.core.wait_for_change, request.run_id, 1.0)
+
+
+def make_grpc_server(core: TrainerCore, host: str, port: int) -> aio.Server:
+    server = aio.server(interceptors=[ErrorInterceptor()])
+    trainer_pb2_grpc.add_TrainerServicer_to_server(TrainerServicer(core), server)
+    server.add_insecure_port(f"{host}:{port}")
+    return server

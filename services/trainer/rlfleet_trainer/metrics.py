@@ -1,0 +1,64 @@
+"""Prometheus metrics of the trainer (own registry, exported on /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Step metrics exported as gauges `rlfleet_trainer_<name>`, from grpo_step's result.
+STEP_GAUGES = {
+    "loss": "policy loss of the last step",
+    "pg_clipfrac": "fraction of trained tokens whose ratio was clipped",
+    "approx_kl": "estimated KL(rollout policy || updated policy) of the last step",
+    "entropy": "mean per-token entropy of the policy on trained tokens",
+    "kl": "mean KL estimate to the reference policy",
+    "grad_norm": "gradient norm before clipping",
+    "lr": "learning rate of the last step",
+    "logprob_diff": "mean |trainer - rollout| log-prob of trained tokens",
+    "reward_mean": "mean reward of the samples of the last step",
+    "tokens_per_second": "tokens processed per second in the last step",
+}
+
+
+class TrainerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.step = Gauge("rlfleet_trainer_step", "optimizer steps taken in the active run", registry=self.registry)
+        self.weight_version = Gauge(
+            "rlfleet_trainer_weight_version", "weight version the fleet serves", registry=self.registry
+        )
+        self.step_seconds = Histogram(
+            "rlfleet_trainer_step_seconds",
+            "time of one optimizer step",
+            buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+            registry=self.registry,
+        )
+        self.weight_sync_seconds = Histogram(
+            "rlfleet_trainer_weight_sync_seconds",
+            "time from optimizer step end to the fleet serving the new version",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+            registry=self.registry,
+        )
+        self.groups_consumed = Counter(
+            "rlfleet_trainer_groups_consumed_total", "sample groups trained on", registry=self.registry
+        )
+        self.samples_consumed = Counter(
+            "rlfleet_trainer_samples_consumed_total", "samples trained on", registry=self.registry
+        )
+        self.stream_lag = Gauge(
+            "rlfleet_trainer_stream_lag_groups",
+            "groups on the stream not yet trained on (undelivered + pending)",
+            registry=self.registry,
+        )
+        self.gauges = {
+            name: Gauge(f"rlfleet_trainer_{name}", help_text, registry=self.registry)
+            for name, help_text in STEP_GAUGES.items()
+        }
+
+    def observe_step(self, metrics: dict[str, float]) -> None:
+        for name, gauge in self.gauges.items():
+            if name in metrics:
+                gauge.set(metrics[name])
+        if "step_seconds" in metrics:
+            self.step_seconds.observe(metrics["step_seconds"])
+        if "weight_sync_seconds" in metrics:
+            self.weight_sync_seconds.observe(metrics["weight_sync_seconds"])

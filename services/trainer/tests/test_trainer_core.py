@@ -1,0 +1,150 @@
+"""TrainerCore end to end on one process: real Redis stream, real tiny model, weights over HTTP."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+from google.protobuf import json_format
+
+from rlfleet.errors import Conflict, InvalidInput, NotFound
+from rlfleet.sample_stream import SampleStream
+from rlfleet.v1.runs_pb2 import RunSpec
+from rlfleet.v1.samples_pb2 import Sample, SampleGroup, SampleStatus
+from rlfleet.v1.trainer_pb2 import TrainerState
+from rlfleet_trainer.config import TrainerSettings
+from rlfleet_trainer.metrics import TrainerMetrics
+from rlfleet_trainer.policy import load_policy
+from rlfleet_trainer.router_client import RouterClient
+from rlfleet_trainer.trainer_core import TrainerCore
+
+
+def spec_for(model_dir: Path, steps: int, groups_per_step: int) -> RunSpec:
+    return json_format.ParseDict(
+        {
+            "model": {"path": str(model_dir)},
+            "dataset": {"arithmetic": {}},
+            "rollout": {"group_size": 4, "groups_per_step": groups_per_step},
+            "reward": {"terms": [{"function": "arith_exact"}]},
+            "trainer": {"learning_rate": 1e-3},
+            "schedule": {"steps": steps},
+        },
+        RunSpec(),
+    )
+
+
+def rollout_group(model: torch.nn.Module, run_id: str, step: int, i: int) -> SampleGroup:
+    """A group whose rollout log-probs come from `model` itself, as an engine serving it would give."""
+    prompt = [20 + i, 15, 21, 33]
+    samples = []
+    for j in range(4):
+        response = [22 + j, 23, 1]
+        ids = torch.tensor([prompt + response])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, :-1], -1)
+        picked = [float(logp[len(prompt) - 1 + k, t]) for k, t in enumerate(response)]
+        samples.append(
+            Sample(
+                sample_id=f"{i}-{j}", index=j, prompt_token_ids=prompt, response_token_ids=response,
+                rollout_logprobs=picked, loss_mask=[1, 1, 1], reward=float(j % 2), weight_versions=[step],
+                status=SampleStatus.SAMPLE_STATUS_OK,
+            )
+        )
+    return SampleGroup(group_id=f"{run_id}/{step}/{i}", run_id=run_id, samples=samples, weight=1.0)
+
+
+def wait_for(predicate, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+@pytest.fixture
+def core(tmp_path: Path, redis_client: redis.Redis, redis_prefix: str, fake_router) -> TrainerCore:
+    settings = TrainerSettings(redis_prefix=redis_prefix, work_dir=tmp_path / "trainer", read_block_ms=100)
+    core = TrainerCore(settings, redis_client, RouterClient(fake_router.url, 30.0), TrainerMetrics())
+    yield core
+    core.shutdown()
+
+
+def test_trains_publishes_and_acknowledges(core, small_model_dir, redis_client, redis_prefix, fake_router) -> None:
+    status = core.start_run("r1", spec_for(small_model_dir, steps=2, groups_per_step=2))
+    assert status.state == TrainerState.TRAINER_STATE_TRAINING and status.weight_version == 0
+    assert fake_router.loads == [{"model_path": str(small_model_dir), "weight_version": "0"}]
+
+    stream = SampleStream(redis_client, "r1", prefix=redis_prefix)
+    model = load_policy(small_model_dir)
+    for i in range(2):
+        stream.append(rollout_group(model, "r1", 0, i))
+    wait_for(lambda: core.status("r1").weight_version == 1)
+    [report] = core.reports("r1", 1)[0]
+    assert report.metrics["logprob_diff"] < 1e-5  # same weights, same tokens: train == rollout
+    assert report.groups == 2 and report.metrics["grad_norm"] > 0
+
+    new_model = load_policy(core.status("r1").weights_path)
+    for i in range(2):
+        stream.append(rollout_group(new_model, "r1", 1, i))
+    wait_for(lambda: core.status("r1").state == TrainerState.TRAINER_STATE_STOPPED)
+    final = core.status("r1")
+    assert (final.step, final.weight_version, final.groups_trained) == (2, 2, 4)
+    assert [load["weight_version"] for load in fake_router.loads] == ["0", "1", "2"]
+    assert Path(fake_router.loads[-1]["model_path"], "model.safetensors").exists()
+    assert stream.pending_count() == 0
+    before = load_policy(small_model_dir).state_dict()
+    after = load_policy(final.weights_path).state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_restarted_trainer_resumes_from_its_record(
+    tmp_path, small_model_dir, redis_client, redis_prefix, fake_router
+) -> None:
+    settings = TrainerSettings(redis_prefix=redis_prefix, work_dir=tmp_path / "trainer", read_block_ms=100)
+    first = TrainerCore(settings, redis_client, RouterClient(fake_router.url, 30.0), TrainerMetrics())
+    spec = spec_for(small_model_dir, steps=2, groups_per_step=1)
+    first.start_run("r2", spec)
+    stream = SampleStream(redis_client, "r2", prefix=redis_prefix)
+    model = load_policy(small_model_dir)
+    stream.append(rollout_group(model, "r2", 0, 0))
+    wait_for(lambda: first.status("r2").weight_version == 1)
+    first.shutdown()
+
+    # A group delivered to the old process but never acknowledged must be trained by the new one.
+    stream.append(rollout_group(model, "r2", 1, 0))
+    stream.read(settings.consumer, count=1)
+    second = TrainerCore(settings, redis_client, RouterClient(fake_router.url, 30.0), TrainerMetrics())
+    with pytest.raises(NotFound):
+        second.status("r2")
+    status = second.start_run("r2", spec)
+    assert status.step == 1 and status.weight_version == 1
+    assert fake_router.loads[-1]["weight_version"] == "1"
+    wait_for(lambda: second.status("r2").state == TrainerState.TRAINER_STATE_STOPPED)
+    assert second.status("r2").groups_trained == 2
+    assert stream.pending_count() == 0
+    second.shutdown()
+
+
+def test_one_run_at_a_time_and_bad_specs(core, small_model_dir, tmp_path) -> None:
+    with pytest.raises(InvalidInput, match="model.path"):
+        core.start_run("bad", spec_for(tmp_path / "missing", steps=1, groups_per_step=1))
+    core.start_run("a", spec_for(small_model_dir, steps=5, groups_per_step=1))
+    assert core.start_run("a", spec_for(small_model_dir, steps=5, groups_per_step=1)).run_id == "a"
+    with pytest.raises(Conflict, match="busy with run a"):
+        core.start_run("b", spec_for(small_model_dir, steps=1, groups_per_step=1))
+    stopped = core.stop_run("a")
+    assert stopped.state == TrainerState.TRAINER_STATE_STOPPED and stopped.step == 0
+    core.start_run("b", spec_for(small_model_dir, steps=1, groups_per_step=1))
+    with pytest.raises(NotFound):
+        core.status("never")
+
+
+def test_router_refusal_fails_the_start(core, small_model_dir, fake_router) -> None:
+    fake_router.fail_next = 100
+    core.router.timeout_s = 1.0
+    with pytest.raises(Exception, match="did not load weight version 0"):
+        core.start_run("r3", spec_for(small_model_dir, steps=1, groups_per_step=1))
