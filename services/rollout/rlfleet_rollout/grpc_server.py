@@ -1,0 +1,54 @@
+"""The gRPC Runs service over RunsCore; errors become status codes in rlfleet.grpc_errors.ErrorInterceptor."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from grpc import aio
+
+from rlfleet.grpc_errors import ErrorInterceptor
+from rlfleet.v1 import runs_pb2_grpc
+from rlfleet.v1.runs_pb2 import (
+    CancelRunRequest,
+    GetRunRequest,
+    ListRunsRequest,
+    ListRunsResponse,
+    Run,
+    RunEvent,
+    SubmitRunRequest,
+    WatchRunRequest,
+)
+from rlfleet_rollout.runs_core import RunsCore
+
+
+class RunsServicer(runs_pb2_grpc.RunsServicer):
+    def __init__(self, core: RunsCore) -> None:
+        self.core = core
+
+    async def Submit(self, request: SubmitRunRequest, context: aio.ServicerContext) -> Run:  # noqa: N802
+        return await self.core.submit(request.spec)
+
+    async def Get(self, request: GetRunRequest, context: aio.ServicerContext) -> Run:  # noqa: N802
+        return await self.core.get(request.id)
+
+    async def List(self, request: ListRunsRequest, context: aio.ServicerContext) -> ListRunsResponse:  # noqa: N802
+        return await self.core.list(request.state, request.page_size, request.page_token)
+
+    async def Cancel(self, request: CancelRunRequest, context: aio.ServicerContext) -> Run:  # noqa: N802
+        return await self.core.cancel(request.id)
+
+    async def Watch(  # noqa: N802
+        self, request: WatchRunRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[RunEvent]:
+        async for event in self.core.watch(request.id):
+            yield event
+
+
+def build_grpc_server(core: RunsCore, host: str, port: int) -> tuple[aio.Server, int]:
+    """The server (not started) and the port it bound (useful when `port` is 0)."""
+    server = aio.server(interceptors=[ErrorInterceptor()])
+    runs_pb2_grpc.add_RunsServicer_to_server(RunsServicer(core), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind the gRPC server to {host}:{port}")
+    return server, bound

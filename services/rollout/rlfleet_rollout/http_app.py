@@ -1,0 +1,127 @@
+"""The REST Runs API over RunsCore: protobuf JSON in and out, errors mapped once by rlfleet.http_errors.
+
+POST /v1/runs               body: RunSpec JSON            -> Run
+GET  /v1/runs               ?state=&page_size=&page_token= -> ListRunsResponse
+GET  /v1/runs/{id}                                         -> Run
+POST /v1/runs/{id}:cancel                                  -> Run
+GET  /v1/runs/{id}:watch    server-sent events, one `data: <Run JSON>` per change, until the run ends
+GET  /health, GET /metrics
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+import redis.asyncio as aioredis
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from google.protobuf import json_format
+from google.protobuf.message import Message
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from rlfleet.errors import InvalidInput, Unavailable
+from rlfleet.http_errors import install_error_handlers
+from rlfleet.v1.runs_pb2 import RunSpec, RunState
+from rlfleet_rollout.metrics import RolloutMetrics
+from rlfleet_rollout.runs_core import RunsCore
+
+
+def to_json(message: Message) -> dict[str, Any]:
+    return json_format.MessageToDict(
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+
+
+def parse_run_spec(body: bytes) -> RunSpec:
+    """The RunSpec of a request body; InvalidInput naming the field for anything else."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"body: malformed JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidInput(f"body: must be a JSON object holding a RunSpec, got {type(data).__name__}")
+    try:
+        return json_format.ParseDict(data, RunSpec())
+    except json_format.ParseError as exc:
+        raise InvalidInput(describe_parse_error(str(exc))) from None
+
+
+_NESTED = re.compile(r"Failed to parse (\w+) field: ")
+_UNKNOWN = re.compile(r'Message type "([\w.]+)" has no field named "([^"]+)"')
+_AVAILABLE = re.compile(r"Available Fields\(except extensions\): \"\[(.*)\]\"")
+
+
+def describe_parse_error(message: str) -> str:
+    """protobuf's nested "Failed to parse a field: Failed to parse b field: ..." as `a.b: ...`."""
+    path = []
+    while match := _NESTED.match(message):
+        path.append(match.group(1))
+        message = message[match.end() :]
+    if unknown := _UNKNOWN.match(message):
+        path.append(unknown.group(2))
+        available = _AVAILABLE.search(message)
+        known = available.group(1).replace("'", "") if available else ""
+        message = f"unknown field of {unknown.group(1)}" + (f" (its fields: {known})" if known else "")
+    return f"{'.'.join(path) or 'body'}: {message.strip().rstrip('.')}"
+
+
+def parse_state(value: str) -> RunState:
+    """`QUEUED`, `queued` or `RUN_STATE_QUEUED`; empty means every state."""
+    if not value:
+        return RunState.RUN_STATE_UNSPECIFIED
+    name = value.upper()
+    name = name if name.startswith("RUN_STATE_") else f"RUN_STATE_{name}"
+    if name not in RunState.keys() or name == "RUN_STATE_UNSPECIFIED":
+        known = ", ".join(k.removeprefix("RUN_STATE_") for k in RunState.keys() if k != "RUN_STATE_UNSPECIFIED")
+        raise InvalidInput(f"state: unknown run state {value!r}; one of {known}")
+    return RunState.Value(name)
+
+
+def build_app(core: RunsCore, metrics: RolloutMetrics, redis_client: aioredis.Redis) -> FastAPI:
+    app = FastAPI(title="rlfleet rollout orchestrator", version="1")
+    install_error_handlers(app)
+
+    @app.post("/v1/runs")
+    async def submit(request: Request) -> JSONResponse:
+        run = await core.submit(parse_run_spec(await request.body()))
+        return JSONResponse(to_json(run))
+
+    @app.get("/v1/runs")
+    async def list_runs(state: str = "", page_size: int = 0, page_token: str = "") -> JSONResponse:
+        return JSONResponse(to_json(await core.list(parse_state(state), page_size, page_token)))
+
+    # Registered before GET /v1/runs/{run_id}, which would otherwise take `id:watch` for a run id.
+    @app.get("/v1/runs/{run_id}:watch")
+    async def watch(run_id: str) -> StreamingResponse:
+        await core.get(run_id)  # a missing run is a 404 before the stream starts
+
+        async def events() -> AsyncIterator[str]:
+            async for event in core.watch(run_id):
+                yield f"data: {json.dumps(to_json(event.run))}\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.get("/v1/runs/{run_id}")
+    async def get(run_id: str) -> JSONResponse:
+        return JSONResponse(to_json(await core.get(run_id)))
+
+    @app.post("/v1/runs/{run_id}:cancel")
+    async def cancel(run_id: str) -> JSONResponse:
+        return JSONResponse(to_json(await core.cancel(run_id)))
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        try:
+            await redis_client.ping()
+        except (aioredis.ConnectionError, aioredis.TimeoutError) as exc:
+            raise Unavailable(f"redis unreachable: {exc}") from exc
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

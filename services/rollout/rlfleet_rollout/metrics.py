@@ -1,0 +1,56 @@
+"""The orchestrator's Prometheus metrics, on a registry of its own (one per app, never the global one)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from rlfleet.v1.runs_pb2 import RunState
+from rlfleet.v1.samples_pb2 import SampleStatus
+
+
+class RolloutMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.runs = Gauge("rlfleet_rollout_runs", "Runs by state.", ["state"], registry=self.registry)
+        self.groups_produced = Counter(
+            "rlfleet_rollout_groups_produced", "SampleGroups appended to run streams.", registry=self.registry
+        )
+        self.samples = Counter(
+            "rlfleet_rollout_samples", "Samples produced, by status.", ["status"], registry=self.registry
+        )
+        self.generate_seconds = Histogram(
+            "rlfleet_rollout_generate_seconds",
+            "Latency of one /generate request (one prompt's group, or one evaluation batch).",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+            registry=self.registry,
+        )
+        self.reward_mean = Gauge(
+            "rlfleet_rollout_reward_mean", "Mean reward of the last step's samples.", registry=self.registry
+        )
+        self.eval_accuracy = Gauge(
+            "rlfleet_rollout_eval_accuracy", "Held-out accuracy of the latest evaluation.", registry=self.registry
+        )
+        self.weight_version = Gauge(
+            "rlfleet_rollout_weight_version", "Weight version the trainer published last.", registry=self.registry
+        )
+        self.step = Gauge("rlfleet_rollout_step", "Optimizer steps the trainer has taken.", registry=self.registry)
+        for state in RunState.keys():
+            if state != "RUN_STATE_UNSPECIFIED":
+                self.runs.labels(state=_label(state))
+        for status in SampleStatus.keys():
+            if status != "SAMPLE_STATUS_UNSPECIFIED":
+                self.samples.labels(status=status.removeprefix("SAMPLE_STATUS_").lower())
+
+    def count_run_state(self, old: RunState | None, new: RunState) -> None:
+        if old == new:
+            return
+        if old is not None:
+            self.runs.labels(state=_label(RunState.Name(old))).dec()
+        self.runs.labels(state=_label(RunState.Name(new))).inc()
+
+    def count_sample(self, status: SampleStatus) -> None:
+        self.samples.labels(status=SampleStatus.Name(status).removeprefix("SAMPLE_STATUS_").lower()).inc()
+
+
+def _label(state_name: str) -> str:
+    return state_name.removeprefix("RUN_STATE_").lower()

@@ -1,0 +1,118 @@
+"""Assembles the orchestrator process: clients, run store, core, run queue, REST and gRPC servers on one
+event loop, until SIGTERM or SIGINT.
+
+Shutdown stops the queue first (the active run stays RUNNING in Redis and is resumed by the next
+orchestrator), ends open watch streams, then the servers, each within a bounded grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Iterator
+
+import httpx
+import redis.asyncio as aioredis
+import uvicorn
+
+from rlfleet.sample_stream import connect_redis
+from rlfleet_rollout.config import RolloutConfig
+from rlfleet_rollout.grpc_server import build_grpc_server
+from rlfleet_rollout.http_app import build_app
+from rlfleet_rollout.metrics import RolloutMetrics
+from rlfleet_rollout.reward_client import RewardClient
+from rlfleet_rollout.router_client import RouterClient
+from rlfleet_rollout.run_events import RunNotifier
+from rlfleet_rollout.run_loop import RunDeps
+from rlfleet_rollout.run_queue import RunQueue
+from rlfleet_rollout.run_store import RunStore
+from rlfleet_rollout.runs_core import RunsCore
+from rlfleet_rollout.trainer_client import TrainerClient
+
+logger = logging.getLogger(__name__)
+
+_REDIS_TIMEOUT_S = 10.0
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: this process decides when everything stops."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def serve(config: RolloutConfig) -> None:
+    metrics = RolloutMetrics()
+    redis_async = aioredis.Redis.from_url(
+        config.redis_url, socket_timeout=_REDIS_TIMEOUT_S, socket_connect_timeout=_REDIS_TIMEOUT_S
+    )
+    redis_sync = connect_redis(config.redis_url, timeout_s=_REDIS_TIMEOUT_S)
+    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=max(16, 2 * config.max_concurrent_generations)))
+    trainer = TrainerClient(
+        config.trainer_address,
+        call_timeout_s=config.trainer_call_timeout_s,
+        start_timeout_s=config.trainer_start_timeout_s,
+    )
+    reward = RewardClient(
+        http, config.reward_url, score_timeout_s=config.score_timeout_s, list_timeout_s=config.reward_list_timeout_s
+    )
+    core = RunsCore(
+        RunStore(redis_async, config.redis_prefix),
+        reward,
+        RunNotifier(),
+        metrics,
+        poll_interval_s=config.poll_interval_s,
+    )
+    deps = RunDeps(
+        core=core,
+        trainer=trainer,
+        router=RouterClient(http, config.router_url, timeout_s=config.generate_timeout_s),
+        reward=reward,
+        redis=redis_sync,
+        config=config,
+        metrics=metrics,
+    )
+    await core.count_existing_runs()
+
+    grpc_server, grpc_port = build_grpc_server(core, config.host, config.grpc_port)
+    web = _EmbeddedUvicorn(
+        uvicorn.Config(
+            build_app(core, metrics, redis_async),
+            host=config.host,
+            port=config.port,
+            log_config=None,
+            timeout_graceful_shutdown=max(1, int(config.shutdown_grace_s)),
+        )
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    await grpc_server.start()
+    queue_task = asyncio.create_task(RunQueue(deps).serve(), name="run queue")
+    web_task = asyncio.create_task(web.serve(), name="http")
+    logger.info("orchestrator serving HTTP on %s:%d and gRPC on port %d", config.host, config.port, grpc_port)
+    stop_task = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({stop_task, queue_task, web_task}, return_when=asyncio.FIRST_COMPLETED)
+    for task in done - {stop_task}:
+        if task.exception() is not None:
+            logger.error("%s stopped: %r", task.get_name(), task.exception())
+    logger.info("shutting down")
+    try:
+        queue_task.cancel()
+        await asyncio.wait({queue_task}, timeout=config.trainer_call_timeout_s + config.shutdown_grace_s)
+        core.close()
+        web.should_exit = True
+        await grpc_server.stop(grace=config.shutdown_grace_s)
+        await asyncio.wait({web_task}, timeout=config.shutdown_grace_s + 5)
+    finally:
+        stop_task.cancel()
+        await http.aclose()
+        await trainer.close()
+        await redis_async.aclose()
+        redis_sync.close()
+    logger.info("stopped")

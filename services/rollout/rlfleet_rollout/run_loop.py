@@ -1,0 +1,234 @@
+"""The run loop: one run from RUNNING to a final state, as a plain coroutine over a few objects.
+
+    start the trainer (or resume: its Status says which step it is at)
+    evaluate the initial weights (step 0)
+    for step s from the trainer's step to schedule.steps:
+        wait until the trainer serves weight version >= s - max_staleness (bounded)
+        (every eval_every steps: evaluate once the trainer serves version s)
+        produce groups_per_step SampleGroups from train prompts [s*g, (s+1)*g), append them to the stream
+    wait until the trainer serves version schedule.steps, evaluate, StopRun, SUCCEEDED
+
+Appending is idempotent per group id, so a restarted orchestrator re-producing a step never
+duplicates a group. Cancellation arrives as asyncio cancellation: if the record says CANCELLED the
+trainer is stopped, otherwise (the orchestrator is shutting down) the run stays RUNNING to be resumed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis
+
+from rlfleet.errors import RlfleetError, Unavailable
+from rlfleet.sample_stream import SampleStream
+from rlfleet.v1.runs_pb2 import Run, RunState
+from rlfleet.v1.samples_pb2 import SampleStatus
+from rlfleet.v1.trainer_pb2 import TrainerStatus
+from rlfleet_rollout.concurrency import gather_cancelling
+from rlfleet_rollout.config import RolloutConfig
+from rlfleet_rollout.evaluation import evaluate
+from rlfleet_rollout.group_producer import RolloutContext, produce_group
+from rlfleet_rollout.metrics import RolloutMetrics
+from rlfleet_rollout.prompt_tokenizer import load_tokenizer
+from rlfleet_rollout.reward_client import RewardClient
+from rlfleet_rollout.router_client import RouterClient
+from rlfleet_rollout.run_data import RunData
+from rlfleet_rollout.runs_core import RunEnded, RunsCore, now
+from rlfleet_rollout.trainer_client import TrainerClient
+from rlfleet_rollout.trainer_session import TrainerSession
+
+logger = logging.getLogger(__name__)
+
+_UNUSABLE = (SampleStatus.SAMPLE_STATUS_FAILED, SampleStatus.SAMPLE_STATUS_ABORTED)
+
+
+@dataclass(frozen=True)
+class RunDeps:
+    """The long-lived objects every run uses."""
+
+    core: RunsCore
+    trainer: TrainerClient
+    router: RouterClient
+    reward: RewardClient
+    redis: redis.Redis
+    config: RolloutConfig
+    metrics: RolloutMetrics
+
+
+async def execute_run(run_id: str, deps: RunDeps) -> None:
+    """Drives `run_id` to SUCCEEDED or FAILED; returns early if it is cancelled."""
+    log = {"run_id": run_id}
+    try:
+        run = await deps.core.update(run_id, _mark_running)
+    except RunEnded:
+        return
+    session = TrainerSession(
+        deps.trainer,
+        run_id,
+        run.spec,
+        step_timeout_s=deps.config.step_timeout_s,
+        poll_interval_s=deps.config.poll_interval_s,
+        on_status=lambda status: _record_trainer_status(deps, run_id, status),
+    )
+    try:
+        await _drive(run, session, deps)
+    except asyncio.CancelledError:
+        record = await deps.core.get(run_id)
+        if record.state == RunState.RUN_STATE_CANCELLED:
+            logger.info("run %s cancelled; stopping the trainer", run_id, extra=log)
+            await session.stop()
+        raise
+    except RunEnded:
+        await session.stop()
+        return
+    except Exception as exc:  # noqa: BLE001 - any fault ends the run as FAILED with its reason
+        if isinstance(exc, RlfleetError):
+            reason = str(exc)
+            logger.error("run %s failed: %s", run_id, reason, extra=log)
+        else:
+            reason = f"internal error: {type(exc).__name__}: {exc}"
+            logger.exception("run %s failed", run_id, extra=log)
+        await session.stop()
+        try:
+            await deps.core.update(run_id, _mark_finished(RunState.RUN_STATE_FAILED, reason))
+        except RunEnded:
+            pass
+        return
+    await session.stop()
+    await deps.core.update(run_id, _mark_finished(RunState.RUN_STATE_SUCCEEDED, ""))
+
+
+async def _drive(run: Run, session: TrainerSession, deps: RunDeps) -> None:
+    run_id, spec = run.id, run.spec
+    data = RunData.from_spec(spec)
+    tokenizer = await asyncio.to_thread(load_tokenizer, spec.model.tokenizer_path)
+    ctx = RolloutContext(
+        router=deps.router,
+        reward=deps.reward,
+        tokenizer=tokenizer,
+        spec=spec,
+        limit=asyncio.Semaphore(deps.config.max_concurrent_generations),
+        metrics=deps.metrics,
+    )
+    stream = SampleStream(deps.redis, run_id, prefix=deps.config.redis_prefix)
+    steps, eval_every = spec.schedule.steps, spec.schedule.eval_every
+    status = await session.start()
+    first = min(int(status.step), steps)
+    logger.info("run %s starts at step %d of %d", run_id, first, steps, extra={"run_id": run_id})
+    follower = asyncio.create_task(_follow_trainer_metrics(deps, run_id))
+    try:
+        if first == 0:
+            await _evaluate_once(ctx, deps, data, run_id, 0, status)
+        for step in range(first, steps):
+            if step > 0 and eval_every > 0 and step % eval_every == 0:
+                status = await session.wait_for_version(step)
+                await _evaluate_once(ctx, deps, data, run_id, step, status)
+            status = await session.wait_for_version(step - spec.rollout.max_staleness)
+            await _produce_step(ctx, deps, data, stream, run_id, step, int(status.weight_version))
+        status = await session.wait_for_version(steps)
+        await _evaluate_once(ctx, deps, data, run_id, steps, status)
+    finally:
+        follower.cancel()
+
+
+async def _produce_step(
+    ctx: RolloutContext, deps: RunDeps, data: RunData, stream: SampleStream, run_id: str, step: int, version: int
+) -> None:
+    problems = data.step_problems(step)
+    groups = await gather_cancelling(
+        [produce_group(ctx, run_id, step, i, problem, version) for i, problem in enumerate(problems)]
+    )
+    samples = [s for g in groups for s in g.samples]
+    if all(s.status in _UNUSABLE for s in samples):
+        raise Unavailable(f"step {step}: no sample could be generated and scored (first error: {samples[0].error})")
+    for group in groups:
+        if await asyncio.to_thread(stream.append, group) is not None:
+            deps.metrics.groups_produced.inc()
+    mean_reward = sum(s.reward for s in samples) / len(samples)
+    deps.metrics.reward_mean.set(mean_reward)
+    produced = (step + 1) * data.groups_per_step
+
+    def record(run: Run) -> None:
+        run.progress.groups_produced = max(run.progress.groups_produced, produced)
+        run.progress.mean_reward = mean_reward
+
+    await deps.core.update(run_id, record)
+    logger.info(
+        "run %s step %d: %d groups on the stream, mean reward %.3f",
+        run_id,
+        step,
+        len(groups),
+        mean_reward,
+        extra={"run_id": run_id, "step": step},
+    )
+
+
+async def _evaluate_once(
+    ctx: RolloutContext, deps: RunDeps, data: RunData, run_id: str, step: int, status: TrainerStatus
+) -> None:
+    """Evaluates at `step` unless the run already holds that evaluation (it was resumed)."""
+    run = await deps.core.get(run_id)
+    if any(ev.step == step for ev in run.evals):
+        return
+    result = await evaluate(
+        ctx, run_id, step, data.eval_problems, deps.config.eval_batch_size, int(status.weight_version)
+    )
+    deps.metrics.eval_accuracy.set(result.accuracy)
+    logger.info("run %s eval at step %d: accuracy %.3f", run_id, step, result.accuracy, extra={"run_id": run_id})
+
+    def record(run: Run) -> None:
+        if not any(ev.step == step for ev in run.evals):
+            run.evals.append(result)
+
+    await deps.core.update(run_id, record)
+
+
+async def _record_trainer_status(deps: RunDeps, run_id: str, status: TrainerStatus) -> None:
+    deps.metrics.step.set(status.step)
+    deps.metrics.weight_version.set(status.weight_version)
+
+    def record(run: Run) -> None:
+        run.progress.step = status.step
+        run.progress.weight_version = status.weight_version
+        run.progress.groups_trained = status.groups_trained
+
+    await deps.core.update(run_id, record)
+
+
+async def _follow_trainer_metrics(deps: RunDeps, run_id: str) -> None:
+    """Copies the latest StepReport's metrics into the run; reconnects while the run lives."""
+    while True:
+        try:
+            async for report in deps.trainer.watch_steps(run_id, from_step=0):
+                await deps.core.update(run_id, _metrics_setter(dict(report.metrics)))
+        except RunEnded:
+            return
+        except RlfleetError as exc:
+            logger.debug("WatchSteps of %s ended: %s", run_id, exc, extra={"run_id": run_id})
+        await asyncio.sleep(deps.config.poll_interval_s * 5)
+
+
+def _metrics_setter(metrics: dict[str, float]) -> Callable[[Run], None]:
+    def record(run: Run) -> None:
+        run.metrics.clear()
+        run.metrics.update(metrics)
+
+    return record
+
+
+def _mark_running(run: Run) -> None:
+    run.state = RunState.RUN_STATE_RUNNING
+    if not run.HasField("started_at"):
+        run.started_at.CopyFrom(now())
+
+
+def _mark_finished(state: RunState, error: str) -> Callable[[Run], None]:
+    def record(run: Run) -> None:
+        run.state = state
+        run.error = error
+        run.finished_at.CopyFrom(now())
+
+    return record

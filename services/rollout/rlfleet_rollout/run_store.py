@@ -1,0 +1,105 @@
+"""Run records in Redis: one `Run` protobuf per run and an index ordered by creation.
+
+Keys (under the configured prefix):
+- `run:<id>:record`: the serialized `Run`;
+- `runs:index`: sorted set of run ids scored by a creation sequence number (`runs:seq`), which
+  orders List and the run queue and doubles as the page cursor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import cast
+
+import redis.asyncio as aioredis
+
+from rlfleet.errors import InvalidInput, NotFound
+from rlfleet.v1.runs_pb2 import Run, RunState
+
+DEFAULT_PAGE_SIZE = 50
+MAX_PAGE_SIZE = 1000
+
+
+class RunStore:
+    def __init__(self, client: aioredis.Redis, prefix: str) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.index_key = f"{prefix}runs:index"
+        self.seq_key = f"{prefix}runs:seq"
+
+    def record_key(self, run_id: str) -> str:
+        return f"{self.prefix}run:{run_id}:record"
+
+    async def create(self, run: Run) -> None:
+        """Stores a new run at the end of the creation order."""
+        seq = await self.client.incr(self.seq_key)
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.set(self.record_key(run.id), run.SerializeToString())
+            pipe.zadd(self.index_key, {run.id: seq})
+            await pipe.execute()
+
+    async def get(self, run_id: str) -> Run:
+        raw = await self.client.get(self.record_key(run_id)) if run_id else None
+        if raw is None:
+            raise NotFound(f"run {run_id!r} not found")
+        return Run.FromString(raw)
+
+    async def put(self, run: Run) -> None:
+        """Overwrites the record of an existing run."""
+        await self.client.set(self.record_key(run.id), run.SerializeToString())
+
+    async def page(
+        self, state: RunState = RunState.RUN_STATE_UNSPECIFIED, page_size: int = 0, page_token: str = ""
+    ) -> tuple[list[Run], str]:
+        """Runs in creation order (oldest first), only those in `state` unless it is unspecified.
+
+        Returns the page and the token of the next one ("" when this page is the last).
+        """
+        if not 0 <= page_size <= MAX_PAGE_SIZE:
+            raise InvalidInput(f"page_size: must be between 0 and {MAX_PAGE_SIZE} (0 means {DEFAULT_PAGE_SIZE})")
+        page_size = page_size or DEFAULT_PAGE_SIZE
+        cursor = _parse_page_token(page_token)
+        runs: list[Run] = []
+        batch = max(page_size, 100)
+        # Each pass moves the cursor forward over the index, so the scan ends with the index.
+        while True:
+            low = f"({cursor}" if cursor is not None else "-inf"
+            # redis-py types this reply loosely; with withscores=True it is (member, score) pairs.
+            members = cast(
+                list[tuple[bytes, float]],
+                await self.client.zrangebyscore(self.index_key, low, "+inf", start=0, num=batch, withscores=True),
+            )
+            if not members:
+                return runs, ""
+            records = await self.client.mget([self.record_key(member.decode()) for member, _ in members])
+            for (_, score), raw in zip(members, records, strict=True):
+                cursor = int(score)
+                if raw is None:
+                    continue
+                run = Run.FromString(raw)
+                if state != RunState.RUN_STATE_UNSPECIFIED and run.state != state:
+                    continue
+                runs.append(run)
+                if len(runs) == page_size:
+                    more = await self.client.zcount(self.index_key, f"({cursor}", "+inf")
+                    return runs, (str(cursor) if more else "")
+            if len(members) < batch:
+                return runs, ""
+
+    async def all_in_order(self, states: Sequence[RunState]) -> list[Run]:
+        """Every run in one of `states`, oldest first (for the queue at start-up)."""
+        out: list[Run] = []
+        token = ""
+        while True:
+            page, token = await self.page(page_size=MAX_PAGE_SIZE, page_token=token)
+            out.extend(run for run in page if run.state in states)
+            if not token:
+                return out
+
+
+def _parse_page_token(token: str) -> int | None:
+    if not token:
+        return None
+    if not token.isdigit():
+        raise InvalidInput(f"page_token: {token[:40]!r} is not a token returned by List")
+    return int(token)

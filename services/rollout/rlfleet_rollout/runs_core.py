@@ -1,0 +1,156 @@
+"""The Runs API without a transport: Submit, Get, List, Cancel and Watch over the run store.
+
+The REST app and the gRPC servicer are thin layers over this object; the run loop writes progress
+through `update`, the same path Cancel takes, so a cancelled run cannot be overwritten by a loop
+that has not noticed yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from rlfleet.errors import Conflict, InvalidInput
+from rlfleet.run_spec import resolve, validate
+from rlfleet.v1.runs_pb2 import ListRunsResponse, Run, RunEvent, RunProgress, RunSpec, RunState
+from rlfleet_rollout.metrics import RolloutMetrics
+from rlfleet_rollout.prompt_tokenizer import tokenizer_file
+from rlfleet_rollout.reward_client import RewardClient
+from rlfleet_rollout.run_data import RunData
+from rlfleet_rollout.run_events import RunNotifier, describe_change, is_terminal, state_name
+from rlfleet_rollout.run_store import RunStore
+
+logger = logging.getLogger(__name__)
+
+
+class RunEnded(Conflict):
+    """The run reached a final state (e.g. it was cancelled) while someone still meant to change it."""
+
+
+def now() -> Timestamp:
+    ts = Timestamp()
+    ts.GetCurrentTime()
+    return ts
+
+
+class RunsCore:
+    def __init__(
+        self,
+        store: RunStore,
+        reward: RewardClient,
+        notifier: RunNotifier,
+        metrics: RolloutMetrics,
+        *,
+        poll_interval_s: float,
+    ) -> None:
+        self.store = store
+        self.reward = reward
+        self.notifier = notifier
+        self.metrics = metrics
+        self.poll_interval_s = poll_interval_s
+        self._lock = asyncio.Lock()
+        self._closing = False
+
+    async def count_existing_runs(self) -> None:
+        """Fills the runs-by-state gauge from the store (once, at start-up)."""
+        for run in await self.store.all_in_order(list(RunState.values())):
+            self.metrics.count_run_state(None, run.state)
+
+    # -- the API ------------------------------------------------------------------------------
+
+    async def submit(self, spec: RunSpec) -> Run:
+        """Resolves and validates `spec` in full, then stores the run QUEUED; nothing is stored if it is bad."""
+        resolved = resolve(spec)
+        validate(resolved)
+        tokenizer_file(resolved.model.tokenizer_path)
+        data = RunData.from_spec(resolved)
+        await asyncio.to_thread(data.check)
+        await self._check_reward_functions(resolved)
+        run = Run(
+            id=f"run-{uuid.uuid4().hex[:12]}",
+            spec=resolved,
+            state=RunState.RUN_STATE_QUEUED,
+            progress=RunProgress(total_steps=resolved.schedule.steps),
+            created_at=now(),
+        )
+        await self.store.create(run)
+        self.metrics.count_run_state(None, run.state)
+        logger.info("run %s submitted (%s)", run.id, resolved.name or "unnamed", extra={"run_id": run.id})
+        self.notifier.publish(run)
+        return run
+
+    async def get(self, run_id: str) -> Run:
+        return await self.store.get(run_id)
+
+    async def list(self, state: RunState, page_size: int, page_token: str) -> ListRunsResponse:
+        if state not in RunState.values():
+            raise InvalidInput(f"state: unknown run state {state}")
+        runs, token = await self.store.page(state, page_size, page_token)
+        return ListRunsResponse(runs=runs, next_page_token=token)
+
+    async def cancel(self, run_id: str) -> Run:
+        """QUEUED or RUNNING -> CANCELLED; a finished run is a Conflict."""
+
+        def mark(run: Run) -> None:
+            run.state = RunState.RUN_STATE_CANCELLED
+            run.finished_at.CopyFrom(now())
+
+        try:
+            return await self.update(run_id, mark)
+        except RunEnded as exc:
+            raise Conflict(f"run {run_id} cannot be cancelled: {exc}") from None
+
+    async def watch(self, run_id: str) -> AsyncIterator[RunEvent]:
+        """The run now, then every change until it ends (or the orchestrator shuts down)."""
+        event = self.notifier.subscribe(run_id)
+        run = await self.store.get(run_id)
+        yield RunEvent(run=run, message=describe_change(None, run), time=now())
+        while not is_terminal(run.state) and not self._closing:
+            try:
+                # The timeout bounds each wait and picks up changes another process wrote to Redis.
+                await asyncio.wait_for(event.wait(), timeout=self.poll_interval_s)
+            except TimeoutError:
+                pass
+            event = self.notifier.subscribe(run_id)
+            latest = await self.store.get(run_id)
+            if latest != run:
+                yield RunEvent(run=latest, message=describe_change(run, latest), time=now())
+                run = latest
+
+    def close(self) -> None:
+        """Ends every watch (at shutdown)."""
+        self._closing = True
+        self.notifier.wake_all()
+
+    # -- used by the run loop -----------------------------------------------------------------
+
+    async def update(self, run_id: str, mutate: Callable[[Run], None]) -> Run:
+        """Applies `mutate` to the stored run and writes it back; RunEnded if the run already finished."""
+        async with self._lock:
+            run = await self.store.get(run_id)
+            if is_terminal(run.state):
+                raise RunEnded(f"run {run_id} already {state_name(run.state)}")
+            before = run.SerializeToString(deterministic=True)
+            old_state = run.state
+            mutate(run)
+            if run.SerializeToString(deterministic=True) == before:
+                return run
+            await self.store.put(run)
+        self.metrics.count_run_state(old_state, run.state)
+        if run.state != old_state:
+            logger.info("run %s is %s", run_id, state_name(run.state), extra={"run_id": run_id})
+        self.notifier.publish(run)
+        return run
+
+    async def _check_reward_functions(self, spec: RunSpec) -> None:
+        known = await self.reward.function_names()
+        for i, term in enumerate(spec.reward.terms):
+            if term.function not in known:
+                raise InvalidInput(
+                    f"reward.terms[{i}].function: unknown reward function {term.function!r}; "
+                    f"the reward hub knows: {', '.join(sorted(known)) or 'none'}"
+                )

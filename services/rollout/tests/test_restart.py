@@ -1,0 +1,64 @@
+"""An orchestrator that stops mid-run is replaced by a new process, which resumes the RUNNING run from
+the trainer's step without writing any group twice; a trainer that forgot the run is started again."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from rollout_test_support import spec_json, start_fake_fleet, start_orchestrator, wait_for_state, wait_until
+
+from rlfleet.sample_stream import SampleStream
+
+
+def _run(url: str, run_id: str) -> dict:
+    return httpx.get(f"{url}/v1/runs/{run_id}", timeout=5).json()
+
+
+@pytest.mark.e2e
+def test_a_new_orchestrator_resumes_a_running_run_without_duplicating_groups(
+    redis_client: redis.Redis, redis_prefix: str, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    fleet = start_fake_fleet(redis_client, redis_prefix)
+    first = second = None
+    try:
+        first = start_orchestrator(fleet, tmp_path / "first.log")
+        fleet.trainer.paused.set()
+        run_id = httpx.post(f"{first.url}/v1/runs", json=spec_json(tokenizer_dir), timeout=10).json()["id"]
+        wait_until(lambda: _run(first.url, run_id)["progress"]["groups_produced"] == "2", 20, "step 0 produced")
+        assert first.process.stop(timeout=15) == 0, first.process.log_tail()
+        assert _run_state(redis_client, redis_prefix, run_id) == "RUNNING"  # shutdown is not a cancel
+        stream = SampleStream(redis_client, run_id, prefix=redis_prefix)
+        assert stream.length() == 2
+
+        second = start_orchestrator(fleet, tmp_path / "second.log")
+        # The new process starts the trainer again and re-produces step 0, which the stream already holds.
+        wait_until(lambda: fleet.trainer.start_calls.count(run_id) == 2, 20, "StartRun from the new orchestrator")
+        time.sleep(0.5)
+        assert stream.length() == 2
+        # A trainer that restarted answers NOT_FOUND; the orchestrator starts the run on it again.
+        fleet.trainer.runs[run_id].known = False
+        wait_until(lambda: fleet.trainer.start_calls.count(run_id) == 3, 20, "StartRun after NOT_FOUND")
+
+        fleet.trainer.paused.clear()
+        final = wait_for_state(second.url, run_id, {"RUN_STATE_SUCCEEDED", "RUN_STATE_FAILED"}, timeout=40)
+        assert final["state"] == "RUN_STATE_SUCCEEDED", final.get("error")
+        expected = [f"{run_id}/{s}/{i}" for s in range(3) for i in range(2)]
+        assert fleet.trainer.runs[run_id].trained_group_ids == expected
+        assert stream.length() == len(expected)
+        assert [int(e["step"]) for e in final["evals"]] == [0, 2, 3]  # step 0 was not evaluated twice
+    finally:
+        for orch in (first, second):
+            if orch is not None:
+                orch.process.stop(timeout=15)
+        fleet.stop()
+
+
+def _run_state(client: redis.Redis, prefix: str, run_id: str) -> str:
+    from rlfleet.v1.runs_pb2 import Run, RunState
+
+    run = Run.FromString(client.get(f"{prefix}run:{run_id}:record"))
+    return RunState.Name(run.state).removeprefix("RUN_STATE_")

@@ -1,0 +1,48 @@
+"""The run store against the real Redis: creation order, state filter, pagination, bad tokens."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+from rollout_test_support import REDIS_URL
+
+from rlfleet.errors import InvalidInput, NotFound
+from rlfleet.v1.runs_pb2 import Run, RunState
+from rlfleet_rollout.run_store import RunStore
+
+QUEUED, RUNNING = RunState.RUN_STATE_QUEUED, RunState.RUN_STATE_RUNNING
+
+
+def test_pages_follow_creation_order_and_filter_by_state(redis_prefix: str) -> None:
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(REDIS_URL, socket_timeout=5)
+        store = RunStore(client, redis_prefix)
+        try:
+            for i in range(7):
+                await store.create(Run(id=f"r{i}", state=QUEUED if i % 2 else RUNNING))
+            first, token = await store.page(page_size=3)
+            second, token2 = await store.page(page_size=3, page_token=token)
+            third, token3 = await store.page(page_size=3, page_token=token2)
+            assert [r.id for r in first + second + third] == [f"r{i}" for i in range(7)]
+            assert token and token2 and token3 == ""
+            queued, qtoken = await store.page(QUEUED, page_size=2)
+            rest, qtoken2 = await store.page(QUEUED, page_size=2, page_token=qtoken)
+            assert [r.id for r in queued + rest] == ["r1", "r3", "r5"] and qtoken2 == ""
+            exact, last = await store.page(RUNNING, page_size=4)
+            assert len(exact) == 4 and last == ""  # no empty page after the last run
+            run = await store.get("r3")
+            run.state = RUNNING
+            await store.put(run)
+            assert [r.id for r in await store.all_in_order([QUEUED])] == ["r1", "r5"]
+            with pytest.raises(NotFound):
+                await store.get("r99")
+            with pytest.raises(InvalidInput, match="page_token"):
+                await store.page(page_token="abc")
+            with pytest.raises(InvalidInput, match="page_size"):
+                await store.page(page_size=5000)
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())

@@ -1,0 +1,161 @@
+"""The REST Runs API of a real orchestrator process over a fake fleet: validation, a full run, SSE."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from rollout_test_support import FakeFleet, Orchestrator, spec_json, wait_for_state, wait_until
+
+from rlfleet.sample_stream import SampleStream
+
+
+def _count_runs(url: str) -> int:
+    return len(httpx.get(f"{url}/v1/runs", params={"page_size": 1000}, timeout=5).json()["runs"])
+
+
+@pytest.mark.e2e
+def test_bad_specs_get_400_naming_the_field_and_nothing_is_stored(
+    orchestrator: Orchestrator, tokenizer_dir: Path
+) -> None:
+    good = spec_json(tokenizer_dir)
+    cases: list[tuple[str, bytes, str]] = [
+        ("unknown field", json.dumps({**good, "bogus": 1}).encode(), "bogus"),
+        ("wrong type", json.dumps({**good, "rollout": {"group_size": "many"}}).encode(), "rollout.group_size"),
+        ("malformed JSON", b'{"name": "x",', "malformed JSON"),
+        ("not an object", b"[1, 2]", "JSON object"),
+        (
+            "unknown reward function",
+            json.dumps({**good, "reward": {"terms": [{"function": "arith_exact"}, {"function": "nope"}]}}).encode(),
+            "reward.terms[1].function",
+        ),
+        ("group of one", json.dumps({**good, "rollout": {"group_size": 1}}).encode(), "rollout.group_size"),
+        ("no tokenizer", json.dumps({**good, "model": {"path": "/nonexistent"}}).encode(), "model.tokenizer_path"),
+        (
+            "too few prompts",
+            json.dumps({**good, "schedule": {"steps": 500}}).encode(),
+            "schedule.steps",
+        ),
+    ]
+    before = _count_runs(orchestrator.url)
+    for name, body, field in cases:
+        response = httpx.post(f"{orchestrator.url}/v1/runs", content=body, timeout=10)
+        assert response.status_code == 400, (name, response.text)
+        error = response.json()["error"]
+        assert error["kind"] == "invalid_input"
+        assert field in error["message"], (name, error["message"])
+    unknown = httpx.post(
+        f"{orchestrator.url}/v1/runs",
+        json={**good, "reward": {"terms": [{"function": "nope"}]}},
+        timeout=10,
+    ).json()["error"]["message"]
+    assert "arith_exact" in unknown  # the known functions are listed
+    assert _count_runs(orchestrator.url) == before
+    assert httpx.get(f"{orchestrator.url}/v1/runs", params={"state": "bogus"}, timeout=5).status_code == 400
+    assert httpx.get(f"{orchestrator.url}/v1/runs/run-missing", timeout=5).status_code == 404
+
+
+def _read_sse(url: str, events: list[dict[str, Any]], done: threading.Event) -> None:
+    with httpx.stream("GET", url, timeout=httpx.Timeout(5.0, read=60.0)) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: ") :]))
+    done.set()
+
+
+@pytest.mark.e2e
+def test_a_run_goes_from_queued_to_succeeded_with_exact_groups_and_evals(
+    orchestrator: Orchestrator, fleet: FakeFleet, tokenizer_dir: Path, redis_client: redis.Redis
+) -> None:
+    response = httpx.post(f"{orchestrator.url}/v1/runs", json=spec_json(tokenizer_dir), timeout=10)
+    assert response.status_code == 200, response.text
+    run = response.json()
+    run_id = run["id"]
+    assert run["state"] == "RUN_STATE_QUEUED"
+    assert run["spec"]["rollout"]["group_size"] == 4  # stored resolved
+    assert run["spec"]["algorithm"]["name"] == "grpo"
+    events: list[dict[str, Any]] = []
+    done = threading.Event()
+    threading.Thread(target=_read_sse, args=(f"{orchestrator.url}/v1/runs/{run_id}:watch", events, done)).start()
+
+    final = wait_for_state(orchestrator.url, run_id, {"RUN_STATE_SUCCEEDED", "RUN_STATE_FAILED"}, timeout=40)
+    assert final["state"] == "RUN_STATE_SUCCEEDED", final.get("error")
+    steps, gps, n = 3, 2, 4
+    # Evaluations: before training, every 2 steps, after the last; greedy answers are right from version 1.
+    assert [int(e["step"]) for e in final["evals"]] == [0, 2, 3]  # int64 is a JSON string
+    assert final["evals"][0]["accuracy"] == 0.0
+    assert final["evals"][-1]["accuracy"] == 1.0
+    assert final["evals"][-1]["weight_version"] == "3"
+    assert final["evals"][0]["size"] == 6
+    progress = final["progress"]
+    assert progress["groups_produced"] == str(steps * gps)
+    assert progress["weight_version"] == str(steps)
+    assert progress["groups_trained"] == str(steps * gps)
+    assert final["metrics"]["loss"] > 0  # copied from the trainer's step reports
+
+    stream = SampleStream(redis_client, run_id, prefix=fleet.prefix)
+    groups = [group for _, group in _all_groups(stream)]
+    assert [g.group_id for g in groups] == [f"{run_id}/{s}/{i}" for s in range(steps) for i in range(gps)]
+    assert fleet.trainer.runs[run_id].trained_group_ids == [g.group_id for g in groups]
+    for group in groups:
+        assert len(group.samples) == n
+        for sample in group.samples:
+            m = len(sample.response_token_ids)
+            assert m > 0
+            assert len(sample.rollout_logprobs) == m and list(sample.loss_mask) == [1] * m
+            assert sample.reward in (0.0, 1.0) and sample.reward_components["arith_exact"] == sample.reward
+            assert len(sample.weight_versions) == 1
+    # On-policy: the samples of step s were generated by weight version s.
+    assert {int(g.group_id.split("/")[1]) for g in groups} == {0, 1, 2}
+    for g in groups:
+        assert g.samples[0].weight_versions[0] == int(g.group_id.split("/")[1])
+    assert fleet.trainer.stop_calls.count(run_id) == 1
+
+    assert done.wait(10), "the watch stream did not end with the run"
+    states = [e["state"] for e in events]
+    assert states[-1] == "RUN_STATE_SUCCEEDED"
+    assert "RUN_STATE_RUNNING" in states
+    produced = [int(e["progress"]["groups_produced"]) for e in events]
+    assert produced == sorted(produced) and len(set(produced)) >= 2  # progress events on the way
+
+    exported = httpx.get(f"{orchestrator.url}/metrics", timeout=5).text
+    for name in (
+        "rlfleet_rollout_runs{",
+        "rlfleet_rollout_groups_produced_total",
+        'rlfleet_rollout_samples_total{status="ok"}',
+        "rlfleet_rollout_generate_seconds_bucket",
+        "rlfleet_rollout_reward_mean",
+        "rlfleet_rollout_eval_accuracy 1.0",
+        "rlfleet_rollout_weight_version 3.0",
+        "rlfleet_rollout_step 3.0",
+    ):
+        assert name in exported, name
+
+
+def _all_groups(stream: SampleStream) -> list[tuple[str, Any]]:
+    from rlfleet.v1.samples_pb2 import SampleGroup
+
+    return [(i.decode(), SampleGroup.FromString(f[b"group"])) for i, f in stream.client.xrange(stream.key)]
+
+
+@pytest.mark.e2e
+def test_a_run_fails_with_the_reason_when_no_engine_answers(
+    orchestrator: Orchestrator, fleet: FakeFleet, tokenizer_dir: Path
+) -> None:
+    fleet.router_down.set()
+    try:
+        run_id = httpx.post(f"{orchestrator.url}/v1/runs", json=spec_json(tokenizer_dir), timeout=10).json()["id"]
+        final = wait_for_state(orchestrator.url, run_id, {"RUN_STATE_SUCCEEDED", "RUN_STATE_FAILED"}, timeout=30)
+    finally:
+        fleet.router_down.clear()
+    assert final["state"] == "RUN_STATE_FAILED"
+    assert "evaluation at step 0 got no response" in final["error"] and "HTTP 503" in final["error"]
+    assert final["finished_at"]
+    wait_until(lambda: run_id in fleet.trainer.stop_calls, 10, "StopRun of the failed run")
+    cancel = httpx.post(f"{orchestrator.url}/v1/runs/{run_id}:cancel", timeout=5)
+    assert cancel.status_code == 409 and cancel.json()["error"]["kind"] == "conflict"

@@ -1,0 +1,72 @@
+"""Turning engine answers into Samples: tolerant parsing, statuses, and the deterministic data position."""
+
+from __future__ import annotations
+
+from rlfleet.v1.reward_pb2 import ScoreResult, ScoreStatus
+from rlfleet.v1.runs_pb2 import RunSpec
+from rlfleet.v1.samples_pb2 import FinishReason, SampleStatus
+from rlfleet_rollout.group_producer import build_sample
+from rlfleet_rollout.router_client import Completion, parse_completion, parse_weight_version
+from rlfleet_rollout.run_data import RunData
+
+
+def _answer(output_ids: list[int], logprobs: list[float], finish: str = "stop", version: object = "3") -> dict:
+    return {
+        "text": "12",
+        "output_ids": output_ids,
+        "meta_info": {
+            "finish_reason": {"type": finish},
+            "weight_version": version,
+            "cached_tokens": 2,
+            "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, output_ids, strict=False)],
+        },
+    }
+
+
+def test_completions_keep_what_the_engine_returned() -> None:
+    with_eos = parse_completion(_answer([20, 21, 1], [-0.5, -0.25, -0.125]))
+    assert with_eos.output_ids == (20, 21, 1) and with_eos.logprobs == (-0.5, -0.25, -0.125)
+    assert with_eos.weight_version == 3 and with_eos.cached_tokens == 2 and not with_eos.error
+    without_eos = parse_completion(_answer([20, 21], [-0.5, -0.25], finish="length", version=4))
+    assert without_eos.finish_reason == FinishReason.FINISH_REASON_LENGTH and without_eos.weight_version == 4
+    assert parse_weight_version("default") is None and parse_weight_version(True) is None
+
+
+def test_unusable_completions_carry_an_error() -> None:
+    short = parse_completion(_answer([20, 21, 1], [-0.5]))
+    assert "3 output ids but 1 logprobs" in short.error and short.output_ids == ()
+    aborted = parse_completion(_answer([], [], finish="abort"))
+    assert aborted.finish_reason == FinishReason.FINISH_REASON_ABORT and "aborted" in aborted.error
+    assert parse_completion({"text": "x"}).error
+    assert parse_completion("nonsense").error
+
+
+def test_sample_status_follows_finish_reason_and_score() -> None:
+    ok = ScoreResult(id="0", status=ScoreStatus.SCORE_STATUS_OK, score=1.0, components={"arith_exact": 1.0})
+    done = Completion(
+        output_ids=(20, 1), logprobs=(-0.1, -0.2), text="1", finish_reason=FinishReason.FINISH_REASON_STOP
+    )
+    sample = build_sample("g/0", 0, [5, 6], "1+0=", done, "1", ok, fallback_version=7)
+    assert sample.status == SampleStatus.SAMPLE_STATUS_OK and sample.reward == 1.0
+    assert list(sample.loss_mask) == [1, 1] and list(sample.weight_versions) == [7]
+    truncated = Completion(output_ids=(20,), logprobs=(-0.1,), finish_reason=FinishReason.FINISH_REASON_LENGTH)
+    assert build_sample("g/1", 1, [5], "", truncated, "1", ok, 0).status == SampleStatus.SAMPLE_STATUS_TRUNCATED
+    timeout = ScoreResult(id="0", status=ScoreStatus.SCORE_STATUS_TIMEOUT)
+    failed = build_sample("g/2", 2, [5], "", done, "1", timeout, 0)
+    assert failed.status == SampleStatus.SAMPLE_STATUS_FAILED and failed.reward == 0.0
+    assert "SCORE_STATUS_TIMEOUT" in failed.error
+    broken = build_sample("g/3", 3, [5], "", Completion(error="generation failed: down"), "", None, 0)
+    assert broken.status == SampleStatus.SAMPLE_STATUS_FAILED and broken.error == "generation failed: down"
+    assert len(broken.response_token_ids) == len(broken.rollout_logprobs) == len(broken.loss_mask) == 0
+
+
+def test_each_step_takes_its_own_slice_of_the_seeded_prompts() -> None:
+    spec = RunSpec()
+    spec.dataset.arithmetic.digits, spec.dataset.arithmetic.ops, spec.dataset.seed = 2, "+", 3
+    spec.dataset.eval_size, spec.rollout.groups_per_step, spec.schedule.steps = 5, 4, 3
+    data, again = RunData.from_spec(spec), RunData.from_spec(spec)
+    steps = [data.step_problems(s) for s in range(3)]
+    assert all(len(p) == 4 for p in steps)
+    assert len({p.prompt for step in steps for p in step}) == 12  # no prompt repeats across steps
+    assert again.step_problems(1) == steps[1]  # a restarted orchestrator gets the same prompts
+    assert not {p.prompt for p in data.eval_problems} & {p.prompt for step in steps for p in step}
