@@ -1,1 +1,3 @@
-"""rlfleet CPU engine: SGLang HTTP API over a Hugging Face causal LM."""
+"""rlfleet CPU engine: SGLang's HTTP API over a Hugging Face causal LM."""
+
+__version__ = "0.1.0"

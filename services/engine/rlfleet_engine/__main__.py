@@ -1,0 +1,60 @@
+"""`python -m rlfleet_engine --model-path DIR --port 30001`: load the model, start the scheduler, serve HTTP.
+
+The command line is parsed before torch or transformers are imported, so `--help` and flag
+mistakes answer at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+from typing import cast
+
+from pydantic import ValidationError
+
+from rlfleet.logs import init_logging
+from rlfleet_engine.config import EngineConfig, config_from_args
+
+logger = logging.getLogger(__name__)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    try:
+        config = config_from_args(argv)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
+        sys.exit(f"rlfleet-engine: invalid configuration: {problems}")
+    init_logging("engine", config.log_level)
+    serve(config)
+
+
+def serve(config: EngineConfig) -> None:
+    import torch
+    import uvicorn
+    from prometheus_client import CollectorRegistry
+    from transformers import AutoTokenizer
+
+    from rlfleet_engine.engine_core import EngineCore, Tokenizer
+    from rlfleet_engine.http_app import create_app
+    from rlfleet_engine.transformers_backend import TransformersBackend
+
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    logger.info("loading %s (%s, %d torch threads)", config.model_path, config.dtype, torch.get_num_threads())
+    # Hugging Face tokenizers have the encode/decode the core needs, under wider signatures.
+    tokenizer = cast(Tokenizer, AutoTokenizer.from_pretrained(config.tokenizer_path))
+    backend = TransformersBackend(config.model_path, dtype=config.dtype, context_length=config.context_length)
+    registry = CollectorRegistry()
+    core = EngineCore(config, backend, tokenizer, registry)
+    app = create_app(core, registry)
+    core.start()
+    try:
+        # log_config=None keeps the handlers init_logging installed.
+        uvicorn.run(app, host=config.host, port=config.port, log_config=None, timeout_keep_alive=5)
+    finally:
+        core.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Settings of one engine process, and the command line that fills them.
+
+The flags carry SGLang's names (`--model-path`, `--max-running-requests`, ...) so a launcher written
+for `python -m sglang.launch_server` starts this engine unchanged; every setting can also come from
+the environment as `RLFLEET_ENGINE_<FIELD>` (flags win). Nothing here imports torch, so `--help`
+answers instantly.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+BackendName = Literal["transformers"]
+
+
+class EngineConfig(BaseSettings):
+    """One engine: which model, where it listens, and how large a batch it runs."""
+
+    model_config = SettingsConfigDict(env_prefix="RLFLEET_ENGINE_", extra="ignore", protected_namespaces=())
+
+    model_path: str
+    """Hugging Face model directory (config.json + safetensors) to serve."""
+    tokenizer_path: str | None = None
+    """Tokenizer directory; defaults to model_path."""
+    host: str = "127.0.0.1"
+    """Address the HTTP server binds."""
+    port: int = Field(default=30000, ge=0, le=65535)
+    """Port the HTTP server binds (SGLang's default 30000)."""
+    served_model_name: str | None = None
+    """Name reported in /get_model_info, /v1/models and the `model_name` metric label; defaults to model_path."""
+    context_length: int | None = Field(default=None, gt=0)
+    """Longest prompt + completion in tokens; defaults to the model's max_position_embeddings."""
+    max_running_requests: int = Field(default=16, gt=0)
+    """Most sequences decoded together in one batch; further requests wait in the queue."""
+    random_seed: int = 0
+    """Seed of the sampler's random generator."""
+    log_level: str = "info"
+    """Root log level (debug, info, warning, error)."""
+    backend: BackendName = "transformers"
+    """What produces the logits: `transformers` runs the real model on CPU."""
+    torch_threads: int | None = Field(default=None, gt=0)
+    """Intra-op threads torch may use; unset leaves torch's default (all cores)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Precision the weights are held and run in."""
+    weight_version: str = "default"
+    """Version label of the weights loaded at start (SGLang's `--weight-version`)."""
+    health_check_timeout_s: float = Field(default=20.0, gt=0)
+    """Bound on the one-token generation /health_generate runs."""
+
+    @model_validator(mode="after")
+    def _fill_defaults(self) -> EngineConfig:
+        if not self.model_path:
+            raise ValueError("model_path must name a Hugging Face model directory (--model-path DIR)")
+        if self.tokenizer_path is None:
+            self.tokenizer_path = self.model_path
+        if self.served_model_name is None:
+            self.served_model_name = self.model_path
+        return self
+
+
+# Flag -> (field, type, help). Types are parsed by pydantic afterwards; argparse only collects strings.
+_FLAGS: tuple[tuple[str, str, str], ...] = (
+    ("--model-path", "model_path", "Hugging Face model directory to serve."),
+    ("--tokenizer-path", "tokenizer_path", "Tokenizer directory (default: the model path)."),
+    ("--host", "host", "Address to bind (default 127.0.0.1)."),
+    ("--port", "port", "Port to bind (default 30000)."),
+    ("--served-model-name", "served_model_name", "Model name reported to clients (default: the model path)."),
+    ("--context-length", "context_length", "Longest prompt + completion in tokens (default: the model's)."),
+    ("--max-running-requests", "max_running_requests", "Most sequences in one decode batch (default 16)."),
+    ("--random-seed", "random_seed", "Seed of the sampler (default 0)."),
+    ("--log-level", "log_level", "Log level: debug, info, warning, error (default info)."),
+    ("--backend", "backend", "Logit backend: transformers (default)."),
+    ("--torch-threads", "torch_threads", "Intra-op threads for torch (default: torch's choice)."),
+    ("--dtype", "dtype", "float32 (default), bfloat16 or float16."),
+    ("--weight-version", "weight_version", "Version label of the initial weights (default 'default')."),
+    ("--health-check-timeout", "health_check_timeout_s", "Seconds /health_generate may take (default 20)."),
+)
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m rlfleet_engine",
+        description="rlfleet CPU engine: SGLang's HTTP API over a Hugging Face causal LM. "
+        "Every flag can also be set as RLFLEET_ENGINE_<FIELD> in the environment.",
+    )
+    for flag, field, help_text in _FLAGS:
+        parser.add_argument(flag, dest=field, default=None, help=help_text)
+    # Accepted for command-line compatibility with sglang.launch_server; they change nothing here.
+    parser.add_argument("--trust-remote-code", action="store_true", help="Accepted for SGLang compatibility.")
+    parser.add_argument("--skip-server-warmup", action="store_true", help="Accepted for SGLang compatibility.")
+    return parser
+
+
+def config_from_args(argv: Sequence[str] | None = None) -> EngineConfig:
+    """Parses `argv` (flags win over RLFLEET_ENGINE_* variables) into a validated config."""
+    args = build_arg_parser().parse_args(argv)
+    given = {field: value for _, field, _ in _FLAGS if (value := getattr(args, field)) is not None}
+    return EngineConfig(**given)

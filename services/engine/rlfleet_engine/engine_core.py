@@ -1,0 +1,234 @@
+"""The transport-free engine: turns API requests into scheduler jobs and scheduler outputs into SGLang's answers.
+
+Everything here runs on the asyncio loop and never touches the model; the scheduler thread does.
+Outputs cross from that thread to the loop through `call_soon_threadsafe` onto one queue per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry
+
+from rlfleet.errors import DeadlineExceeded, InvalidInput
+from rlfleet_engine import __version__
+from rlfleet_engine.backend import GenerationBackend
+from rlfleet_engine.config import EngineConfig
+from rlfleet_engine.generation_job import GenerationJob
+from rlfleet_engine.metrics import EngineMetrics
+from rlfleet_engine.request_expansion import expand
+from rlfleet_engine.sampling_params import SamplingParams
+from rlfleet_engine.scheduler import Scheduler
+from rlfleet_engine.schemas import GenerateRequest, UpdateWeightsFromDiskRequest
+
+# Bound on a weight load, including the wait for the current step to end.
+WEIGHT_LOAD_TIMEOUT_S = 300.0
+_LOAD_FORMATS = (None, "auto", "safetensors")
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        backend: GenerationBackend,
+        tokenizer: Tokenizer,
+        registry: CollectorRegistry,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.model_path = config.model_path
+        self.metrics = EngineMetrics(registry, config.served_model_name or config.model_path)
+        self.scheduler = Scheduler(
+            backend,
+            tokenizer,
+            self.metrics,
+            max_running_requests=config.max_running_requests,
+            weight_version=config.weight_version,
+            seed=config.random_seed,
+        )
+
+    @property
+    def weight_version(self) -> str:
+        return self.scheduler.weight_version
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+
+    # ---- generation ----------------------------------------------------------------------------
+
+    async def generate(self, req: GenerateRequest) -> dict[str, Any] | list[dict[str, Any]]:
+        """Runs `req` to the end; a single prompt with n == 1 answers one object, anything else a list."""
+        jobs, queue = self._submit(req)
+        results: list[dict[str, Any] | None] = [None] * len(jobs)
+        try:
+            while any(r is None for r in results):
+                index, out = await queue.get()
+                if out["meta_info"]["finish_reason"] is not None:
+                    results[index] = out
+        finally:
+            self._abort_unfinished(jobs)
+        done = [r for r in results if r is not None]
+        return done[0] if len(jobs) == 1 and not req.is_batch else done
+
+    def generate_stream(self, req: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+        """Submits `req` now (so bad input raises before a response starts) and returns its output stream.
+
+        Chunks are cumulative, as SGLang streams by default; batch chunks carry the item's `index`.
+        """
+        jobs, queue = self._submit(req)
+
+        async def chunks() -> AsyncIterator[dict[str, Any]]:
+            pending = len(jobs)
+            try:
+                while pending:
+                    index, out = await queue.get()
+                    if len(jobs) > 1 or req.is_batch:
+                        out["index"] = index
+                    if out["meta_info"]["finish_reason"] is not None:
+                        pending -= 1
+                    yield out
+            finally:
+                self._abort_unfinished(jobs)
+
+        return chunks()
+
+    def _submit(self, req: GenerateRequest) -> tuple[list[GenerationJob], asyncio.Queue[tuple[int, dict[str, Any]]]]:
+        specs = expand(req, self.tokenizer, self.backend.vocab_size, self.backend.context_length)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[int, dict[str, Any]]] = asyncio.Queue()
+
+        def deliverer(index: int):  # noqa: ANN202 - a closure per job
+            def deliver(out: dict[str, Any]) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop is closing: nobody is waiting any more
+                    loop.call_soon_threadsafe(queue.put_nowait, (index, out))
+
+            return deliver
+
+        jobs = [
+            GenerationJob(
+                rid=spec.rid,
+                input_ids=spec.input_ids,
+                params=spec.params,
+                deliver=deliverer(k),
+                return_logprob=spec.return_logprob,
+                top_logprobs_num=spec.top_logprobs_num,
+                return_text_in_logprobs=req.return_text_in_logprobs,
+                stream=req.stream,
+                log_metrics=req.log_metrics,
+            )
+            for k, spec in enumerate(specs)
+        ]
+        self.scheduler.submit(jobs)
+        return jobs, queue
+
+    def _abort_unfinished(self, jobs: list[GenerationJob]) -> None:
+        # A caller that went away (disconnect, cancellation) should not keep a batch row busy.
+        for job in jobs:
+            if job.finish is None:
+                self.scheduler.abort(job.rid)
+
+    # ---- control -------------------------------------------------------------------------------
+
+    def abort(self, rid: str, abort_all: bool = False) -> None:
+        self.scheduler.abort(rid, abort_all)
+
+    def pause(self) -> None:
+        self.scheduler.set_paused(True)
+
+    def resume(self) -> None:
+        self.scheduler.set_paused(False)
+
+    async def update_weights_from_disk(self, req: UpdateWeightsFromDiskRequest) -> dict[str, Any]:
+        if req.load_format not in _LOAD_FORMATS:
+            raise InvalidInput(f"load_format {req.load_format!r} is not supported; use 'auto' or 'safetensors'")
+        if req.abort_all_requests:
+            self.scheduler.abort("", abort_all=True)
+        future = self.scheduler.call(lambda: self.scheduler.load_weights(req.model_path, req.weight_version))
+        try:
+            held = await asyncio.wait_for(asyncio.wrap_future(future), timeout=WEIGHT_LOAD_TIMEOUT_S)
+        except TimeoutError as exc:
+            raise DeadlineExceeded(
+                f"loading weights from {req.model_path} took over {WEIGHT_LOAD_TIMEOUT_S:.0f}s"
+            ) from exc
+        self.model_path = req.model_path
+        message = "Succeeded to update model weights."
+        if req.weight_version is not None:
+            message += f" Weight version updated to {req.weight_version}."
+        return {"success": True, "message": message, "num_paused_requests": held}
+
+    async def health_generate(self) -> bool:
+        """True if the scheduler produces a token within the health-check timeout (or is busy doing so)."""
+        timeout = self.config.health_check_timeout_s
+        if not self.scheduler.alive():
+            return False
+        running, _ = self.scheduler.counts()
+        if self.scheduler.paused or (running and time.monotonic() - self.scheduler.last_step_at < timeout):
+            return True
+        req = GenerateRequest(
+            input_ids=[0],
+            sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0),
+            rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
+            log_metrics=False,
+        )
+        try:
+            await asyncio.wait_for(self.generate(req), timeout=timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    # ---- information ---------------------------------------------------------------------------
+
+    def model_info(self) -> dict[str, Any]:
+        facts = self.backend.describe()
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.config.tokenizer_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": facts.get("model_type"),
+            "architectures": facts.get("architectures"),
+        }
+
+    def server_info(self) -> dict[str, Any]:
+        running, waiting = self.scheduler.counts()
+        context = self.backend.context_length
+        return {
+            **self.config.model_dump(),
+            "model_path": self.model_path,
+            "weight_version": self.weight_version,
+            "context_length": context,
+            "dp_size": 1,
+            "tp_size": 1,
+            "pp_size": 1,
+            "max_req_input_len": context - 1,
+            "max_total_num_tokens": context * self.config.max_running_requests,
+            "internal_states": [
+                {
+                    "num_running_reqs": running,
+                    "num_queue_reqs": waiting,
+                    "peak_batch_size": self.scheduler.peak_batch_size,
+                    "paused": self.scheduler.paused,
+                    "last_gen_throughput": self.metrics.last_gen_throughput,
+                }
+            ],
+            "version": __version__,
+            "engine": "rlfleet-engine",
+        }

@@ -1,0 +1,109 @@
+"""One sequence being generated (a request with `n` > 1 becomes n jobs), and the output SGLang returns for it.
+
+Output shape (non-incremental, as SGLang streams by default: every chunk is cumulative):
+    {"text": str, "output_ids": [int], "meta_info": {"id", "finish_reason", "prompt_tokens",
+     "completion_tokens", "cached_tokens", "weight_version", "e2e_latency" (when finished),
+     "input_token_logprobs" + "output_token_logprobs" (when return_logprob), ...}}
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from rlfleet_engine.sampling_params import SamplingParams
+from rlfleet_engine.stop_conditions import FinishReason, find_stop_string
+
+
+class Detokenizer(Protocol):
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+@dataclass(eq=False)
+class GenerationJob:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    deliver: Callable[[dict[str, Any]], None]
+    """Receives every output this job publishes; called from the scheduler thread."""
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    log_metrics: bool = True
+    created_at: float = field(default_factory=time.monotonic)
+
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    finish: FinishReason | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    _stop_at: int | None = None  # where a matched stop string starts in the decoded text
+    _checked_chars: int = 0  # decoded length at the previous stop-string check
+
+    def append(self, token_id: int, logprob: float, top: list[tuple[float, int]]) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        self.output_ids.append(token_id)
+        self.output_logprobs.append(logprob)
+        if self.top_logprobs_num:
+            self.output_top_logprobs.append(top)
+
+    def finish_with(self, reason: FinishReason) -> None:
+        self.finish = reason
+        self.finished_at = time.monotonic()
+
+    def check_stop_strings(self, tokenizer: Detokenizer) -> FinishReason | None:
+        """Looks for a stop string in the decoded output (only its tail can hold a new match)."""
+        if not self.params.stop:
+            return None
+        text = tokenizer.decode(self.output_ids, skip_special_tokens=self.params.skip_special_tokens)
+        longest = max(len(s) for s in self.params.stop)
+        # A new match must end in the newly decoded characters; re-decoding may also rewrite a few.
+        hit = find_stop_string(text, self.params.stop, search_from=self._checked_chars - longest - 4)
+        self._checked_chars = len(text)
+        if hit is None:
+            return None
+        self._stop_at = hit[0]
+        return FinishReason("stop", matched=hit[1])
+
+    def text(self, tokenizer: Detokenizer) -> str:
+        """The output text, without the matched stop token or string unless no_stop_trim."""
+        ids = self.output_ids
+        trim = not self.params.no_stop_trim and self.finish is not None
+        if trim and self.finish is not None and self.finish.matched_token:
+            ids = ids[:-1]
+        text = tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+        if trim and self._stop_at is not None:
+            text = text[: self._stop_at]
+        return text
+
+    def output(self, tokenizer: Detokenizer, weight_version: str) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": self.finish.to_json() if self.finish else None,
+            "prompt_tokens": len(self.input_ids),
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": 0,
+            "weight_version": weight_version,
+        }
+        if self.return_logprob:
+            meta["input_token_logprobs"] = []
+            meta["output_token_logprobs"] = [
+                [lp, tid, self._token_text(tokenizer, tid)]
+                for lp, tid in zip(self.output_logprobs, self.output_ids, strict=True)
+            ]
+            if self.top_logprobs_num:
+                meta["input_top_logprobs"] = []
+                meta["output_top_logprobs"] = [
+                    [[lp, tid, self._token_text(tokenizer, tid)] for lp, tid in row] for row in self.output_top_logprobs
+                ]
+        if self.finished_at is not None:
+            meta["e2e_latency"] = self.finished_at - self.created_at
+        return {"text": self.text(tokenizer), "output_ids": list(self.output_ids), "meta_info": meta}
+
+    def _token_text(self, tokenizer: Detokenizer, token_id: int) -> str | None:
+        return tokenizer.decode([token_id], skip_special_tokens=False) if self.return_text_in_logprobs else None

@@ -1,0 +1,148 @@
+"""SGLang's HTTP API over an EngineCore: the same paths, bodies and status codes as `sglang.launch_server`.
+
+Error bodies follow SGLang, which has two: a body that fails validation (malformed JSON, wrong
+types, missing prompt) answers 400 `{"object": "error", "message", "type": "Bad Request", "param",
+"code": 400}`; a request the engine cannot run (prompt over the context, bad token ids) answers 400
+`{"error": {"message", ...}}` through rlfleet's shared error handlers. Weight loads answer
+`{"success", "message", "num_paused_requests"}` with 200 or 400, as SGLang does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from rlfleet.errors import InvalidInput
+from rlfleet.http_errors import install_error_handlers
+from rlfleet_engine.engine_core import EngineCore
+from rlfleet_engine.schemas import AbortRequest, GenerateRequest, UpdateWeightsFromDiskRequest
+
+# Names pydantic gives the alternatives of a union in an error path (besides generic ones like `list[int]`).
+_UNION_TAGS = frozenset({"str", "int", "float", "bool"})
+
+
+def create_app(core: EngineCore, registry: CollectorRegistry) -> FastAPI:
+    # strict_content_type=False: like SGLang clients, `curl -d` without a JSON content type still works.
+    app = FastAPI(title="rlfleet-engine", version="0.1.0", strict_content_type=False)
+    install_error_handlers(app)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        body = {
+            "object": "error",
+            "message": _describe(exc),
+            "type": HTTPStatus.BAD_REQUEST.phrase,
+            "param": None,
+            "code": HTTPStatus.BAD_REQUEST.value,
+        }
+        return JSONResponse(body, status_code=HTTPStatus.BAD_REQUEST)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if core.scheduler.alive() else 503)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        return Response(status_code=200 if await core.health_generate() else 503)
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def model_info() -> dict[str, Any]:
+        return core.model_info()
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        return core.server_info()
+
+    @app.get("/get_weight_version")
+    async def weight_version() -> dict[str, Any]:
+        return {"weight_version": core.weight_version}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        name = core.config.served_model_name
+        card = {
+            "id": name,
+            "object": "model",
+            "owned_by": "rlfleet",
+            "root": name,
+            "max_model_len": core.backend.context_length,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.api_route("/generate", methods=["POST", "PUT"], response_model=None)
+    async def generate(req: GenerateRequest) -> Any:
+        if not req.stream:
+            return await core.generate(req)
+        chunks = core.generate_stream(req)
+        return StreamingResponse(_server_sent_events(chunks), media_type="text/event-stream")
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        # No prefix cache is kept across requests, so there is never anything to flush.
+        return PlainTextResponse("Cache flushed.\n")
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(req: UpdateWeightsFromDiskRequest) -> JSONResponse:
+        try:
+            result = await core.update_weights_from_disk(req)
+        except InvalidInput as exc:
+            failed = {"success": False, "message": f"Failed to update weights: {exc}", "num_paused_requests": 0}
+            return JSONResponse(failed, status_code=HTTPStatus.BAD_REQUEST)
+        return JSONResponse(result)
+
+    @app.post("/pause_generation")
+    async def pause_generation() -> dict[str, str]:
+        core.pause()
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> dict[str, str]:
+        core.resume()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.post("/abort_request")
+    async def abort_request(req: AbortRequest) -> Response:
+        core.abort(req.rid, req.abort_all)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _server_sent_events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    async for chunk in chunks:
+        yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+def _describe(exc: RequestValidationError) -> str:
+    """One clause per problem, naming the field (`body.sampling_params.top_p: ...`).
+
+    Pydantic reports a failed union once per alternative, with the alternative's name in the path;
+    those names are dropped, and of the alternatives only the most specific complaint per field is kept.
+    """
+    found: list[tuple[str, str]] = []
+    for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            return (
+                f"malformed JSON body: {err.get('ctx', {}).get('error', 'decode error')} at position {err['loc'][-1]}"
+            )
+        path = [str(p) for p in err.get("loc", ()) if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS))]
+        found.append((".".join(path), str(err.get("msg", "invalid")).removeprefix("Value error, ")))
+    deepest = [(loc, msg) for loc, msg in found if not any(o != loc and o.startswith(loc + ".") for o, _ in found)]
+    seen: dict[str, str] = {}
+    for loc, msg in deepest:
+        seen.setdefault(loc, msg)
+    return "; ".join(f"{loc}: {msg}" for loc, msg in seen.items()) or "invalid request"

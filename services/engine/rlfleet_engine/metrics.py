@@ -1,0 +1,101 @@
+"""The engine's Prometheus metrics, under SGLang's names and labels so SGLang dashboards read them.
+
+Scheduler gauges carry SGLang's scheduler labels (model_name, engine_type, tp_rank, pp_rank);
+request counters and latency histograms carry the tokenizer-side label (model_name). The one
+metric SGLang has no name for, the size of each decode batch, is ours: rlfleet_engine_decode_batch_size.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 15, 20, 30, 60)
+_E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200)
+_ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.06, 0.08, 0.1, 0.2, 0.4, 1, 2)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Seconds of history behind sglang:gen_throughput.
+_THROUGHPUT_WINDOW_S = 5.0
+
+
+class EngineMetrics:
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.registry = registry
+        sched = {"model_name": model_name, "engine_type": "unified", "tp_rank": "0", "pp_rank": "0"}
+        req = {"model_name": model_name}
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labelnames=list(sched), registry=registry).labels(**sched)
+
+        self.num_running_reqs = gauge("sglang:num_running_reqs", "The number of running requests.")
+        self.num_queue_reqs = gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.")
+        self.gen_throughput = gauge("sglang:gen_throughput", "The generation throughput (token/s).")
+        self.cache_hit_rate = gauge("sglang:cache_hit_rate", "The prefix cache hit rate.")
+        self.num_used_tokens = gauge("sglang:num_used_tokens", "The number of used tokens.")
+        self.prompt_tokens = Counter(
+            "sglang:prompt_tokens", "Number of prefill tokens processed.", labelnames=list(req), registry=registry
+        ).labels(**req)
+        self.generation_tokens = Counter(
+            "sglang:generation_tokens",
+            "Number of generation tokens processed.",
+            labelnames=list(req),
+            registry=registry,
+        ).labels(**req)
+        self.cached_tokens = Counter(
+            "sglang:cached_tokens", "Number of cached prompt tokens.", labelnames=list(req), registry=registry
+        ).labels(**req)
+        self.num_requests = Counter(
+            "sglang:num_requests", "The number of processed requests.", labelnames=list(req), registry=registry
+        ).labels(**req)
+        self.time_to_first_token = Histogram(
+            "sglang:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            labelnames=list(req),
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        ).labels(**req)
+        self.e2e_request_latency = Histogram(
+            "sglang:e2e_request_latency_seconds",
+            "Histogram of End-to-end request latency in seconds",
+            labelnames=list(req),
+            buckets=_E2E_BUCKETS,
+            registry=registry,
+        ).labels(**req)
+        self.inter_token_latency = Histogram(
+            "sglang:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            labelnames=list(req),
+            buckets=_ITL_BUCKETS,
+            registry=registry,
+        ).labels(**req)
+        self.decode_batch_size = Histogram(
+            "rlfleet_engine_decode_batch_size",
+            "Sequences advanced together by one decode step.",
+            labelnames=list(req),
+            buckets=_BATCH_BUCKETS,
+            registry=registry,
+        ).labels(**req)
+        self.cache_hit_rate.set(0.0)
+        self._recent: deque[tuple[float, int]] = deque()
+        self.last_gen_throughput = 0.0
+
+    def observe_generated(self, tokens: int) -> None:
+        """Counts `tokens` new output tokens and refreshes the windowed throughput gauge."""
+        now = time.monotonic()
+        self.generation_tokens.inc(tokens)
+        self._recent.append((now, tokens))
+        while self._recent and now - self._recent[0][0] > _THROUGHPUT_WINDOW_S:
+            self._recent.popleft()
+        span = max(now - self._recent[0][0], 1e-3) if len(self._recent) > 1 else _THROUGHPUT_WINDOW_S
+        self.last_gen_throughput = sum(n for _, n in self._recent) / span
+        self.gen_throughput.set(self.last_gen_throughput)
+
+    def observe_finished(self, ttft: float | None, e2e: float, completion_tokens: int) -> None:
+        self.num_requests.inc()
+        if ttft is not None:
+            self.time_to_first_token.observe(ttft)
+            if completion_tokens > 1:
+                self.inter_token_latency.observe((e2e - ttft) / (completion_tokens - 1))
+        self.e2e_request_latency.observe(e2e)

@@ -1,0 +1,114 @@
+"""Turns one /generate request into the jobs it asks for: one per prompt and sample (`n`), in SGLang's order.
+
+Order is prompt-major: prompt 0 sample 0..n-1, then prompt 1, ... Request ids follow SGLang: a string
+rid of a batch (or of n > 1 samples) becomes `rid_<k>`, a list of rids gives one per prompt (with
+`_<j>` appended per sample when n > 1), and a missing rid becomes a fresh hex id.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from rlfleet.errors import InvalidInput
+from rlfleet_engine.sampling_params import SamplingParams
+from rlfleet_engine.schemas import GenerateRequest
+
+T = TypeVar("T")
+
+
+class Encoder(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool
+    top_logprobs_num: int
+
+
+def expand(req: GenerateRequest, tokenizer: Encoder, vocab_size: int, context_length: int) -> list[JobSpec]:
+    """The jobs of `req`; raises InvalidInput naming the field for anything the engine cannot run."""
+    size = req.batch_size
+    prompts = _prompts(req, tokenizer)
+    params = list(_per_prompt(req.sampling_params, size, "sampling_params", SamplingParams()))
+    n = params[0].n
+    if any(p.n != n for p in params):
+        raise InvalidInput("sampling_params: n must be the same for every prompt of a batch")
+    logprob = _per_prompt(req.return_logprob, size, "return_logprob", False)
+    tops = _per_prompt(req.top_logprobs_num, size, "top_logprobs_num", 0)
+    starts = _per_prompt(req.logprob_start_len, size, "logprob_start_len", -1)
+    if any(s not in (-1, None) for s in starts):
+        raise InvalidInput("logprob_start_len: only -1 (output logprobs only) is supported by rlfleet-engine")
+    if any(t < 0 for t in tops):
+        raise InvalidInput("top_logprobs_num must be >= 0")
+    rids = _rids(req.rid, size, n, single=not req.is_batch and n == 1)
+
+    for i, ids in enumerate(prompts):
+        where = f"input_ids[{i}]" if req.is_batch else "input_ids"
+        if not ids:
+            raise InvalidInput(f"prompt {i} is empty after tokenization")
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidInput(f"{where} holds token id {bad}, outside the vocabulary [0, {vocab_size})")
+        room = context_length - len(ids)
+        if room <= 0:
+            raise InvalidInput(
+                f"The input ({len(ids)} tokens) is longer than the model's context length ({context_length} tokens)."
+            )
+        if "max_new_tokens" not in params[i].model_fields_set:
+            # SGLang clamps the default budget to what the context leaves; only an explicit one is an error.
+            params[i] = params[i].model_copy(update={"max_new_tokens": min(params[i].max_new_tokens, room)})
+        elif params[i].max_new_tokens > room:
+            raise InvalidInput(
+                f"Requested token count exceeds the model's maximum context length of {context_length} tokens: "
+                f"{len(ids)} prompt tokens + max_new_tokens {params[i].max_new_tokens}."
+            )
+    return [
+        JobSpec(
+            rid=rids[i * n + j],
+            input_ids=list(prompts[i]),
+            params=params[i],
+            return_logprob=bool(logprob[i]),
+            top_logprobs_num=int(tops[i] or 0) if logprob[i] else 0,
+        )
+        for i in range(size)
+        for j in range(n)
+    ]
+
+
+def _prompts(req: GenerateRequest, tokenizer: Encoder) -> list[list[int]]:
+    if req.text is not None:
+        texts = req.text if isinstance(req.text, list) else [req.text]
+        return [tokenizer.encode(t) for t in texts]
+    assert req.input_ids is not None
+    if req.is_batch:
+        return [list(ids) for ids in req.input_ids]  # type: ignore[arg-type]
+    return [list(req.input_ids)]  # type: ignore[arg-type]
+
+
+def _per_prompt(value: T | list[T] | None, size: int, name: str, default: T) -> list[T]:
+    if value is None:
+        return [default] * size
+    if isinstance(value, list):
+        if len(value) != size:
+            raise InvalidInput(f"{name} has {len(value)} entries for a batch of {size} prompts")
+        return [default if v is None else v for v in value]
+    return [value] * size
+
+
+def _rids(rid: str | list[str] | None, size: int, n: int, single: bool) -> list[str]:
+    total = size * n
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(total)]
+    if isinstance(rid, str):
+        return [rid] if single else [f"{rid}_{k}" for k in range(total)]
+    if len(rid) != size:
+        raise InvalidInput(f"rid has {len(rid)} entries for a batch of {size} prompts")
+    if len(set(rid)) != len(rid):
+        raise InvalidInput(f"rid holds duplicates: {sorted({r for r in rid if rid.count(r) > 1})}")
+    return list(rid) if n == 1 else [f"{r}_{j}" for r in rid for j in range(n)]

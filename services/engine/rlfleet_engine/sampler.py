@@ -1,0 +1,78 @@
+"""Next-token sampling for a batch of rows, each with its own temperature, top-p, top-k and min-p.
+
+Logprob convention (the same as SGLang's default, i.e. without SGLANG_RETURN_ORIGINAL_LOGPROB):
+the reported logprob of a token is its log-probability under the temperature-scaled distribution
+it was drawn from, *before* top-p / top-k / min-p truncation and renormalisation:
+
+    greedy (temperature == 0):   logprob = log_softmax(logits)[token]
+    sampled (temperature  > 0):  logprob = log_softmax(logits / temperature)[token]
+
+so a trainer recomputing log_softmax(logits / T) over the full vocabulary gets the same number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rlfleet_engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SampledTokens:
+    token_ids: list[int]
+    """One sampled token per row."""
+    logprobs: list[float]
+    """Log-probability of each sampled token (see the module docstring)."""
+    top_logprobs: list[list[tuple[float, int]]]
+    """Per row, the `top_logprobs_num` most likely (logprob, token) pairs of the same distribution."""
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generator: torch.Generator | None = None,
+    top_logprobs_nums: Sequence[int] | None = None,
+) -> SampledTokens:
+    """Samples one token per row of `logits` (B, V) under that row's parameters."""
+    assert logits.dim() == 2 and logits.shape[0] == len(params), "one row of logits per SamplingParams"
+    logits = logits.float()
+    rows, vocab = logits.shape
+    greedy = torch.tensor([p.is_greedy for p in params], dtype=torch.bool)
+    # Greedy rows use temperature 1 so their logprobs are log_softmax(logits), as SGLang does.
+    temperatures = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params]).unsqueeze(1)  # (B, 1)
+    logprobs = torch.log_softmax(logits / temperatures, dim=-1)  # (B, V)
+
+    chosen = torch.argmax(logprobs, dim=-1)  # (B,)
+    sampled_rows = (~greedy).nonzero().flatten()
+    if sampled_rows.numel() > 0:
+        sub = [params[i] for i in sampled_rows.tolist()]
+        probs = truncated_probs(logprobs[sampled_rows].exp(), sub, vocab)
+        draws = torch.multinomial(probs, num_samples=1, generator=generator).flatten()
+        chosen[sampled_rows] = draws
+
+    token_logprobs = logprobs.gather(1, chosen.unsqueeze(1)).flatten()
+    tops: list[list[tuple[float, int]]] = [[] for _ in range(rows)]
+    nums = list(top_logprobs_nums) if top_logprobs_nums is not None else [0] * rows
+    k_max = min(max(nums, default=0), vocab)
+    if k_max > 0:
+        values, indices = logprobs.topk(k_max, dim=-1)
+        for i, k in enumerate(nums):
+            tops[i] = list(zip(values[i, :k].tolist(), indices[i, :k].tolist(), strict=True))
+    return SampledTokens(token_ids=chosen.tolist(), logprobs=token_logprobs.tolist(), top_logprobs=tops)
+
+
+def truncated_probs(probs: torch.Tensor, params: Sequence[SamplingParams], vocab: int) -> torch.Tensor:
+    """Zeroes what top-k, top-p and min-p exclude in `probs` (B, V); the most likely token always stays."""
+    top_ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).unsqueeze(1)  # (B, 1)
+    top_ps = torch.tensor([p.top_p for p in params]).unsqueeze(1)  # (B, 1)
+    min_ps = torch.tensor([p.min_p for p in params]).unsqueeze(1)  # (B, 1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)  # (B, V)
+    rank = torch.arange(vocab).unsqueeze(0)  # (1, V)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (B, V): mass of strictly more likely tokens
+    drop = (rank >= top_ks) | (mass_before > top_ps) | (sorted_probs < sorted_probs[:, :1] * min_ps)
+    drop[:, 0] = False
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter(1, order, sorted_probs)

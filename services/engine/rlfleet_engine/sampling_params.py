@@ -1,0 +1,80 @@
+"""The `sampling_params` object of a /generate request, with SGLang's names, defaults and ranges.
+
+Unknown keys are ignored (SGLang clients send many); known SGLang parameters this engine does not
+implement are accepted only at their neutral value, so a request is never silently sampled from a
+different distribution than it asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Below this a temperature means greedy decoding, as in SGLang.
+GREEDY_TEMPERATURE = 1e-6
+
+# SGLang parameter -> its neutral value; anything else is refused with a message naming it.
+_UNSUPPORTED_AT_NEUTRAL: dict[str, Any] = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "logit_bias": None,
+    "custom_params": None,
+}
+
+
+class SamplingParams(BaseModel):
+    """How to sample one completion. `temperature` 0 means greedy."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    max_new_tokens: int = Field(default=128, ge=0)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = Field(default=1, ge=1)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: object) -> object:
+        if value is None:
+            return []
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _stop_ids_as_list(cls, value: object) -> object:
+        return [] if value is None else value
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_range(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or at least 1, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> SamplingParams:
+        extra = self.model_extra or {}
+        for name, neutral in _UNSUPPORTED_AT_NEUTRAL.items():
+            if name in extra and extra[name] != neutral and extra[name] is not None:
+                raise ValueError(f"{name}={extra[name]!r} is not supported by rlfleet-engine (only {neutral!r})")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        return self
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1

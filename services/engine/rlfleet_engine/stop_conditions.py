@@ -1,0 +1,58 @@
+"""When a sequence stops, and the `finish_reason` object SGLang reports for it.
+
+Shapes (as SGLang's FINISH_* classes serialise them):
+    {"type": "stop", "matched": <token id or stop string>}
+    {"type": "length", "length": <max_new_tokens>}
+    {"type": "abort", "message": "..."}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from rlfleet_engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    type: Literal["stop", "length", "abort"]
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        if self.type == "stop":
+            return {"type": "stop", "matched": self.matched}
+        if self.type == "length":
+            return {"type": "length", "length": self.length}
+        return {"type": "abort", "message": self.message or "aborted"}
+
+    @property
+    def matched_token(self) -> bool:
+        return self.type == "stop" and isinstance(self.matched, int)
+
+
+def token_finish(
+    output_ids: Sequence[int], params: SamplingParams, eos_token_ids: Collection[int]
+) -> FinishReason | None:
+    """Checks the newest token: length first, then eos and stop_token_ids (SGLang's order)."""
+    if not output_ids:
+        return None
+    if len(output_ids) >= params.max_new_tokens:
+        return FinishReason("length", length=params.max_new_tokens)
+    last = output_ids[-1]
+    if last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids):
+        return FinishReason("stop", matched=last)
+    return None
+
+
+def find_stop_string(text: str, stops: Sequence[str], search_from: int = 0) -> tuple[int, str] | None:
+    """The earliest stop string in `text` starting at or after `search_from`: (position, stop)."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        pos = text.find(stop, max(0, search_from))
+        if pos >= 0 and (best is None or pos < best[0]):
+            best = (pos, stop)
+    return best

@@ -1,0 +1,62 @@
+"""Loads a Hugging Face checkpoint's safetensors into a live model, checking everything before changing anything.
+
+A load that fails (missing or unknown tensors, wrong shapes, no files) raises InvalidInput and
+leaves the model exactly as it was, so the engine keeps serving its previous version.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from rlfleet.errors import InvalidInput
+
+logger = logging.getLogger(__name__)
+
+
+def read_safetensors_dir(model_path: str) -> dict[str, torch.Tensor]:
+    """All tensors of every *.safetensors file in `model_path` (a single file or shards)."""
+    directory = Path(model_path)
+    if not directory.is_dir():
+        raise InvalidInput(f"model_path {model_path!r} is not a directory")
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise InvalidInput(f"model_path {model_path!r} holds no *.safetensors files")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    return state
+
+
+def load_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> int:
+    """Copies `state` into `model` in place; returns the number of tensors copied."""
+    targets = model.state_dict(keep_vars=True)
+    unknown = sorted(set(state) - set(targets))
+    if unknown:
+        raise InvalidInput(f"{source} holds tensors the model does not have: {unknown[:5]}")
+    # Tied parameters (e.g. lm_head = embed_tokens) appear once in named_parameters; one copy suffices.
+    required = {name for name, _ in model.named_parameters()}
+    missing = sorted(name for name in required if name not in state and not _tied_copy_present(model, name, state))
+    if missing:
+        raise InvalidInput(f"{source} lacks tensors the model needs: {missing[:5]}")
+    for name, tensor in state.items():
+        want = tuple(targets[name].shape)
+        if tuple(tensor.shape) != want:
+            raise InvalidInput(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, the model expects {want}")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            targets[name].copy_(tensor.to(targets[name].dtype))
+    logger.info("loaded %d tensors from %s", len(state), source)
+    return len(state)
+
+
+def _tied_copy_present(model: torch.nn.Module, name: str, state: dict[str, torch.Tensor]) -> bool:
+    """True if the parameter `name` shares storage with a tensor the checkpoint does provide."""
+    target = model.get_parameter(name)
+    for other, param in model.state_dict(keep_vars=True).items():
+        if other != name and other in state and param.data_ptr() == target.data_ptr():
+            return True
+    return False

@@ -1,0 +1,47 @@
+"""Shared fixtures of the engine's tests: the tiny model (made once per session) and engines as real processes.
+
+This directory goes on sys.path so the test modules can import `engine_test_support` by its plain
+name, which pytest's importlib mode would not give them.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+if str(TESTS_DIR) not in sys.path:
+    sys.path.insert(0, str(TESTS_DIR))
+
+from engine_test_support import RunningEngine, start_engine  # noqa: E402
+
+from rlfleet.tiny_model import create_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("engine-model") / "tiny"
+    create_tiny_model(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEngine]:
+    """One engine shared by the read-only HTTP tests (its weights never change)."""
+    running = start_engine(tiny_model_dir, tmp_path_factory.mktemp("engine-logs"), "--max-running-requests", "8")
+    yield running
+    running.process.stop()
+
+
+@pytest.fixture(scope="session")
+def reference_model(tiny_model_dir: Path) -> Any:
+    """The same checkpoint as a plain Hugging Face model, for computing expected logprobs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()

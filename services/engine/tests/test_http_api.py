@@ -1,0 +1,208 @@
+"""The SGLang HTTP contract on a live engine: bad input, batching, streaming, abort, control and info endpoints."""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+from engine_test_support import RunningEngine
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ("{not json", "malformed JSON"),
+        ({"sampling_params": {"max_new_tokens": 2}}, "either text or input_ids (got neither)"),
+        ({"text": "1+1=", "input_ids": [5]}, "not both"),
+        ({"text": 5}, "body.text"),
+        ({"input_ids": "abc"}, "body.input_ids"),
+        ({"text": "1+1=", "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
+        ({"text": "1+1=", "sampling_params": {"top_p": 1.5}}, "sampling_params.top_p"),
+        ({"text": "1+1=", "sampling_params": {"max_new_tokens": -3}}, "sampling_params.max_new_tokens"),
+        ({"text": "1+1=", "stream": "sometimes"}, "body.stream"),
+    ],
+)
+def test_malformed_requests_get_sglangs_400_naming_the_problem(engine: RunningEngine, body: Any, fragment: str) -> None:
+    content = body if isinstance(body, str) else json.dumps(body)
+    response = httpx.post(
+        engine.url + "/generate", content=content, headers={"content-type": "application/json"}, timeout=10
+    )
+    assert response.status_code == 400
+    error = response.json()
+    assert error["object"] == "error" and error["code"] == 400
+    assert fragment in error["message"], error["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({"text": "7" * 600}, "longer than the model's context length"),
+        ({"text": "1+1=", "sampling_params": {"max_new_tokens": 1000}}, "maximum context length"),
+        ({"input_ids": [5, 100000]}, "outside the vocabulary"),
+    ],
+)
+def test_requests_the_model_cannot_run_get_400(engine: RunningEngine, body: Any, fragment: str) -> None:
+    response = engine.post("/generate", body)
+    assert response.status_code == 400
+    assert fragment in response.json()["error"]["message"]
+
+
+def test_unknown_fields_are_accepted_and_ignored(engine: RunningEngine) -> None:
+    out = engine.generate(
+        {
+            "text": "1+1=",
+            "lora_path": None,
+            "custom_labels": {"a": "b"},
+            "future_field": [1],
+            "sampling_params": {"max_new_tokens": 3, "ignore_eos": True, "future_knob": True},
+        }
+    )
+    assert out["meta_info"]["completion_tokens"] == 3
+
+
+def test_single_and_batch_shapes_with_n_and_rid(engine: RunningEngine) -> None:
+    single = engine.generate({"text": "1+1=", "rid": "solo", "sampling_params": {"max_new_tokens": 2}})
+    assert isinstance(single, dict) and single["meta_info"]["id"] == "solo"
+    assert set(single["meta_info"]) >= {
+        "id",
+        "finish_reason",
+        "prompt_tokens",
+        "completion_tokens",
+        "cached_tokens",
+        "weight_version",
+        "e2e_latency",
+    }
+    many = engine.generate(
+        {"text": ["1+1=", "2+2="], "rid": "grp", "sampling_params": {"n": 3, "max_new_tokens": 2, "ignore_eos": True}}
+    )
+    assert [o["meta_info"]["id"] for o in many] == [f"grp_{k}" for k in range(6)]
+    assert all(o["meta_info"]["prompt_tokens"] == 4 for o in many)
+
+
+def test_stop_string_and_zero_tokens(engine: RunningEngine) -> None:
+    out = engine.generate({"text": "1+1=", "sampling_params": {"max_new_tokens": 0}})
+    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    first = engine.generate({"text": "1+1=", "sampling_params": {"temperature": 0, "max_new_tokens": 1}})["text"]
+    stopped = engine.generate(
+        {"text": "1+1=", "sampling_params": {"temperature": 0, "max_new_tokens": 20, "stop": [first]}}
+    )
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": first}
+    assert stopped["text"] == ""
+
+
+def test_concurrent_requests_are_batched(engine: RunningEngine) -> None:
+    def one(i: int) -> dict[str, Any]:
+        return engine.generate(
+            {"input_ids": [10 + i, 11, 12], "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
+        )
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        outs = list(pool.map(one, range(8)))
+    assert all(o["meta_info"]["completion_tokens"] == 40 for o in outs)
+    state = engine.get("/get_server_info").json()["internal_states"][0]
+    assert state["peak_batch_size"] > 1
+    metrics = engine.get("/metrics").text
+    singles = _sample(metrics, 'rlfleet_engine_decode_batch_size_bucket{le="1.0"')
+    steps = _sample(metrics, "rlfleet_engine_decode_batch_size_count")
+    assert steps > singles, "some decode step must have advanced more than one sequence"
+
+
+def test_streaming_sends_cumulative_chunks_then_done(engine: RunningEngine) -> None:
+    body = {
+        "text": "1+1=",
+        "stream": True,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 5, "ignore_eos": True},
+    }
+    with httpx.stream("POST", engine.url + "/generate", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [len(c["output_ids"]) for c in chunks] == [1, 2, 3, 4, 5]
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    assert len(chunks[-1]["meta_info"]["output_token_logprobs"]) == 5
+
+
+def test_abort_finishes_a_running_request(engine: RunningEngine) -> None:
+    body = {
+        "text": "1+1=",
+        "rid": "to-abort",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 450, "ignore_eos": True},
+    }
+    with httpx.stream("POST", engine.url + "/generate", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first.removeprefix("data: "))["meta_info"]["finish_reason"] is None
+        assert engine.post("/abort_request", {"rid": "to-abort"}).status_code == 200
+        events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    last = json.loads(events[-2])
+    assert events[-1] == "[DONE]"
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert last["meta_info"]["completion_tokens"] < 450
+
+
+def test_pause_holds_requests_until_continue(engine: RunningEngine) -> None:
+    assert engine.post("/pause_generation", {}).status_code == 200
+    result: dict[str, Any] = {}
+    worker = threading.Thread(
+        target=lambda: result.update(out=engine.generate({"text": "1+1=", "sampling_params": {"max_new_tokens": 2}}))
+    )
+    try:
+        worker.start()
+        worker.join(timeout=1.0)
+        assert worker.is_alive() and "out" not in result
+        assert engine.get("/health_generate").status_code == 200
+    finally:
+        assert engine.post("/continue_generation", {}).json()["status"] == "ok"
+    worker.join(timeout=30)
+    assert result["out"]["meta_info"]["completion_tokens"] >= 1
+
+
+def test_health_info_and_cache_endpoints(engine: RunningEngine, tiny_model_dir: Any) -> None:
+    assert engine.get("/health").status_code == 200
+    assert engine.get("/health_generate").status_code == 200
+    for path in ("/get_model_info", "/model_info"):
+        info = engine.get(path).json()
+        assert info["model_path"] == str(tiny_model_dir) and info["is_generation"] is True
+        assert info["weight_version"] == "default" and info["architectures"] == ["LlamaForCausalLM"]
+    for path in ("/get_server_info", "/server_info"):
+        server = engine.get(path).json()
+        assert server["served_model_name"] == str(tiny_model_dir)
+        assert server["dp_size"] == 1 and server["max_running_requests"] == 8 and server["version"]
+    assert engine.post("/flush_cache", {}).status_code == 200
+    response = engine.post("/abort_request", {})
+    assert response.status_code == 400 and "rid" in response.json()["message"]
+
+
+def test_metrics_use_sglang_names_and_labels(engine: RunningEngine, tiny_model_dir: Any) -> None:
+    engine.generate({"text": "1+1=", "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
+    text = engine.get("/metrics").text
+    label = f'model_name="{tiny_model_dir}"'
+    for name in (
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "sglang:gen_throughput",
+        "sglang:cache_hit_rate",
+        "sglang:prompt_tokens_total",
+        "sglang:generation_tokens_total",
+        "sglang:time_to_first_token_seconds_bucket",
+        "sglang:e2e_request_latency_seconds_bucket",
+    ):
+        assert any(line.startswith(name + "{") and label in line for line in text.splitlines()), name
+    assert _sample(text, "sglang:generation_tokens_total") >= 2
+
+
+def _sample(metrics_text: str, prefix: str) -> float:
+    """Value of the first sample line starting with `prefix`."""
+    line = next(line for line in metrics_text.splitlines() if line.startswith(prefix))
+    return float(line.rsplit(" ", 1)[1])

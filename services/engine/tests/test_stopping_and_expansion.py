@@ -1,0 +1,141 @@
+"""Stop handling and request expansion without HTTP or a model."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from rlfleet.errors import InvalidInput
+from rlfleet_engine.generation_job import GenerationJob
+from rlfleet_engine.request_expansion import expand
+from rlfleet_engine.sampling_params import SamplingParams
+from rlfleet_engine.schemas import GenerateRequest
+from rlfleet_engine.stop_conditions import FinishReason, find_stop_string, token_finish
+
+EOS = 1
+
+
+class CharTokenizer:
+    """ids 3.. are 'a', 'b', ...; 1 is eos (special)."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) - ord("a") + 3 for c in text]
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(
+            "" if t == EOS and skip_special_tokens else "<eos>" if t == EOS else chr(t - 3 + 97) for t in token_ids
+        )
+
+
+def ids(text: str) -> list[int]:
+    return CharTokenizer().encode(text)
+
+
+def run(job: GenerationJob, tokens: list[int]) -> GenerationJob:
+    """Feeds tokens until the job finishes, as the scheduler does."""
+    for token in tokens:
+        job.append(token, -1.0, [])
+        reason = token_finish(job.output_ids, job.params, {EOS}) or job.check_stop_strings(CharTokenizer())
+        if reason:
+            job.finish_with(reason)
+            break
+    return job
+
+
+def new_job(**params: object) -> GenerationJob:
+    return GenerationJob(rid="r", input_ids=[3], params=SamplingParams(**params), deliver=lambda out: None)
+
+
+def test_length_is_checked_before_eos() -> None:
+    reason = token_finish([5, EOS], SamplingParams(max_new_tokens=2), {EOS})
+    assert reason == FinishReason("length", length=2)
+    assert reason.to_json() == {"type": "length", "length": 2}
+
+
+def test_eos_stops_unless_ignored() -> None:
+    assert token_finish([5, EOS], SamplingParams(), {EOS}).to_json() == {"type": "stop", "matched": EOS}
+    assert token_finish([5, EOS], SamplingParams(ignore_eos=True), {EOS}) is None
+
+
+def test_stop_token_ids_stop_and_are_trimmed_from_text_but_not_ids() -> None:
+    job = run(new_job(stop_token_ids=[ids("c")[0]]), ids("abcd"))
+    assert job.finish == FinishReason("stop", matched=ids("c")[0])
+    out = job.output(CharTokenizer(), "v1")
+    assert out["text"] == "ab" and out["output_ids"] == ids("abc")
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids("c")[0]}
+    assert out["meta_info"]["weight_version"] == "v1"
+
+
+def test_stop_string_is_found_across_tokens_and_trimmed() -> None:
+    job = run(new_job(stop=["cd", "zz"]), ids("abcdef"))
+    assert job.finish == FinishReason("stop", matched="cd")
+    assert job.text(CharTokenizer()) == "ab"
+    assert job.output_ids == ids("abcd")
+
+
+def test_no_stop_trim_keeps_the_stop_string() -> None:
+    job = run(new_job(stop=["cd"], no_stop_trim=True), ids("abcdef"))
+    assert job.text(CharTokenizer()) == "abcd"
+
+
+def test_earliest_stop_string_wins() -> None:
+    assert find_stop_string("xxabyy", ["yy", "ab"]) == (2, "ab")
+    assert find_stop_string("xxabyy", ["q"]) is None
+
+
+def test_abort_reason_shape() -> None:
+    assert FinishReason("abort", message="gone").to_json() == {"type": "abort", "message": "gone"}
+
+
+def expand_request(body: dict[str, object], context: int = 64) -> list:
+    return expand(GenerateRequest(**body), CharTokenizer(), vocab_size=40, context_length=context)
+
+
+def test_batch_with_n_is_prompt_major_with_sglang_rids() -> None:
+    specs = expand_request({"text": ["ab", "c"], "sampling_params": {"n": 2, "max_new_tokens": 4}, "rid": "q"})
+    assert [s.rid for s in specs] == ["q_0", "q_1", "q_2", "q_3"]
+    assert [s.input_ids for s in specs] == [ids("ab"), ids("ab"), ids("c"), ids("c")]
+
+
+def test_single_prompt_keeps_its_rid_and_lists_of_rids_get_sample_suffixes() -> None:
+    assert [s.rid for s in expand_request({"input_ids": [3, 4], "rid": "one"})] == ["one"]
+    specs = expand_request({"input_ids": [[3], [4]], "rid": ["a", "b"], "sampling_params": {"n": 2}})
+    assert [s.rid for s in specs] == ["a_0", "a_1", "b_0", "b_1"]
+
+
+def test_per_prompt_sampling_params_and_logprob_flags() -> None:
+    specs = expand_request(
+        {
+            "input_ids": [[3], [4]],
+            "sampling_params": [{"temperature": 0}, {"top_k": 5}],
+            "return_logprob": [True, False],
+            "top_logprobs_num": 3,
+        }
+    )
+    assert specs[0].params.is_greedy and specs[1].params.top_k == 5
+    assert (specs[0].return_logprob, specs[0].top_logprobs_num) == (True, 3)
+    assert (specs[1].return_logprob, specs[1].top_logprobs_num) == (False, 0)
+
+
+def test_default_budget_is_clamped_to_the_context_but_an_explicit_one_is_not() -> None:
+    assert expand_request({"input_ids": [3] * 60})[0].params.max_new_tokens == 4
+    with pytest.raises(InvalidInput, match="maximum context length"):
+        expand_request({"input_ids": [3] * 60, "sampling_params": {"max_new_tokens": 5}})
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({"input_ids": [3, 99]}, "token id 99"),
+        ({"input_ids": [3] * 64}, "context length"),
+        ({"input_ids": [3] * 10, "sampling_params": {"max_new_tokens": 60}}, "maximum context length"),
+        ({"input_ids": [[3], [4]], "sampling_params": [{}]}, "sampling_params has 1 entries"),
+        ({"input_ids": [[3], [4]], "rid": ["a", "a"]}, "duplicates"),
+        ({"input_ids": [[3], [4]], "sampling_params": [{"n": 1}, {"n": 2}]}, "n must be the same"),
+        ({"input_ids": [3], "logprob_start_len": 0}, "logprob_start_len"),
+    ],
+)
+def test_requests_the_engine_cannot_run_name_the_problem(body: dict[str, object], fragment: str) -> None:
+    with pytest.raises(InvalidInput, match=fragment):
+        expand_request(body)
