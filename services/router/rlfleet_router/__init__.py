@@ -1,0 +1,1 @@
+"""rlfleet router: membership, health, routing and weight versions of the inference fleet."""

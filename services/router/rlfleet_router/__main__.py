@@ -1,0 +1,80 @@
+"""`python -m rlfleet_router --worker-urls URL [URL ...] --port 30000 --policy least_load`.
+
+Flags override `RLFLEET_ROUTER_*` environment variables, which override the defaults. Only the
+flags are parsed before the server modules are imported, so `--help` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+# (flag, type, help); each flag maps to the RouterConfig field of the same name with '_' for '-'.
+VALUE_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("--host", str, "address to listen on (default 127.0.0.1)"),
+    ("--port", int, "port to listen on (default 30000)"),
+    ("--policy", str, "routing policy: least_load (default) or round_robin"),
+    ("--request-timeout-secs", float, "bound on one proxied request, retries included (default 600)"),
+    ("--connect-timeout-secs", float, "bound on connecting to an engine (default 5)"),
+    ("--retry-max-retries", int, "other engines tried after a connection error or 5xx (default 3)"),
+    ("--retry-initial-backoff-ms", int, "wait before the first retry (default 50)"),
+    ("--retry-max-backoff-ms", int, "longest wait between retries (default 2000)"),
+    ("--retry-backoff-multiplier", float, "growth of the wait per retry (default 2.0)"),
+    ("--health-check-interval-secs", float, "time between two probes of each engine (default 5)"),
+    ("--health-check-timeout-secs", float, "bound on one probe (default 5)"),
+    ("--health-failure-threshold", int, "failures in a row that take an engine out of routing (default 3)"),
+    ("--health-success-threshold", int, "successes in a row that bring it back (default 2)"),
+    ("--health-check-endpoint", str, "engine path to probe (default /health_generate)"),
+    ("--weight-update-timeout-secs", float, "bound on one engine's weight load (default 600)"),
+    ("--log-level", str, "debug, info (default), warning, error"),
+)
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, dict[str, object]]:
+    """The parser and the flags given on the command line, keyed by RouterConfig field."""
+    parser = argparse.ArgumentParser(
+        prog="python -m rlfleet_router",
+        description="rlfleet router: routes SGLang requests across a fleet of engines, "
+        "checks their health and keeps them on one weight version.",
+        epilog="Every flag can also be set as an environment variable RLFLEET_ROUTER_<FLAG> "
+        "(e.g. RLFLEET_ROUTER_HEALTH_CHECK_INTERVAL_SECS=2).",
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument("--worker-urls", nargs="*", metavar="URL", help="engines to start with (http://host:port)")
+    for flag, kind, text in VALUE_FLAGS:
+        parser.add_argument(flag, type=kind, help=text)
+    parser.add_argument("--disable-retries", action="store_true", help="send each request to one engine only")
+    return parser, vars(parser.parse_args(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser, overrides = parse_args(argv)
+
+    from pydantic import ValidationError
+
+    from rlfleet_router.config import RouterConfig
+
+    try:
+        config = RouterConfig(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
+        parser.error(problems)
+
+    import uvicorn
+
+    from rlfleet.logs import init_logging
+    from rlfleet_router.http_app import create_app
+
+    init_logging("router", config.log_level)
+    uvicorn.run(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        log_config=None,
+        # Streams to a dead client must not hold shutdown hostage.
+        timeout_graceful_shutdown=5,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Router settings: environment variables `RLFLEET_ROUTER_<FIELD>`, overridden by command-line flags.
+
+Flag names follow sglang-router where it has the same setting (`--worker-urls`, `--policy`,
+`--health-check-interval-secs`, `--retry-max-retries`, ...), so a deployment can switch between the
+two routers without relearning the knobs.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from rlfleet.errors import InvalidInput
+from rlfleet_router.policies import available_policies
+from rlfleet_router.workers import normalize_worker_url
+
+
+class RouterConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RLFLEET_ROUTER_", extra="forbid")
+
+    worker_urls: list[str] = Field(
+        default_factory=list, description="Engines the fleet starts with (http://host:port)."
+    )
+    host: str = Field("127.0.0.1", description="Address the router listens on.")
+    port: int = Field(30000, ge=0, le=65535, description="Port the router listens on.")
+    policy: str = Field("least_load", description="Routing policy by name (least_load, round_robin, ...).")
+
+    request_timeout_secs: float = Field(
+        600.0, gt=0, description="Upper bound on one proxied request, retries included, until its last byte."
+    )
+    connect_timeout_secs: float = Field(5.0, gt=0, description="Bound on opening a connection to an engine.")
+    retry_max_retries: int = Field(
+        3, ge=0, description="Further engines tried after a connection error or 5xx before any byte was returned."
+    )
+    retry_initial_backoff_ms: int = Field(50, ge=0, description="Wait before the first retry.")
+    retry_max_backoff_ms: int = Field(2000, ge=0, description="Longest wait between two retries.")
+    retry_backoff_multiplier: float = Field(2.0, ge=1.0, description="Growth of the wait from one retry to the next.")
+    disable_retries: bool = Field(False, description="Send each request to one engine only.")
+
+    health_check_interval_secs: float = Field(5.0, gt=0, description="Time between two probes of every engine.")
+    health_check_timeout_secs: float = Field(5.0, gt=0, description="Bound on one probe.")
+    health_failure_threshold: int = Field(3, ge=1, description="Failures in a row that take an engine out of routing.")
+    health_success_threshold: int = Field(
+        2, ge=1, description="Successes in a row that bring a taken-out engine back (a new one needs one)."
+    )
+    health_check_endpoint: str = Field(
+        "/health_generate", description="Engine path probed: /health_generate (runs the model) or /health."
+    )
+
+    weight_update_timeout_secs: float = Field(
+        600.0, gt=0, description="Bound on one engine's /update_weights_from_disk (fan-out and rejoin alike)."
+    )
+    log_level: str = Field("info", description="Log level of the router process.")
+
+    @field_validator("worker_urls")
+    @classmethod
+    def _normalize_urls(cls, urls: list[str]) -> list[str]:
+        try:
+            return [normalize_worker_url(u) for u in urls]
+        except InvalidInput as exc:
+            raise ValueError(str(exc)) from exc
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, name: str) -> str:
+        known = available_policies()
+        if name not in known:
+            raise ValueError(f"unknown routing policy {name!r}; known policies: {', '.join(sorted(known))}")
+        return name
+
+    @field_validator("health_check_endpoint")
+    @classmethod
+    def _endpoint_path(cls, path: str) -> str:
+        if not path.startswith("/"):
+            raise ValueError(f"health_check_endpoint {path!r} must be a path starting with '/', e.g. /health")
+        return path
+
+    @model_validator(mode="after")
+    def _backoff_order(self) -> RouterConfig:
+        if self.retry_max_backoff_ms < self.retry_initial_backoff_ms:
+            raise ValueError("retry_max_backoff_ms must be >= retry_initial_backoff_ms")
+        return self

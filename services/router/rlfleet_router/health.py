@@ -1,0 +1,101 @@
+"""The health checker: probes every engine on a fixed interval and feeds the worker registry.
+
+One probe per engine at a time: an engine whose previous check is still running (a slow probe,
+or a weight load before it rejoins) is skipped in that round rather than probed twice. A probe
+that succeeds for an engine out of routing goes through `FleetWeights.admit`, which loads the
+fleet's weights first if the engine serves another version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+
+from rlfleet.errors import Unavailable
+from rlfleet_router.weights import FleetWeights, describe_error
+from rlfleet_router.workers import Worker, WorkerRegistry
+
+logger = logging.getLogger(__name__)
+
+
+class HealthChecker:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        workers: WorkerRegistry,
+        weights: FleetWeights,
+        endpoint: str,
+        interval_secs: float,
+        timeout_secs: float,
+    ) -> None:
+        self._client = client
+        self._workers = workers
+        self._weights = weights
+        self._endpoint = endpoint
+        self._interval = interval_secs
+        self._timeout = timeout_secs
+        self._checks: dict[str, asyncio.Task[None]] = {}
+        self._loop_task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Starts the periodic loop; its first round runs at once."""
+        assert self._loop_task is None, "HealthChecker.start() called twice"
+        self._loop_task = asyncio.create_task(self._run(), name="health-loop")
+
+    async def stop(self, timeout_secs: float = 5.0) -> None:
+        tasks = [t for t in (self._loop_task, *self._checks.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_secs)
+        self._checks.clear()
+        self._loop_task = None
+
+    def check_soon(self, worker: Worker) -> asyncio.Task[None]:
+        """Checks `worker` now in the background (unless a check of it is running) and returns that check."""
+        running = self._checks.get(worker.id)
+        if running is not None and not running.done():
+            return running
+        task = asyncio.create_task(self.check(worker), name=f"health-check-{worker.id}")
+        self._checks[worker.id] = task
+        task.add_done_callback(lambda t: self._forget(worker.id, t))
+        return task
+
+    async def check(self, worker: Worker) -> None:
+        """One probe of `worker` and the state change it implies."""
+        failure = await self._probe(worker)
+        if not self._workers.contains(worker):
+            return
+        if failure is not None:
+            self._workers.record_failure(worker, failure)
+            return
+        self._workers.record_success(worker)
+        if self._workers.ready_to_admit(worker):
+            try:
+                await self._weights.admit(worker)
+            except Unavailable as exc:
+                self._workers.record_failure(worker, str(exc))
+
+    async def _probe(self, worker: Worker) -> str | None:
+        """None if the engine answered 200 within the timeout, else why not."""
+        try:
+            response = await self._client.get(f"{worker.url}{self._endpoint}", timeout=self._timeout)
+        except httpx.HTTPError as exc:
+            return f"{self._endpoint}: {describe_error(exc)}"
+        if response.status_code != 200:
+            return f"{self._endpoint}: HTTP {response.status_code}"
+        return None
+
+    async def _run(self) -> None:
+        while True:
+            for worker in self._workers.all():
+                self.check_soon(worker)
+            await asyncio.sleep(self._interval)
+
+    def _forget(self, worker_id: str, task: asyncio.Task[None]) -> None:
+        if self._checks.get(worker_id) is task:
+            del self._checks[worker_id]
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("health check of worker %s failed", worker_id, exc_info=task.exception())

@@ -1,0 +1,135 @@
+"""The router's HTTP API: a thin FastAPI layer over `Fleet`.
+
+Engine-facing routes keep SGLang's paths and shapes (`/generate`, `/update_weights_from_disk`,
+`/get_model_info`, ...); membership follows sglang-router's `/workers` API; the fleet's own state
+is at `/fleet` and `/weight_version`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+from rlfleet.errors import InvalidInput, Unavailable
+from rlfleet.http_errors import install_error_handlers
+from rlfleet_router.api_models import AddWorkerRequest, UpdateWeightsRequest
+from rlfleet_router.config import RouterConfig
+from rlfleet_router.fleet import Fleet
+from rlfleet_router.metrics import RequestMetricsMiddleware
+from rlfleet_router.policies import RoutingRequest
+from rlfleet_router.proxy import EngineResponse
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def parse_json_object(body: bytes) -> dict[str, object]:
+    try:
+        parsed = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"body: not valid JSON ({exc})") from exc
+    if not isinstance(parsed, dict):
+        raise InvalidInput(f"body: must be a JSON object, got {type(parsed).__name__}")
+    return parsed
+
+
+def create_app(config: RouterConfig) -> FastAPI:
+    fleet = Fleet(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await fleet.start()
+        try:
+            yield
+        finally:
+            await fleet.stop()
+
+    app = FastAPI(title="rlfleet router", lifespan=lifespan)
+    app.state.fleet = fleet
+    install_error_handlers(app)
+    app.add_middleware(RequestMetricsMiddleware, metrics=fleet.metrics)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> EngineResponse:
+        body = await request.body()
+        routing = RoutingRequest(route="/generate", body=parse_json_object(body))
+        return await fleet.proxy.forward(routing, body, request.headers)
+
+    @app.get("/get_model_info")
+    async def get_model_info(request: Request) -> EngineResponse:
+        return await fleet.proxy.forward(RoutingRequest(route="/get_model_info"), b"", request.headers, method="GET")
+
+    @app.get("/get_server_info")
+    async def get_server_info(request: Request) -> EngineResponse:
+        return await fleet.proxy.forward(RoutingRequest(route="/get_server_info"), b"", request.headers, method="GET")
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(update: UpdateWeightsRequest) -> JSONResponse:
+        # Every field goes to the engines, so SGLang options the router does not model still apply;
+        # re-encoded rather than forwarded as bytes so a numeric weight_version reaches them as text.
+        body = json.dumps(update.model_dump()).encode()
+        result = await fleet.weights.update_fleet(update.model_path, update.weight_version, body)
+        return JSONResponse(result.describe(), status_code=200 if result.success else 502)
+
+    @app.get("/weight_version")
+    async def weight_version() -> dict[str, object]:
+        target = fleet.weights.target
+        return {
+            "weight_version": target.version if target else None,
+            "model_path": target.model_path if target else None,
+        }
+
+    @app.get("/fleet")
+    async def fleet_status() -> dict[str, object]:
+        return fleet.describe()
+
+    @app.get("/workers")
+    async def list_workers() -> dict[str, object]:
+        workers = [w.describe() for w in fleet.workers.all()]
+        return {"workers": workers, "total": len(workers)}
+
+    @app.post("/workers")
+    async def add_worker(add: AddWorkerRequest) -> JSONResponse:
+        worker, created = fleet.add_worker(add.url)
+        location = f"/workers/{worker.id}"
+        body = {
+            "status": "accepted" if created else "exists",
+            "worker_id": worker.id,
+            "url": worker.url,
+            "location": location,
+            "message": "worker added; it takes traffic once healthy and on the fleet's weight version"
+            if created
+            else "worker already in the fleet",
+        }
+        return JSONResponse(body, status_code=202 if created else 200, headers={"location": location})
+
+    @app.get("/workers/{worker_key:path}")
+    async def get_worker(worker_key: str) -> dict[str, object]:
+        return fleet.workers.get(worker_key).describe()
+
+    @app.delete("/workers/{worker_key:path}")
+    async def remove_worker(worker_key: str) -> dict[str, object]:
+        worker = fleet.remove_worker(worker_key)
+        return {"status": "removed", "worker_id": worker.id, "url": worker.url}
+
+    @app.get("/health")
+    @app.get("/readiness")
+    async def health() -> dict[str, object]:
+        healthy = len(fleet.workers.healthy())
+        total = len(fleet.workers.all())
+        if not healthy:
+            raise Unavailable(f"no healthy engine: 0 of {total} engines are in routing; GET /workers shows why")
+        return {"status": "ok", "healthy": healthy, "total": total}
+
+    @app.get("/liveness")
+    async def liveness() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(fleet.metrics.exposition(), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    return app

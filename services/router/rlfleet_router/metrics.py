@@ -1,0 +1,119 @@
+"""The router's Prometheus metrics, on a registry of its own (one per app, never the global one).
+
+Counters and the latency histogram are updated as things happen; the per-engine gauges and the
+weight version are read from the worker registry at scrape time, so a removed engine's series
+disappears instead of freezing at its last value.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from rlfleet_router.workers import WorkerRegistry
+
+# Generation requests run from milliseconds (cached, short) to minutes (long rollouts).
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+def version_as_number(version: str | None) -> float:
+    """The gauge value of a weight version: the number when it is one (trainer steps are), NaN otherwise."""
+    if version is None:
+        return math.nan
+    try:
+        return float(version)
+    except ValueError:
+        return math.nan
+
+
+class FleetCollector(Collector):
+    def __init__(self, workers: WorkerRegistry, weight_version: Callable[[], str | None]) -> None:
+        self._workers = workers
+        self._weight_version = weight_version
+
+    def collect(self) -> Iterator[Metric]:
+        in_flight = GaugeMetricFamily(
+            "rlfleet_router_engine_in_flight", "Requests the router has in flight at each engine.", labels=["engine"]
+        )
+        healthy = GaugeMetricFamily(
+            "rlfleet_router_engine_healthy", "1 if the engine is in routing, 0 otherwise.", labels=["engine"]
+        )
+        for worker in self._workers.all():
+            in_flight.add_metric([worker.url], worker.in_flight)
+            healthy.add_metric([worker.url], 1.0 if worker.healthy else 0.0)
+        yield in_flight
+        yield healthy
+        yield GaugeMetricFamily(
+            "rlfleet_router_weight_version",
+            "Weight version the fleet was last asked to serve (NaN before the first update or if not numeric).",
+            value=version_as_number(self._weight_version()),
+        )
+
+
+class RouterMetrics:
+    def __init__(self, workers: WorkerRegistry, weight_version: Callable[[], str | None]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "rlfleet_router_requests",
+            "Requests answered by the router, by route template and HTTP status.",
+            ["route", "status"],
+            registry=self.registry,
+        )
+        self.request_seconds = Histogram(
+            "rlfleet_router_request_seconds",
+            "Time from a request's arrival to its last response byte, by route template.",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.retries = Counter(
+            "rlfleet_router_retries", "Requests sent again to another engine after a failure.", registry=self.registry
+        )
+        self.weight_updates = Counter(
+            "rlfleet_router_weight_updates",
+            "Fleet-wide weight updates, by result (success, partial, failure).",
+            ["result"],
+            registry=self.registry,
+        )
+        self.registry.register(FleetCollector(workers, weight_version))
+
+    def observe_request(self, route: str, status: int, seconds: float) -> None:
+        self.requests.labels(route=route, status=str(status)).inc()
+        self.request_seconds.labels(route=route).observe(seconds)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestMetricsMiddleware:
+    """Counts every HTTP request once its last byte is sent, so streamed responses are timed in full."""
+
+    def __init__(self, app: ASGIApp, metrics: RouterMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_and_watch(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_watch)
+        finally:
+            # The route template, not the path, keeps the label set bounded (/workers/{worker_key}).
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.observe_request(route, status, time.perf_counter() - start)

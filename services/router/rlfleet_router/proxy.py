@@ -1,0 +1,204 @@
+"""Forwarding a request to one engine: selection, in-flight counting, retries, streaming back.
+
+The request body goes to the engine as the bytes that arrived, so fields the router does not
+know reach the engine untouched; the engine's answer streams back chunk by chunk (plain JSON and
+SSE alike). A request is retried on another engine only while nothing has been sent back yet,
+and only for a connection failure or a 5xx, with exponential backoff inside the request's
+deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+
+import httpx
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from rlfleet.errors import DeadlineExceeded, Unavailable
+from rlfleet_router.metrics import RouterMetrics
+from rlfleet_router.policies import Policy, RoutingRequest
+from rlfleet_router.weights import describe_error
+from rlfleet_router.workers import Worker, WorkerRegistry
+
+logger = logging.getLogger(__name__)
+
+# Hop-by-hop headers (RFC 9110 7.6.1) plus those the HTTP layer recomputes for the new message.
+DROPPED_HEADERS = frozenset(
+    {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "host"}
+    | {"content-length"}
+)
+# Failures that mean the engine never took the request (or died before answering): safe to resend.
+CONNECTION_ERRORS = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.RemoteProtocolError,
+    httpx.ReadError,
+    httpx.WriteError,
+)
+ENGINE_HEADER = "x-rlfleet-engine"
+
+
+class RetryableFailure(Exception):
+    """The engine failed in a way another engine may not (connection failure or 5xx); nothing was relayed."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_retries: int
+    initial_backoff_secs: float
+    max_backoff_secs: float
+    multiplier: float
+
+    def backoff(self, retry: int) -> float:
+        """Wait before retry number `retry` (1-based)."""
+        return min(self.max_backoff_secs, self.initial_backoff_secs * self.multiplier ** (retry - 1))
+
+
+def forwardable_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in DROPPED_HEADERS}
+
+
+class EngineResponse(StreamingResponse):
+    """An engine's answer relayed as it arrives; releases the engine slot however the relay ends."""
+
+    def __init__(self, upstream: httpx.Response, worker: Worker, workers: WorkerRegistry, deadline: float) -> None:
+        headers = forwardable_headers(upstream.headers)
+        headers[ENGINE_HEADER] = worker.url
+        super().__init__(self._relay(), status_code=upstream.status_code, headers=headers)
+        self._upstream = upstream
+        self._worker = worker
+        self._workers = workers
+        self._deadline = deadline
+        self._released = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.release()
+
+    async def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._worker.in_flight -= 1
+        await self._upstream.aclose()
+
+    async def _relay(self) -> AsyncIterator[bytes]:
+        try:
+            # Each read is bounded by the client's read timeout (the time left when the request
+            # was sent); the check below ends a stream that keeps trickling past the deadline.
+            async for chunk in self._upstream.aiter_raw():
+                yield chunk
+                if time.monotonic() > self._deadline:
+                    raise TimeoutError(f"request to {self._worker.url} exceeded its deadline")
+            # Released before the client sees the end of the body, so a client that sends its next
+            # request on receipt already finds this engine's load decremented.
+            await self.release()
+        except (TimeoutError, httpx.TimeoutException):
+            # Ending the body early would look like a complete answer; failing the connection does not.
+            logger.warning("request to %s exceeded its deadline mid-response; aborting it", self._worker.url)
+            raise
+        except CONNECTION_ERRORS as exc:
+            self._workers.record_failure(self._worker, f"connection lost mid-response: {describe_error(exc)}")
+            raise
+
+
+class Proxy:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        workers: WorkerRegistry,
+        policy: Policy,
+        metrics: RouterMetrics,
+        retry: RetryPolicy,
+        request_timeout_secs: float,
+        connect_timeout_secs: float,
+    ) -> None:
+        self._client = client
+        self._workers = workers
+        self._policy = policy
+        self._metrics = metrics
+        self._retry = retry
+        self._request_timeout = request_timeout_secs
+        self._connect_timeout = connect_timeout_secs
+
+    async def forward(
+        self, routing: RoutingRequest, body: bytes, headers: Mapping[str, str], method: str = "POST"
+    ) -> EngineResponse:
+        """Sends `body` to `routing.route` on an engine the policy picks; returns its streaming answer."""
+        deadline = time.monotonic() + self._request_timeout
+        forwarded = forwardable_headers(headers)
+        tried: set[str] = set()
+        retries = 0
+        while True:
+            worker = self._choose(routing, tried)
+            tried.add(worker.id)
+            last_try = retries >= self._retry.max_retries
+            try:
+                return await self._send(worker, method, routing.route, body, forwarded, deadline, last_try)
+            except RetryableFailure as exc:
+                failure = str(exc)
+            retries += 1
+            if retries > self._retry.max_retries:
+                raise Unavailable(f"{routing.route} failed on {len(tried)} engine(s); last error: {failure}")
+            wait = self._retry.backoff(retries)
+            if time.monotonic() + wait >= deadline:
+                raise DeadlineExceeded(
+                    f"{routing.route} ran out of time after {retries} attempt(s); last error: {failure}"
+                )
+            self._metrics.retries.inc()
+            logger.info("retrying %s on another engine in %.3fs: %s", routing.route, wait, failure)
+            await asyncio.sleep(wait)
+
+    def _choose(self, routing: RoutingRequest, tried: set[str]) -> Worker:
+        healthy = self._workers.healthy()
+        if not healthy:
+            total = len(self._workers.all())
+            raise Unavailable(f"no healthy engine: 0 of {total} engines are in routing; GET /workers shows why")
+        # Prefer engines not tried yet; with all of them tried, any healthy one may have recovered.
+        untried = [w for w in healthy if w.id not in tried]
+        return self._policy.select(untried or healthy, routing)
+
+    async def _send(
+        self,
+        worker: Worker,
+        method: str,
+        route: str,
+        body: bytes,
+        headers: dict[str, str],
+        deadline: float,
+        last_try: bool,
+    ) -> EngineResponse:
+        """The engine's response; RetryableFailure for a connection failure, or a 5xx unless `last_try`."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise DeadlineExceeded(f"{route} ran out of time before an engine answered")
+        timeout = httpx.Timeout(remaining, connect=min(self._connect_timeout, remaining))
+        request = self._client.build_request(
+            method, f"{worker.url}{route}", content=body, headers=headers, timeout=timeout
+        )
+        worker.in_flight += 1
+        try:
+            upstream = await self._client.send(request, stream=True)
+        except CONNECTION_ERRORS as exc:
+            worker.in_flight -= 1
+            reason = f"{worker.url}: {describe_error(exc)}"
+            self._workers.record_failure(worker, reason)
+            raise RetryableFailure(reason) from exc
+        except httpx.TimeoutException as exc:
+            worker.in_flight -= 1
+            raise DeadlineExceeded(f"{worker.url} did not answer {route} in time ({describe_error(exc)})") from exc
+        except BaseException:
+            worker.in_flight -= 1
+            raise
+        if upstream.status_code >= 500 and not last_try:
+            worker.in_flight -= 1
+            await upstream.aclose()
+            raise RetryableFailure(f"{worker.url}: HTTP {upstream.status_code}")
+        return EngineResponse(upstream, worker, self._workers, deadline)

@@ -1,0 +1,165 @@
+"""The worker registry: which engines belong to the fleet, and each one's routing state.
+
+Transport-free: the health checker, the proxy and the weight fan-out report what they observed
+(`record_success`, `record_failure`, `take_out`) and the registry applies the state transitions, so
+the rules for entering and leaving routing live in one place.
+
+A worker is routable only in state HEALTHY. A new worker starts PENDING and is admitted after its
+first successful probe; a worker that was taken out (UNHEALTHY) needs `success_threshold`
+consecutive successes. Either way the caller brings it to the fleet's weight version first
+(`rlfleet_router.weights`), so no worker takes traffic on stale weights.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import uuid
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from rlfleet.errors import InvalidInput, NotFound
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerState(enum.StrEnum):
+    PENDING = "pending"
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+
+
+@dataclass
+class Worker:
+    """One engine. Mutated only through `WorkerRegistry` (state) and the proxy (`in_flight`)."""
+
+    url: str
+    id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    state: WorkerState = WorkerState.PENDING
+    in_flight: int = 0
+    weight_version: str | None = None
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    last_error: str | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.state is WorkerState.HEALTHY
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "id": self.id,
+            "url": self.url,
+            "healthy": self.healthy,
+            "state": self.state.value,
+            "in_flight": self.in_flight,
+            "weight_version": self.weight_version,
+            "last_error": self.last_error,
+        }
+
+
+def normalize_worker_url(url: str) -> str:
+    """`http://host:port` without a trailing slash; raises InvalidInput naming what is wrong."""
+    if not isinstance(url, str) or not url.strip():
+        raise InvalidInput("url: must be a non-empty string like http://127.0.0.1:30001")
+    url = url.strip().rstrip("/")
+    try:
+        parts = urlsplit(url)
+        if parts.port == 0:  # reading .port also raises ValueError for a non-numeric or out-of-range port
+            raise ValueError("port 0")
+    except ValueError as exc:
+        raise InvalidInput(f"url: {url!r} is not a valid URL ({exc})") from exc
+    if parts.scheme not in ("http", "https"):
+        raise InvalidInput(f"url: {url!r} must start with http:// or https://")
+    if not parts.hostname:
+        raise InvalidInput(f"url: {url!r} has no host")
+    if parts.query or parts.fragment or parts.path:
+        raise InvalidInput(f"url: {url!r} must be the engine's base URL, without a path or query")
+    return url
+
+
+class WorkerRegistry:
+    """The fleet's members by id, in the order they were added."""
+
+    def __init__(self, failure_threshold: int, success_threshold: int) -> None:
+        if failure_threshold < 1 or success_threshold < 1:
+            raise ValueError("failure_threshold and success_threshold must be >= 1")
+        self.failure_threshold = failure_threshold
+        self.success_threshold = success_threshold
+        self._workers: dict[str, Worker] = {}
+
+    def add(self, url: str) -> tuple[Worker, bool]:
+        """Returns the worker for `url` and whether it is new (adding a known URL is a no-op)."""
+        url = normalize_worker_url(url)
+        for worker in self._workers.values():
+            if worker.url == url:
+                return worker, False
+        worker = Worker(url=url)
+        self._workers[worker.id] = worker
+        logger.info("worker %s added (%s)", url, worker.id)
+        return worker, True
+
+    def get(self, key: str) -> Worker:
+        """By id, or by URL (sglang-router's older API names workers by URL)."""
+        if key in self._workers:
+            return self._workers[key]
+        url = key.strip().rstrip("/")
+        for worker in self._workers.values():
+            if worker.url == url:
+                return worker
+        raise NotFound(f"worker {key!r} is not in the fleet; GET /workers lists the members")
+
+    def remove(self, key: str) -> Worker:
+        worker = self.get(key)
+        del self._workers[worker.id]
+        logger.info("worker %s removed (%s)", worker.url, worker.id)
+        return worker
+
+    def contains(self, worker: Worker) -> bool:
+        return self._workers.get(worker.id) is worker
+
+    def all(self) -> list[Worker]:
+        return list(self._workers.values())
+
+    def healthy(self) -> list[Worker]:
+        return [w for w in self._workers.values() if w.healthy]
+
+    def ready_to_admit(self, worker: Worker) -> bool:
+        """Whether a probe success should now bring `worker` (not yet healthy) into routing."""
+        if worker.healthy:
+            return False
+        if worker.state is WorkerState.PENDING:
+            return True
+        return worker.consecutive_successes >= self.success_threshold
+
+    def record_success(self, worker: Worker) -> None:
+        worker.consecutive_failures = 0
+        worker.consecutive_successes += 1
+
+    def admit(self, worker: Worker) -> None:
+        if not worker.healthy:
+            logger.info("worker %s is healthy; routing to it", worker.url)
+        worker.state = WorkerState.HEALTHY
+        worker.last_error = None
+
+    def record_failure(self, worker: Worker, reason: str) -> None:
+        """A failed probe or connection; after `failure_threshold` in a row the worker leaves routing."""
+        worker.consecutive_successes = 0
+        worker.consecutive_failures += 1
+        worker.last_error = reason
+        if worker.healthy and worker.consecutive_failures >= self.failure_threshold:
+            worker.state = WorkerState.UNHEALTHY
+            logger.warning(
+                "worker %s failed %d times in a row (%s); taken out of routing",
+                worker.url,
+                worker.consecutive_failures,
+                reason,
+            )
+
+    def take_out(self, worker: Worker, reason: str) -> None:
+        """Out of routing at once (e.g. it failed a weight update and serves a stale version)."""
+        if worker.healthy:
+            logger.warning("worker %s taken out of routing: %s", worker.url, reason)
+        worker.state = WorkerState.UNHEALTHY
+        worker.consecutive_successes = 0
+        worker.last_error = reason

@@ -1,0 +1,172 @@
+"""Test doubles of the router's tests: a fake SGLang engine, in-thread servers, a router handle.
+
+The fake engine speaks the subset of SGLang's HTTP API the router uses, records what it received
+(raw bodies, weight loads, in order) and can be told to fail, so each routing rule can be checked
+without a model. It lives in a plain module (not the conftest) so test modules can import its types.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from rlfleet.processes import free_port
+
+
+class ThreadedServer:
+    """An ASGI app served by uvicorn on 127.0.0.1 in a daemon thread; start/stop are bounded."""
+
+    def __init__(self, app: object, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.server.config.timeout_graceful_shutdown = 1
+        self._thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self, timeout: float = 10.0) -> ThreadedServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"server on port {self.port} did not start within {timeout}s")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise RuntimeError(f"server on port {self.port} did not stop within {timeout}s")
+
+
+@dataclass
+class FakeEngine:
+    """SGLang-shaped engine. Set the public attributes to change its behaviour mid-test."""
+
+    name: str
+    weight_version: str = "0"
+    model_path: str = "/models/initial"
+    healthy: bool = True
+    generate_status: int = 200
+    fail_updates: bool = False
+    update_delay: float = 0.0
+    raw_bodies: list[bytes] = field(default_factory=list)
+    update_bodies: list[dict[str, object]] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)  # "generate" / "update", in arrival order
+    in_flight: int = 0
+    max_in_flight: int = 0
+    server: ThreadedServer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return self.server.url
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.post("/generate")
+        async def generate(request: Request) -> Response:
+            raw = await request.body()
+            self.raw_bodies.append(raw)
+            self.events.append("generate")
+            if self.generate_status != 200:
+                return JSONResponse({"error": "engine fault"}, status_code=self.generate_status)
+            body = json.loads(raw)
+            if body.get("stream"):
+                return StreamingResponse(self._sse(body), media_type="text/event-stream")
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            try:
+                await asyncio.sleep(float(body.get("delay", 0)))
+            finally:
+                self.in_flight -= 1
+            return JSONResponse(self._answer(body))
+
+        @app.get("/health")
+        @app.get("/health_generate")
+        async def health() -> Response:
+            return Response(status_code=200 if self.healthy else 503)
+
+        @app.get("/get_model_info")
+        async def get_model_info() -> dict[str, object]:
+            return {"model_path": self.model_path, "weight_version": self.weight_version, "is_generation": True}
+
+        @app.get("/get_server_info")
+        async def get_server_info() -> dict[str, object]:
+            return {"engine": self.name, "weight_version": self.weight_version}
+
+        @app.post("/update_weights_from_disk")
+        async def update_weights(request: Request) -> Response:
+            body = await request.json()
+            self.update_bodies.append(body)
+            await asyncio.sleep(self.update_delay)
+            if self.fail_updates:
+                return JSONResponse({"success": False, "message": "cannot read checkpoint"}, status_code=400)
+            self.events.append("update")
+            self.weight_version = str(body["weight_version"])
+            self.model_path = str(body["model_path"])
+            return JSONResponse({"success": True, "message": "Succeeded to update model weights."})
+
+        return app
+
+    def _answer(self, body: dict[str, object]) -> dict[str, object]:
+        return {
+            "text": f"answer from {self.name}",
+            "meta_info": {"engine": self.name, "weight_version": self.weight_version},
+        }
+
+    async def _sse(self, body: dict[str, object]) -> AsyncIterator[bytes]:
+        for i in range(int(body.get("chunks", 3))):
+            yield f"data: {json.dumps({'index': i, 'engine': self.name})}\n\n".encode()
+            await asyncio.sleep(float(body.get("chunk_delay", 0.05)))
+        yield b"data: [DONE]\n\n"
+
+
+@dataclass
+class RunningRouter:
+    server: ThreadedServer
+    client: httpx.Client
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def workers(self) -> list[dict[str, object]]:
+        return self.client.get("/workers").json()["workers"]
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what} not reached within {timeout}s; workers: {self.workers()}")
+            time.sleep(0.02)
+
+    def wait_healthy(self, count: int, timeout: float = 10.0) -> None:
+        self.wait_for(
+            lambda: sum(bool(w["healthy"]) for w in self.workers()) == count, timeout, f"{count} healthy workers"
+        )
+
+
+def metric_value(exposition: str, name: str, labels: dict[str, str] | None = None) -> float | None:
+    """The value of one sample in a Prometheus text exposition, or None if absent."""
+    for line in exposition.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        series, _, value = line.rpartition(" ")
+        series_name, _, label_text = series.partition("{")
+        if series_name != name:
+            continue
+        if all(f'{k}="{v}"' in label_text for k, v in (labels or {}).items()):
+            return float(value)
+    return None

@@ -1,0 +1,40 @@
+"""/metrics exports every series the dashboards use, with values that follow what happened."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from router_fakes import FakeEngine, RunningRouter, metric_value
+
+
+def test_metrics_follow_requests_health_and_weight_updates(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    up, down = start_engine("up"), start_engine("down")
+    router = start_router([up.url, down.url], health_failure_threshold=1)
+    router.wait_healthy(2)
+    for _ in range(3):
+        assert router.client.post("/generate", json={"text": "x"}).status_code == 200
+    assert router.client.post("/generate", content=b"nope").status_code == 400
+    update = {"model_path": "/ckpt/3", "weight_version": "3"}
+    assert router.client.post("/update_weights_from_disk", json=update).status_code == 200
+    down.healthy = False
+    router.wait_healthy(1)
+
+    answer = router.client.get("/metrics")
+    assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/plain")
+    text = answer.text
+    assert metric_value(text, "rlfleet_router_requests_total", {"route": "/generate", "status": "200"}) == 3
+    assert metric_value(text, "rlfleet_router_requests_total", {"route": "/generate", "status": "400"}) == 1
+    assert metric_value(text, "rlfleet_router_request_seconds_count", {"route": "/generate"}) == 4
+    assert metric_value(text, "rlfleet_router_engine_healthy", {"engine": up.url}) == 1
+    assert metric_value(text, "rlfleet_router_engine_healthy", {"engine": down.url}) == 0
+    assert metric_value(text, "rlfleet_router_engine_in_flight", {"engine": up.url}) == 0
+    assert metric_value(text, "rlfleet_router_weight_version") == 3
+    assert metric_value(text, "rlfleet_router_weight_updates_total", {"result": "success"}) == 1
+    assert metric_value(text, "rlfleet_router_retries_total") == 0
+
+    router.client.delete(f"/workers/{down.url}")
+    assert (
+        metric_value(router.client.get("/metrics").text, "rlfleet_router_engine_healthy", {"engine": down.url}) is None
+    )

@@ -1,0 +1,186 @@
+"""POST /generate through the router: body passthrough, streaming, load spreading, retries, errors."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from router_fakes import FakeEngine, RunningRouter, metric_value
+
+from rlfleet.processes import free_port
+
+
+def test_body_reaches_the_engine_byte_for_byte(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    engine = start_engine("a")
+    router = start_router([engine.url])
+    router.wait_healthy(1)
+    # Unusual spacing, key order and a field no SGLang version knows: all must survive.
+    raw = b'{"text":"12+7=",  "sampling_params": {"max_new_tokens": 4, "temperature": 0},"return_logprob": true,'
+    raw += b' "rlfleet_unknown_field": {"nested": [1, 2.5, null]}}'
+    response = router.client.post("/generate", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 200
+    assert response.json()["meta_info"]["engine"] == "a"
+    assert response.headers["x-rlfleet-engine"] == engine.url
+    assert engine.raw_bodies == [raw]
+
+
+def test_streaming_answer_is_relayed_as_it_is_produced(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    engine = start_engine("a")
+    router = start_router([engine.url])
+    router.wait_healthy(1)
+    body = {"text": "hi", "stream": True, "chunks": 5, "chunk_delay": 0.2}
+    arrivals: list[float] = []
+    lines: list[str] = []
+    start = time.monotonic()
+    with router.client.stream("POST", "/generate", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line:
+                lines.append(line)
+                arrivals.append(time.monotonic() - start)
+    assert lines[-1] == "data: [DONE]"
+    assert [json.loads(line.removeprefix("data: "))["index"] for line in lines[:-1]] == [0, 1, 2, 3, 4]
+    # The engine needs ~1 s for all chunks; a buffering proxy would deliver the first one at the end.
+    assert arrivals[0] < arrivals[-1] - 0.5
+
+
+def test_stream_past_the_deadline_is_cut_off_not_completed(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    engine = start_engine("a")
+    router = start_router([engine.url], request_timeout_secs=1.0)
+    router.wait_healthy(1)
+    lines: list[str] = []
+    with pytest.raises(httpx.HTTPError):
+        with router.client.stream("POST", "/generate", json={"stream": True, "chunks": 20, "chunk_delay": 0.2}) as r:
+            lines.extend(line for line in r.iter_lines() if line)
+    assert 0 < len(lines) < 20 and "data: [DONE]" not in lines
+    router.wait_for(lambda: router.workers()[0]["in_flight"] == 0, what="the engine slot released")
+
+
+def test_client_leaving_mid_stream_releases_the_engine_slot(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    engine = start_engine("a")
+    router = start_router([engine.url])
+    router.wait_healthy(1)
+    # The engine would stream for 20 s; the slot must free up soon after the client leaves.
+    with router.client.stream("POST", "/generate", json={"stream": True, "chunks": 200, "chunk_delay": 0.1}) as r:
+        lines = r.iter_lines()  # held: dropping a half-read iterator closes the connection early
+        assert next(lines).startswith("data: ")
+        assert router.workers()[0]["in_flight"] == 1
+    router.wait_for(lambda: router.workers()[0]["in_flight"] == 0, timeout=3, what="the engine slot released")
+
+
+def test_least_load_spreads_concurrent_requests(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    engines = [start_engine(name) for name in "abc"]
+    router = start_router([e.url for e in engines], policy="least_load")
+    router.wait_healthy(3)
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        answers = list(pool.map(lambda _: router.client.post("/generate", json={"text": "x", "delay": 0.5}), range(6)))
+    assert all(a.status_code == 200 for a in answers)
+    assert [len(e.raw_bodies) for e in engines] == [2, 2, 2]
+    assert max(e.max_in_flight for e in engines) == 2
+
+
+def test_least_load_avoids_the_busy_engine(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    busy, idle = start_engine("busy"), start_engine("idle")
+    router = start_router([busy.url, idle.url], policy="least_load")
+    router.wait_healthy(2)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        long_request = pool.submit(router.client.post, "/generate", json={"text": "long", "delay": 1.5})
+        router.wait_for(lambda: busy.in_flight + idle.in_flight == 1, what="the long request to start")
+        holder = busy if busy.in_flight else idle
+        other = idle if holder is busy else busy
+        for _ in range(4):
+            assert router.client.post("/generate", json={"text": "short"}).status_code == 200
+        assert long_request.result(timeout=10).status_code == 200
+    assert len(holder.raw_bodies) == 1 and len(other.raw_bodies) == 4
+
+
+def test_connection_error_is_retried_on_another_engine(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    doomed, alive = start_engine("doomed"), start_engine("alive")
+    # Probes far apart: the router learns of the dead engine from the failed request, not a probe.
+    router = start_router(
+        [doomed.url, alive.url], policy="round_robin", health_check_interval_secs=60, health_failure_threshold=1
+    )
+    router.wait_healthy(2)
+    assert doomed.server is not None
+    doomed.server.stop()
+    answers = [router.client.post("/generate", json={"text": str(i)}) for i in range(4)]
+    assert [a.status_code for a in answers] == [200] * 4
+    assert all(a.json()["meta_info"]["engine"] == "alive" for a in answers)
+    dead = next(w for w in router.workers() if w["url"] == doomed.url)
+    assert dead["healthy"] is False and "ConnectError" in str(dead["last_error"])
+    retries = metric_value(router.client.get("/metrics").text, "rlfleet_router_retries_total")
+    assert retries is not None and retries >= 1
+
+
+def test_engine_5xx_is_retried_and_passed_through_when_every_engine_fails(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    broken, fine = start_engine("broken", generate_status=500), start_engine("fine")
+    router = start_router([broken.url, fine.url], policy="round_robin", retry_max_retries=1)
+    router.wait_healthy(2)
+    for _ in range(2):
+        assert router.client.post("/generate", json={"text": "x"}).json()["meta_info"]["engine"] == "fine"
+    assert broken.raw_bodies, "round robin tried the broken engine at least once"
+    fine.generate_status = 503
+    answer = router.client.post("/generate", json={"text": "x"})
+    assert answer.status_code in (500, 503) and answer.json() == {"error": "engine fault"}
+
+
+def test_no_healthy_engine_is_503_with_the_reason(start_router: Callable[..., RunningRouter]) -> None:
+    router = start_router([f"http://127.0.0.1:{free_port()}"])
+    answer = router.client.post("/generate", json={"text": "x"})
+    assert answer.status_code == 503
+    assert "no healthy engine: 0 of 1" in answer.json()["error"]["message"]
+
+
+def test_bad_generate_bodies_are_400(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    engine = start_engine("a")
+    router = start_router([engine.url])
+    router.wait_healthy(1)
+    not_json = router.client.post("/generate", content=b"{text: 1", headers={"content-type": "application/json"})
+    assert not_json.status_code == 400 and "not valid JSON" in not_json.json()["error"]["message"]
+    a_list = router.client.post("/generate", json=[1, 2])
+    assert a_list.status_code == 400 and "JSON object" in a_list.json()["error"]["message"]
+    assert engine.raw_bodies == []
+
+
+def test_requests_time_out(start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]) -> None:
+    engine = start_engine("slow")
+    router = start_router([engine.url], request_timeout_secs=0.5)
+    router.wait_healthy(1)
+    start = time.monotonic()
+    answer = router.client.post("/generate", json={"text": "x", "delay": 5})
+    assert answer.status_code == 504
+    assert time.monotonic() - start < 3
+
+
+def test_get_model_info_passes_through(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    engine = start_engine("a", weight_version="7")
+    router = start_router([engine.url])
+    router.wait_healthy(1)
+    assert router.client.get("/get_model_info").json()["weight_version"] == "7"
+    assert router.client.get("/get_server_info").json()["engine"] == "a"
+    assert httpx.get(f"{router.url}/liveness", timeout=5).status_code == 200
