@@ -1,0 +1,120 @@
+"""`python -m rlfleet_reward`: the reward hub, HTTP and gRPC in one process, plus its worker pool.
+
+Arguments are parsed before anything heavy is imported, so `--help` answers at once. SIGTERM or
+SIGINT stops both servers (in-flight requests get the grace period), then the worker processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Generator, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlfleet_reward.config import RewardSettings
+    from rlfleet_reward.registry import Registry
+    from rlfleet_reward.reward_function import RewardFunction
+
+
+def parse_args(argv: Sequence[str] | None) -> dict[str, object]:
+    parser = argparse.ArgumentParser(
+        prog="python -m rlfleet_reward",
+        description="rlfleet reward hub. Every flag also reads RLFLEET_REWARD_<FLAG>; a flag wins over the variable.",
+    )
+    parser.add_argument("--host", help="interface to bind (default 0.0.0.0)")
+    parser.add_argument("--port", type=int, help="HTTP port (default 8001)")
+    parser.add_argument("--grpc-port", type=int, help="gRPC port (default 50053)")
+    parser.add_argument("--workers", type=int, help="worker processes (default: CPUs available)")
+    parser.add_argument("--default-timeout-seconds", type=float, help="per-item limit when a spec sets none (10)")
+    parser.add_argument("--max-timeout-seconds", type=float, help="largest limit a spec may ask for (300)")
+    parser.add_argument("--max-batch-size", type=int, help="most items per request (4096)")
+    parser.add_argument("--max-request-bytes", type=int, help="largest request body or message (64 MiB)")
+    parser.add_argument("--shutdown-grace-seconds", type=float, help="time in-flight requests get on SIGTERM (10)")
+    parser.add_argument("--log-level", help="root log level (INFO)")
+    return {key: value for key, value in vars(parser.parse_args(argv)).items() if value is not None}
+
+
+async def serve(settings: RewardSettings, registry: Registry) -> None:
+    import asyncio
+    import contextlib
+    import logging
+    import math
+    import signal
+    import socket
+
+    import uvicorn
+
+    from rlfleet_reward.grpc_server import create_grpc_server
+    from rlfleet_reward.http_app import create_app
+    from rlfleet_reward.metrics import RewardMetrics
+    from rlfleet_reward.scoring import Scorer, ScoringLimits
+    from rlfleet_reward.worker_pool import WorkerPool
+
+    class _Server(uvicorn.Server):
+        # The hub handles SIGTERM itself so that gRPC and the worker pool stop too.
+        @contextlib.contextmanager
+        def capture_signals(self) -> Generator[None, None, None]:
+            yield
+
+    logger = logging.getLogger("rlfleet_reward")
+    metrics = RewardMetrics()
+    pool = WorkerPool({name: function.fn for name, function in registry.items()}, settings.workers)
+    limits = ScoringLimits(settings.default_timeout_seconds, settings.max_timeout_seconds, settings.max_batch_size)
+    scorer = Scorer(registry, pool, limits, metrics)
+    # Both ports are bound before any worker starts, so a taken port fails fast with nothing to undo.
+    try:
+        grpc_server, grpc_port = create_grpc_server(
+            scorer, f"{settings.host}:{settings.grpc_port}", settings.max_request_bytes
+        )
+        http_socket = socket.create_server((settings.host, settings.port))
+    except (OSError, RuntimeError) as exc:
+        raise SystemExit(f"reward hub cannot listen on {settings.host}: {exc}") from None
+    http = _Server(
+        uvicorn.Config(
+            create_app(scorer, metrics, settings.max_request_bytes),
+            log_config=None,
+            lifespan="off",
+            timeout_graceful_shutdown=max(1, math.ceil(settings.shutdown_grace_seconds)),
+        )
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    pool.start()
+    metrics.watch_pool(pool)
+    try:
+        await grpc_server.start()
+        http_task = asyncio.create_task(http.serve(sockets=[http_socket]))
+        stop_task = asyncio.create_task(stop.wait())
+        logger.info("reward hub serving HTTP on %s:%d, gRPC on port %d", settings.host, settings.port, grpc_port)
+        await asyncio.wait({http_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        logger.info("reward hub stopping")
+        stop_task.cancel()
+        http.should_exit = True
+        grace = settings.shutdown_grace_seconds
+        await asyncio.gather(grpc_server.stop(grace), asyncio.wait_for(http_task, grace + 5))
+    finally:
+        await pool.close()
+        http_socket.close()
+    logger.info("reward hub stopped")
+
+
+def main(argv: Sequence[str] | None = None, extra_functions: Mapping[str, RewardFunction] | None = None) -> None:
+    """Runs the hub; `extra_functions` adds reward functions beside the entry points (for tests)."""
+    overrides = parse_args(argv)
+
+    import asyncio
+
+    from rlfleet.logs import init_logging
+    from rlfleet_reward.config import RewardSettings
+    from rlfleet_reward.registry import Registry
+
+    settings = RewardSettings(**overrides)  # type: ignore[arg-type]
+    init_logging("reward", settings.log_level)
+    registry = Registry.from_entry_points(extra=extra_functions)
+    asyncio.run(serve(settings, registry))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""The hub's gRPC face: the rlfleet.v1.Reward servicer over the scoring core, errors mapped once."""
+
+from __future__ import annotations
+
+from grpc import aio
+
+from rlfleet.grpc_errors import ErrorInterceptor
+from rlfleet.v1 import reward_pb2, reward_pb2_grpc
+from rlfleet_reward.scoring import Scorer
+
+
+class RewardServicer(reward_pb2_grpc.RewardServicer):
+    def __init__(self, scorer: Scorer) -> None:
+        self.scorer = scorer
+
+    async def Score(  # noqa: N802 - the generated servicer's method name
+        self, request: reward_pb2.ScoreRequest, context: aio.ServicerContext
+    ) -> reward_pb2.ScoreResponse:
+        return await self.scorer.score(request)
+
+    async def ListFunctions(  # noqa: N802 - the generated servicer's method name
+        self, request: reward_pb2.ListFunctionsRequest, context: aio.ServicerContext
+    ) -> reward_pb2.ListFunctionsResponse:
+        return self.scorer.list_functions()
+
+
+def create_grpc_server(scorer: Scorer, address: str, max_message_bytes: int) -> tuple[aio.Server, int]:
+    """A server bound to `address` (port 0 picks one); returns it, not yet started, with its port."""
+    server = aio.server(
+        interceptors=[ErrorInterceptor()],
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ],
+    )
+    reward_pb2_grpc.add_RewardServicer_to_server(RewardServicer(scorer), server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind the gRPC server to {address}")
+    return server, port

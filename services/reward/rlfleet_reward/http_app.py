@@ -1,0 +1,80 @@
+"""The hub's REST face: POST /score and GET /functions in the protobuf JSON mapping, /health, /metrics."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import FastAPI, Request, Response
+from google.protobuf import json_format
+from google.protobuf.message import Message
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from rlfleet.errors import InvalidInput, ResourceExhausted, Unavailable
+from rlfleet.http_errors import install_error_handlers
+from rlfleet.v1 import reward_pb2
+from rlfleet_reward.metrics import RewardMetrics
+from rlfleet_reward.scoring import Scorer
+
+
+def _json_response(message: Message) -> Response:
+    # Zero-valued fields stay in, so a client reads `"score": 0.0` rather than a missing key.
+    body = json_format.MessageToJson(
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True, indent=None
+    )
+    return Response(body, media_type="application/json")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refusing more than `limit` bytes whether or not Content-Length is declared."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ResourceExhausted(f"request body is {declared} bytes; the limit is {limit}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ResourceExhausted(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_score_request(body: bytes) -> reward_pb2.ScoreRequest:
+    """The JSON mapping of a ScoreRequest; unknown fields and wrong types are InvalidInput naming them."""
+    try:
+        document = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidInput(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise InvalidInput(f"request body must be a JSON object (a ScoreRequest), got {type(document).__name__}")
+    try:
+        return json_format.ParseDict(document, reward_pb2.ScoreRequest())
+    except json_format.ParseError as exc:
+        raise InvalidInput(f"invalid ScoreRequest: {exc}") from None
+
+
+def create_app(scorer: Scorer, metrics: RewardMetrics, max_request_bytes: int) -> FastAPI:
+    app = FastAPI(title="rlfleet reward hub")
+    install_error_handlers(app)
+
+    @app.post("/score")
+    async def score(request: Request) -> Response:
+        message = parse_score_request(await _read_body(request, max_request_bytes))
+        return _json_response(await scorer.score(message))
+
+    @app.get("/functions")
+    async def functions() -> Response:
+        return _json_response(scorer.list_functions())
+
+    @app.get("/health")
+    async def health() -> dict[str, object]:
+        pool = scorer.pool
+        if pool.live == 0:
+            raise Unavailable("no live reward worker processes")
+        return {"status": "ok", "workers": pool.live, "busy_workers": pool.busy, "functions": list(scorer.registry)}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

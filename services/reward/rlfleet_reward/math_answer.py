@@ -1,0 +1,46 @@
+"""`math`: symbolic answer checking with the math-verify library (parse label and response, verify).
+
+math-verify bounds its own parsing and comparison with `signal.alarm`, which works only in a
+process's main thread: the hub calls reward functions in the main thread of its worker processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from math_verify import parse, verify
+from pydantic import BaseModel, ConfigDict, Field
+
+from rlfleet_reward.reward_function import RewardFunction, RewardInput
+
+
+class MathParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    float_rounding: int = Field(default=6, ge=0, le=30, description="Decimal places floats are rounded to.")
+    numeric_precision: int = Field(default=15, ge=1, le=100, description="Significant digits of numeric comparisons.")
+    strict: bool = Field(default=True, description="Variables must match by name, sets never equal tuples.")
+
+
+def score_math(sample: RewardInput, params: Mapping[str, Any]) -> float:
+    gold = parse(sample.label)
+    if not gold:
+        raise ValueError(f"math-verify found no answer in the label {sample.label[:60]!r}")
+    answer = parse(sample.response)
+    correct = verify(
+        gold,
+        answer,
+        float_rounding=params["float_rounding"],
+        numeric_precision=params["numeric_precision"],
+        strict=params["strict"],
+    )
+    return 1.0 if correct else 0.0
+
+
+MATH = RewardFunction(
+    fn=score_math,
+    inputs=frozenset({"response", "label"}),
+    description="1.0 if math-verify finds the response's answer equivalent to the label's; else 0.0",
+    params=MathParams,
+)

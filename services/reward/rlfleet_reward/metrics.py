@@ -1,0 +1,51 @@
+"""The hub's Prometheus metrics, on a registry of their own (one per app, never the global one)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from rlfleet_reward.worker_pool import WorkerPool
+
+# Reward functions range from microseconds (string match) to seconds (symbolic math).
+_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class RewardMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "rlfleet_reward_requests",
+            "Score requests by outcome (ok, or the error kind that rejected the request).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.items = Counter(
+            "rlfleet_reward_items",
+            "Scored (item, function) pairs by function and status (ok, error, timeout).",
+            ["function", "status"],
+            registry=self.registry,
+        )
+        self.item_seconds = Histogram(
+            "rlfleet_reward_item_seconds",
+            "Time one function took on one item, pipe round trip included.",
+            ["function"],
+            buckets=_SECONDS_BUCKETS,
+            registry=self.registry,
+        )
+        self.timeouts = Counter(
+            "rlfleet_reward_timeouts",
+            "Function calls that exceeded their time limit (each one cost a worker restart).",
+            ["function"],
+            registry=self.registry,
+        )
+        self.pool_workers = Gauge(
+            "rlfleet_reward_pool_workers", "Live worker processes in the scoring pool.", registry=self.registry
+        )
+        self.pool_busy_workers = Gauge(
+            "rlfleet_reward_pool_busy_workers", "Worker processes running a function now.", registry=self.registry
+        )
+
+    def watch_pool(self, pool: WorkerPool) -> None:
+        """Reads the pool's gauges at scrape time, so the pool itself knows nothing of metrics."""
+        self.pool_workers.set_function(lambda: pool.live)
+        self.pool_busy_workers.set_function(lambda: pool.busy)

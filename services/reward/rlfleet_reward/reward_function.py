@@ -1,0 +1,62 @@
+"""The shape of a reward function: what it reads, what it returns, and how it is declared.
+
+A reward function is a plain callable `fn(sample, params) -> float | Scored`, wrapped in a
+`RewardFunction` that declares the item fields it reads, a description and (optionally) a pydantic
+model of its parameters. The hub validates `params` against that model before any item is scored
+and passes the validated values (defaults filled in) as a plain mapping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pydantic import BaseModel
+
+INPUT_FIELDS = ("prompt", "response", "label", "metadata")
+
+
+@dataclass(frozen=True)
+class RewardInput:
+    """One item as a reward function sees it. Fields the function did not declare arrive empty."""
+
+    prompt: str = ""
+    response: str = ""
+    label: str = ""
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A score plus named sub-scores, reported as components `<function>/<part>`."""
+
+    score: float
+    parts: Mapping[str, float] = field(default_factory=dict)
+
+
+class ScoreFn(Protocol):
+    def __call__(self, sample: RewardInput, params: Mapping[str, Any]) -> float | Scored: ...
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    """A scoring callable with its declaration; an entry point in `rlfleet.reward_functions` names one.
+
+    `fn` must be a module-level function: it runs in worker processes, which import it by name.
+    """
+
+    fn: ScoreFn
+    inputs: frozenset[str]
+    description: str
+    params: type[BaseModel] | None = None
+
+    def __post_init__(self) -> None:
+        unknown = set(self.inputs) - set(INPUT_FIELDS)
+        if unknown:
+            raise ValueError(f"inputs {sorted(unknown)} are not item fields; choose from {list(INPUT_FIELDS)}")
+        if not self.inputs:
+            raise ValueError(f"declare at least one input from {list(INPUT_FIELDS)}")
+        if not self.description.strip():
+            raise ValueError("a reward function needs a one-line description")
+        object.__setattr__(self, "inputs", frozenset(self.inputs))

@@ -1,0 +1,155 @@
+"""The hub's transport-free core: validate a ScoreRequest, score every (item, term), combine per item.
+
+Every (item, term) pair is one job on the worker pool, all submitted at once; the pool bounds how
+many run together. An item's result is OK only when all its terms are: then `score` is the weighted
+sum and `components` holds each term's unweighted score (plus `<function>/<part>` sub-scores).
+Otherwise the item is TIMEOUT (some term exceeded the limit) or ERROR (some term failed), with
+score 0, no components, and `error` naming the function and the reason. One bad item never fails
+the batch; only a malformed request does. An item's `seconds` is the time its function calls took,
+summed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf import json_format
+from pydantic import ValidationError
+
+from rlfleet.errors import InvalidInput, ResourceExhausted, RlfleetError
+from rlfleet.v1 import reward_pb2
+from rlfleet_reward.metrics import RewardMetrics
+from rlfleet_reward.registry import Registry
+from rlfleet_reward.reward_function import INPUT_FIELDS, RewardFunction, RewardInput
+from rlfleet_reward.worker import Job
+from rlfleet_reward.worker_pool import JobResult, JobStatus, WorkerPool
+
+
+@dataclass(frozen=True)
+class ScoringLimits:
+    default_timeout_seconds: float
+    max_timeout_seconds: float
+    max_batch_size: int
+
+
+@dataclass(frozen=True)
+class _Term:
+    name: str
+    function: RewardFunction
+    weight: float
+    params: Mapping[str, Any]
+
+
+class Scorer:
+    def __init__(self, registry: Registry, pool: WorkerPool, limits: ScoringLimits, metrics: RewardMetrics) -> None:
+        self.registry = registry
+        self.pool = pool
+        self.limits = limits
+        self.metrics = metrics
+
+    async def score(self, request: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
+        try:
+            terms, timeout = self._validate(request)
+        except RlfleetError as exc:
+            self.metrics.requests.labels(exc.kind).inc()
+            raise
+        outcomes = await asyncio.gather(
+            *(self._score_one(item, term, timeout) for item in request.items for term in terms)
+        )
+        n = len(terms)
+        results = [self._combine(item, terms, outcomes[i * n : (i + 1) * n]) for i, item in enumerate(request.items)]
+        self.metrics.requests.labels("ok").inc()
+        return reward_pb2.ScoreResponse(results=results)
+
+    def list_functions(self) -> reward_pb2.ListFunctionsResponse:
+        return reward_pb2.ListFunctionsResponse(
+            functions=[
+                reward_pb2.RewardFunctionInfo(
+                    name=name,
+                    description=function.description,
+                    inputs=[field for field in INPUT_FIELDS if field in function.inputs],
+                )
+                for name, function in self.registry.items()
+            ]
+        )
+
+    def _validate(self, request: reward_pb2.ScoreRequest) -> tuple[list[_Term], float]:
+        if not request.items:
+            raise InvalidInput("items is empty; send at least one item to score")
+        if len(request.items) > self.limits.max_batch_size:
+            raise ResourceExhausted(
+                f"items has {len(request.items)} entries; the limit is {self.limits.max_batch_size} per request, "
+                "split the batch"
+            )
+        spec = request.spec
+        if not spec.terms:
+            raise InvalidInput(f"spec.terms is empty; name at least one reward function ({', '.join(self.registry)})")
+        terms: list[_Term] = []
+        for i, term in enumerate(spec.terms):
+            where = f"spec.terms[{i}]"
+            if term.function not in self.registry:
+                raise InvalidInput(
+                    f"{where}.function: unknown reward function {term.function!r}; known: {', '.join(self.registry)}"
+                )
+            if any(t.name == term.function for t in terms):
+                raise InvalidInput(f"{where}.function: {term.function!r} appears twice; components are keyed by name")
+            weight = term.weight if term.HasField("weight") else 1.0
+            if not math.isfinite(weight):
+                raise InvalidInput(f"{where}.weight is {weight}; it must be a finite number")
+            function = self.registry.get(term.function)
+            terms.append(_Term(term.function, function, weight, self._params(where, term, function)))
+        timeout = spec.timeout_seconds if spec.HasField("timeout_seconds") else self.limits.default_timeout_seconds
+        if not (math.isfinite(timeout) and 0 < timeout <= self.limits.max_timeout_seconds):
+            raise InvalidInput(
+                f"spec.timeout_seconds is {timeout}; it must be > 0 and <= {self.limits.max_timeout_seconds:g}"
+            )
+        return terms, timeout
+
+    @staticmethod
+    def _params(where: str, term: reward_pb2.RewardTerm, function: RewardFunction) -> Mapping[str, Any]:
+        raw = json_format.MessageToDict(term.params)
+        if function.params is None:
+            if raw:
+                raise InvalidInput(f"{where}.params: {term.function!r} takes no params, got {sorted(raw)}")
+            return {}
+        try:
+            return function.params.model_validate(raw).model_dump()
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{where}.params.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+            )
+            raise InvalidInput(problems) from None
+
+    async def _score_one(self, item: reward_pb2.ScoreItem, term: _Term, timeout: float) -> JobResult:
+        fields: dict[str, Any] = {name: getattr(item, name) for name in term.function.inputs}
+        if "metadata" in fields:
+            fields["metadata"] = dict(item.metadata)
+        outcome = await self.pool.run(Job(term.name, RewardInput(**fields), term.params), timeout)
+        self.metrics.items.labels(term.name, outcome.status.value).inc()
+        self.metrics.item_seconds.labels(term.name).observe(outcome.seconds)
+        if outcome.status is JobStatus.TIMEOUT:
+            self.metrics.timeouts.labels(term.name).inc()
+        return outcome
+
+    @staticmethod
+    def _combine(
+        item: reward_pb2.ScoreItem, terms: Sequence[_Term], outcomes: Sequence[JobResult]
+    ) -> reward_pb2.ScoreResult:
+        result = reward_pb2.ScoreResult(id=item.id, seconds=sum(o.seconds for o in outcomes))
+        failed = [(t, o) for t, o in zip(terms, outcomes, strict=True) if o.status is not JobStatus.OK]
+        if failed:
+            timed_out = any(o.status is JobStatus.TIMEOUT for _, o in failed)
+            result.status = reward_pb2.SCORE_STATUS_TIMEOUT if timed_out else reward_pb2.SCORE_STATUS_ERROR
+            result.error = "; ".join(f"{t.name}: {o.error}" for t, o in failed)
+            return result
+        result.status = reward_pb2.SCORE_STATUS_OK
+        for term, outcome in zip(terms, outcomes, strict=True):
+            result.score += term.weight * outcome.score
+            result.components[term.name] = outcome.score
+            for part, value in outcome.parts.items():
+                result.components[f"{term.name}/{part}"] = value
+        return result

@@ -1,0 +1,80 @@
+"""Reward functions that misbehave on purpose, for the hub's tests (never registered by entry point).
+
+They live in a plain module, not in a conftest, because worker processes import them by name.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from rlfleet_reward.reward_function import RewardFunction, RewardInput, Scored
+
+
+class SleepParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    seconds: float = 0.2
+
+
+def sleep_then_one(sample: RewardInput, params: Mapping[str, Any]) -> float:
+    time.sleep(params["seconds"])
+    return 1.0
+
+
+def hang(sample: RewardInput, params: Mapping[str, Any]) -> float:
+    """Deaf to every signal but SIGKILL, as a function stuck inside C code is."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(signal.Signals) - {signal.SIGKILL, signal.SIGSTOP})
+    time.sleep(3600)
+    return 1.0
+
+
+def hang_on_label(sample: RewardInput, params: Mapping[str, Any]) -> float:
+    if sample.label == "hang":
+        hang(sample, params)
+    return 1.0
+
+
+def raise_error(sample: RewardInput, params: Mapping[str, Any]) -> float:
+    raise RuntimeError(f"cannot score {sample.response!r}")
+
+
+def exit_process(sample: RewardInput, params: Mapping[str, Any]) -> float:
+    os._exit(3)
+
+
+def not_a_number(sample: RewardInput, params: Mapping[str, Any]) -> float:
+    return "high"  # type: ignore[return-value]
+
+
+def length_parts(sample: RewardInput, params: Mapping[str, Any]) -> Scored:
+    """Sees only what it declared: the response, never the label or prompt."""
+    assert sample.label == "" and sample.prompt == "", "undeclared inputs must arrive empty"
+    return Scored(
+        score=0.5, parts={"chars": float(len(sample.response)), "lines": float(sample.response.count("\n") + 1)}
+    )
+
+
+def metadata_value(sample: RewardInput, params: Mapping[str, Any]) -> float:
+    return float(sample.metadata["value"])
+
+
+def _declare(fn: Any, inputs: set[str], description: str, params: type[BaseModel] | None = None) -> RewardFunction:
+    return RewardFunction(fn=fn, inputs=frozenset(inputs), description=description, params=params)
+
+
+TEST_FUNCTIONS = {
+    "sleep": _declare(sleep_then_one, {"response"}, "sleeps `seconds`, then scores 1.0", SleepParams),
+    "hang": _declare(hang, {"response"}, "never returns and ignores signals"),
+    "hang_on_label": _declare(hang_on_label, {"label"}, "hangs when the label is 'hang', else 1.0"),
+    "raise": _declare(raise_error, {"response"}, "always raises"),
+    "exit": _declare(exit_process, {"response"}, "ends its worker process"),
+    "not_a_number": _declare(not_a_number, {"response"}, "returns a string"),
+    "length_parts": _declare(length_parts, {"response"}, "0.5, with the response's size as parts"),
+    "metadata_value": _declare(metadata_value, {"metadata"}, "the float in metadata['value']"),
+}

@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import pytest
+
+from rlfleet_reward.arith_exact import ARITH_EXACT, score_arith_exact
+from rlfleet_reward.math_answer import MATH, MathParams, score_math
+from rlfleet_reward.reward_function import RewardInput
+
+MATH_DEFAULTS = MathParams().model_dump()
+
+
+@pytest.mark.parametrize(
+    ("response", "label", "expected"),
+    [
+        ("82", "82", 1.0),
+        ("82\n1+1=2", "82", 1.0),  # only the first line is the answer
+        ("  82 \n", "82", 1.0),
+        ("082", "82", 1.0),  # compared as integers
+        ("+82", "82", 1.0),
+        ("-0", "0", 1.0),
+        ("-7", "-7", 1.0),
+        ("81", "82", 0.0),
+        ("-82", "82", 0.0),
+        ("", "82", 0.0),
+        ("82 apples", "82", 0.0),
+        ("8 2", "82", 0.0),
+        ("82.0", "82", 0.0),
+        ("\n82", "82", 0.0),  # the first line is empty
+    ],
+)
+def test_arith_exact(response: str, label: str, expected: float) -> None:
+    assert score_arith_exact(RewardInput(response=response, label=label), {}) == expected
+
+
+def test_arith_exact_handles_integers_beyond_int_conversion_limit() -> None:
+    digits = "9" * 10_000
+    assert score_arith_exact(RewardInput(response=digits, label=digits), {}) == 1.0
+    assert score_arith_exact(RewardInput(response=digits + "8", label=digits), {}) == 0.0
+
+
+def test_arith_exact_rejects_a_label_that_is_not_an_integer() -> None:
+    with pytest.raises(ValueError, match="label 'x' is not an integer"):
+        score_arith_exact(RewardInput(response="1", label="x"), {})
+
+
+@pytest.mark.parametrize(
+    ("response", "label", "expected"),
+    [
+        ("The answer is $\\boxed{\\frac{1}{2}}$", "0.5", 1.0),
+        ("so x = 2 + 2 = $4$", "4", 1.0),
+        ("$\\boxed{3}$", "$4$", 0.0),
+        ("no idea", "4", 0.0),
+    ],
+)
+def test_math(response: str, label: str, expected: float) -> None:
+    assert score_math(RewardInput(response=response, label=label), MATH_DEFAULTS) == expected
+
+
+def test_math_rejects_a_label_without_an_answer() -> None:
+    with pytest.raises(ValueError, match="no answer in the label"):
+        score_math(RewardInput(response="4", label=""), MATH_DEFAULTS)
+
+
+def test_builtins_declare_what_they_read() -> None:
+    assert ARITH_EXACT.inputs == {"response", "label"}
+    assert MATH.inputs == {"response", "label"}
+    assert MATH.params is MathParams

@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+from pydantic import ValidationError
+
+from rlfleet_reward.__main__ import parse_args
+from rlfleet_reward.config import RewardSettings
+
+
+def test_environment_then_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RLFLEET_REWARD_WORKERS", "3")
+    monkeypatch.setenv("RLFLEET_REWARD_PORT", "9001")
+    settings = RewardSettings(**parse_args(["--port", "9002", "--default-timeout-seconds", "2.5"]))  # type: ignore[arg-type]
+    assert (settings.workers, settings.port, settings.default_timeout_seconds) == (3, 9002, 2.5)
+    assert (settings.grpc_port, settings.max_batch_size) == (50053, 4096)
+
+
+def test_inconsistent_limits_are_refused() -> None:
+    with pytest.raises(ValidationError, match="raise the max or lower the default"):
+        RewardSettings(default_timeout_seconds=60, max_timeout_seconds=30)
+
+
+def test_help_answers_without_starting_anything() -> None:
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "rlfleet_reward", "--help"], capture_output=True, text=True, timeout=30, check=True
+    )
+    assert "--grpc-port" in done.stdout and "RLFLEET_REWARD_" in done.stdout
+    assert time.monotonic() - started < 5

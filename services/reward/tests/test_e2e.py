@@ -1,0 +1,227 @@
+"""The hub as a real process: HTTP and gRPC on loopback, time limits, bad input, metrics, shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from rlfleet.processes import ServiceProcess, free_port
+from rlfleet.v1 import reward_pb2, reward_pb2_grpc
+
+pytestmark = pytest.mark.e2e
+
+LAUNCHER = Path(__file__).resolve().parent / "reward_hub_for_tests.py"
+MAX_BATCH = 16
+MAX_BYTES = 100_000
+
+
+class Hub:
+    def __init__(self, tmp: Path, name: str) -> None:
+        self.port, self.grpc_port = free_port(), free_port()
+        argv = [
+            sys.executable, str(LAUNCHER), "--host", "127.0.0.1", "--port", str(self.port),
+            "--grpc-port", str(self.grpc_port), "--workers", "2", "--max-batch-size", str(MAX_BATCH),
+            "--max-request-bytes", str(MAX_BYTES), "--shutdown-grace-seconds", "2",
+        ]  # fmt: skip
+        self.process = ServiceProcess(name, argv, tmp / f"{name}.log", env={"RLFLEET_LOG_FORMAT": "text"})
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process.wait_healthy(f"{self.url}/health", timeout=30)
+
+    def score(self, body: object, timeout: float = 10) -> httpx.Response:
+        return httpx.post(f"{self.url}/score", json=body, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
+    started = Hub(tmp_path_factory.mktemp("reward"), "reward-hub")
+    try:
+        yield started
+    finally:
+        started.process.stop(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def stub(hub: Hub) -> Iterator[reward_pb2_grpc.RewardStub]:
+    with grpc.insecure_channel(f"127.0.0.1:{hub.grpc_port}") as channel:
+        yield reward_pb2_grpc.RewardStub(channel)
+
+
+def arith_request(items: list[dict], **spec: object) -> dict:
+    return {"spec": {"terms": [{"function": "arith_exact"}], **spec}, "items": items}
+
+
+def test_score_over_http(hub: Hub) -> None:
+    body = {
+        "spec": {"terms": [{"function": "arith_exact", "weight": 0.5}, {"function": "math"}]},
+        "items": [
+            {"id": "a", "prompt": "37+45=", "response": "82\n", "label": "82"},
+            {"id": "b", "prompt": "37+45=", "response": "81", "label": "82"},
+        ],
+    }
+    response = hub.score(body)
+    assert response.status_code == 200, response.text
+    right, wrong = response.json()["results"]
+    assert right["id"] == "a" and right["status"] == "SCORE_STATUS_OK"
+    assert right["score"] == 1.5
+    assert right["components"] == {"arith_exact": 1.0, "math": 1.0}
+    # Zero values are present, not omitted.
+    assert wrong["score"] == 0.0 and wrong["error"] == ""
+    assert wrong["components"] == {"arith_exact": 0.0, "math": 0.0}
+    functions = httpx.get(f"{hub.url}/functions", timeout=10).json()["functions"]
+    assert {"arith_exact", "math", "hang"} <= {f["name"] for f in functions}
+
+
+def test_score_over_grpc(stub: reward_pb2_grpc.RewardStub) -> None:
+    request = reward_pb2.ScoreRequest(
+        spec=reward_pb2.RewardSpec(terms=[reward_pb2.RewardTerm(function="arith_exact", weight=2.0)]),
+        items=[reward_pb2.ScoreItem(id=str(i), response=str(i), label="3") for i in range(5)],
+    )
+    response = stub.Score(request, timeout=10)
+    assert [r.id for r in response.results] == ["0", "1", "2", "3", "4"]
+    assert [r.score for r in response.results] == [0.0, 0.0, 0.0, 2.0, 0.0]
+    assert all(r.status == reward_pb2.SCORE_STATUS_OK for r in response.results)
+    names = [f.name for f in stub.ListFunctions(reward_pb2.ListFunctionsRequest(), timeout=10).functions]
+    assert "math" in names
+
+
+def test_a_hang_comes_back_timeout_within_its_limit_and_the_hub_keeps_serving(
+    hub: Hub, stub: reward_pb2_grpc.RewardStub
+) -> None:
+    body = {
+        "spec": {"terms": [{"function": "hang_on_label"}], "timeout_seconds": 1.0},
+        "items": [{"id": "stuck", "label": "hang"}, {"id": "fine", "label": "x"}],
+    }
+    started = time.monotonic()
+    response = hub.score(body)
+    elapsed = time.monotonic() - started
+    assert response.status_code == 200
+    stuck, fine = response.json()["results"]
+    assert stuck["status"] == "SCORE_STATUS_TIMEOUT"
+    assert stuck["error"] == "hang_on_label: exceeded its 1 s time limit"
+    assert fine["status"] == "SCORE_STATUS_OK"
+    assert elapsed < 2.5
+    # The killed worker was replaced: a full pool scores again, over both transports.
+    again = hub.score(arith_request([{"response": "1", "label": "1"}] * 4))
+    assert [r["score"] for r in again.json()["results"]] == [1.0] * 4
+    grpc_hang = stub.Score(
+        reward_pb2.ScoreRequest(
+            spec=reward_pb2.RewardSpec(terms=[reward_pb2.RewardTerm(function="hang")], timeout_seconds=0.5),
+            items=[reward_pb2.ScoreItem(id="x")],
+        ),
+        timeout=10,
+    )
+    assert grpc_hang.results[0].status == reward_pb2.SCORE_STATUS_TIMEOUT
+    assert httpx.get(f"{hub.url}/health", timeout=10).json()["workers"] == 2
+
+
+@pytest.mark.parametrize(
+    ("content", "status", "message"),
+    [
+        (b'{"items": [', 400, "request body is not valid JSON"),
+        (b"[1, 2]", 400, "must be a JSON object (a ScoreRequest), got list"),
+        (b'{"items": [{"id": "a", "answer": "1"}]}', 400, 'no field named "answer"'),
+        (b'{"items": [{"id": 7}]}', 400, "Failed to parse id field"),
+        (b'{"spec": {"terms": [{"function": "arith_exact", "weight": "heavy"}]}, "items": [{}]}', 400, "weight"),
+        (b'{"spec": {"terms": [{"function": "nope"}]}, "items": [{}]}', 400, "unknown reward function 'nope'"),
+        (b'{"spec": {"terms": [{"function": "arith_exact"}]}, "items": []}', 400, "items is empty"),
+        (
+            b'{"spec": {"terms": [{"function": "arith_exact"}]}, "items": [' + b"{}," * MAX_BATCH + b"{}]}",
+            413,
+            "items has 17 entries",
+        ),
+        (b'{"items": [{"prompt": "' + b"x" * MAX_BYTES + b'"}]}', 413, "request body is"),
+    ],
+)
+def test_bad_http_input_is_a_4xx_naming_the_problem(hub: Hub, content: bytes, status: int, message: str) -> None:
+    response = httpx.post(f"{hub.url}/score", content=content, timeout=10)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert message in error["message"], error
+    assert error["code"] == status
+
+
+@pytest.mark.parametrize(
+    ("request_", "code", "message"),
+    [
+        (reward_pb2.ScoreRequest(spec=reward_pb2.RewardSpec(terms=[reward_pb2.RewardTerm(function="arith_exact")])),
+         grpc.StatusCode.INVALID_ARGUMENT, "items is empty"),
+        (reward_pb2.ScoreRequest(
+            spec=reward_pb2.RewardSpec(terms=[reward_pb2.RewardTerm(function="nope")]), items=[reward_pb2.ScoreItem()]),
+         grpc.StatusCode.INVALID_ARGUMENT, "unknown reward function 'nope'; known: arith_exact"),
+        (reward_pb2.ScoreRequest(
+            spec=reward_pb2.RewardSpec(terms=[reward_pb2.RewardTerm(function="math")]),
+            items=[reward_pb2.ScoreItem()] * (MAX_BATCH + 1)),
+         grpc.StatusCode.RESOURCE_EXHAUSTED, "the limit is 16"),
+    ],
+)  # fmt: skip
+def test_bad_grpc_input_is_invalid_argument(
+    stub: reward_pb2_grpc.RewardStub, request_: reward_pb2.ScoreRequest, code: grpc.StatusCode, message: str
+) -> None:
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.Score(request_, timeout=10)
+    assert raised.value.code() == code
+    assert message in raised.value.details()
+
+
+def test_metrics_are_exported_after_scoring(hub: Hub) -> None:
+    body = {"spec": {"terms": [{"function": "arith_exact"}, {"function": "raise"}]}, "items": [{"label": "1"}] * 3}
+    assert hub.score(body).status_code == 200
+    text = httpx.get(f"{hub.url}/metrics", timeout=10).text
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    assert float(samples['rlfleet_reward_items_total{function="arith_exact",status="ok"}']) >= 3
+    assert float(samples['rlfleet_reward_items_total{function="raise",status="error"}']) == 3
+    assert float(samples['rlfleet_reward_item_seconds_count{function="raise"}']) == 3
+    assert float(samples['rlfleet_reward_requests_total{outcome="ok"}']) >= 1
+    assert float(samples["rlfleet_reward_pool_workers"]) == 2
+    assert "rlfleet_reward_pool_busy_workers" in samples
+
+
+def test_sigterm_lets_requests_finish_then_stops_the_hub_and_its_workers(tmp_path: Path) -> None:
+    hub = Hub(tmp_path, "reward-hub-shutdown")
+    try:
+        descendants = _descendants(hub.process.pid)
+        assert len(descendants) >= 3  # the fork server and two workers
+        slow = {"spec": {"terms": [{"function": "sleep", "params": {"seconds": 0.8}}]}, "items": [{}]}
+        with ThreadPoolExecutor(1) as executor:
+            in_flight = executor.submit(hub.score, slow)
+            time.sleep(0.3)
+            # Only the hub, as Kubernetes or `docker stop` would: the hub must stop its workers itself.
+            started = time.monotonic()
+            os.kill(hub.process.pid, signal.SIGTERM)
+            assert in_flight.result(timeout=10).json()["results"][0]["status"] == "SCORE_STATUS_OK"
+        assert hub.process.proc.wait(timeout=10) == 0, hub.process.log_tail()
+        assert time.monotonic() - started < 5
+        assert "reward hub stopped" in hub.process.log_tail()
+        deadline = time.monotonic() + 5
+        while any(_alive(pid) for pid in descendants) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in descendants if _alive(pid)]
+    finally:
+        hub.process.stop(timeout=5)
+
+
+def _descendants(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            found += [int(child), *_descendants(int(child))]
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie has exited; only its parent has yet to collect the status.
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"

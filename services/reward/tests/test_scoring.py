@@ -1,0 +1,192 @@
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from google.protobuf import json_format
+
+from rlfleet.errors import InvalidInput, ResourceExhausted
+from rlfleet.v1 import reward_pb2
+from rlfleet_reward.scoring import Scorer
+
+WithScorer = Callable[..., Any]
+OK, ERROR, TIMEOUT = reward_pb2.SCORE_STATUS_OK, reward_pb2.SCORE_STATUS_ERROR, reward_pb2.SCORE_STATUS_TIMEOUT
+
+
+def request(terms: list[dict], items: list[dict], timeout: float | None = None) -> reward_pb2.ScoreRequest:
+    spec: dict = {"terms": terms}
+    if timeout is not None:
+        spec["timeout_seconds"] = timeout
+    return json_format.ParseDict({"spec": spec, "items": items}, reward_pb2.ScoreRequest())
+
+
+def test_weighted_sum_components_and_order(with_scorer: WithScorer) -> None:
+    req = request(
+        [{"function": "arith_exact", "weight": 2.0}, {"function": "math"}, {"function": "length_parts", "weight": -1}],
+        [
+            {"id": "right", "response": "82\n", "label": "82"},
+            {"id": "wrong", "response": "81", "label": "82"},
+            {"id": "spaced", "response": " 7", "label": "7"},
+        ],
+    )
+
+    async def body(scorer: Scorer) -> reward_pb2.ScoreResponse:
+        return await scorer.score(req)
+
+    results = with_scorer(body).results
+    assert [r.id for r in results] == ["right", "wrong", "spaced"]
+    assert [r.status for r in results] == [OK, OK, OK]
+    right, wrong, spaced = results
+    assert right.score == pytest.approx(2.0 + 1.0 - 0.5)
+    assert dict(right.components) == {
+        "arith_exact": 1.0,
+        "math": 1.0,
+        "length_parts": 0.5,
+        "length_parts/chars": 3.0,
+        "length_parts/lines": 2.0,
+    }
+    assert wrong.score == pytest.approx(-0.5)
+    assert (wrong.components["arith_exact"], wrong.components["math"]) == (0.0, 0.0)
+    assert spaced.score == pytest.approx(2.5)
+    assert all(r.seconds > 0 and r.error == "" for r in results)
+
+
+def test_one_bad_item_never_fails_the_batch(with_scorer: WithScorer) -> None:
+    req = request(
+        [{"function": "hang_on_label"}, {"function": "arith_exact"}],
+        [
+            {"id": "ok", "response": "3", "label": "3"},
+            {"id": "bad-label", "response": "3", "label": "three"},
+            {"id": "hangs", "response": "3", "label": "hang"},
+            {"id": "ok-too", "response": "4", "label": "5"},
+        ],
+        timeout=0.5,
+    )
+
+    async def body(scorer: Scorer) -> tuple[reward_pb2.ScoreResponse, float, float | None]:
+        started = time.monotonic()
+        response = await scorer.score(req)
+        elapsed = time.monotonic() - started
+        again = await scorer.score(request([{"function": "metadata_value"}], [{"metadata": {"value": "0.25"}}]))
+        assert again.results[0].status == OK and again.results[0].score == 0.25
+        return (
+            response,
+            elapsed,
+            scorer.metrics.registry.get_sample_value("rlfleet_reward_timeouts_total", {"function": "hang_on_label"}),
+        )
+
+    response, elapsed, timeouts = with_scorer(body)
+    ok, bad, hangs, ok_too = response.results
+    assert (ok.status, ok.score) == (OK, 2.0)
+    assert (ok_too.status, ok_too.score, dict(ok_too.components)) == (
+        OK,
+        1.0,
+        {"hang_on_label": 1.0, "arith_exact": 0.0},
+    )
+    assert (bad.status, bad.score, dict(bad.components)) == (ERROR, 0.0, {})
+    assert bad.error == "arith_exact: ValueError: label 'three' is not an integer"
+    assert hangs.status == TIMEOUT
+    assert hangs.error.startswith("hang_on_label: exceeded its 0.5 s time limit")
+    assert hangs.score == 0.0
+    assert elapsed < 2.0
+    assert timeouts == 1.0
+
+
+def test_metrics_count_items_by_function_and_status(with_scorer: WithScorer) -> None:
+    req = request([{"function": "arith_exact"}, {"function": "raise"}], [{"response": "1", "label": "1"}] * 3)
+
+    async def body(scorer: Scorer) -> dict[str, float | None]:
+        await scorer.score(req)
+        with pytest.raises(InvalidInput):
+            await scorer.score(reward_pb2.ScoreRequest())
+        value = scorer.metrics.registry.get_sample_value
+        return {
+            "arith_ok": value("rlfleet_reward_items_total", {"function": "arith_exact", "status": "ok"}),
+            "raise_error": value("rlfleet_reward_items_total", {"function": "raise", "status": "error"}),
+            "seconds_count": value("rlfleet_reward_item_seconds_count", {"function": "arith_exact"}),
+            "requests_ok": value("rlfleet_reward_requests_total", {"outcome": "ok"}),
+            "requests_invalid": value("rlfleet_reward_requests_total", {"outcome": "invalid_input"}),
+            "workers": value("rlfleet_reward_pool_workers", {}),
+            "busy": value("rlfleet_reward_pool_busy_workers", {}),
+        }
+
+    assert with_scorer(body) == {
+        "arith_ok": 3.0,
+        "raise_error": 3.0,
+        "seconds_count": 3.0,
+        "requests_ok": 1.0,
+        "requests_invalid": 1.0,
+        "workers": 2.0,
+        "busy": 0.0,
+    }
+
+
+ITEM = {"response": "1", "label": "1"}
+
+
+@pytest.mark.parametrize(
+    ("req", "error", "message"),
+    [
+        (request([{"function": "arith_exact"}], []), InvalidInput, "items is empty"),
+        (request([], [ITEM]), InvalidInput, "spec.terms is empty"),
+        (
+            request([{"function": "arith_exat"}], [ITEM]),
+            InvalidInput,
+            "spec.terms[0].function: unknown reward function 'arith_exat'; known: arith_exact, ",
+        ),
+        (
+            request([{"function": "math"}, {"function": "math", "weight": 2}], [ITEM]),
+            InvalidInput,
+            "spec.terms[1].function: 'math' appears twice",
+        ),
+        (request([{"function": "math", "weight": "Infinity"}], [ITEM]), InvalidInput, "spec.terms[0].weight is inf"),
+        (
+            request([{"function": "math", "params": {"strictly": True}}], [ITEM]),
+            InvalidInput,
+            "spec.terms[0].params.strictly: Extra inputs are not permitted",
+        ),
+        (
+            request([{"function": "math", "params": {"float_rounding": "six"}}], [ITEM]),
+            InvalidInput,
+            "spec.terms[0].params.float_rounding:",
+        ),
+        (
+            request([{"function": "arith_exact", "params": {"x": 1}}], [ITEM]),
+            InvalidInput,
+            "spec.terms[0].params: 'arith_exact' takes no params",
+        ),
+        (request([{"function": "math"}], [ITEM], timeout=0), InvalidInput, "spec.timeout_seconds is 0.0"),
+        (request([{"function": "math"}], [ITEM], timeout=31), InvalidInput, "must be > 0 and <= 30"),
+        (request([{"function": "math"}], [ITEM] * 65), ResourceExhausted, "items has 65 entries; the limit is 64"),
+    ],
+)
+def test_bad_requests_are_rejected_naming_the_field(
+    with_scorer: WithScorer, req: reward_pb2.ScoreRequest, error: type[Exception], message: str
+) -> None:
+    async def body(scorer: Scorer) -> None:
+        with pytest.raises(error) as raised:
+            await scorer.score(req)
+        assert message in str(raised.value)
+
+    with_scorer(body, workers=1)
+
+
+def test_params_reach_the_function_validated(with_scorer: WithScorer) -> None:
+    req = request([{"function": "sleep", "params": {"seconds": 0.3}}], [ITEM], timeout=0.2)
+
+    async def body(scorer: Scorer) -> reward_pb2.ScoreResponse:
+        return await scorer.score(req)
+
+    assert with_scorer(body, workers=1).results[0].status == TIMEOUT
+
+
+def test_list_functions_declares_inputs(with_scorer: WithScorer) -> None:
+    async def body(scorer: Scorer) -> reward_pb2.ListFunctionsResponse:
+        return scorer.list_functions()
+
+    infos = {f.name: f for f in with_scorer(body, workers=1).functions}
+    assert list(infos["arith_exact"].inputs) == ["response", "label"]
+    assert list(infos["metadata_value"].inputs) == ["metadata"]
+    assert "math-verify" in infos["math"].description
