@@ -51,3 +51,4 @@ def init_logging(service: str, level: str | None = None) -> None:
     root.setLevel((level or os.environ.get("RLFLEET_LOG_LEVEL") or "INFO").upper())
     # Access logs of every request drown the service's own lines; keep them at warning.
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)

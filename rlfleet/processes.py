@@ -28,6 +28,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 50) -> int:
+    """A port p such that p .. p + count - 1 are all free now (for services on consecutive ports)."""
+    for _ in range(attempts):
+        base = free_port(host)
+        if all(port_is_free(base + i, host) for i in range(1, count)):
+            return base
+    raise RuntimeError(f"found no {count} consecutive free ports in {attempts} attempts")
+
+
 class ServiceProcess:
     """One child process in its own process group, logging to `log_path`."""
 

@@ -1,4 +1,4 @@
-"""`rlfleet`: one entry point, a subcommand per area (`rlfleet model ...`, `rlfleet data ...`)."""
+"""`rlfleet`: one entry point with a subcommand per task (`rlfleet model init`, `rlfleet submit`, ...)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,19 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from rlfleet.cli import data, model
+from rlfleet.cli import data, demo, fleet, model, runs
+from rlfleet.errors import RlfleetError
 from rlfleet.logs import init_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlfleet", description="rlfleet: RL post-training of LLMs as a fleet.")
-    areas = parser.add_subparsers(dest="area", required=True, metavar="{model,data}")
+    areas = parser.add_subparsers(dest="area", required=True, metavar="COMMAND")
     model.register(areas)
     data.register(areas)
+    fleet.register(areas)
+    runs.register(areas)
+    demo.register(areas)
     return parser
 
 
@@ -24,7 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     init_logging("cli")
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileExistsError, FileNotFoundError) as exc:
+    except (RlfleetError, ValueError, FileExistsError, FileNotFoundError) as exc:
         logging.getLogger("rlfleet").debug("command failed", exc_info=True)
         print(f"rlfleet: error: {exc}", file=sys.stderr)
         return 2

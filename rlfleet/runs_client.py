@@ -1,0 +1,99 @@
+"""A small client of the orchestrator's REST Runs API, used by the CLI and the demo.
+
+Requests and responses are the protobuf JSON of runs.proto, parsed back into messages so callers
+get typed values (int64 fields arrive as JSON strings).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import yaml
+from google.protobuf import json_format
+
+from rlfleet.errors import Conflict, InvalidInput, NotFound, RlfleetError, Unavailable
+from rlfleet.v1.runs_pb2 import Run, RunSpec, RunState
+
+STATUS_ERRORS: dict[int, type[RlfleetError]] = {400: InvalidInput, 404: NotFound, 409: Conflict}
+FINAL_STATES = (RunState.RUN_STATE_SUCCEEDED, RunState.RUN_STATE_FAILED, RunState.RUN_STATE_CANCELLED)
+
+
+def load_spec_file(path: Path) -> RunSpec:
+    """A RunSpec from a JSON or YAML file; unknown fields and wrong types name the field."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise InvalidInput(f"cannot read run spec {path}: {exc}") from exc
+    try:
+        data = yaml.safe_load(text) if Path(path).suffix in (".yaml", ".yml") else json.loads(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        raise InvalidInput(f"{path} is not valid {'YAML' if Path(path).suffix != '.json' else 'JSON'}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise InvalidInput(f"{path} must hold a mapping of RunSpec fields, got {type(data).__name__}")
+    try:
+        return json_format.ParseDict(data, RunSpec())
+    except json_format.ParseError as exc:
+        raise InvalidInput(f"{path}: {exc}") from exc
+
+
+class RunsClient:
+    def __init__(self, base_url: str, timeout_s: float = 30.0, token: str | None = None) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.base_url = base_url.rstrip("/")
+        self.http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def submit(self, spec: RunSpec) -> Run:
+        return self._run(self._request("POST", "/v1/runs", json=json_format.MessageToDict(spec)))
+
+    def get(self, run_id: str) -> Run:
+        return self._run(self._request("GET", f"/v1/runs/{run_id}"))
+
+    def list(self, state: str | None = None) -> list[Run]:
+        params = {"state": state} if state else None
+        body = self._request("GET", "/v1/runs", params=params)
+        return [json_format.ParseDict(r, Run(), ignore_unknown_fields=True) for r in body.get("runs", [])]
+
+    def cancel(self, run_id: str) -> Run:
+        return self._run(self._request("POST", f"/v1/runs/{run_id}:cancel"))
+
+    def watch(self, run_id: str, timeout_s: float) -> Iterator[Run]:
+        """The run now, then every change, until it ends; each read waits at most `timeout_s`."""
+        try:
+            with self.http.stream("GET", f"/v1/runs/{run_id}:watch", timeout=timeout_s) as response:
+                if response.status_code != 200:
+                    response.read()
+                    self._raise_for(response)
+                for line in response.iter_lines():
+                    if line.startswith("data:"):
+                        yield json_format.Parse(line[5:].strip(), Run(), ignore_unknown_fields=True)
+        except httpx.TransportError as exc:
+            raise Unavailable(f"lost the watch of run {run_id} at {self.base_url}: {exc}") from exc
+
+    def _run(self, body: dict) -> Run:
+        return json_format.ParseDict(body, Run(), ignore_unknown_fields=True)
+
+    def _request(self, method: str, path: str, **kwargs: object) -> dict:
+        try:
+            response = self.http.request(method, path, **kwargs)  # type: ignore[arg-type]
+        except httpx.TransportError as exc:
+            raise Unavailable(f"the orchestrator at {self.base_url} did not answer: {exc}") from exc
+        self._raise_for(response)
+        return response.json()
+
+    @staticmethod
+    def _raise_for(response: httpx.Response) -> None:
+        if response.status_code < 400:
+            return
+        try:
+            message = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = response.text[:500]
+        status = response.status_code
+        error = STATUS_ERRORS.get(status, Unavailable if status >= 500 else RlfleetError)
+        raise error(f"HTTP {status}: {message}")
