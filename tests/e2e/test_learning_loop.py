@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from google.protobuf import json_format
 
@@ -149,7 +150,17 @@ def test_cancel_stops_a_run(fleet: LocalFleet, api: RunsClient) -> None:
 def test_trainer_killed_mid_run_resumes_and_nothing_is_lost(fleet: LocalFleet, api: RunsClient) -> None:
     run = api.submit(json_format.ParseDict(spec_dict(fleet, steps=6, name="kill"), RunSpec()))
     wait_step(api, run.id, 2)
-    fleet.processes["trainer"].kill()  # SIGKILL, mid-run
+    fleet.processes["trainer"].kill()  # SIGKILL to torchrun's process group, mid-run
+    health = f"{fleet.url(fleet.config.ports.trainer_http)}/health"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the rank dies with its launcher: nothing answers any more
+        try:
+            httpx.get(health, timeout=1)
+        except httpx.TransportError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the trainer rank survived its killed launcher")
     fleet.restart("trainer")
     final = wait_final(api, run.id)
     assert final.state == RunState.RUN_STATE_SUCCEEDED, final.error

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,6 +68,19 @@ def run_sft_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def die_with_launcher() -> None:
+    """torchrun starts each rank in a session of its own, so a rank outlives a killed launcher and
+    keeps serving stale state. Ask Linux to SIGKILL this rank when its parent dies."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the launcher died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def serve(settings: TrainerSettings) -> int:
     import torch
     import torch.distributed as dist
@@ -82,6 +96,7 @@ def serve(settings: TrainerSettings) -> int:
     torch.set_num_threads(settings.torch_threads)
     distributed = "WORLD_SIZE" in os.environ
     if distributed:
+        die_with_launcher()
         dist.init_process_group("gloo")
         if dist.get_world_size() != 1:
             logger.error("this trainer trains on one rank; launch it with torchrun --nproc_per_node=1")
