@@ -1,5 +1,6 @@
 # rlfleet developer commands. `make test` sets up .venv from scratch (torch's CPU wheel first, then
-# every package of the repo in editable mode) and runs the whole test suite.
+# every package of the repo in editable mode) and runs the whole test suite; `make demo` trains the tiny
+# model through the whole fleet (see README).
 
 PYTHON ?= python3
 VENV := .venv
@@ -8,7 +9,7 @@ PIP := $(PY) -m pip
 SERVICE_DIRS := $(patsubst %/pyproject.toml,%,$(wildcard services/*/pyproject.toml))
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint protos clean
+.PHONY: install test demo lint protos clean
 
 $(STAMP): pyproject.toml constraints.txt $(wildcard services/*/pyproject.toml)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +23,9 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+demo: $(STAMP)
+	$(VENV)/bin/rlfleet demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
