@@ -16,7 +16,7 @@ from rlfleet.sample_stream import connect_redis
 REDIS_URL = os.environ.get("RLFLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def redis_client() -> Iterator[redis.Redis]:
     client = connect_redis(REDIS_URL, timeout_s=5.0)
     try:

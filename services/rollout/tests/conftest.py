@@ -1,5 +1,5 @@
-"""Fixtures of the orchestrator's tests: real Redis, a char tokenizer, and a fake fleet around a real
-orchestrator process.
+"""Fixtures of the orchestrator's tests: a char tokenizer and a fake fleet around a real orchestrator
+process (Redis fixtures come from the repository's conftest).
 
 This directory goes on sys.path so the test modules can import `rollout_test_support` by its plain
 name, which pytest's importlib mode would not give them.
@@ -21,7 +21,6 @@ if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
 from rollout_test_support import (  # noqa: E402
-    REDIS_URL,
     FakeFleet,
     Orchestrator,
     delete_prefix,
@@ -30,26 +29,6 @@ from rollout_test_support import (  # noqa: E402
 )
 
 from rlfleet.char_tokenizer import SPECIAL_TOKENS, UNK, vocabulary  # noqa: E402
-from rlfleet.sample_stream import connect_redis  # noqa: E402
-
-
-@pytest.fixture(scope="session")
-def redis_client() -> Iterator[redis.Redis]:
-    client = connect_redis(REDIS_URL, timeout_s=5.0)
-    try:
-        client.ping()
-    except redis.ConnectionError as exc:
-        pytest.fail(f"these tests need Redis at {REDIS_URL} ({exc}); start it with redis-server --daemonize yes")
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def redis_prefix(redis_client: redis.Redis) -> Iterator[str]:
-    """A key prefix no other test uses; every key under it is deleted afterwards (never FLUSHALL)."""
-    prefix = f"rlfleet-test:{uuid.uuid4().hex[:12]}:"
-    yield prefix
-    delete_prefix(redis_client, prefix)
 
 
 @pytest.fixture(scope="session")
