@@ -22,7 +22,7 @@ from rlfleet.v1.trainer_pb2 import CheckpointResponse, StepReport, TrainerState,
 from rlfleet_trainer.active_run import ActiveRun
 from rlfleet_trainer.config import TrainerSettings
 from rlfleet_trainer.metrics import TrainerMetrics
-from rlfleet_trainer.optim import make_optimizer
+from rlfleet_trainer.optim import optimizer_from_spec
 from rlfleet_trainer.policy import load_policy
 from rlfleet_trainer.router_client import RouterClient
 from rlfleet_trainer.run_loop import train_run
@@ -56,10 +56,9 @@ class TrainerCore:
             current = self._runs.get(run_id)
             if current is not None and not current.finished:
                 return current.status()
-            busy = [r for r in self._runs.values() if not r.finished] + [rid for rid in self._starting]
+            busy = [r.run_id for r in self._runs.values() if not r.finished] + sorted(self._starting)
             if busy:
-                other = busy[0] if isinstance(busy[0], str) else busy[0].run_id
-                raise Conflict(f"the trainer is busy with run {other}; stop it before starting {run_id}")
+                raise Conflict(f"the trainer is busy with run {busy[0]}; stop it before starting {run_id}")
             self._starting.add(run_id)
         try:
             run = self._prepare(run_id, spec)
@@ -163,9 +162,7 @@ class TrainerCore:
             step, version, trained = record.step, record.weight_version, record.groups_trained
         torch.manual_seed(spec.trainer.seed + step)
         model = load_policy(source)
-        optimizer, scheduler = make_optimizer(
-            model, spec.trainer.learning_rate, spec.trainer.weight_decay, spec.trainer.warmup_steps, start_step=step
-        )
+        optimizer, scheduler = optimizer_from_spec(model, spec, start_step=step)
         ref_model = None
         if spec.algorithm.kl_coef > 0:
             ref_model = load_policy(base).eval().requires_grad_(False)
