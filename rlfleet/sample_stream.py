@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import redis
 from google.protobuf.message import DecodeError
@@ -159,10 +160,8 @@ class SampleStream:
 
     def dead_letters(self) -> list[tuple[str, str]]:
         """(entry id, reason) of every entry moved aside as undecodable."""
-        return [
-            (fields[b"entry_id"].decode(), fields[b"reason"].decode())
-            for _, fields in self.client.xrange(self.dead_key)
-        ]
+        entries = cast(list[tuple[bytes, dict[bytes, bytes]]], self.client.xrange(self.dead_key))
+        return [(fields[b"entry_id"].decode(), fields[b"reason"].decode()) for _, fields in entries]
 
     def delete(self) -> None:
         """Removes the stream, its id set and its dead letters (the run is over and archived)."""
@@ -173,7 +172,11 @@ class SampleStream:
     def _read(self, consumer: str, count: int, start: str, block_ms: int | None) -> list[StreamEntry]:
         if count <= 0:
             raise ValueError(f"count must be positive, got {count}")
-        reply = self.client.xreadgroup(self.consumer_group, consumer, {self.key: start}, count=count, block=block_ms)
+        # The client returns bytes (decode_responses is off): [[stream key, [(id, fields), ...]]].
+        reply = cast(
+            list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] | None,
+            self.client.xreadgroup(self.consumer_group, consumer, {self.key: start}, count=count, block=block_ms),
+        )
         if not reply:
             return []
         _, messages = reply[0]

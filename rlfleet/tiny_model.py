@@ -69,7 +69,7 @@ def create_tiny_model(out_dir: Path, config: TinyModelConfig = TinyModelConfig()
         bos_token_id=None,
     )
     torch.manual_seed(config.seed)
-    model = LlamaForCausalLM(hf_config).to(torch.float32)
+    model = LlamaForCausalLM(hf_config).float()
     model.generation_config = GenerationConfig(eos_token_id=vocab[EOS], pad_token_id=vocab[PAD])
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir))

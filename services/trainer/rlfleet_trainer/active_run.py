@@ -30,7 +30,7 @@ class ActiveRun:
     weight_version: int = 0
     weights_path: str = ""
     groups_trained: int = 0
-    state: int = TrainerState.TRAINER_STATE_STARTING
+    state: TrainerState = TrainerState.TRAINER_STATE_STARTING
     error: str = ""
     reports: list[StepReport] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)

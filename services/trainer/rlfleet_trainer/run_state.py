@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import redis
 
@@ -33,7 +34,7 @@ class RunStateStore:
         return f"{self.prefix}run:{run_id}:trainer"
 
     def load(self, run_id: str) -> RunRecord | None:
-        raw = self.client.hgetall(self.key(run_id))
+        raw = cast(dict[bytes, bytes], self.client.hgetall(self.key(run_id)))
         if not raw:
             return None
         fields = {k.decode(): v.decode() for k, v in raw.items()}
