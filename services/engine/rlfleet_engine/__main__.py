@@ -26,6 +26,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
         sys.exit(f"rlfleet-engine: invalid configuration: {problems}")
     init_logging("engine", config.log_level)
+    if config.backend == "sglang":
+        from rlfleet_engine.sglang_backend import exec_sglang
+
+        exec_sglang(config)
+    if config.backend == "sim":
+        from rlfleet_engine.sim_backend import serve_sim
+
+        return serve_sim(config)
     serve(config)
 
 

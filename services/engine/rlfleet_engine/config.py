@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-BackendName = Literal["transformers"]
+BackendName = Literal["transformers", "sglang", "sim"]
 
 
 class EngineConfig(BaseSettings):
@@ -42,7 +42,7 @@ class EngineConfig(BaseSettings):
     log_level: str = "info"
     """Root log level (debug, info, warning, error)."""
     backend: BackendName = "transformers"
-    """What produces the logits: `transformers` runs the real model on CPU."""
+    """What produces the logits: `transformers` runs the real model on CPU; `sglang` execs the real SGLang server."""
     torch_threads: int | None = Field(default=None, gt=0)
     """Intra-op threads torch may use; unset leaves torch's default (all cores)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -51,6 +51,14 @@ class EngineConfig(BaseSettings):
     """Version label of the weights loaded at start (SGLang's `--weight-version`)."""
     health_check_timeout_s: float = Field(default=20.0, gt=0)
     """Bound on the one-token generation /health_generate runs."""
+    sim_cache_tokens: int = Field(default=1_000_000, ge=16)
+    """`sim` backend: tokens its prefix cache holds (LRU beyond); model_path is then only a label."""
+    sim_prefill_us_per_token: float = Field(default=25.0, ge=0)
+    """`sim` backend: prefill time per uncached prompt token, in microseconds."""
+    sim_decode_ms_per_step: float = Field(default=5.0, ge=0)
+    """`sim` backend: time of one decode step of a batch of one, in milliseconds."""
+    sim_decode_us_per_sequence: float = Field(default=100.0, ge=0)
+    """`sim` backend: time each sequence in the batch adds to a decode step, in microseconds."""
 
     @model_validator(mode="after")
     def _fill_defaults(self) -> EngineConfig:
@@ -74,11 +82,15 @@ _FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--max-running-requests", "max_running_requests", "Most sequences in one decode batch (default 16)."),
     ("--random-seed", "random_seed", "Seed of the sampler (default 0)."),
     ("--log-level", "log_level", "Log level: debug, info, warning, error (default info)."),
-    ("--backend", "backend", "Logit backend: transformers (default)."),
+    ("--backend", "backend", "transformers (default), sglang (the real SGLang server) or sim (no model)."),
     ("--torch-threads", "torch_threads", "Intra-op threads for torch (default: torch's choice)."),
     ("--dtype", "dtype", "float32 (default), bfloat16 or float16."),
     ("--weight-version", "weight_version", "Version label of the initial weights (default 'default')."),
     ("--health-check-timeout", "health_check_timeout_s", "Seconds /health_generate may take (default 20)."),
+    ("--sim-cache-tokens", "sim_cache_tokens", "sim backend: prefix cache size in tokens (default 1000000)."),
+    ("--sim-prefill-us-per-token", "sim_prefill_us_per_token", "sim backend: prefill us per uncached token (25)."),
+    ("--sim-decode-ms-per-step", "sim_decode_ms_per_step", "sim backend: ms per decode step of one sequence (5)."),
+    ("--sim-decode-us-per-sequence", "sim_decode_us_per_sequence", "sim backend: us each batched sequence adds (100)."),
 )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from http import HTTPStatus
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,8 +21,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from rlfleet.errors import InvalidInput
 from rlfleet.http_errors import install_error_handlers
-from rlfleet_engine.engine_core import EngineCore
 from rlfleet_engine.schemas import AbortRequest, GenerateRequest, UpdateWeightsFromDiskRequest
+
+if TYPE_CHECKING:  # the sim backend serves this app without importing torch
+    from rlfleet_engine.engine_core import EngineCore
 
 # Names pydantic gives the alternatives of a union in an error path (besides generic ones like `list[int]`).
 _UNION_TAGS = frozenset({"str", "int", "float", "bool"})

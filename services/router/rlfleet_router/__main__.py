@@ -1,4 +1,4 @@
-"""`python -m rlfleet_router --worker-urls URL [URL ...] --port 30000 --policy least_load`.
+"""`python -m rlfleet_router --worker-urls URL [URL ...] --port 30000 --policy cache_aware`.
 
 Flags override `RLFLEET_ROUTER_*` environment variables, which override the defaults. Only the
 flags are parsed before the server modules are imported, so `--help` answers at once.
@@ -13,7 +13,11 @@ from collections.abc import Sequence
 VALUE_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--host", str, "address to listen on (default 127.0.0.1)"),
     ("--port", int, "port to listen on (default 30000)"),
-    ("--policy", str, "routing policy: least_load (default) or round_robin"),
+    ("--policy", str, "routing policy: cache_aware (default), least_load, power_of_two or round_robin"),
+    ("--cache-threshold", float, "cache_aware: share of a prompt an engine must hold to be preferred (default 0.3)"),
+    ("--balance-abs-threshold", int, "cache_aware: excess requests in flight that make an engine overloaded (4)"),
+    ("--balance-rel-threshold", float, "cache_aware: ... and excess factor over the least-loaded engine (1.5)"),
+    ("--max-tree-tokens", int, "cache_aware: global token budget of the prefix tree (default 2**24)"),
     ("--request-timeout-secs", float, "bound on one proxied request, retries included (default 600)"),
     ("--connect-timeout-secs", float, "bound on connecting to an engine (default 5)"),
     ("--retry-max-retries", int, "other engines tried after a connection error or 5xx (default 3)"),

@@ -11,7 +11,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rlfleet.errors import InvalidInput
-from rlfleet_router.policies import available_policies
+from rlfleet_router.policies import PolicyOptions, available_policies
 from rlfleet_router.workers import normalize_worker_url
 
 
@@ -23,7 +23,21 @@ class RouterConfig(BaseSettings):
     )
     host: str = Field("127.0.0.1", description="Address the router listens on.")
     port: int = Field(30000, ge=0, le=65535, description="Port the router listens on.")
-    policy: str = Field("least_load", description="Routing policy by name (least_load, round_robin, ...).")
+    policy: str = Field(
+        "cache_aware", description="Routing policy by name: cache_aware, least_load, power_of_two, round_robin."
+    )
+    cache_threshold: float = Field(
+        0.3, ge=0.0, le=1.0, description="cache_aware: fraction of a prompt an engine must hold to be preferred."
+    )
+    balance_abs_threshold: int = Field(
+        4, ge=0, description="cache_aware: requests in flight above the least-loaded engine that make one overloaded."
+    )
+    balance_rel_threshold: float = Field(
+        1.5, ge=1.0, description="cache_aware: ... and the factor over the least-loaded engine's count that must too."
+    )
+    max_tree_tokens: int = Field(
+        2**24, ge=1, description="cache_aware: global token budget of the prefix tree (LRU eviction beyond it)."
+    )
 
     request_timeout_secs: float = Field(
         600.0, gt=0, description="Upper bound on one proxied request, retries included, until its last byte."
@@ -51,6 +65,14 @@ class RouterConfig(BaseSettings):
         600.0, gt=0, description="Bound on one engine's /update_weights_from_disk (fan-out and rejoin alike)."
     )
     log_level: str = Field("info", description="Log level of the router process.")
+
+    def policy_options(self) -> PolicyOptions:
+        return PolicyOptions(
+            cache_threshold=self.cache_threshold,
+            balance_abs_threshold=self.balance_abs_threshold,
+            balance_rel_threshold=self.balance_rel_threshold,
+            max_tree_tokens=self.max_tree_tokens,
+        )
 
     @field_validator("worker_urls")
     @classmethod

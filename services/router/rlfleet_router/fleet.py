@@ -14,7 +14,7 @@ import httpx
 from rlfleet_router.config import RouterConfig
 from rlfleet_router.health import HealthChecker
 from rlfleet_router.metrics import RouterMetrics
-from rlfleet_router.policies import create_policy
+from rlfleet_router.policies import CacheAware, create_policy
 from rlfleet_router.proxy import Proxy, RetryPolicy
 from rlfleet_router.weights import FleetWeights
 from rlfleet_router.workers import Worker, WorkerRegistry
@@ -49,10 +49,13 @@ class Fleet:
             max_backoff_secs=config.retry_max_backoff_ms / 1000,
             multiplier=config.retry_backoff_multiplier,
         )
+        self.policy = create_policy(config.policy, config.policy_options())
+        if isinstance(self.policy, CacheAware):
+            self.metrics.fleet.tree = self.policy.tree
         self.proxy = Proxy(
             self.client,
             self.workers,
-            create_policy(config.policy),
+            self.policy,
             self.metrics,
             retry,
             request_timeout_secs=config.request_timeout_secs,
@@ -80,7 +83,9 @@ class Fleet:
 
     def remove_worker(self, key: str) -> Worker:
         """Out of the fleet at once; requests already at the engine finish there."""
-        return self.workers.remove(key)
+        worker = self.workers.remove(key)
+        self.policy.forget(worker)
+        return worker
 
     def describe(self) -> dict[str, object]:
         target = self.weights.target

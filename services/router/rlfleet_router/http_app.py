@@ -8,6 +8,7 @@ is at `/fleet` and `/weight_version`.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -55,8 +56,9 @@ def create_app(config: RouterConfig) -> FastAPI:
     @app.post("/generate")
     async def generate(request: Request) -> EngineResponse:
         body = await request.body()
+        arrived_at = time.perf_counter()
         routing = RoutingRequest(route="/generate", body=parse_json_object(body))
-        return await fleet.proxy.forward(routing, body, request.headers)
+        return await fleet.proxy.forward(routing, body, request.headers, arrived_at=arrived_at)
 
     @app.get("/get_model_info")
     async def get_model_info(request: Request) -> EngineResponse:

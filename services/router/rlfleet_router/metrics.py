@@ -12,14 +12,17 @@ import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from rlfleet_router.radix_tree import RadixTree
 from rlfleet_router.workers import WorkerRegistry
 
 # Generation requests run from milliseconds (cached, short) to minutes (long rollouts).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# The router's own share of a request's latency is meant to stay well under a millisecond.
+ADDED_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 
 
 def version_as_number(version: str | None) -> float:
@@ -36,19 +39,37 @@ class FleetCollector(Collector):
     def __init__(self, workers: WorkerRegistry, weight_version: Callable[[], str | None]) -> None:
         self._workers = workers
         self._weight_version = weight_version
+        self.tree: RadixTree | None = None  # the cache_aware policy's prefix tree, when that policy routes
 
     def collect(self) -> Iterator[Metric]:
         in_flight = GaugeMetricFamily(
             "rlfleet_router_engine_in_flight", "Requests the router has in flight at each engine.", labels=["engine"]
+        )
+        in_flight_tokens = GaugeMetricFamily(
+            "rlfleet_router_engine_in_flight_tokens",
+            "Estimated tokens (prompt + completion budget) of the requests in flight at each engine.",
+            labels=["engine"],
         )
         healthy = GaugeMetricFamily(
             "rlfleet_router_engine_healthy", "1 if the engine is in routing, 0 otherwise.", labels=["engine"]
         )
         for worker in self._workers.all():
             in_flight.add_metric([worker.url], worker.in_flight)
+            in_flight_tokens.add_metric([worker.url], worker.in_flight_tokens)
             healthy.add_metric([worker.url], 1.0 if worker.healthy else 0.0)
         yield in_flight
+        yield in_flight_tokens
         yield healthy
+        if self.tree is not None:
+            yield GaugeMetricFamily(
+                "rlfleet_router_tree_tokens", "Tokens held by the cache-aware prefix tree.", value=self.tree.tokens
+            )
+            yield GaugeMetricFamily("rlfleet_router_tree_nodes", "Nodes of the prefix tree.", value=self.tree.nodes)
+            yield CounterMetricFamily(
+                "rlfleet_router_tree_evictions",
+                "Prefixes evicted from the tree to keep it within its token budget.",
+                value=self.tree.evictions,
+            )
         yield GaugeMetricFamily(
             "rlfleet_router_weight_version",
             "Weight version the fleet was last asked to serve (NaN before the first update or if not numeric).",
@@ -81,7 +102,38 @@ class RouterMetrics:
             ["result"],
             registry=self.registry,
         )
-        self.registry.register(FleetCollector(workers, weight_version))
+        self.routing_decisions = Counter(
+            "rlfleet_router_routing_decisions",
+            "Engine choices by reason (cache_hit, imbalance, low_match, least_load, round_robin, ...).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.engine_errors = Counter(
+            "rlfleet_router_engine_errors",
+            "Failed attempts at an engine, by kind (connection, http_5xx).",
+            ["engine", "kind"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "rlfleet_router_prompt_tokens",
+            "Prompt tokens the engines reported in their answers.",
+            ["engine"],
+            registry=self.registry,
+        )
+        self.cached_tokens = Counter(
+            "rlfleet_router_cached_tokens",
+            "Prompt tokens the engines reported as served from their prefix cache; over prompt tokens, the hit rate.",
+            ["engine"],
+            registry=self.registry,
+        )
+        self.added_latency = Histogram(
+            "rlfleet_router_added_latency_seconds",
+            "Time from a request's body being read to its being sent to an engine (parsing and routing).",
+            buckets=ADDED_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.fleet = FleetCollector(workers, weight_version)
+        self.registry.register(self.fleet)
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route=route, status=str(status)).inc()

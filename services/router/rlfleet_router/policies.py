@@ -1,22 +1,41 @@
 """Routing policies: which healthy worker serves a request, chosen by name.
 
-A policy is any object with `select(workers, request) -> Worker` (the `Policy` protocol). The
-built-in ones are below; another installed package adds one by declaring an entry point in the
-group `rlfleet.router.policies` whose target takes no arguments and returns a policy. Names are
-resolved when the router starts, so a typo fails at once with the list of known names.
+A policy is any object with `select(workers, request) -> Choice` and `forget(worker)` (the `Policy`
+protocol). The built-in ones are cache_aware, least_load, power_of_two and round_robin; another
+installed package adds one by declaring an entry point in the group `rlfleet.router.policies` whose
+target takes a `PolicyOptions` and returns a policy. Names are resolved when the router starts, so
+a typo fails at once with the list of known names.
+
+Load is what the router has in flight at a worker: requests first, then their tokens (prompt plus
+the completion budget) to break ties, so a worker running a few long generations counts as busier
+than one running as many short ones.
 """
 
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from importlib.metadata import entry_points
 from typing import Protocol
 
+from rlfleet_router.radix_tree import Key, RadixTree
 from rlfleet_router.workers import Worker
 
 ENTRY_POINT_GROUP = "rlfleet.router.policies"
+# SGLang's default completion budget, counted when a request does not set max_new_tokens.
+DEFAULT_MAX_NEW_TOKENS = 128
+# Characters per token when only text is known (a common estimate for English with BPE tokenizers).
+CHARS_PER_TOKEN = 4
+
+
+def _first(value: object) -> object:
+    """The first prompt of a batch (a list of texts, or a list of token-id lists), else the value itself."""
+    if isinstance(value, list) and value and isinstance(value[0], (list, str)):
+        return value[0]
+    return value
 
 
 @dataclass(frozen=True)
@@ -26,55 +45,195 @@ class RoutingRequest:
     route: str
     body: Mapping[str, object] = field(default_factory=dict)
 
+    @cached_property
+    def prompt_key(self) -> Key | None:
+        """The prompt as token ids (a tuple) or, without ids, as text; of a batch, its first prompt."""
+        ids = _first(self.body.get("input_ids"))
+        if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids):
+            return tuple(ids)
+        text = _first(self.body.get("text"))
+        if isinstance(text, str) and text:
+            return text
+        return None
+
+    @cached_property
+    def tokens(self) -> int:
+        """Estimated tokens the request occupies at the engine: (prompt + completion budget) x samples x prompts."""
+        key = self.prompt_key
+        prompt = 0 if key is None else len(key) if not isinstance(key, str) else len(key) // CHARS_PER_TOKEN + 1
+        params = self.body.get("sampling_params")
+        params = _first(params) if isinstance(params, list) else params
+        budget, samples = DEFAULT_MAX_NEW_TOKENS, 1
+        if isinstance(params, Mapping):
+            budget = params.get("max_new_tokens", budget)
+            samples = params.get("n", samples)
+        prompts = self.body.get("input_ids") or self.body.get("text")
+        batch = len(prompts) if isinstance(prompts, list) and prompts and isinstance(prompts[0], (list, str)) else 1
+        budget = budget if isinstance(budget, int) and budget >= 0 else DEFAULT_MAX_NEW_TOKENS
+        samples = samples if isinstance(samples, int) and samples >= 1 else 1
+        return (prompt + budget) * samples * batch
+
+
+@dataclass(frozen=True)
+class Choice:
+    worker: Worker
+    reason: str
+    """Why this worker, for the routing-decisions metric: cache_hit, imbalance, low_match, least_load, ..."""
+
+
+@dataclass(frozen=True)
+class PolicyOptions:
+    """Settings of the built-in policies (each reads the ones it needs)."""
+
+    cache_threshold: float = 0.3
+    """cache_aware: smallest fraction of the prompt an engine must hold for the request to follow the cache."""
+    balance_abs_threshold: int = 4
+    """cache_aware: the engine holding the prefix is overloaded when it has more than this many requests
+    in flight above the least-loaded engine ..."""
+    balance_rel_threshold: float = 1.5
+    """... and more than this factor times the least-loaded engine's count."""
+    max_tree_tokens: int = 2**24
+    """cache_aware: global budget of the prefix tree, in tokens (characters for text prompts), all engines together."""
+    seed: int | None = None
+    """power_of_two: seed of its random draws (None: not reproducible)."""
+
 
 class Policy(Protocol):
-    def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
+    def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Choice:
         """Picks one of `workers` (never empty, all healthy) for `request`."""
         ...
+
+    def forget(self, worker: Worker) -> None:
+        """`worker` left the fleet: drop whatever the policy remembers about it."""
+        ...
+
+
+def load(worker: Worker) -> tuple[int, int]:
+    return worker.in_flight, worker.in_flight_tokens
 
 
 class RoundRobin:
     """Cycles through the workers in registry order."""
 
-    def __init__(self) -> None:
+    def __init__(self, options: PolicyOptions | None = None) -> None:
         self._counter = itertools.count()
 
-    def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
+    def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Choice:
         assert workers, "select() needs at least one worker"
-        return workers[next(self._counter) % len(workers)]
+        return Choice(workers[next(self._counter) % len(workers)], "round_robin")
+
+    def forget(self, worker: Worker) -> None:
+        pass
 
 
 class LeastLoad:
-    """Fewest requests in flight; ties rotate so an idle fleet still spreads its first requests."""
+    """Lowest load; exact ties rotate so an idle fleet still spreads its first requests."""
 
-    def __init__(self) -> None:
+    def __init__(self, options: PolicyOptions | None = None) -> None:
         self._counter = itertools.count()
 
-    def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
+    def least_loaded(self, workers: Sequence[Worker]) -> Worker:
         assert workers, "select() needs at least one worker"
-        lowest = min(w.in_flight for w in workers)
-        tied = [w for w in workers if w.in_flight == lowest]
+        lowest = min(load(w) for w in workers)
+        tied = [w for w in workers if load(w) == lowest]
         return tied[next(self._counter) % len(tied)]
 
+    def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Choice:
+        return Choice(self.least_loaded(workers), "least_load")
 
-BUILTIN_POLICIES: Mapping[str, Callable[[], Policy]] = {
+    def forget(self, worker: Worker) -> None:
+        pass
+
+
+class PowerOfTwo:
+    """The less loaded of two workers drawn at random: near least-load balance without a global scan."""
+
+    def __init__(self, options: PolicyOptions | None = None) -> None:
+        self._random = random.Random(options.seed if options else None)
+
+    def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Choice:
+        assert workers, "select() needs at least one worker"
+        if len(workers) == 1:
+            return Choice(workers[0], "power_of_two")
+        first, second = self._random.sample(list(workers), 2)
+        return Choice(first if load(first) <= load(second) else second, "power_of_two")
+
+    def forget(self, worker: Worker) -> None:
+        pass
+
+
+class CacheAware:
+    """Follows the engines' prefix caches, as long as that does not overload an engine.
+
+    The tree records, for every prompt routed, the engine it went to. For a new request:
+      1. no engine holds at least `cache_threshold` of its prompt -> the least-loaded engine (low_match);
+      2. else the engine holding the longest prefix (cache_hit), unless it is overloaded against the
+         least-loaded engine (both balance thresholds exceeded): then, among the engines that are not,
+         the one holding the longest prefix, ties to the least loaded (imbalance).
+    The override looks at the chosen engine against the least-loaded one for every request, rather
+    than waiting for the whole fleet to be imbalanced, so a popular prompt family spills over to a
+    second engine as soon as its first one queues, and the tree then routes it to both.
+    """
+
+    def __init__(self, options: PolicyOptions | None = None) -> None:
+        self.options = options or PolicyOptions()
+        self.tree = RadixTree(self.options.max_tree_tokens)
+        self._least_load = LeastLoad()
+
+    def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Choice:
+        assert workers, "select() needs at least one worker"
+        key = request.prompt_key
+        if key is None:
+            return Choice(self._least_load.least_loaded(workers), "no_prompt")
+        choice = self._choose(workers, key)
+        self.tree.insert(key, choice.worker.id)
+        return choice
+
+    def forget(self, worker: Worker) -> None:
+        self.tree.remove_tenant(worker.id)
+
+    def _choose(self, workers: Sequence[Worker], key: Key) -> Choice:
+        match = self.tree.match(key)
+        held = {w.id: match.matched.get(w.id, 0) for w in workers}
+        longest = max(held.values())
+        if longest < self.options.cache_threshold * len(key):
+            return Choice(self._least_load.least_loaded(workers), "low_match")
+        lowest = min(w.in_flight for w in workers)
+        opts = self.options
+
+        def overloaded(w: Worker) -> bool:
+            excess = w.in_flight - lowest
+            return excess > opts.balance_abs_threshold and w.in_flight > opts.balance_rel_threshold * lowest
+
+        def preference(w: Worker) -> tuple[int, int, int]:
+            return held[w.id], -w.in_flight, -w.in_flight_tokens
+
+        best = max(workers, key=preference)
+        if not overloaded(best):
+            return Choice(best, "cache_hit")
+        return Choice(max((w for w in workers if not overloaded(w)), key=preference), "imbalance")
+
+
+BUILTIN_POLICIES: Mapping[str, Callable[[PolicyOptions], Policy]] = {
+    "cache_aware": CacheAware,
     "least_load": LeastLoad,
+    "power_of_two": PowerOfTwo,
     "round_robin": RoundRobin,
 }
 
 
-def available_policies() -> dict[str, Callable[[], Policy]]:
+def available_policies() -> dict[str, Callable[[PolicyOptions], Policy]]:
     """Built-in policies plus those other packages declare as entry points."""
-    found: dict[str, Callable[[], Policy]] = dict(BUILTIN_POLICIES)
+    found: dict[str, Callable[[PolicyOptions], Policy]] = dict(BUILTIN_POLICIES)
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name not in found:
             found[ep.name] = ep.load()
     return found
 
 
-def create_policy(name: str) -> Policy:
+def create_policy(name: str, options: PolicyOptions | None = None) -> Policy:
     """The policy called `name`; ValueError listing the known names otherwise."""
     policies = available_policies()
     if name not in policies:
         raise ValueError(f"unknown routing policy {name!r}; known policies: {', '.join(sorted(policies))}")
-    return policies[name]()
+    return policies[name](options or PolicyOptions())

@@ -2,7 +2,8 @@
 
 The request body goes to the engine as the bytes that arrived, so fields the router does not
 know reach the engine untouched; the engine's answer streams back chunk by chunk (plain JSON and
-SSE alike). A request is retried on another engine only while nothing has been sent back yet,
+SSE alike), with a copy of the bytes read for the prompt and cached tokens the engine reports
+(`engine_usage`). A request is retried on another engine only while nothing has been sent back yet,
 and only for a connection failure or a 5xx, with exponential backoff inside the request's
 deadline.
 """
@@ -20,6 +21,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from rlfleet.errors import DeadlineExceeded, Unavailable
+from rlfleet_router.engine_usage import UsageTap
 from rlfleet_router.metrics import RouterMetrics
 from rlfleet_router.policies import Policy, RoutingRequest
 from rlfleet_router.weights import describe_error
@@ -66,7 +68,15 @@ def forwardable_headers(headers: Mapping[str, str]) -> dict[str, str]:
 class EngineResponse(StreamingResponse):
     """An engine's answer relayed as it arrives; releases the engine slot however the relay ends."""
 
-    def __init__(self, upstream: httpx.Response, worker: Worker, workers: WorkerRegistry, deadline: float) -> None:
+    def __init__(
+        self,
+        upstream: httpx.Response,
+        worker: Worker,
+        workers: WorkerRegistry,
+        deadline: float,
+        tokens: int,
+        metrics: RouterMetrics,
+    ) -> None:
         headers = forwardable_headers(upstream.headers)
         headers[ENGINE_HEADER] = worker.url
         super().__init__(self._relay(), status_code=upstream.status_code, headers=headers)
@@ -74,6 +84,9 @@ class EngineResponse(StreamingResponse):
         self._worker = worker
         self._workers = workers
         self._deadline = deadline
+        self._tokens = tokens
+        self._metrics = metrics
+        self._tap = UsageTap(upstream.headers.get("content-type", "")) if upstream.status_code == 200 else None
         self._released = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -87,6 +100,7 @@ class EngineResponse(StreamingResponse):
             return
         self._released = True
         self._worker.in_flight -= 1
+        self._worker.in_flight_tokens -= self._tokens
         await self._upstream.aclose()
 
     async def _relay(self) -> AsyncIterator[bytes]:
@@ -95,11 +109,17 @@ class EngineResponse(StreamingResponse):
             # was sent); the check below ends a stream that keeps trickling past the deadline.
             async for chunk in self._upstream.aiter_raw():
                 yield chunk
+                if self._tap is not None:
+                    self._tap.feed(chunk)
                 if time.monotonic() > self._deadline:
                     raise TimeoutError(f"request to {self._worker.url} exceeded its deadline")
             # Released before the client sees the end of the body, so a client that sends its next
             # request on receipt already finds this engine's load decremented.
             await self.release()
+            usage = self._tap.result() if self._tap is not None else None
+            if usage is not None:
+                self._metrics.prompt_tokens.labels(engine=self._worker.url).inc(usage.prompt_tokens)
+                self._metrics.cached_tokens.labels(engine=self._worker.url).inc(usage.cached_tokens)
         except (TimeoutError, httpx.TimeoutException):
             # Ending the body early would look like a complete answer; failing the connection does not.
             logger.warning("request to %s exceeded its deadline mid-response; aborting it", self._worker.url)
@@ -129,19 +149,29 @@ class Proxy:
         self._connect_timeout = connect_timeout_secs
 
     async def forward(
-        self, routing: RoutingRequest, body: bytes, headers: Mapping[str, str], method: str = "POST"
+        self,
+        routing: RoutingRequest,
+        body: bytes,
+        headers: Mapping[str, str],
+        method: str = "POST",
+        arrived_at: float | None = None,
     ) -> EngineResponse:
-        """Sends `body` to `routing.route` on an engine the policy picks; returns its streaming answer."""
+        """Sends `body` to `routing.route` on an engine the policy picks; returns its streaming answer.
+
+        `arrived_at` (time.perf_counter() when the body was read) times the router's own part.
+        """
         deadline = time.monotonic() + self._request_timeout
         forwarded = forwardable_headers(headers)
         tried: set[str] = set()
         retries = 0
         while True:
             worker = self._choose(routing, tried)
+            if arrived_at is not None and not tried:
+                self._metrics.added_latency.observe(time.perf_counter() - arrived_at)
             tried.add(worker.id)
             last_try = retries >= self._retry.max_retries
             try:
-                return await self._send(worker, method, routing.route, body, forwarded, deadline, last_try)
+                return await self._send(worker, method, routing, body, forwarded, deadline, last_try)
             except RetryableFailure as exc:
                 failure = str(exc)
             retries += 1
@@ -163,19 +193,23 @@ class Proxy:
             raise Unavailable(f"no healthy engine: 0 of {total} engines are in routing; GET /workers shows why")
         # Prefer engines not tried yet; with all of them tried, any healthy one may have recovered.
         untried = [w for w in healthy if w.id not in tried]
-        return self._policy.select(untried or healthy, routing)
+        choice = self._policy.select(untried or healthy, routing)
+        self._metrics.routing_decisions.labels(reason=choice.reason).inc()
+        return choice.worker
 
     async def _send(
         self,
         worker: Worker,
         method: str,
-        route: str,
+        routing: RoutingRequest,
         body: bytes,
         headers: dict[str, str],
         deadline: float,
         last_try: bool,
     ) -> EngineResponse:
         """The engine's response; RetryableFailure for a connection failure, or a 5xx unless `last_try`."""
+        route = routing.route
+        tokens = routing.tokens if routing.body else 0
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise DeadlineExceeded(f"{route} ran out of time before an engine answered")
@@ -184,21 +218,30 @@ class Proxy:
             method, f"{worker.url}{route}", content=body, headers=headers, timeout=timeout
         )
         worker.in_flight += 1
+        worker.in_flight_tokens += tokens
         try:
             upstream = await self._client.send(request, stream=True)
         except CONNECTION_ERRORS as exc:
-            worker.in_flight -= 1
+            self._unload(worker, tokens)
+            self._metrics.engine_errors.labels(engine=worker.url, kind="connection").inc()
             reason = f"{worker.url}: {describe_error(exc)}"
             self._workers.record_failure(worker, reason)
             raise RetryableFailure(reason) from exc
         except httpx.TimeoutException as exc:
-            worker.in_flight -= 1
+            self._unload(worker, tokens)
             raise DeadlineExceeded(f"{worker.url} did not answer {route} in time ({describe_error(exc)})") from exc
         except BaseException:
-            worker.in_flight -= 1
+            self._unload(worker, tokens)
             raise
-        if upstream.status_code >= 500 and not last_try:
-            worker.in_flight -= 1
-            await upstream.aclose()
-            raise RetryableFailure(f"{worker.url}: HTTP {upstream.status_code}")
-        return EngineResponse(upstream, worker, self._workers, deadline)
+        if upstream.status_code >= 500:
+            self._metrics.engine_errors.labels(engine=worker.url, kind="http_5xx").inc()
+            if not last_try:
+                self._unload(worker, tokens)
+                await upstream.aclose()
+                raise RetryableFailure(f"{worker.url}: HTTP {upstream.status_code}")
+        return EngineResponse(upstream, worker, self._workers, deadline, tokens, self._metrics)
+
+    @staticmethod
+    def _unload(worker: Worker, tokens: int) -> None:
+        worker.in_flight -= 1
+        worker.in_flight_tokens -= tokens

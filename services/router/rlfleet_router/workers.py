@@ -31,12 +31,13 @@ class WorkerState(enum.StrEnum):
 
 @dataclass
 class Worker:
-    """One engine. Mutated only through `WorkerRegistry` (state) and the proxy (`in_flight`)."""
+    """One engine. Mutated only through `WorkerRegistry` (state) and the proxy (`in_flight*`)."""
 
     url: str
     id: str = field(default_factory=lambda: str(uuid.uuid4()))
     state: WorkerState = WorkerState.PENDING
     in_flight: int = 0
+    in_flight_tokens: int = 0  # estimated prompt + completion tokens of the requests in flight
     weight_version: str | None = None
     consecutive_failures: int = 0
     consecutive_successes: int = 0
@@ -53,6 +54,7 @@ class Worker:
             "healthy": self.healthy,
             "state": self.state.value,
             "in_flight": self.in_flight,
+            "in_flight_tokens": self.in_flight_tokens,
             "weight_version": self.weight_version,
             "last_error": self.last_error,
         }

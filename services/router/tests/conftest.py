@@ -43,6 +43,7 @@ def start_router() -> Iterator[Callable[..., RunningRouter]]:
 
     def start(worker_urls: list[str], **settings: object) -> RunningRouter:
         defaults: dict[str, object] = {
+            "policy": "least_load",  # the tests of spreading and health expect it; cache_aware ones ask for it
             "health_check_interval_secs": 0.1,
             "health_check_timeout_secs": 2.0,
             "health_failure_threshold": 2,

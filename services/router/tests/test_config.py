@@ -42,7 +42,7 @@ def test_flags_use_sglang_router_names_and_override_the_environment(monkeypatch:
 
 
 def test_unknown_policy_is_a_clear_error() -> None:
-    with pytest.raises(ValidationError, match="known policies: least_load, round_robin"):
+    with pytest.raises(ValidationError, match="known policies: cache_aware, least_load, power_of_two, round_robin"):
         RouterConfig(policy="fastest")
 
 

@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 
 from rlfleet.errors import InvalidInput, NotFound
-from rlfleet_router.policies import LeastLoad, RoundRobin, RoutingRequest, available_policies, create_policy
+from rlfleet_router.policies import (
+    CacheAware,
+    LeastLoad,
+    PolicyOptions,
+    PowerOfTwo,
+    RoundRobin,
+    RoutingRequest,
+    available_policies,
+    create_policy,
+)
 from rlfleet_router.workers import Worker, WorkerRegistry, WorkerState, normalize_worker_url
 
 REQUEST = RoutingRequest(route="/generate", body={"text": "1+1="})
@@ -17,13 +26,13 @@ def make_workers(*in_flight: int) -> list[Worker]:
 
 def test_least_load_picks_fewest_in_flight() -> None:
     workers = make_workers(3, 1, 2)
-    assert LeastLoad().select(workers, REQUEST) is workers[1]
+    assert LeastLoad().select(workers, REQUEST).worker is workers[1]
 
 
 def test_least_load_rotates_among_ties() -> None:
     workers = make_workers(0, 5, 0)
     policy = LeastLoad()
-    picks = [policy.select(workers, REQUEST) for _ in range(4)]
+    picks = [policy.select(workers, REQUEST).worker for _ in range(4)]
     assert picks == [workers[0], workers[2], workers[0], workers[2]]
 
 
@@ -31,20 +40,66 @@ def test_least_load_follows_load_as_it_changes() -> None:
     workers = make_workers(0, 0)
     policy = LeastLoad()
     for _ in range(6):
-        policy.select(workers, REQUEST).in_flight += 1
+        policy.select(workers, REQUEST).worker.in_flight += 1
     assert [w.in_flight for w in workers] == [3, 3]
 
 
 def test_round_robin_cycles_regardless_of_load() -> None:
     workers = make_workers(10, 0, 0)
     policy = RoundRobin()
-    assert [policy.select(workers, REQUEST) for _ in range(4)] == [workers[0], workers[1], workers[2], workers[0]]
+    picks = [policy.select(workers, REQUEST).worker for _ in range(4)]
+    assert picks == [workers[0], workers[1], workers[2], workers[0]]
+
+
+def test_power_of_two_never_picks_the_busier_of_its_pair() -> None:
+    workers = make_workers(9, 0)
+    policy = PowerOfTwo(PolicyOptions(seed=1))
+    assert {policy.select(workers, REQUEST).worker.url for _ in range(5)} == {workers[1].url}
+
+
+def generate(prompt: list[int], max_new_tokens: int = 8) -> RoutingRequest:
+    return RoutingRequest("/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_new_tokens}})
+
+
+def test_cache_aware_follows_the_prefix_then_spills_over_when_overloaded() -> None:
+    workers = make_workers(0, 0, 0)
+    policy = CacheAware(PolicyOptions(cache_threshold=0.5, balance_abs_threshold=2, balance_rel_threshold=1.5))
+    family = list(range(100, 140))
+    first = policy.select(workers, generate([*family, 1]))
+    assert first.reason == "low_match"
+    repeats = [policy.select(workers, generate([*family, i])) for i in range(2, 4)]
+    assert all(c.worker is first.worker and c.reason == "cache_hit" for c in repeats)
+
+    first.worker.in_flight = 3  # 3 above the idle engines: over both thresholds
+    spill = policy.select(workers, generate([*family, 9]))
+    assert spill.reason == "imbalance" and spill.worker is not first.worker
+    # The tree now knows both engines hold the family; the less loaded of them gets the next one.
+    spill.worker.in_flight = 1
+    again = policy.select(workers, generate([*family, 10]))
+    assert again.worker is spill.worker and again.reason == "cache_hit"
+
+    other = policy.select(workers, generate(list(range(500, 540))))
+    assert other.reason == "low_match" and other.worker.in_flight == 0
+
+
+def test_cache_aware_routes_text_prompts_and_counts_tokens() -> None:
+    workers = make_workers(0, 0)
+    policy = CacheAware()
+    text = {"text": "You are a careful solver. " * 4 + "12+7=", "sampling_params": {"max_new_tokens": 6, "n": 2}}
+    picks = {policy.select(workers, RoutingRequest("/generate", text)).worker.url for _ in range(3)}
+    assert len(picks) == 1
+    request = RoutingRequest("/generate", {"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": {"max_new_tokens": 4}})
+    assert request.prompt_key == (1, 2, 3) and request.tokens == (3 + 4) * 2
+    assert RoutingRequest("/generate", text).tokens == (len(text["text"]) // 4 + 1 + 6) * 2
+    policy.forget(workers[0])
+    policy.forget(workers[1])
+    assert policy.tree.tokens == 0
 
 
 def test_registry_by_name_and_unknown_name_lists_known_ones() -> None:
-    assert {"least_load", "round_robin"} <= set(available_policies())
+    assert {"cache_aware", "least_load", "power_of_two", "round_robin"} <= set(available_policies())
     assert isinstance(create_policy("round_robin"), RoundRobin)
-    with pytest.raises(ValueError, match="known policies: least_load, round_robin"):
+    with pytest.raises(ValueError, match="known policies: cache_aware, least_load, power_of_two, round_robin"):
         create_policy("cache_awarre")
 
 

@@ -1,0 +1,67 @@
+"""The `sglang` backend: this engine process becomes the real SGLang server (GPU machines).
+
+`python -m rlfleet_engine --backend sglang --model-path DIR --port 30001` replaces itself with
+`python -m sglang.launch_server` given the same settings under SGLang's flag names, so the pid a
+launcher started (and signals) is SGLang's own, and the router sees the HTTP API it expects.
+Metrics are always enabled: the Grafana dashboards read SGLang's `sglang:*` series, which the CPU
+engine exports under the same names.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+from collections.abc import Mapping
+from typing import NoReturn
+
+from rlfleet_engine.config import EngineConfig
+
+INSTALL_HINT = "pip install 'rlfleet-engine[sglang]'"
+"""What to run when SGLang is missing (the engine package's optional `sglang` extra)."""
+
+
+def sglang_argv(config: EngineConfig, python: str = sys.executable) -> list[str]:
+    """The `sglang.launch_server` command line that serves what `config` describes."""
+    # _fill_defaults always sets these two; the asserts narrow the types for the list below.
+    assert config.tokenizer_path is not None and config.served_model_name is not None
+    argv = [
+        python, "-m", "sglang.launch_server",
+        "--model-path", config.model_path,
+        "--tokenizer-path", config.tokenizer_path,
+        "--host", config.host,
+        "--port", str(config.port),
+        "--served-model-name", config.served_model_name,
+        "--max-running-requests", str(config.max_running_requests),
+        "--random-seed", str(config.random_seed),
+        "--log-level", config.log_level.lower(),
+        "--dtype", config.dtype,
+        "--weight-version", config.weight_version,
+        "--enable-metrics",
+    ]
+    if config.context_length is not None:
+        argv += ["--context-length", str(config.context_length)]
+    return argv
+
+
+def sglang_env(config: EngineConfig, base: Mapping[str, str]) -> dict[str, str]:
+    """`base` plus the settings SGLang reads from the environment rather than flags."""
+    # SGLang bounds /health_generate by this variable, in whole seconds.
+    return {**base, "SGLANG_HEALTH_CHECK_TIMEOUT": str(math.ceil(config.health_check_timeout_s))}
+
+
+def require_sglang() -> None:
+    """Exits with the command that installs SGLang when it is not importable here."""
+    if importlib.util.find_spec("sglang") is None:
+        sys.exit(
+            "rlfleet-engine: --backend sglang runs the real SGLang server, which is not installed in "
+            f"this environment ({sys.executable}); install it with {INSTALL_HINT} (needs a GPU machine)"
+        )
+
+
+def exec_sglang(config: EngineConfig) -> NoReturn:
+    """Replaces this process with SGLang's server; returns only by exiting when SGLang is missing."""
+    require_sglang()
+    argv = sglang_argv(config)
+    os.execve(argv[0], argv, sglang_env(config, os.environ))

@@ -1,0 +1,379 @@
+"""The `sim` backend: SGLang's HTTP contract with no model, for routing and fault experiments at fleet scale.
+
+Requests go through the same parsing, expansion and output shapes as the `transformers` backend
+(`request_expansion`, `GenerationJob`, `EngineMetrics`), but tokens come from a seeded generator and
+time from a latency model, on the asyncio loop, without torch, so 8-16 engines fit on two cores.
+
+What it models, per engine:
+  * a real prefix cache with a token budget (`PrefixCache`): a prompt's cached tokens are reported
+    as `meta_info.cached_tokens` and in `sglang:cache_hit_rate`, and only uncached tokens cost prefill;
+  * continuous batching: up to `max_running_requests` sequences advance together; each iteration
+    takes `decode_step + per_sequence * batch + prefill_per_token * (uncached tokens admitted)`, so
+    a prefill stalls the whole batch, as it does in SGLang without chunked prefill.
+Output token j of sample i of a prompt is a function of (random_seed, prompt ids, i, j) only: the
+same request gets the same tokens on every engine, whatever routed it there. Every figure measured
+on this backend is a simulation and must say so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from rlfleet.errors import InvalidInput
+from rlfleet_engine import __version__
+from rlfleet_engine.config import EngineConfig
+from rlfleet_engine.generation_job import GenerationJob
+from rlfleet_engine.metrics import EngineMetrics
+from rlfleet_engine.request_expansion import expand
+from rlfleet_engine.schemas import GenerateRequest, UpdateWeightsFromDiskRequest
+from rlfleet_engine.sim_prefix_cache import PrefixCache
+from rlfleet_engine.stop_conditions import FinishReason
+
+# Tokens are Unicode code points below this (the Basic Multilingual Plane), so text round-trips.
+SIM_VOCAB_SIZE = 65536
+_OUTPUT_ALPHABET = tuple(range(ord("a"), ord("z") + 1)) + (ord(" "),)
+
+
+class SimTokenizer:
+    """One token per character (its code point); enough for prompts to share prefixes as their text does."""
+
+    def encode(self, text: str) -> list[int]:
+        return [min(ord(c), 0xFFFD) for c in text]
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(t) if not 0xD800 <= t <= 0xDFFF else "\ufffd" for t in token_ids)
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    prefill_secs_per_token: float
+    decode_secs_per_step: float
+    decode_secs_per_sequence: float
+
+    def iteration_secs(self, batch: int, prefill_tokens: int) -> float:
+        return (
+            self.decode_secs_per_step
+            + self.decode_secs_per_sequence * batch
+            + self.prefill_secs_per_token * prefill_tokens
+        )
+
+
+@dataclass(eq=False)
+class SimJob(GenerationJob):
+    sample_index: int = 0
+    cached_tokens: int = 0
+    rng: random.Random = field(default_factory=random.Random)
+
+    def output(self, tokenizer: Any, weight_version: str) -> dict[str, Any]:
+        out = super().output(tokenizer, weight_version)
+        out["meta_info"]["cached_tokens"] = self.cached_tokens
+        return out
+
+
+def output_rng(seed: int, prompt: Sequence[int], sample_index: int) -> random.Random:
+    digest = hashlib.blake2b(f"{seed}:{sample_index}:{','.join(map(str, prompt))}".encode(), digest_size=8)
+    return random.Random(int.from_bytes(digest.digest(), "little"))
+
+
+@dataclass(frozen=True)
+class SimModel:
+    """What the HTTP layer reads from a backend (`core.backend.context_length`)."""
+
+    context_length: int
+    vocab_size: int = SIM_VOCAB_SIZE
+
+
+class SimScheduler:
+    """The batching loop as an asyncio task, started on the first request (the loop must be running)."""
+
+    def __init__(self, config: EngineConfig, cache: PrefixCache, latency: LatencyModel, metrics: EngineMetrics) -> None:
+        self.max_running_requests = config.max_running_requests
+        self.weight_version = config.weight_version
+        self.cache = cache
+        self.latency = latency
+        self.metrics = metrics
+        self.tokenizer = SimTokenizer()
+        self.peak_batch_size = 0
+        self.paused = False
+        self.last_step_at = time.monotonic()
+        self._waiting: list[SimJob] = []
+        self._running: list[SimJob] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def alive(self) -> bool:
+        return self._task is None or not self._task.done()
+
+    def counts(self) -> tuple[int, int]:
+        return len(self._running), len(self._waiting)
+
+    def submit(self, jobs: Sequence[SimJob]) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="sim-scheduler")
+        self._waiting.extend(jobs)
+        self._wake.set()
+
+    def abort(self, rid: str, abort_all: bool = False) -> None:
+        def matches(job: SimJob) -> bool:
+            return abort_all or job.rid == rid or job.rid.startswith(f"{rid}_")
+
+        for queue, where in ((self._waiting, "waiting queue"), (self._running, "running batch")):
+            for job in [j for j in queue if matches(j)]:
+                job.finish_with(FinishReason("abort", message=f"Abort in {where}"))
+                self._publish(job)
+                queue.remove(job)
+
+    def set_paused(self, paused: bool) -> None:
+        self.paused = paused
+        self._wake.set()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _loop(self) -> None:
+        next_at = time.monotonic()
+        while True:
+            if self.paused or not (self._waiting or self._running):
+                self._wake.clear()
+                await self._wake.wait()
+                next_at = time.monotonic()
+                continue
+            prefill = self._admit()
+            batch = len(self._running)
+            self.peak_batch_size = max(self.peak_batch_size, batch)
+            self.metrics.decode_batch_size.observe(batch)
+            # Absolute deadlines keep sleep overshoot from adding up over a long generation.
+            next_at = max(next_at, time.monotonic() - 0.05) + self.latency.iteration_secs(batch, prefill)
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            self._advance()
+            self._update_gauges()
+
+    def _admit(self) -> int:
+        """Moves waiting jobs into the batch; returns their uncached prompt tokens (the prefill to pay)."""
+        prefill = 0
+        room = self.max_running_requests - len(self._running)
+        admitted, self._waiting = self._waiting[:room], self._waiting[room:]
+        for job in admitted:
+            job.cached_tokens = min(self.cache.match(job.input_ids), len(job.input_ids) - 1)
+            prefill += len(job.input_ids) - job.cached_tokens
+            self.cache.insert(job.input_ids)
+            self.metrics.prompt_tokens.inc(len(job.input_ids))
+            self.metrics.cached_tokens.inc(job.cached_tokens)
+        self.metrics.cache_hit_rate.set(self.cache.hit_rate)
+        self._running.extend(admitted)
+        return prefill
+
+    def _advance(self) -> None:
+        for job in self._running:
+            token = job.rng.choice(_OUTPUT_ALPHABET)
+            job.append(token, -2.0 * job.rng.random(), [])
+            if len(job.output_ids) >= job.params.max_new_tokens:
+                job.finish_with(FinishReason("length", length=job.params.max_new_tokens))
+            elif token in job.params.stop_token_ids:
+                job.finish_with(FinishReason("stop", matched=token))
+            else:
+                reason = job.check_stop_strings(self.tokenizer)
+                if reason is not None:
+                    job.finish_with(reason)
+            if job.finish is not None or job.stream:
+                self._publish(job)
+        self.metrics.observe_generated(len(self._running))
+        self.last_step_at = time.monotonic()
+        done = [job for job in self._running if job.finish is not None]
+        for job in done:
+            self.cache.insert(job.input_ids + job.output_ids)
+        self._running = [job for job in self._running if job.finish is None]
+
+    def _publish(self, job: SimJob) -> None:
+        job.deliver(job.output(self.tokenizer, self.weight_version))
+        if job.finish is not None and job.log_metrics:
+            ttft = job.first_token_at - job.created_at if job.first_token_at is not None else None
+            e2e = (job.finished_at or time.monotonic()) - job.created_at
+            self.metrics.observe_finished(ttft, e2e, len(job.output_ids))
+
+    def _update_gauges(self) -> None:
+        self.metrics.num_running_reqs.set(len(self._running))
+        self.metrics.num_queue_reqs.set(len(self._waiting))
+        self.metrics.num_used_tokens.set(self.cache.tokens)
+
+
+def _deliverer(queue: asyncio.Queue[tuple[int, dict[str, Any]]], index: int) -> Callable[[dict[str, Any]], None]:
+    def deliver(out: dict[str, Any]) -> None:
+        queue.put_nowait((index, out))
+
+    return deliver
+
+
+class SimEngineCore:
+    """The engine core of the `sim` backend: the same surface as `EngineCore`, served by the same HTTP app."""
+
+    def __init__(self, config: EngineConfig, registry: CollectorRegistry) -> None:
+        self.config = config
+        self.model_path = config.model_path
+        self.backend = SimModel(context_length=config.context_length or 32768)
+        self.tokenizer = SimTokenizer()
+        self.metrics = EngineMetrics(registry, config.served_model_name or config.model_path)
+        latency = LatencyModel(
+            prefill_secs_per_token=config.sim_prefill_us_per_token / 1e6,
+            decode_secs_per_step=config.sim_decode_ms_per_step / 1e3,
+            decode_secs_per_sequence=config.sim_decode_us_per_sequence / 1e6,
+        )
+        self.cache = PrefixCache(config.sim_cache_tokens)
+        self.scheduler = SimScheduler(config, self.cache, latency, self.metrics)
+
+    @property
+    def weight_version(self) -> str:
+        return self.scheduler.weight_version
+
+    async def generate(self, req: GenerateRequest) -> dict[str, Any] | list[dict[str, Any]]:
+        jobs, queue = self._submit(req)
+        results: list[dict[str, Any] | None] = [None] * len(jobs)
+        try:
+            while any(r is None for r in results):
+                index, out = await queue.get()
+                if out["meta_info"]["finish_reason"] is not None:
+                    results[index] = out
+        finally:
+            self._abort_unfinished(jobs)
+        done = [r for r in results if r is not None]
+        return done[0] if len(jobs) == 1 and not req.is_batch else done
+
+    def generate_stream(self, req: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+        jobs, queue = self._submit(req)
+
+        async def chunks() -> AsyncIterator[dict[str, Any]]:
+            pending = len(jobs)
+            try:
+                while pending:
+                    index, out = await queue.get()
+                    if len(jobs) > 1 or req.is_batch:
+                        out["index"] = index
+                    if out["meta_info"]["finish_reason"] is not None:
+                        pending -= 1
+                    yield out
+            finally:
+                self._abort_unfinished(jobs)
+
+        return chunks()
+
+    def _submit(self, req: GenerateRequest) -> tuple[list[SimJob], asyncio.Queue[tuple[int, dict[str, Any]]]]:
+        specs = expand(req, self.tokenizer, self.backend.vocab_size, self.backend.context_length)
+        queue: asyncio.Queue[tuple[int, dict[str, Any]]] = asyncio.Queue()
+        samples = specs[0].params.n if specs else 1
+        jobs = [
+            SimJob(
+                rid=spec.rid,
+                input_ids=spec.input_ids,
+                params=spec.params,
+                deliver=_deliverer(queue, k),
+                return_logprob=spec.return_logprob,
+                stream=req.stream,
+                log_metrics=req.log_metrics,
+                sample_index=k % samples,
+                rng=output_rng(self.config.random_seed, spec.input_ids, k % samples),
+            )
+            for k, spec in enumerate(specs)
+        ]
+        for job in jobs:
+            if job.params.max_new_tokens == 0:
+                job.finish_with(FinishReason("length", length=0))
+                job.deliver(job.output(self.tokenizer, self.weight_version))
+        self.scheduler.submit([job for job in jobs if job.finish is None])
+        return jobs, queue
+
+    def _abort_unfinished(self, jobs: list[SimJob]) -> None:
+        for job in jobs:
+            if job.finish is None:
+                self.scheduler.abort(job.rid)
+
+    def abort(self, rid: str, abort_all: bool = False) -> None:
+        self.scheduler.abort(rid, abort_all)
+
+    def pause(self) -> None:
+        self.scheduler.set_paused(True)
+
+    def resume(self) -> None:
+        self.scheduler.set_paused(False)
+
+    async def update_weights_from_disk(self, req: UpdateWeightsFromDiskRequest) -> dict[str, Any]:
+        """No weights to read: records the version and, as SGLang does after a load, empties the prefix cache."""
+        if not req.model_path:
+            raise InvalidInput("model_path must not be empty")
+        if req.abort_all_requests:
+            self.scheduler.abort("", abort_all=True)
+        self.cache.clear()
+        self.model_path = req.model_path
+        if req.weight_version is not None:
+            self.scheduler.weight_version = req.weight_version
+        running, _ = self.scheduler.counts()
+        message = "Succeeded to update model weights."
+        if req.weight_version is not None:
+            message += f" Weight version updated to {req.weight_version}."
+        return {"success": True, "message": message, "num_paused_requests": running}
+
+    async def health_generate(self) -> bool:
+        return self.scheduler.alive()
+
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.config.tokenizer_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": "sim",
+            "architectures": ["SimulatedCausalLM"],
+        }
+
+    def server_info(self) -> dict[str, Any]:
+        running, waiting = self.scheduler.counts()
+        context = self.backend.context_length
+        return {
+            **self.config.model_dump(),
+            "model_path": self.model_path,
+            "weight_version": self.weight_version,
+            "context_length": context,
+            "dp_size": 1,
+            "tp_size": 1,
+            "pp_size": 1,
+            "max_req_input_len": context - 1,
+            "max_total_num_tokens": self.cache.max_tokens,
+            "internal_states": [
+                {
+                    "num_running_reqs": running,
+                    "num_queue_reqs": waiting,
+                    "peak_batch_size": self.scheduler.peak_batch_size,
+                    "paused": self.scheduler.paused,
+                    "last_gen_throughput": self.metrics.last_gen_throughput,
+                    "cache_hit_rate": self.cache.hit_rate,
+                    "cached_tokens": self.cache.tokens,
+                }
+            ],
+            "version": __version__,
+            "engine": "rlfleet-engine",
+            "backend": "sim",
+        }
+
+
+def serve_sim(config: EngineConfig) -> None:
+    """Serves SGLang's HTTP API over a `SimEngineCore` until the process is stopped."""
+    import uvicorn
+
+    from rlfleet_engine.http_app import create_app
+
+    registry = CollectorRegistry()
+    core = SimEngineCore(config, registry)
+    # SimEngineCore has every member of EngineCore the HTTP layer uses.
+    app = create_app(core, registry)  # type: ignore[arg-type]
+    uvicorn.run(app, host=config.host, port=config.port, log_config=None, timeout_keep_alive=5)

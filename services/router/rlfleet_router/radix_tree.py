@@ -1,0 +1,182 @@
+"""A radix tree over prompts recording which engines (tenants) hold which prefixes, in bounded memory.
+
+Keys are sequences compared element by element: tuples of token ids, or strings when a request
+carries text (one character then counts as one token). Both kinds live in one tree without
+colliding, since an int never equals a one-character string.
+
+Memory is bounded by one global budget on the tokens stored in edges, shared by every tenant: when
+an insert takes the tree over `max_tokens`, the least recently used leaves are evicted (with all
+their tenants) until it fits again. The budget is global rather than per engine so that the
+router's memory does not grow with the fleet, and so that a hot prefix shared by many engines is
+stored once.
+
+Exact LRU in O(1) per touched node: every node (but the root) sits in one ordered dict, and a
+touched path is moved to the end leaf first, then parent, then grandparent. A parent therefore
+always comes after all of its children, so the first node in the order has no children: it is the
+least recently used leaf. Usable alone (no router types), e.g. in notebooks or other routers.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+Key = Sequence[object]  # tuple[int, ...] of token ids, or str
+
+
+class _Node:
+    __slots__ = ("key", "children", "parent", "tenants")
+
+    def __init__(self, key: Key, parent: _Node | None) -> None:
+        self.key = key  # the edge from the parent: never empty except at the root
+        self.children: dict[object, _Node] = {}
+        self.parent = parent
+        self.tenants: set[str] = set()
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """The longest prefix of a key each tenant holds (tenants holding none of it are absent)."""
+
+    length: int
+    """Length of the key that was matched against."""
+    matched: dict[str, int]
+    """Tenant -> tokens of the key's prefix it holds."""
+
+    def best(self, tenants: Sequence[str]) -> tuple[str | None, int]:
+        """Among `tenants`, the one holding the longest prefix and that length ((None, 0) if none holds any)."""
+        best, longest = None, 0
+        for tenant in tenants:
+            length = self.matched.get(tenant, 0)
+            if length > longest:
+                best, longest = tenant, length
+        return best, longest
+
+
+def _common_length(key: Key, start: int, edge: Key) -> int:
+    """Length of the common prefix of key[start:] and edge, by C-level slice compares (O(log n) of them)."""
+    n = min(len(edge), len(key) - start)
+    if key[start : start + n] == edge[:n]:
+        return n
+    low, high = 0, n - 1  # the common length is in [low, high]; high < n since the full slices differ
+    while low < high:
+        mid = (low + high + 1) // 2
+        if key[start : start + mid] == edge[:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+class RadixTree:
+    def __init__(self, max_tokens: int) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self.evictions = 0
+        self._root = _Node((), None)
+        self._lru: OrderedDict[_Node, None] = OrderedDict()
+
+    @property
+    def nodes(self) -> int:
+        return len(self._lru)
+
+    def insert(self, key: Key, tenant: str) -> None:
+        """Records that `tenant` holds `key` (and so every prefix of it); may evict other prefixes."""
+        if len(key) > self.max_tokens:
+            key = key[: self.max_tokens]
+        node, pos, end = self._root, 0, len(key)
+        while pos < end:
+            child = node.children.get(key[pos])
+            if child is None:
+                child = _Node(key[pos:], node)
+                node.children[key[pos]] = child
+                self.tokens += end - pos
+                node = child
+                break
+            edge = child.key
+            if key[pos : pos + len(edge)] == edge:
+                pos += len(edge)
+            else:
+                common = _common_length(key, pos, edge)  # < len(edge) here: the edge is cut in two
+                child = self._split(child, common)
+                pos += common
+            node = child
+        lru = self._lru
+        while node.parent is not None:  # up to, not including, the root; leaf first: see the module docstring
+            node.tenants.add(tenant)
+            if node in lru:
+                lru.move_to_end(node)
+            else:
+                lru[node] = None
+            node = node.parent
+        while self.tokens > self.max_tokens:
+            self._evict_lru_leaf()
+
+    def match(self, key: Key) -> PrefixMatch:
+        """How much of `key` each tenant holds. Read-only: a match alone does not make a prefix recent."""
+        matched: dict[str, int] = {}
+        node, pos = self._root, 0
+        while pos < len(key):
+            child = node.children.get(key[pos])
+            if child is None:
+                break
+            common = _common_length(key, pos, child.key)
+            pos += common
+            for tenant in child.tenants:
+                matched[tenant] = pos
+            if common < len(child.key):
+                break
+            node = child
+        return PrefixMatch(length=len(key), matched=matched)
+
+    def remove_tenant(self, tenant: str) -> None:
+        """Forgets everything `tenant` holds (an engine left, or lost its cache); O(size of the tree)."""
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            if tenant not in node.tenants:
+                continue
+            node.tenants.discard(tenant)
+            if node.tenants:
+                stack.extend(node.children.values())
+            else:
+                # A tenant held by a node is held by all its ancestors, so nobody holds this subtree.
+                self._drop_subtree(node)
+
+    def clear(self) -> None:
+        self._root = _Node((), None)
+        self._lru.clear()
+        self.tokens = 0
+
+    def _split(self, child: _Node, at: int) -> _Node:
+        """Cuts `child`'s edge after `at` elements; returns the new upper node (same tenants, same LRU slot)."""
+        parent = child.parent
+        assert parent is not None and 0 < at < len(child.key)
+        upper = _Node(child.key[:at], parent)
+        upper.tenants = set(child.tenants)
+        parent.children[child.key[0]] = upper
+        child.key = child.key[at:]
+        child.parent = upper
+        upper.children[child.key[0]] = child
+        self._lru[upper] = None  # after the lower half, as a parent must be; the insert moves the path anyway
+        return upper
+
+    def _evict_lru_leaf(self) -> None:
+        leaf, _ = self._lru.popitem(last=False)
+        assert not leaf.children and leaf.parent is not None, "the LRU order keeps leaves first"
+        del leaf.parent.children[leaf.key[0]]
+        self.tokens -= len(leaf.key)
+        self.evictions += 1
+
+    def _drop_subtree(self, node: _Node) -> None:
+        assert node.parent is not None
+        del node.parent.children[node.key[0]]
+        stack = [node]
+        while stack:
+            current = stack.pop()
+            stack.extend(current.children.values())
+            self._lru.pop(current, None)
+            self.tokens -= len(current.key)

@@ -1,0 +1,82 @@
+"""Cache-aware routing in front of `sim` engines running as real processes (simulated caches and latency)."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from router_fakes import RunningRouter, metric_value
+
+from rlfleet.processes import ServiceProcess, free_port
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def sim_engines(tmp_path: Path) -> Iterator[Callable[[int], list[str]]]:
+    started: list[ServiceProcess] = []
+
+    def start(count: int) -> list[str]:
+        urls = []
+        for _ in range(count):
+            port = free_port()
+            argv = [sys.executable, "-m", "rlfleet_engine", "--backend", "sim", "--model-path", "sim"]
+            argv += ["--port", str(port), "--sim-decode-ms-per-step", "5"]
+            started.append(ServiceProcess("sim-engine", argv, tmp_path / f"sim-{port}.log"))
+            urls.append(f"http://127.0.0.1:{port}")
+        for process, url in zip(started[-count:], urls, strict=True):
+            process.wait_healthy(url + "/health", timeout=30)
+        return urls
+
+    yield start
+    for process in started:
+        process.stop(timeout=10)
+
+
+def family_prompt(family: int, question: int) -> list[int]:
+    """GRPO-like: a long prefix per prompt family, a short distinct tail."""
+    return [1000 + family] * 200 + [question + 1, 7, 7]
+
+
+def test_repeats_follow_the_cache_and_an_overloaded_engine_spills_over(
+    sim_engines: Callable[[int], list[str]], start_router: Callable[..., RunningRouter]
+) -> None:
+    urls = sim_engines(3)
+    router = start_router(urls, policy="cache_aware", balance_abs_threshold=2, balance_rel_threshold=1.5)
+    router.wait_healthy(3)
+
+    def send(family: int, question: int, max_new_tokens: int = 4) -> tuple[str, dict[str, object]]:
+        body = {"input_ids": family_prompt(family, question), "sampling_params": {"max_new_tokens": max_new_tokens}}
+        answer = router.client.post("/generate", json=body)
+        assert answer.status_code == 200, answer.text
+        return answer.headers["x-rlfleet-engine"], answer.json()["meta_info"]
+
+    homes = {}
+    for family in range(3):
+        served = [send(family, q) for q in range(4)]
+        engines = {engine for engine, _ in served}
+        assert len(engines) == 1, f"family {family} was spread over {engines}"
+        homes[family] = engines.pop()
+        assert served[0][1]["cached_tokens"] == 0
+        assert all(meta["cached_tokens"] == 192 for _, meta in served[1:]), "whole 16-token blocks of the prefix"
+    assert len(set(homes.values())) == 3, "new families go to the least-loaded engine"
+
+    # 12 long requests of one family at once: its engine takes a few, the others absorb the rest.
+    with ThreadPoolExecutor(max_workers=12) as pool:
+        served = list(pool.map(lambda q: send(0, 100 + q, max_new_tokens=60), range(12)))
+    per_engine = Counter(engine for engine, _ in served)
+    assert per_engine[homes[0]] >= 3, f"the family's engine keeps serving it: {per_engine}"
+    assert len(per_engine) >= 2 and max(per_engine.values()) <= 8, f"load spread: {per_engine}"
+
+    text = router.client.get("/metrics").text
+    assert (metric_value(text, "rlfleet_router_routing_decisions_total", {"reason": "cache_hit"}) or 0) >= 9
+    assert (metric_value(text, "rlfleet_router_routing_decisions_total", {"reason": "imbalance"}) or 0) >= 1
+    cached = sum(metric_value(text, "rlfleet_router_cached_tokens_total", {"engine": u}) or 0 for u in urls)
+    prompt = sum(metric_value(text, "rlfleet_router_prompt_tokens_total", {"engine": u}) or 0 for u in urls)
+    assert prompt == 24 * 203 and cached >= 9 * 192
+    assert 0 < (metric_value(text, "rlfleet_router_tree_tokens") or 0) <= 2**24
+    assert (metric_value(text, "rlfleet_router_added_latency_seconds_count") or 0) == 24

@@ -1,0 +1,76 @@
+"""The prefix tree alone: matching per tenant, splitting edges, the global token budget and LRU eviction."""
+
+from __future__ import annotations
+
+import time
+
+from rlfleet_router.radix_tree import RadixTree
+
+
+def test_match_reports_the_longest_prefix_each_tenant_holds() -> None:
+    tree = RadixTree(max_tokens=1000)
+    tree.insert((1, 2, 3, 4, 5), "a")
+    tree.insert((1, 2, 3, 9), "b")
+    tree.insert((7, 8), "b")
+    assert tree.match((1, 2, 3, 4, 5, 6)).matched == {"a": 5, "b": 3}
+    assert tree.match((1, 2, 3, 9)).matched == {"a": 3, "b": 4}
+    assert tree.match((1, 2)).matched == {"a": 2, "b": 2}, "a match may end inside an edge"
+    assert tree.match((5,)).matched == {}
+    assert tree.match((1, 2, 3, 4, 5)).best(["b", "a"]) == ("a", 5)
+    assert tree.tokens == 5 + 1 + 2, "shared prefixes are stored once"
+
+
+def test_text_and_token_keys_live_side_by_side() -> None:
+    tree = RadixTree(max_tokens=1000)
+    tree.insert("You are a helpful assistant. 1+1=", "a")
+    tree.insert((89, 111, 117), "b")
+    assert tree.match("You are a helpful assistant. 2+2=").matched == {"a": 29}
+    assert tree.match((89, 111, 117, 32)).matched == {"b": 3}
+
+
+def test_least_recently_used_leaves_go_first() -> None:
+    tree = RadixTree(max_tokens=12)
+    tree.insert((1, 1, 1, 1), "a")
+    tree.insert((2, 2, 2, 2), "a")
+    tree.insert((3, 3, 3, 3), "a")
+    tree.insert((1, 1, 1, 1), "b")  # touched again: now the most recent
+    tree.insert((4, 4, 4, 4), "a")
+    assert tree.tokens == 12 and tree.evictions == 1
+    assert tree.match((2, 2, 2, 2)).matched == {}, "the oldest prefix was evicted"
+    assert tree.match((1, 1, 1, 1)).matched == {"a": 4, "b": 4}
+    assert tree.match((4, 4, 4, 4)).matched == {"a": 4}
+
+
+def test_an_internal_node_becomes_evictable_once_its_children_are_gone() -> None:
+    tree = RadixTree(max_tokens=10)
+    tree.insert((1, 2, 3, 4), "a")
+    tree.insert((1, 2, 5, 6), "a")  # splits: (1, 2) -> (3, 4), (5, 6)
+    tree.insert((9, 9, 9, 9), "a")
+    assert tree.tokens == 10 and tree.nodes == 4
+    tree.insert((8, 8, 8, 8, 8, 8, 8), "a")  # needs 7: evicts (3, 4), (5, 6), then (1, 2), then (9, ...)
+    assert tree.tokens == 7 and tree.match((8,) * 7).matched == {"a": 7}
+
+
+def test_remove_tenant_drops_what_only_it_held() -> None:
+    tree = RadixTree(max_tokens=100)
+    tree.insert((1, 2, 3), "a")
+    tree.insert((1, 2, 4), "b")
+    tree.remove_tenant("a")
+    assert tree.match((1, 2, 3)).matched == {"b": 2}
+    assert tree.tokens == 3 and tree.nodes == 2
+
+
+def test_a_million_distinct_prompts_stay_within_the_budget() -> None:
+    budget = 100_000
+    tree = RadixTree(max_tokens=budget)
+    system_prompts = [tuple(range(s * 1000, s * 1000 + 48)) for s in range(8)]
+    start = time.monotonic()
+    for i in range(1_000_000):
+        tree.insert((*system_prompts[i % 8], i, i >> 4, i >> 8), f"engine-{i % 16}")
+        if i % 50_000 == 0:
+            assert tree.tokens <= budget
+    elapsed = time.monotonic() - start
+    assert tree.tokens <= budget and tree.evictions > 900_000
+    assert tree.match((*system_prompts[7], 999_999, 999_999 >> 4, 999_999 >> 8)).matched["engine-15"] == 51
+    assert tree.match(system_prompts[0]).matched, "the hot shared prefixes survive eviction"
+    assert elapsed < 30, f"1M inserts took {elapsed:.1f}s"
