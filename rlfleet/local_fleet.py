@@ -58,6 +58,8 @@ class FleetConfig:
     """Redis to use; unset means 127.0.0.1:<ports.redis>, started here if none answers."""
     redis_prefix: str = "rlfleet:"
     engine_threads: int = 1
+    engine_backend: str = "transformers"
+    """rlfleet_engine's --backend: transformers (CPU) or sglang (the real SGLang server, GPU)."""
     trainer_threads: int = 1
     startup_timeout_s: float = 180.0
 
@@ -130,7 +132,7 @@ class LocalFleet:
                 f"engine-{i}",
                 [py, "-m", "rlfleet_engine", "--model-path", str(c.model_path), "--host", c.host,
                  "--port", str(p.engine_base + i), "--torch-threads", str(c.engine_threads),
-                 "--random-seed", str(i), "--weight-version", "0"],
+                 "--random-seed", str(i), "--weight-version", "0", "--backend", c.engine_backend],
                 f"{url}/health",
             )
         for i in range(c.engines):

@@ -20,7 +20,12 @@ def register(areas: argparse._SubParsersAction) -> None:
         "--model-path", type=Path, default=None,
         help="model the engines serve (default: <state-dir>/models/tiny, created when missing)",
     )
-    up.add_argument("--engines", type=int, default=2, help="CPU engines to start (default 2)")
+    up.add_argument("--engines", type=int, default=2, help="engines to start (default 2)")
+    up.add_argument(
+        "--engine", choices=["transformers", "sglang"], default="transformers",
+        help="engine backend: transformers (CPU, default) or sglang (the real SGLang server, needs a GPU "
+        "and `pip install 'rlfleet-engine[sglang]'`)",
+    )
     up.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="logs, weights and fleet.json")
     up.add_argument("--redis-url", default=None, help="use this Redis instead of 127.0.0.1:6379 / a started one")
     up.set_defaults(func=run_up)
@@ -43,7 +48,8 @@ def default_model(state_dir: Path) -> Path:
 def run_up(args: argparse.Namespace) -> int:
     model_path = args.model_path or default_model(args.state_dir)
     fleet = LocalFleet(
-        FleetConfig(model_path=model_path, engines=args.engines, state_dir=args.state_dir, redis_url=args.redis_url)
+        FleetConfig(model_path=model_path, engines=args.engines, state_dir=args.state_dir, redis_url=args.redis_url,
+                    engine_backend=args.engine)
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

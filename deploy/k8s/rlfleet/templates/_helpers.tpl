@@ -1,0 +1,87 @@
+{{/* Names, labels and shared fragments of every rlfleet object. */}}
+
+{{- define "rlfleet.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* "<fullname>-<component>"; call with (list $ "router"). */}}
+{{- define "rlfleet.name" -}}
+{{- printf "%s-%s" (include "rlfleet.fullname" (index . 0)) (index . 1) -}}
+{{- end -}}
+
+{{- define "rlfleet.selectorLabels" -}}
+app.kubernetes.io/name: {{ (index . 0).Chart.Name }}
+app.kubernetes.io/instance: {{ (index . 0).Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{- define "rlfleet.labels" -}}
+{{ include "rlfleet.selectorLabels" . }}
+app.kubernetes.io/version: {{ (index . 0).Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ (index . 0).Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" (index . 0).Chart.Name (index . 0).Chart.Version }}
+{{- end -}}
+
+{{/* An rlfleet image: (list $ "router") -> registry/rlfleet-router:tag */}}
+{{- define "rlfleet.image" -}}
+{{- $ := index . 0 -}}
+{{- printf "%s/%s:%s" $.Values.image.registry (index . 1) (default $.Chart.AppVersion $.Values.image.tag) -}}
+{{- end -}}
+
+{{- define "rlfleet.redisUrl" -}}
+{{- if .Values.redis.external.url -}}
+{{- .Values.redis.external.url -}}
+{{- else -}}
+{{- printf "redis://%s:6379/0" (include "rlfleet.name" (list . "redis")) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "rlfleet.routerUrl" -}}
+{{- printf "http://%s:%d" (include "rlfleet.name" (list . "router")) (int .Values.router.port) -}}
+{{- end -}}
+
+{{/* Engine i's URL through the engines' headless Service (stable pod names of the StatefulSet). */}}
+{{- define "rlfleet.engineUrls" -}}
+{{- $name := include "rlfleet.name" (list . "engine") -}}
+{{- $urls := list -}}
+{{- range $i := until (int .Values.engine.replicas) -}}
+{{- $urls = append $urls (printf "http://%s-%d.%s.%s.svc:%d" $name $i $name $.Release.Namespace (int $.Values.engine.port)) -}}
+{{- end -}}
+{{- toJson $urls -}}
+{{- end -}}
+
+{{- define "rlfleet.podSecurity" -}}
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+fsGroup: 10001
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "rlfleet.containerSecurity" -}}
+allowPrivilegeEscalation: false
+capabilities:
+  drop: [ALL]
+{{- end -}}
+
+{{/* The shared volume: models, and the weight versions the trainer writes and engines load by path. */}}
+{{- define "rlfleet.dataVolume" -}}
+- name: data
+  persistentVolumeClaim:
+    claimName: {{ default (include "rlfleet.name" (list . "data")) .Values.data.existingClaim }}
+{{- end -}}
+
+{{/* An HTTP probe on /health; call with (dict "port" 8000 "probe" .Values.x.probes.liveness). */}}
+{{- define "rlfleet.httpProbe" -}}
+httpGet:
+  path: {{ default "/health" .probe.path }}
+  port: {{ .port }}
+periodSeconds: {{ .probe.periodSeconds }}
+timeoutSeconds: {{ .probe.timeoutSeconds }}
+failureThreshold: {{ .probe.failureThreshold }}
+{{- end -}}

@@ -1,0 +1,163 @@
+"""deploy/compose: valid against the Compose Specification, every reference resolves, and every
+service's variables, ports and health checks are the ones the services really read and serve."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic_settings import BaseSettings
+
+# Compose service -> the rlfleet service it runs.
+RLFLEET_SERVICES = {
+    "engine-0": "engine", "engine-1": "engine", "router": "router", "reward": "reward",
+    "trainer": "trainer", "trainer-gpu": "trainer", "rollout": "rollout",
+}
+HEALTH_URL = re.compile(r"http://127\.0\.0\.1:(\d+)(/[\w/]*)")
+
+
+@pytest.fixture(scope="module")
+def compose_dir(repo: Path) -> Path:
+    return repo / "deploy" / "compose"
+
+
+@pytest.fixture(scope="module")
+def compose(compose_dir: Path) -> dict[str, Any]:
+    return yaml.safe_load((compose_dir / "docker-compose.yml").read_text())
+
+
+def env_of(service: dict[str, Any]) -> dict[str, str]:
+    return {key: str(value) for key, value in (service.get("environment") or {}).items()}
+
+
+def settings_from(cls: type[BaseSettings], env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> BaseSettings:
+    """The settings the service process would build from exactly these variables."""
+    for key in [k for k in os.environ if k.startswith("RLFLEET_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return cls()  # type: ignore[call-arg]
+
+
+def health_port_and_path(service: dict[str, Any]) -> tuple[int, str]:
+    match = HEALTH_URL.search(" ".join(service["healthcheck"]["test"]))
+    assert match, f"health check is not an HTTP probe of 127.0.0.1: {service['healthcheck']['test']}"
+    return int(match.group(1)), match.group(2)
+
+
+def test_compose_file_follows_the_compose_specification(compose_dir: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec",
+         str(compose_dir / "docker-compose.yml")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_reference_resolves(compose: dict[str, Any], compose_dir: Path) -> None:
+    services = compose["services"]
+    for name, service in services.items():
+        for dep in service.get("depends_on") or {}:
+            assert dep in services, f"{name} depends on unknown service {dep}"
+        for volume in service.get("volumes") or []:
+            source = volume.split(":")[0]
+            if source.startswith("."):
+                assert (compose_dir / source).exists(), f"{name} mounts missing {source}"
+            else:
+                assert source in compose["volumes"], f"{name} mounts undeclared volume {source}"
+        for kind in ("configs", "secrets"):
+            for ref in service.get(kind) or []:
+                key = ref["source"] if isinstance(ref, dict) else ref
+                assert key in compose[kind], f"{name} uses undeclared {kind[:-1]} {key}"
+        build = service.get("build")
+        if build:
+            assert (compose_dir / build["context"] / build["dockerfile"]).is_file()
+    for config in compose["configs"].values():
+        assert (compose_dir / config["file"]).is_file()
+
+
+def test_cpu_is_the_default_profile_and_each_profile_is_a_whole_fleet(
+    compose: dict[str, Any], compose_dir: Path
+) -> None:
+    assert "COMPOSE_PROFILES=cpu" in (compose_dir / ".env").read_text().splitlines()
+    for profile in ("cpu", "gpu"):
+        active = {n for n, s in compose["services"].items() if "profiles" not in s or profile in s["profiles"]}
+        assert {"redis", "router", "reward", "rollout", "prometheus", "grafana", "model-init"} <= active
+        hosts = set(active)
+        for name in active:
+            hosts |= set(compose["services"][name].get("networks", {}).get("default", {}).get("aliases", []))
+        assert {"engine-0", "engine-1", "trainer"} <= hosts, f"profile {profile} lacks engines or a trainer"
+        for name in active:
+            for dep, condition in (compose["services"][name].get("depends_on") or {}).items():
+                if condition.get("required", True):
+                    assert dep in active, f"{name} needs {dep}, which profile {profile} does not start"
+
+
+def test_variables_ports_and_health_checks_match_the_services(
+    compose: dict[str, Any], settings_classes: dict[str, type[BaseSettings]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    services = compose["services"]
+    listening: dict[str, BaseSettings] = {}
+    for name, kind in RLFLEET_SERVICES.items():
+        cls = settings_classes[kind]
+        env = env_of(services[name])
+        prefix = f"RLFLEET_{kind.upper()}_"
+        for key in env:
+            assert key.startswith(prefix), f"{name}: {key} is not read by rlfleet_{kind}"
+            assert key.removeprefix(prefix).lower() in cls.model_fields, f"{name}: rlfleet_{kind} has no {key}"
+        settings = settings_from(cls, env, monkeypatch)
+        listening[name] = settings
+        http_port = getattr(settings, "http_port", None) or settings.port  # type: ignore[attr-defined]
+        assert health_port_and_path(services[name]) == (http_port, "/health"), name
+        for published in services[name].get("ports") or []:
+            container_port = int(published.rsplit(":", 1)[1])
+            assert container_port in (http_port, getattr(settings, "grpc_port", None)), f"{name}: {published}"
+
+    router, rollout, trainer = listening["router"], listening["rollout"], listening["trainer"]
+    assert router.worker_urls == [  # type: ignore[attr-defined]
+        f"http://engine-0:{listening['engine-0'].port}", f"http://engine-1:{listening['engine-1'].port}"  # type: ignore[attr-defined]
+    ]
+    assert rollout.router_url == trainer.router_url == f"http://router:{router.port}"  # type: ignore[attr-defined]
+    assert rollout.reward_url == f"http://reward:{listening['reward'].port}"  # type: ignore[attr-defined]
+    assert rollout.trainer_address == f"trainer:{trainer.grpc_port}"  # type: ignore[attr-defined]
+    assert rollout.redis_url == trainer.redis_url == "redis://redis:6379/0"  # type: ignore[attr-defined]
+    assert env_of(services["trainer"]) == env_of(services["trainer-gpu"])
+
+
+def test_gpu_engines_serve_where_the_router_looks(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    for name, alias in (("engine-gpu-0", "engine-0"), ("engine-gpu-1", "engine-1")):
+        gpu = services[name]
+        command = gpu["command"]
+        assert command[:3] == ["python3", "-m", "sglang.launch_server"] and "--enable-metrics" in command
+        cpu_port = int(env_of(services[alias])["RLFLEET_ENGINE_PORT"])
+        assert int(command[command.index("--port") + 1]) == cpu_port
+        assert gpu["networks"]["default"]["aliases"] == [alias]
+        assert health_port_and_path(gpu) == (cpu_port, "/health")
+        assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+
+
+def test_prometheus_scrapes_every_service_where_it_listens(compose: dict[str, Any], compose_dir: Path) -> None:
+    scrape = yaml.safe_load((compose_dir / "prometheus.yml").read_text())
+    targets = {job["job_name"]: job["static_configs"][0]["targets"] for job in scrape["scrape_configs"]}
+    expected: dict[str, list[str]] = {}
+    for name, kind in RLFLEET_SERVICES.items():
+        if name == "trainer-gpu":
+            continue
+        port, _ = health_port_and_path(compose["services"][name])
+        expected.setdefault(kind, []).append(f"{name}:{port}")
+    assert targets == expected
+
+
+def test_redis_keeps_an_append_only_file_on_a_volume(compose: dict[str, Any]) -> None:
+    redis = compose["services"]["redis"]
+    command = redis["command"]
+    assert command[command.index("--appendonly") + 1] == "yes"
+    data_dir = command[command.index("--dir") + 1]
+    assert any(v.split(":")[1] == data_dir and v.split(":")[0] in compose["volumes"] for v in redis["volumes"])

@@ -1,0 +1,175 @@
+"""deploy/k8s/rlfleet: Helm lints and renders the chart with its defaults and every example values file,
+every manifest validates against the Kubernetes 1.30 schemas (strict: no unknown keys), and the wiring
+between components holds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic_settings import BaseSettings
+
+helm = pytest.importorskip("helm_python", reason="needs helm-python-sdk (the dev extra)")
+kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (the dev extra)")
+
+KUBE_VERSION = "1.30.0"
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "deploy" / "k8s" / "rlfleet"
+EXAMPLES = sorted((REPO / "deploy" / "k8s" / "examples").glob("*.yaml"))
+CASES = [None, *EXAMPLES]
+IDS = ["defaults", *(path.stem for path in EXAMPLES)]
+
+
+def values_of(values_file: Path | None) -> dict[str, Any]:
+    return helm.values_from_yaml(values_file.read_text()) if values_file else {}
+
+
+@pytest.fixture(scope="module", params=CASES, ids=IDS)
+def rendered(request: pytest.FixtureRequest) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    values = values_of(request.param)
+    helm.disable_logging()
+    with helm.Chart.load(str(CHART)) as chart:
+        files = chart.render(values, name="rl", namespace="ml", is_install=True)
+    docs = [
+        doc
+        for path, text in sorted(files.items())
+        if not path.endswith("NOTES.txt")
+        for doc in yaml.safe_load_all(text)
+        if doc
+    ]
+    # The chart's own defaults under the example's overrides, as templates saw them.
+    merged = yaml.safe_load((CHART / "values.yaml").read_text())
+    _merge(merged, values)
+    return merged, docs
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> None:
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {doc["metadata"]["name"]: doc for doc in docs if doc["kind"] == kind}
+
+
+def pod_specs(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {
+        doc["metadata"]["name"]: doc["spec"]["template"]["spec"]
+        for doc in docs
+        if doc["kind"] in ("Deployment", "StatefulSet", "Job")
+    }
+
+
+@pytest.mark.parametrize("values_file", CASES, ids=IDS)
+def test_helm_lint_is_clean(values_file: Path | None) -> None:
+    report = helm.lint(str(CHART), values_of(values_file), strict=True, kube_version=f"v{KUBE_VERSION}")
+    assert report["errors"] == [], report
+    assert [m for m in report["messages"] if m["severity"] >= 2] == [], report
+
+
+def test_every_manifest_validates_against_kubernetes(rendered: tuple[dict, list[dict[str, Any]]]) -> None:
+    _, docs = rendered
+    checked = 0
+    for doc in docs:
+        try:
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+            checked += 1
+        except kubernetes_validate.utils.SchemaNotFoundError:
+            # Custom resources (ServiceMonitor) have no schema in Kubernetes itself.
+            assert doc["apiVersion"] == "monitoring.coreos.com/v1", doc["kind"]
+    assert checked >= 20
+
+
+def test_containers_request_resources_and_rlfleet_images_run_as_non_root(
+    rendered: tuple[dict, list[dict[str, Any]]],
+) -> None:
+    _, docs = rendered
+    for name, spec in pod_specs(docs).items():
+        for container in spec["containers"]:
+            assert container["resources"]["requests"], f"{name}/{container['name']} requests nothing"
+            if "/rlfleet/" in container["image"]:
+                assert spec["securityContext"]["runAsNonRoot"] is True, name
+                assert container["securityContext"]["allowPrivilegeEscalation"] is False, name
+
+
+def test_environment_is_what_the_services_read(
+    rendered: tuple[dict, list[dict[str, Any]]], settings_classes: dict[str, type[BaseSettings]]
+) -> None:
+    _, docs = rendered
+    for name, spec in pod_specs(docs).items():
+        for container in spec["containers"]:
+            for var in container.get("env", []):
+                svc = var["name"].split("_")[1].lower()
+                assert svc in settings_classes, f"{name}: {var['name']} names no service"
+                field = var["name"].removeprefix(f"RLFLEET_{svc.upper()}_").lower()
+                assert field in settings_classes[svc].model_fields, f"{name}: rlfleet_{svc} does not read {var['name']}"
+
+
+def test_router_lists_every_engine_and_services_find_each_other(rendered: tuple[dict, list[dict[str, Any]]]) -> None:
+    values, docs = rendered
+    specs = pod_specs(docs)
+    env = {
+        var["name"]: var["value"] for spec in specs.values() for c in spec["containers"] for var in c.get("env", [])
+    }
+    urls = json.loads(env["RLFLEET_ROUTER_WORKER_URLS"])
+    assert len(urls) == values["engine"]["replicas"]
+    engines = by_kind(docs, "StatefulSet")["rl-rlfleet-engine"]
+    assert engines["spec"]["replicas"] == values["engine"]["replicas"]
+    assert urls[-1].startswith(f"http://rl-rlfleet-engine-{len(urls) - 1}.rl-rlfleet-engine.ml.svc:")
+    services = by_kind(docs, "Service")
+    for key in ("RLFLEET_ROLLOUT_ROUTER_URL", "RLFLEET_ROLLOUT_REWARD_URL", "RLFLEET_TRAINER_ROUTER_URL"):
+        url = env[key]
+        host, port = url.removeprefix("http://").split(":")
+        assert int(port) in [p["port"] for p in services[host]["spec"]["ports"]], url
+    host, port = env["RLFLEET_ROLLOUT_TRAINER_ADDRESS"].split(":")
+    assert int(port) in [p["port"] for p in services[host]["spec"]["ports"]]
+
+
+def test_trainer_ranks_meet_through_c10d_when_spread_over_nodes(rendered: tuple[dict, list[dict[str, Any]]]) -> None:
+    values, docs = rendered
+    trainer = by_kind(docs, "StatefulSet")["rl-rlfleet-trainer"]
+    args = trainer["spec"]["template"]["spec"]["containers"][0]["args"]
+    nodes = values["trainer"]["nodes"]
+    assert trainer["spec"]["replicas"] == nodes and f"--nnodes={nodes}" in args
+    assert args[-3:] == ["-m", "rlfleet_trainer", "serve"]
+    if nodes > 1:
+        assert "--rdzv-backend=c10d" in args
+        endpoint = next(a for a in args if a.startswith("--rdzv-endpoint=")).split("=")[1]
+        assert endpoint.startswith(f"rl-rlfleet-trainer-0.{trainer['spec']['serviceName']}:")
+        assert by_kind(docs, "Service")[trainer["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"
+    gpus = values["trainer"]["gpusPerNode"]
+    limits = trainer["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits.get("nvidia.com/gpu", 0) == gpus
+
+
+def test_dashboards_ship_as_configmaps_for_the_grafana_sidecar(rendered: tuple[dict, list[dict[str, Any]]]) -> None:
+    _, docs = rendered
+    maps = [doc for doc in docs if doc["kind"] == "ConfigMap" and doc["metadata"]["labels"].get("grafana_dashboard")]
+    shipped = {key: json.loads(text) for doc in maps for key, text in doc["data"].items()}
+    sources = {path.name: json.loads(path.read_text()) for path in (REPO / "deploy" / "grafana").glob("*.json")}
+    assert shipped == sources and len(sources) == 4
+
+
+def test_redis_appends_to_a_persistent_volume_unless_external(rendered: tuple[dict, list[dict[str, Any]]]) -> None:
+    values, docs = rendered
+    redis = by_kind(docs, "StatefulSet").get("rl-rlfleet-redis")
+    if values["redis"]["external"]["url"]:
+        assert redis is None
+        return
+    assert redis is not None
+    args = redis["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--appendonly") + 1] == "yes"
+    assert redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "redis-data"
+
+
+def test_checkpoint_volume_is_shared_read_write_many_by_default() -> None:
+    with helm.Chart.load(str(CHART)) as chart:
+        files = chart.render({}, name="rl", namespace="ml", is_install=True)
+    claim = yaml.safe_load(files["rlfleet/templates/data-pvc.yaml"])
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
