@@ -7,6 +7,7 @@ SIGINT stops both servers (in-flight requests get the grace period), then the wo
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Generator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,7 @@ def parse_args(argv: Sequence[str] | None) -> dict[str, object]:
     parser.add_argument("--default-timeout-seconds", type=float, help="per-item limit when a spec sets none (10)")
     parser.add_argument("--max-timeout-seconds", type=float, help="largest limit a spec may ask for (300)")
     parser.add_argument("--max-batch-size", type=int, help="most items per request (4096)")
+    parser.add_argument("--max-concurrent-io-calls", type=int, help="remote/judge calls in flight at once (64)")
     parser.add_argument("--max-request-bytes", type=int, help="largest request body or message (64 MiB)")
     parser.add_argument("--shutdown-grace-seconds", type=float, help="time in-flight requests get on SIGTERM (10)")
     parser.add_argument("--log-level", help="root log level (INFO)")
@@ -37,7 +39,6 @@ def parse_args(argv: Sequence[str] | None) -> dict[str, object]:
 async def serve(settings: RewardSettings, registry: Registry) -> None:
     import asyncio
     import contextlib
-    import logging
     import math
     import signal
     import socket
@@ -58,8 +59,13 @@ async def serve(settings: RewardSettings, registry: Registry) -> None:
 
     logger = logging.getLogger("rlfleet_reward")
     metrics = RewardMetrics()
-    pool = WorkerPool({name: function.fn for name, function in registry.items()}, settings.workers)
-    limits = ScoringLimits(settings.default_timeout_seconds, settings.max_timeout_seconds, settings.max_batch_size)
+    pool = WorkerPool(registry.pool_functions(), settings.workers)
+    limits = ScoringLimits(
+        settings.default_timeout_seconds,
+        settings.max_timeout_seconds,
+        settings.max_batch_size,
+        settings.max_concurrent_io_calls,
+    )
     scorer = Scorer(registry, pool, limits, metrics)
     # Both ports are bound before any worker starts, so a taken port fails fast with nothing to undo.
     try:
@@ -83,6 +89,8 @@ async def serve(settings: RewardSettings, registry: Registry) -> None:
         loop.add_signal_handler(sig, stop.set)
     pool.start()
     metrics.watch_pool(pool)
+    if "code" in registry:
+        await asyncio.to_thread(_log_sandbox, logger)
     try:
         await grpc_server.start()
         http_task = asyncio.create_task(http.serve(sockets=[http_socket]))
@@ -98,6 +106,15 @@ async def serve(settings: RewardSettings, registry: Registry) -> None:
         await pool.close()
         http_socket.close()
     logger.info("reward hub stopped")
+
+
+def _log_sandbox(logger: logging.Logger) -> None:
+    from rlfleet_reward.sandbox import probe_isolation
+
+    try:
+        logger.info("code sandbox: %s", probe_isolation().describe())
+    except RuntimeError as exc:
+        logger.error("the code reward function cannot run here: %s", exc)
 
 
 def main(argv: Sequence[str] | None = None, extra_functions: Mapping[str, RewardFunction] | None = None) -> None:

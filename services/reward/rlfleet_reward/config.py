@@ -31,6 +31,9 @@ class RewardSettings(BaseSettings):
     max_batch_size: int = Field(
         default=4096, ge=1, description="Most items in one request; more is RESOURCE_EXHAUSTED."
     )
+    max_concurrent_io_calls: int = Field(
+        default=64, ge=1, description="Network-bound calls (remote, judge) in flight at once, across requests."
+    )
     max_request_bytes: int = Field(
         default=64 * 1024 * 1024, ge=1024, description="Largest request body (HTTP) or message (gRPC) accepted."
     )

@@ -45,7 +45,25 @@ class RewardMetrics:
             "rlfleet_reward_pool_busy_workers", "Worker processes running a function now.", registry=self.registry
         )
 
+        self.pool_queued_jobs = Gauge(
+            "rlfleet_reward_pool_queued_jobs",
+            "Function calls waiting for an idle worker; above zero the pool is saturated.",
+            registry=self.registry,
+        )
+        self.pool_wait_seconds = Histogram(
+            "rlfleet_reward_pool_wait_seconds",
+            "Time a function call queued for an idle worker before it started.",
+            buckets=_SECONDS_BUCKETS,
+            registry=self.registry,
+        )
+        self.io_calls_in_flight = Gauge(
+            "rlfleet_reward_io_calls_in_flight",
+            "Network-bound function calls (remote, judge) running on the event loop now.",
+            registry=self.registry,
+        )
+
     def watch_pool(self, pool: WorkerPool) -> None:
         """Reads the pool's gauges at scrape time, so the pool itself knows nothing of metrics."""
         self.pool_workers.set_function(lambda: pool.live)
         self.pool_busy_workers.set_function(lambda: pool.busy)
+        self.pool_queued_jobs.set_function(lambda: pool.waiting)

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 from importlib.metadata import entry_points
 
 from rlfleet.errors import InvalidInput
-from rlfleet_reward.reward_function import RewardFunction
+from rlfleet_reward.reward_function import RewardFunction, ScoreFn
 
 logger = logging.getLogger(__name__)
 
@@ -68,3 +68,7 @@ class Registry:
 
     def items(self) -> Iterator[tuple[str, RewardFunction]]:
         return iter(self._functions.items())
+
+    def pool_functions(self) -> dict[str, ScoreFn]:
+        """The functions that run in worker processes (every one but the `async def` ones)."""
+        return {name: f.fn for name, f in self._functions.items() if not f.waits_on_io}  # type: ignore[misc]

@@ -4,11 +4,16 @@ A reward function is a plain callable `fn(sample, params) -> float | Scored`, wr
 `RewardFunction` that declares the item fields it reads, a description and (optionally) a pydantic
 model of its parameters. The hub validates `params` against that model before any item is scored
 and passes the validated values (defaults filled in) as a plain mapping.
+
+A plain function computes: it runs in a worker process, where a time limit can kill it. An `async def`
+function waits on the network (a reward model, an LLM judge): it runs on the hub's event loop,
+many at once, cancelled at its time limit, and must not block.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -39,14 +44,19 @@ class ScoreFn(Protocol):
     def __call__(self, sample: RewardInput, params: Mapping[str, Any]) -> float | Scored: ...
 
 
+class AsyncScoreFn(Protocol):
+    def __call__(self, sample: RewardInput, params: Mapping[str, Any]) -> Awaitable[float | Scored]: ...
+
+
 @dataclass(frozen=True)
 class RewardFunction:
     """A scoring callable with its declaration; an entry point in `rlfleet.reward_functions` names one.
 
-    `fn` must be a module-level function: it runs in worker processes, which import it by name.
+    `fn` must be a module-level function: it runs in worker processes, which import it by name
+    (or, for an `async def`, on the hub's event loop).
     """
 
-    fn: ScoreFn
+    fn: ScoreFn | AsyncScoreFn
     inputs: frozenset[str]
     description: str
     params: type[BaseModel] | None = None
@@ -60,3 +70,8 @@ class RewardFunction:
         if not self.description.strip():
             raise ValueError("a reward function needs a one-line description")
         object.__setattr__(self, "inputs", frozenset(self.inputs))
+
+    @property
+    def waits_on_io(self) -> bool:
+        """True for an `async def` function, which runs on the event loop instead of in a worker."""
+        return inspect.iscoroutinefunction(self.fn)

@@ -1,7 +1,8 @@
 """The hub's transport-free core: validate a ScoreRequest, score every (item, term), combine per item.
 
-Every (item, term) pair is one job on the worker pool, all submitted at once; the pool bounds how
-many run together. An item's result is OK only when all its terms are: then `score` is the weighted
+Every (item, term) pair is one job, all submitted at once: on the worker pool, which bounds how
+many run together, or, for `async def` functions (network calls), on the event loop, at most
+`max_concurrent_io_calls` at a time. An item's result is OK only when all its terms are: then `score` is the weighted
 sum and `components` holds each term's unweighted score (plus `<function>/<part>` sub-scores).
 Otherwise the item is TIMEOUT (some term exceeded the limit) or ERROR (some term failed), with
 score 0, no components, and `error` naming the function and the reason. One bad item never fails
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +27,7 @@ from rlfleet.v1 import reward_pb2
 from rlfleet_reward.metrics import RewardMetrics
 from rlfleet_reward.registry import Registry
 from rlfleet_reward.reward_function import INPUT_FIELDS, RewardFunction, RewardInput
-from rlfleet_reward.worker import Job
+from rlfleet_reward.worker import Job, checked_reply, failure_reply
 from rlfleet_reward.worker_pool import JobResult, JobStatus, WorkerPool
 
 
@@ -34,6 +36,7 @@ class ScoringLimits:
     default_timeout_seconds: float
     max_timeout_seconds: float
     max_batch_size: int
+    max_concurrent_io_calls: int = 64
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class Scorer:
         self.pool = pool
         self.limits = limits
         self.metrics = metrics
+        self._io_slots = asyncio.Semaphore(limits.max_concurrent_io_calls)
 
     async def score(self, request: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
         try:
@@ -128,12 +132,35 @@ class Scorer:
         fields: dict[str, Any] = {name: getattr(item, name) for name in term.function.inputs}
         if "metadata" in fields:
             fields["metadata"] = dict(item.metadata)
-        outcome = await self.pool.run(Job(term.name, RewardInput(**fields), term.params), timeout)
+        sample = RewardInput(**fields)
+        if term.function.waits_on_io:
+            outcome = await self._run_on_loop(term, sample, timeout)
+        else:
+            outcome = await self.pool.run(Job(term.name, sample, term.params), timeout)
+            self.metrics.pool_wait_seconds.observe(outcome.waited)
         self.metrics.items.labels(term.name, outcome.status.value).inc()
         self.metrics.item_seconds.labels(term.name).observe(outcome.seconds)
         if outcome.status is JobStatus.TIMEOUT:
             self.metrics.timeouts.labels(term.name).inc()
         return outcome
+
+    async def _run_on_loop(self, term: _Term, sample: RewardInput, timeout: float) -> JobResult:
+        async with self._io_slots:
+            self.metrics.io_calls_in_flight.inc()
+            started = time.monotonic()
+            try:
+                value = await asyncio.wait_for(term.function.fn(sample, term.params), timeout)  # type: ignore[arg-type]
+                reply = checked_reply(value)
+            except TimeoutError:
+                return JobResult(JobStatus.TIMEOUT, error=f"exceeded its {timeout:g} s time limit", seconds=timeout)
+            except Exception as exc:  # noqa: BLE001 - a function's failure is the item's ERROR
+                reply = failure_reply(exc)
+            finally:
+                self.metrics.io_calls_in_flight.dec()
+        seconds = time.monotonic() - started
+        if reply.error:
+            return JobResult(JobStatus.ERROR, error=reply.error, seconds=seconds)
+        return JobResult(JobStatus.OK, score=reply.score, parts=reply.parts or {}, seconds=seconds)
 
     @staticmethod
     def _combine(

@@ -48,15 +48,23 @@ def _finite(value: object, what: str) -> float:
     return result
 
 
+def checked_reply(value: object) -> Reply:
+    """A function's return value as a Reply; raises when it is not a finite float or a Scored of them."""
+    if isinstance(value, Scored):
+        parts = {str(name): _finite(part, f"part {name!r}") for name, part in value.parts.items()}
+        return Reply(score=_finite(value.score, "the score"), parts=parts)
+    return Reply(score=_finite(value, "the returned value"))
+
+
+def failure_reply(exc: Exception) -> Reply:
+    return Reply(error=f"{type(exc).__name__}: {exc}"[:1000])
+
+
 def run_job(functions: Mapping[str, ScoreFn], job: Job) -> Reply:
     try:
-        value = functions[job.function](job.sample, job.params)
-        if isinstance(value, Scored):
-            parts = {str(name): _finite(part, f"part {name!r}") for name, part in value.parts.items()}
-            return Reply(score=_finite(value.score, "the score"), parts=parts)
-        return Reply(score=_finite(value, "the returned value"))
+        return checked_reply(functions[job.function](job.sample, job.params))
     except Exception as exc:  # noqa: BLE001 - a function's failure is the item's ERROR, not the worker's
-        return Reply(error=f"{type(exc).__name__}: {exc}"[:1000])
+        return failure_reply(exc)
 
 
 def _die_with_parent() -> None:

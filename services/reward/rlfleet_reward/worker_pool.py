@@ -46,6 +46,7 @@ class JobResult:
     parts: Mapping[str, float] = field(default_factory=dict)
     error: str = ""
     seconds: float = 0.0
+    waited: float = 0.0  # time the job queued for an idle worker, before `seconds` started
 
 
 @dataclass(eq=False)
@@ -70,11 +71,17 @@ class WorkerPool:
         self._idle: asyncio.Queue[_Worker | None] = asyncio.Queue()
         self._tasks: set[asyncio.Task[None]] = set()
         self._busy = 0
+        self._waiting = 0
         self._closed = False
 
     @property
     def busy(self) -> int:
         return self._busy
+
+    @property
+    def waiting(self) -> int:
+        """Jobs queued for an idle worker: above zero, the pool is saturated."""
+        return self._waiting
 
     @property
     def live(self) -> int:
@@ -98,7 +105,13 @@ class WorkerPool:
         The wait for an idle worker needs no deadline of its own: every job ahead of this one ends
         by its deadline, so the wait is bounded by the work queued before it.
         """
-        worker = await self._idle.get()
+        queued = time.monotonic()
+        self._waiting += 1
+        try:
+            worker = await self._idle.get()
+        finally:
+            self._waiting -= 1
+        waited = time.monotonic() - queued
         if worker is None:
             self._idle.put_nowait(None)  # wakes the next waiter too
             raise Unavailable("the reward worker pool is shut down")
@@ -110,7 +123,9 @@ class WorkerPool:
             healthy = True
         except TimeoutError:
             logger.warning("%s exceeded its %g s limit; replacing worker %d", job.function, timeout, worker.process.pid)
-            return JobResult(JobStatus.TIMEOUT, error=f"exceeded its {timeout:g} s time limit", seconds=timeout)
+            return JobResult(
+                JobStatus.TIMEOUT, error=f"exceeded its {timeout:g} s time limit", seconds=timeout, waited=waited
+            )
         except (EOFError, OSError):
             # The pipe closes a moment before the exit status is known; wait that moment, bounded.
             await asyncio.to_thread(worker.process.join, _EXIT_STATUS_WAIT_SECONDS)
@@ -119,6 +134,7 @@ class WorkerPool:
                 JobStatus.ERROR,
                 error=f"the worker process running it died (exit code {code})",
                 seconds=time.monotonic() - started,
+                waited=waited,
             )
         finally:
             self._busy -= 1
@@ -129,8 +145,8 @@ class WorkerPool:
                 self._replace(worker)
         seconds = time.monotonic() - started
         if reply.error:
-            return JobResult(JobStatus.ERROR, error=reply.error, seconds=seconds)
-        return JobResult(JobStatus.OK, score=reply.score, parts=reply.parts or {}, seconds=seconds)
+            return JobResult(JobStatus.ERROR, error=reply.error, seconds=seconds, waited=waited)
+        return JobResult(JobStatus.OK, score=reply.score, parts=reply.parts or {}, seconds=seconds, waited=waited)
 
     async def close(self) -> None:
         """Stops every worker: closing its pipe ends an idle one; a busy one is killed."""

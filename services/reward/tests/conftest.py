@@ -41,7 +41,7 @@ def _with_scorer(
 
     async def main() -> T:
         registry = registry_with_test_functions()
-        pool = WorkerPool({name: function.fn for name, function in registry.items()}, workers)
+        pool = WorkerPool(registry.pool_functions(), workers)
         pool.start()
         metrics = RewardMetrics()
         metrics.watch_pool(pool)

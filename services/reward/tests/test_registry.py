@@ -14,6 +14,11 @@ def test_entry_points_provide_the_builtins_and_nothing_from_tests() -> None:
     registry = Registry.from_entry_points()
     assert registry.get("arith_exact") is ARITH_EXACT
     assert registry.get("math") is MATH
+    builtins = {"boxed", "exact", "numeric", "f1", "multiple_choice", "format", "code", "remote", "judge"}
+    assert builtins <= set(registry)
+    # Network-bound functions run on the event loop; the others in worker processes.
+    assert {name for name, function in registry.items() if function.waits_on_io} == {"remote", "judge"}
+    assert set(registry.pool_functions()) == set(registry) - {"remote", "judge"}
     assert not set(TEST_FUNCTIONS) & set(registry)
 
 
@@ -25,7 +30,7 @@ def test_extra_functions_join_without_shadowing() -> None:
 
 
 def test_unknown_name_lists_the_known_ones() -> None:
-    with pytest.raises(InvalidInput, match="unknown reward function 'nope'; known: arith_exact, math"):
+    with pytest.raises(InvalidInput, match="unknown reward function 'nope'; known: arith_exact, boxed, code, "):
         Registry.from_entry_points().get("nope")
 
 

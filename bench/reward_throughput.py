@@ -1,0 +1,128 @@
+"""Reward hub throughput: math-verify items/s through a real hub vs sequentially in one process,
+and `code` items/s through the hub's sandbox.
+
+The hub runs as a real process (`python -m rlfleet_reward`, one worker per CPU unless --workers);
+each batch is one HTTP request. The baseline calls the same `math` function (math-verify) on the
+same kind of items one after another in this process. Items are distinct (math-verify caches parses);
+both sides are warmed up first on other items, then measured in interleaved rounds so that a change
+in the machine's load hits both alike (the load average is printed: on a shared machine other
+processes take cores from both sides). The code items each run two stdin/stdout tests, every
+test in its own sandbox (see services/reward/rlfleet_reward/sandbox.py). Run:
+
+    .venv/bin/python bench/reward_throughput.py [--math-items 400] [--code-items 60] [--workers N]
+
+Record the printed figures in bench/reward_throughput.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from rlfleet.processes import ServiceProcess, free_port
+from rlfleet_reward.math_answer import MathParams, score_math
+from rlfleet_reward.reward_function import RewardInput
+
+_SHAPES = (
+    # (response, label) templates over i: symbolic equivalence, fractions, roots, polynomials, misses.
+    ("The answer is $\\boxed{{\\frac{{{a}}}{{{b}}}}}$.", "${q}$"),
+    ("So $x = \\boxed{{\\sqrt{{{sq}}}}}$", "${r}$"),
+    ("Expanding, $\\boxed{{(x+{a})^2}}$", "$x^2+{two_a}x+{a_sq}$"),
+    ("We get $\\boxed{{{a}\\pi}}$", "${a}\\pi$"),
+    ("Thus $\\boxed{{{a}+{b}}}$", "${wrong}$"),
+)
+
+
+def math_items(count: int, offset: int) -> list[dict[str, str]]:
+    items = []
+    for k in range(count):
+        i = offset + k + 2
+        a, b = i, 2 * i
+        values = {"a": a, "b": b, "q": f"{a / b:g}", "sq": i * i, "r": i, "two_a": 2 * a, "a_sq": a * a,
+                  "wrong": a + b + 1}  # fmt: skip
+        response, label = _SHAPES[k % len(_SHAPES)]
+        items.append({"id": str(k), "response": response.format(**values), "label": label.format(**values)})
+    return items
+
+
+def code_items(count: int) -> list[dict[str, str]]:
+    program = "```python\nimport sys\na, b = map(int, sys.stdin.read().split())\nprint(a * b + {k})\n```"
+    items = []
+    for k in range(count):
+        tests = [{"stdin": f"{x} {x + 1}", "stdout": str(x * (x + 1) + k)} for x in (3, 7)]
+        items.append({"id": str(k), "response": program.format(k=k), "label": json.dumps({"tests": tests})})
+    return items
+
+
+def sequential_math(items: list[dict[str, str]]) -> float:
+    """Seconds to score `items` one after another in this process."""
+    params = MathParams().model_dump()
+    started = time.monotonic()
+    for item in items:
+        score_math(RewardInput(response=item["response"], label=item["label"]), params)
+    return time.monotonic() - started
+
+
+def hub_seconds(url: str, terms: list[dict], items: list[dict], batch: int, statuses: dict[str, int]) -> float:
+    """Seconds the hub takes to score `items` in requests of `batch`; counts result statuses."""
+    started = time.monotonic()
+    with httpx.Client(timeout=600) as http:
+        for start in range(0, len(items), batch):
+            body = {"spec": {"terms": terms, "timeout_seconds": 60}, "items": items[start : start + batch]}
+            response = http.post(f"{url}/score", json=body)
+            response.raise_for_status()
+            for result in response.json()["results"]:
+                statuses[result["status"]] = statuses.get(result["status"], 0) + 1
+    return time.monotonic() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--math-items", type=int, default=400, help="per side, over --rounds rounds")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--code-items", type=int, default=60)
+    parser.add_argument("--batch", type=int, default=100, help="items per /score request")
+    parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
+    args = parser.parse_args()
+
+    per_round = args.math_items // args.rounds
+    print(f"load average before: {os.getloadavg()}")
+    port = free_port()
+    argv = [sys.executable, "-m", "rlfleet_reward", "--host", "127.0.0.1", "--port", str(port),
+            "--grpc-port", str(free_port()), "--workers", str(args.workers)]  # fmt: skip
+    with tempfile.TemporaryDirectory() as logs:
+        hub = ServiceProcess("reward-hub", argv, Path(logs) / "hub.log", env={"RLFLEET_LOG_FORMAT": "text"})
+        try:
+            url = f"http://127.0.0.1:{port}"
+            hub.wait_healthy(f"{url}/health", timeout=60)
+            math = [{"function": "math"}]
+            statuses: dict[str, int] = {}
+            sequential_math(math_items(100, offset=900_000))
+            hub_seconds(url, math, math_items(100 * args.workers, offset=800_000), args.batch, {})
+            sequential = through_hub = 0.0
+            for r in range(args.rounds):
+                sequential += sequential_math(math_items(per_round, offset=r * 10_000))
+                items = math_items(per_round, offset=r * 10_000 + 5_000)
+                through_hub += hub_seconds(url, math, items, args.batch, statuses)
+            total = per_round * args.rounds
+            print(f"math-verify sequential, one process: {total / sequential:.1f} items/s")
+            print(f"math-verify through the hub ({args.workers} workers): {total / through_hub:.1f} items/s {statuses}")
+            print(f"ratio: {sequential / through_hub:.2f}x")
+            statuses = {}
+            code_seconds = hub_seconds(url, [{"function": "code"}], code_items(args.code_items), args.batch, statuses)
+            print(f"code through the hub's sandbox (2 tests per item): {args.code_items / code_seconds:.1f} items/s "
+                  f"{statuses}")  # fmt: skip
+            print(f"load average after: {os.getloadavg()}")
+        finally:
+            hub.stop(timeout=15)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""`judge`: an LLM grades the response, through the router's `/generate`; its verdict is parsed.
+
+The prompt is `template` with `{prompt}`, `{response}` and `{label}` replaced by the item's fields
+(other braces are left alone). The judge's text must match `verdict_pattern`; the last match's
+first group is the verdict: with `verdicts` set, it is looked up there (case-insensitively),
+otherwise it is a number divided by `scale`. A judge that gives no verdict makes the item an ERROR.
+Calls are retried on connection errors and 5xx until `deadline_seconds`, within the item's time limit.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator
+
+from rlfleet_reward.http_retry import post_json
+from rlfleet_reward.reward_function import RewardFunction, RewardInput
+
+DEFAULT_TEMPLATE = (
+    "You are grading an answer.\n\nQuestion:\n{prompt}\n\nReference answer:\n{label}\n\nAnswer to grade:\n"
+    "{response}\n\nRate the answer from 0 (wrong) to 10 (fully correct). End with a line 'Score: N'.\n"
+)
+_FIELDS = re.compile(r"\{(prompt|response|label)\}")
+
+
+class JudgeParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    router_url: AnyHttpUrl = Field(default=AnyHttpUrl("http://127.0.0.1:30000"), description="The router.")
+    template: str = Field(default=DEFAULT_TEMPLATE, max_length=100_000, description="The judge's prompt.")
+    verdict_pattern: str = Field(default=r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)", description="Regex, one group.")
+    verdicts: dict[str, float] | None = Field(default=None, description='e.g. {"correct": 1, "incorrect": 0}.')
+    scale: float = Field(default=10.0, gt=0, description="A numeric verdict is divided by this.")
+    max_new_tokens: int = Field(default=512, ge=1, le=32768)
+    temperature: float = Field(default=0.0, ge=0)
+    attempt_seconds: float = Field(default=60.0, gt=0, le=600, description="Timeout of one /generate call.")
+    deadline_seconds: float = Field(default=120.0, gt=0, le=1200, description="Give up retrying after this long.")
+
+    @field_validator("template")
+    @classmethod
+    def _shows_the_response(cls, template: str) -> str:
+        if "{response}" not in template:
+            raise ValueError("the template must contain {response}")
+        return template
+
+    @field_validator("verdict_pattern")
+    @classmethod
+    def _one_group(cls, pattern: str) -> str:
+        try:
+            groups = re.compile(pattern).groups
+        except re.error as exc:
+            raise ValueError(f"not a valid regular expression: {exc}") from None
+        if groups < 1:
+            raise ValueError("the pattern needs a group capturing the verdict")
+        return pattern
+
+
+def render(template: str, sample: RewardInput) -> str:
+    values = {"prompt": sample.prompt, "response": sample.response, "label": sample.label}
+    return _FIELDS.sub(lambda match: values[match.group(1)], template)
+
+
+def parse_verdict(text: str, params: Mapping[str, Any]) -> float:
+    found = re.findall(params["verdict_pattern"], text)
+    if not found:
+        raise ValueError(f"the judge gave no verdict matching {params['verdict_pattern']!r}: {text[-200:]!r}")
+    verdict = found[-1] if isinstance(found[-1], str) else found[-1][0]
+    if params["verdicts"] is not None:
+        table = {key.casefold(): value for key, value in params["verdicts"].items()}
+        if verdict.casefold() not in table:
+            raise ValueError(f"the judge's verdict {verdict!r} is none of {sorted(params['verdicts'])}")
+        return table[verdict.casefold()]
+    return float(verdict) / params["scale"]
+
+
+async def score_judge(sample: RewardInput, params: Mapping[str, Any]) -> float:
+    body = {
+        "text": render(params["template"], sample),
+        "sampling_params": {"max_new_tokens": params["max_new_tokens"], "temperature": params["temperature"]},
+    }
+    url = str(params["router_url"]).rstrip("/") + "/generate"
+    answer = await post_json(
+        url, body, attempt_seconds=params["attempt_seconds"], deadline_seconds=params["deadline_seconds"]
+    )
+    if not isinstance(answer, dict) or not isinstance(answer.get("text"), str):
+        raise ValueError(f"/generate answered without a text: {str(answer)[:200]}")
+    return parse_verdict(answer["text"], params)
+
+
+JUDGE = RewardFunction(
+    fn=score_judge,
+    inputs=frozenset({"prompt", "response", "label"}),
+    description="an LLM judge's verdict on the response, through the router's /generate",
+    params=JudgeParams,
+)

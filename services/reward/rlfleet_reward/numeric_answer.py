@@ -1,0 +1,58 @@
+"""`numeric`: the response's last number (or the whole response) within a tolerance of the label's.
+
+Numbers may carry a sign, thousands separators (`1,234`), decimals, an exponent, or be a fraction
+`3/4`. The comparison is `math.isclose(answer, label, rel_tol, abs_tol)`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from fractions import Fraction
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rlfleet_reward.reward_function import RewardFunction, RewardInput, Scored
+
+_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?(?:[eE][-+]?\d+)?(?:/\d+)?|[-+]?\.\d+(?:[eE][-+]?\d+)?")
+
+
+class NumericParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    abs_tol: float = Field(default=1e-6, ge=0, description="Absolute tolerance.")
+    rel_tol: float = Field(default=1e-9, ge=0, description="Relative tolerance.")
+    extract: Literal["last", "whole"] = Field(
+        default="last", description="`last`: the last number in the response; `whole`: the stripped response."
+    )
+
+
+def to_number(text: str) -> float | None:
+    text = text.replace(",", "")
+    try:
+        return float(Fraction(text)) if "/" in text else float(text)
+    except (ValueError, ZeroDivisionError, OverflowError):
+        return None
+
+
+def score_numeric(sample: RewardInput, params: Mapping[str, Any]) -> Scored:
+    gold = to_number(sample.label.strip())
+    if gold is None or not math.isfinite(gold):
+        raise ValueError(f"the label {sample.label[:60]!r} is not a number")
+    if params["extract"] == "whole":
+        answer = to_number(sample.response.strip())
+    else:
+        numbers = _NUMBER.findall(sample.response)
+        answer = to_number(numbers[-1]) if numbers else None
+    correct = answer is not None and math.isclose(answer, gold, rel_tol=params["rel_tol"], abs_tol=params["abs_tol"])
+    return Scored(score=float(correct), parts={"found": float(answer is not None)})
+
+
+NUMERIC = RewardFunction(
+    fn=score_numeric,
+    inputs=frozenset({"response", "label"}),
+    description="1.0 if the response's last number is within tolerance of the label's number",
+    params=NumericParams,
+)

@@ -1,0 +1,299 @@
+"""Running untrusted Python in a throwaway directory under limits, and what this machine can enforce.
+
+Always: a new session (its own process group) that the program cannot leave, killed as a whole on a
+wall-clock timeout and after the program ends; CPU, memory (address space), file-size, process
+and open-file limits; a scrubbed environment (PATH, LANG, HOME and TMPDIR only) and `python -I`;
+a fresh working directory, deleted afterwards; seccomp refusing every socket but AF_UNIX.
+When the hub runs as root, the program runs as `nobody` instead: root ignores RLIMIT_NPROC, and an
+unprivileged user cannot read root's files or processes.
+Where the platform allows (probed once per process, see `probe_isolation`):
+- namespaces (`unshare`: user, network, PID, IPC, mount for /proc): no network interface but a
+  down loopback, only the sandbox's own processes visible, and every process in the namespace
+  killed when its first process ends;
+- Landlock: reads only under the interpreter's directories and /usr, /lib, /bin; writes only in
+  the working directory; no TCP; no signals to processes outside the sandbox.
+`python -m rlfleet_reward.sandbox` prints what this machine enforces.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import os
+import platform
+import pwd
+import select
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from rlfleet_reward import sandbox_init
+
+# Passed with `-c`, so the sandbox user needs no access to the hub's files.
+_INIT_SOURCE = Path(sandbox_init.__file__).read_text()
+_INTERPRETERS = (sys.executable, "/usr/local/bin/python3", "/usr/bin/python3")
+_NAMESPACE_FLAGS = ("--user", "--map-current-user", "--net", "--pid", "--fork", "--kill-child", "--mount-proc", "--ipc")
+_PROBE_SECONDS = 10.0
+# After SIGKILL the group is gone within milliseconds; this bounds the wait for stragglers.
+_GROUP_KILL_SECONDS = 5.0
+_PR_SET_PDEATHSIG = 1
+_MAX_OUTPUT_CHARS = 1 << 20
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    wall_seconds: float
+    cpu_seconds: int
+    memory_bytes: int
+    file_size_bytes: int
+    max_processes: int
+    max_open_files: int = 64
+
+
+_SELFTEST_LIMITS = SandboxLimits(
+    wall_seconds=_PROBE_SECONDS, cpu_seconds=5, memory_bytes=512 << 20, file_size_bytes=1 << 20, max_processes=8
+)
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """What the sandbox enforces here beyond the always-on limits."""
+
+    run_as: tuple[int, int] | None  # (uid, gid) to drop to, when the hub is root
+    python: str  # an interpreter the sandbox user may run
+    namespaces: bool
+    landlock: bool
+    seccomp: bool
+
+    def describe(self) -> str:
+        uid = self.run_as[0] if self.run_as else os.getuid()
+        layers = [
+            f"runs {self.python} as uid {uid}",
+            "network/PID/IPC namespaces" if self.namespaces else "NO namespaces (unshare unavailable)",
+            "Landlock filesystem, TCP and signal rules" if self.landlock else "NO Landlock (kernel lacks it)",
+            "seccomp: sockets other than AF_UNIX refused" if self.seccomp else "NO seccomp (unsupported machine)",
+        ]
+        return ", ".join(layers)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    exit_code: int  # the program's, or 128 + N when signal N ended it
+    timed_out: bool  # killed at the wall-clock limit
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+def _unprivileged_ids() -> tuple[int, int] | None:
+    if os.geteuid() != 0:
+        return None
+    try:
+        entry = pwd.getpwnam("nobody")
+        return entry.pw_uid, entry.pw_gid
+    except KeyError:
+        return 65534, 65534
+
+
+def _usable_by(path: str, ids: tuple[int, int] | None) -> bool:
+    """Whether user `ids` (None: this process's) may execute `path`: search every directory, run the file."""
+    resolved = Path(path).resolve()
+    if not resolved.is_file():
+        return False
+    if ids is None:
+        return os.access(resolved, os.X_OK)
+    uid, gid = ids
+    for node in [*reversed(resolved.parents), resolved]:
+        info = node.stat()
+        bits = stat.S_IXUSR if info.st_uid == uid else stat.S_IXGRP if info.st_gid == gid else stat.S_IXOTH
+        if not info.st_mode & bits:
+            return False
+    return True
+
+
+def _popen_ids(run_as: tuple[int, int] | None) -> dict[str, Any]:
+    """Popen's arguments that drop to `run_as` (uid, gid) with no supplementary groups; none without it."""
+    return {"user": run_as[0], "group": run_as[1], "extra_groups": []} if run_as else {}
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec; the worker calling us is single-threaded.
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@functools.cache
+def probe_isolation() -> Isolation:
+    """What this machine enforces; probed once per process (a property of the machine, it does not change).
+
+    Raises RuntimeError when even the always-on layers cannot run a trivial program.
+    """
+    run_as = _unprivileged_ids()
+    unshare = shutil.which("unshare")
+    namespaces = False
+    if unshare is not None:
+        try:
+            probe = subprocess.run(
+                [unshare, *_NAMESPACE_FLAGS, "true"],
+                capture_output=True,
+                timeout=_PROBE_SECONDS,
+                check=False,
+                **_popen_ids(run_as),
+            )
+            namespaces = probe.returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            namespaces = False
+    libc = ctypes.CDLL(None, use_errno=True)
+    landlock = sys.platform.startswith("linux") and sandbox_init.landlock_abi(libc) > 0
+    seccomp = sandbox_init.seccomp_program(platform.machine()) is not None
+    python = next((path for path in _INTERPRETERS if _usable_by(path, run_as)), None)
+    if python is None:
+        raise RuntimeError(f"no Python interpreter the sandbox user may run among {list(_INTERPRETERS)}")
+    isolation = Isolation(run_as, str(Path(python).resolve()), namespaces, landlock, seccomp)
+    # One real run, so that a platform refusing a layer fails here, loudly, not as every program's failure.
+    selftest = run_python("print(6 * 7)", "", _SELFTEST_LIMITS, isolation)
+    if selftest.stdout.strip() != "42":
+        raise RuntimeError(f"the code sandbox does not work here ({isolation.describe()}): {selftest.stderr[-500:]}")
+    return isolation
+
+
+def _read_roots(python: str) -> list[str]:
+    prefix = Path(python).parent.parent  # /usr/local for /usr/local/bin/python3.11
+    roots = {str(prefix), "/usr", "/lib", "/lib64", "/bin"}
+    return sorted(root for root in roots if os.path.exists(root))
+
+
+def run_python(
+    source: str, stdin: str, limits: SandboxLimits, isolation: Isolation, files: Mapping[str, str] | None = None
+) -> RunResult:
+    """Runs `source` as `main.py` in a fresh directory under `limits`; the directory is deleted afterwards."""
+    with tempfile.TemporaryDirectory(prefix="rlfleet-sandbox-") as workdir:
+        work = Path(workdir)
+        for name, text in {"main.py": source, **(files or {})}.items():
+            (work / name).write_text(text)
+        if isolation.run_as:
+            for path in [work, *work.iterdir()]:
+                os.chown(path, *isolation.run_as)
+        process_limit = limits.max_processes
+        if not isolation.namespaces:
+            # RLIMIT_NPROC counts every task of the user, not only the sandbox's: add what it already runs.
+            process_limit += _tasks_of(isolation.run_as[0] if isolation.run_as else os.getuid())
+        config = {
+            "limits": {
+                **{key: int(value) for key, value in asdict(limits).items() if key != "wall_seconds"},
+                "max_processes": process_limit,
+            },
+            "landlock": isolation.landlock,
+            "seccomp": isolation.seccomp,
+            "read_roots": _read_roots(isolation.python),
+        }
+        python = isolation.python
+        argv = [python, "-I", "-S", "-c", _INIT_SOURCE, json.dumps(config), python, "-I", "main.py"]
+        if isolation.namespaces:
+            argv = [shutil.which("unshare") or "unshare", *_NAMESPACE_FLAGS, *argv]
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
+        return _run(argv, work, env, stdin, limits.wall_seconds, _popen_ids(isolation.run_as))
+
+
+def _run(
+    argv: Sequence[str], work: Path, env: dict[str, str], stdin: str, wall: float, ids: Mapping[str, Any]
+) -> RunResult:
+    # The streams live beside the working directory, not in it: the program cannot replace them.
+    streams = {name: work.parent / f"{work.name}.{name}" for name in ("stdin", "stdout", "stderr")}
+    streams["stdin"].write_text(stdin)
+    started = time.monotonic()
+    try:
+        with (
+            open(streams["stdin"], "rb") as stdin_file,
+            open(streams["stdout"], "wb") as stdout_file,
+            open(streams["stderr"], "wb") as stderr_file,
+        ):
+            process = subprocess.Popen(
+                argv,
+                cwd=work,
+                env=env,
+                stdin=stdin_file,
+                stdout=stdout_file,
+                stderr=stderr_file,
+                start_new_session=True,
+                close_fds=True,
+                preexec_fn=_die_with_parent,
+                **ids,
+            )
+        timed_out = not _wait_without_reaping(process.pid, wall)
+        # The leader is not reaped yet, so its pid (the group's id) cannot have been reused.
+        _kill_group(process.pid)
+        exit_code = process.wait(timeout=_GROUP_KILL_SECONDS)
+        seconds = time.monotonic() - started
+        exit_code = 128 - exit_code if exit_code < 0 else exit_code
+        return RunResult(exit_code, timed_out, _read_text(streams["stdout"]), _read_text(streams["stderr"]), seconds)
+    finally:
+        for path in streams.values():
+            path.unlink(missing_ok=True)
+
+
+def _wait_without_reaping(pid: int, timeout: float) -> bool:
+    """True when `pid` exited within `timeout` (it stays a zombie until waited for)."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        return bool(poller.poll(max(0, int(timeout * 1000))))
+    finally:
+        os.close(pidfd)
+
+
+def _kill_group(pgid: int) -> None:
+    deadline = time.monotonic() + _GROUP_KILL_SECONDS
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        time.sleep(0.005)
+        if not _group_has_live_members(pgid):
+            return
+
+
+def _group_has_live_members(pgid: int) -> bool:
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def _tasks_of(uid: int) -> int:
+    """Threads of every process running as `uid`: what RLIMIT_NPROC counts against its limit."""
+    count = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid == uid:
+                    count += len(os.listdir(os.path.join(entry.path, "task")))
+            except OSError:
+                continue
+    return count
+
+
+def _read_text(path: Path) -> str:
+    with open(path, "rb") as stream:
+        return stream.read(_MAX_OUTPUT_CHARS).decode("utf-8", errors="replace")
+
+
+if __name__ == "__main__":
+    print(probe_isolation().describe())

@@ -1,0 +1,198 @@
+"""The first program inside a code sandbox: lock the process down, then exec the untrusted program.
+
+Run as `python -I -S -c SOURCE_OF_THIS_FILE CONFIG_JSON PROGRAM [ARGS...]` (standard library only: it runs
+before, and outside, any site-packages). In order, it
+1. sets the resource limits (CPU seconds, address space, file size, processes, open files, no core),
+2. sets no_new_privs, so nothing it execs can gain privileges (and unprivileged filters are allowed),
+3. applies Landlock when the kernel has it: reads and executes only under the configured read-only
+   roots, writes only under the working directory, no TCP bind/connect (ABI >= 4), no signals or
+   abstract-socket connections to processes outside the sandbox (ABI >= 6),
+4. installs a seccomp filter (x86_64, aarch64): `socket()` for anything but AF_UNIX, `io_uring`
+   (which can open sockets too) and leaving the process group (`setsid`, `setpgid`) fail with
+   EPERM, so the parent's group kill reaches every descendant; syscalls of another ABI kill the process,
+5. forks PROGRAM and waits for it, reaping orphans meanwhile (it is PID 1 of a fresh PID namespace
+   when the platform gives one), then exits with the program's code, or 128 + N when signal N
+   ended it.
+Any step the kernel refuses is fatal (exit 125): a sandbox that is weaker than asked never runs code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import platform
+import resource
+import struct
+import sys
+
+SETUP_FAILED = 125
+
+_PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_SECCOMP = 22
+_SECCOMP_MODE_FILTER = 2
+
+_SYS_LANDLOCK_CREATE_RULESET = 444
+_SYS_LANDLOCK_ADD_RULE = 445
+_SYS_LANDLOCK_RESTRICT_SELF = 446
+_LANDLOCK_CREATE_RULESET_VERSION = 1
+_LANDLOCK_RULE_PATH_BENEATH = 1
+_FS_EXECUTE, _FS_WRITE_FILE, _FS_READ_FILE, _FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+_FS_ABI1_ALL = (1 << 13) - 1
+_FS_REFER, _FS_TRUNCATE, _FS_IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15
+_NET_BIND_TCP, _NET_CONNECT_TCP = 1 << 0, 1 << 1
+_SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1 << 0, 1 << 1
+
+# (audit arch, socket, setsid, setpgid, io_uring_setup) per machine.
+_SYSCALLS = {
+    "x86_64": (0xC000003E, 41, 112, 109, 425),
+    "aarch64": (0xC00000B7, 198, 157, 154, 425),
+}
+_X32_SYSCALL_BIT = 0x40000000
+_AF_UNIX = 1
+_EPERM = 1
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [
+        ("handled_access_fs", ctypes.c_uint64),
+        ("handled_access_net", ctypes.c_uint64),
+        ("scoped", ctypes.c_uint64),
+    ]
+
+
+class _PathBeneath(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def _check(result: int, what: str) -> int:
+    if result < 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+    return result
+
+
+def set_limits(limits: dict[str, int]) -> None:
+    cpu = limits["cpu_seconds"]
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU at the soft limit, SIGKILL a second later
+    resource.setrlimit(resource.RLIMIT_AS, (limits["memory_bytes"],) * 2)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_size_bytes"],) * 2)
+    resource.setrlimit(resource.RLIMIT_NPROC, (limits["max_processes"],) * 2)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limits["max_open_files"],) * 2)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def landlock_abi(libc: ctypes.CDLL) -> int:
+    """The kernel's Landlock ABI version, 0 when Landlock is absent or disabled."""
+    version = libc.syscall(_SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), _LANDLOCK_CREATE_RULESET_VERSION)
+    return max(0, version)
+
+
+def apply_landlock(libc: ctypes.CDLL, abi: int, read_roots: list[str], write_root: str) -> None:
+    handled_fs = _FS_ABI1_ALL | (_FS_REFER if abi >= 2 else 0) | (_FS_TRUNCATE if abi >= 3 else 0)
+    handled_fs |= _FS_IOCTL_DEV if abi >= 5 else 0
+    handled_net = _NET_BIND_TCP | _NET_CONNECT_TCP if abi >= 4 else 0
+    scoped = _SCOPE_ABSTRACT_UNIX_SOCKET | _SCOPE_SIGNAL if abi >= 6 else 0
+    attr = _RulesetAttr(handled_fs, handled_net, scoped)
+    size = 8 if abi < 4 else 16 if abi < 6 else 24
+    created = libc.syscall(_SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size), 0)
+    ruleset = _check(created, "landlock_create_ruleset")
+    read_only = _FS_EXECUTE | _FS_READ_FILE | _FS_READ_DIR
+    file_rights = _FS_EXECUTE | _FS_WRITE_FILE | _FS_READ_FILE | _FS_TRUNCATE | _FS_IOCTL_DEV
+    rules = [(root, read_only) for root in read_roots] + [(write_root, handled_fs)]
+    rules += [(device, _FS_READ_FILE | _FS_WRITE_FILE | _FS_TRUNCATE) for device in ("/dev/null", "/dev/zero")]
+    for path, rights in rules:
+        try:
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        if not os.path.isdir(path):
+            rights &= file_rights
+        rule = _PathBeneath(rights & handled_fs, fd)
+        added = libc.syscall(_SYS_LANDLOCK_ADD_RULE, ruleset, _LANDLOCK_RULE_PATH_BENEATH, ctypes.byref(rule), 0)
+        _check(added, f"landlock_add_rule {path}")
+        os.close(fd)
+    _check(libc.syscall(_SYS_LANDLOCK_RESTRICT_SELF, ruleset, 0), "landlock_restrict_self")
+    os.close(ruleset)
+
+
+def _bpf(code: int, jt: int, jf: int, k: int) -> bytes:
+    return struct.pack("HBBI", code, jt, jf, k)
+
+
+def seccomp_program(machine: str) -> bytes | None:
+    """The filter described in the module docstring, for `machine`; None when it is not supported."""
+    if machine not in _SYSCALLS:
+        return None
+    arch, socket, setsid, setpgid, io_uring_setup = _SYSCALLS[machine]
+    load, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+    allow, deny, kill = 0x7FFF0000, 0x00050000 | _EPERM, 0x80000000
+    return b"".join([
+        _bpf(load, 0, 0, 4),                   # 0: arch
+        _bpf(jeq, 1, 0, arch),                 # 1: our ABI -> 3
+        _bpf(ret, 0, 0, kill),                 # 2
+        _bpf(load, 0, 0, 0),                   # 3: syscall number
+        _bpf(jge, 8, 0, _X32_SYSCALL_BIT),     # 4: x32 ABI -> deny
+        _bpf(jeq, 4, 0, socket),               # 5: -> 10
+        _bpf(jeq, 6, 0, setsid),               # 6: -> deny
+        _bpf(jeq, 5, 0, setpgid),              # 7: -> deny
+        _bpf(jeq, 4, 0, io_uring_setup),       # 8: -> deny
+        _bpf(ret, 0, 0, allow),                # 9
+        _bpf(load, 0, 0, 16),                  # 10: socket's family (low word of the first argument)
+        _bpf(jeq, 0, 1, _AF_UNIX),             # 11
+        _bpf(ret, 0, 0, allow),                # 12
+        _bpf(ret, 0, 0, deny),                 # 13
+    ])  # fmt: skip
+
+
+def apply_seccomp(libc: ctypes.CDLL, program: bytes) -> None:
+    buffer = ctypes.create_string_buffer(program, len(program))
+    fprog = _SockFprog(len(program) // 8, ctypes.addressof(buffer))
+    _check(libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "seccomp")
+
+
+def lock_down(config: dict) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    set_limits(config["limits"])
+    _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    if config["landlock"]:
+        abi = landlock_abi(libc)
+        if abi == 0:
+            raise OSError("Landlock was required but the kernel does not offer it")
+        apply_landlock(libc, abi, config["read_roots"], os.getcwd())
+    if config["seccomp"]:
+        program = seccomp_program(platform.machine())
+        if program is None:
+            raise OSError(f"seccomp was required but {platform.machine()} is not supported")
+        apply_seccomp(libc, program)
+
+
+def main(argv: list[str]) -> None:
+    config = json.loads(argv[1])
+    try:
+        lock_down(config)
+    except OSError as exc:
+        sys.stderr.write(f"sandbox setup failed: {exc}\n")
+        os._exit(SETUP_FAILED)
+    program = os.fork()
+    if program == 0:
+        try:
+            os.execv(argv[2], argv[2:])
+        except OSError as exc:
+            sys.stderr.write(f"cannot start {argv[2]}: {exc}\n")
+        os._exit(SETUP_FAILED)
+    while True:
+        pid, status = os.wait()
+        if pid == program:
+            break
+    code = os.waitstatus_to_exitcode(status)
+    os._exit(128 - code if code < 0 else code)
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,139 @@
+"""Hostile `code` responses against a real hub process: each is contained, scored 0 with its reason,
+and the hub keeps serving. The fork bomb runs last, held by RLIMIT_NPROC and the group kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rlfleet.processes import ServiceProcess, free_port
+from rlfleet_reward.sandbox import probe_isolation
+
+pytestmark = pytest.mark.e2e
+
+LAUNCHER = Path(__file__).resolve().parent / "reward_hub_for_tests.py"
+SECRET_NAME = "RLFLEET_REWARD_TEST_SECRET"
+GOOD_PROGRAM = (
+    "Here you go:\n```python\ndef add(a, b):\n    return a + b\n\nprint(add(*map(int, input().split())))\n```"
+)
+GOOD_TESTS = [{"stdin": "1 2\n", "stdout": "3"}, {"stdin": "0 0", "check": "assert add(2, 3) == 5"}]
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port, grpc_port = free_port(), free_port()
+    argv = [sys.executable, str(LAUNCHER), "--host", "127.0.0.1", "--port", str(port), "--grpc-port",
+            str(grpc_port), "--workers", "2", "--shutdown-grace-seconds", "2"]  # fmt: skip
+    env = {"RLFLEET_LOG_FORMAT": "text", SECRET_NAME: "do-not-leak"}
+    process = ServiceProcess("reward-hub-code", argv, tmp_path_factory.mktemp("code") / "hub.log", env=env)
+    try:
+        process.wait_healthy(f"http://127.0.0.1:{port}/health", timeout=30)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.stop(timeout=10)
+
+
+def score_code(hub: str, items: list[tuple[str, list[dict]]], **params: object) -> list[dict]:
+    body = {
+        "spec": {"terms": [{"function": "code", "params": {"timeout_seconds": 2, **params}}], "timeout_seconds": 30},
+        "items": [{"id": str(i), "response": code, "label": json.dumps({"tests": tests})}
+                  for i, (code, tests) in enumerate(items)],
+    }  # fmt: skip
+    response = httpx.post(f"{hub}/score", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["results"]
+
+
+def assert_still_serving(hub: str) -> None:
+    assert httpx.get(f"{hub}/health", timeout=10).status_code == 200
+    (good,) = score_code(hub, [(GOOD_PROGRAM, GOOD_TESTS)])
+    assert (good["status"], good["score"]) == ("SCORE_STATUS_OK", 1.0), good
+
+
+def failed_because(result: dict, reason: str, tests: int = 1) -> bool:
+    return (result["status"], result["score"], result["components"].get(f"code/{reason}")) == (
+        "SCORE_STATUS_OK",
+        0.0,
+        float(tests),
+    )
+
+
+def test_a_correct_program_passes_and_a_wrong_one_fails(hub: str) -> None:
+    good, wrong = score_code(hub, [(GOOD_PROGRAM, GOOD_TESTS), ("print(4)", [{"stdin": "1 2", "stdout": "3"}])])
+    assert good["components"] == {"code": 1.0, "code/passed": 2.0, "code/tests": 2.0}
+    assert failed_because(wrong, "wrong_answer"), wrong
+
+
+def test_hostile_programs_are_contained_and_scored_as_failures(hub: str, tmp_path: Path) -> None:
+    outside = [Path(f"/tmp/rlfleet-escape-{uuid.uuid4().hex}"), tmp_path / "escape.txt"]
+    tmp_path.chmod(0o777)  # only the sandbox, not file permissions, may stop the write
+    listener = socket.create_server(("127.0.0.1", 0))
+    env_probe = (
+        "import glob, os\n"
+        f"found = {SECRET_NAME!r} in os.environ\n"
+        "for path in glob.glob('/proc/*/environ'):\n"
+        "    try:\n"
+        f"        found = found or {SECRET_NAME.encode()!r} in open(path, 'rb').read()\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "print('LEAKED' if found else 'safe')\n"
+    )
+    hostile = [
+        ("while True:\n    pass\n", [{"stdout": ""}]),
+        ("memory = bytearray(10 * 1024**3)\nprint(len(memory))\n", [{"stdout": str(10 * 1024**3)}]),
+        ("import sys\nopen(sys.stdin.readline().strip(), 'w').write('escaped')\n",
+         [{"stdin": str(path), "stdout": ""} for path in outside]),
+        (f"import socket\nsocket.create_connection(('127.0.0.1', {listener.getsockname()[1]}), timeout=2)"
+         ".sendall(b'leak')\n", [{"stdout": ""}]),
+        (env_probe, [{"stdout": "LEAKED"}]),
+    ]  # fmt: skip
+    started = time.monotonic()
+    loop, memory, writer, network, environment = score_code(hub, hostile)
+    assert time.monotonic() - started < 20
+    assert failed_because(loop, "time_limit"), loop
+    assert failed_because(memory, "memory_limit"), memory
+    assert failed_because(writer, "runtime_error", tests=2), writer
+    assert not any(path.exists() for path in outside)
+    assert failed_because(network, "runtime_error"), network
+    # A connection would wait in the backlog; there is none.
+    listener.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        listener.accept()
+    assert failed_because(environment, "wrong_answer"), environment  # it printed "safe"
+    listener.close()
+    assert_still_serving(hub)
+
+
+def test_zz_a_fork_bomb_is_held_and_killed(hub: str) -> None:
+    """Runs last (by name, in this module): RLIMIT_NPROC caps it, the group kill ends it, nothing survives."""
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    started = time.monotonic()
+    (result,) = score_code(hub, [(bomb, [{"stdout": ""}])], timeout_seconds=2, max_processes=16)
+    assert time.monotonic() - started < 15
+    assert result["status"] == "SCORE_STATUS_OK" and result["score"] == 0.0, result
+    assert result["components"].get("code/time_limit", 0) + result["components"].get("code/runtime_error", 0) == 1
+    assert _sandbox_processes() == []
+    assert_still_serving(hub)
+
+
+def _sandbox_processes() -> list[int]:
+    isolation = probe_isolation()
+    uid = isolation.run_as[0] if isolation.run_as else os.getuid()
+    found = []
+    for entry in os.scandir("/proc"):
+        try:
+            if entry.name.isdigit() and entry.stat().st_uid == uid:
+                if b"main.py" in Path(entry.path, "cmdline").read_bytes():
+                    found.append(int(entry.name))
+        except OSError:
+            continue
+    return found

@@ -1,0 +1,134 @@
+"""`remote` and `judge` against a real HTTP server on loopback: retries, deadlines, parsed verdicts."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+from google.protobuf import json_format
+
+from rlfleet.v1 import reward_pb2
+from rlfleet_reward.scoring import Scorer
+
+WithScorer = Callable[..., Any]
+OK, ERROR, TIMEOUT = reward_pb2.SCORE_STATUS_OK, reward_pb2.SCORE_STATUS_ERROR, reward_pb2.SCORE_STATUS_TIMEOUT
+
+
+class FakeModels:
+    """`/score`: 503 for the first `failures` calls, then a score; `/generate`: a judge; `/slow`: never answers."""
+
+    def __init__(self) -> None:
+        self.failures = 0
+        self.calls: list[tuple[str, dict]] = []
+        self.judge_text = "The answer is right.\nScore: 7"
+
+
+@pytest.fixture
+def models() -> Iterator[tuple[FakeModels, str]]:
+    state = FakeModels()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            state.calls.append((self.path, body))
+            if self.path == "/slow":
+                time.sleep(3)
+            if self.path == "/score" and state.failures > 0:
+                state.failures -= 1
+                return self._send(503, {"error": "warming up"})
+            if self.path == "/score":
+                return self._send(200, {"score": len(body["response"]) / 10, "components": {"length": 1.0}})
+            return self._send(200, {"text": state.judge_text, "meta_info": {}})
+
+        def _send(self, status: int, document: dict) -> None:
+            data = json.dumps(document).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield state, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def score(with_scorer: WithScorer, terms: list[dict], items: list[dict], timeout: float = 5) -> list[Any]:
+    request = json_format.ParseDict(
+        {"spec": {"terms": terms, "timeout_seconds": timeout}, "items": items}, reward_pb2.ScoreRequest()
+    )
+
+    async def body(scorer: Scorer) -> reward_pb2.ScoreResponse:
+        return await scorer.score(request)
+
+    return list(with_scorer(body, workers=1).results)
+
+
+def test_remote_retries_a_failing_model_then_reports_its_components(
+    with_scorer: WithScorer, models: tuple[FakeModels, str]
+) -> None:
+    state, url = models
+    state.failures = 2
+    (result,) = score(with_scorer, [{"function": "remote", "params": {"url": f"{url}/score"}}],
+                      [{"prompt": "p", "response": "abcd", "label": "l", "metadata": {"k": "v"}}])  # fmt: skip
+    assert (result.status, result.score) == (OK, pytest.approx(0.4))
+    assert dict(result.components) == {"remote": pytest.approx(0.4), "remote/length": 1.0}
+    assert len(state.calls) == 3
+    assert state.calls[-1][1] == {"prompt": "p", "response": "abcd", "label": "l", "metadata": {"k": "v"}}
+
+
+def test_remote_gives_up_at_its_deadline_and_the_item_limit_still_holds(
+    with_scorer: WithScorer, models: tuple[FakeModels, str]
+) -> None:
+    state, url = models
+    state.failures = 1000
+    unavailable, stuck = score(
+        with_scorer,
+        [{"function": "remote", "params": {"url": f"{url}/score", "deadline_seconds": 0.5}}],
+        [{"response": "a"}],
+    ) + score(with_scorer, [{"function": "remote", "params": {"url": f"{url}/slow"}}], [{"response": "a"}], timeout=0.5)
+    assert unavailable.status == ERROR
+    assert "did not succeed within 0.5 s (last: HTTP 503" in unavailable.error
+    assert (stuck.status, stuck.error) == (TIMEOUT, "remote: exceeded its 0.5 s time limit")
+
+
+def test_judge_renders_the_template_and_parses_the_verdict(
+    with_scorer: WithScorer, models: tuple[FakeModels, str]
+) -> None:
+    state, url = models
+    template = "Q: {prompt} | ref: {label} | A: {response} | {not a field}"
+    numeric, worded = score(
+        with_scorer,
+        [{"function": "judge", "params": {"router_url": url, "template": template, "max_new_tokens": 8}}],
+        [{"prompt": "2+2?", "response": "4", "label": "4"}],
+    ) + score(
+        with_scorer,
+        [{"function": "judge", "params": {"router_url": url, "verdict_pattern": r"(?i)answer is (right|wrong)",
+                                          "verdicts": {"RIGHT": 1, "wrong": 0}}}],
+        [{"prompt": "2+2?", "response": "4", "label": "4"}],
+    )  # fmt: skip
+    assert (numeric.status, numeric.score) == (OK, pytest.approx(0.7))
+    assert (worded.status, worded.score) == (OK, 1.0)
+    path, body = state.calls[0]
+    assert path == "/generate"
+    assert body == {
+        "text": "Q: 2+2? | ref: 4 | A: 4 | {not a field}",
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0.0},
+    }
+    state.judge_text = "I cannot decide."
+    (undecided,) = score(with_scorer, [{"function": "judge", "params": {"router_url": url}}], [{"response": "4"}])
+    assert undecided.status == ERROR and "the judge gave no verdict" in undecided.error

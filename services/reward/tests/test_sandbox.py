@@ -1,0 +1,66 @@
+"""The sandbox's layers one by one, with and without namespaces (the fallback where unshare is refused)."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+
+import pytest
+
+from rlfleet_reward.sandbox import Isolation, SandboxLimits, probe_isolation, run_python
+
+LIMITS = SandboxLimits(wall_seconds=5, cpu_seconds=5, memory_bytes=512 << 20, file_size_bytes=1 << 20, max_processes=8)
+
+
+@pytest.fixture(params=["as probed", "without namespaces"])
+def isolation(request: pytest.FixtureRequest) -> Isolation:
+    probed = probe_isolation()
+    if request.param == "without namespaces":
+        return dataclasses.replace(probed, namespaces=False)
+    return probed
+
+
+def test_sockets_and_leaving_the_process_group_are_refused(isolation: Isolation) -> None:
+    if not isolation.seccomp:
+        pytest.skip("seccomp is not supported on this machine")
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    program = (
+        "import os, socket\n"
+        f"for attempt in (lambda: socket.create_connection(('127.0.0.1', {port}), timeout=1), os.setsid):\n"
+        "    try:\n"
+        "        attempt()\n"
+        "        print('allowed')\n"
+        "    except OSError as exc:\n"
+        "        print(type(exc).__name__)\n"
+        "a, b = socket.socketpair()\n"  # AF_UNIX stays allowed
+        "a.sendall(b'x'); print(b.recv(1))\n"
+    )
+    result = run_python(program, "", LIMITS, isolation)
+    assert result.stdout.split() == ["PermissionError", "PermissionError", "b'x'"], result.stderr
+    listener.close()
+
+
+def test_environment_is_scrubbed_and_files_stay_in_the_working_directory(isolation: Isolation) -> None:
+    program = (
+        "import os\n"
+        "print(sorted(os.environ))\n"
+        "open('mine.txt', 'w').write('ok'); print(open('mine.txt').read())\n"
+        "try:\n"
+        "    open('/tmp/rlfleet-sandbox-escape', 'w')\n"
+        "    print('escaped')\n"
+        "except OSError as exc:\n"
+        "    print(type(exc).__name__)\n"
+    )
+    result = run_python(program, "", LIMITS, isolation)
+    lines = result.stdout.splitlines()
+    assert lines[:2] == ["['HOME', 'LANG', 'PATH', 'TMPDIR']", "ok"], result.stderr
+    if isolation.landlock:
+        assert lines[2] == "PermissionError"
+
+
+def test_the_wall_clock_limit_kills_the_whole_group(isolation: Isolation) -> None:
+    # The child sleeps, so only the wall clock (not the CPU limit) can end it.
+    program = "import os, time\nif os.fork() == 0:\n    time.sleep(60)\ntime.sleep(60)\n"
+    result = run_python(program, "", dataclasses.replace(LIMITS, wall_seconds=0.5), isolation)
+    assert result.timed_out and result.seconds < 3

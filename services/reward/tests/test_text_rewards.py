@@ -1,0 +1,134 @@
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from rlfleet_reward.boxed_answer import last_boxed, score_boxed
+from rlfleet_reward.exact_match import ExactParams, score_exact
+from rlfleet_reward.format_regex import FormatParams, score_format
+from rlfleet_reward.multiple_choice import ChoiceParams, score_multiple_choice
+from rlfleet_reward.numeric_answer import NumericParams, score_numeric
+from rlfleet_reward.reward_function import RewardInput, Scored
+from rlfleet_reward.token_f1 import score_f1
+
+
+def params(model: type[BaseModel], **values: Any) -> Mapping[str, Any]:
+    return model.model_validate(values).model_dump()
+
+
+def scored(value: float | Scored) -> tuple[float, dict[str, float]]:
+    return (value.score, dict(value.parts)) if isinstance(value, Scored) else (value, {})
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("so $\\boxed{\\frac{1}{2}}$.", "\\frac{1}{2}"),
+        ("\\boxed{1} then \\boxed{ {2} }", " {2} "),
+        ("\\boxed 7$", "7"),
+        ("\\boxed{unclosed", None),
+        ("no box", None),
+    ],
+)
+def test_last_boxed_matches_braces(text: str, expected: str | None) -> None:
+    assert last_boxed(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("response", "label", "expected"),
+    [
+        ("The answer is $\\boxed{\\dfrac{1}{2}}$.", "\\frac{1}{2}", (1.0, {"found": 1.0})),
+        ("$\\boxed{90^\\circ}$", "$\\boxed{90}$", (1.0, {"found": 1.0})),
+        ("\\boxed{\\text{Paris}}", "Paris", (1.0, {"found": 1.0})),
+        ("\\boxed{3}", "4", (0.0, {"found": 1.0})),
+        ("4", "4", (0.0, {"found": 0.0})),  # no boxed answer, no credit
+    ],
+)
+def test_boxed(response: str, label: str, expected: tuple[float, dict[str, float]]) -> None:
+    assert scored(score_boxed(RewardInput(response=response, label=label), {})) == expected
+
+
+@pytest.mark.parametrize(
+    ("response", "label", "options", "expected"),
+    [
+        (" Paris\n", "Paris", {}, 1.0),
+        ("paris", "Paris", {}, 0.0),
+        ("paris", "Paris", {"case_sensitive": False}, 1.0),
+        (" Paris", "Paris", {"strip": False}, 0.0),
+    ],
+)
+def test_exact(response: str, label: str, options: dict, expected: float) -> None:
+    assert score_exact(RewardInput(response=response, label=label), params(ExactParams, **options)) == expected
+
+
+@pytest.mark.parametrize(
+    ("response", "label", "options", "expected"),
+    [
+        ("so 2 + 2 = 4", "4", {}, 1.0),
+        ("about 3.1415", "3.14159", {"abs_tol": 1e-3}, 1.0),
+        ("about 3.1415", "3.14159", {}, 0.0),
+        ("total: 1,234,567 apples", "1234567", {}, 1.0),
+        ("it is 3/4", "0.75", {}, 1.0),
+        ("-2.5e3", "-2500", {"extract": "whole"}, 1.0),
+        ("x = -2.5e3", "-2500", {"extract": "whole"}, 0.0),
+        ("no number", "1", {}, 0.0),
+    ],
+)
+def test_numeric(response: str, label: str, options: dict, expected: float) -> None:
+    value, _ = scored(score_numeric(RewardInput(response=response, label=label), params(NumericParams, **options)))
+    assert value == expected
+
+
+def test_numeric_refuses_a_label_that_is_not_a_number() -> None:
+    with pytest.raises(ValueError, match="is not a number"):
+        score_numeric(RewardInput(response="1", label="one"), params(NumericParams))
+
+
+def test_f1_overlap_and_several_references() -> None:
+    value, parts = scored(score_f1(RewardInput(response="The Eiffel tower, Paris", label="eiffel tower"), {}))
+    assert value == pytest.approx(0.8) and parts == {"precision": pytest.approx(2 / 3), "recall": 1.0}
+    assert scored(score_f1(RewardInput(response="Paris", label='["London", "paris"]'), {}))[0] == 1.0
+    assert scored(score_f1(RewardInput(response="nothing alike", label="Paris"), {}))[0] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("response", "label", "expected"),
+    [
+        ("Let me think. A is wrong, so the answer is (C).", "C", 1.0),
+        ("Answer: b", "B", 0.0),  # options are upper case
+        ("Answer: B", "(B)", 1.0),
+        ("$\\boxed{D}$", "D", 1.0),
+        ("  B.  ", "B", 1.0),
+        ("I pick (A) over (B)... final (B)", "B", 1.0),
+        ("A cat sat.", "A", 0.0),  # an article is not a choice
+    ],
+)
+def test_multiple_choice(response: str, label: str, expected: float) -> None:
+    value, _ = scored(score_multiple_choice(RewardInput(response=response, label=label), params(ChoiceParams)))
+    assert value == expected
+
+
+def test_multiple_choice_refuses_a_label_outside_the_choices() -> None:
+    with pytest.raises(ValueError, match="not one of the choices ABCD"):
+        score_multiple_choice(RewardInput(response="A", label="E"), params(ChoiceParams, choices="ABCD"))
+
+
+@pytest.mark.parametrize(
+    ("response", "options", "expected"),
+    [
+        ("<think>\nhmm\n</think>\n<answer>4</answer>", {}, 1.0),
+        ("<answer>4</answer>", {}, 0.0),
+        ("<think>x</think><answer>4</answer> trailing", {}, 0.0),
+        ("The answer: 42", {"pattern": r"answer: \d+", "mode": "search"}, 1.0),
+    ],
+)
+def test_format(response: str, options: dict, expected: float) -> None:
+    assert score_format(RewardInput(response=response), params(FormatParams, **options)) == expected
+
+
+def test_format_refuses_a_pattern_that_does_not_compile() -> None:
+    with pytest.raises(ValidationError, match="not a valid regular expression"):
+        FormatParams(pattern="(unclosed")
