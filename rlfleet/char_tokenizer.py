@@ -12,6 +12,13 @@ from pathlib import Path
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, EOS, UNK)
 CHARACTERS = "\n" + "".join(chr(c) for c in range(32, 127))
+# `role: content` lines; an assistant turn ends with the eos token, so a conversation re-rendered with a
+# generated answer tokenizes to exactly the ids the model produced (eos included) followed by the new turn.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 
 
 def vocabulary() -> dict[str, int]:
@@ -36,6 +43,7 @@ def save_char_tokenizer(out_dir: Path, model_max_length: int) -> None:
         unk_token=UNK,
         model_max_length=model_max_length,
         padding_side="left",
+        chat_template=CHAT_TEMPLATE,
     )
     tokenizer.save_pretrained(str(out_dir))
     # transformers 5 writes its own class name; the portable name loads in 4.x (SGLang) and 5.x alike.

@@ -21,6 +21,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from rlfleet.errors import InvalidInput
 from rlfleet.http_errors import install_error_handlers
+from rlfleet_engine.openai_api import OpenAIServer
+from rlfleet_engine.openai_schemas import ChatCompletionRequest, CompletionRequest
 from rlfleet_engine.schemas import AbortRequest, GenerateRequest, UpdateWeightsFromDiskRequest
 
 if TYPE_CHECKING:  # the sim backend serves this app without importing torch
@@ -86,6 +88,20 @@ def create_app(core: EngineCore, registry: CollectorRegistry) -> FastAPI:
             return await core.generate(req)
         chunks = core.generate_stream(req)
         return StreamingResponse(_server_sent_events(chunks), media_type="text/event-stream")
+
+    openai = OpenAIServer(core)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(req: CompletionRequest) -> Any:
+        if req.stream:
+            return StreamingResponse(openai.stream(req), media_type="text/event-stream")
+        return await openai.complete(req)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(req: ChatCompletionRequest) -> Any:
+        if req.stream:
+            return StreamingResponse(openai.stream(req), media_type="text/event-stream")
+        return await openai.complete(req)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:

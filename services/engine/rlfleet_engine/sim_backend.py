@@ -276,6 +276,7 @@ class SimEngineCore:
                 params=spec.params,
                 deliver=_deliverer(queue, k),
                 return_logprob=spec.return_logprob,
+                return_text_in_logprobs=req.return_text_in_logprobs,
                 stream=req.stream,
                 log_metrics=req.log_metrics,
                 sample_index=k % samples,

@@ -30,6 +30,26 @@ VALUE_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--health-success-threshold", int, "successes in a row that bring it back (default 2)"),
     ("--health-check-endpoint", str, "engine path to probe (default /health_generate)"),
     ("--weight-update-timeout-secs", float, "bound on one engine's weight load (default 600)"),
+    ("--trajectory-max-tokens", int, "token budget of the trajectory cache (default 2**24)"),
+    ("--trajectory-max-update-lag", int, "weight updates after which a trajectory is stale (default 1)"),
+    ("--restarter", str, "how failed engines are restarted: local, docker or kubernetes (default: never)"),
+    ("--restart-timeout-secs", float, "bound on a restart and the engine's return to health (default 120)"),
+    ("--restart-initial-backoff-secs", float, "wait before a failed restart is retried (default 1)"),
+    ("--restart-max-backoff-secs", float, "longest wait between restart attempts (default 60)"),
+    ("--local-engine-command", str, "local: engine command with {host} and {port} placeholders"),
+    ("--local-engine-count", int, "local: engines the router starts itself (default 0)"),
+    ("--local-engine-host", str, "local: host of the engines the router starts (default 127.0.0.1)"),
+    ("--local-engine-log-dir", str, "local: directory of their logs (default /tmp/rlfleet-engines)"),
+    ("--local-engine-stop-timeout-secs", float, "local: SIGTERM to SIGKILL grace (default 10)"),
+    ("--docker-url", str, "docker: Docker Engine API (default unix:///var/run/docker.sock)"),
+    ("--docker-container", str, "docker: container name template over {host} and {port} (default {host})"),
+    ("--docker-stop-timeout-secs", int, "docker: grace before a container is killed (default 10)"),
+    ("--kubernetes-api-url", str, "kubernetes: API server (default: in-cluster service account)"),
+    ("--kubernetes-namespace", str, "kubernetes: namespace (default: the router's own)"),
+    ("--kubernetes-label-selector", str, "kubernetes: labels of engine pods and Endpoints"),
+    ("--kubernetes-discovery-interval-secs", float, "kubernetes: time between two Endpoints lookups (default 5)"),
+    ("--kubernetes-engine-port", int, "kubernetes: engine port (default: the Endpoints' first port)"),
+    ("--kubernetes-timeout-secs", float, "kubernetes: bound on one API call (default 10)"),
     ("--log-level", str, "debug, info (default), warning, error"),
 )
 
@@ -48,6 +68,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, dic
     for flag, kind, text in VALUE_FLAGS:
         parser.add_argument(flag, type=kind, help=text)
     parser.add_argument("--disable-retries", action="store_true", help="send each request to one engine only")
+    parser.add_argument(
+        "--kubernetes-discovery", action="store_true", help="kubernetes: follow the engine Endpoints' addresses"
+    )
     return parser, vars(parser.parse_args(argv))
 
 

@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rlfleet.errors import InvalidInput
 from rlfleet_router.policies import PolicyOptions, available_policies
+from rlfleet_router.restarters import restarter_names
 from rlfleet_router.workers import normalize_worker_url
 
 
@@ -64,6 +65,48 @@ class RouterConfig(BaseSettings):
     weight_update_timeout_secs: float = Field(
         600.0, gt=0, description="Bound on one engine's /update_weights_from_disk (fan-out and rejoin alike)."
     )
+    trajectory_max_tokens: int = Field(
+        2**24, ge=1, description="Token budget of the trajectory cache (least recently used trajectories go first)."
+    )
+    trajectory_max_update_lag: int = Field(
+        1, ge=0, description="Fleet weight updates after its last turn before a trajectory is evicted as stale."
+    )
+
+    restarter: str | None = Field(
+        None, description="How failed engines are restarted, by name: local, docker, kubernetes (unset: never)."
+    )
+    restart_timeout_secs: float = Field(
+        120.0, gt=0, description="Bound on one restart, and on the restarted engine becoming healthy again."
+    )
+    restart_initial_backoff_secs: float = Field(1.0, ge=0, description="Wait before a failed restart is retried.")
+    restart_max_backoff_secs: float = Field(60.0, ge=0, description="Longest wait between two restart attempts.")
+    local_engine_command: str = Field(
+        "", description="local: engine command line with {host} and {port}, e.g. 'python -m rlfleet_engine ...'."
+    )
+    local_engine_count: int = Field(0, ge=0, description="local: engines the router starts itself from the command.")
+    local_engine_host: str = Field("127.0.0.1", description="local: host the engines the router starts listen on.")
+    local_engine_log_dir: str = Field("/tmp/rlfleet-engines", description="local: where engine logs are written.")
+    local_engine_stop_timeout_secs: float = Field(
+        10.0, gt=0, description="local: SIGTERM to SIGKILL grace when an engine is stopped."
+    )
+    docker_url: str = Field("unix:///var/run/docker.sock", description="docker: the Docker Engine API.")
+    docker_container: str = Field(
+        "{host}", description="docker: container of an engine, a template over its URL's {host} and {port}."
+    )
+    docker_stop_timeout_secs: int = Field(10, ge=0, description="docker: grace before the container is killed.")
+    kubernetes_api_url: str | None = Field(
+        None, description="kubernetes: API server URL (unset: the in-cluster service account)."
+    )
+    kubernetes_namespace: str | None = Field(None, description="kubernetes: namespace (unset: the router's own).")
+    kubernetes_label_selector: str = Field(
+        "app.kubernetes.io/component=engine", description="kubernetes: labels of the engine pods and Endpoints."
+    )
+    kubernetes_discovery: bool = Field(False, description="kubernetes: follow the engine Endpoints' ready addresses.")
+    kubernetes_discovery_interval_secs: float = Field(5.0, gt=0, description="kubernetes: time between two lookups.")
+    kubernetes_engine_port: int | None = Field(
+        None, ge=1, le=65535, description="kubernetes: engine port in the Endpoints (unset: the first port)."
+    )
+    kubernetes_timeout_secs: float = Field(10.0, gt=0, description="kubernetes: bound on one API call.")
     log_level: str = Field("info", description="Log level of the router process.")
 
     def policy_options(self) -> PolicyOptions:
@@ -90,6 +133,16 @@ class RouterConfig(BaseSettings):
             raise ValueError(f"unknown routing policy {name!r}; known policies: {', '.join(sorted(known))}")
         return name
 
+    @field_validator("restarter")
+    @classmethod
+    def _known_restarter(cls, name: str | None) -> str | None:
+        if name is None or name in ("", "none"):
+            return None
+        known = restarter_names()
+        if name not in known:
+            raise ValueError(f"unknown restarter {name!r}; known restarters: {', '.join(known)}")
+        return name
+
     @field_validator("health_check_endpoint")
     @classmethod
     def _endpoint_path(cls, path: str) -> str:
@@ -101,4 +154,13 @@ class RouterConfig(BaseSettings):
     def _backoff_order(self) -> RouterConfig:
         if self.retry_max_backoff_ms < self.retry_initial_backoff_ms:
             raise ValueError("retry_max_backoff_ms must be >= retry_initial_backoff_ms")
+        if self.restart_max_backoff_secs < self.restart_initial_backoff_secs:
+            raise ValueError("restart_max_backoff_secs must be >= restart_initial_backoff_secs")
+        if self.restarter == "local" and not self.local_engine_command:
+            raise ValueError(
+                "restarter 'local' needs local_engine_command, e.g. "
+                "'python -m rlfleet_engine --model-path DIR --host {host} --port {port}'"
+            )
+        if self.local_engine_count and self.restarter != "local":
+            raise ValueError("local_engine_count needs restarter 'local' (it starts the engines)")
         return self

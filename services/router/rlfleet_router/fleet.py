@@ -1,22 +1,35 @@
 """The router's transport-free core: the fleet of engines and everything that acts on it.
 
-`Fleet` wires one worker registry, routing policy, proxy, weight state, health checker and
-metrics registry around one HTTP client to the engines. The HTTP app is a thin layer over it;
-tests and other front ends (an OpenAI-compatible one, a gRPC one) use the same object.
+`Fleet` wires one worker registry, routing policy, proxy, weight state, health checker, control
+fan-out, trajectory cache, metrics registry and, when configured, a restarter (self-healing) and
+Kubernetes discovery around one HTTP client to the engines. The HTTP app is a thin layer over it;
+tests and other front ends (a gRPC one) use the same object.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import time
+from collections.abc import Mapping
 
 import httpx
 
+from rlfleet.errors import InvalidInput
 from rlfleet_router.config import RouterConfig
+from rlfleet_router.fanout import Fanout
 from rlfleet_router.health import HealthChecker
+from rlfleet_router.kubernetes_api import KubernetesAPI
+from rlfleet_router.kubernetes_discovery import KubernetesDiscovery
 from rlfleet_router.metrics import RouterMetrics
-from rlfleet_router.policies import CacheAware, create_policy
-from rlfleet_router.proxy import Proxy, RetryPolicy
-from rlfleet_router.weights import FleetWeights
+from rlfleet_router.openai_routing import routing_body
+from rlfleet_router.policies import CacheAware, RoutingRequest, create_policy
+from rlfleet_router.proxy import EngineResponse, Proxy, RetryPolicy
+from rlfleet_router.restarters import create_restarter
+from rlfleet_router.self_healing import Healer
+from rlfleet_router.trajectory_capture import check_trajectory_request, trajectory_id, turn_from_answer
+from rlfleet_router.trajectory_store import TrajectoryStore
+from rlfleet_router.weights import FleetUpdateResult, FleetWeights
 from rlfleet_router.workers import Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
@@ -42,6 +55,7 @@ class Fleet:
             endpoint=config.health_check_endpoint,
             interval_secs=config.health_check_interval_secs,
             timeout_secs=config.health_check_timeout_secs,
+            metrics=self.metrics,
         )
         retry = RetryPolicy(
             max_retries=0 if config.disable_retries else config.retry_max_retries,
@@ -61,15 +75,78 @@ class Fleet:
             request_timeout_secs=config.request_timeout_secs,
             connect_timeout_secs=config.connect_timeout_secs,
         )
+        self.fanout = Fanout(self.client, self.workers, config.request_timeout_secs)
+        self.trajectories = TrajectoryStore(config.trajectory_max_tokens, config.trajectory_max_update_lag)
+        self.metrics.fleet.trajectories = self.trajectories
+        self.healer: Healer | None = None
+        if config.restarter is not None:
+            self.healer = Healer(
+                create_restarter(config.restarter, config),
+                self.workers,
+                self.policy,
+                self.metrics,
+                timeout_secs=config.restart_timeout_secs,
+                initial_backoff_secs=config.restart_initial_backoff_secs,
+                max_backoff_secs=config.restart_max_backoff_secs,
+            )
+            self.workers.on_failed = self.healer.on_failed
+        self.discovery: KubernetesDiscovery | None = None
+        if config.kubernetes_discovery:
+            self.discovery = KubernetesDiscovery(
+                KubernetesAPI.from_config(config),
+                config.kubernetes_label_selector,
+                config.kubernetes_engine_port,
+                config.kubernetes_discovery_interval_secs,
+                self.workers,
+                self.add_worker,
+                self.remove_worker,
+            )
         for url in config.worker_urls:
             self.workers.add(url)
 
     async def start(self) -> None:
+        if self.healer is not None:
+            for url in await self.healer.restarter.start():
+                self.add_worker(url)
         self.health.start()
+        if self.discovery is not None:
+            self.discovery.start()
 
     async def stop(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
         await self.health.stop()
+        if self.healer is not None:
+            await self.healer.stop()
         await self.client.aclose()
+
+    async def generate(
+        self, route: str, body: bytes, headers: Mapping[str, str], arrived_at: float | None = None
+    ) -> EngineResponse:
+        """Routes a generation request (/generate or OpenAI); records its turn if it belongs to a trajectory."""
+        parsed = parse_json_object(body)
+        routing = RoutingRequest(route=route, body=routing_body(route, parsed))
+        trajectory = trajectory_id(headers)
+        on_answer = None
+        if trajectory is not None:
+            check_trajectory_request(route, parsed)
+
+            def on_answer(answer: bytes, worker: Worker) -> None:
+                try:
+                    turn = turn_from_answer(route, parsed, answer, worker.url, worker.weight_version)
+                except (ValueError, KeyError, TypeError, IndexError) as exc:
+                    logger.warning("answer of %s for trajectory %s not recorded: %s", worker.url, trajectory, exc)
+                    return
+                self.trajectories.record(trajectory, turn, self.weights.updates)
+
+        started = arrived_at if arrived_at is not None else time.perf_counter()
+        return await self.proxy.forward(routing, body, headers, arrived_at=started, on_answer=on_answer)
+
+    async def update_weights(self, model_path: str, version: str, request_body: bytes) -> FleetUpdateResult:
+        """Loads new weights fleet-wide, then drops the trajectories that are now too old to train on."""
+        result = await self.weights.update_fleet(model_path, version, request_body)
+        self.trajectories.evict_stale(self.weights.updates)
+        return result
 
     def add_worker(self, url: str) -> tuple[Worker, bool]:
         """Registers `url` (pending until a probe succeeds and it serves the fleet's weights).
@@ -98,3 +175,13 @@ class Fleet:
             "total": len(workers),
             "workers": [w.describe() for w in workers],
         }
+
+
+def parse_json_object(body: bytes) -> dict[str, object]:
+    try:
+        parsed = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"body: not valid JSON ({exc})") from exc
+    if not isinstance(parsed, dict):
+        raise InvalidInput(f"body: must be a JSON object, got {type(parsed).__name__}")
+    return parsed

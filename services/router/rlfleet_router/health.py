@@ -14,6 +14,7 @@ import logging
 import httpx
 
 from rlfleet.errors import Unavailable
+from rlfleet_router.metrics import RouterMetrics
 from rlfleet_router.weights import FleetWeights, describe_error
 from rlfleet_router.workers import Worker, WorkerRegistry
 
@@ -29,6 +30,7 @@ class HealthChecker:
         endpoint: str,
         interval_secs: float,
         timeout_secs: float,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self._client = client
         self._workers = workers
@@ -36,6 +38,7 @@ class HealthChecker:
         self._endpoint = endpoint
         self._interval = interval_secs
         self._timeout = timeout_secs
+        self._metrics = metrics
         self._checks: dict[str, asyncio.Task[None]] = {}
         self._loop_task: asyncio.Task[None] | None = None
 
@@ -69,6 +72,8 @@ class HealthChecker:
         if not self._workers.contains(worker):
             return
         if failure is not None:
+            if self._metrics is not None:
+                self._metrics.health_check_failures.labels(engine=worker.url).inc()
             self._workers.record_failure(worker, failure)
             return
         self._workers.record_success(worker)

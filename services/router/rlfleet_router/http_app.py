@@ -1,40 +1,34 @@
 """The router's HTTP API: a thin FastAPI layer over `Fleet`.
 
-Engine-facing routes keep SGLang's paths and shapes (`/generate`, `/update_weights_from_disk`,
-`/get_model_info`, ...); membership follows sglang-router's `/workers` API; the fleet's own state
-is at `/fleet` and `/weight_version`.
+Engine-facing routes keep SGLang's paths and shapes (`/generate`, `/v1/completions`,
+`/v1/chat/completions`, `/update_weights_from_disk`, `/get_model_info`, ...); control requests
+(`/abort_request`, `/pause_generation`, `/continue_generation`, `/flush_cache`) go to every engine;
+membership follows sglang-router's `/workers` API; the fleet's own state is at `/fleet` and
+`/weight_version`; cached multi-turn trajectories at `/trajectories/{id}`.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from rlfleet.errors import InvalidInput, Unavailable
+from rlfleet.errors import Unavailable
 from rlfleet.http_errors import install_error_handlers
 from rlfleet_router.api_models import AddWorkerRequest, UpdateWeightsRequest
 from rlfleet_router.config import RouterConfig
+from rlfleet_router.fanout import FANOUT_ROUTES
 from rlfleet_router.fleet import Fleet
 from rlfleet_router.metrics import RequestMetricsMiddleware
+from rlfleet_router.openai_routing import GENERATION_ROUTES
 from rlfleet_router.policies import RoutingRequest
 from rlfleet_router.proxy import EngineResponse
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-
-def parse_json_object(body: bytes) -> dict[str, object]:
-    try:
-        parsed = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidInput(f"body: not valid JSON ({exc})") from exc
-    if not isinstance(parsed, dict):
-        raise InvalidInput(f"body: must be a JSON object, got {type(parsed).__name__}")
-    return parsed
 
 
 def create_app(config: RouterConfig) -> FastAPI:
@@ -53,12 +47,38 @@ def create_app(config: RouterConfig) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(RequestMetricsMiddleware, metrics=fleet.metrics)
 
-    @app.post("/generate")
-    async def generate(request: Request) -> EngineResponse:
-        body = await request.body()
-        arrived_at = time.perf_counter()
-        routing = RoutingRequest(route="/generate", body=parse_json_object(body))
-        return await fleet.proxy.forward(routing, body, request.headers, arrived_at=arrived_at)
+    def generation(route: str) -> Callable[[Request], Awaitable[EngineResponse]]:
+        async def forward(request: Request) -> EngineResponse:
+            body = await request.body()
+            return await fleet.generate(route, body, request.headers, arrived_at=time.perf_counter())
+
+        return forward
+
+    for route in GENERATION_ROUTES:
+        app.add_api_route(route, generation(route), methods=["POST"], response_model=None)
+
+    def control(route: str) -> Callable[[Request], Awaitable[JSONResponse]]:
+        async def fan_out(request: Request) -> JSONResponse:
+            ok, summary = await fleet.fanout.send(route, await request.body(), request.headers)
+            return JSONResponse(summary, status_code=200 if ok else 502)
+
+        return fan_out
+
+    for route in FANOUT_ROUTES:
+        app.add_api_route(route, control(route), methods=["POST"], response_model=None)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> EngineResponse:
+        return await fleet.proxy.forward(RoutingRequest(route="/v1/models"), b"", request.headers, method="GET")
+
+    @app.get("/trajectories/{trajectory_id}")
+    async def get_trajectory(trajectory_id: str) -> dict[str, object]:
+        return fleet.trajectories.get(trajectory_id).describe()
+
+    @app.delete("/trajectories/{trajectory_id}")
+    async def delete_trajectory(trajectory_id: str) -> dict[str, object]:
+        fleet.trajectories.delete(trajectory_id)
+        return {"status": "deleted", "trajectory_id": trajectory_id}
 
     @app.get("/get_model_info")
     async def get_model_info(request: Request) -> EngineResponse:
@@ -73,7 +93,7 @@ def create_app(config: RouterConfig) -> FastAPI:
         # Every field goes to the engines, so SGLang options the router does not model still apply;
         # re-encoded rather than forwarded as bytes so a numeric weight_version reaches them as text.
         body = json.dumps(update.model_dump()).encode()
-        result = await fleet.weights.update_fleet(update.model_path, update.weight_version, body)
+        result = await fleet.update_weights(update.model_path, update.weight_version, body)
         return JSONResponse(result.describe(), status_code=200 if result.success else 502)
 
     @app.get("/weight_version")

@@ -17,7 +17,10 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rlfleet_router.radix_tree import RadixTree
-from rlfleet_router.workers import WorkerRegistry
+from rlfleet_router.trajectory_store import TrajectoryStore
+from rlfleet_router.workers import WorkerRegistry, WorkerState
+
+ENGINE_STATES = (*(s.value for s in WorkerState), "restarting")
 
 # Generation requests run from milliseconds (cached, short) to minutes (long rollouts).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -40,6 +43,7 @@ class FleetCollector(Collector):
         self._workers = workers
         self._weight_version = weight_version
         self.tree: RadixTree | None = None  # the cache_aware policy's prefix tree, when that policy routes
+        self.trajectories: TrajectoryStore | None = None
 
     def collect(self) -> Iterator[Metric]:
         in_flight = GaugeMetricFamily(
@@ -53,13 +57,36 @@ class FleetCollector(Collector):
         healthy = GaugeMetricFamily(
             "rlfleet_router_engine_healthy", "1 if the engine is in routing, 0 otherwise.", labels=["engine"]
         )
+        state = GaugeMetricFamily(
+            "rlfleet_router_engine_state",
+            "1 for the state each engine is in (pending, healthy, unhealthy, restarting), 0 for the others.",
+            labels=["engine", "state"],
+        )
         for worker in self._workers.all():
             in_flight.add_metric([worker.url], worker.in_flight)
             in_flight_tokens.add_metric([worker.url], worker.in_flight_tokens)
             healthy.add_metric([worker.url], 1.0 if worker.healthy else 0.0)
+            current = "restarting" if worker.restarting else worker.state.value
+            for name in ENGINE_STATES:
+                state.add_metric([worker.url, name], 1.0 if name == current else 0.0)
         yield in_flight
         yield in_flight_tokens
         yield healthy
+        yield state
+        if self.trajectories is not None:
+            yield GaugeMetricFamily(
+                "rlfleet_router_trajectories", "Trajectories in the token cache.", value=len(self.trajectories)
+            )
+            yield GaugeMetricFamily(
+                "rlfleet_router_trajectory_tokens",
+                "Tokens held by the trajectory cache.",
+                value=self.trajectories.tokens,
+            )
+            yield CounterMetricFamily(
+                "rlfleet_router_trajectory_evictions",
+                "Trajectories evicted as stale or over the token budget.",
+                value=self.trajectories.evictions,
+            )
         if self.tree is not None:
             yield GaugeMetricFamily(
                 "rlfleet_router_tree_tokens", "Tokens held by the cache-aware prefix tree.", value=self.tree.tokens
@@ -130,6 +157,18 @@ class RouterMetrics:
             "rlfleet_router_added_latency_seconds",
             "Time from a request's body being read to its being sent to an engine (parsing and routing).",
             buckets=ADDED_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.restarts = Counter(
+            "rlfleet_router_engine_restarts",
+            "Restarts of failed engines, by engine (its URL before the restart) and result (success, failure).",
+            ["engine", "result"],
+            registry=self.registry,
+        )
+        self.health_check_failures = Counter(
+            "rlfleet_router_health_check_failures",
+            "Failed health probes, by engine.",
+            ["engine"],
             registry=self.registry,
         )
         self.fleet = FleetCollector(workers, weight_version)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 import httpx
@@ -43,6 +43,11 @@ CONNECTION_ERRORS = (
     httpx.WriteError,
 )
 ENGINE_HEADER = "x-rlfleet-engine"
+# Answers kept whole for an `on_answer` reader (trajectories); a larger one is relayed but not read.
+MAX_CAPTURED_BYTES = 32 * 1024 * 1024
+
+# Receives a complete 200 answer and the engine that gave it, after its last byte was relayed.
+AnswerReader = Callable[[bytes, Worker], None]
 
 
 class RetryableFailure(Exception):
@@ -76,6 +81,7 @@ class EngineResponse(StreamingResponse):
         deadline: float,
         tokens: int,
         metrics: RouterMetrics,
+        on_answer: AnswerReader | None = None,
     ) -> None:
         headers = forwardable_headers(upstream.headers)
         headers[ENGINE_HEADER] = worker.url
@@ -87,6 +93,8 @@ class EngineResponse(StreamingResponse):
         self._tokens = tokens
         self._metrics = metrics
         self._tap = UsageTap(upstream.headers.get("content-type", "")) if upstream.status_code == 200 else None
+        self._on_answer = on_answer if upstream.status_code == 200 else None
+        self._answer = bytearray()
         self._released = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -111,6 +119,11 @@ class EngineResponse(StreamingResponse):
                 yield chunk
                 if self._tap is not None:
                     self._tap.feed(chunk)
+                if self._on_answer is not None:
+                    self._answer += chunk
+                    if len(self._answer) > MAX_CAPTURED_BYTES:
+                        logger.warning("answer from %s too large to read for its trajectory", self._worker.url)
+                        self._on_answer = None
                 if time.monotonic() > self._deadline:
                     raise TimeoutError(f"request to {self._worker.url} exceeded its deadline")
             # Released before the client sees the end of the body, so a client that sends its next
@@ -120,6 +133,8 @@ class EngineResponse(StreamingResponse):
             if usage is not None:
                 self._metrics.prompt_tokens.labels(engine=self._worker.url).inc(usage.prompt_tokens)
                 self._metrics.cached_tokens.labels(engine=self._worker.url).inc(usage.cached_tokens)
+            if self._on_answer is not None:
+                self._on_answer(bytes(self._answer), self._worker)
         except (TimeoutError, httpx.TimeoutException):
             # Ending the body early would look like a complete answer; failing the connection does not.
             logger.warning("request to %s exceeded its deadline mid-response; aborting it", self._worker.url)
@@ -155,10 +170,12 @@ class Proxy:
         headers: Mapping[str, str],
         method: str = "POST",
         arrived_at: float | None = None,
+        on_answer: AnswerReader | None = None,
     ) -> EngineResponse:
         """Sends `body` to `routing.route` on an engine the policy picks; returns its streaming answer.
 
-        `arrived_at` (time.perf_counter() when the body was read) times the router's own part.
+        `arrived_at` (time.perf_counter() when the body was read) times the router's own part;
+        `on_answer` reads the complete answer of the one attempt whose answer reached the client.
         """
         deadline = time.monotonic() + self._request_timeout
         forwarded = forwardable_headers(headers)
@@ -171,7 +188,7 @@ class Proxy:
             tried.add(worker.id)
             last_try = retries >= self._retry.max_retries
             try:
-                return await self._send(worker, method, routing, body, forwarded, deadline, last_try)
+                return await self._send(worker, method, routing, body, forwarded, deadline, last_try, on_answer)
             except RetryableFailure as exc:
                 failure = str(exc)
             retries += 1
@@ -206,6 +223,7 @@ class Proxy:
         headers: dict[str, str],
         deadline: float,
         last_try: bool,
+        on_answer: AnswerReader | None = None,
     ) -> EngineResponse:
         """The engine's response; RetryableFailure for a connection failure, or a 5xx unless `last_try`."""
         route = routing.route
@@ -239,7 +257,7 @@ class Proxy:
                 self._unload(worker, tokens)
                 await upstream.aclose()
                 raise RetryableFailure(f"{worker.url}: HTTP {upstream.status_code}")
-        return EngineResponse(upstream, worker, self._workers, deadline, tokens, self._metrics)
+        return EngineResponse(upstream, worker, self._workers, deadline, tokens, self._metrics, on_answer)
 
     @staticmethod
     def _unload(worker: Worker, tokens: int) -> None:

@@ -79,6 +79,7 @@ class FleetWeights:
         self._metrics = metrics
         self._lock = asyncio.Lock()
         self.target: WeightTarget | None = None
+        self.updates = 0  # fleet updates that changed the target: the age unit of cached trajectories
 
     @property
     def version(self) -> str | None:
@@ -112,6 +113,7 @@ class FleetWeights:
                     skipped=skipped,
                 )
             self.target = WeightTarget(version=version, model_path=model_path, request_body=request_body)
+            self.updates += 1
             for worker, result in zip(engines, results, strict=True):
                 if result.success:
                     worker.weight_version = version

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -42,6 +43,8 @@ class Worker:
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     last_error: str | None = None
+    restarting: bool = False  # a restarter is bringing it back; out of routing meanwhile
+    restarts: int = 0
 
     @property
     def healthy(self) -> bool:
@@ -57,6 +60,8 @@ class Worker:
             "in_flight_tokens": self.in_flight_tokens,
             "weight_version": self.weight_version,
             "last_error": self.last_error,
+            "restarting": self.restarting,
+            "restarts": self.restarts,
         }
 
 
@@ -89,6 +94,8 @@ class WorkerRegistry:
         self.failure_threshold = failure_threshold
         self.success_threshold = success_threshold
         self._workers: dict[str, Worker] = {}
+        # Told when a worker fails its way out of routing (the self-healing fleet restarts it).
+        self.on_failed: Callable[[Worker], None] | None = None
 
     def add(self, url: str) -> tuple[Worker, bool]:
         """Returns the worker for `url` and whether it is new (adding a known URL is a no-op)."""
@@ -116,6 +123,10 @@ class WorkerRegistry:
         del self._workers[worker.id]
         logger.info("worker %s removed (%s)", worker.url, worker.id)
         return worker
+
+    def move(self, worker: Worker, url: str) -> None:
+        """The engine behind `worker` now serves at `url` (a replacement pod); it keeps its id and state."""
+        worker.url = normalize_worker_url(url)
 
     def contains(self, worker: Worker) -> bool:
         return self._workers.get(worker.id) is worker
@@ -157,6 +168,8 @@ class WorkerRegistry:
                 worker.consecutive_failures,
                 reason,
             )
+            if self.on_failed is not None:
+                self.on_failed(worker)
 
     def take_out(self, worker: Worker, reason: str) -> None:
         """Out of routing at once (e.g. it failed a weight update and serves a stale version)."""

@@ -1,0 +1,253 @@
+"""The OpenAI-compatible endpoints over an engine core, in the shapes SGLang's OpenAI server answers.
+
+Each request becomes a /generate request on token ids (the prompt is tokenised here, so the exact
+prompt ids can be returned with `return_token_ids`), and each /generate output becomes a choice:
+
+    completion choice: {index, text, logprobs: {tokens, token_logprobs, top_logprobs, text_offset} | null,
+                        finish_reason, matched_stop[, token_ids, prompt_token_ids]}
+    chat choice:       {index, message: {role: "assistant", content, reasoning_content: null, tool_calls: null},
+                        logprobs: {content: [{token, bytes, logprob, top_logprobs}]} | null,
+                        finish_reason, matched_stop[, token_ids, prompt_token_ids]}
+
+Both answers carry `usage` (prompt tokens counted once per prompt, as SGLang does) and
+`metadata.weight_version`. Streams send deltas as server-sent events, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from rlfleet.errors import InvalidInput
+from rlfleet_engine.openai_schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAISampling
+from rlfleet_engine.schemas import GenerateRequest
+
+if TYPE_CHECKING:
+    from rlfleet_engine.engine_core import EngineCore
+
+
+def render_chat(tokenizer: Any, messages: Sequence[ChatMessage]) -> str:
+    """The prompt text of a conversation, ending where the assistant's next turn begins.
+
+    A tokenizer with a chat template renders it; one without (the sim tokenizer) gets a plain
+    `<|role|>\\ncontent\\n` layout, so chat requests still work on every backend.
+    """
+    try:
+        plain = [{"role": m.role, "content": m.text()} for m in messages]
+    except ValueError as exc:
+        raise InvalidInput(f"messages: {exc}") from exc
+    if getattr(tokenizer, "chat_template", None):
+        return str(tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True))
+    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in plain) + "<|assistant|>\n"
+
+
+def _finish(meta: dict[str, Any]) -> tuple[str | None, int | str | None]:
+    reason = meta.get("finish_reason")
+    if not isinstance(reason, dict):
+        return None, None
+    return str(reason.get("type")), reason.get("matched")
+
+
+def _outputs(result: dict[str, Any] | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return result if isinstance(result, list) else [result]
+
+
+class OpenAIServer:
+    """Turns OpenAI requests into /generate requests on `core`, and its outputs into OpenAI answers."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self._core = core
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def _prompts(self, req: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
+        encode = self._core.tokenizer.encode
+        if isinstance(req, ChatCompletionRequest):
+            return [encode(render_chat(self._core.tokenizer, req.messages))]
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            return [encode(prompt)]
+        if prompt and all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        if not prompt:
+            raise InvalidInput("prompt: must not be empty")
+        return [encode(p) if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[union-attr]
+
+    def _generate_request(
+        self, req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]]
+    ) -> GenerateRequest:
+        if isinstance(req, ChatCompletionRequest):
+            return_logprob, top = req.logprobs, req.top_logprobs or 0
+        else:
+            return_logprob, top = req.logprobs is not None, req.logprobs or 0
+        batch = len(prompts) > 1
+        try:
+            return GenerateRequest(
+                input_ids=prompts if batch else prompts[0],
+                sampling_params=req.sampling_params(),  # type: ignore[arg-type]
+                rid=req.rid,
+                return_logprob=return_logprob,
+                top_logprobs_num=top,
+                return_text_in_logprobs=True,
+                stream=req.stream,
+            )
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from exc
+
+    # ---- whole answers -------------------------------------------------------------------------
+
+    async def complete(self, req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+        prompts = self._prompts(req)
+        outputs = _outputs(await self._core.generate(self._generate_request(req, prompts)))
+        chat = isinstance(req, ChatCompletionRequest)
+        choices = []
+        for index, out in enumerate(outputs):
+            prompt_ids = prompts[index // req.n]
+            choice = self._chat_choice(out, index) if chat else self._completion_choice(out, index)
+            if req.return_token_ids:
+                choice["token_ids"] = list(out["output_ids"])
+                choice["prompt_token_ids"] = prompt_ids
+            choices.append(choice)
+        return {
+            "id": outputs[0]["meta_info"]["id"] if len(outputs) == 1 else uuid.uuid4().hex,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": req.model,
+            "choices": choices,
+            "usage": self._usage(outputs, prompts, req.n),
+            "metadata": {"weight_version": self._core.weight_version},
+        }
+
+    def _completion_choice(self, out: dict[str, Any], index: int) -> dict[str, Any]:
+        meta = out["meta_info"]
+        reason, matched = _finish(meta)
+        return {
+            "index": index,
+            "text": out["text"],
+            "logprobs": self._completion_logprobs(meta, 0) if "output_token_logprobs" in meta else None,
+            "finish_reason": reason,
+            "matched_stop": matched,
+        }
+
+    def _chat_choice(self, out: dict[str, Any], index: int) -> dict[str, Any]:
+        meta = out["meta_info"]
+        reason, matched = _finish(meta)
+        message = {"role": "assistant", "content": out["text"], "reasoning_content": None, "tool_calls": None}
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": {"content": self._chat_logprobs(meta, 0)} if "output_token_logprobs" in meta else None,
+            "finish_reason": reason,
+            "matched_stop": matched,
+        }
+
+    @staticmethod
+    def _completion_logprobs(meta: dict[str, Any], start: int) -> dict[str, Any]:
+        entries = meta["output_token_logprobs"][start:]
+        tops = meta.get("output_top_logprobs", [])[start:]
+        tokens = [str(text) for _, _, text in entries]
+        offsets, position = [], 0
+        for token in tokens:
+            offsets.append(position)
+            position += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp for lp, _, _ in entries],
+            "top_logprobs": [{str(t): lp for lp, _, t in row} for row in tops] if tops else [None] * len(entries),
+            "text_offset": offsets,
+        }
+
+    @staticmethod
+    def _chat_logprobs(meta: dict[str, Any], start: int) -> list[dict[str, Any]]:
+        entries = meta["output_token_logprobs"][start:]
+        tops = meta.get("output_top_logprobs", [])[start:] or [[] for _ in entries]
+        return [
+            {
+                "token": str(text),
+                "bytes": list(str(text).encode()),
+                "logprob": lp,
+                "top_logprobs": [{"token": str(t), "bytes": list(str(t).encode()), "logprob": tl} for tl, _, t in row],
+            }
+            for (lp, _, text), row in zip(entries, tops, strict=True)
+        ]
+
+    @staticmethod
+    def _usage(outputs: list[dict[str, Any]], prompts: list[list[int]], n: int) -> dict[str, Any]:
+        completion = sum(int(o["meta_info"]["completion_tokens"]) for o in outputs)
+        prompt = sum(len(p) for p in prompts)
+        cached = sum(int(o["meta_info"].get("cached_tokens") or 0) for o in outputs[::n])
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    # ---- streams -------------------------------------------------------------------------------
+
+    def stream(self, req: CompletionRequest | ChatCompletionRequest) -> AsyncIterator[bytes]:
+        """Submits `req` now (bad input raises before the response starts) and returns its SSE byte stream."""
+        prompts = self._prompts(req)
+        chunks = self._core.generate_stream(self._generate_request(req, prompts))
+        return self._events(req, prompts, chunks)
+
+    async def _events(
+        self, req: OpenAISampling, prompts: list[list[int]], chunks: AsyncIterator[dict[str, Any]]
+    ) -> AsyncIterator[bytes]:
+        chat = isinstance(req, ChatCompletionRequest)
+        stream_id = uuid.uuid4().hex
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        finals: dict[int, dict[str, Any]] = {}
+
+        def event(choice: dict[str, Any]) -> bytes:
+            body = {
+                "id": stream_id,
+                "object": kind,
+                "created": int(time.time()),
+                "model": req.model,
+                "choices": [choice],
+            }
+            return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+        async for out in chunks:
+            index = int(out.get("index", 0))
+            meta = out["meta_info"]
+            if chat and index not in sent_text:
+                yield event({"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+            text_from, token_from = sent_text.get(index, 0), sent_tokens.get(index, 0)
+            sent_text[index], sent_tokens[index] = len(out["text"]), len(out["output_ids"])
+            reason, matched = _finish(meta)
+            choice: dict[str, Any] = {"index": index, "finish_reason": reason, "matched_stop": matched}
+            delta = out["text"][text_from:]
+            if chat:
+                choice["delta"] = {"content": delta}
+                has_logprobs = "output_token_logprobs" in meta
+                choice["logprobs"] = {"content": self._chat_logprobs(meta, token_from)} if has_logprobs else None
+            else:
+                choice["text"] = delta
+                has_logprobs = "output_token_logprobs" in meta
+                choice["logprobs"] = self._completion_logprobs(meta, token_from) if has_logprobs else None
+            if req.return_token_ids:
+                choice["token_ids"] = list(out["output_ids"][token_from:])
+                if token_from == 0:
+                    choice["prompt_token_ids"] = prompts[index // req.n]
+            if reason is not None:
+                finals[index] = out
+            yield event(choice)
+        if req.include_usage:
+            outputs = [finals[i] for i in sorted(finals)]
+            usage = {
+                "id": stream_id,
+                "object": kind,
+                "created": int(time.time()),
+                "model": req.model,
+                "choices": [],
+                "usage": self._usage(outputs, prompts, req.n) if outputs else None,
+            }
+            yield b"data: " + json.dumps(usage).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"

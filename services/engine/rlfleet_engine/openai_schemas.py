@@ -1,0 +1,120 @@
+"""Request bodies of the OpenAI-compatible endpoints, with the fields and defaults of SGLang's OpenAI server.
+
+Unknown fields are ignored (clients send many); the SGLang extensions that matter for RL rollouts are
+read: `rid`, `return_token_ids` (prompt and completion token ids in every choice), `top_k`, `min_p`,
+`stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim`. Penalties and the other
+sampling knobs go on to `SamplingParams`, which refuses any value it cannot honour.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class OpenAISampling(BaseModel):
+    """Fields the two endpoints share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = "default"
+    max_tokens: int | None = Field(default=None, gt=0)
+    n: int = Field(default=1, ge=1)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    rid: str | list[str] | None = None
+    return_token_ids: bool = False
+
+    def sampling_params(self) -> dict[str, Any]:
+        """The /generate `sampling_params` these fields ask for (max_new_tokens only when given)."""
+        params: dict[str, Any] = {
+            "n": self.n,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "no_stop_trim": self.no_stop_trim,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        if self.max_tokens is not None:
+            params["max_new_tokens"] = self.max_tokens
+        return params
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(OpenAISampling):
+    """POST /v1/completions. SGLang's default budget for completions is 16 tokens."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, gt=0)
+    logprobs: int | None = Field(default=None, ge=0)
+    echo: bool = False
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool) -> bool:
+        if echo:
+            raise ValueError("echo=true is not supported by rlfleet-engine")
+        return echo
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """The message's text; of a list of parts, the text parts joined (images and audio are not supported)."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise ValueError(f"content part of type {part.get('type')!r} is not supported (text only)")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+
+
+class ChatCompletionRequest(OpenAISampling):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_completion_tokens: int | None = Field(default=None, gt=0)
+
+    def sampling_params(self) -> dict[str, Any]:
+        params = super().sampling_params()
+        if self.max_completion_tokens is not None:
+            params["max_new_tokens"] = self.max_completion_tokens
+        return params

@@ -1,0 +1,62 @@
+"""The OpenAI-compatible endpoints, on the `sim` backend in process: SGLang's response shapes, streams, errors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+
+from rlfleet_engine.config import EngineConfig
+from rlfleet_engine.http_app import create_app
+from rlfleet_engine.sim_backend import SimEngineCore
+
+
+@pytest.fixture
+def client() -> Iterator[TestClient]:
+    registry = CollectorRegistry()
+    core = SimEngineCore(EngineConfig(model_path="sim", sim_decode_ms_per_step=0.1, weight_version="3"), registry)
+    with TestClient(create_app(core, registry)) as test_client:  # type: ignore[arg-type]
+        yield test_client
+
+
+def test_completion_returns_text_logprobs_token_ids_and_usage(client: TestClient) -> None:
+    body = {"prompt": "hello", "max_tokens": 4, "logprobs": 0, "return_token_ids": True, "rid": "r1", "x": 1}
+    answer = client.post("/v1/completions", json=body).json()
+    choice = answer["choices"][0]
+    assert answer["id"] == "r1" and answer["object"] == "text_completion"
+    assert choice["prompt_token_ids"] == [ord(c) for c in "hello"]
+    assert "".join(choice["logprobs"]["tokens"]) == choice["text"] == "".join(map(chr, choice["token_ids"]))
+    assert len(choice["logprobs"]["token_logprobs"]) == 4 and choice["finish_reason"] == "length"
+    assert answer["usage"] == {
+        "prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9, "prompt_tokens_details": {"cached_tokens": 0}
+    }  # fmt: skip
+    assert answer["metadata"] == {"weight_version": "3"}
+
+
+def test_chat_with_n_samples_and_a_stream(client: TestClient) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    answer = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3, "n": 2, "logprobs": True})
+    choices = answer.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    assert all(c["message"]["role"] == "assistant" and len(c["logprobs"]["content"]) == 3 for c in choices)
+    streamed = client.post(
+        "/v1/chat/completions",
+        json={"messages": messages, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}},
+    )
+    events = [line.removeprefix("data: ") for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert len(text) == 3 and chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_bad_requests_name_the_field(client: TestClient) -> None:
+    answer = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 0})
+    assert answer.status_code == 400 and "max_tokens" in answer.json()["message"]
+    answer = client.post("/v1/chat/completions", json={"messages": [], "max_tokens": 2})
+    assert answer.status_code == 400 and "messages" in answer.json()["message"]
+    answer = client.post("/v1/completions", json={"prompt": "x", "frequency_penalty": 0.5})
+    assert answer.status_code == 400 and "frequency_penalty" in answer.text

@@ -1,0 +1,65 @@
+"""Control requests sent to every engine at once: abort, pause, continue, flush the cache.
+
+The body goes to each engine as it arrived. The answer lists each engine's outcome; it is 200 only if
+every engine answered 2xx, else 502 with the failures, so a caller never mistakes a partial pause
+for a fleet-wide one. Engines out of routing get the request too (an abort or a pause must reach an
+engine that still runs requests while it is drained), and their failures are reported the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import httpx
+
+from rlfleet_router.proxy import forwardable_headers
+from rlfleet_router.weights import describe_error
+from rlfleet_router.workers import Worker, WorkerRegistry
+
+FANOUT_ROUTES = ("/abort_request", "/pause_generation", "/continue_generation", "/flush_cache")
+
+
+@dataclass(frozen=True)
+class EngineOutcome:
+    worker: Worker
+    status: int | None  # None: no answer (connection error or timeout)
+    message: str
+
+    @property
+    def ok(self) -> bool:
+        return self.status is not None and 200 <= self.status < 300
+
+    def describe(self) -> dict[str, object]:
+        return {"id": self.worker.id, "url": self.worker.url, "status": self.status, "message": self.message}
+
+
+class Fanout:
+    def __init__(self, client: httpx.AsyncClient, workers: WorkerRegistry, timeout_secs: float) -> None:
+        self._client = client
+        self._workers = workers
+        self._timeout = timeout_secs
+
+    async def send(self, route: str, body: bytes, headers: Mapping[str, str]) -> tuple[bool, dict[str, object]]:
+        """Sends `route` to every engine; returns whether all succeeded and the per-engine outcomes."""
+        assert route in FANOUT_ROUTES, route
+        forwarded = forwardable_headers(headers)
+        outcomes = await asyncio.gather(*(self._one(w, route, body, forwarded) for w in self._workers.all()))
+        ok = all(o.ok for o in outcomes)
+        done = sum(o.ok for o in outcomes)
+        summary = {
+            "success": ok,
+            "message": f"{route}: {done}/{len(outcomes)} engines answered 2xx",
+            "engines": [o.describe() for o in outcomes],
+        }
+        return ok, summary
+
+    async def _one(self, worker: Worker, route: str, body: bytes, headers: dict[str, str]) -> EngineOutcome:
+        try:
+            response = await self._client.post(
+                f"{worker.url}{route}", content=body, headers=headers, timeout=self._timeout
+            )
+        except httpx.HTTPError as exc:
+            return EngineOutcome(worker, None, describe_error(exc))
+        return EngineOutcome(worker, response.status_code, response.text[:200])

@@ -1,0 +1,94 @@
+"""The few Kubernetes core/v1 calls the router makes (list and delete pods, list endpoints), over httpx.
+
+In a pod, the API server, token and CA come from the service account mount and the
+`KUBERNETES_SERVICE_HOST/PORT` variables, as every in-cluster client finds them; `kubernetes_api_url`
+points elsewhere (a `kubectl proxy`, a test server). The token is read on every call because
+projected service-account tokens are rotated on disk. The router's role needs `get`, `list` and
+`delete` on pods and `list` on endpoints in its namespace.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from rlfleet.errors import Unavailable
+from rlfleet_router.config import RouterConfig
+
+SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+class KubernetesAPI:
+    def __init__(
+        self, base_url: str, namespace: str, token_path: Path | None, ca_path: Path | None, timeout_secs: float
+    ) -> None:
+        self.namespace = namespace
+        self._token_path = token_path
+        self._client = httpx.AsyncClient(
+            base_url=base_url,
+            timeout=timeout_secs,
+            verify=str(ca_path) if ca_path is not None and ca_path.exists() else True,
+            trust_env=False,
+        )
+
+    @classmethod
+    def from_config(cls, config: RouterConfig) -> KubernetesAPI:
+        namespace = config.kubernetes_namespace
+        if namespace is None:
+            namespace_file = SERVICE_ACCOUNT / "namespace"
+            namespace = namespace_file.read_text().strip() if namespace_file.exists() else "default"
+        if config.kubernetes_api_url:
+            return cls(config.kubernetes_api_url, namespace, None, None, config.kubernetes_timeout_secs)
+        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        if not host:
+            raise ValueError("not in a Kubernetes pod (no KUBERNETES_SERVICE_HOST): set kubernetes_api_url")
+        return cls(
+            f"https://{host}:{port}",
+            namespace,
+            SERVICE_ACCOUNT / "token",
+            SERVICE_ACCOUNT / "ca.crt",
+            config.kubernetes_timeout_secs,
+        )
+
+    async def list_pods(self, label_selector: str) -> list[dict[str, Any]]:
+        return await self._list("pods", label_selector)
+
+    async def list_endpoints(self, label_selector: str) -> list[dict[str, Any]]:
+        return await self._list("endpoints", label_selector)
+
+    async def delete_pod(self, name: str) -> None:
+        await self._call("DELETE", f"/api/v1/namespaces/{self.namespace}/pods/{name}", allow_missing=True)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def _list(self, kind: str, label_selector: str) -> list[dict[str, Any]]:
+        params = {"labelSelector": label_selector} if label_selector else {}
+        body = await self._call("GET", f"/api/v1/namespaces/{self.namespace}/{kind}", params=params)
+        items = body.get("items") if isinstance(body, dict) else None
+        return items if isinstance(items, list) else []
+
+    async def _call(
+        self, method: str, path: str, params: dict[str, str] | None = None, allow_missing: bool = False
+    ) -> Any:
+        headers = {"accept": "application/json"}
+        if self._token_path is not None and self._token_path.exists():
+            headers["authorization"] = f"Bearer {self._token_path.read_text().strip()}"
+        try:
+            response = await self._client.request(method, path, params=params, headers=headers)
+        except httpx.HTTPError as exc:
+            raise Unavailable(f"Kubernetes API {method} {path}: {type(exc).__name__}: {exc}") from exc
+        if allow_missing and response.status_code == 404:
+            return None
+        if response.status_code >= 300:
+            raise Unavailable(f"Kubernetes API {method} {path}: HTTP {response.status_code}: {response.text[:300]}")
+        return response.json()
+
+
+def pod_ready(pod: dict[str, Any]) -> bool:
+    conditions = pod.get("status", {}).get("conditions") or []
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    return ready and not pod.get("metadata", {}).get("deletionTimestamp") and bool(pod["status"].get("podIP"))

@@ -1,0 +1,89 @@
+"""Engines found from Kubernetes Endpoints by label: the fleet follows the ready addresses of the engine Service.
+
+Every `kubernetes_discovery_interval_secs`, the Endpoints objects matching `kubernetes_label_selector`
+(the endpoints controller copies a Service's labels onto its Endpoints) give the ready addresses;
+each address on the engine port (`kubernetes_engine_port`, else the first port) is a worker URL.
+New URLs join the fleet (pending until healthy and on the fleet's weights); URLs this discovery
+added that are gone leave it, unless the engine is being restarted. Engines given any other way
+(`worker_urls`, `POST /workers`) are never removed by discovery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from rlfleet.errors import Unavailable
+from rlfleet_router.kubernetes_api import KubernetesAPI
+from rlfleet_router.workers import Worker, WorkerRegistry
+
+logger = logging.getLogger(__name__)
+
+
+def endpoint_urls(endpoints: list[dict[str, Any]], port: int | None) -> set[str]:
+    urls = set()
+    for item in endpoints:
+        for subset in item.get("subsets") or []:
+            ports = [p.get("port") for p in subset.get("ports") or [] if isinstance(p.get("port"), int)]
+            chosen = port if port is not None else (ports[0] if ports else None)
+            if chosen is None:
+                continue
+            for address in subset.get("addresses") or []:  # ready addresses only; notReadyAddresses are not
+                if address.get("ip"):
+                    urls.add(f"http://{address['ip']}:{chosen}")
+    return urls
+
+
+class KubernetesDiscovery:
+    def __init__(
+        self,
+        api: KubernetesAPI,
+        label_selector: str,
+        port: int | None,
+        interval_secs: float,
+        workers: WorkerRegistry,
+        add: Callable[[str], tuple[Worker, bool]],
+        remove: Callable[[str], Worker],
+    ) -> None:
+        self._api = api
+        self._selector = label_selector
+        self._port = port
+        self._interval = interval_secs
+        self._workers = workers
+        self._add = add
+        self._remove = remove
+        self._found: set[str] = set()  # ids of the workers discovery added
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="kubernetes-discovery")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait([self._task], timeout=5)
+        await self._api.close()
+
+    async def sync(self) -> None:
+        """One round: add new addresses, remove the discovered workers whose address is gone."""
+        urls = endpoint_urls(await self._api.list_endpoints(self._selector), self._port)
+        for url in sorted(urls):
+            worker, created = self._add(url)
+            if created:
+                logger.info("discovered engine %s", url)
+                self._found.add(worker.id)
+        for worker in self._workers.all():
+            if worker.id in self._found and worker.url not in urls and not worker.restarting:
+                logger.info("engine %s left the Endpoints; removing it", worker.url)
+                self._found.discard(worker.id)
+                self._remove(worker.id)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.sync()
+            except Unavailable as exc:
+                logger.warning("engine discovery failed; keeping the current fleet: %s", exc)
+            await asyncio.sleep(self._interval)

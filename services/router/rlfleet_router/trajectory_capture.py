@@ -1,0 +1,110 @@
+"""Which requests join a trajectory, and the turn (prompt ids, output ids, logprobs) read from an engine's answer.
+
+A request joins trajectory T when it carries the header `X-Rlfleet-Trajectory-Id: T`. The router
+forwards it unchanged, so the request itself must ask the engine for what the trajectory needs; a
+request that does not is refused before it reaches an engine, with the field to set:
+
+    /generate             input_ids (one prompt), return_logprob: true
+    /v1/completions       return_token_ids: true, logprobs: 0 (or more), one prompt
+    /v1/chat/completions  return_token_ids: true, logprobs: true
+
+and in every case n = 1 and stream false (a trajectory follows one sample, read whole).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from rlfleet.errors import InvalidInput
+from rlfleet_router.trajectory_store import Turn
+
+TRAJECTORY_HEADER = "x-rlfleet-trajectory-id"
+MAX_TRAJECTORY_ID_CHARS = 256
+
+
+def trajectory_id(headers: Mapping[str, str]) -> str | None:
+    value = headers.get(TRAJECTORY_HEADER)
+    if value is None:
+        return None
+    value = value.strip()
+    if not value or len(value) > MAX_TRAJECTORY_ID_CHARS:
+        raise InvalidInput(f"header {TRAJECTORY_HEADER}: must be 1 to {MAX_TRAJECTORY_ID_CHARS} characters")
+    return value
+
+
+def _samples(body: Mapping[str, Any], route: str) -> object:
+    if route == "/generate":
+        params = body.get("sampling_params")
+        return params.get("n", 1) if isinstance(params, Mapping) else 1
+    return body.get("n", 1)
+
+
+def check_trajectory_request(route: str, body: Mapping[str, Any]) -> None:
+    """Raises InvalidInput naming the field if `body` cannot yield a turn of a trajectory."""
+    where = f"{route} in a trajectory ({TRAJECTORY_HEADER})"
+    if body.get("stream"):
+        raise InvalidInput(f"stream: must be false for {where}")
+    if _samples(body, route) not in (1, None):
+        raise InvalidInput(f"n: must be 1 for {where}; send one request per sample")
+    if route == "/generate":
+        ids = body.get("input_ids")
+        if not (isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids)):
+            raise InvalidInput(f"input_ids: one prompt as token ids is required for {where} (text is not)")
+        if body.get("return_logprob") is not True:
+            raise InvalidInput(f"return_logprob: must be true for {where}")
+        return
+    if body.get("return_token_ids") is not True:
+        raise InvalidInput(f"return_token_ids: must be true for {where}")
+    if route == "/v1/chat/completions":
+        if body.get("logprobs") is not True:
+            raise InvalidInput(f"logprobs: must be true for {where}")
+        return
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        raise InvalidInput(f"prompt: one prompt (text or token ids) is required for {where}")
+    if not isinstance(body.get("logprobs"), int) or isinstance(body.get("logprobs"), bool):
+        raise InvalidInput(f"logprobs: must be an integer (0 for the sampled tokens only) for {where}")
+
+
+def _ids(value: object, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(t, int) for t in value):
+        raise ValueError(f"the answer has no {what}")
+    return tuple(value)
+
+
+def turn_from_answer(
+    route: str, request: Mapping[str, Any], answer: bytes, engine: str, engine_version: str | None
+) -> Turn:
+    """The turn an engine's 200 answer to `request` holds; ValueError if the answer lacks a part."""
+    parsed = json.loads(answer)
+    rid = request.get("rid") if isinstance(request.get("rid"), str) else None
+    if route == "/generate":
+        meta = parsed["meta_info"]
+        outputs = _ids(parsed.get("output_ids"), "output_ids")
+        logprobs = tuple(float(entry[0]) for entry in meta["output_token_logprobs"])
+        prompt = _ids(request.get("input_ids"), "input_ids")
+        version = meta.get("weight_version")
+        rid = rid or meta.get("id")
+    else:
+        choice = parsed["choices"][0]
+        outputs = _ids(choice.get("token_ids"), "token_ids")
+        prompt = _ids(choice.get("prompt_token_ids"), "prompt_token_ids")
+        if route == "/v1/chat/completions":
+            logprobs = tuple(float(c["logprob"]) for c in choice["logprobs"]["content"])
+        else:
+            logprobs = tuple(float(lp) for lp in choice["logprobs"]["token_logprobs"])
+        metadata = parsed.get("metadata")
+        version = metadata.get("weight_version") if isinstance(metadata, dict) else None
+        rid = rid or parsed.get("id")
+    if len(logprobs) != len(outputs):
+        raise ValueError(f"the answer has {len(outputs)} output tokens but {len(logprobs)} logprobs")
+    return Turn(
+        rid=rid,
+        prompt_ids=prompt,
+        output_ids=outputs,
+        output_logprobs=logprobs,
+        weight_version=str(version) if version is not None else engine_version,
+        engine=engine,
+    )

@@ -1,0 +1,170 @@
+"""The token/logprob cache of multi-turn trajectories: what the engines produced, turn by turn, kept by id.
+
+A trajectory is one conversation whose turns all passed through the router under one trajectory id.
+Each turn brings the prompt ids the engine ran on, the ids it generated and their logprobs. The
+store lays them out as one sample:
+
+    prompt_ids    = the first turn's prompt
+    response_ids  = output_1 + between_2 + output_2 + ... + output_k
+    loss_mask     = 1 on every output token, 0 on every between token (tool results, the next user turn)
+    logprobs      = the engine's logprob on output tokens, 0.0 on between tokens
+
+where between_i is what turn i's prompt adds after everything before it. That layout is exact only
+if each prompt starts with the trajectory so far; a turn whose prompt does not (the client rewrote
+history, or re-tokenisation changed a token) marks the trajectory diverged, and reading it is then a
+Conflict naming the turn, never a silently different sequence.
+
+Memory is bounded by a token budget (least recently used trajectories go first) and by staleness:
+each trajectory remembers the fleet's weight update count at its last turn, and trajectories more
+than `max_update_lag` updates behind are dropped when the fleet loads new weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from rlfleet.errors import Conflict, NotFound
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Turn:
+    rid: str | None
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    output_logprobs: tuple[float, ...]
+    weight_version: str | None
+    engine: str
+
+
+@dataclass
+class Trajectory:
+    id: str
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    turns: list[dict[str, object]] = field(default_factory=list)
+    weight_versions: list[str | None] = field(default_factory=list)
+    diverged: str | None = None
+    fleet_update: int = 0  # the fleet's weight update count at the last turn
+    updated_at: float = field(default_factory=time.time)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "trajectory_id": self.id,
+            "prompt_ids": self.prompt_ids,
+            "response_ids": self.response_ids,
+            "response_logprobs": self.logprobs,
+            "loss_mask": self.loss_mask,
+            "turns": self.turns,
+            "weight_versions": self.weight_versions,
+            "num_turns": len(self.turns),
+        }
+
+
+class TrajectoryStore:
+    def __init__(self, max_tokens: int, max_update_lag: int) -> None:
+        if max_tokens < 1 or max_update_lag < 0:
+            raise ValueError("max_tokens must be >= 1 and max_update_lag >= 0")
+        self.max_tokens = max_tokens
+        self.max_update_lag = max_update_lag
+        self._entries: OrderedDict[str, Trajectory] = OrderedDict()
+        self.tokens = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def record(self, trajectory_id: str, turn: Turn, fleet_update: int) -> Trajectory:
+        """Appends `turn` to the trajectory (created by its first turn); returns the trajectory."""
+        trajectory = self._entries.pop(trajectory_id, None)
+        if trajectory is None:
+            trajectory = Trajectory(id=trajectory_id, prompt_ids=list(turn.prompt_ids))
+            between: list[int] = []
+        else:
+            self.tokens -= trajectory.tokens
+            between = self._between(trajectory, turn)
+        if trajectory.diverged is None:
+            trajectory.response_ids += between + list(turn.output_ids)
+            trajectory.logprobs += [0.0] * len(between) + list(turn.output_logprobs)
+            trajectory.loss_mask += [0] * len(between) + [1] * len(turn.output_ids)
+        trajectory.turns.append(
+            {
+                "rid": turn.rid,
+                "engine": turn.engine,
+                "weight_version": turn.weight_version,
+                "prompt_tokens": len(turn.prompt_ids),
+                "output_tokens": len(turn.output_ids),
+            }
+        )
+        if turn.weight_version not in trajectory.weight_versions:
+            trajectory.weight_versions.append(turn.weight_version)
+        trajectory.fleet_update = fleet_update
+        trajectory.updated_at = time.time()
+        self._entries[trajectory_id] = trajectory
+        self.tokens += trajectory.tokens
+        self._fit_budget()
+        return trajectory
+
+    def get(self, trajectory_id: str) -> Trajectory:
+        """The trajectory; NotFound if unknown or evicted, Conflict if a turn did not extend it."""
+        trajectory = self._entries.get(trajectory_id)
+        if trajectory is None:
+            raise NotFound(
+                f"trajectory {trajectory_id!r} is not in the router's cache (never seen, deleted, or evicted "
+                "as stale or over the token budget)"
+            )
+        self._entries.move_to_end(trajectory_id)
+        if trajectory.diverged is not None:
+            raise Conflict(f"trajectory {trajectory_id!r} cannot be laid out as one sequence: {trajectory.diverged}")
+        return trajectory
+
+    def delete(self, trajectory_id: str) -> None:
+        trajectory = self._entries.pop(trajectory_id, None)
+        if trajectory is None:
+            raise NotFound(f"trajectory {trajectory_id!r} is not in the router's cache")
+        self.tokens -= trajectory.tokens
+
+    def evict_stale(self, fleet_update: int) -> int:
+        """Drops trajectories more than `max_update_lag` weight updates old; returns how many."""
+        stale = [k for k, t in self._entries.items() if fleet_update - t.fleet_update > self.max_update_lag]
+        for key in stale:
+            self.tokens -= self._entries.pop(key).tokens
+        self.evictions += len(stale)
+        if stale:
+            logger.info("evicted %d trajectories older than %d weight updates", len(stale), self.max_update_lag)
+        return len(stale)
+
+    @staticmethod
+    def _between(trajectory: Trajectory, turn: Turn) -> list[int]:
+        """What `turn`'s prompt adds to the trajectory so far; marks it diverged if it does not extend it."""
+        if trajectory.diverged is not None:
+            return []
+        so_far = trajectory.prompt_ids + trajectory.response_ids
+        prompt = list(turn.prompt_ids)
+        if prompt[: len(so_far)] == so_far:
+            return prompt[len(so_far) :]
+        common = min(len(so_far), len(prompt))
+        at = next((i for i in range(common) if so_far[i] != prompt[i]), common)
+        trajectory.diverged = (
+            f"the prompt of turn {len(trajectory.turns) + 1} (rid {turn.rid!r}) differs from the trajectory so far "
+            f"at token {at} of {len(so_far)}; send each turn's prompt as the previous prompt + output + new tokens"
+        )
+        logger.warning("trajectory %s diverged: %s", trajectory.id, trajectory.diverged)
+        return []
+
+    def _fit_budget(self) -> None:
+        # The newest trajectory (last in order) stays even if it alone exceeds the budget.
+        while self.tokens > self.max_tokens and len(self._entries) > 1:
+            _, oldest = self._entries.popitem(last=False)
+            self.tokens -= oldest.tokens
+            self.evictions += 1

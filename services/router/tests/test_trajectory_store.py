@@ -1,0 +1,44 @@
+"""The trajectory cache alone: layout of turns, divergence, token budget and staleness."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlfleet.errors import Conflict, NotFound
+from rlfleet_router.trajectory_store import TrajectoryStore, Turn
+
+
+def turn(prompt: list[int], output: list[int], version: str = "1") -> Turn:
+    return Turn("r", tuple(prompt), tuple(output), tuple(-0.5 * (i + 1) for i in range(len(output))), version, "e")
+
+
+def test_turns_are_laid_out_with_generated_tokens_masked_in() -> None:
+    store = TrajectoryStore(max_tokens=1000, max_update_lag=1)
+    store.record("t", turn([1, 2], [3, 4]), fleet_update=0)
+    store.record("t", turn([1, 2, 3, 4, 9], [5], version="2"), fleet_update=0)
+    got = store.get("t")
+    assert got.prompt_ids == [1, 2]
+    assert got.response_ids == [3, 4, 9, 5]
+    assert got.loss_mask == [1, 1, 0, 1]
+    assert got.logprobs == [-0.5, -1.0, 0.0, -0.5]
+    assert got.weight_versions == ["1", "2"]
+
+
+def test_a_prompt_that_rewrites_history_makes_the_trajectory_a_conflict() -> None:
+    store = TrajectoryStore(max_tokens=1000, max_update_lag=1)
+    store.record("t", turn([1, 2], [3, 4]), fleet_update=0)
+    store.record("t", turn([1, 2, 3, 7, 9], [5]), fleet_update=0)
+    with pytest.raises(Conflict, match="turn 2 .* at token 3 of 4"):
+        store.get("t")
+
+
+def test_budget_evicts_least_recently_used_and_updates_evict_stale() -> None:
+    store = TrajectoryStore(max_tokens=10, max_update_lag=1)
+    store.record("old", turn([1, 2, 3], [4, 5]), fleet_update=0)
+    store.record("new", turn([6, 7, 8], [9]), fleet_update=1)
+    store.record("newest", turn([1, 1], [2]), fleet_update=1)
+    with pytest.raises(NotFound):
+        store.get("old")
+    assert store.tokens == 7 and store.evictions == 1
+    assert store.evict_stale(fleet_update=2) == 0
+    assert store.evict_stale(fleet_update=3) == 2 and len(store) == 0 and store.tokens == 0
