@@ -1,0 +1,343 @@
+"""Routing benchmark: the rlfleet router against sglang-router, in front of the same `sim` engines.
+
+Starts 8 `sim` engines (simulated prefill/decode latency and a real prefix cache per engine, no
+model) as real processes, then for each engine count and cache size puts one router at a time in
+front of the first N of them: rlfleet's cache_aware, sglang-router's cache_aware and round_robin
+(`pip install sglang-router`). Each router sees the same traffic, 32 requests in flight:
+
+  * grpo: prompts of a few families (a long per-family prefix, e.g. a task template with few-shot
+    examples, then a short question), family sizes skewed as real task mixes are, each prompt sent
+    as `samples` requests in a row (a GRPO group);
+  * multiturn: conversations under a handful of shared system prompts; each turn appends the
+    engine's previous answer and a new user message, so the whole history is a cacheable prefix.
+
+Both run with roomy engine caches and again with tight ones (smaller than the working set). Engine
+caches are emptied before every run. Per router it prints the prefix-cache hit rate (the engines'
+cached tokens over their prompt tokens, from their /metrics), the makespan, p50/p99 request
+latency, max/mean engine load (requests each engine served), and the ratios against sglang-router's
+cache_aware in the same run; then the latency a router adds at concurrency 1 against calling an
+engine directly. Every figure is measured on `sim` engines and says so. Run:
+
+    .venv/bin/python bench/router_vs_sglang_router.py [--engines 4 8] [--workloads grpo multiturn]
+        [--caches roomy tight] [--scale 1.0] [--routers rlfleet:cache_aware sglang:cache_aware ...]
+
+`--scale 0.5` halves the traffic for a quicker pass. Record the printed figures in
+bench/router_vs_sglang_router.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import string
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from rlfleet.processes import ServiceProcess, free_port
+
+SIM = "measured on sim engines"
+BASELINE = "sglang:cache_aware"
+ROUTERS = ("rlfleet:cache_aware", BASELINE, "sglang:round_robin")
+CACHES = {"roomy": 1_000_000, "tight": 6144}
+# The sim's latency model, nearer a 7B model on one GPU than its defaults: 20 ms decode steps, +0.5 ms per
+# sequence in the batch, prefill at 10k tokens/s. Slow steps also keep two CPU cores from being the bottleneck.
+SIM_LATENCY = ["--sim-decode-ms-per-step", "20", "--sim-decode-us-per-sequence", "500"]
+SIM_LATENCY += ["--sim-prefill-us-per-token", "100"]
+
+
+def words(rng: random.Random, length: int) -> str:
+    """`length` characters of lowercase pseudo-words (the sim tokenizer makes one token of each character)."""
+    out: list[str] = []
+    size = 0
+    while size < length:
+        word = "".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 9)))
+        out.append(word)
+        size += len(word) + 1
+    return " ".join(out)[:length]
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    grpo_prompts: list[str]
+    """grpo: prompts in the order sent; each is sent `samples` times in a row."""
+    conversations: list[tuple[str, list[str]]]
+    """multiturn: (system prompt, user messages) per conversation."""
+    samples: int
+    max_new_tokens: int
+
+    @property
+    def requests(self) -> int:
+        return len(self.grpo_prompts) * self.samples + sum(len(users) for _, users in self.conversations)
+
+
+def grpo_workload(seed: int, scale: float) -> Workload:
+    rng = random.Random(seed)
+    families = [words(rng, 1500) for _ in range(6)]
+    weights = [1 / (k + 1) for k in range(len(families))]  # a skewed task mix: family k has weight 1/(k+1)
+    prompts = []
+    for _ in range(max(8, int(64 * scale))):
+        family = rng.choices(families, weights)[0]
+        prompts.append(f"{family}\nQuestion: {words(rng, 80)}\nAnswer:")
+    return Workload("grpo", prompts, [], samples=8, max_new_tokens=24)
+
+
+def multiturn_workload(seed: int, scale: float) -> Workload:
+    rng = random.Random(seed)
+    systems = [words(rng, 700) for _ in range(3)]
+    conversations = [
+        (rng.choice(systems), [words(rng, rng.randint(40, 120)) for _ in range(4)])
+        for _ in range(max(8, int(64 * scale)))
+    ]
+    return Workload("multiturn", [], conversations, samples=1, max_new_tokens=32)
+
+
+@dataclass
+class RunResult:
+    latencies: list[float]
+    makespan: float
+    hit_rate: float
+    max_over_mean: float
+    per_engine: list[int]
+
+    def p(self, q: float) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def drive(url: str, workload: Workload, concurrency: int, salt: str) -> tuple[list[float], float]:
+    """Sends `workload` to `url` with `concurrency` requests in flight; per-request latencies and makespan."""
+    latencies: list[float] = []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=120.0, limits=limits) as client:
+
+        async def generate(text: str) -> str:
+            body = {"text": text, "sampling_params": {"max_new_tokens": workload.max_new_tokens, "temperature": 1.0}}
+            started = time.perf_counter()
+            response = await client.post("/generate", json=body)
+            response.raise_for_status()
+            latencies.append(time.perf_counter() - started)
+            return str(response.json()["text"])
+
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        for prompt in workload.grpo_prompts:
+            for _ in range(workload.samples):
+                queue.put_nowait(salt + prompt)
+        for system, users in workload.conversations:
+            queue.put_nowait((salt + system, users))
+
+        async def worker() -> None:
+            while not queue.empty():
+                item = queue.get_nowait()
+                if isinstance(item, str):
+                    await generate(item)
+                    continue
+                system, users = item  # a conversation holds its slot for all of its turns
+                history = system
+                for user in users:
+                    history += f"\nUser: {user}\nAssistant:"
+                    history += await generate(history)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return latencies, time.perf_counter() - started
+
+
+class SimFleet:
+    """`count` sim engine processes with the same cache size."""
+
+    def __init__(self, count: int, cache_tokens: int, logs: Path) -> None:
+        self.urls: list[str] = []
+        self.processes: list[ServiceProcess] = []
+        for _ in range(count):
+            port = free_port()
+            argv = [sys.executable, "-m", "rlfleet_engine", "--backend", "sim", "--model-path", "sim"]
+            argv += ["--port", str(port), "--sim-cache-tokens", str(cache_tokens), "--log-level", "warning"]
+            argv += SIM_LATENCY
+            self.processes.append(ServiceProcess("sim-engine", argv, logs / f"sim-{port}.log"))
+            self.urls.append(f"http://127.0.0.1:{port}")
+        for process, url in zip(self.processes, self.urls, strict=True):
+            process.wait_healthy(url + "/health", timeout=60)
+
+    def clear_caches(self, urls: Sequence[str]) -> None:
+        # A weight load empties a sim engine's prefix cache, as it does SGLang's; the version is unchanged.
+        for url in urls:
+            httpx.post(url + "/update_weights_from_disk", json={"model_path": "sim"}, timeout=10).raise_for_status()
+
+    @staticmethod
+    def counters(urls: Sequence[str]) -> list[dict[str, float]]:
+        wanted = ("sglang:prompt_tokens_total", "sglang:cached_tokens_total", "sglang:num_requests_total")
+        out = []
+        for url in urls:
+            values = {name: 0.0 for name in wanted}
+            for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+                name = line.split("{", 1)[0].split(" ", 1)[0]
+                if name in values:
+                    values[name] += float(line.rsplit(" ", 1)[1])
+            out.append(values)
+        return out
+
+    def stop(self) -> None:
+        for process in self.processes:
+            process.stop(timeout=10)
+
+
+def start_router(spec: str, urls: Sequence[str], logs: Path, extra: Sequence[str] = ()) -> tuple[ServiceProcess, str]:
+    """Starts router `spec` ("rlfleet:<policy>" or "sglang:<policy>") in front of `urls`; waits until all are in."""
+    kind, policy = spec.split(":", 1)
+    port = free_port()
+    if kind == "rlfleet":
+        argv = [sys.executable, "-m", "rlfleet_router", "--port", str(port), "--policy", policy]
+        argv += ["--health-check-endpoint", "/health", "--log-level", "warning", *extra, "--worker-urls", *urls]
+    elif kind == "sglang":
+        argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]
+        argv += ["--policy", policy, "--prometheus-port", str(free_port()), "--log-level", "warn"]
+        argv += ["--worker-urls", *urls]
+    else:
+        raise SystemExit(f"unknown router {spec!r}: use rlfleet:<policy> or sglang:<policy>")
+    process = ServiceProcess(f"router-{kind}", argv, logs / f"router-{kind}-{policy}-{port}.log")
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            listed = httpx.get(url + "/workers", timeout=2).json()["workers"]
+            if sum(1 for w in listed if w.get("healthy", w.get("is_healthy"))) == len(urls):
+                return process, url
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        if not process.alive():
+            break
+        time.sleep(0.2)
+    process.stop()
+    raise RuntimeError(f"{spec} did not admit {len(urls)} engines within 60 s:\n{process.log_tail()}")
+
+
+def run_once(fleet: SimFleet, urls: Sequence[str], router_url: str, workload: Workload, salt: str) -> RunResult:
+    fleet.clear_caches(urls)
+    before = fleet.counters(urls)
+    latencies, makespan = asyncio.run(drive(router_url, workload, 32, salt))
+    after = fleet.counters(urls)
+    delta = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before, strict=True)]
+    prompt = sum(d["sglang:prompt_tokens_total"] for d in delta)
+    cached = sum(d["sglang:cached_tokens_total"] for d in delta)
+    per_engine = [int(d["sglang:num_requests_total"]) for d in delta]
+    mean = sum(per_engine) / len(per_engine)
+    return RunResult(latencies, makespan, cached / prompt if prompt else 0.0, max(per_engine) / mean, per_engine)
+
+
+def added_latency(router_url: str, engine_url: str, rounds: int) -> tuple[float, float]:
+    """p50 of one short request through the router and straight to an engine, alternating, one at a time."""
+    body = {"text": "Question: 2+2=\nAnswer:", "sampling_params": {"max_new_tokens": 1}}
+    timings: dict[str, list[float]] = {router_url: [], engine_url: []}
+    with httpx.Client(timeout=30) as client:
+        for k in range(rounds + 5):
+            for url in (router_url, engine_url):
+                started = time.perf_counter()
+                client.post(url + "/generate", json=body).raise_for_status()
+                if k >= 5:  # the first rounds open connections
+                    timings[url].append(time.perf_counter() - started)
+    return statistics.median(timings[router_url]), statistics.median(timings[engine_url])
+
+
+def report(title: str, results: dict[str, RunResult], workload: str, cache: str) -> list[str]:
+    base = results.get(BASELINE)
+    lines = [
+        f"== {title} ({SIM}) ==",
+        f"{'router':22} {'hit':>6} {'makespan':>9} {'p50':>7} {'p99':>7} "
+        f"{'max/mean':>8} {'makespan/sg-ca':>14} {'p99/sg-ca':>9}  requests per engine",
+    ]
+    for spec, r in results.items():
+        ratio_m = f"{r.makespan / base.makespan:.2f}x" if base else "-"
+        ratio_p = f"{r.p(0.99) / base.p(0.99):.2f}x" if base else "-"
+        lines.append(
+            f"{spec:22} {r.hit_rate:6.3f} {r.makespan:8.2f}s {r.p(0.5) * 1e3:5.0f}ms {r.p(0.99) * 1e3:5.0f}ms "
+            f"{r.max_over_mean:8.2f} {ratio_m:>14} {ratio_p:>9}  {r.per_engine}"
+        )
+    ours = results.get("rlfleet:cache_aware")
+    if ours and base:
+        hit_gap = (ours.hit_rate - base.hit_rate) * 100
+        need = {("grpo", "tight"): 0.0, ("multiturn", "tight"): 10.0}.get((workload, cache), -1.0)
+        checks = [
+            (f"hit {hit_gap:+.1f} pt vs sg-ca (need >= {need:+.0f})", hit_gap >= need),
+            (f"makespan {ours.makespan / base.makespan:.2f}x (<= 0.85)", ours.makespan <= 0.85 * base.makespan),
+            (f"p99 {ours.p(0.99) / base.p(0.99):.2f}x (<= 0.80)", ours.p(0.99) <= 0.8 * base.p(0.99)),
+            (f"max/mean {ours.max_over_mean:.2f} (<= 1.30)", ours.max_over_mean <= 1.3),
+        ]
+        lines.append("targets: " + "; ".join(f"{text} {'met' if ok else 'NOT MET'}" for text, ok in checks))
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engines", type=int, nargs="+", default=[4, 8], help="engine counts to run (default 4 8)")
+    parser.add_argument("--workloads", nargs="+", default=["grpo", "multiturn"], choices=["grpo", "multiturn"])
+    parser.add_argument("--caches", nargs="+", default=list(CACHES), choices=list(CACHES), help="engine cache sizes")
+    parser.add_argument("--tight-cache-tokens", type=int, default=CACHES["tight"], help="per-engine tight cache")
+    parser.add_argument("--routers", nargs="+", default=list(ROUTERS), help="rlfleet:<policy> or sglang:<policy>")
+    parser.add_argument("--scale", type=float, default=1.0, help="fraction of the default traffic (1.0)")
+    parser.add_argument("--latency-rounds", type=int, default=200, help="requests per side of the added-latency probe")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rlfleet-flags", default="", help="extra rlfleet router flags, e.g. '--cache-threshold 0.5'")
+    args = parser.parse_args()
+    caches = {**CACHES, "tight": args.tight_cache_tokens}
+    makers = {"grpo": grpo_workload, "multiturn": multiturn_workload}
+    workloads = {name: makers[name](args.seed, args.scale) for name in args.workloads}
+    print(
+        f"# rlfleet router vs sglang-router, {SIM}; 32 requests in flight; "
+        + ", ".join(f"{w.name}: {w.requests} requests" for w in workloads.values()),
+        flush=True,
+    )
+
+    lines: list[str] = []
+    added: dict[str, tuple[float, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = Path(tmp)
+        for cache in args.caches:
+            fleet = SimFleet(max(args.engines), caches[cache], logs)
+            try:
+                for count in args.engines:
+                    urls = fleet.urls[:count]
+                    results: dict[str, dict[str, RunResult]] = {w: {} for w in workloads}
+                    for spec in args.routers:
+                        extra = args.rlfleet_flags.split() if spec.startswith("rlfleet:") else []
+                        router, router_url = start_router(spec, urls, logs, extra)
+                        try:
+                            for name, workload in workloads.items():
+                                salt = f"{spec} {cache} {count}\n"
+                                results[name][spec] = run_once(fleet, urls, router_url, workload, salt)
+                                r = results[name][spec]
+                                print(
+                                    f"  {name} {count} engines {cache} cache {spec}: hit {r.hit_rate:.3f} "
+                                    f"makespan {r.makespan:.2f}s ({SIM})",
+                                    flush=True,
+                                )
+                            if spec not in added and cache == args.caches[0]:
+                                added[spec] = added_latency(router_url, urls[0], args.latency_rounds)
+                        finally:
+                            router.stop()
+                    for name in workloads:
+                        title = f"{name}, {count} engines, {cache} caches ({caches[cache]} tokens/engine)"
+                        lines += report(title, results[name], name, cache) + [""]
+            finally:
+                fleet.stop()
+    print("\n".join(lines))
+    print(f"== added latency at concurrency 1, p50 through the router minus p50 straight to an engine ({SIM}) ==")
+    for spec, (via, direct) in added.items():
+        met = "met" if via - direct <= 1e-3 else "NOT MET"
+        verdict = f"  target <= 1 ms {met}" if spec.startswith("rlfleet") else ""
+        print(
+            f"{spec:22} {1e3 * (via - direct):+.2f} ms (router {1e3 * via:.2f} ms, engine {1e3 * direct:.2f} ms)"
+            f"{verdict}"
+        )
+
+
+if __name__ == "__main__":
+    main()
