@@ -9,14 +9,47 @@ are the caller's.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from rlfleet.arithmetic import OPERATORS
 from rlfleet.errors import InvalidInput
 from rlfleet.v1.runs_pb2 import RunSpec
 
-ALGORITHMS = ("grpo",)
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+LOSS_AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
+KL_MODES = ("loss", "reward")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+@dataclass(frozen=True)
+class AlgorithmDefaults:
+    """What an unset field of AlgorithmSpec means for one algorithm."""
+
+    clip_low: float = 0.2
+    clip_high: float | None = None
+    """None: the same as clip_low."""
+    loss_aggregation: str = "seq_mean_token_mean"
+    kl_mode: str = "loss"
+
+
+# The trainer's registry (rlfleet_trainer.algorithms) implements exactly these names; a test checks it.
+ALGORITHM_DEFAULTS: dict[str, AlgorithmDefaults] = {
+    "grpo": AlgorithmDefaults(),
+    "dr_grpo": AlgorithmDefaults(loss_aggregation="seq_mean_token_sum_norm"),
+    "dapo": AlgorithmDefaults(clip_high=0.28, loss_aggregation="token_mean"),
+    # A sequence-level ratio (geometric mean of token ratios) strays far less from 1 than a token's.
+    "gspo": AlgorithmDefaults(clip_low=3e-4, clip_high=4e-4),
+    "rloo": AlgorithmDefaults(kl_mode="reward"),
+    "reinforce_pp": AlgorithmDefaults(loss_aggregation="token_mean", kl_mode="reward"),
+    "reinforce_pp_baseline": AlgorithmDefaults(loss_aggregation="token_mean", kl_mode="reward"),
+    "ppo": AlgorithmDefaults(loss_aggregation="token_mean", kl_mode="reward"),
+}
+ALGORITHMS = tuple(ALGORITHM_DEFAULTS)
 ROLLOUT_FUNCTIONS = ("single_turn",)
+BAD_ROWS = ("reject", "skip")
+TRUNCATED = ("keep", "zero_reward", "mask")
+STALE_GROUPS = ("drop", "downweight")
+MAX_EVAL_SAMPLES = 64
 
 
 def resolve(spec: RunSpec) -> RunSpec:
@@ -40,12 +73,23 @@ def resolve(spec: RunSpec) -> RunSpec:
             file_source.answer_column = "answer"
     if not ds.HasField("eval_size"):
         ds.eval_size = 200
+    ds.bad_rows = ds.bad_rows or "reject"
     ro = out.rollout
     ro.function = ro.function or "single_turn"
     if not ro.HasField("group_size"):
         ro.group_size = 8
     if not ro.HasField("groups_per_step"):
         ro.groups_per_step = 16
+    if not ro.HasField("oversample"):
+        ro.oversample = 1.0
+    if not ro.HasField("max_prompts_per_step"):
+        ro.max_prompts_per_step = 4 * math.ceil(ro.oversample * ro.groups_per_step)
+    ro.truncated = ro.truncated or "keep"
+    ro.stale_groups = ro.stale_groups or "drop"
+    if not ro.HasField("stale_weight"):
+        ro.stale_weight = 0.5
+    if not out.schedule.HasField("eval_samples"):
+        out.schedule.eval_samples = 1
     sp = ro.sampling
     if not sp.HasField("temperature"):
         sp.temperature = 1.0
@@ -58,13 +102,6 @@ def resolve(spec: RunSpec) -> RunSpec:
     for term in out.reward.terms:
         if not term.HasField("weight"):
             term.weight = 1.0
-    al = out.algorithm
-    al.name = al.name or "grpo"
-    if not al.HasField("clip_low"):
-        al.clip_low = 0.2
-    if not al.HasField("clip_high"):
-        al.clip_high = al.clip_low
-    al.kl_estimator = al.kl_estimator or "k3"
     tr = out.trainer
     if not tr.HasField("learning_rate"):
         tr.learning_rate = 1e-4
@@ -72,6 +109,26 @@ def resolve(spec: RunSpec) -> RunSpec:
         tr.grad_clip = 1.0
     if not tr.HasField("micro_batch_tokens"):
         tr.micro_batch_tokens = 8192
+    tr.lr_schedule = tr.lr_schedule or "constant"
+    al = out.algorithm
+    al.name = al.name or "grpo"
+    # An unknown name keeps the generic defaults here; validate() names the field.
+    defaults = ALGORITHM_DEFAULTS.get(al.name, AlgorithmDefaults())
+    if not al.HasField("clip_low"):
+        al.clip_low = defaults.clip_low
+    if not al.HasField("clip_high"):
+        al.clip_high = defaults.clip_high if defaults.clip_high is not None else al.clip_low
+    al.kl_estimator = al.kl_estimator or "k3"
+    al.loss_aggregation = al.loss_aggregation or defaults.loss_aggregation
+    al.kl_mode = al.kl_mode or defaults.kl_mode
+    if not al.HasField("gamma"):
+        al.gamma = 1.0
+    if not al.HasField("gae_lambda"):
+        al.gae_lambda = 0.95
+    if not al.HasField("value_clip"):
+        al.value_clip = 0.2
+    if not al.HasField("critic_learning_rate"):
+        al.critic_learning_rate = min(0.5, 10 * tr.learning_rate)
     return out
 
 
@@ -101,12 +158,27 @@ def validate(spec: RunSpec) -> None:
     else:
         _require(bool(getattr(ds, source).path), f"dataset.{source}.path", "must name the dataset file or directory")
     _require(ds.eval_size >= 1, "dataset.eval_size", "must be >= 1")
+    _require(ds.bad_rows in BAD_ROWS, "dataset.bad_rows", f"must be one of {list(BAD_ROWS)}, got {ds.bad_rows!r}")
 
     ro = spec.rollout
     _require(ro.function in ROLLOUT_FUNCTIONS, "rollout.function", f"must be one of {list(ROLLOUT_FUNCTIONS)}")
     _require(ro.group_size >= 2, "rollout.group_size", "must be >= 2 (group-relative advantages need a group)")
     _require(ro.groups_per_step >= 1, "rollout.groups_per_step", "must be >= 1")
     _require(ro.max_staleness >= 0, "rollout.max_staleness", "must be >= 0 (0 is on-policy)")
+    _require(_finite(ro.oversample) and 1 <= ro.oversample <= 16, "rollout.oversample", "must be in [1, 16]")
+    _require(
+        ro.max_prompts_per_step >= math.ceil(ro.oversample * ro.groups_per_step),
+        "rollout.max_prompts_per_step",
+        "must be >= oversample x groups_per_step (the prompts the step sends first)",
+    )
+    _require(ro.max_prompt_tokens >= 0, "rollout.max_prompt_tokens", "must be >= 0 (0: no limit)")
+    _require(ro.truncated in TRUNCATED, "rollout.truncated", f"must be one of {list(TRUNCATED)}, got {ro.truncated!r}")
+    _require(
+        ro.stale_groups in STALE_GROUPS,
+        "rollout.stale_groups",
+        f"must be one of {list(STALE_GROUPS)}, got {ro.stale_groups!r}",
+    )
+    _require(_finite(ro.stale_weight) and 0 < ro.stale_weight <= 1, "rollout.stale_weight", "must be in (0, 1]")
     sp = ro.sampling
     _require(
         _finite(sp.temperature) and 0 <= sp.temperature <= 10, "rollout.sampling.temperature", "must be in [0, 10]"
@@ -127,6 +199,31 @@ def validate(spec: RunSpec) -> None:
     _require(_finite(al.kl_coef) and al.kl_coef >= 0, "algorithm.kl_coef", "must be >= 0")
     _require(al.kl_estimator in KL_ESTIMATORS, "algorithm.kl_estimator", f"must be one of {list(KL_ESTIMATORS)}")
     _require(_finite(al.entropy_coef), "algorithm.entropy_coef", "must be a finite number")
+    _require(
+        al.loss_aggregation in LOSS_AGGREGATIONS,
+        "algorithm.loss_aggregation",
+        f"must be one of {list(LOSS_AGGREGATIONS)}, got {al.loss_aggregation!r}",
+    )
+    _require(al.kl_mode in KL_MODES, "algorithm.kl_mode", f"must be one of {list(KL_MODES)}, got {al.kl_mode!r}")
+    _require(
+        _finite(al.tis_cap) and (al.tis_cap == 0 or al.tis_cap >= 1),
+        "algorithm.tis_cap",
+        "must be 0 (off) or >= 1 (a cap below 1 would shrink on-policy tokens too)",
+    )
+    _require(_finite(al.ratio_mask_low) and 0 <= al.ratio_mask_low < 1, "algorithm.ratio_mask_low", "must be in [0, 1)")
+    _require(
+        _finite(al.ratio_mask_high) and (al.ratio_mask_high == 0 or al.ratio_mask_high > 1),
+        "algorithm.ratio_mask_high",
+        "must be 0 (off) or > 1",
+    )
+    _require(_finite(al.gamma) and 0 < al.gamma <= 1, "algorithm.gamma", "must be in (0, 1]")
+    _require(_finite(al.gae_lambda) and 0 <= al.gae_lambda <= 1, "algorithm.gae_lambda", "must be in [0, 1]")
+    _require(_finite(al.value_clip) and al.value_clip > 0, "algorithm.value_clip", "must be > 0")
+    _require(
+        _finite(al.critic_learning_rate) and 0 < al.critic_learning_rate < 1,
+        "algorithm.critic_learning_rate",
+        "must be in (0, 1)",
+    )
 
     tr = spec.trainer
     _require(_finite(tr.learning_rate) and 0 < tr.learning_rate < 1, "trainer.learning_rate", "must be in (0, 1)")
@@ -135,6 +232,18 @@ def validate(spec: RunSpec) -> None:
     _require(tr.micro_batch_tokens >= 64, "trainer.micro_batch_tokens", "must be >= 64")
     _require(tr.warmup_steps >= 0, "trainer.warmup_steps", "must be >= 0")
     _require(tr.checkpoint_every >= 0, "trainer.checkpoint_every", "must be >= 0")
+    _require(
+        tr.lr_schedule in LR_SCHEDULES,
+        "trainer.lr_schedule",
+        f"must be one of {list(LR_SCHEDULES)}, got {tr.lr_schedule!r}",
+    )
+    _require(_finite(tr.min_lr_ratio) and 0 <= tr.min_lr_ratio <= 1, "trainer.min_lr_ratio", "must be in [0, 1]")
+    _require(tr.pack_row_tokens >= 0, "trainer.pack_row_tokens", "must be >= 0 (0: the longest sequence)")
 
     _require(spec.schedule.steps >= 1, "schedule.steps", "must be >= 1")
     _require(spec.schedule.eval_every >= 0, "schedule.eval_every", "must be >= 0 (0: only before and after)")
+    _require(
+        1 <= spec.schedule.eval_samples <= MAX_EVAL_SAMPLES,
+        "schedule.eval_samples",
+        f"must be in [1, {MAX_EVAL_SAMPLES}]",
+    )

@@ -38,6 +38,15 @@ def test_defaults_are_filled_and_the_input_is_untouched() -> None:
     assert resolved.dataset.arithmetic.digits == 2 and resolved.dataset.arithmetic.ops == "+"
     assert resolved.model.tokenizer_path == "/models/tiny"
     assert not spec.rollout.HasField("group_size")
+    ro = resolved.rollout
+    assert (ro.oversample, ro.max_prompts_per_step, ro.truncated, ro.stale_groups, ro.stale_weight) == (
+        1.0,
+        64,
+        "keep",
+        "drop",
+        0.5,
+    )
+    assert resolved.dataset.bad_rows == "reject" and resolved.schedule.eval_samples == 1
 
 
 def test_explicit_zero_is_kept_where_zero_means_something() -> None:
@@ -46,9 +55,40 @@ def test_explicit_zero_is_kept_where_zero_means_something() -> None:
     assert resolved.algorithm.clip_high == pytest.approx(0.1)
 
 
+def test_each_algorithm_fills_its_own_defaults() -> None:
+    def algorithm(name: str, **extra: object):
+        return resolve(spec_from({"algorithm": {"name": name, **extra}})).algorithm
+
+    grpo = algorithm("grpo")
+    assert (grpo.loss_aggregation, grpo.kl_mode, grpo.tis_cap) == ("seq_mean_token_mean", "loss", 0.0)
+    dapo = algorithm("dapo")
+    assert (dapo.clip_low, dapo.clip_high, dapo.loss_aggregation) == (0.2, 0.28, "token_mean")
+    gspo = algorithm("gspo")
+    assert (gspo.clip_low, gspo.clip_high) == (3e-4, 4e-4)
+    assert algorithm("dr_grpo").loss_aggregation == "seq_mean_token_sum_norm"
+    ppo = algorithm("ppo")
+    assert (ppo.kl_mode, ppo.gamma, ppo.gae_lambda, ppo.value_clip) == ("reward", 1.0, 0.95, 0.2)
+    assert ppo.critic_learning_rate == pytest.approx(1e-3)  # 10 x the default learning rate
+    assert algorithm("reinforce_pp_baseline").kl_mode == "reward"
+    explicit = algorithm("dapo", clip_high=0.3, loss_aggregation="seq_mean_token_mean", kl_mode="reward")
+    assert (explicit.clip_high, explicit.loss_aggregation, explicit.kl_mode) == (0.3, "seq_mean_token_mean", "reward")
+    assert resolve(spec_from({})).trainer.lr_schedule == "constant"
+
+
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
+        ({"algorithm": {"loss_aggregation": "sum"}}, "algorithm.loss_aggregation"),
+        ({"algorithm": {"kl_mode": "both"}}, "algorithm.kl_mode"),
+        ({"algorithm": {"tis_cap": 0.5}}, "algorithm.tis_cap"),
+        ({"algorithm": {"ratio_mask_high": 0.9}}, "algorithm.ratio_mask_high"),
+        ({"algorithm": {"ratio_mask_low": 1.5}}, "algorithm.ratio_mask_low"),
+        ({"algorithm": {"name": "ppo", "gamma": 0}}, "algorithm.gamma"),
+        ({"algorithm": {"name": "ppo", "gae_lambda": 1.5}}, "algorithm.gae_lambda"),
+        ({"algorithm": {"name": "ppo", "value_clip": 0}}, "algorithm.value_clip"),
+        ({"trainer": {"lr_schedule": "step"}}, "trainer.lr_schedule"),
+        ({"trainer": {"min_lr_ratio": 2}}, "trainer.min_lr_ratio"),
+        ({"trainer": {"pack_row_tokens": -1}}, "trainer.pack_row_tokens"),
         ({"model": {"path": ""}}, "model.path"),
         ({"rollout": {"group_size": 1}}, "rollout.group_size"),
         ({"rollout": {"sampling": {"top_p": 0}}}, "rollout.sampling.top_p"),
@@ -60,6 +100,14 @@ def test_explicit_zero_is_kept_where_zero_means_something() -> None:
         ({"schedule": {"steps": 0}}, "schedule.steps"),
         ({"reward": {"terms": []}}, "reward.terms"),
         ({"reward": {"terms": [{"function": "arith_exact", "weight": "NaN"}]}}, "reward.terms[0].weight"),
+        ({"dataset": {"bad_rows": "ignore"}}, "dataset.bad_rows"),
+        ({"rollout": {"oversample": 0.5}}, "rollout.oversample"),
+        ({"rollout": {"groups_per_step": 4, "max_prompts_per_step": 3}}, "rollout.max_prompts_per_step"),
+        ({"rollout": {"max_prompt_tokens": -1}}, "rollout.max_prompt_tokens"),
+        ({"rollout": {"truncated": "drop"}}, "rollout.truncated"),
+        ({"rollout": {"stale_groups": "keep"}}, "rollout.stale_groups"),
+        ({"rollout": {"stale_weight": 0}}, "rollout.stale_weight"),
+        ({"schedule": {"eval_samples": 0}}, "schedule.eval_samples"),
     ],
 )
 def test_bad_fields_are_named(overrides: dict, field: str) -> None:

@@ -26,17 +26,19 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from rlfleet.v1 import reward_pb2 as rlfleet_dot_v1_dot_reward__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15rlfleet/v1/runs.proto\x12\nrlfleet.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17rlfleet/v1/reward.proto\"1\n\tModelSpec\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_path\x18\x02 \x01(\t\"M\n\x11\x41rithmeticDataset\x12\x13\n\x06\x64igits\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x10\n\x03ops\x18\x02 \x01(\tH\x01\x88\x01\x01\x42\t\n\x07_digitsB\x06\n\x04_ops\"\xa4\x01\n\x0b\x46ileDataset\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x1a\n\rprompt_column\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x1a\n\ranswer_column\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x18\n\x10metadata_columns\x18\x04 \x03(\t\x12\x11\n\teval_path\x18\x05 \x01(\tB\x10\n\x0e_prompt_columnB\x10\n\x0e_answer_column\"\x82\x02\n\x0b\x44\x61tasetSpec\x12\x33\n\narithmetic\x18\x01 \x01(\x0b\x32\x1d.rlfleet.v1.ArithmeticDatasetH\x00\x12(\n\x05jsonl\x18\x02 \x01(\x0b\x32\x17.rlfleet.v1.FileDatasetH\x00\x12*\n\x07parquet\x18\x03 \x01(\x0b\x32\x17.rlfleet.v1.FileDatasetH\x00\x12*\n\x07hf_disk\x18\x04 \x01(\x0b\x32\x17.rlfleet.v1.FileDatasetH\x00\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x16\n\teval_size\x18\x06 \x01(\x05H\x01\x88\x01\x01\x42\x08\n\x06sourceB\x0c\n\n_eval_size\"\xb4\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\tB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x11\n\x0f_max_new_tokens\"\xbe\x01\n\x0bRolloutSpec\x12\x10\n\x08\x66unction\x18\x01 \x01(\t\x12\x17\n\ngroup_size\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x1c\n\x0fgroups_per_step\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.rlfleet.v1.SamplingParams\x12\x15\n\rmax_staleness\x18\x05 \x01(\x05\x42\r\n\x0b_group_sizeB\x12\n\x10_groups_per_step\"\xa4\x01\n\rAlgorithmSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\x08\x63lip_low\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\tclip_high\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x0f\n\x07kl_coef\x18\x04 \x01(\x01\x12\x14\n\x0ckl_estimator\x18\x05 \x01(\t\x12\x14\n\x0c\x65ntropy_coef\x18\x06 \x01(\x01\x42\x0b\n\t_clip_lowB\x0c\n\n_clip_high\"\xed\x01\n\x0bTrainerSpec\x12\x1a\n\rlearning_rate\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0cweight_decay\x18\x02 \x01(\x01\x12\x16\n\tgrad_clip\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x1f\n\x12micro_batch_tokens\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x14\n\x0cwarmup_steps\x18\x05 \x01(\x05\x12\x18\n\x10\x63heckpoint_every\x18\x06 \x01(\x05\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x42\x10\n\x0e_learning_rateB\x0c\n\n_grad_clipB\x15\n\x13_micro_batch_tokens\"1\n\x0cScheduleSpec\x12\r\n\x05steps\x18\x01 \x01(\x05\x12\x12\n\neval_every\x18\x02 \x01(\x05\"\xbd\x02\n\x07RunSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x05model\x18\x02 \x01(\x0b\x32\x15.rlfleet.v1.ModelSpec\x12(\n\x07\x64\x61taset\x18\x03 \x01(\x0b\x32\x17.rlfleet.v1.DatasetSpec\x12(\n\x07rollout\x18\x04 \x01(\x0b\x32\x17.rlfleet.v1.RolloutSpec\x12&\n\x06reward\x18\x05 \x01(\x0b\x32\x16.rlfleet.v1.RewardSpec\x12,\n\talgorithm\x18\x06 \x01(\x0b\x32\x19.rlfleet.v1.AlgorithmSpec\x12(\n\x07trainer\x18\x07 \x01(\x0b\x32\x17.rlfleet.v1.TrainerSpec\x12*\n\x08schedule\x18\x08 \x01(\x0b\x32\x18.rlfleet.v1.ScheduleSpec\"\xa7\x01\n\x0bRunProgress\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x02 \x01(\x03\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x17\n\x0fgroups_produced\x18\x04 \x01(\x03\x12\x16\n\x0egroups_trained\x18\x05 \x01(\x03\x12\x17\n\x0fgroups_filtered\x18\x06 \x01(\x03\x12\x13\n\x0bmean_reward\x18\x07 \x01(\x01\"\x93\x01\n\nEvalResult\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x0c\n\x04size\x18\x03 \x01(\x05\x12\x10\n\x08\x61\x63\x63uracy\x18\x04 \x01(\x01\x12\x11\n\tpass_at_k\x18\x05 \x01(\x01\x12\x13\n\x0bmean_length\x18\x06 \x01(\x01\x12\x17\n\x0ftruncation_rate\x18\x07 \x01(\x01\"\xaa\x03\n\x03Run\x12\n\n\x02id\x18\x01 \x01(\t\x12!\n\x04spec\x18\x02 \x01(\x0b\x32\x13.rlfleet.v1.RunSpec\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.rlfleet.v1.RunState\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12)\n\x08progress\x18\x05 \x01(\x0b\x32\x17.rlfleet.v1.RunProgress\x12-\n\x07metrics\x18\x06 \x03(\x0b\x32\x1c.rlfleet.v1.Run.MetricsEntry\x12%\n\x05\x65vals\x18\x07 \x03(\x0b\x32\x16.rlfleet.v1.EvalResult\x12.\n\ncreated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nstarted_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"5\n\x10SubmitRunRequest\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.rlfleet.v1.RunSpec\"\x1b\n\rGetRunRequest\x12\n\n\x02id\x18\x01 \x01(\t\"]\n\x0fListRunsRequest\x12#\n\x05state\x18\x01 \x01(\x0e\x32\x14.rlfleet.v1.RunState\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"J\n\x10ListRunsResponse\x12\x1d\n\x04runs\x18\x01 \x03(\x0b\x32\x0f.rlfleet.v1.Run\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x1e\n\x10\x43\x61ncelRunRequest\x12\n\n\x02id\x18\x01 \x01(\t\"\x1d\n\x0fWatchRunRequest\x12\n\n\x02id\x18\x01 \x01(\t\"c\n\x08RunEvent\x12\x1c\n\x03run\x18\x01 \x01(\x0b\x32\x0f.rlfleet.v1.Run\x12\x0f\n\x07message\x18\x02 \x01(\t\x12(\n\x04time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp*\x9a\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10RUN_STATE_QUEUED\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x17\n\x13RUN_STATE_SUCCEEDED\x10\x03\x12\x14\n\x10RUN_STATE_FAILED\x10\x04\x12\x17\n\x13RUN_STATE_CANCELLED\x10\x05\x32\xac\x02\n\x04Runs\x12\x37\n\x06Submit\x12\x1c.rlfleet.v1.SubmitRunRequest\x1a\x0f.rlfleet.v1.Run\x12\x31\n\x03Get\x12\x19.rlfleet.v1.GetRunRequest\x1a\x0f.rlfleet.v1.Run\x12\x41\n\x04List\x12\x1b.rlfleet.v1.ListRunsRequest\x1a\x1c.rlfleet.v1.ListRunsResponse\x12\x37\n\x06\x43\x61ncel\x12\x1c.rlfleet.v1.CancelRunRequest\x1a\x0f.rlfleet.v1.Run\x12<\n\x05Watch\x12\x1b.rlfleet.v1.WatchRunRequest\x1a\x14.rlfleet.v1.RunEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15rlfleet/v1/runs.proto\x12\nrlfleet.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17rlfleet/v1/reward.proto\"1\n\tModelSpec\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_path\x18\x02 \x01(\t\"M\n\x11\x41rithmeticDataset\x12\x13\n\x06\x64igits\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x10\n\x03ops\x18\x02 \x01(\tH\x01\x88\x01\x01\x42\t\n\x07_digitsB\x06\n\x04_ops\"\xa4\x01\n\x0b\x46ileDataset\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x1a\n\rprompt_column\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x1a\n\ranswer_column\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x18\n\x10metadata_columns\x18\x04 \x03(\t\x12\x11\n\teval_path\x18\x05 \x01(\tB\x10\n\x0e_prompt_columnB\x10\n\x0e_answer_column\"\xab\x02\n\x0b\x44\x61tasetSpec\x12\x33\n\narithmetic\x18\x01 \x01(\x0b\x32\x1d.rlfleet.v1.ArithmeticDatasetH\x00\x12(\n\x05jsonl\x18\x02 \x01(\x0b\x32\x17.rlfleet.v1.FileDatasetH\x00\x12*\n\x07parquet\x18\x03 \x01(\x0b\x32\x17.rlfleet.v1.FileDatasetH\x00\x12*\n\x07hf_disk\x18\x04 \x01(\x0b\x32\x17.rlfleet.v1.FileDatasetH\x00\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x16\n\teval_size\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x10\n\x08\x62\x61\x64_rows\x18\x07 \x01(\t\x12\x15\n\rchat_template\x18\x08 \x01(\x08\x42\x08\n\x06sourceB\x0c\n\n_eval_size\"\xb4\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\tB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x11\n\x0f_max_new_tokens\"\xa3\x03\n\x0bRolloutSpec\x12\x10\n\x08\x66unction\x18\x01 \x01(\t\x12\x17\n\ngroup_size\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x1c\n\x0fgroups_per_step\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.rlfleet.v1.SamplingParams\x12\x15\n\rmax_staleness\x18\x05 \x01(\x05\x12\x0f\n\x07\x66ilters\x18\x06 \x03(\t\x12\x17\n\noversample\x18\x07 \x01(\x01H\x02\x88\x01\x01\x12!\n\x14max_prompts_per_step\x18\x08 \x01(\x05H\x03\x88\x01\x01\x12\x19\n\x11max_prompt_tokens\x18\t \x01(\x05\x12\x11\n\ttruncated\x18\n \x01(\t\x12\x14\n\x0cstale_groups\x18\x0b \x01(\t\x12\x19\n\x0cstale_weight\x18\x0c \x01(\x01H\x04\x88\x01\x01\x42\r\n\x0b_group_sizeB\x12\n\x10_groups_per_stepB\r\n\x0b_oversampleB\x17\n\x15_max_prompts_per_stepB\x0f\n\r_stale_weight\"\xbb\x03\n\rAlgorithmSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\x08\x63lip_low\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\tclip_high\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x0f\n\x07kl_coef\x18\x04 \x01(\x01\x12\x14\n\x0ckl_estimator\x18\x05 \x01(\t\x12\x14\n\x0c\x65ntropy_coef\x18\x06 \x01(\x01\x12\x18\n\x10loss_aggregation\x18\x07 \x01(\t\x12\x0f\n\x07kl_mode\x18\x08 \x01(\t\x12\x0f\n\x07tis_cap\x18\t \x01(\x01\x12\x16\n\x0eratio_mask_low\x18\n \x01(\x01\x12\x17\n\x0fratio_mask_high\x18\x0b \x01(\x01\x12\x12\n\x05gamma\x18\x0c \x01(\x01H\x02\x88\x01\x01\x12\x17\n\ngae_lambda\x18\r \x01(\x01H\x03\x88\x01\x01\x12\x17\n\nvalue_clip\x18\x0e \x01(\x01H\x04\x88\x01\x01\x12!\n\x14\x63ritic_learning_rate\x18\x0f \x01(\x01H\x05\x88\x01\x01\x42\x0b\n\t_clip_lowB\x0c\n\n_clip_highB\x08\n\x06_gammaB\r\n\x0b_gae_lambdaB\r\n\x0b_value_clipB\x17\n\x15_critic_learning_rate\"\xb1\x02\n\x0bTrainerSpec\x12\x1a\n\rlearning_rate\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0cweight_decay\x18\x02 \x01(\x01\x12\x16\n\tgrad_clip\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x1f\n\x12micro_batch_tokens\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x14\n\x0cwarmup_steps\x18\x05 \x01(\x05\x12\x18\n\x10\x63heckpoint_every\x18\x06 \x01(\x05\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x13\n\x0blr_schedule\x18\x08 \x01(\t\x12\x14\n\x0cmin_lr_ratio\x18\t \x01(\x01\x12\x17\n\x0fpack_row_tokens\x18\n \x01(\x05\x42\x10\n\x0e_learning_rateB\x0c\n\n_grad_clipB\x15\n\x13_micro_batch_tokens\"]\n\x0cScheduleSpec\x12\r\n\x05steps\x18\x01 \x01(\x05\x12\x12\n\neval_every\x18\x02 \x01(\x05\x12\x19\n\x0c\x65val_samples\x18\x03 \x01(\x05H\x00\x88\x01\x01\x42\x0f\n\r_eval_samples\"\xbd\x02\n\x07RunSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x05model\x18\x02 \x01(\x0b\x32\x15.rlfleet.v1.ModelSpec\x12(\n\x07\x64\x61taset\x18\x03 \x01(\x0b\x32\x17.rlfleet.v1.DatasetSpec\x12(\n\x07rollout\x18\x04 \x01(\x0b\x32\x17.rlfleet.v1.RolloutSpec\x12&\n\x06reward\x18\x05 \x01(\x0b\x32\x16.rlfleet.v1.RewardSpec\x12,\n\talgorithm\x18\x06 \x01(\x0b\x32\x19.rlfleet.v1.AlgorithmSpec\x12(\n\x07trainer\x18\x07 \x01(\x0b\x32\x17.rlfleet.v1.TrainerSpec\x12*\n\x08schedule\x18\x08 \x01(\x0b\x32\x18.rlfleet.v1.ScheduleSpec\"\x87\x03\n\x0bRunProgress\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x02 \x01(\x03\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x17\n\x0fgroups_produced\x18\x04 \x01(\x03\x12\x16\n\x0egroups_trained\x18\x05 \x01(\x03\x12\x17\n\x0fgroups_filtered\x18\x06 \x01(\x03\x12\x13\n\x0bmean_reward\x18\x07 \x01(\x01\x12I\n\x12\x66iltered_by_reason\x18\x08 \x03(\x0b\x32-.rlfleet.v1.RunProgress.FilteredByReasonEntry\x12\x14\n\x0crows_skipped\x18\t \x01(\x03\x12\x18\n\x10prompts_consumed\x18\n \x01(\x03\x12\r\n\x05\x65poch\x18\x0b \x01(\x03\x12\x1b\n\x13groups_downweighted\x18\x0c \x01(\x03\x1a\x37\n\x15\x46ilteredByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x9e\x01\n\nEvalResult\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x0c\n\x04size\x18\x03 \x01(\x05\x12\x10\n\x08\x61\x63\x63uracy\x18\x04 \x01(\x01\x12\x11\n\tpass_at_k\x18\x05 \x01(\x01\x12\x13\n\x0bmean_length\x18\x06 \x01(\x01\x12\x17\n\x0ftruncation_rate\x18\x07 \x01(\x01\x12\t\n\x01k\x18\x08 \x01(\x05\"\xaa\x03\n\x03Run\x12\n\n\x02id\x18\x01 \x01(\t\x12!\n\x04spec\x18\x02 \x01(\x0b\x32\x13.rlfleet.v1.RunSpec\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.rlfleet.v1.RunState\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12)\n\x08progress\x18\x05 \x01(\x0b\x32\x17.rlfleet.v1.RunProgress\x12-\n\x07metrics\x18\x06 \x03(\x0b\x32\x1c.rlfleet.v1.Run.MetricsEntry\x12%\n\x05\x65vals\x18\x07 \x03(\x0b\x32\x16.rlfleet.v1.EvalResult\x12.\n\ncreated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nstarted_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"5\n\x10SubmitRunRequest\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.rlfleet.v1.RunSpec\"\x1b\n\rGetRunRequest\x12\n\n\x02id\x18\x01 \x01(\t\"]\n\x0fListRunsRequest\x12#\n\x05state\x18\x01 \x01(\x0e\x32\x14.rlfleet.v1.RunState\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"J\n\x10ListRunsResponse\x12\x1d\n\x04runs\x18\x01 \x03(\x0b\x32\x0f.rlfleet.v1.Run\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x1e\n\x10\x43\x61ncelRunRequest\x12\n\n\x02id\x18\x01 \x01(\t\"\x1d\n\x0fWatchRunRequest\x12\n\n\x02id\x18\x01 \x01(\t\"c\n\x08RunEvent\x12\x1c\n\x03run\x18\x01 \x01(\x0b\x32\x0f.rlfleet.v1.Run\x12\x0f\n\x07message\x18\x02 \x01(\t\x12(\n\x04time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp*\x9a\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10RUN_STATE_QUEUED\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x17\n\x13RUN_STATE_SUCCEEDED\x10\x03\x12\x14\n\x10RUN_STATE_FAILED\x10\x04\x12\x17\n\x13RUN_STATE_CANCELLED\x10\x05\x32\xac\x02\n\x04Runs\x12\x37\n\x06Submit\x12\x1c.rlfleet.v1.SubmitRunRequest\x1a\x0f.rlfleet.v1.Run\x12\x31\n\x03Get\x12\x19.rlfleet.v1.GetRunRequest\x1a\x0f.rlfleet.v1.Run\x12\x41\n\x04List\x12\x1b.rlfleet.v1.ListRunsRequest\x1a\x1c.rlfleet.v1.ListRunsResponse\x12\x37\n\x06\x43\x61ncel\x12\x1c.rlfleet.v1.CancelRunRequest\x1a\x0f.rlfleet.v1.Run\x12<\n\x05Watch\x12\x1b.rlfleet.v1.WatchRunRequest\x1a\x14.rlfleet.v1.RunEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfleet.v1.runs_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_RUNPROGRESS_FILTEREDBYREASONENTRY']._loaded_options = None
+  _globals['_RUNPROGRESS_FILTEREDBYREASONENTRY']._serialized_options = b'8\001'
   _globals['_RUN_METRICSENTRY']._loaded_options = None
   _globals['_RUN_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_RUNSTATE']._serialized_start=2976
-  _globals['_RUNSTATE']._serialized_end=3130
+  _globals['_RUNSTATE']._serialized_start=3872
+  _globals['_RUNSTATE']._serialized_end=4026
   _globals['_MODELSPEC']._serialized_start=95
   _globals['_MODELSPEC']._serialized_end=144
   _globals['_ARITHMETICDATASET']._serialized_start=146
@@ -44,41 +46,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FILEDATASET']._serialized_start=226
   _globals['_FILEDATASET']._serialized_end=390
   _globals['_DATASETSPEC']._serialized_start=393
-  _globals['_DATASETSPEC']._serialized_end=651
-  _globals['_SAMPLINGPARAMS']._serialized_start=654
-  _globals['_SAMPLINGPARAMS']._serialized_end=834
-  _globals['_ROLLOUTSPEC']._serialized_start=837
-  _globals['_ROLLOUTSPEC']._serialized_end=1027
-  _globals['_ALGORITHMSPEC']._serialized_start=1030
-  _globals['_ALGORITHMSPEC']._serialized_end=1194
-  _globals['_TRAINERSPEC']._serialized_start=1197
-  _globals['_TRAINERSPEC']._serialized_end=1434
-  _globals['_SCHEDULESPEC']._serialized_start=1436
-  _globals['_SCHEDULESPEC']._serialized_end=1485
-  _globals['_RUNSPEC']._serialized_start=1488
-  _globals['_RUNSPEC']._serialized_end=1805
-  _globals['_RUNPROGRESS']._serialized_start=1808
-  _globals['_RUNPROGRESS']._serialized_end=1975
-  _globals['_EVALRESULT']._serialized_start=1978
-  _globals['_EVALRESULT']._serialized_end=2125
-  _globals['_RUN']._serialized_start=2128
-  _globals['_RUN']._serialized_end=2554
-  _globals['_RUN_METRICSENTRY']._serialized_start=2508
-  _globals['_RUN_METRICSENTRY']._serialized_end=2554
-  _globals['_SUBMITRUNREQUEST']._serialized_start=2556
-  _globals['_SUBMITRUNREQUEST']._serialized_end=2609
-  _globals['_GETRUNREQUEST']._serialized_start=2611
-  _globals['_GETRUNREQUEST']._serialized_end=2638
-  _globals['_LISTRUNSREQUEST']._serialized_start=2640
-  _globals['_LISTRUNSREQUEST']._serialized_end=2733
-  _globals['_LISTRUNSRESPONSE']._serialized_start=2735
-  _globals['_LISTRUNSRESPONSE']._serialized_end=2809
-  _globals['_CANCELRUNREQUEST']._serialized_start=2811
-  _globals['_CANCELRUNREQUEST']._serialized_end=2841
-  _globals['_WATCHRUNREQUEST']._serialized_start=2843
-  _globals['_WATCHRUNREQUEST']._serialized_end=2872
-  _globals['_RUNEVENT']._serialized_start=2874
-  _globals['_RUNEVENT']._serialized_end=2973
-  _globals['_RUNS']._serialized_start=3133
-  _globals['_RUNS']._serialized_end=3433
+  _globals['_DATASETSPEC']._serialized_end=692
+  _globals['_SAMPLINGPARAMS']._serialized_start=695
+  _globals['_SAMPLINGPARAMS']._serialized_end=875
+  _globals['_ROLLOUTSPEC']._serialized_start=878
+  _globals['_ROLLOUTSPEC']._serialized_end=1297
+  _globals['_ALGORITHMSPEC']._serialized_start=1300
+  _globals['_ALGORITHMSPEC']._serialized_end=1743
+  _globals['_TRAINERSPEC']._serialized_start=1746
+  _globals['_TRAINERSPEC']._serialized_end=2051
+  _globals['_SCHEDULESPEC']._serialized_start=2053
+  _globals['_SCHEDULESPEC']._serialized_end=2146
+  _globals['_RUNSPEC']._serialized_start=2149
+  _globals['_RUNSPEC']._serialized_end=2466
+  _globals['_RUNPROGRESS']._serialized_start=2469
+  _globals['_RUNPROGRESS']._serialized_end=2860
+  _globals['_RUNPROGRESS_FILTEREDBYREASONENTRY']._serialized_start=2805
+  _globals['_RUNPROGRESS_FILTEREDBYREASONENTRY']._serialized_end=2860
+  _globals['_EVALRESULT']._serialized_start=2863
+  _globals['_EVALRESULT']._serialized_end=3021
+  _globals['_RUN']._serialized_start=3024
+  _globals['_RUN']._serialized_end=3450
+  _globals['_RUN_METRICSENTRY']._serialized_start=3404
+  _globals['_RUN_METRICSENTRY']._serialized_end=3450
+  _globals['_SUBMITRUNREQUEST']._serialized_start=3452
+  _globals['_SUBMITRUNREQUEST']._serialized_end=3505
+  _globals['_GETRUNREQUEST']._serialized_start=3507
+  _globals['_GETRUNREQUEST']._serialized_end=3534
+  _globals['_LISTRUNSREQUEST']._serialized_start=3536
+  _globals['_LISTRUNSREQUEST']._serialized_end=3629
+  _globals['_LISTRUNSRESPONSE']._serialized_start=3631
+  _globals['_LISTRUNSRESPONSE']._serialized_end=3705
+  _globals['_CANCELRUNREQUEST']._serialized_start=3707
+  _globals['_CANCELRUNREQUEST']._serialized_end=3737
+  _globals['_WATCHRUNREQUEST']._serialized_start=3739
+  _globals['_WATCHRUNREQUEST']._serialized_end=3768
+  _globals['_RUNEVENT']._serialized_start=3770
+  _globals['_RUNEVENT']._serialized_end=3869
+  _globals['_RUNS']._serialized_start=4029
+  _globals['_RUNS']._serialized_end=4329
 # @@protoc_insertion_point(module_scope)

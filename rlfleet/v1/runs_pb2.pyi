@@ -57,20 +57,24 @@ class FileDataset(_message.Message):
     def __init__(self, path: _Optional[str] = ..., prompt_column: _Optional[str] = ..., answer_column: _Optional[str] = ..., metadata_columns: _Optional[_Iterable[str]] = ..., eval_path: _Optional[str] = ...) -> None: ...
 
 class DatasetSpec(_message.Message):
-    __slots__ = ("arithmetic", "jsonl", "parquet", "hf_disk", "seed", "eval_size")
+    __slots__ = ("arithmetic", "jsonl", "parquet", "hf_disk", "seed", "eval_size", "bad_rows", "chat_template")
     ARITHMETIC_FIELD_NUMBER: _ClassVar[int]
     JSONL_FIELD_NUMBER: _ClassVar[int]
     PARQUET_FIELD_NUMBER: _ClassVar[int]
     HF_DISK_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     EVAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BAD_ROWS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     arithmetic: ArithmeticDataset
     jsonl: FileDataset
     parquet: FileDataset
     hf_disk: FileDataset
     seed: int
     eval_size: int
-    def __init__(self, arithmetic: _Optional[_Union[ArithmeticDataset, _Mapping]] = ..., jsonl: _Optional[_Union[FileDataset, _Mapping]] = ..., parquet: _Optional[_Union[FileDataset, _Mapping]] = ..., hf_disk: _Optional[_Union[FileDataset, _Mapping]] = ..., seed: _Optional[int] = ..., eval_size: _Optional[int] = ...) -> None: ...
+    bad_rows: str
+    chat_template: bool
+    def __init__(self, arithmetic: _Optional[_Union[ArithmeticDataset, _Mapping]] = ..., jsonl: _Optional[_Union[FileDataset, _Mapping]] = ..., parquet: _Optional[_Union[FileDataset, _Mapping]] = ..., hf_disk: _Optional[_Union[FileDataset, _Mapping]] = ..., seed: _Optional[int] = ..., eval_size: _Optional[int] = ..., bad_rows: _Optional[str] = ..., chat_template: _Optional[bool] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "max_new_tokens", "stop")
@@ -87,37 +91,69 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RolloutSpec(_message.Message):
-    __slots__ = ("function", "group_size", "groups_per_step", "sampling", "max_staleness")
+    __slots__ = ("function", "group_size", "groups_per_step", "sampling", "max_staleness", "filters", "oversample", "max_prompts_per_step", "max_prompt_tokens", "truncated", "stale_groups", "stale_weight")
     FUNCTION_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     GROUPS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    FILTERS_FIELD_NUMBER: _ClassVar[int]
+    OVERSAMPLE_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPTS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    STALE_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    STALE_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     function: str
     group_size: int
     groups_per_step: int
     sampling: SamplingParams
     max_staleness: int
-    def __init__(self, function: _Optional[str] = ..., group_size: _Optional[int] = ..., groups_per_step: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_staleness: _Optional[int] = ...) -> None: ...
+    filters: _containers.RepeatedScalarFieldContainer[str]
+    oversample: float
+    max_prompts_per_step: int
+    max_prompt_tokens: int
+    truncated: str
+    stale_groups: str
+    stale_weight: float
+    def __init__(self, function: _Optional[str] = ..., group_size: _Optional[int] = ..., groups_per_step: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_staleness: _Optional[int] = ..., filters: _Optional[_Iterable[str]] = ..., oversample: _Optional[float] = ..., max_prompts_per_step: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., truncated: _Optional[str] = ..., stale_groups: _Optional[str] = ..., stale_weight: _Optional[float] = ...) -> None: ...
 
 class AlgorithmSpec(_message.Message):
-    __slots__ = ("name", "clip_low", "clip_high", "kl_coef", "kl_estimator", "entropy_coef")
+    __slots__ = ("name", "clip_low", "clip_high", "kl_coef", "kl_estimator", "entropy_coef", "loss_aggregation", "kl_mode", "tis_cap", "ratio_mask_low", "ratio_mask_high", "gamma", "gae_lambda", "value_clip", "critic_learning_rate")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CLIP_LOW_FIELD_NUMBER: _ClassVar[int]
     CLIP_HIGH_FIELD_NUMBER: _ClassVar[int]
     KL_COEF_FIELD_NUMBER: _ClassVar[int]
     KL_ESTIMATOR_FIELD_NUMBER: _ClassVar[int]
     ENTROPY_COEF_FIELD_NUMBER: _ClassVar[int]
+    LOSS_AGGREGATION_FIELD_NUMBER: _ClassVar[int]
+    KL_MODE_FIELD_NUMBER: _ClassVar[int]
+    TIS_CAP_FIELD_NUMBER: _ClassVar[int]
+    RATIO_MASK_LOW_FIELD_NUMBER: _ClassVar[int]
+    RATIO_MASK_HIGH_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    GAE_LAMBDA_FIELD_NUMBER: _ClassVar[int]
+    VALUE_CLIP_FIELD_NUMBER: _ClassVar[int]
+    CRITIC_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     name: str
     clip_low: float
     clip_high: float
     kl_coef: float
     kl_estimator: str
     entropy_coef: float
-    def __init__(self, name: _Optional[str] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[str] = ..., entropy_coef: _Optional[float] = ...) -> None: ...
+    loss_aggregation: str
+    kl_mode: str
+    tis_cap: float
+    ratio_mask_low: float
+    ratio_mask_high: float
+    gamma: float
+    gae_lambda: float
+    value_clip: float
+    critic_learning_rate: float
+    def __init__(self, name: _Optional[str] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[str] = ..., entropy_coef: _Optional[float] = ..., loss_aggregation: _Optional[str] = ..., kl_mode: _Optional[str] = ..., tis_cap: _Optional[float] = ..., ratio_mask_low: _Optional[float] = ..., ratio_mask_high: _Optional[float] = ..., gamma: _Optional[float] = ..., gae_lambda: _Optional[float] = ..., value_clip: _Optional[float] = ..., critic_learning_rate: _Optional[float] = ...) -> None: ...
 
 class TrainerSpec(_message.Message):
-    __slots__ = ("learning_rate", "weight_decay", "grad_clip", "micro_batch_tokens", "warmup_steps", "checkpoint_every", "seed")
+    __slots__ = ("learning_rate", "weight_decay", "grad_clip", "micro_batch_tokens", "warmup_steps", "checkpoint_every", "seed", "lr_schedule", "min_lr_ratio", "pack_row_tokens")
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
     GRAD_CLIP_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +161,9 @@ class TrainerSpec(_message.Message):
     WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    LR_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    MIN_LR_RATIO_FIELD_NUMBER: _ClassVar[int]
+    PACK_ROW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     learning_rate: float
     weight_decay: float
     grad_clip: float
@@ -132,15 +171,20 @@ class TrainerSpec(_message.Message):
     warmup_steps: int
     checkpoint_every: int
     seed: int
-    def __init__(self, learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., grad_clip: _Optional[float] = ..., micro_batch_tokens: _Optional[int] = ..., warmup_steps: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    lr_schedule: str
+    min_lr_ratio: float
+    pack_row_tokens: int
+    def __init__(self, learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., grad_clip: _Optional[float] = ..., micro_batch_tokens: _Optional[int] = ..., warmup_steps: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., seed: _Optional[int] = ..., lr_schedule: _Optional[str] = ..., min_lr_ratio: _Optional[float] = ..., pack_row_tokens: _Optional[int] = ...) -> None: ...
 
 class ScheduleSpec(_message.Message):
-    __slots__ = ("steps", "eval_every")
+    __slots__ = ("steps", "eval_every", "eval_samples")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     EVAL_EVERY_FIELD_NUMBER: _ClassVar[int]
+    EVAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     steps: int
     eval_every: int
-    def __init__(self, steps: _Optional[int] = ..., eval_every: _Optional[int] = ...) -> None: ...
+    eval_samples: int
+    def __init__(self, steps: _Optional[int] = ..., eval_every: _Optional[int] = ..., eval_samples: _Optional[int] = ...) -> None: ...
 
 class RunSpec(_message.Message):
     __slots__ = ("name", "model", "dataset", "rollout", "reward", "algorithm", "trainer", "schedule")
@@ -163,7 +207,14 @@ class RunSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., dataset: _Optional[_Union[DatasetSpec, _Mapping]] = ..., rollout: _Optional[_Union[RolloutSpec, _Mapping]] = ..., reward: _Optional[_Union[_reward_pb2.RewardSpec, _Mapping]] = ..., algorithm: _Optional[_Union[AlgorithmSpec, _Mapping]] = ..., trainer: _Optional[_Union[TrainerSpec, _Mapping]] = ..., schedule: _Optional[_Union[ScheduleSpec, _Mapping]] = ...) -> None: ...
 
 class RunProgress(_message.Message):
-    __slots__ = ("step", "total_steps", "weight_version", "groups_produced", "groups_trained", "groups_filtered", "mean_reward")
+    __slots__ = ("step", "total_steps", "weight_version", "groups_produced", "groups_trained", "groups_filtered", "mean_reward", "filtered_by_reason", "rows_skipped", "prompts_consumed", "epoch", "groups_downweighted")
+    class FilteredByReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +222,11 @@ class RunProgress(_message.Message):
     GROUPS_TRAINED_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FILTERED_FIELD_NUMBER: _ClassVar[int]
     MEAN_REWARD_FIELD_NUMBER: _ClassVar[int]
+    FILTERED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    ROWS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_DOWNWEIGHTED_FIELD_NUMBER: _ClassVar[int]
     step: int
     total_steps: int
     weight_version: int
@@ -178,10 +234,15 @@ class RunProgress(_message.Message):
     groups_trained: int
     groups_filtered: int
     mean_reward: float
-    def __init__(self, step: _Optional[int] = ..., total_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., groups_produced: _Optional[int] = ..., groups_trained: _Optional[int] = ..., groups_filtered: _Optional[int] = ..., mean_reward: _Optional[float] = ...) -> None: ...
+    filtered_by_reason: _containers.ScalarMap[str, int]
+    rows_skipped: int
+    prompts_consumed: int
+    epoch: int
+    groups_downweighted: int
+    def __init__(self, step: _Optional[int] = ..., total_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., groups_produced: _Optional[int] = ..., groups_trained: _Optional[int] = ..., groups_filtered: _Optional[int] = ..., mean_reward: _Optional[float] = ..., filtered_by_reason: _Optional[_Mapping[str, int]] = ..., rows_skipped: _Optional[int] = ..., prompts_consumed: _Optional[int] = ..., epoch: _Optional[int] = ..., groups_downweighted: _Optional[int] = ...) -> None: ...
 
 class EvalResult(_message.Message):
-    __slots__ = ("step", "weight_version", "size", "accuracy", "pass_at_k", "mean_length", "truncation_rate")
+    __slots__ = ("step", "weight_version", "size", "accuracy", "pass_at_k", "mean_length", "truncation_rate", "k")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +250,7 @@ class EvalResult(_message.Message):
     PASS_AT_K_FIELD_NUMBER: _ClassVar[int]
     MEAN_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TRUNCATION_RATE_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
     step: int
     weight_version: int
     size: int
@@ -196,7 +258,8 @@ class EvalResult(_message.Message):
     pass_at_k: float
     mean_length: float
     truncation_rate: float
-    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., size: _Optional[int] = ..., accuracy: _Optional[float] = ..., pass_at_k: _Optional[float] = ..., mean_length: _Optional[float] = ..., truncation_rate: _Optional[float] = ...) -> None: ...
+    k: int
+    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., size: _Optional[int] = ..., accuracy: _Optional[float] = ..., pass_at_k: _Optional[float] = ..., mean_length: _Optional[float] = ..., truncation_rate: _Optional[float] = ..., k: _Optional[int] = ...) -> None: ...
 
 class Run(_message.Message):
     __slots__ = ("id", "spec", "state", "error", "progress", "metrics", "evals", "created_at", "started_at", "finished_at")

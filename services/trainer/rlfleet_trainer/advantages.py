@@ -1,21 +1,116 @@
-"""Group-relative advantages (GRPO): each sample's reward against the other samples of its prompt."""
+"""Advantage estimators: how much better than expected each response (or token) turned out.
+
+Outcome estimators give one advantage per sample from the rewards of its group (GRPO, Dr.GRPO,
+RLOO); REINFORCE++ and GAE give one per token from per-token rewards. Grids are (S, T): the S
+sequences of a step by their longest response, with `present` marking real response tokens.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+OutcomeEstimator = Callable[[torch.Tensor], torch.Tensor]
 
-def group_normalized_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale_by_std: bool = True) -> torch.Tensor:
-    """A_i = (r_i - mean(r_group)) / (std(r_group) + eps).
 
-    rewards: (G, n) — G groups of n samples each. Returns (G, n). A group whose rewards are all equal
-    gets zero advantages: it carries no signal about which response is better.
+def group_normalized(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO: A_i = (r_i - mean(r)) / (std(r) + eps), over the n rewards (n,) of one group.
+
+    A group whose rewards are all equal gets zero advantages: it carries no signal about which
+    response is better.
     """
-    assert rewards.dim() == 2, f"rewards must be (groups, n), got {tuple(rewards.shape)}"
-    mean = rewards.mean(dim=1, keepdim=True)  # (G, 1)
-    centered = rewards - mean  # (G, n)
-    if not scale_by_std:
-        return centered
-    std = rewards.std(dim=1, keepdim=True, unbiased=True) if rewards.shape[1] > 1 else torch.zeros_like(mean)
+    centered = rewards - rewards.mean()  # (n,)
+    std = rewards.std(unbiased=True) if rewards.numel() > 1 else torch.zeros(())
     # An all-equal group has centered == 0 already; keep it 0 even when eps is 0.
-    return torch.where(std > 0, centered / (std + eps), torch.zeros_like(centered))
+    return centered / (std + eps) if std > 0 else torch.zeros_like(centered)
+
+
+def group_centered(rewards: torch.Tensor) -> torch.Tensor:
+    """Dr.GRPO: A_i = r_i - mean(r), no division by the std (which favours too-easy and too-hard
+    prompts), over the n rewards (n,) of one group."""
+    return rewards - rewards.mean()
+
+
+def leave_one_out(rewards: torch.Tensor) -> torch.Tensor:
+    """RLOO: A_i = r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean(r)), over (n,); a group
+    of one has no baseline and gets 0."""
+    n = rewards.numel()
+    if n < 2:
+        return torch.zeros_like(rewards)
+    return n / (n - 1) * (rewards - rewards.mean())
+
+
+def per_group(rewards: torch.Tensor, groups: torch.Tensor, estimator: OutcomeEstimator) -> torch.Tensor:
+    """Applies `estimator` to each group's rewards. rewards, groups: (S,) -> (S,)."""
+    out = torch.zeros_like(rewards)
+    for group in groups.unique():
+        members = groups == group
+        out[members] = estimator(rewards[members])
+    return out
+
+
+def outcome_token_rewards(scores: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+    """Places each sequence's score (S,) on its last response token: (S, T), 0 elsewhere."""
+    last = (present.sum(dim=1).long() - 1).clamp(min=0)  # (S,)
+    out = torch.zeros_like(present)
+    out[torch.arange(present.shape[0]), last] = scores.to(present.dtype)
+    return out * present
+
+
+def discounted_returns(token_rewards: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = r_t + gamma * G_{t+1} along each row of (S, T); G after the last token is 0."""
+    out = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])  # (S,)
+    for t in range(token_rewards.shape[1] - 1, -1, -1):
+        running = token_rewards[:, t] + gamma * running
+        out[:, t] = running
+    return out
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(values - mean) / (std + eps), both over the masked-in entries of (S, T); 0 off the mask."""
+    count = mask.sum().clamp(min=1)
+    mean = (values * mask).sum() / count
+    var = ((values - mean).square() * mask).sum() / count
+    return (values - mean) / (var.sqrt() + eps) * mask
+
+
+def reinforce_pp(
+    scores: torch.Tensor,  # (S,) the outcome reward of each sequence (group mean removed for the baseline variant)
+    kl: torch.Tensor,  # (S, T) per-token KL to the reference, 0 when the KL is not in the reward
+    kl_coef: float,
+    mask: torch.Tensor,  # (S, T) trained tokens
+    present: torch.Tensor,  # (S, T) response tokens
+) -> torch.Tensor:
+    """REINFORCE++: per-token reward r_t = -beta * KL_t (+ the score on the last token), return
+    G_t = sum_{s >= t} r_s, advantages = G whitened over every trained token of the global batch."""
+    token_rewards = outcome_token_rewards(scores, present) - kl_coef * kl * present  # (S, T)
+    return whiten(discounted_returns(token_rewards, gamma=1.0), mask)
+
+
+def gae(
+    token_rewards: torch.Tensor,  # (S, T)
+    values: torch.Tensor,  # (S, T) critic's V(s_t) at the position predicting token t
+    present: torch.Tensor,  # (S, T)
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation, right to left with V after the last token = 0:
+
+        delta_t = r_t + gamma * V_{t+1} - V_t
+        A_t     = delta_t + gamma * lam * A_{t+1}
+        R_t     = A_t + V_t            (the value target)
+
+    Returns (advantages, returns), both (S, T) and 0 off the response.
+    """
+    values = values * present
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros_like(values[:, 0])  # (S,)
+    next_adv = torch.zeros_like(values[:, 0])
+    for t in range(values.shape[1] - 1, -1, -1):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        next_adv = (delta + gamma * lam * next_adv) * present[:, t]
+        next_value = values[:, t]
+        advantages[:, t] = next_adv
+    return advantages, (advantages + values) * present

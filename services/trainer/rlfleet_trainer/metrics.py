@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-# Step metrics exported as gauges `rlfleet_trainer_<name>`, from grpo_step's result.
+# Step metrics exported as gauges `rlfleet_trainer_<name>`, from train_step's result.
 STEP_GAUGES = {
     "loss": "policy loss of the last step",
     "pg_clipfrac": "fraction of trained tokens whose ratio was clipped",
@@ -16,6 +16,10 @@ STEP_GAUGES = {
     "logprob_diff": "mean |trainer - rollout| log-prob of trained tokens",
     "reward_mean": "mean reward of the samples of the last step",
     "tokens_per_second": "tokens processed per second in the last step",
+    "value_loss": "value-head loss of the last step (ppo)",
+    "tis_weight": "mean truncated importance-sampling weight of trained tokens",
+    "ratio_masked_frac": "fraction of trained tokens left out for a train/rollout ratio outside the band",
+    "pack_efficiency": "share of the packed micro-batches' token slots holding real tokens",
 }
 
 

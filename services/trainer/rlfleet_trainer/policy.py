@@ -1,13 +1,14 @@
-"""The policy model: loading a Hugging Face causal LM and scoring tokens with it."""
+"""The policy model: loading a Hugging Face causal LM and scoring packed tokens with it."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from rlfleet_trainer.batch import Batch
+from rlfleet_trainer.batch import PackedBatch
 
 
 def load_policy(path: str | Path) -> PreTrainedModel:
@@ -17,18 +18,35 @@ def load_policy(path: str | Path) -> PreTrainedModel:
     return model
 
 
+@dataclass(frozen=True)
+class ScoredTokens:
+    logp: torch.Tensor  # (B, T) log-probability of each response token
+    entropy: torch.Tensor | None  # (B, T) entropy of the distribution each token was drawn from
+    hidden: torch.Tensor | None  # (B, T, H) last hidden state at the position predicting each token
+
+
 def token_logprobs(
-    model: torch.nn.Module, batch: Batch, temperature: float, with_entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probabilities (B, L-1) of each target token under softmax(logits / temperature), the
-    distribution the engine sampled from (plain softmax for greedy, temperature 0), and optionally
-    the per-position entropy (B, L-1) of that distribution."""
-    positions = (batch.attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions).logits
-    logits = logits[:, :-1].float()  # (B, L-1, V): position p predicts token p + 1
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    temperature: float,
+    with_entropy: bool = False,
+    with_hidden: bool = False,
+) -> ScoredTokens:
+    """Scores the response tokens of a packed batch under softmax(logits / temperature), the
+    distribution the engine sampled from (plain softmax for greedy, temperature 0). Only the
+    positions that predict response tokens go through the softmax."""
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        output_hidden_states=with_hidden,
+    )
+    logits = out.logits.flatten(0, 1)[batch.index].float()  # (B, T, V)
     if temperature > 0:
         logits = logits / temperature
     log_probs = torch.log_softmax(logits, dim=-1)
-    picked = log_probs.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)  # (B, L-1)
+    targets = batch.targets.flatten()[batch.index]  # (B, T)
+    picked = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T)
     entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None
-    return picked, entropy
+    hidden = out.hidden_states[-1].flatten(0, 1)[batch.index] if with_hidden else None
+    return ScoredTokens(logp=picked, entropy=entropy, hidden=hidden)

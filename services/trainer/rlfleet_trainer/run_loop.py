@@ -1,10 +1,10 @@
 """The training loop of one run, as a plain function over the objects that hold state.
 
 Per step: collect `groups_per_step` groups from the stream (own pending first, then groups a dead
-consumer left, then new ones), take one GRPO step, write the weights as version step + 1, make the
-fleet serve them, then record the step and acknowledge its groups in one transaction. Only then is
-the new version reported, so whoever waits for version v (the orchestrator) finds the engines
-serving it.
+consumer left, then new ones), take one step of the run's algorithm, write the weights as version
+step + 1, make the fleet serve them, then record the step and acknowledge its groups in one
+transaction. Only then is the new version reported, so whoever waits for version v (the
+orchestrator) finds the engines serving it.
 """
 
 from __future__ import annotations
@@ -18,11 +18,10 @@ from rlfleet.sample_stream import SampleStream, StreamEntry
 from rlfleet.v1.trainer_pb2 import StepReport, TrainerState
 from rlfleet_trainer.active_run import ActiveRun
 from rlfleet_trainer.config import TrainerSettings
-from rlfleet_trainer.grpo import GrpoConfig
 from rlfleet_trainer.metrics import TrainerMetrics
 from rlfleet_trainer.router_client import RouterClient
 from rlfleet_trainer.run_state import RunRecord, RunStateStore
-from rlfleet_trainer.train_step import StepConfig, grpo_step
+from rlfleet_trainer.train_step import StepConfig, step_config_from_spec, train_step
 from rlfleet_trainer.weights import prune_versions, save_version
 
 logger = logging.getLogger(__name__)
@@ -42,20 +41,7 @@ def collect_groups(run: ActiveRun, settings: TrainerSettings, needed: int) -> li
 
 
 def step_config(run: ActiveRun) -> StepConfig:
-    spec = run.spec
-    return StepConfig(
-        grpo=GrpoConfig(
-            clip_low=spec.algorithm.clip_low,
-            clip_high=spec.algorithm.clip_high,
-            kl_coef=spec.algorithm.kl_coef,
-            kl_estimator=spec.algorithm.kl_estimator,
-            entropy_coef=spec.algorithm.entropy_coef,
-        ),
-        temperature=spec.rollout.sampling.temperature,
-        micro_batch_tokens=spec.trainer.micro_batch_tokens,
-        grad_clip=spec.trainer.grad_clip,
-        pad_id=run.pad_id,
-    )
+    return step_config_from_spec(run.spec, run.model, run.pad_id)
 
 
 def train_run(
@@ -75,7 +61,7 @@ def train_run(
             if len(entries) < needed:  # stopped while waiting
                 break
             groups = [e.group for e in entries]
-            step_metrics = grpo_step(run.model, run.optimizer, run.scheduler, groups, config, run.ref_model)
+            step_metrics = train_step(run.model, run.optimizer, run.scheduler, groups, config, run.ref_model)
             version = run.step + 1
             sync_started = time.perf_counter()
             path = save_version(run.model, run.weights_root, version, run.tokenizer_dir)

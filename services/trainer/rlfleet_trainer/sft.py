@@ -17,8 +17,8 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from rlfleet.arithmetic import ArithmeticTask, Problem
-from rlfleet_trainer.batch import TrainSequence, collate
-from rlfleet_trainer.optim import make_optimizer
+from rlfleet_trainer.batch import TrainSequence, pack
+from rlfleet_trainer.optim import LrSchedule, make_optimizer
 from rlfleet_trainer.policy import load_policy, token_logprobs
 from rlfleet_trainer.weights import write_model_dir
 
@@ -50,14 +50,13 @@ def sft_sequences(problems: list[Problem], tokenizer: PreTrainedTokenizerBase) -
                 prompt_len=len(prompt),
                 old_logp=(0.0,) * len(answer),
                 mask=(1,) * len(answer),
-                advantage=0.0,
             )
         )
     return out
 
 
 def sft_loss(logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """logp, mask: (B, L-1) -> scalar token-mean NLL over masked-in tokens."""
+    """logp, mask: (B, T) response grid -> scalar token-mean NLL over masked-in tokens."""
     return -(logp * mask).sum() / mask.sum().clamp(min=1)
 
 
@@ -69,14 +68,17 @@ def run_sft(model_path: Path, out_dir: Path, task: ArithmeticTask, config: SftCo
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     model = load_policy(model_path)
     model.train()
-    optimizer, scheduler = make_optimizer(model, config.learning_rate, 0.0, config.warmup_steps)
+    schedule = LrSchedule(warmup_steps=config.warmup_steps)
+    optimizer, scheduler = make_optimizer(model, config.learning_rate, 0.0, schedule)
     pad_id = tokenizer.pad_token_id or 0
     started = time.perf_counter()
     for step in range(1, config.steps + 1):
         # A fresh draw of train problems per step (the task is procedural): no fixed pool to overfit.
-        batch = collate(sft_sequences(task.problems("train", config.batch_size, epoch=step), tokenizer), pad_id)
-        logp, _ = token_logprobs(model, batch, temperature=1.0)
-        loss = sft_loss(logp, batch.mask)
+        sequences = sft_sequences(task.problems("train", config.batch_size, epoch=step), tokenizer)
+        # One sequence per row in draw order: problems are short and alike, so packing would save
+        # little, and this order keeps the warm start's floating-point path (and its result) as it was.
+        batch = pack(sequences, [[i] for i in range(len(sequences))], pad_id)
+        loss = sft_loss(token_logprobs(model, batch, temperature=1.0).logp, batch.mask)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

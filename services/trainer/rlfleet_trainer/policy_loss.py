@@ -1,0 +1,133 @@
+"""The policy loss: a clipped surrogate (per token, or per sequence for GSPO), plus the KL to the
+reference, minus the entropy bonus, with off-policy correction, aggregated over the batch.
+
+For response token t of sample i, with old log-probability logp_old and advantage A_it:
+
+    ratio_t = exp(logp_t - logp_old_t)
+    pg_t    = -min(ratio_t * A_t, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_t)
+    loss_t  = w_t * pg_t + beta * KL_t(pi || pi_ref) - entropy_coef * H_t
+
+where w_t is the TIS weight (1 without TIS) and tokens outside the ratio band are masked out.
+logp_old is the rollout log-prob; with TIS it is the trainer's own log-prob before the update
+(so the ratio only clips what the update itself moves) and the rollout mismatch goes into w_t.
+Tokens with loss mask 0 (padding, tool output) contribute nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlfleet_trainer.aggregation import masked_mean_per_row, numerator
+from rlfleet_trainer.kl import kl_penalty
+from rlfleet_trainer.off_policy import ratio_band_mask, tis_weights
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    clip_low: float = 0.2
+    """Lower clip range: ratios below 1 - clip_low stop contributing gradient for A < 0."""
+    clip_high: float = 0.2
+    """Upper clip range: ratios above 1 + clip_high stop contributing gradient for A > 0."""
+    sequence_ratio: bool = False
+    """GSPO: clip the geometric mean of a sequence's token ratios instead of each token's ratio."""
+    aggregation: str = "seq_mean_token_mean"
+    """See aggregation.py."""
+    max_tokens: int = 1
+    """L_max of seq_mean_token_sum_norm: the generation budget."""
+    kl_coef: float = 0.0
+    """beta of the KL loss term; 0 when the KL is off or goes into the reward instead."""
+    kl_estimator: str = "k3"
+    """k1, k2, k3 or low_var_kl (see kl.py)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus."""
+    tis_cap: float = 0.0
+    """C of truncated importance sampling; 0 disables TIS."""
+    ratio_mask_low: float = 0.0
+    """Tokens with pi_train / pi_rollout below this are left out; 0 disables."""
+    ratio_mask_high: float = 0.0
+    """Tokens with pi_train / pi_rollout above this are left out; 0 disables."""
+
+
+def clipped_token_surrogate(
+    logp: torch.Tensor,  # (B, T) current log-probs
+    old_logp: torch.Tensor,  # (B, T) old-policy log-probs
+    advantages: torch.Tensor,  # (B, T)
+    clip_low: float,
+    clip_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate per token: pg_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t),
+    r_t = exp(logp_t - logp_old_t). Returns (pg (B, T), clipped (B, T) bool: the clipped branch won)."""
+    ratio = torch.exp(logp - old_logp)  # (B, T)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped).detach()
+
+
+def clipped_sequence_surrogate(
+    logp: torch.Tensor,  # (B, T)
+    old_logp: torch.Tensor,  # (B, T)
+    advantages: torch.Tensor,  # (B, T) constant along each sequence
+    mask: torch.Tensor,  # (B, T)
+    clip_low: float,
+    clip_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO's sequence-level surrogate: s_i = exp(mean_t(logp_it - logp_old_it)) (the geometric
+    mean of the token ratios), pg_i = -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i),
+    given to every token of sequence i. Returns (pg (B, T), clipped (B, T) bool)."""
+    seq_ratio = torch.exp(masked_mean_per_row(logp - old_logp, mask)).unsqueeze(1)  # (B, 1)
+    adv = masked_mean_per_row(advantages, mask).unsqueeze(1)  # (B, 1)
+    unclipped = seq_ratio * adv
+    clipped = torch.clamp(seq_ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    pg = -torch.minimum(unclipped, clipped).expand_as(logp)  # (B, T)
+    return pg, (clipped < unclipped).detach().expand_as(logp)
+
+
+def policy_loss(
+    logp: torch.Tensor,  # (B, T) current policy log-probs of the response tokens
+    rollout_logp: torch.Tensor,  # (B, T) rollout log-probs of the same tokens
+    advantages: torch.Tensor,  # (B, T) per-token advantages (a sample's advantage repeated for outcome rewards)
+    mask: torch.Tensor,  # (B, T) 1.0 where the token is trained on
+    config: PolicyLossConfig,
+    ref_logp: torch.Tensor | None = None,  # (B, T) reference log-probs, needed when kl_coef > 0
+    entropy: torch.Tensor | None = None,  # (B, T) per-token entropy, needed when entropy_coef != 0
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Returns this micro-batch's loss numerator (see aggregation.py: the caller divides by the
+    global denominator) and detached statistics summed over the B samples of per-sample means."""
+    mask = mask.to(logp.dtype)
+    old_logp = logp.detach() if config.tis_cap > 0 else rollout_logp
+    if config.sequence_ratio:
+        pg, clipped = clipped_sequence_surrogate(logp, old_logp, advantages, mask, config.clip_low, config.clip_high)
+    else:
+        pg, clipped = clipped_token_surrogate(logp, old_logp, advantages, config.clip_low, config.clip_high)
+    stats: dict[str, torch.Tensor] = {}
+    trained = mask
+    if config.tis_cap > 0:
+        weights = tis_weights(logp, rollout_logp, config.tis_cap)  # (B, T)
+        pg = pg * weights
+        stats["tis_weight"] = masked_mean_per_row(weights, mask).sum()
+    per_token = pg  # (B, T)
+    if config.kl_coef > 0:
+        assert ref_logp is not None, "kl_coef > 0 needs the reference log-probs"
+        kl = kl_penalty(logp, ref_logp, config.kl_estimator)
+        per_token = per_token + config.kl_coef * kl
+        stats["kl"] = masked_mean_per_row(kl.detach(), mask).sum()
+    if config.entropy_coef != 0:
+        assert entropy is not None, "entropy_coef != 0 needs the per-token entropy"
+        per_token = per_token - config.entropy_coef * entropy
+    if config.ratio_mask_low > 0 or config.ratio_mask_high > 0:
+        # The band zeroes tokens' losses; normalisers still count them, as tokens whose gradient is dropped.
+        band = ratio_band_mask(logp, rollout_logp, config.ratio_mask_low, config.ratio_mask_high)
+        per_token = per_token * band
+        trained = mask * band
+        stats["ratio_masked_frac"] = masked_mean_per_row(1.0 - band, mask).sum()
+    loss = numerator(per_token, mask, config.aggregation, config.max_tokens)
+    with torch.no_grad():
+        log_ratio = logp - rollout_logp
+        stats["pg_clipfrac"] = masked_mean_per_row(clipped.to(logp.dtype), trained).sum()
+        # Schulman's k3 estimate of KL(rollout || current) with r = current/rollout: (r - 1) - log r >= 0.
+        stats["approx_kl"] = masked_mean_per_row(torch.exp(log_ratio) - 1 - log_ratio, mask).sum()
+        if entropy is not None:
+            stats["entropy"] = masked_mean_per_row(entropy.detach(), mask).sum()
+    return loss, stats

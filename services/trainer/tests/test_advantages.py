@@ -1,0 +1,87 @@
+"""Advantage estimators and the value loss against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+import torch
+
+from rlfleet_trainer.advantages import (
+    discounted_returns,
+    gae,
+    group_centered,
+    group_normalized,
+    leave_one_out,
+    outcome_token_rewards,
+    per_group,
+    reinforce_pp,
+)
+from rlfleet_trainer.critic import clipped_value_loss
+
+REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0])
+
+
+def test_grpo_divides_by_the_group_std() -> None:
+    std = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0, 1]
+    assert group_normalized(REWARDS, eps=0.0).tolist() == pytest.approx([0.5 / std, -0.5 / std, -0.5 / std, 0.5 / std])
+    assert group_normalized(torch.tensor([2.0, 2.0, 2.0])).tolist() == [0.0, 0.0, 0.0]
+
+
+def test_dr_grpo_only_centers() -> None:
+    assert group_centered(REWARDS).tolist() == [0.5, -0.5, -0.5, 0.5]
+
+
+def test_rloo_subtracts_the_mean_of_the_others() -> None:
+    # 1 - mean(0, 0, 1) = 2/3; 0 - mean(1, 0, 1) = -2/3
+    assert leave_one_out(REWARDS).tolist() == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3])
+    assert leave_one_out(torch.tensor([3.0])).tolist() == [0.0]
+
+
+def test_estimators_apply_within_each_group() -> None:
+    rewards = torch.tensor([1.0, 0.0, 3.0, 3.0, 5.0])
+    groups = torch.tensor([0, 0, 1, 1, 2])
+    assert per_group(rewards, groups, group_centered).tolist() == [0.5, -0.5, 0.0, 0.0, 0.0]
+
+
+def test_outcome_reward_sits_on_the_last_response_token() -> None:
+    present = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    assert outcome_token_rewards(torch.tensor([2.0, -1.0]), present).tolist() == [[0, 0, 2], [-1, 0, 0]]
+    assert discounted_returns(torch.tensor([[1.0, 0.0, 2.0]]), gamma=0.5).tolist() == [[1.5, 1.0, 2.0]]
+
+
+def test_reinforce_pp_by_hand() -> None:
+    scores = torch.tensor([1.0, 0.0])
+    kl = torch.tensor([[0.1, 0.2], [0.3, 0.0]])
+    present = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    adv = reinforce_pp(scores, kl, kl_coef=0.5, mask=present, present=present)
+    # token rewards: [-0.05, 1 - 0.1], [0 - 0.15]; returns: [0.85, 0.9], [-0.15]; whitened over 3 tokens
+    returns = [0.85, 0.9, -0.15]
+    mean, std = statistics.fmean(returns), statistics.pstdev(returns)
+    expected = [(g - mean) / std for g in returns]
+    assert [adv[0, 0].item(), adv[0, 1].item(), adv[1, 0].item()] == pytest.approx(expected, rel=1e-5)
+    assert adv[1, 1].item() == 0.0
+
+
+def test_gae_by_hand() -> None:
+    rewards = torch.tensor([[0.0, 1.0]])
+    values = torch.tensor([[0.5, 0.8]])
+    adv, returns = gae(rewards, values, torch.ones(1, 2), gamma=1.0, lam=0.5)
+    # delta_1 = 1 + 0 - 0.8 = 0.2 = A_1; delta_0 = 0 + 0.8 - 0.5 = 0.3; A_0 = 0.3 + 0.5 * 0.2 = 0.4
+    assert adv[0].tolist() == pytest.approx([0.4, 0.2])
+    assert returns[0].tolist() == pytest.approx([0.9, 1.0])
+    # gamma discounts the next value; lambda = 1 gives discounted returns minus values.
+    adv, _ = gae(rewards, values, torch.ones(1, 2), gamma=0.9, lam=1.0)
+    assert adv[0].tolist() == pytest.approx([0.9 * 1.0 - 0.5, 1.0 - 0.8])
+
+
+def test_clipped_value_loss_by_hand() -> None:
+    # V moved 0.5 -> 1.0, clipped to 0.7; target 0.8: max((0.2)^2, (0.1)^2) / 2
+    assert clipped_value_loss(torch.tensor([1.0]), torch.tensor([0.5]), torch.tensor([0.8]), 0.2).item() == (
+        pytest.approx(0.02)
+    )
+    # V moved 1.0 -> 0.5, clipped to 0.8; target 1.2: max((0.7)^2, (0.4)^2) / 2
+    assert clipped_value_loss(torch.tensor([0.5]), torch.tensor([1.0]), torch.tensor([1.2]), 0.2).item() == (
+        pytest.approx(0.245)
+    )

@@ -1,0 +1,138 @@
+"""The policy-loss pieces against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlfleet_trainer.aggregation import denominator, numerator
+from rlfleet_trainer.kl import kl_penalty
+from rlfleet_trainer.off_policy import ratio_band_mask, tis_weights
+from rlfleet_trainer.policy_loss import PolicyLossConfig, policy_loss
+
+
+def log(values: list[list[float]]) -> torch.Tensor:
+    return torch.log(torch.tensor(values))
+
+
+def test_loss_at_ratio_one_is_minus_mean_advantage() -> None:
+    logp = log([[0.5, 0.25], [0.5, 0.25]])
+    adv = torch.tensor([[1.0, 1.0], [-2.0, -2.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    loss, stats = policy_loss(logp, logp.clone(), adv, mask, PolicyLossConfig())
+    # per-sample means: -1 and +2; summed over samples -> 1
+    assert loss.item() == pytest.approx(1.0)
+    assert stats["pg_clipfrac"].item() == 0.0
+    assert stats["approx_kl"].item() == pytest.approx(0.0, abs=1e-7)
+
+
+def test_token_clipping_by_hand() -> None:
+    old = log([[0.5, 0.5]])
+    new = log([[0.8, 0.3]])  # ratios 1.6 and 0.6
+    mask = torch.ones(1, 2)
+    cfg = PolicyLossConfig(clip_low=0.2, clip_high=0.28)
+    pos, stats = policy_loss(new, old, torch.ones(1, 2), mask, cfg)
+    # A > 0: min(1.6, 1.28) = 1.28 (clipped); min(0.6, 0.8) = 0.6 (not) -> -(1.28 + 0.6) / 2
+    assert pos.item() == pytest.approx(-(1.28 + 0.6) / 2)
+    assert stats["pg_clipfrac"].item() == pytest.approx(0.5)
+    neg, stats = policy_loss(new, old, -torch.ones(1, 2), mask, cfg)
+    # A < 0: -min(-1.6, -1.28) = 1.6 (not); -min(-0.6, -0.8) = 0.8 (clipped) -> (1.6 + 0.8) / 2
+    assert neg.item() == pytest.approx((1.6 + 0.8) / 2)
+    assert stats["pg_clipfrac"].item() == pytest.approx(0.5)
+
+
+def test_clipped_tokens_get_no_gradient() -> None:
+    old = log([[0.5]])
+    new = log([[0.8]]).requires_grad_(True)  # ratio 1.6 > 1.2
+    loss, _ = policy_loss(new, old, torch.ones(1, 1), torch.ones(1, 1), PolicyLossConfig())
+    loss.backward()
+    assert new.grad is not None and new.grad.item() == 0.0
+
+
+def test_gspo_clips_the_geometric_mean_of_the_sequence() -> None:
+    old = log([[0.5, 0.5]])
+    new = log([[0.6, 0.45]])  # token ratios 1.2 and 0.9: s = sqrt(1.08) = 1.03923
+    cfg = PolicyLossConfig(clip_low=3e-4, clip_high=4e-4, sequence_ratio=True)
+    pos, stats = policy_loss(new, old, torch.ones(1, 2), torch.ones(1, 2), cfg)
+    assert pos.item() == pytest.approx(-1.0004)  # min(1.03923, 1.0004)
+    assert stats["pg_clipfrac"].item() == 1.0
+    neg, _ = policy_loss(new, old, -torch.ones(1, 2), torch.ones(1, 2), cfg)
+    assert neg.item() == pytest.approx(math.sqrt(1.08))  # -min(-1.03923, -1.0004)
+    # Unclipped, every token gets the gradient s * A / |y| of the sequence ratio.
+    new = log([[0.5, 0.5]]).requires_grad_(True)
+    loss, _ = policy_loss(new, old, torch.ones(1, 2), torch.ones(1, 2), cfg)
+    loss.backward()
+    assert new.grad[0].tolist() == pytest.approx([-0.5, -0.5])  # d(-s)/dlogp_t = -s / |y| with s = 1
+
+
+def test_tis_weights_by_hand() -> None:
+    logp, rollout = log([[0.5, 0.2]]), log([[0.25, 0.4]])  # rho = 2 and 0.5
+    assert tis_weights(logp, rollout, cap=1.5)[0].tolist() == pytest.approx([1.5, 0.5])
+    # With TIS the ratio is against the trainer's own log-probs (1 here): loss = -mean(w * A).
+    logp.requires_grad_(True)
+    loss, stats = policy_loss(logp, rollout, torch.ones(1, 2), torch.ones(1, 2), PolicyLossConfig(tis_cap=1.5))
+    assert loss.item() == pytest.approx(-(1.5 + 0.5) / 2)
+    assert stats["tis_weight"].item() == pytest.approx(1.0)
+    assert stats["pg_clipfrac"].item() == 0.0
+    loss.backward()
+    assert logp.grad[0].tolist() == pytest.approx([-0.75, -0.25])
+
+
+def test_ratio_band_masks_tokens_out_of_the_loss() -> None:
+    rollout = log([[0.25, 0.5, 0.5]])
+    logp = log([[0.5, 0.5, 0.2]])  # rho = 2, 1, 0.4
+    assert ratio_band_mask(logp, rollout, 0.5, 1.5).tolist() == [[0.0, 1.0, 0.0]]
+    assert ratio_band_mask(logp, rollout, 0.0, 1.5).tolist() == [[0.0, 1.0, 1.0]]  # 0: the bound is off
+    cfg = PolicyLossConfig(ratio_mask_low=0.5, ratio_mask_high=1.5)
+    loss, stats = policy_loss(logp, rollout, torch.ones(1, 3), torch.ones(1, 3), cfg)
+    assert loss.item() == pytest.approx(-1.0 / 3)  # only the middle token counts, over the sample's 3 tokens
+    assert stats["ratio_masked_frac"].item() == pytest.approx(2 / 3)
+
+
+def test_kl_estimators_by_hand() -> None:
+    logp = log([[0.5]])
+    ref = log([[0.25]])
+    r = math.log(0.25 / 0.5)
+    assert kl_penalty(logp, ref, "k1").item() == pytest.approx(-r)
+    assert kl_penalty(logp, ref, "k2").item() == pytest.approx(r * r / 2)
+    assert kl_penalty(logp, ref, "k3").item() == pytest.approx(math.exp(r) - r - 1)
+    assert kl_penalty(logp, ref, "low_var_kl").item() == pytest.approx(math.exp(r) - r - 1)
+    far = kl_penalty(torch.tensor([[0.0]]), torch.tensor([[20.0]]), "low_var_kl")
+    assert far.item() == 10.0  # clamped
+    with pytest.raises(ValueError, match="unknown KL estimator"):
+        kl_penalty(logp, ref, "k9")
+
+
+def test_kl_and_entropy_terms_with_their_coefficients() -> None:
+    logp = log([[0.5]])
+    ref = log([[0.25]])
+    entropy = torch.tensor([[0.7]])
+    cfg = PolicyLossConfig(kl_coef=0.1, entropy_coef=0.01)
+    loss, stats = policy_loss(logp, logp.clone(), torch.zeros(1, 1), torch.ones(1, 1), cfg, ref, entropy)
+    r = math.log(0.5)
+    assert loss.item() == pytest.approx(0.1 * (math.exp(r) - r - 1) - 0.01 * 0.7)
+    assert stats["kl"].item() == pytest.approx(math.exp(r) - r - 1)
+    assert stats["entropy"].item() == pytest.approx(0.7)
+
+
+def test_masked_tokens_do_not_count() -> None:
+    logp = torch.zeros(1, 3)
+    old = torch.tensor([[0.0, 5.0, 5.0]])  # wild ratios, but masked out
+    loss, _ = policy_loss(logp, old, torch.ones(1, 3), torch.tensor([[1.0, 0.0, 0.0]]), PolicyLossConfig())
+    assert loss.item() == pytest.approx(-1.0)
+
+
+def test_aggregations_by_hand() -> None:
+    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    # seq_mean_token_mean: (mean(1, 2, 3) + 4) / 2 sequences
+    assert numerator(per_token, mask, "seq_mean_token_mean", 5).item() / denominator("seq_mean_token_mean", 2, 4) == 3
+    # token_mean: (1 + 2 + 3 + 4) / 4 tokens
+    assert numerator(per_token, mask, "token_mean", 5).item() / denominator("token_mean", 2, 4) == 2.5
+    # seq_mean_token_sum_norm: (6 / 5 + 4 / 5) / 2 sequences
+    agg = numerator(per_token, mask, "seq_mean_token_sum_norm", 5).item() / denominator("seq_mean_token_sum_norm", 2, 4)
+    assert agg == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        numerator(per_token, mask, "sum", 5)
