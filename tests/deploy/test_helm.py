@@ -173,3 +173,26 @@ def test_checkpoint_volume_is_shared_read_write_many_by_default() -> None:
         files = chart.render({}, name="rl", namespace="ml", is_install=True)
     claim = yaml.safe_load(files["rlfleet/templates/data-pvc.yaml"])
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_router_discovers_and_restarts_engines_through_the_api_it_may_use(
+    rendered: tuple[dict, list[dict[str, Any]]],
+) -> None:
+    values, docs = rendered
+    [router] = [spec for name, spec in pod_specs(docs).items() if name.endswith("router")]
+    env = {var["name"]: var["value"] for var in router["containers"][0].get("env", [])}
+    kube = values["router"]["kubernetes"]
+    assert (env.get("RLFLEET_ROUTER_KUBERNETES_DISCOVERY") == "true") == kube["discovery"]
+    assert (env.get("RLFLEET_ROUTER_RESTARTER") == "kubernetes") == kube["restarts"]
+    roles = by_kind(docs, "Role")
+    if kube["discovery"] or kube["restarts"]:
+        assert "app.kubernetes.io/component=engine" in env["RLFLEET_ROUTER_KUBERNETES_LABEL_SELECTOR"]
+        [role] = [r for name, r in roles.items() if name.endswith("router")]
+        verbs = {verb for rule in role["rules"] for verb in rule["verbs"]}
+        assert {"list", "delete"} <= verbs
+        engine_labels = [
+            doc["metadata"]["labels"]
+            for doc in docs
+            if doc["kind"] == "Service" and doc["metadata"]["name"].endswith("engine")
+        ]
+        assert engine_labels and all(labels["app.kubernetes.io/component"] == "engine" for labels in engine_labels)
