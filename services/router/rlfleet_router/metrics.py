@@ -62,7 +62,13 @@ class FleetCollector(Collector):
             "1 for the state each engine is in (pending, healthy, unhealthy, restarting), 0 for the others.",
             labels=["engine", "state"],
         )
+        engine_version = GaugeMetricFamily(
+            "rlfleet_router_engine_weight_version",
+            "Weight version each engine serves (NaN until known or if not numeric).",
+            labels=["engine"],
+        )
         for worker in self._workers.all():
+            engine_version.add_metric([worker.url], version_as_number(worker.weight_version))
             in_flight.add_metric([worker.url], worker.in_flight)
             in_flight_tokens.add_metric([worker.url], worker.in_flight_tokens)
             healthy.add_metric([worker.url], 1.0 if worker.healthy else 0.0)
@@ -73,6 +79,7 @@ class FleetCollector(Collector):
         yield in_flight_tokens
         yield healthy
         yield state
+        yield engine_version
         if self.trajectories is not None:
             yield GaugeMetricFamily(
                 "rlfleet_router_trajectories", "Trajectories in the token cache.", value=len(self.trajectories)
