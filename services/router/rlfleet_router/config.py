@@ -30,11 +30,14 @@ class RouterConfig(BaseSettings):
     cache_threshold: float = Field(
         0.3, ge=0.0, le=1.0, description="cache_aware: fraction of a prompt an engine must hold to be preferred."
     )
+    cache_tokens_per_request: int = Field(
+        24, ge=1, description="cache_aware: prompt tokens to prefill costing an engine as much as a request in flight."
+    )
     balance_abs_threshold: int = Field(
-        4, ge=0, description="cache_aware: requests in flight above the least-loaded engine that make one overloaded."
+        2, ge=0, description="cache_aware: an engine with more requests in flight than this ..."
     )
     balance_rel_threshold: float = Field(
-        1.5, ge=1.0, description="cache_aware: ... and the factor over the least-loaded engine's count that must too."
+        1.25, ge=1.0, description="cache_aware: ... plus this factor times the mean per engine is overloaded."
     )
     max_tree_tokens: int = Field(
         2**24, ge=1, description="cache_aware: global token budget of the prefix tree (LRU eviction beyond it)."
@@ -112,6 +115,7 @@ class RouterConfig(BaseSettings):
     def policy_options(self) -> PolicyOptions:
         return PolicyOptions(
             cache_threshold=self.cache_threshold,
+            cache_tokens_per_request=self.cache_tokens_per_request,
             balance_abs_threshold=self.balance_abs_threshold,
             balance_rel_threshold=self.balance_rel_threshold,
             max_tree_tokens=self.max_tree_tokens,

@@ -2,8 +2,9 @@
 
 `Fleet` wires one worker registry, routing policy, proxy, weight state, health checker, control
 fan-out, trajectory cache, metrics registry and, when configured, a restarter (self-healing) and
-Kubernetes discovery around one HTTP client to the engines. The HTTP app is a thin layer over it;
-tests and other front ends (a gRPC one) use the same object.
+Kubernetes discovery around one HTTP client to the engines (the proxy relays generation traffic
+over its own, leaner one). The HTTP app is a thin layer over it; tests and other front ends (a gRPC
+one) use the same object.
 """
 
 from __future__ import annotations
@@ -67,7 +68,6 @@ class Fleet:
         if isinstance(self.policy, CacheAware):
             self.metrics.fleet.tree = self.policy.tree
         self.proxy = Proxy(
-            self.client,
             self.workers,
             self.policy,
             self.metrics,
@@ -105,6 +105,7 @@ class Fleet:
             self.workers.add(url)
 
     async def start(self) -> None:
+        await self.proxy.start()
         if self.healer is not None:
             for url in await self.healer.restarter.start():
                 self.add_worker(url)
@@ -118,6 +119,7 @@ class Fleet:
         await self.health.stop()
         if self.healer is not None:
             await self.healer.stop()
+        await self.proxy.stop()
         await self.client.aclose()
 
     async def generate(

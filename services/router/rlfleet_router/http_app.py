@@ -10,7 +10,6 @@ membership follows sglang-router's `/workers` API; the fleet's own state is at `
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -23,8 +22,8 @@ from rlfleet_router.api_models import AddWorkerRequest, UpdateWeightsRequest
 from rlfleet_router.config import RouterConfig
 from rlfleet_router.fanout import FANOUT_ROUTES
 from rlfleet_router.fleet import Fleet
+from rlfleet_router.generation_relay import GenerationRelay
 from rlfleet_router.metrics import RequestMetricsMiddleware
-from rlfleet_router.openai_routing import GENERATION_ROUTES
 from rlfleet_router.policies import RoutingRequest
 from rlfleet_router.proxy import EngineResponse
 
@@ -46,16 +45,8 @@ def create_app(config: RouterConfig) -> FastAPI:
     app.state.fleet = fleet
     install_error_handlers(app)
     app.add_middleware(RequestMetricsMiddleware, metrics=fleet.metrics)
-
-    def generation(route: str) -> Callable[[Request], Awaitable[EngineResponse]]:
-        async def forward(request: Request) -> EngineResponse:
-            body = await request.body()
-            return await fleet.generate(route, body, request.headers, arrived_at=time.perf_counter())
-
-        return forward
-
-    for route in GENERATION_ROUTES:
-        app.add_api_route(route, generation(route), methods=["POST"], response_model=None)
+    # Outermost, so generation requests (POST /generate, /v1/completions, /v1/chat/completions) skip the rest.
+    app.add_middleware(GenerationRelay, fleet=fleet)
 
     def control(route: str) -> Callable[[Request], Awaitable[JSONResponse]]:
         async def fan_out(request: Request) -> JSONResponse:

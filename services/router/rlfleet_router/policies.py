@@ -87,11 +87,14 @@ class PolicyOptions:
 
     cache_threshold: float = 0.3
     """cache_aware: smallest fraction of the prompt an engine must hold for the request to follow the cache."""
-    balance_abs_threshold: int = 4
-    """cache_aware: the engine holding the prefix is overloaded when it has more than this many requests
-    in flight above the least-loaded engine ..."""
-    balance_rel_threshold: float = 1.5
-    """... and more than this factor times the least-loaded engine's count."""
+    cache_tokens_per_request: int = 24
+    """cache_aware: prompt tokens whose prefill costs an engine as much as one more request in flight; the
+    exchange rate between cache misses and load in an engine's cost (see `CacheAware`)."""
+    balance_abs_threshold: int = 2
+    """cache_aware: an engine is overloaded, and takes no request, when it has more requests in flight than
+    this many ..."""
+    balance_rel_threshold: float = 1.25
+    """... plus this factor times the fleet's mean requests in flight per engine."""
     max_tree_tokens: int = 2**24
     """cache_aware: global budget of the prefix tree, in tokens (characters for text prompts), all engines together."""
     seed: int | None = None
@@ -163,16 +166,23 @@ class PowerOfTwo:
 
 
 class CacheAware:
-    """Follows the engines' prefix caches, as long as that does not overload an engine.
+    """Follows the engines' prefix caches as far as that pays for itself in load.
 
-    The tree records, for every prompt routed, the engine it went to. For a new request:
-      1. no engine holds at least `cache_threshold` of its prompt -> the least-loaded engine (low_match);
-      2. else the engine holding the longest prefix (cache_hit), unless it is overloaded against the
-         least-loaded engine (both balance thresholds exceeded): then, among the engines that are not,
-         the one holding the longest prefix, ties to the least loaded (imbalance).
-    The override looks at the chosen engine against the least-loaded one for every request, rather
-    than waiting for the whole fleet to be imbalanced, so a popular prompt family spills over to a
-    second engine as soon as its first one queues, and the tree then routes it to both.
+    The tree records, for every prompt routed, the engine it went to. For a new request each engine
+    costs its requests in flight plus the prompt tokens it would have to prefill (the part of the
+    prompt the tree says it does not hold), converted at `cache_tokens_per_request` tokens to one
+    request; the cheapest engine wins, ties to the longer match, then to fewer tokens in flight.
+      * No engine holding `cache_threshold` of the prompt: the least-loaded engine (low_match).
+      * An engine holding the whole prompt (the samples of one GRPO prompt, sent one after another)
+        keeps it while it has room, i.e. is not overloaded: the group's question is prefilled once.
+      * An overloaded engine (more requests in flight than `balance_abs_threshold` plus
+        `balance_rel_threshold` times the mean over the engines) takes nothing.
+    The reason is cache_hit when the chosen engine holds the longest prefix any engine holds, else
+    imbalance (load outweighed the cache).
+
+    A popular prompt family spills to a second engine only once its engine is loaded by more than
+    its prefix is worth, instead of whenever it queues a little; a shared system prompt worth a few
+    requests does not pull every first turn of a conversation onto the engines holding it.
     """
 
     def __init__(self, options: PolicyOptions | None = None) -> None:
@@ -193,25 +203,29 @@ class CacheAware:
         self.tree.remove_tenant(worker.id)
 
     def _choose(self, workers: Sequence[Worker], key: Key) -> Choice:
-        match = self.tree.match(key)
-        held = {w.id: match.matched.get(w.id, 0) for w in workers}
+        matched = self.tree.match(key).matched
+        held = {w.id: matched.get(w.id, 0) for w in workers}
         longest = max(held.values())
-        if longest < self.options.cache_threshold * len(key):
+        size = len(key)
+        if longest == 0 or longest < self.options.cache_threshold * size:
             return Choice(self._least_load.least_loaded(workers), "low_match")
-        lowest = min(w.in_flight for w in workers)
         opts = self.options
-
-        def overloaded(w: Worker) -> bool:
-            excess = w.in_flight - lowest
-            return excess > opts.balance_abs_threshold and w.in_flight > opts.balance_rel_threshold * lowest
-
-        def preference(w: Worker) -> tuple[int, int, int]:
-            return held[w.id], -w.in_flight, -w.in_flight_tokens
-
-        best = max(workers, key=preference)
-        if not overloaded(best):
+        # Against the mean rather than the least-loaded engine: one idle engine must not make every
+        # other one overloaded, and a fleet with more engines than prompt families still fills them all.
+        cap = opts.balance_abs_threshold + opts.balance_rel_threshold * sum(w.in_flight for w in workers) / len(workers)
+        room = [w for w in workers if w.in_flight <= cap]
+        whole = [w for w in room if held[w.id] == size]
+        if whole:
+            best = min(whole, key=load)
             return Choice(best, "cache_hit")
-        return Choice(max((w for w in workers if not overloaded(w)), key=preference), "imbalance")
+        # Text prompts are matched by character; their cost is in estimated tokens like an id prompt's.
+        per_request = opts.cache_tokens_per_request * (CHARS_PER_TOKEN if isinstance(key, str) else 1)
+
+        def cost(w: Worker) -> tuple[float, int, int]:
+            return w.in_flight + (size - held[w.id]) / per_request, -held[w.id], w.in_flight_tokens
+
+        best = min(room, key=cost)
+        return Choice(best, "cache_hit" if held[best.id] == longest else "imbalance")
 
 
 BUILTIN_POLICIES: Mapping[str, Callable[[PolicyOptions], Policy]] = {

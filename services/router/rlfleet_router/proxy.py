@@ -2,10 +2,15 @@
 
 The request body goes to the engine as the bytes that arrived, so fields the router does not
 know reach the engine untouched; the engine's answer streams back chunk by chunk (plain JSON and
-SSE alike), with a copy of the bytes read for the prompt and cached tokens the engine reports
+SSE alike), its bytes unchanged (content-length kept, so a plain answer needs no chunked framing),
+with a copy of the bytes read for the prompt and cached tokens the engine reports
 (`engine_usage`). A request is retried on another engine only while nothing has been sent back yet,
 and only for a connection failure or a 5xx, with exponential backoff inside the request's
 deadline.
+
+The relay uses aiohttp, whose connector keeps one pool of idle connections per engine (taken and
+returned in O(1)): an httpx/httpcore pool rescans every pooled connection on each request's start
+and end, which cost several milliseconds of router CPU per request.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -29,19 +34,15 @@ from rlfleet_router.workers import Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
 
-# Hop-by-hop headers (RFC 9110 7.6.1) plus those the HTTP layer recomputes for the new message.
-DROPPED_HEADERS = frozenset(
+# Hop-by-hop headers (RFC 9110 7.6.1) plus the host, which names the router, not the engine.
+HOP_HEADERS = frozenset(
     {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "host"}
-    | {"content-length"}
 )
-# Failures that mean the engine never took the request (or died before answering): safe to resend.
-CONNECTION_ERRORS = (
-    httpx.ConnectError,
-    httpx.ConnectTimeout,
-    httpx.RemoteProtocolError,
-    httpx.ReadError,
-    httpx.WriteError,
-)
+# A request's length is recomputed for the bytes sent; an answer's is kept, as its bytes are relayed unchanged.
+DROPPED_REQUEST_HEADERS = HOP_HEADERS | {"content-length"}
+# Failures that mean the engine never took the request (or died before answering): safe to resend. A
+# timeout connecting is one; a timeout reading the answer (aiohttp.SocketTimeoutError, a subclass) is not.
+CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
 ENGINE_HEADER = "x-rlfleet-engine"
 # Answers kept whole for an `on_answer` reader (trajectories); a larger one is relayed but not read.
 MAX_CAPTURED_BYTES = 32 * 1024 * 1024
@@ -66,8 +67,11 @@ class RetryPolicy:
         return min(self.max_backoff_secs, self.initial_backoff_secs * self.multiplier ** (retry - 1))
 
 
-def forwardable_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() not in DROPPED_HEADERS}
+def forwardable_headers(
+    headers: Mapping[str, str],
+    dropped: frozenset[str] = DROPPED_REQUEST_HEADERS,
+) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in dropped}
 
 
 class EngineResponse(StreamingResponse):
@@ -75,7 +79,7 @@ class EngineResponse(StreamingResponse):
 
     def __init__(
         self,
-        upstream: httpx.Response,
+        upstream: aiohttp.ClientResponse,
         worker: Worker,
         workers: WorkerRegistry,
         deadline: float,
@@ -83,23 +87,30 @@ class EngineResponse(StreamingResponse):
         metrics: RouterMetrics,
         on_answer: AnswerReader | None = None,
     ) -> None:
-        headers = forwardable_headers(upstream.headers)
+        headers = forwardable_headers(upstream.headers, HOP_HEADERS)
         headers[ENGINE_HEADER] = worker.url
-        super().__init__(self._relay(), status_code=upstream.status_code, headers=headers)
+        super().__init__(self._relay(), status_code=upstream.status, headers=headers)
         self._upstream = upstream
+        self._plain = "content-length" in upstream.headers
         self._worker = worker
         self._workers = workers
         self._deadline = deadline
         self._tokens = tokens
         self._metrics = metrics
-        self._tap = UsageTap(upstream.headers.get("content-type", "")) if upstream.status_code == 200 else None
-        self._on_answer = on_answer if upstream.status_code == 200 else None
+        self._tap = UsageTap(upstream.headers.get("content-type", "")) if upstream.status == 200 else None
+        self._on_answer = on_answer if upstream.status == 200 else None
         self._answer = bytearray()
         self._released = False
+        self._complete = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            if self._plain:
+                # A plain answer is already whole at the engine and relayed in one go: a task watching
+                # for the client's disconnect (below) would cost more router CPU than the relay itself.
+                await self.stream_response(send)
+            else:
+                await super().__call__(scope, receive, send)
         finally:
             await self.release()
 
@@ -109,13 +120,16 @@ class EngineResponse(StreamingResponse):
         self._released = True
         self._worker.in_flight -= 1
         self._worker.in_flight_tokens -= self._tokens
-        await self._upstream.aclose()
+        if self._complete:
+            self._upstream.release()  # read to its end: the connection goes back to the engine's pool
+        else:
+            self._upstream.close()  # an answer cut short leaves the connection unusable
 
     async def _relay(self) -> AsyncIterator[bytes]:
         try:
-            # Each read is bounded by the client's read timeout (the time left when the request
+            # Each read is bounded by the session's read timeout (the time left when the request
             # was sent); the check below ends a stream that keeps trickling past the deadline.
-            async for chunk in self._upstream.aiter_raw():
+            async for chunk in self._upstream.content.iter_any():
                 yield chunk
                 if self._tap is not None:
                     self._tap.feed(chunk)
@@ -128,6 +142,7 @@ class EngineResponse(StreamingResponse):
                     raise TimeoutError(f"request to {self._worker.url} exceeded its deadline")
             # Released before the client sees the end of the body, so a client that sends its next
             # request on receipt already finds this engine's load decremented.
+            self._complete = True
             await self.release()
             usage = self._tap.result() if self._tap is not None else None
             if usage is not None:
@@ -135,7 +150,7 @@ class EngineResponse(StreamingResponse):
                 self._metrics.cached_tokens.labels(engine=self._worker.url).inc(usage.cached_tokens)
             if self._on_answer is not None:
                 self._on_answer(bytes(self._answer), self._worker)
-        except (TimeoutError, httpx.TimeoutException):
+        except TimeoutError:  # aiohttp's read timeout included
             # Ending the body early would look like a complete answer; failing the connection does not.
             logger.warning("request to %s exceeded its deadline mid-response; aborting it", self._worker.url)
             raise
@@ -145,9 +160,10 @@ class EngineResponse(StreamingResponse):
 
 
 class Proxy:
+    """Relays requests to engines; `start()` (in the serving event loop) before the first, `stop()` after the last."""
+
     def __init__(
         self,
-        client: httpx.AsyncClient,
         workers: WorkerRegistry,
         policy: Policy,
         metrics: RouterMetrics,
@@ -155,13 +171,35 @@ class Proxy:
         request_timeout_secs: float,
         connect_timeout_secs: float,
     ) -> None:
-        self._client = client
+        self._session: aiohttp.ClientSession | None = None
         self._workers = workers
         self._policy = policy
         self._metrics = metrics
         self._retry = retry
         self._request_timeout = request_timeout_secs
         self._connect_timeout = connect_timeout_secs
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(
+            # Streams stay open for a whole generation: a pool cap would queue requests behind them.
+            limit=0,
+            limit_per_host=0,
+            keepalive_timeout=60,
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            # Answers are relayed as the engine sent them (compressed or not), never decoded on the way.
+            auto_decompress=False,
+            # Only the client's own headers go to the engine; no compression the client did not ask for.
+            skip_auto_headers=("Accept-Encoding",),
+            # Engines sit on the cluster network; a proxy from the environment must not intercept them.
+            trust_env=False,
+        )
+
+    async def stop(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     async def forward(
         self,
@@ -231,32 +269,33 @@ class Proxy:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise DeadlineExceeded(f"{route} ran out of time before an engine answered")
-        timeout = httpx.Timeout(remaining, connect=min(self._connect_timeout, remaining))
-        request = self._client.build_request(
-            method, f"{worker.url}{route}", content=body, headers=headers, timeout=timeout
-        )
+        if self._session is None:
+            raise Unavailable("the router is not serving yet (its engine connections are not open)")
+        # Each read of the answer is bounded by the time left; see EngineResponse._relay for the whole.
+        timeout = aiohttp.ClientTimeout(sock_connect=min(self._connect_timeout, remaining), sock_read=remaining)
         worker.in_flight += 1
         worker.in_flight_tokens += tokens
         try:
-            upstream = await self._client.send(request, stream=True)
+            upstream = await self._session.request(
+                method, f"{worker.url}{route}", data=body or None, headers=headers, timeout=timeout
+            )
         except CONNECTION_ERRORS as exc:
             self._unload(worker, tokens)
+            if isinstance(exc, aiohttp.SocketTimeoutError):  # connected and sent, but no answer in time
+                raise DeadlineExceeded(f"{worker.url} did not answer {route} in time ({describe_error(exc)})") from exc
             self._metrics.engine_errors.labels(engine=worker.url, kind="connection").inc()
             reason = f"{worker.url}: {describe_error(exc)}"
             self._workers.record_failure(worker, reason)
             raise RetryableFailure(reason) from exc
-        except httpx.TimeoutException as exc:
-            self._unload(worker, tokens)
-            raise DeadlineExceeded(f"{worker.url} did not answer {route} in time ({describe_error(exc)})") from exc
         except BaseException:
             self._unload(worker, tokens)
             raise
-        if upstream.status_code >= 500:
+        if upstream.status >= 500:
             self._metrics.engine_errors.labels(engine=worker.url, kind="http_5xx").inc()
             if not last_try:
                 self._unload(worker, tokens)
-                await upstream.aclose()
-                raise RetryableFailure(f"{worker.url}: HTTP {upstream.status_code}")
+                upstream.close()
+                raise RetryableFailure(f"{worker.url}: HTTP {upstream.status}")
         return EngineResponse(upstream, worker, self._workers, deadline, tokens, self._metrics, on_answer)
 
     @staticmethod

@@ -61,25 +61,58 @@ def generate(prompt: list[int], max_new_tokens: int = 8) -> RoutingRequest:
     return RoutingRequest("/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_new_tokens}})
 
 
-def test_cache_aware_follows_the_prefix_then_spills_over_when_overloaded() -> None:
+def test_cache_aware_weighs_uncached_tokens_against_requests_in_flight() -> None:
     workers = make_workers(0, 0, 0)
-    policy = CacheAware(PolicyOptions(cache_threshold=0.5, balance_abs_threshold=2, balance_rel_threshold=1.5))
+    # A 40-token family prefix is worth 4 requests in flight.
+    policy = CacheAware(PolicyOptions(cache_threshold=0.5, cache_tokens_per_request=10, balance_abs_threshold=100))
     family = list(range(100, 140))
     first = policy.select(workers, generate([*family, 1]))
     assert first.reason == "low_match"
-    repeats = [policy.select(workers, generate([*family, i])) for i in range(2, 4)]
-    assert all(c.worker is first.worker and c.reason == "cache_hit" for c in repeats)
 
-    first.worker.in_flight = 3  # 3 above the idle engines: over both thresholds
-    spill = policy.select(workers, generate([*family, 9]))
-    assert spill.reason == "imbalance" and spill.worker is not first.worker
+    first.worker.in_flight = 3  # 3 + 1 token to prefill beats 0 + 41 tokens elsewhere
+    stays = policy.select(workers, generate([*family, 2]))
+    assert stays.worker is first.worker and stays.reason == "cache_hit"
+
+    first.worker.in_flight = 5  # now the prefix is worth less than the load
+    spill = policy.select(workers, generate([*family, 3]))
+    assert spill.worker is not first.worker and spill.reason == "imbalance"
     # The tree now knows both engines hold the family; the less loaded of them gets the next one.
     spill.worker.in_flight = 1
-    again = policy.select(workers, generate([*family, 10]))
+    again = policy.select(workers, generate([*family, 4]))
     assert again.worker is spill.worker and again.reason == "cache_hit"
 
     other = policy.select(workers, generate(list(range(500, 540))))
     assert other.reason == "low_match" and other.worker.in_flight == 0
+
+
+def test_cache_aware_keeps_the_samples_of_a_prompt_together_while_the_engine_has_room() -> None:
+    workers = make_workers(0, 0, 0)
+    policy = CacheAware(PolicyOptions(cache_tokens_per_request=1, balance_abs_threshold=2))
+    prompt = generate(list(range(200, 240)))
+    picks = []
+    for _ in range(5):  # one GRPO group, sent one after another; each sample stays in flight
+        choice = policy.select(workers, prompt)
+        choice.worker.in_flight += 1
+        picks.append(choice.worker)
+    # Even at 1 token per request the whole-prompt holder keeps the group until it is overloaded:
+    # 4 in flight is over 2 + 1.25 x the mean of 4/3.
+    assert picks[:4] == [picks[0]] * 4
+    assert picks[4] is not picks[0]
+
+
+def test_cache_aware_prices_text_prompts_in_estimated_tokens() -> None:
+    workers = make_workers(0, 0)
+    policy = CacheAware(PolicyOptions(cache_tokens_per_request=10, balance_abs_threshold=100))
+    family = "x" * 200  # 200 characters: about 50 tokens, worth 5 requests in flight
+
+    def ask(question: str) -> RoutingRequest:
+        return RoutingRequest("/generate", {"text": family + question})
+
+    home = policy.select(workers, ask("a")).worker
+    home.in_flight = 4
+    assert policy.select(workers, ask("b")).worker is home
+    home.in_flight = 6
+    assert policy.select(workers, ask("c")).worker is not home
 
 
 def test_cache_aware_routes_text_prompts_and_counts_tokens() -> None:
