@@ -51,6 +51,24 @@ class ArithmeticTask:
             raise ValueError(f"split must be 'train' or 'test', got {split!r}")
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
+        out = self._collect(split, count, epoch)
+        if len(out) < count:
+            raise ValueError(
+                f"the {split} split of {self.digits}-digit {self.ops!r} problems holds fewer than {count} "
+                f"distinct problems (found {len(out)}); ask for fewer or use more digits or operators"
+            )
+        return out
+
+    def train_pool(self, at_most: int) -> list[Problem]:
+        """Up to `at_most` distinct train problems (fewer when the split holds fewer), in draw order.
+
+        A run cycles through this pool epoch after epoch instead of being refused when it needs more.
+        """
+        if at_most < 1:
+            raise ValueError(f"at_most must be >= 1, got {at_most}")
+        return self._collect("train", at_most, 0)
+
+    def _collect(self, split: Split, count: int, epoch: int) -> list[Problem]:
         rng = random.Random(f"{self.seed}/{split}/{epoch if split == 'train' else 0}")
         want_heldout = split == "test"
         seen: set[str] = set()
@@ -64,11 +82,6 @@ class ArithmeticTask:
                 continue
             seen.add(problem.prompt)
             out.append(problem)
-        if len(out) < count:
-            raise ValueError(
-                f"the {split} split of {self.digits}-digit {self.ops!r} problems holds fewer than {count} "
-                f"distinct problems (found {len(out)}); ask for fewer or use more digits or operators"
-            )
         return out
 
     def is_heldout(self, prompt: str) -> bool:

@@ -1,9 +1,10 @@
-"""Held-out evaluation: greedy generation of the eval split, scored at the reward hub.
+"""Held-out evaluation: k samples of every held-out prompt (k = schedule.eval_samples), scored at the reward hub.
 
-accuracy: share of prompts whose response earns full marks (every reward term at 1, weighted);
-a prompt whose generation or scoring failed counts as wrong. Greedy decoding gives one response
-per prompt, so pass@k is pass@1, the accuracy. mean_length and truncation_rate are over the
-responses the engines returned.
+k = 1 is one greedy answer per prompt; k > 1 samples with the run's sampling parameters and
+per-sample seeds. accuracy: share of samples that earn full marks (every reward term at 1,
+weighted); pass_at_k: share of prompts with at least one such sample. A sample whose generation or
+scoring failed counts as wrong. mean_length and truncation_rate are over the responses the engines
+returned.
 """
 
 from __future__ import annotations
@@ -11,54 +12,65 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from rlfleet.arithmetic import Problem
 from rlfleet.errors import RlfleetError, Unavailable
 from rlfleet.v1.reward_pb2 import ScoreItem, ScoreStatus
 from rlfleet.v1.runs_pb2 import EvalResult
 from rlfleet.v1.samples_pb2 import FinishReason
 from rlfleet_rollout.concurrency import gather_cancelling
-from rlfleet_rollout.group_producer import RolloutContext, full_marks
+from rlfleet_rollout.datasets import Prompt
+from rlfleet_rollout.group_producer import RolloutContext, full_marks, sample_seed, seeded_sampling
 from rlfleet_rollout.router_client import Completion, sampling_body
 
 
 @dataclass(frozen=True)
 class _Outcome:
+    prompt_index: int
     correct: bool
     completion: Completion
 
 
 async def _evaluate_batch(
-    ctx: RolloutContext, run_id: str, step: int, start: int, problems: list[Problem]
+    ctx: RolloutContext, run_id: str, step: int, start: int, prompts: list[Prompt], k: int
 ) -> list[_Outcome]:
-    prompts = [ctx.encode(p.prompt) for p in problems]
+    """`prompts` are held-out prompts start, start + 1, ...; each is asked k times."""
+    cells = [(start + i, p, j) for i, p in enumerate(prompts) for j in range(k)]
+    encoded = [ctx.encode(ctx.render(p.prompt)) for _, p, _ in cells]
     attempt = uuid.uuid4().hex[:8]  # unique among requests in flight, as for training groups
-    rids = [f"{run_id}/eval/{step}/{start + i}@{attempt}" for i in range(len(problems))]
+    rids = [f"{run_id}/eval/{step}/{index}/{j}@{attempt}" for index, _, j in cells]
+    if k == 1:
+        sampling: dict | list = sampling_body(ctx.spec.rollout.sampling, greedy=True)
+    else:
+        # Seeds of their own (negative positions never name a train prompt), the same at every evaluation.
+        seeds = [sample_seed(ctx.spec.dataset.seed, -1 - index, j) for index, _, j in cells]
+        sampling = seeded_sampling(sampling_body(ctx.spec.rollout.sampling), seeds)
     try:
-        completions = await ctx.generate(prompts, sampling_body(ctx.spec.rollout.sampling, greedy=True), rids)
+        completions = await ctx.generate(encoded, sampling, rids)
     except RlfleetError as exc:
-        completions = [Completion(error=f"generation failed: {exc}")] * len(problems)
+        completions = [Completion(error=f"generation failed: {exc}")] * len(cells)
     items = [
-        ScoreItem(id=str(i), prompt=p.prompt, response=ctx.response_text(c), label=p.answer)
-        for i, (p, c) in enumerate(zip(problems, completions, strict=True))
+        ScoreItem(id=str(i), prompt=p.prompt, response=ctx.response_text(c), label=p.answer, metadata=p.metadata)
+        for i, ((_, p, _), c) in enumerate(zip(cells, completions, strict=True))
         if not c.error
     ]
     results = {r.id: r for r in await ctx.score(items)}
     threshold = full_marks(ctx.spec.reward)
     outcomes = []
-    for i, c in enumerate(completions):
+    for i, ((index, _, _), c) in enumerate(zip(cells, completions, strict=True)):
         result = results.get(str(i))
         ok = result is not None and result.status == ScoreStatus.SCORE_STATUS_OK and result.score >= threshold
-        outcomes.append(_Outcome(correct=ok, completion=c))
+        outcomes.append(_Outcome(prompt_index=index, correct=ok, completion=c))
     return outcomes
 
 
 async def evaluate(
-    ctx: RolloutContext, run_id: str, step: int, problems: list[Problem], batch_size: int, trainer_version: int
+    ctx: RolloutContext, run_id: str, step: int, prompts: list[Prompt], batch_size: int, trainer_version: int
 ) -> EvalResult:
-    """The EvalResult of the current fleet weights on `problems`; Unavailable if no prompt got a response."""
-    batches = [problems[i : i + batch_size] for i in range(0, len(problems), batch_size)]
+    """The EvalResult of the current fleet weights on `prompts`; Unavailable if no prompt got a response."""
+    k = ctx.spec.schedule.eval_samples
+    per_request = max(1, batch_size // k)  # a request holds about batch_size samples
+    batches = [prompts[i : i + per_request] for i in range(0, len(prompts), per_request)]
     per_batch = await gather_cancelling(
-        [_evaluate_batch(ctx, run_id, step, i * batch_size, batch) for i, batch in enumerate(batches)]
+        [_evaluate_batch(ctx, run_id, step, i * per_request, batch, k) for i, batch in enumerate(batches)]
     )
     outcomes = [o for batch in per_batch for o in batch]
     answered = [o.completion for o in outcomes if not o.completion.error]
@@ -66,14 +78,15 @@ async def evaluate(
         errors = {o.completion.error for o in outcomes}
         raise Unavailable(f"evaluation at step {step} got no response: {'; '.join(sorted(errors))[:500]}")
     versions = [c.weight_version for c in answered if c.weight_version is not None]
-    accuracy = sum(o.correct for o in outcomes) / len(outcomes)
+    solved = {o.prompt_index for o in outcomes if o.correct}
     return EvalResult(
         step=step,
         # The engines' own report wins: it is the version that actually answered.
         weight_version=max(versions) if versions else trainer_version,
-        size=len(outcomes),
-        accuracy=accuracy,
-        pass_at_k=accuracy,
+        size=len(prompts),
+        accuracy=sum(o.correct for o in outcomes) / len(outcomes),
+        pass_at_k=len(solved) / len(prompts),
         mean_length=sum(len(c.output_ids) for c in answered) / len(answered),
         truncation_rate=sum(c.finish_reason == FinishReason.FINISH_REASON_LENGTH for c in answered) / len(answered),
+        k=k,
     )

@@ -8,19 +8,21 @@ the run loop decides whether a whole step of failures is fatal.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from tokenizers import Tokenizer
 
-from rlfleet.arithmetic import Problem
 from rlfleet.errors import InvalidInput, RlfleetError
 from rlfleet.v1.reward_pb2 import RewardSpec, ScoreItem, ScoreResult, ScoreStatus
 from rlfleet.v1.runs_pb2 import RunSpec
 from rlfleet.v1.samples_pb2 import FinishReason, Sample, SampleGroup, SampleStatus
+from rlfleet_rollout.datasets import Prompt
 from rlfleet_rollout.metrics import RolloutMetrics
 from rlfleet_rollout.reward_client import RewardClient
 from rlfleet_rollout.router_client import Completion, RouterClient, sampling_body
@@ -38,6 +40,8 @@ class RolloutContext:
     spec: RunSpec
     limit: asyncio.Semaphore
     metrics: RolloutMetrics
+    render: Callable[[str], str] = str
+    """Prompt -> text the model sees (the tokenizer's chat template when the dataset asks for it)."""
 
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer.encode(prompt).ids)
@@ -45,7 +49,9 @@ class RolloutContext:
     def response_text(self, completion: Completion) -> str:
         return completion.text or self.tokenizer.decode(list(completion.output_ids), skip_special_tokens=True)
 
-    async def generate(self, prompts: list[list[int]], sampling: dict[str, Any], rids: list[str]) -> list[Completion]:
+    async def generate(
+        self, prompts: list[list[int]], sampling: dict[str, Any] | list[dict[str, Any]], rids: list[str]
+    ) -> list[Completion]:
         async with self.limit:
             started = time.monotonic()
             try:
@@ -114,43 +120,76 @@ def build_sample(
     return sample
 
 
+def sample_seed(dataset_seed: int, position: int, index: int) -> int:
+    """The sampling seed of sample `index` of the prompt at `position`: the same spec gives the same seeds."""
+    digest = hashlib.sha256(f"{dataset_seed}/{position}/{index}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") >> 1  # a non-negative int32, which every engine accepts
+
+
+def seeded_sampling(base: dict[str, Any], seeds: list[int]) -> list[dict[str, Any]]:
+    """One `sampling_params` per prompt of a batch, each with its seed under SGLang's name `sampling_seed`."""
+    return [{**base, "sampling_seed": seed} for seed in seeds]
+
+
+def apply_truncation_rule(sample: Sample, rule: str) -> None:
+    """rollout.truncated: "zero_reward" takes a truncated sample's reward, "mask" keeps it out of the loss."""
+    if sample.status != SampleStatus.SAMPLE_STATUS_TRUNCATED:
+        return
+    if rule == "zero_reward":
+        sample.reward = 0.0
+    elif rule == "mask":
+        sample.loss_mask[:] = [0] * len(sample.loss_mask)
+
+
 async def produce_group(
-    ctx: RolloutContext, run_id: str, step: int, index: int, problem: Problem, fallback_version: int
+    ctx: RolloutContext, run_id: str, group_id: str, position: int, prompt: Prompt, fallback_version: int
 ) -> SampleGroup:
-    """The group `<run>/<step>/<index>`: `group_size` samples of `problem`, scored."""
-    group_id = f"{run_id}/{step}/{index}"
-    n = ctx.spec.rollout.group_size
-    prompt_ids = ctx.encode(problem.prompt)
+    """The group `group_id`: `group_size` seeded samples of the prompt at `position`, scored."""
+    ro = ctx.spec.rollout
+    n = ro.group_size
+    text = ctx.render(prompt.prompt)
+    prompt_ids = ctx.encode(text)
     sample_ids = [f"{group_id}/{j}" for j in range(n)]
+    seeds = [sample_seed(ctx.spec.dataset.seed, position, j) for j in range(n)]
     # Request ids must be unique among requests in flight, and a restarted orchestrator may re-produce
     # a group while its predecessor's request still runs: the suffix keeps them apart.
     attempt = uuid.uuid4().hex[:8]
     rids = [f"{sample_id}@{attempt}" for sample_id in sample_ids]
     try:
-        completions = await ctx.generate([prompt_ids] * n, sampling_body(ctx.spec.rollout.sampling), rids)
+        completions = await ctx.generate([prompt_ids] * n, seeded_sampling(sampling_body(ro.sampling), seeds), rids)
     except RlfleetError as exc:
-        logger.warning("generation of group %s failed: %s", group_id, exc, extra={"run_id": run_id, "step": step})
+        logger.warning("generation of group %s failed: %s", group_id, exc, extra={"run_id": run_id})
         completions = [Completion(error=f"generation failed: {exc}")] * n
     texts = [ctx.response_text(c) if not c.error else "" for c in completions]
     items = [
-        ScoreItem(id=str(j), prompt=problem.prompt, response=texts[j], label=problem.answer)
+        ScoreItem(id=str(j), prompt=prompt.prompt, response=texts[j], label=prompt.answer, metadata=prompt.metadata)
         for j, c in enumerate(completions)
         if not c.error
     ]
     results = {r.id: r for r in await ctx.score(items)}
     samples = [
-        build_sample(sample_ids[j], j, prompt_ids, problem.prompt, c, texts[j], results.get(str(j)), fallback_version)
+        build_sample(sample_ids[j], j, prompt_ids, text, c, texts[j], results.get(str(j)), fallback_version)
         for j, c in enumerate(completions)
     ]
-    for sample in samples:
+    for sample, seed in zip(samples, seeds, strict=True):
+        sample.seed = seed
+        apply_truncation_rule(sample, ro.truncated)
         ctx.metrics.count_sample(sample.status)
     group = SampleGroup(
         group_id=group_id,
         run_id=run_id,
-        prompt_id=f"train/{step * ctx.spec.rollout.groups_per_step + index}",
-        label=problem.answer,
+        prompt_id=f"train/{position}",
+        label=prompt.answer,
         samples=samples,
         weight=1.0,
+        metadata=prompt.metadata,
     )
     group.created_at.GetCurrentTime()
     return group
+
+
+def rename_group(group: SampleGroup, group_id: str) -> None:
+    """Gives an accepted candidate its slot's id (the stream deduplicates by it), samples included."""
+    group.group_id = group_id
+    for sample in group.samples:
+        sample.sample_id = f"{group_id}/{sample.index}"

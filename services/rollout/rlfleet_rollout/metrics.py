@@ -33,6 +33,27 @@ class RolloutMetrics:
         self.weight_version = Gauge(
             "rlfleet_rollout_weight_version", "Weight version the trainer published last.", registry=self.registry
         )
+        self.groups_filtered = Counter(
+            "rlfleet_rollout_groups_filtered",
+            "Groups produced but kept from the trainer, by reason (a filter's name, stale, surplus, prompt_too_long).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.eval_pass_at_k = Gauge(
+            "rlfleet_rollout_eval_pass_at_k",
+            "Held-out share of prompts with a correct sample among k, latest evaluation.",
+            registry=self.registry,
+        )
+        self.eval_mean_length = Gauge(
+            "rlfleet_rollout_eval_mean_length_tokens",
+            "Mean response length in tokens of the latest evaluation.",
+            registry=self.registry,
+        )
+        self.eval_truncation_rate = Gauge(
+            "rlfleet_rollout_eval_truncation_rate",
+            "Share of the latest evaluation's responses cut at max_new_tokens.",
+            registry=self.registry,
+        )
         self.step = Gauge("rlfleet_rollout_step", "Optimizer steps the trainer has taken.", registry=self.registry)
         for state in RunState.keys():
             if state != "RUN_STATE_UNSPECIFIED":

@@ -19,6 +19,7 @@ import uvicorn
 
 from rlfleet.sample_stream import connect_redis
 from rlfleet_rollout.config import RolloutConfig
+from rlfleet_rollout.group_filters import FilterRegistry
 from rlfleet_rollout.grpc_server import build_grpc_server
 from rlfleet_rollout.http_app import build_app
 from rlfleet_rollout.metrics import RolloutMetrics
@@ -46,6 +47,7 @@ class _EmbeddedUvicorn(uvicorn.Server):
 
 async def serve(config: RolloutConfig) -> None:
     metrics = RolloutMetrics()
+    filters = FilterRegistry.from_entry_points()
     redis_async = aioredis.Redis.from_url(
         config.redis_url, socket_timeout=_REDIS_TIMEOUT_S, socket_connect_timeout=_REDIS_TIMEOUT_S
     )
@@ -64,6 +66,7 @@ async def serve(config: RolloutConfig) -> None:
         reward,
         RunNotifier(),
         metrics,
+        filters=filters,
         poll_interval_s=config.poll_interval_s,
     )
     deps = RunDeps(
@@ -74,6 +77,7 @@ async def serve(config: RolloutConfig) -> None:
         redis=redis_sync,
         config=config,
         metrics=metrics,
+        filters=filters,
     )
     await core.count_existing_runs()
 

@@ -1,9 +1,15 @@
-"""The policy's tokenizer (`tokenizer.json`, read with the `tokenizers` library: no transformers, no torch)."""
+"""The policy's tokenizer (`tokenizer.json`, read with the `tokenizers` library: no transformers, no torch)
+and its chat template (rendered with Jinja2 in a sandbox, as transformers does)."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from rlfleet.errors import InvalidInput
@@ -26,3 +32,47 @@ def load_tokenizer(tokenizer_path: str) -> Tokenizer:
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # noqa: BLE001 - the library raises a bare Exception for unreadable files
         raise InvalidInput(f"model.tokenizer_path: cannot read {path}: {exc}") from exc
+
+
+def load_chat_template(tokenizer_path: str) -> Callable[[str], str]:
+    """The tokenizer's chat template (tokenizer_config.json `chat_template`) as prompt -> rendered user turn.
+
+    InvalidInput naming dataset.chat_template when the tokenizer has none: the run asked for one.
+    """
+    config_path = Path(tokenizer_path) / "tokenizer_config.json"
+    config: dict[str, Any] = {}
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise InvalidInput(f"model.tokenizer_path: cannot read {config_path}: {exc}") from exc
+    source = config.get("chat_template")
+    if isinstance(source, list):  # named templates: the "default" one serves plain chat
+        source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
+    if not isinstance(source, str) or not source:
+        raise InvalidInput(
+            f"dataset.chat_template: the tokenizer at {tokenizer_path!r} has no chat template "
+            "(tokenizer_config.json `chat_template`); unset dataset.chat_template to send prompts as they are"
+        )
+    try:
+        template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(source)
+    except TemplateError as exc:
+        raise InvalidInput(f"dataset.chat_template: the tokenizer's chat template does not parse: {exc}") from exc
+    specials = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token")}
+
+    def render(prompt: str) -> str:
+        try:
+            return template.render(
+                messages=[{"role": "user", "content": prompt}], add_generation_prompt=True, **specials
+            )
+        except TemplateError as exc:
+            raise InvalidInput(f"dataset.chat_template: rendering the tokenizer's chat template failed: {exc}") from exc
+
+    render("check")  # a template that cannot render fails at submit, not hours into the run
+    return render
+
+
+def _token_text(value: object) -> str:
+    if isinstance(value, dict):  # an AddedToken serialized with its options
+        return str(value.get("content", ""))
+    return value if isinstance(value, str) else ""

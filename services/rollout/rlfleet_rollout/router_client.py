@@ -104,7 +104,9 @@ class RouterClient:
         self.base_url = base_url
         self.timeout_s = timeout_s
 
-    async def generate(self, prompts: list[list[int]], sampling: dict[str, Any], rids: list[str]) -> list[Completion]:
+    async def generate(
+        self, prompts: list[list[int]], sampling: dict[str, Any] | list[dict[str, Any]], rids: list[str]
+    ) -> list[Completion]:
         """One completion per prompt, in order; raises Unavailable/DeadlineExceeded when the router fails."""
         body = {"input_ids": prompts, "sampling_params": sampling, "return_logprob": True, "rid": rids}
         answer = await request_json(

@@ -1,61 +1,73 @@
-"""A run's data position: which prompts each training step uses, and the held-out prompts of evaluation.
+"""A run's data: its train prompts in a seeded order per epoch, its held-out prompts, and where it has got to.
 
-Step `s` uses train problems `[s * groups_per_step, (s + 1) * groups_per_step)` of the dataset's
-seeded order, so an orchestrator that restarts mid-run produces the same groups for the same step.
+Train prompts are addressed by a position that counts on over every epoch: position `p` is row
+`order(p // n)[p % n]` of the n train rows, where `order(e)` is a permutation seeded by the dataset
+seed and the epoch. A run that needs more prompts than one pass holds goes on to the next epoch,
+and the same position always names the same prompt, so a restarted orchestrator that resumes at a
+saved position (`DataPosition`) neither repeats nor skips a prompt of an epoch.
 """
 
 from __future__ import annotations
 
-from functools import cached_property
+import math
+import random
+from functools import lru_cache
 
-from rlfleet.arithmetic import ArithmeticTask, Problem
-from rlfleet.errors import InvalidInput
+import redis
+
 from rlfleet.v1.runs_pb2 import RunSpec
+from rlfleet_rollout.datasets import LoadedDataset, Prompt, load_dataset
 
 
 class RunData:
-    def __init__(self, task: ArithmeticTask, *, groups_per_step: int, steps: int, eval_size: int) -> None:
-        self.task = task
-        self.groups_per_step = groups_per_step
-        self.steps = steps
-        self.eval_size = eval_size
+    def __init__(self, loaded: LoadedDataset, *, seed: int) -> None:
+        self.train = loaded.train
+        self.eval_prompts = loaded.eval
+        self.skipped_rows = len(loaded.skipped)
+        self.seed = seed
+        self._order = lru_cache(maxsize=4)(self._permutation)
 
     @classmethod
     def from_spec(cls, spec: RunSpec) -> RunData:
-        """The data of a resolved, validated spec; InvalidInput when the dataset cannot serve it."""
-        source = spec.dataset.WhichOneof("source")
-        if source != "arithmetic":
-            raise InvalidInput(f"dataset.{source}: this orchestrator serves `arithmetic` datasets only")
-        ds = spec.dataset
-        task = ArithmeticTask(digits=ds.arithmetic.digits, ops=ds.arithmetic.ops, seed=ds.seed)
-        return cls(
-            task, groups_per_step=spec.rollout.groups_per_step, steps=spec.schedule.steps, eval_size=ds.eval_size
-        )
+        """Reads the dataset of a resolved, validated spec; InvalidInput naming the field when it cannot serve it."""
+        ro = spec.rollout
+        wanted = spec.schedule.steps * math.ceil(ro.oversample * ro.groups_per_step)
+        return cls(load_dataset(spec.dataset, wanted), seed=spec.dataset.seed)
 
-    def check(self) -> None:
-        """Raises InvalidInput naming the field when a split is too small for the run (draws every prompt)."""
-        try:
-            _ = self.train_problems
-        except ValueError as exc:
-            raise InvalidInput(
-                f"schedule.steps: {self.steps} steps x {self.groups_per_step} groups need more prompts than "
-                f"the dataset holds: {exc}"
-            ) from exc
-        try:
-            _ = self.eval_problems
-        except ValueError as exc:
-            raise InvalidInput(f"dataset.eval_size: {exc}") from exc
+    def epoch_of(self, position: int) -> int:
+        return position // len(self.train)
 
-    @cached_property
-    def train_problems(self) -> list[Problem]:
-        return self.task.problems("train", self.steps * self.groups_per_step)
+    def prompt_at(self, position: int) -> Prompt:
+        if position < 0:
+            raise ValueError(f"position must be >= 0, got {position}")
+        epoch, offset = divmod(position, len(self.train))
+        return self.train[self._order(epoch)[offset]]
 
-    @cached_property
-    def eval_problems(self) -> list[Problem]:
-        return self.task.problems("test", self.eval_size)
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(len(self.train)))
+        random.Random(f"{self.seed}/epoch/{epoch}").shuffle(order)
+        return order
 
-    def step_problems(self, step: int) -> list[Problem]:
-        if not 0 <= step < self.steps:
-            raise ValueError(f"step must be in [0, {self.steps}), got {step}")
-        start = step * self.groups_per_step
-        return self.train_problems[start : start + self.groups_per_step]
+
+class DataPosition:
+    """The position each step of a run starts at, in Redis (`run:<id>:data_position`, a hash step -> position).
+
+    Step 0 starts at 0; step s + 1 starts where step s ended, recorded once step s's groups are on
+    the stream. A restarted orchestrator that re-produces step s reads the same start.
+    """
+
+    def __init__(self, client: redis.Redis, run_id: str, *, prefix: str) -> None:
+        self.client = client
+        self.key = f"{prefix}run:{run_id}:data_position"
+
+    def start_of(self, step: int) -> int:
+        if step == 0:
+            return 0
+        raw = self.client.hget(self.key, str(step))
+        if raw is None:
+            raise LookupError(f"no data position recorded for step {step}")
+        return int(raw)
+
+    def record_end(self, step: int, position: int) -> bool:
+        """Records where step `step` ended; False if it was recorded already (the step was re-produced)."""
+        return bool(self.client.hsetnx(self.key, str(step + 1), position))

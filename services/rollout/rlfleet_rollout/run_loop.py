@@ -5,7 +5,8 @@
     for step s from the trainer's step to schedule.steps:
         wait until the trainer serves weight version >= s - max_staleness (bounded)
         (every eval_every steps: evaluate once the trainer serves version s)
-        produce groups_per_step SampleGroups from train prompts [s*g, (s+1)*g), append them to the stream
+        produce groups_per_step SampleGroups that pass the filters, from the step's saved data
+        position on (step_producer), record where the step ended, append them to the stream
     wait until the trainer serves version schedule.steps, evaluate, StopRun, SUCCEEDED
 
 Appending is idempotent per group id, so a restarted orchestrator re-producing a step never
@@ -22,27 +23,25 @@ from dataclasses import dataclass
 
 import redis
 
-from rlfleet.errors import RlfleetError, Unavailable
+from rlfleet.errors import Internal, RlfleetError
 from rlfleet.sample_stream import SampleStream
 from rlfleet.v1.runs_pb2 import Run, RunState
-from rlfleet.v1.samples_pb2 import SampleStatus
 from rlfleet.v1.trainer_pb2 import TrainerStatus
-from rlfleet_rollout.concurrency import gather_cancelling
 from rlfleet_rollout.config import RolloutConfig
 from rlfleet_rollout.evaluation import evaluate
-from rlfleet_rollout.group_producer import RolloutContext, produce_group
+from rlfleet_rollout.group_filters import FilterRegistry
+from rlfleet_rollout.group_producer import RolloutContext
 from rlfleet_rollout.metrics import RolloutMetrics
-from rlfleet_rollout.prompt_tokenizer import load_tokenizer
+from rlfleet_rollout.prompt_tokenizer import load_chat_template, load_tokenizer
 from rlfleet_rollout.reward_client import RewardClient
 from rlfleet_rollout.router_client import RouterClient
-from rlfleet_rollout.run_data import RunData
+from rlfleet_rollout.run_data import DataPosition, RunData
 from rlfleet_rollout.runs_core import RunEnded, RunsCore, now
+from rlfleet_rollout.step_producer import produce_step
 from rlfleet_rollout.trainer_client import TrainerClient
 from rlfleet_rollout.trainer_session import TrainerSession
 
 logger = logging.getLogger(__name__)
-
-_UNUSABLE = (SampleStatus.SAMPLE_STATUS_FAILED, SampleStatus.SAMPLE_STATUS_ABORTED)
 
 
 @dataclass(frozen=True)
@@ -56,6 +55,7 @@ class RunDeps:
     redis: redis.Redis
     config: RolloutConfig
     metrics: RolloutMetrics
+    filters: FilterRegistry
 
 
 async def execute_run(run_id: str, deps: RunDeps) -> None:
@@ -103,8 +103,12 @@ async def execute_run(run_id: str, deps: RunDeps) -> None:
 
 async def _drive(run: Run, session: TrainerSession, deps: RunDeps) -> None:
     run_id, spec = run.id, run.spec
-    data = RunData.from_spec(spec)
+    data = await asyncio.to_thread(RunData.from_spec, spec)
     tokenizer = await asyncio.to_thread(load_tokenizer, spec.model.tokenizer_path)
+    render: Callable[[str], str] = str
+    if spec.dataset.chat_template:
+        render = await asyncio.to_thread(load_chat_template, spec.model.tokenizer_path)
+    await deps.core.update(run_id, _rows_skipped_setter(data.skipped_rows))
     ctx = RolloutContext(
         router=deps.router,
         reward=deps.reward,
@@ -112,8 +116,10 @@ async def _drive(run: Run, session: TrainerSession, deps: RunDeps) -> None:
         spec=spec,
         limit=asyncio.Semaphore(deps.config.max_concurrent_generations),
         metrics=deps.metrics,
+        render=render,
     )
     stream = SampleStream(deps.redis, run_id, prefix=deps.config.redis_prefix)
+    position = DataPosition(deps.redis, run_id, prefix=deps.config.redis_prefix)
     steps, eval_every = spec.schedule.steps, spec.schedule.eval_every
     status = await session.start()
     first = min(int(status.step), steps)
@@ -127,7 +133,7 @@ async def _drive(run: Run, session: TrainerSession, deps: RunDeps) -> None:
                 status = await session.wait_for_version(step)
                 await _evaluate_once(ctx, deps, data, run_id, step, status)
             status = await session.wait_for_version(step - spec.rollout.max_staleness)
-            await _produce_step(ctx, deps, data, stream, run_id, step, int(status.weight_version))
+            await _produce_step(ctx, deps, data, stream, position, run_id, step, int(status.weight_version))
         status = await session.wait_for_version(steps)
         await _evaluate_once(ctx, deps, data, run_id, steps, status)
     finally:
@@ -135,32 +141,52 @@ async def _drive(run: Run, session: TrainerSession, deps: RunDeps) -> None:
 
 
 async def _produce_step(
-    ctx: RolloutContext, deps: RunDeps, data: RunData, stream: SampleStream, run_id: str, step: int, version: int
+    ctx: RolloutContext,
+    deps: RunDeps,
+    data: RunData,
+    stream: SampleStream,
+    position: DataPosition,
+    run_id: str,
+    step: int,
+    version: int,
 ) -> None:
-    problems = data.step_problems(step)
-    groups = await gather_cancelling(
-        [produce_group(ctx, run_id, step, i, problem, version) for i, problem in enumerate(problems)]
-    )
-    samples = [s for g in groups for s in g.samples]
-    if all(s.status in _UNUSABLE for s in samples):
-        raise Unavailable(f"step {step}: no sample could be generated and scored (first error: {samples[0].error})")
-    for group in groups:
+    try:
+        start = await asyncio.to_thread(position.start_of, step)
+    except LookupError as exc:
+        raise Internal(f"step {step}: the data position of the run is missing from Redis ({exc})") from exc
+    outcome = await produce_step(ctx, data, deps.filters, run_id, step, start, version)
+    # Recorded before the groups go out: a re-produced step then starts the next one at the same place.
+    first_time = await asyncio.to_thread(position.record_end, step, outcome.end)
+    for group in outcome.groups:
         if await asyncio.to_thread(stream.append, group) is not None:
             deps.metrics.groups_produced.inc()
-    mean_reward = sum(s.reward for s in samples) / len(samples)
+    samples = [s for g in outcome.groups for s in g.samples]
+    mean_reward = sum(s.reward for s in samples) / len(samples) if samples else 0.0
     deps.metrics.reward_mean.set(mean_reward)
-    produced = (step + 1) * data.groups_per_step
+    if first_time:  # a re-produced step was counted by its first producer
+        for reason, count in outcome.filtered.items():
+            deps.metrics.groups_filtered.labels(reason=reason).inc(count)
+    produced = (step + 1) * ctx.spec.rollout.groups_per_step
 
     def record(run: Run) -> None:
-        run.progress.groups_produced = max(run.progress.groups_produced, produced)
-        run.progress.mean_reward = mean_reward
+        progress = run.progress
+        progress.groups_produced = max(progress.groups_produced, produced)
+        progress.mean_reward = mean_reward
+        progress.prompts_consumed = max(progress.prompts_consumed, outcome.end)
+        progress.epoch = max(progress.epoch, data.epoch_of(max(0, outcome.end - 1)))
+        if first_time:
+            progress.groups_filtered += sum(outcome.filtered.values())
+            for reason, count in outcome.filtered.items():
+                progress.filtered_by_reason[reason] += count
+            progress.groups_downweighted += outcome.downweighted
 
     await deps.core.update(run_id, record)
     logger.info(
-        "run %s step %d: %d groups on the stream, mean reward %.3f",
+        "run %s step %d: %d groups on the stream (%d filtered), mean reward %.3f",
         run_id,
         step,
-        len(groups),
+        len(outcome.groups),
+        sum(outcome.filtered.values()),
         mean_reward,
         extra={"run_id": run_id, "step": step},
     )
@@ -174,9 +200,12 @@ async def _evaluate_once(
     if any(ev.step == step for ev in run.evals):
         return
     result = await evaluate(
-        ctx, run_id, step, data.eval_problems, deps.config.eval_batch_size, int(status.weight_version)
+        ctx, run_id, step, data.eval_prompts, deps.config.eval_batch_size, int(status.weight_version)
     )
     deps.metrics.eval_accuracy.set(result.accuracy)
+    deps.metrics.eval_pass_at_k.set(result.pass_at_k)
+    deps.metrics.eval_mean_length.set(result.mean_length)
+    deps.metrics.eval_truncation_rate.set(result.truncation_rate)
     logger.info("run %s eval at step %d: accuracy %.3f", run_id, step, result.accuracy, extra={"run_id": run_id})
 
     def record(run: Run) -> None:
@@ -215,6 +244,13 @@ def _metrics_setter(metrics: dict[str, float]) -> Callable[[Run], None]:
     def record(run: Run) -> None:
         run.metrics.clear()
         run.metrics.update(metrics)
+
+    return record
+
+
+def _rows_skipped_setter(count: int) -> Callable[[Run], None]:
+    def record(run: Run) -> None:
+        run.progress.rows_skipped = count
 
     return record
 

@@ -17,8 +17,9 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from rlfleet.errors import Conflict, InvalidInput
 from rlfleet.run_spec import resolve, validate
 from rlfleet.v1.runs_pb2 import ListRunsResponse, Run, RunEvent, RunProgress, RunSpec, RunState
+from rlfleet_rollout.group_filters import FilterRegistry
 from rlfleet_rollout.metrics import RolloutMetrics
-from rlfleet_rollout.prompt_tokenizer import tokenizer_file
+from rlfleet_rollout.prompt_tokenizer import load_chat_template, tokenizer_file
 from rlfleet_rollout.reward_client import RewardClient
 from rlfleet_rollout.run_data import RunData
 from rlfleet_rollout.run_events import RunNotifier, describe_change, is_terminal, state_name
@@ -45,8 +46,10 @@ class RunsCore:
         notifier: RunNotifier,
         metrics: RolloutMetrics,
         *,
+        filters: FilterRegistry,
         poll_interval_s: float,
     ) -> None:
+        self.filters = filters
         self.store = store
         self.reward = reward
         self.notifier = notifier
@@ -67,8 +70,10 @@ class RunsCore:
         resolved = resolve(spec)
         validate(resolved)
         tokenizer_file(resolved.model.tokenizer_path)
-        data = RunData.from_spec(resolved)
-        await asyncio.to_thread(data.check)
+        self.filters.check(resolved.rollout.filters)
+        if resolved.dataset.chat_template:
+            await asyncio.to_thread(load_chat_template, resolved.model.tokenizer_path)
+        await asyncio.to_thread(RunData.from_spec, resolved)
         await self._check_reward_functions(resolved)
         run = Run(
             id=f"run-{uuid.uuid4().hex[:12]}",

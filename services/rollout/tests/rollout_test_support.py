@@ -31,6 +31,7 @@ from rlfleet.processes import ServiceProcess, free_port
 from rlfleet.sample_stream import SampleStream
 from rlfleet.v1 import trainer_pb2_grpc
 from rlfleet.v1.runs_pb2 import RunSpec
+from rlfleet.v1.samples_pb2 import SampleGroup
 from rlfleet.v1.trainer_pb2 import StepReport, TrainerState, TrainerStatus
 
 REDIS_URL = os.environ.get("RLFLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -80,6 +81,8 @@ class FakeRun:
     known: bool = True
     reports: list[StepReport] = field(default_factory=list)
     trained_group_ids: list[str] = field(default_factory=list)
+    trained: list[tuple[int, SampleGroup]] = field(default_factory=list)
+    """Every trained group with the trainer's step when it trained it."""
 
 
 class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
@@ -155,6 +158,7 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
                 continue
             run.stream.ack(e.entry_id for e in batch)
             run.trained_group_ids += [e.group.group_id for e in batch]
+            run.trained += [(run.step, e.group) for e in batch]
             run.groups_trained += len(batch)
             run.step += 1
             run.reports.append(
@@ -178,8 +182,13 @@ def _answer(prompt: str) -> str:
     return str(int(a) + int(b))
 
 
-def build_fake_router(trainer: FakeTrainer, down: threading.Event) -> FastAPI:
-    """SGLang's /generate shape; greedy answers are right from weight version 1 on; 503 while `down` is set."""
+def build_fake_router(
+    trainer: FakeTrainer, down: threading.Event, lag_versions: list[int], seeds_seen: list[int | None]
+) -> FastAPI:
+    """SGLang's /generate shape; greedy answers are right from weight version 1 on; 503 while `down` is set.
+
+    The engines serve `lag_versions[0]` versions behind the trainer; every sampling_seed asked for is noted.
+    """
     app = FastAPI()
     inverse = {i: tok for tok, i in vocabulary().items()}
     rng = random.Random(0)
@@ -192,12 +201,17 @@ def build_fake_router(trainer: FakeTrainer, down: threading.Event) -> FastAPI:
         rids = body.get("rid")
         if not isinstance(rids, list) or len(rids) != len(body["input_ids"]) or len(set(rids)) != len(rids):
             return JSONResponse({"error": "rid must hold one unique id per prompt"}, status_code=400)
-        params = body["sampling_params"]
-        version = trainer.version
+        per_prompt = body["sampling_params"]
+        if not isinstance(per_prompt, list):
+            per_prompt = [per_prompt] * len(body["input_ids"])
+        version = trainer.version - lag_versions[0] if trainer.version >= lag_versions[0] else 0
         out = []
-        for ids in body["input_ids"]:
+        for ids, params in zip(body["input_ids"], per_prompt, strict=True):
+            seeds_seen.append(params.get("sampling_seed"))
             prompt = "".join(inverse[i] for i in ids)
-            right = version >= 1 if params["temperature"] == 0 else rng.random() < 0.3 + 0.3 * version
+            seed = params.get("sampling_seed")
+            draw = random.Random(seed).random() if seed is not None else rng.random()  # seeded: reproducible
+            right = version >= 1 if params["temperature"] == 0 else draw < 0.3 + 0.3 * version
             text = _answer(prompt) if right else str(int(_answer(prompt)) + 1)
             output_ids = [vocabulary()[c] for c in text] + [EOS_ID]
             finish = "stop"
@@ -267,6 +281,8 @@ class FakeFleet:
     router_url: str
     reward_url: str
     router_down: threading.Event
+    router_lag: list[int]
+    router_seeds: list[int | None]
     _stop: Callable[[], None]
 
     def stop(self) -> None:
@@ -280,7 +296,9 @@ def start_fake_fleet(redis_client: redis.Redis, prefix: str) -> FakeFleet:
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     router_down = threading.Event()
-    router = ThreadedUvicorn(build_fake_router(trainer, router_down))
+    router_lag: list[int] = [0]
+    router_seeds: list[int | None] = []
+    router = ThreadedUvicorn(build_fake_router(trainer, router_down, router_lag, router_seeds))
     hub = ThreadedUvicorn(build_fake_reward_hub())
 
     def stop() -> None:
@@ -289,7 +307,9 @@ def start_fake_fleet(redis_client: redis.Redis, prefix: str) -> FakeFleet:
         router.stop()
         hub.stop()
 
-    return FakeFleet(prefix, trainer, f"127.0.0.1:{port}", router.url, hub.url, router_down, stop)
+    return FakeFleet(
+        prefix, trainer, f"127.0.0.1:{port}", router.url, hub.url, router_down, router_lag, router_seeds, stop
+    )
 
 
 # -- the orchestrator as a real process ---------------------------------------------------------

@@ -37,10 +37,21 @@ def test_bad_specs_get_400_naming_the_field_and_nothing_is_stored(
         ("group of one", json.dumps({**good, "rollout": {"group_size": 1}}).encode(), "rollout.group_size"),
         ("no tokenizer", json.dumps({**good, "model": {"path": "/nonexistent"}}).encode(), "model.tokenizer_path"),
         (
-            "too few prompts",
-            json.dumps({**good, "schedule": {"steps": 500}}).encode(),
-            "schedule.steps",
+            "too few held-out prompts",
+            json.dumps({**good, "dataset": {**good["dataset"], "eval_size": 500}}).encode(),
+            "dataset.eval_size",
         ),
+        (
+            "unknown filter",
+            json.dumps({**good, "rollout": {**good["rollout"], "filters": ["zero_variance", "nope"]}}).encode(),
+            "rollout.filters[1]",
+        ),
+        (
+            "no chat template",
+            json.dumps({**good, "dataset": {**good["dataset"], "chat_template": True}}).encode(),
+            "dataset.chat_template",
+        ),
+        ("missing file", json.dumps({**good, "dataset": {"jsonl": {"path": "/nonexistent.jsonl"}}}).encode(), "path"),
     ]
     before = _count_runs(orchestrator.url)
     for name, body, field in cases:

@@ -15,6 +15,7 @@ from rollout_test_support import REDIS_URL, spec_json
 from rlfleet.errors import Unavailable
 from rlfleet.processes import free_port
 from rlfleet.v1.runs_pb2 import RunSpec
+from rlfleet_rollout.group_filters import FilterRegistry
 from rlfleet_rollout.metrics import RolloutMetrics
 from rlfleet_rollout.reward_client import RewardClient
 from rlfleet_rollout.run_events import RunNotifier
@@ -30,7 +31,9 @@ def test_submit_with_the_reward_hub_down_is_unavailable_and_stores_nothing(
         async with httpx.AsyncClient() as http:
             hub = RewardClient(http, f"http://127.0.0.1:{free_port()}", score_timeout_s=1, list_timeout_s=0.5)
             store = RunStore(client, redis_prefix)
-            core = RunsCore(store, hub, RunNotifier(), RolloutMetrics(), poll_interval_s=0.1)
+            core = RunsCore(
+                store, hub, RunNotifier(), RolloutMetrics(), filters=FilterRegistry({}), poll_interval_s=0.1
+            )
             with pytest.raises(Unavailable, match="/functions"):
                 await core.submit(json_format.ParseDict(spec_json(tokenizer_dir), RunSpec()))
             assert await store.page() == ([], "")

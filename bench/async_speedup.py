@@ -1,0 +1,116 @@
+"""Async speedup: wall time to a held-out accuracy with max_staleness 0 (on-policy) and 1, in one fleet.
+
+Makes the tiny model, warm-starts it with SFT (as `rlfleet demo` does), brings the whole local
+fleet up once, then trains the demo task (examples/runs/arith-grpo.yaml) twice from the same warm
+start and seed: with rollout.max_staleness 0, then 1. Each run's evaluations are timed from the run
+start; the target is the best accuracy both runs reach (or --target), and each run's time to
+target is the time of its first evaluation at or above it. Prints both times and their ratio.
+
+    .venv/bin/python bench/async_speedup.py [--steps 40] [--eval-every 4] [--target 0.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet
+from rlfleet.runs_client import FINAL_STATES, RunsClient, load_spec_file
+from rlfleet.tiny_model import create_tiny_model
+from rlfleet.v1.runs_pb2 import RunSpec, RunState
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def timed_run(client: RunsClient, spec: RunSpec) -> list[tuple[float, int, float]]:
+    """Submits `spec` and follows it to the end; (seconds since RUNNING, step, accuracy) per evaluation."""
+    run = client.submit(spec)
+    started: float | None = None
+    seen: list[tuple[float, int, float]] = []
+    for current in client.watch(run.id, timeout_s=900.0):
+        if started is None and current.state == RunState.RUN_STATE_RUNNING:
+            started = time.monotonic()
+        for ev in current.evals[len(seen) :]:
+            seen.append((time.monotonic() - (started or time.monotonic()), int(ev.step), ev.accuracy))
+        if current.state in FINAL_STATES:
+            if current.state != RunState.RUN_STATE_SUCCEEDED:
+                raise SystemExit(f"run {run.id} ended {RunState.Name(current.state)}: {current.error}")
+            return seen
+    raise SystemExit(f"run {run.id} did not end")
+
+
+def time_to(evals: list[tuple[float, int, float]], target: float) -> tuple[float, int]:
+    reached = next(((t, step) for t, step, acc in evals if acc >= target - 1e-9), None)
+    if reached is None:
+        raise SystemExit(f"a run never reached accuracy {target}; lower --target or raise --steps")
+    return reached
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(".rlfleet/bench-async"))
+    parser.add_argument("--spec", type=Path, default=REPO / "examples/runs/arith-grpo.yaml")
+    parser.add_argument("--sft-steps", type=int, default=400)
+    parser.add_argument("--engines", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--eval-every", type=int, default=4)
+    parser.add_argument("--eval-size", type=int, default=100)
+    parser.add_argument("--target", type=float, default=None, help="accuracy to reach (default: best both reach)")
+    args = parser.parse_args()
+
+    out: Path = args.out.resolve()
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    base = load_spec_file(args.spec)
+    create_tiny_model(out / "base")
+    arith = base.dataset.arithmetic
+    subprocess.run(
+        [sys.executable, "-m", "rlfleet_trainer", "sft", "--model-path", str(out / "base"), "--out", str(out / "sft"),
+         "--steps", str(args.sft_steps), "--digits", str(arith.digits or 2), "--ops", arith.ops or "+",
+         "--seed", str(base.trainer.seed)],
+        check=True, timeout=1800, env={**os.environ, "RLFLEET_LOG_FORMAT": "text"},
+    )  # fmt: skip
+    config = FleetConfig(
+        model_path=out / "sft",
+        engines=args.engines,
+        state_dir=out / "fleet",
+        ports=FleetPorts.free(args.engines),
+        redis_prefix="rlfleet-bench-async:",
+    )
+    results: dict[int, list[tuple[float, int, float]]] = {}
+    with LocalFleet(config) as fleet:
+        client = RunsClient(fleet.api_url)
+        for staleness in (0, 1):
+            spec = RunSpec()
+            spec.CopyFrom(base)
+            spec.name = f"async-speedup-s{staleness}"
+            spec.model.path = spec.model.tokenizer_path = str(out / "sft")
+            spec.rollout.max_staleness = staleness
+            spec.schedule.steps, spec.schedule.eval_every = args.steps, args.eval_every
+            spec.dataset.eval_size = args.eval_size
+            results[staleness] = timed_run(client, spec)
+            print(f"max_staleness {staleness}: evals (seconds, step, accuracy) {results[staleness]}", flush=True)
+    target = args.target
+    if target is None:
+        target = min(max(acc for _, _, acc in evals) for evals in results.values())
+    (sync_s, sync_step), (async_s, async_step) = time_to(results[0], target), time_to(results[1], target)
+    summary = {
+        "target_accuracy": round(target, 4),
+        "sync_seconds": round(sync_s, 1),
+        "sync_step": sync_step,
+        "async_seconds": round(async_s, 1),
+        "async_step": async_step,
+        "speedup": round(sync_s / async_s, 3),
+    }
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

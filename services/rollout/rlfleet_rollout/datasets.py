@@ -1,0 +1,188 @@
+"""Reading a run's dataset: the arithmetic generator, JSONL and Parquet files, and `save_to_disk` directories.
+
+Every source becomes a list of `Prompt` rows (prompt, reference answer, metadata columns as
+strings). A malformed row (not an object, a missing or empty prompt, a missing column) is named by
+its line (JSONL, 1-based) or row (Parquet and Arrow, 0-based) and either refuses the run or is
+skipped, as `dataset.bad_rows` says. A `save_to_disk` directory is read with pyarrow directly: the
+orchestrator does not need (or import) the `datasets` library.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rlfleet.arithmetic import ArithmeticTask
+from rlfleet.errors import InvalidInput
+from rlfleet.v1.runs_pb2 import DatasetSpec, FileDataset
+
+logger = logging.getLogger(__name__)
+
+# A run cycles through at most this many arithmetic problems (epoch after epoch).
+MAX_ARITHMETIC_POOL = 20_000
+
+
+@dataclass(frozen=True)
+class Prompt:
+    prompt: str
+    answer: str
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LoadedDataset:
+    train: list[Prompt]
+    eval: list[Prompt]
+    skipped: list[str]
+    """One message per malformed row left out (dataset.bad_rows "skip")."""
+
+
+class _BadRow(ValueError):
+    pass
+
+
+def load_dataset(ds: DatasetSpec, train_prompts_wanted: int) -> LoadedDataset:
+    """The train and held-out prompts of a resolved DatasetSpec; InvalidInput naming the field on any fault."""
+    source = ds.WhichOneof("source")
+    if source == "arithmetic":
+        task = ArithmeticTask(digits=ds.arithmetic.digits, ops=ds.arithmetic.ops, seed=ds.seed)
+        space = (10**ds.arithmetic.digits) ** 2 * len(ds.arithmetic.ops)
+        pool = task.train_pool(max(1, min(train_prompts_wanted, space, MAX_ARITHMETIC_POOL)))
+        try:
+            heldout = task.problems("test", ds.eval_size)
+        except ValueError as exc:
+            raise InvalidInput(f"dataset.eval_size: {exc}") from exc
+        return LoadedDataset(
+            [Prompt(p.prompt, p.answer) for p in pool], [Prompt(p.prompt, p.answer) for p in heldout], []
+        )
+    if source is None:
+        raise InvalidInput("dataset: must set one of arithmetic, jsonl, parquet, hf_disk")
+    spec: FileDataset = getattr(ds, source)
+    field_name = f"dataset.{source}"
+    skipped: list[str] = []
+    rows = _read_rows(source, Path(spec.path), spec, f"{field_name}.path", ds.bad_rows, skipped)
+    if spec.eval_path:
+        held = _read_rows(source, Path(spec.eval_path), spec, f"{field_name}.eval_path", ds.bad_rows, skipped)
+        train = rows
+        if not held:
+            raise InvalidInput(f"{field_name}.eval_path: {spec.eval_path!r} holds no usable row")
+        held = held[: ds.eval_size]
+    else:
+        if len(rows) <= ds.eval_size:
+            raise InvalidInput(
+                f"dataset.eval_size: {ds.eval_size} held-out rows would leave no training row of the "
+                f"{len(rows)} usable rows in {spec.path!r}; lower it or set {field_name}.eval_path"
+            )
+        # The held-out rows depend on the seed only, never on how far the run has got.
+        order = list(range(len(rows)))
+        random.Random(f"{ds.seed}/heldout").shuffle(order)
+        held_idx = set(order[: ds.eval_size])
+        held = [rows[i] for i in sorted(held_idx)]
+        train = [row for i, row in enumerate(rows) if i not in held_idx]
+    if not train:
+        raise InvalidInput(f"{field_name}.path: {spec.path!r} holds no usable row")
+    for message in skipped:
+        logger.warning("skipped a malformed row: %s", message)
+    return LoadedDataset(train, held, skipped)
+
+
+def _read_rows(
+    source: str, path: Path, spec: FileDataset, field_name: str, bad_rows: str, skipped: list[str]
+) -> list[Prompt]:
+    if not path.exists():
+        raise InvalidInput(f"{field_name}: {str(path)!r} does not exist")
+    try:
+        records = {"jsonl": _jsonl_records, "parquet": _parquet_records, "hf_disk": _arrow_dir_records}[source]
+        out: list[Prompt] = []
+        for where, record in records(path, spec):
+            try:
+                out.append(_to_prompt(record, spec))
+            except _BadRow as exc:
+                message = f"{path} {where}: {exc}"
+                if bad_rows != "skip":
+                    raise InvalidInput(
+                        f'{field_name}: {message} (set dataset.bad_rows to "skip" to leave such rows out)'
+                    ) from exc
+                skipped.append(message)
+        return out
+    except InvalidInput:
+        raise
+    except (OSError, pa.ArrowException, ValueError, KeyError, TypeError) as exc:
+        raise InvalidInput(f"{field_name}: cannot read {str(path)!r} as {source}: {exc}") from exc
+
+
+def _to_prompt(record: Any, spec: FileDataset) -> Prompt:
+    if isinstance(record, _BadRow):
+        raise record
+    if not isinstance(record, dict):
+        raise _BadRow(f"expected an object, got {type(record).__name__}")
+    prompt = record.get(spec.prompt_column)
+    if not isinstance(prompt, str) or not prompt:
+        raise _BadRow(f"column {spec.prompt_column!r} must be a non-empty string, got {prompt!r}"[:200])
+    if spec.answer_column not in record or record[spec.answer_column] is None:
+        raise _BadRow(f"column {spec.answer_column!r} is missing")
+    metadata: dict[str, str] = {}
+    for column in spec.metadata_columns:
+        if column not in record:
+            raise _BadRow(f"metadata column {column!r} is missing")
+        value = record[column]
+        metadata[column] = value if isinstance(value, str) else json.dumps(value, default=str)
+    return Prompt(prompt, _as_text(record[spec.answer_column]), metadata)
+
+
+def _as_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, default=str)
+
+
+def _jsonl_records(path: Path, spec: FileDataset) -> Iterator[tuple[str, Any]]:
+    with path.open(encoding="utf-8") as fh:
+        for number, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                record = _BadRow(f"not JSON: {exc}")  # reported like any other malformed row
+            yield f"line {number}", record
+
+
+def _columns(spec: FileDataset) -> list[str]:
+    return [spec.prompt_column, spec.answer_column, *spec.metadata_columns]
+
+
+def _table_records(table: pa.Table, spec: FileDataset, path: Path) -> Iterator[tuple[str, Any]]:
+    missing = [c for c in _columns(spec) if c not in table.column_names]
+    if missing:
+        raise InvalidInput(
+            f"dataset: {str(path)!r} has no column {missing[0]!r} (columns: {table.column_names}); "
+            "set prompt_column, answer_column and metadata_columns to its column names"
+        )
+    for index, record in enumerate(table.select(_columns(spec)).to_pylist()):
+        yield f"row {index}", record
+
+
+def _parquet_records(path: Path, spec: FileDataset) -> Iterator[tuple[str, Any]]:
+    yield from _table_records(pq.read_table(path), spec, path)
+
+
+def _arrow_dir_records(path: Path, spec: FileDataset) -> Iterator[tuple[str, Any]]:
+    """A `Dataset.save_to_disk` directory (state.json lists its Arrow stream files), or a DatasetDict's "train"."""
+    if (path / "dataset_dict.json").is_file():
+        path = path / "train"
+    state_file = path / "state.json"
+    if not state_file.is_file():
+        raise InvalidInput(f"dataset.hf_disk.path: {str(path)!r} is not a `save_to_disk` directory (no state.json)")
+    files = [entry["filename"] for entry in json.loads(state_file.read_text())["_data_files"]]
+    tables = []
+    for name in files:
+        with pa.memory_map(str(path / name)) as source:
+            tables.append(pa.ipc.open_stream(source).read_all())
+    yield from _table_records(pa.concat_tables(tables), spec, path)

@@ -1,0 +1,116 @@
+"""Producing one training step: exactly groups_per_step groups that pass the run's filters.
+
+    send oversample x groups_per_step prompts (from the step's start position, in order)
+    each scored group is dropped if its prompt is too long, a filter names it, or it is stale
+    (more than max_staleness versions behind the step) under stale_groups "drop"
+    accepted groups fill the step's slots in position order; extras are dropped as "surplus"
+    while slots remain empty, send as many fresh prompts as there are empty slots
+    (bounded by max_prompts_per_step: past it the run fails, naming the field)
+
+Slot i of step s is the group `<run>/<s>/<i>`, so the stream holds at most groups_per_step groups
+per step even when a restarted orchestrator re-produces a step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+from rlfleet.errors import ResourceExhausted, Unavailable
+from rlfleet.v1.samples_pb2 import SampleGroup, SampleStatus
+from rlfleet_rollout.concurrency import gather_cancelling
+from rlfleet_rollout.group_filters import FilterRegistry
+from rlfleet_rollout.group_producer import RolloutContext, produce_group, rename_group
+from rlfleet_rollout.run_data import RunData
+
+_UNUSABLE = (SampleStatus.SAMPLE_STATUS_FAILED, SampleStatus.SAMPLE_STATUS_ABORTED)
+
+
+@dataclass
+class StepOutcome:
+    groups: list[SampleGroup]
+    end: int
+    """Position of the first prompt the step did not take."""
+    filtered: Counter[str] = field(default_factory=Counter)
+    downweighted: int = 0
+
+
+def staleness(group: SampleGroup, step: int) -> int:
+    """How many versions the oldest usable sample of `group` lags behind `step` (0 if none is usable)."""
+    versions = [min(s.weight_versions) for s in group.samples if s.status not in _UNUSABLE and s.weight_versions]
+    return max(0, step - min(versions)) if versions else 0
+
+
+def stale_rule(group: SampleGroup, step: int, max_staleness: int, mode: str, weight: float) -> str | None:
+    """Applies rollout.stale_groups: "stale" when the group must be dropped; down-weights it in place otherwise."""
+    if staleness(group, step) <= max_staleness:
+        return None
+    if mode == "drop":
+        return "stale"
+    group.weight = weight
+    return None
+
+
+async def produce_step(
+    ctx: RolloutContext,
+    data: RunData,
+    filters: FilterRegistry,
+    run_id: str,
+    step: int,
+    start: int,
+    fallback_version: int,
+) -> StepOutcome:
+    ro = ctx.spec.rollout
+    want = ro.groups_per_step
+    limit = start + ro.max_prompts_per_step
+    outcome = StepOutcome(groups=[], end=start)
+    batch = math.ceil(ro.oversample * want)
+    while len(outcome.groups) < want:
+        take = min(batch, limit - outcome.end)
+        if take <= 0:
+            reasons = ", ".join(f"{k}: {v}" for k, v in sorted(outcome.filtered.items()))
+            raise ResourceExhausted(
+                f"rollout.max_prompts_per_step: step {step} took {ro.max_prompts_per_step} prompts and only "
+                f"{len(outcome.groups)} of {want} groups passed ({reasons}); raise it, raise rollout.oversample, "
+                "or relax rollout.filters"
+            )
+        positions = list(range(outcome.end, outcome.end + take))
+        outcome.end += take
+        candidates = await gather_cancelling(
+            [_candidate(ctx, run_id, step, p, data, fallback_version) for p in positions]
+        )
+        wave = [s for g in candidates if g is not None for s in g.samples]
+        if wave and all(s.status in _UNUSABLE for s in wave):
+            raise Unavailable(f"step {step}: no sample could be generated and scored (first error: {wave[0].error})")
+        for group in candidates:
+            reason = "prompt_too_long" if group is None else _reason(filters, group, step, ctx)
+            if reason is None and len(outcome.groups) == want:
+                reason = "surplus"
+            if reason is not None:
+                outcome.filtered[reason] += 1
+                continue
+            assert group is not None
+            if group.weight < 1.0:
+                outcome.downweighted += 1
+            rename_group(group, f"{run_id}/{step}/{len(outcome.groups)}")
+            outcome.groups.append(group)
+        batch = want - len(outcome.groups)
+    return outcome
+
+
+async def _candidate(
+    ctx: RolloutContext, run_id: str, step: int, position: int, data: RunData, fallback_version: int
+) -> SampleGroup | None:
+    """The scored group of the prompt at `position`, or None when the prompt is longer than max_prompt_tokens."""
+    prompt = data.prompt_at(position)
+    limit = ctx.spec.rollout.max_prompt_tokens
+    if limit and len(ctx.encode(ctx.render(prompt.prompt))) > limit:
+        return None
+    return await produce_group(ctx, run_id, f"{run_id}/{step}/p{position}", position, prompt, fallback_version)
+
+
+def _reason(filters: FilterRegistry, group: SampleGroup, step: int, ctx: RolloutContext) -> str | None:
+    ro = ctx.spec.rollout
+    reason = filters.reason_to_drop(list(ro.filters), group)
+    return reason or stale_rule(group, step, ro.max_staleness, ro.stale_groups, ro.stale_weight)

@@ -1,0 +1,145 @@
+"""Datasets, the data position over epochs, group filters, staleness and truncation rules (no processes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets as hf_datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rlfleet.errors import InvalidInput
+from rlfleet.run_spec import resolve
+from rlfleet.v1.runs_pb2 import DatasetSpec, RunSpec
+from rlfleet.v1.samples_pb2 import Sample, SampleGroup, SampleStatus
+from rlfleet_rollout.datasets import load_dataset
+from rlfleet_rollout.group_filters import FilterRegistry
+from rlfleet_rollout.group_producer import apply_truncation_rule, sample_seed
+from rlfleet_rollout.prompt_tokenizer import load_chat_template
+from rlfleet_rollout.run_data import RunData
+from rlfleet_rollout.step_producer import stale_rule
+
+ROWS = [{"prompt": f"{i}+1=", "answer": str(i + 1), "level": i % 3} for i in range(10)]
+
+
+def _write(kind: str, rows: list[dict], path: Path) -> Path:
+    if kind == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif kind == "parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        hf_datasets.Dataset.from_list(rows).save_to_disk(str(path))
+    return path
+
+
+def _spec(kind: str, path: Path, **fields: object) -> DatasetSpec:
+    ds = resolve(RunSpec(dataset=DatasetSpec(eval_size=3, seed=5, **fields))).dataset  # type: ignore[arg-type]
+    source = getattr(ds, kind)
+    source.path, source.prompt_column, source.answer_column = str(path), "prompt", "answer"
+    source.metadata_columns.append("level")
+    return ds
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "hf_disk"])
+def test_every_file_format_yields_the_same_split(kind: str, tmp_path: Path) -> None:
+    loaded = load_dataset(_spec(kind, _write(kind, ROWS, tmp_path / kind)), 100)
+    assert len(loaded.train) == 7 and len(loaded.eval) == 3 and not loaded.skipped
+    assert {p.prompt for p in loaded.train} | {p.prompt for p in loaded.eval} == {r["prompt"] for r in ROWS}
+    first = next(p for p in loaded.train + loaded.eval if p.prompt == "4+1=")
+    assert first.answer == "5" and first.metadata == {"level": "1"}
+    jsonl = load_dataset(_spec("jsonl", _write("jsonl", ROWS, tmp_path / "x.jsonl")), 100)
+    assert [p.prompt for p in jsonl.eval] == [p.prompt for p in loaded.eval]  # the held-out rows depend on the seed
+
+
+def test_a_malformed_row_is_named_and_rejected_or_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    lines = [json.dumps(r) for r in ROWS[:4]] + ["{not json", json.dumps({"answer": "1", "level": 0})]
+    path.write_text("\n".join(lines + [json.dumps(r) for r in ROWS[4:]]) + "\n")
+    with pytest.raises(InvalidInput, match=r"dataset\.jsonl\.path: .* line 5: not JSON"):
+        load_dataset(_spec("jsonl", path), 100)
+    loaded = load_dataset(_spec("jsonl", path, bad_rows="skip"), 100)
+    assert len(loaded.train) + len(loaded.eval) == 10
+    assert [m.split(" ", 1)[1].split(":")[0] for m in loaded.skipped] == ["line 5", "line 6"]
+    rows = [*ROWS[:2], {"prompt": "", "answer": "0", "level": 1}, *ROWS[2:]]
+    parquet = _write("parquet", rows, tmp_path / "bad.parquet")
+    with pytest.raises(InvalidInput, match=r"row 2: column 'prompt' must be a non-empty string"):
+        load_dataset(_spec("parquet", parquet), 100)
+    with pytest.raises(InvalidInput, match="no column 'level'"):
+        load_dataset(_spec("parquet", _write("parquet", [{"prompt": "a", "answer": "b"}], tmp_path / "c.parquet")), 9)
+
+
+def test_positions_run_through_seeded_epochs(tmp_path: Path) -> None:
+    spec = resolve(RunSpec())
+    spec.dataset.CopyFrom(_spec("jsonl", _write("jsonl", ROWS, tmp_path / "d.jsonl")))
+    data, again = RunData.from_spec(spec), RunData.from_spec(spec)
+    epochs = [[data.prompt_at(p).prompt for p in range(e * 7, (e + 1) * 7)] for e in range(3)]
+    train = {p.prompt for p in data.train}
+    assert all(sorted(epoch) == sorted(train) for epoch in epochs)  # each epoch uses every prompt once
+    assert len({tuple(epoch) for epoch in epochs}) == 3  # shuffled anew per epoch
+    assert [again.prompt_at(p).prompt for p in range(21)] == [x for epoch in epochs for x in epoch]
+    assert data.epoch_of(13) == 1 and not train & {p.prompt for p in data.eval_prompts}
+
+
+def test_arithmetic_runs_longer_than_its_problems_cycle_through_epochs() -> None:
+    spec = RunSpec(dataset=DatasetSpec(eval_size=5))
+    spec.dataset.arithmetic.digits = 1
+    spec = resolve(spec)
+    spec.rollout.groups_per_step, spec.schedule.steps = 16, 20  # 320 prompts from at most 100 problems
+    data = RunData.from_spec(spec)
+    n = len(data.train)
+    assert n < 100 and sorted(data.prompt_at(n + i).prompt for i in range(n)) == sorted(p.prompt for p in data.train)
+
+
+def _group(
+    rewards: list[float], versions: list[int] | None = None, status: int = SampleStatus.SAMPLE_STATUS_OK
+) -> SampleGroup:
+    versions = versions or [0] * len(rewards)
+    return SampleGroup(
+        samples=[
+            Sample(index=j, reward=r, status=status, weight_versions=[v])
+            for j, (r, v) in enumerate(zip(rewards, versions, strict=True))
+        ]
+    )
+
+
+def test_filters_come_from_entry_points_and_name_the_first_that_drops() -> None:
+    registry = FilterRegistry.from_entry_points()
+    assert {"zero_variance", "all_failed", "any_failed", "all_truncated"} <= set(registry.names())
+    with pytest.raises(InvalidInput, match=r"rollout.filters\[1\]: unknown group filter 'nope'"):
+        registry.check(["zero_variance", "nope"])
+    assert registry.reason_to_drop(["zero_variance"], _group([1.0, 1.0, 1.0])) == "zero_variance"
+    assert registry.reason_to_drop(["zero_variance"], _group([1.0, 0.0, 1.0])) is None
+    failed = _group([0.0, 0.0], status=SampleStatus.SAMPLE_STATUS_FAILED)
+    assert registry.reason_to_drop(["all_failed", "zero_variance"], failed) == "all_failed"
+    truncated = _group([0.0, 1.0], status=SampleStatus.SAMPLE_STATUS_TRUNCATED)
+    assert registry.reason_to_drop(["zero_variance", "all_truncated"], truncated) == "all_truncated"
+
+
+def test_stale_groups_are_dropped_or_down_weighted() -> None:
+    assert stale_rule(_group([0.0, 1.0], [3, 4]), 4, 1, "drop", 0.5) is None
+    assert stale_rule(_group([0.0, 1.0], [2, 4]), 4, 1, "drop", 0.5) == "stale"
+    group = _group([0.0, 1.0], [2, 4])
+    assert stale_rule(group, 4, 1, "downweight", 0.25) is None and group.weight == 0.25
+
+
+def test_truncation_rules_and_seeds() -> None:
+    for rule, reward, mask in [("keep", 1.0, [1, 1]), ("zero_reward", 0.0, [1, 1]), ("mask", 1.0, [0, 0])]:
+        sample = Sample(reward=1.0, loss_mask=[1, 1], status=SampleStatus.SAMPLE_STATUS_TRUNCATED)
+        apply_truncation_rule(sample, rule)
+        assert (sample.reward, list(sample.loss_mask)) == (reward, mask)
+    seeds = {sample_seed(7, p, j) for p in range(50) for j in range(8)}
+    assert len(seeds) == 400 and all(0 <= s < 2**31 for s in seeds) and sample_seed(7, 3, 1) == sample_seed(7, 3, 1)
+
+
+def test_chat_template_renders_the_user_turn_or_is_refused(tmp_path: Path) -> None:
+    template = (
+        "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": "<s>"}))
+    assert load_chat_template(str(tmp_path))("2+2=") == "<s><user>2+2=<assistant>"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
+    with pytest.raises(InvalidInput, match="dataset.chat_template: .* has no chat template"):
+        load_chat_template(str(tmp_path))
