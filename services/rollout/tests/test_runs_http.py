@@ -132,7 +132,9 @@ def test_a_run_goes_from_queued_to_succeeded_with_exact_groups_and_evals(
     assert states[-1] == "RUN_STATE_SUCCEEDED"
     assert "RUN_STATE_RUNNING" in states
     produced = [int(e["progress"]["groups_produced"]) for e in events]
-    assert produced == sorted(produced) and len(set(produced)) >= 2  # progress events on the way
+    # Progress only grows. How many intermediate events a client sees depends on when its watch
+    # connects (a loaded machine may connect after the fake fleet's fast run is nearly over).
+    assert produced == sorted(produced) and produced[-1] == steps * gps
 
     exported = httpx.get(f"{orchestrator.url}/metrics", timeout=5).text
     for name in (
