@@ -1,5 +1,5 @@
-"""Fixtures shared by every test in the repository: a real Redis with a key prefix per test, and
-a tiny model made once per session."""
+"""Fixtures shared by every test in the repository: a real Redis with a key prefix per test, a
+tiny model made once per session, and a whole fleet per module for the tests that cross services."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet
 from rlfleet.sample_stream import connect_redis
 
 REDIS_URL = os.environ.get("RLFLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -45,3 +46,26 @@ def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("models") / "small"
     create_tiny_model(out, TinyModelConfig(hidden_size=64, layers=2, heads=4, kv_heads=2, intermediate_size=128))
     return out
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory, small_model_dir: Path) -> Iterator[LocalFleet]:
+    """One real fleet (engines, router, reward hub, trainer under torchrun, orchestrator) on free
+    ports with its own Redis key prefix; stopped by pid and its keys deleted afterwards."""
+    prefix = f"rlfleet-fleet:{uuid.uuid4().hex[:10]}:"
+    config = FleetConfig(
+        model_path=small_model_dir,
+        engines=2,
+        state_dir=tmp_path_factory.mktemp("fleet"),
+        ports=FleetPorts.free(2),
+        redis_url=REDIS_URL,
+        redis_prefix=prefix,
+        startup_timeout_s=120,
+    )
+    with LocalFleet(config) as running:
+        yield running
+    client = connect_redis(REDIS_URL)
+    keys = list(client.scan_iter(match=f"{prefix}*", count=500))
+    if keys:
+        client.delete(*keys)
+    client.close()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,10 +14,9 @@ import httpx
 import pytest
 import yaml
 
-from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet
+from rlfleet.local_fleet import LocalFleet
 from rlfleet.processes import ServiceProcess, free_port
 from rlfleet.runs_client import FINAL_STATES, RunsClient
-from rlfleet.sample_stream import connect_redis
 from rlfleet.v1.runs_pb2 import RunState
 
 pytestmark = [
@@ -30,7 +28,6 @@ pytestmark = [
 ]
 
 REPO = Path(__file__).resolve().parents[2]
-REDIS_URL = "redis://127.0.0.1:6379/0"
 # What Grafana substitutes for its interval variables; the run is short, so one minute covers it.
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__range": "1h", "$__interval": "15s"}
 
@@ -51,27 +48,6 @@ def scrape_config(fleet: LocalFleet) -> dict[str, Any]:
         job["static_configs"] = [{"targets": local.pop(job["job_name"])}]
     assert not local, f"compose's prometheus.yml scrapes no {sorted(local)}"
     return config
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory, small_model_dir: Path) -> Iterator[LocalFleet]:
-    prefix = f"rlfleet-deploy:{uuid.uuid4().hex[:10]}:"
-    config = FleetConfig(
-        model_path=small_model_dir,
-        engines=2,
-        state_dir=tmp_path_factory.mktemp("fleet"),
-        ports=FleetPorts.free(2),
-        redis_url=REDIS_URL,
-        redis_prefix=prefix,
-        startup_timeout_s=120,
-    )
-    with LocalFleet(config) as running:
-        yield running
-    client = connect_redis(REDIS_URL)
-    keys = list(client.scan_iter(match=f"{prefix}*", count=500))
-    if keys:
-        client.delete(*keys)
-    client.close()
 
 
 @pytest.fixture(scope="module")
