@@ -30,6 +30,14 @@ class NotFound(RlfleetError):
     kind = "not_found"
 
 
+class Unauthenticated(RlfleetError):
+    """The request lacks the API token the service requires, or carries a wrong one."""
+
+    http_status = 401
+    grpc_code = "UNAUTHENTICATED"
+    kind = "unauthenticated"
+
+
 class Conflict(RlfleetError):
     """The request contradicts the current state (e.g. cancelling a finished run)."""
 

@@ -2,6 +2,8 @@
 
 Handlers raise `RlfleetError`s; the interceptor aborts the call with the matching code and the
 error's message. Anything else becomes INTERNAL with a generic message (details go to the log).
+Requests are decoded here too, so bytes that are not the method's message are INVALID_ARGUMENT
+(gRPC itself would answer UNKNOWN with the exception's class name).
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc import aio
 
-from rlfleet.errors import RlfleetError
+from rlfleet.errors import InvalidInput, RlfleetError
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +34,24 @@ async def _abort(context: aio.ServicerContext, exc: BaseException, method: str) 
     await context.abort(grpc.StatusCode.INTERNAL, "internal error; see the service log")
 
 
-def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
+Deserializer = Callable[[bytes], Any] | None
+
+
+def _decode(deserializer: Deserializer, raw: Any) -> Any:
+    if deserializer is None:
+        return raw
+    try:
+        return deserializer(raw)
+    except DecodeError as exc:
+        raise InvalidInput(f"malformed request: {exc}") from None
+
+
+def _wrap_unary(
+    behavior: Callable[..., Awaitable[Any]], deserializer: Deserializer, method: str
+) -> Callable[..., Awaitable[Any]]:
     async def handler(request: Any, context: aio.ServicerContext) -> Any:
         try:
-            return await behavior(request, context)
+            return await behavior(_decode(deserializer, request), context)
         except aio.AbortError:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to a status code right here
@@ -43,10 +60,12 @@ def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Callabl
     return handler
 
 
-def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., AsyncIterator[Any]]:
+def _wrap_stream(
+    behavior: Callable[..., AsyncIterator[Any]], deserializer: Deserializer, method: str
+) -> Callable[..., AsyncIterator[Any]]:
     async def handler(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            async for item in behavior(request, context):
+            async for item in behavior(_decode(deserializer, request), context):
                 yield item
         except aio.AbortError:
             raise
@@ -70,14 +89,12 @@ class ErrorInterceptor(aio.ServerInterceptor):
         method = handler_call_details.method
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, method),
-                request_deserializer=handler.request_deserializer,
+                _wrap_unary(handler.unary_unary, handler.request_deserializer, method),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, method),
-                request_deserializer=handler.request_deserializer,
+                _wrap_stream(handler.unary_stream, handler.request_deserializer, method),
                 response_serializer=handler.response_serializer,
             )
         return handler

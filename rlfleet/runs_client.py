@@ -14,10 +14,11 @@ import httpx
 import yaml
 from google.protobuf import json_format
 
-from rlfleet.errors import Conflict, InvalidInput, NotFound, RlfleetError, Unavailable
+from rlfleet.api_token import bearer_headers
+from rlfleet.errors import Conflict, InvalidInput, NotFound, RlfleetError, Unauthenticated, Unavailable
 from rlfleet.v1.runs_pb2 import Run, RunSpec, RunState
 
-STATUS_ERRORS: dict[int, type[RlfleetError]] = {400: InvalidInput, 404: NotFound, 409: Conflict}
+STATUS_ERRORS: dict[int, type[RlfleetError]] = {400: InvalidInput, 401: Unauthenticated, 404: NotFound, 409: Conflict}
 FINAL_STATES = (RunState.RUN_STATE_SUCCEEDED, RunState.RUN_STATE_FAILED, RunState.RUN_STATE_CANCELLED)
 
 
@@ -41,9 +42,8 @@ def load_spec_file(path: Path) -> RunSpec:
 
 class RunsClient:
     def __init__(self, base_url: str, timeout_s: float = 30.0, token: str | None = None) -> None:
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.base_url = base_url.rstrip("/")
-        self.http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers)
+        self.http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=bearer_headers(token))
 
     def close(self) -> None:
         self.http.close()

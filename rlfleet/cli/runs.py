@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+from rlfleet.api_token import TOKEN_ENV, TOKEN_FILE_ENV, client_token, read_token_file
 from rlfleet.runs_client import FINAL_STATES, RunsClient, load_spec_file
 from rlfleet.v1.runs_pb2 import Run, RunState
 
@@ -31,10 +32,16 @@ def register(areas: argparse._SubParsersAction) -> None:
     for parser in (submit, runs, watch, cancel):
         parser.add_argument("--api", default=DEFAULT_URL, help=f"orchestrator URL (default {DEFAULT_URL})")
         parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for an answer")
+        parser.add_argument(
+            "--api-token-file",
+            type=Path,
+            help=f"file holding the API token (default: ${TOKEN_FILE_ENV}, else the token in ${TOKEN_ENV})",
+        )
 
 
 def client_for(args: argparse.Namespace) -> RunsClient:
-    return RunsClient(args.api, timeout_s=args.timeout, token=os.environ.get("RLFLEET_API_TOKEN"))
+    token = read_token_file(args.api_token_file) if args.api_token_file else client_token()
+    return RunsClient(args.api, timeout_s=args.timeout, token=token)
 
 
 def state_name(state: int) -> str:

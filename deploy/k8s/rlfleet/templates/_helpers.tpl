@@ -85,3 +85,24 @@ periodSeconds: {{ .probe.periodSeconds }}
 timeoutSeconds: {{ .probe.timeoutSeconds }}
 failureThreshold: {{ .probe.failureThreshold }}
 {{- end -}}
+
+{{/* The API token (Runs API, router admin endpoints): one Secret, mounted read-only where each service reads it. */}}
+{{- define "rlfleet.apiTokenFile" -}}
+/var/run/secrets/rlfleet/api_token
+{{- end -}}
+
+{{- define "rlfleet.apiTokenMount" -}}
+- name: api-token
+  mountPath: /var/run/secrets/rlfleet
+  readOnly: true
+{{- end -}}
+
+{{- define "rlfleet.apiTokenVolume" -}}
+- name: api-token
+  secret:
+    secretName: {{ default (include "rlfleet.name" (list . "api-token")) .Values.apiToken.existingSecret }}
+    defaultMode: 0440
+    items:
+      - key: token
+        path: api_token
+{{- end -}}

@@ -1,0 +1,15 @@
+"""Message-size limits of every gRPC server and channel in rlfleet, set in this one place.
+
+gRPC refuses a larger message with RESOURCE_EXHAUSTED before any handler sees it. The default fits
+the largest message rlfleet sends over gRPC (a RunSpec with its inline prompts, a Run with its
+evaluations, a StepReport) with room to spare; the reward hub passes its own `max_request_bytes`.
+"""
+
+from __future__ import annotations
+
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+def message_size_options(max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Options for `aio.server(options=...)` and `aio.insecure_channel(options=...)`, both directions."""
+    return [("grpc.max_receive_message_length", max_bytes), ("grpc.max_send_message_length", max_bytes)]

@@ -1,0 +1,60 @@
+"""Bearer-token checking for a FastAPI app, as a bare ASGI middleware in front of its routes.
+
+A middleware rather than a route dependency so that no endpoint added later is left open by
+mistake: everything is guarded except the paths and methods named open. Refusals are answered
+with 401, the body shape of `rlfleet.http_errors` and `WWW-Authenticate: Bearer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from fastapi import FastAPI
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from rlfleet.api_token import ApiTokenGuard
+from rlfleet.errors import Unauthenticated
+from rlfleet.http_errors import error_response
+
+# Probes and scrapes carry no token: Kubernetes and Prometheus must reach them.
+OPEN_PATHS = ("/health", "/metrics")
+
+
+class BearerTokenMiddleware:
+    def __init__(
+        self, app: ASGIApp, guard: ApiTokenGuard, open_paths: frozenset[str], open_methods: frozenset[str]
+    ) -> None:
+        self.app = app
+        self.guard = guard
+        self.open_paths = open_paths
+        self.open_methods = open_methods
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths or scope["method"] in self.open_methods:
+            await self.app(scope, receive, send)
+            return
+        try:
+            self.guard.check(Headers(scope=scope).get("authorization"), "http")
+        except Unauthenticated as exc:
+            response = error_response(exc)
+            response.headers["WWW-Authenticate"] = 'Bearer realm="rlfleet"'
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def require_api_token(
+    app: FastAPI, guard: ApiTokenGuard, *, open_paths: Iterable[str] = OPEN_PATHS, open_methods: Iterable[str] = ()
+) -> None:
+    """Guards every route of `app` but `open_paths` and requests with `open_methods` (e.g. GET).
+
+    Add it before middlewares that must stay in front of it (the router's generation relay).
+    """
+    if guard.enabled:
+        app.add_middleware(
+            BearerTokenMiddleware,
+            guard=guard,
+            open_paths=frozenset(open_paths),
+            open_methods=frozenset(m.upper() for m in open_methods),
+        )
