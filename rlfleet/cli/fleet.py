@@ -26,6 +26,10 @@ def register(areas: argparse._SubParsersAction) -> None:
         help="engine backend: transformers (CPU, default) or sglang (the real SGLang server, needs a GPU "
         "and `pip install 'rlfleet-engine[sglang]'`)",
     )
+    up.add_argument(
+        "--trainer-ranks", type=int, default=1,
+        help="torchrun ranks the trainer shards the policy over with FSDP2 (default 1)",
+    )
     up.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="logs, weights and fleet.json")
     up.add_argument("--redis-url", default=None, help="use this Redis instead of 127.0.0.1:6379 / a started one")
     up.set_defaults(func=run_up)
@@ -49,7 +53,7 @@ def run_up(args: argparse.Namespace) -> int:
     model_path = args.model_path or default_model(args.state_dir)
     fleet = LocalFleet(
         FleetConfig(model_path=model_path, engines=args.engines, state_dir=args.state_dir, redis_url=args.redis_url,
-                    engine_backend=args.engine)
+                    engine_backend=args.engine, trainer_ranks=args.trainer_ranks)
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

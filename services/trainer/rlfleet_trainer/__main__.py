@@ -1,7 +1,10 @@
-"""`python -m rlfleet_trainer serve|sft`, usually under torchrun:
+"""`python -m rlfleet_trainer serve|sft|export`, serve usually under torchrun:
 
     torchrun --nproc_per_node=1 -m rlfleet_trainer serve --router-url http://127.0.0.1:30000
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=NODE0:29400 \
+        --rdzv-id=trainer -m rlfleet_trainer serve ...     (the same on every node; rank 0 serves)
     python -m rlfleet_trainer sft --model-path DIR --out DIR --steps 300
+    python -m rlfleet_trainer export --checkpoint DIR --base-model DIR --out DIR
 
 Arguments are parsed before torch is imported, so `--help` is instant.
 """
@@ -25,8 +28,8 @@ logger = logging.getLogger("rlfleet_trainer")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlfleet_trainer", description="rlfleet trainer")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,sft}")
-    serve = commands.add_parser("serve", help="serve the gRPC Trainer API (one rank per process, under torchrun)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,sft,export}")
+    serve = commands.add_parser("serve", help="serve the gRPC Trainer API (one process per rank, under torchrun)")
     for name, field in TrainerSettings.model_fields.items():
         serve.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, help=field.description)
     sft = commands.add_parser("sft", help="supervised warm start on the arithmetic task, written as a new model")
@@ -39,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--ops", default="+")
     sft.add_argument("--seed", type=int, default=0)
     sft.add_argument("--torch-threads", type=int, default=2)
+    export = commands.add_parser("export", help="write a checkpoint as a Hugging Face model (safetensors)")
+    export.add_argument(
+        "--checkpoint", type=Path, required=True, help="checkpoint directory (runs/<id>/checkpoints/step_<N>)"
+    )
+    export.add_argument("--base-model", type=Path, required=True, help="the run's model.path: its config and tokenizer")
+    export.add_argument("--out", type=Path, required=True, help="directory to write the Hugging Face model to")
     return parser
 
 
@@ -47,6 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     init_logging("trainer")
     if args.command == "sft":
         return run_sft_command(args)
+    if args.command == "export":
+        return run_export_command(args)
     overrides = {k: v for k, v in vars(args).items() if k in TrainerSettings.model_fields and v is not None}
     settings = TrainerSettings(**overrides)
     return serve(settings)
@@ -68,6 +79,21 @@ def run_sft_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_export_command(args: argparse.Namespace) -> int:
+    if args.out.exists() and any(args.out.iterdir()):
+        print(f"rlfleet_trainer export: error: {args.out} is not empty; choose another --out", file=sys.stderr)
+        return 2
+    from rlfleet_trainer.export import export_checkpoint
+
+    try:
+        path = export_checkpoint(args.checkpoint, args.base_model, args.out)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"rlfleet_trainer export: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote the model of {args.checkpoint} to {path}")
+    return 0
+
+
 def die_with_launcher() -> None:
     """torchrun starts each rank in a session of its own, so a rank outlives a killed launcher and
     keeps serving stale state. Ask Linux to SIGKILL this rank when its parent dies."""
@@ -82,33 +108,41 @@ def die_with_launcher() -> None:
 
 
 def serve(settings: TrainerSettings) -> int:
+    """Rank 0 serves gRPC and HTTP and drives training; under torchrun with more ranks the others
+    follow it, running in lockstep the collective ops it announces (rank_group.py)."""
     import torch
-    import torch.distributed as dist
     import uvicorn
 
+    from rlfleet.api_token import read_token_file
     from rlfleet.sample_stream import connect_redis
     from rlfleet_trainer.grpc_server import make_grpc_server
     from rlfleet_trainer.http_app import make_http_app
     from rlfleet_trainer.metrics import TrainerMetrics
+    from rlfleet_trainer.rank_group import RankGroup
+    from rlfleet_trainer.rank_ops import RANK_OPS, RankState, ShardingOptions
     from rlfleet_trainer.router_client import RouterClient
     from rlfleet_trainer.trainer_core import TrainerCore
 
     torch.set_num_threads(settings.torch_threads)
-    distributed = "WORLD_SIZE" in os.environ
-    if distributed:
+    if "WORLD_SIZE" in os.environ:
         die_with_launcher()
-        dist.init_process_group("gloo")
-        if dist.get_world_size() != 1:
-            logger.error("this trainer trains on one rank; launch it with torchrun --nproc_per_node=1")
-            dist.barrier()
-            dist.destroy_process_group()
-            return 2
     metrics = TrainerMetrics()
+    options = ShardingOptions(settings.mixed_precision, settings.activation_checkpointing)
+    ranks = RankGroup(RANK_OPS, RankState(options), settings.collective_timeout_s, metrics.registry)
+    if ranks.rank != 0:
+        # torchrun signals every rank on shutdown; rank 0 alone decides when the followers stop.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        logger.info("rank %d of %d follows rank 0", ranks.rank, ranks.ranks.world)
+        ranks.follow()  # a failure here ends the process; torchrun then stops the other ranks
+        ranks.close()
+        return 0
     core = TrainerCore(
         settings,
         connect_redis(settings.redis_url),
-        RouterClient(settings.router_url, settings.weight_load_timeout_s),
+        RouterClient(settings.router_url, settings.weight_load_timeout_s, read_token_file(settings.api_token_file)),
         metrics,
+        ranks,
     )
 
     async def run_servers() -> None:
@@ -125,12 +159,14 @@ def serve(settings: TrainerSettings) -> int:
             await grpc_server.stop(grace=5)
             await asyncio.to_thread(core.shutdown)
 
+    # uvicorn re-raises the SIGTERM it handled once it has stopped: swallow it, so the shutdown
+    # below runs (runs stopped, followers released, every rank at the barrier) instead of dying.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
         asyncio.run(run_servers())
     finally:
-        if distributed:
-            dist.barrier()
-            dist.destroy_process_group()
+        ranks.stop()
+        ranks.close()
     return 0
 
 

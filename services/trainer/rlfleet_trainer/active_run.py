@@ -1,41 +1,61 @@
-"""The one run a trainer process works on: its policy, optimizer, progress and step reports."""
+"""The one run a trainer process works on: its policy, optimizer, progress and step reports.
+
+The training thread owns the model; other threads (the gRPC handlers) read progress and ask for a
+checkpoint through this object, which the training thread takes at its next step boundary.
+"""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
-import torch
 from transformers import PreTrainedModel
 
+from rlfleet.errors import Conflict, DeadlineExceeded
 from rlfleet.sample_stream import SampleStream
 from rlfleet.v1.runs_pb2 import RunSpec
-from rlfleet.v1.trainer_pb2 import StepReport, TrainerState, TrainerStatus
+from rlfleet.v1.trainer_pb2 import CheckpointResponse, StepReport, TrainerState, TrainerStatus
+from rlfleet_trainer.rank_group import RankGroup
+from rlfleet_trainer.rank_ops import RankState
 
 
 @dataclass
 class ActiveRun:
     run_id: str
     spec: RunSpec
-    model: PreTrainedModel
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    ref_model: PreTrainedModel | None
+    ranks: RankGroup
+    """Every rank's part of the policy; collective work on it goes through `ranks.call`."""
     stream: SampleStream
     weights_root: Path
+    checkpoints_root: Path
     tokenizer_dir: Path
-    pad_id: int
     step: int = 0
     weight_version: int = 0
     weights_path: str = ""
     groups_trained: int = 0
+    checkpoint_step: int = 0
+    checkpoint_path: str = ""
+    last_entry_id: str = ""
+    """Last stream entry the last checkpoint covers."""
+    uncommitted: list[str] = field(default_factory=list)
+    """Stream entries trained since the last checkpoint: pending until a checkpoint covers them."""
+    cursor: str = "0"
+    """Last of this consumer's pending entries taken for training; the next step reads after it."""
+    checkpoint_wanted: bool = False
+    checkpoint_on_stop: bool = False
     state: TrainerState = TrainerState.TRAINER_STATE_STARTING
     error: str = ""
     reports: list[StepReport] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
     changed: threading.Condition = field(default_factory=threading.Condition)
     thread: threading.Thread | None = None
+
+    @property
+    def model(self) -> PreTrainedModel:
+        """Rank 0's model (its shard under FSDP): the config and shape weights are written in."""
+        return cast(RankState, self.ranks.state).require_policy().model
 
     def status(self) -> TrainerStatus:
         with self.changed:
@@ -47,6 +67,8 @@ class ActiveRun:
                 weights_path=self.weights_path,
                 groups_trained=self.groups_trained,
                 error=self.error,
+                checkpoint_step=self.checkpoint_step,
+                checkpoint_path=self.checkpoint_path,
             )
 
     def update(self, **fields: object) -> None:
@@ -64,6 +86,34 @@ class ActiveRun:
     def reports_from(self, step: int) -> list[StepReport]:
         with self.changed:
             return [r for r in self.reports if r.step >= step]
+
+    def request_checkpoint(self, timeout_s: float) -> CheckpointResponse:
+        """Waits until a checkpoint covers every step taken so far; the training thread takes it at
+        its next step boundary (at once while it waits for groups)."""
+        with self.changed:
+            target = self.step
+
+            def covered() -> bool:
+                return bool(self.checkpoint_path) and self.checkpoint_step >= target
+
+            if not covered() and not self.finished:
+                self.checkpoint_wanted = True
+                self.changed.notify_all()
+                if not self.changed.wait_for(lambda: covered() or self.finished, timeout=timeout_s):
+                    raise DeadlineExceeded(
+                        f"run {self.run_id}: no checkpoint of step {target} within {timeout_s:.0f}s "
+                        "(the step in progress has not ended); ask again"
+                    )
+            if not covered():
+                raise Conflict(
+                    f"run {self.run_id} ended at step {self.step} without a checkpoint of it"
+                    + (f" ({self.error})" if self.error else "")
+                    + (f"; its last checkpoint is step {self.checkpoint_step}" if self.checkpoint_path else "")
+                )
+            # Weight version v is the policy after step v, here as after a resume.
+            return CheckpointResponse(
+                path=self.checkpoint_path, step=self.checkpoint_step, weight_version=self.checkpoint_step
+            )
 
     @property
     def finished(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -19,8 +20,27 @@ class TrainerSettings(BaseSettings):
     router_url: str = Field("http://127.0.0.1:30000", description="router that loads weights into the engines")
     work_dir: Path = Field(Path(".rlfleet/trainer"), description="where weight versions are written")
     keep_weight_versions: int = Field(2, ge=1, description="published weight directories kept per run")
+    keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept per run (work_dir/runs/<id>/checkpoints)")
+    checkpoint_timeout_s: float = Field(
+        600.0, gt=0, description="bound on a Checkpoint call waiting for the step in progress to end"
+    )
     torch_threads: int = Field(2, ge=1, description="intra-op threads of torch on CPU")
+    collective_timeout_s: float = Field(
+        600.0, gt=0, description="bound on any wait between torchrun ranks (a collective, a follower's next command)"
+    )
+    mixed_precision: bool = Field(False, description="FSDP: bf16 compute, fp32 weights and reduction (for GPUs)")
+    activation_checkpointing: bool = Field(False, description="FSDP: recompute block activations in backward (GPU)")
     read_block_ms: int = Field(1000, ge=10, le=5000, description="longest single wait for stream entries")
     claim_idle_ms: int = Field(30_000, ge=0, description="entries idle this long on another consumer are claimed")
     weight_load_timeout_s: float = Field(300.0, gt=0, description="bound on the router loading one weight version")
+    weight_sync: Literal["disk", "distributed"] = Field(
+        "disk", description="how versions reach the engines: disk (safetensors) or distributed (broadcast, gloo/NCCL)"
+    )
+    weight_sync_address: str = Field("127.0.0.1", description="distributed: address the engines reach this trainer at")
+    weight_sync_backend: Literal["gloo", "nccl"] = Field("gloo", description="distributed: gloo (CPU) or nccl (GPU)")
+    weight_sync_bucket_mb: float = Field(256.0, gt=0, description="distributed: most megabytes sent in one broadcast")
+    weight_sync_timeout_s: float = Field(
+        120.0, gt=0, description="distributed: bound on engines joining the group and on each broadcast"
+    )
     consumer: str = Field("trainer-0", description="consumer name in the stream's consumer group")
+    api_token_file: str | None = Field(None, description="file holding the API token the router's admin calls need")

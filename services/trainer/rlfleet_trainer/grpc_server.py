@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from grpc import aio
 
 from rlfleet.grpc_errors import ErrorInterceptor
+from rlfleet.grpc_limits import message_size_options
 from rlfleet.v1 import trainer_pb2, trainer_pb2_grpc
 from rlfleet_trainer.trainer_core import TrainerCore
 
@@ -23,10 +24,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return self.core.status(request.run_id)
 
     async def Checkpoint(self, request: trainer_pb2.CheckpointRequest, context: aio.ServicerContext) -> trainer_pb2.CheckpointResponse:  # noqa: N802,E501
-        return self.core.checkpoint(request.run_id)
+        return await asyncio.to_thread(self.core.checkpoint, request.run_id)
 
     async def StopRun(self, request: trainer_pb2.StopRunRequest, context: aio.ServicerContext) -> trainer_pb2.TrainerStatus:  # noqa: N802,E501
-        return await asyncio.to_thread(self.core.stop_run, request.run_id)
+        return await asyncio.to_thread(self.core.stop_run, request.run_id, request.checkpoint)
 
     async def WatchSteps(self, request: trainer_pb2.WatchStepsRequest, context: aio.ServicerContext) -> AsyncIterator[trainer_pb2.StepReport]:  # noqa: N802,E501
         next_step = request.from_step or self.core.status(request.run_id).step + 1
@@ -41,7 +42,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
 
 def make_grpc_server(core: TrainerCore, host: str, port: int) -> aio.Server:
-    server = aio.server(interceptors=[ErrorInterceptor()])
+    server = aio.server(interceptors=[ErrorInterceptor()], options=message_size_options())
     trainer_pb2_grpc.add_TrainerServicer_to_server(TrainerServicer(core), server)
     server.add_insecure_port(f"{host}:{port}")
     return server

@@ -42,6 +42,15 @@ class TrainerMetrics:
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
             registry=self.registry,
         )
+        self.checkpoint_seconds = Histogram(
+            "rlfleet_trainer_checkpoint_seconds",
+            "time to write a checkpoint and commit it (record + acknowledgement of the groups it covers)",
+            buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
+            registry=self.registry,
+        )
+        self.checkpoint_step = Gauge(
+            "rlfleet_trainer_checkpoint_step", "step of the active run's last checkpoint", registry=self.registry
+        )
         self.groups_consumed = Counter(
             "rlfleet_trainer_groups_consumed_total", "sample groups trained on", registry=self.registry
         )

@@ -34,19 +34,29 @@ def token_logprobs(
 ) -> ScoredTokens:
     """Scores the response tokens of a packed batch under softmax(logits / temperature), the
     distribution the engine sampled from (plain softmax for greedy, temperature 0). Only the
-    positions that predict response tokens go through the softmax."""
+    positions that predict response tokens go through the softmax.
+
+    The model may live on a GPU (sharded); the batch and the results stay on the CPU, where the
+    step's small (B, T) grids are."""
+    device = next(model.parameters()).device
+    index = batch.index.to(device)
     out = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
+        input_ids=batch.input_ids.to(device),
+        attention_mask=batch.attention_mask.to(device),
+        position_ids=batch.position_ids.to(device),
         output_hidden_states=with_hidden,
     )
-    logits = out.logits.flatten(0, 1)[batch.index].float()  # (B, T, V)
+    logits = out.logits.flatten(0, 1)[index].float()  # (B, T, V)
     if temperature > 0:
         logits = logits / temperature
     log_probs = torch.log_softmax(logits, dim=-1)
-    targets = batch.targets.flatten()[batch.index]  # (B, T)
+    targets = batch.targets.to(device).flatten()[index]  # (B, T)
     picked = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T)
     entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None
-    hidden = out.hidden_states[-1].flatten(0, 1)[batch.index] if with_hidden else None
-    return ScoredTokens(logp=picked, entropy=entropy, hidden=hidden)
+    hidden = out.hidden_states[-1].flatten(0, 1)[index] if with_hidden else None
+    home = batch.index.device
+    return ScoredTokens(
+        logp=picked.to(home),
+        entropy=entropy.to(home) if entropy is not None else None,
+        hidden=hidden.to(home) if hidden is not None else None,
+    )

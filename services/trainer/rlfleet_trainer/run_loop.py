@@ -1,10 +1,20 @@
 """The training loop of one run, as a plain function over the objects that hold state.
 
-Per step: collect `groups_per_step` groups from the stream (own pending first, then groups a dead
-consumer left, then new ones), take one step of the run's algorithm, write the weights as version
-step + 1, make the fleet serve them, then record the step and acknowledge its groups in one
-transaction. Only then is the new version reported, so whoever waits for version v (the
-orchestrator) finds the engines serving it.
+Per step: collect `groups_per_step` groups from the stream (this consumer's pending entries in id
+order after the last one taken, then entries a dead consumer left, then new ones), take one step of
+the run's algorithm, write the weights as version step + 1 and make the fleet serve them. A step
+acknowledges nothing: a checkpoint does (checkpoint_commit.py), every `trainer.checkpoint_every`
+steps, at the schedule's end, at a stop that asks for one, and when a Checkpoint call asks. The
+step's version is reported after its checkpoint, so whoever waits for version v (the orchestrator)
+finds the engines serving it and, at the end, the final checkpoint committed.
+
+Resumed from a checkpoint, the loop reads its pending entries again in id order with the same
+partition into steps, so it retrains exactly the groups after the checkpoint, in the same steps.
+It publishes versions it had published before the crash again, deliberately: version v always names
+the policy after step v, and retraining step v from the restored state reproduces that policy, so
+samples labelled v before the crash still say which policy produced them and the orchestrator's
+`version = step` staleness arithmetic holds. The router and the engines (SGLang's weight_version is
+a label) accept any version, including one they have seen before.
 """
 
 from __future__ import annotations
@@ -14,100 +24,124 @@ import time
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from rlfleet.sample_stream import SampleStream, StreamEntry
+from rlfleet.sample_stream import SampleStream, StreamEntry, entry_order
 from rlfleet.v1.trainer_pb2 import StepReport, TrainerState
 from rlfleet_trainer.active_run import ActiveRun
+from rlfleet_trainer.checkpoint_commit import CheckpointCommitter
 from rlfleet_trainer.config import TrainerSettings
 from rlfleet_trainer.metrics import TrainerMetrics
 from rlfleet_trainer.router_client import RouterClient
-from rlfleet_trainer.run_state import RunRecord, RunStateStore
-from rlfleet_trainer.train_step import StepConfig, step_config_from_spec, train_step
-from rlfleet_trainer.weights import prune_versions, save_version
+from rlfleet_trainer.weight_publisher import make_publisher
+from rlfleet_trainer.weights import prune_versions
 
 logger = logging.getLogger(__name__)
 
 
-def collect_groups(run: ActiveRun, settings: TrainerSettings, needed: int) -> list[StreamEntry]:
-    """Blocks (in bounded waits, watching `run.stop`) until `needed` groups are delivered."""
+def collect_groups(
+    run: ActiveRun, settings: TrainerSettings, needed: int, checkpoints: CheckpointCommitter
+) -> list[StreamEntry]:
+    """Blocks (in bounded waits, watching `run.stop`) until `needed` groups are delivered; takes a
+    checkpoint asked for meanwhile (the model is at a step boundary while it waits)."""
     stream: SampleStream = run.stream
-    entries = stream.read_own_pending(settings.consumer, needed)
+    entries = stream.read_own_pending(settings.consumer, needed, after=run.cursor)
+    if entries:
+        logger.info("run %s: %d group(s) were delivered before", run.run_id, len(entries))
     if len(entries) < needed:
         entries += stream.claim_stale(settings.consumer, settings.claim_idle_ms, needed - len(entries))
-    if entries:
-        logger.info("run %s: resuming with %d group(s) delivered before", run.run_id, len(entries))
     while len(entries) < needed and not run.stop.is_set():
+        if run.checkpoint_wanted:
+            checkpoints.commit(run, run.step, run.groups_trained)
         entries += stream.read(settings.consumer, needed - len(entries), block_ms=settings.read_block_ms)
+    # Every entry taken is now pending on this consumer; the next step reads its pending ones after
+    # them. (When own pending ones ran short, all of them were taken, and new ones come after all.)
+    run.cursor = max([run.cursor, *(e.entry_id for e in entries)], key=entry_order)
     return entries
 
 
-def step_config(run: ActiveRun) -> StepConfig:
-    return step_config_from_spec(run.spec, run.model, run.pad_id)
+def checkpoint_due(run: ActiveRun, step: int) -> bool:
+    every = run.spec.trainer.checkpoint_every
+    return step >= run.spec.schedule.steps or (every > 0 and step % every == 0) or run.checkpoint_wanted
 
 
 def train_run(
     run: ActiveRun,
     settings: TrainerSettings,
     router: RouterClient,
-    store: RunStateStore,
+    checkpoints: CheckpointCommitter,
     metrics: TrainerMetrics,
 ) -> None:
     """Trains until the schedule's last step or until `run.stop` is set; records failures on `run`."""
+    publisher = make_publisher(
+        settings,
+        router,
+        run.weights_root,
+        run.tokenizer_dir,
+        lambda _model: run.ranks.call("full_state_dict"),
+        abort_all_requests=run.spec.rollout.on_weight_update == "abort_resume",
+    )
     try:
-        config = step_config(run)
         total_steps = run.spec.schedule.steps
         needed = run.spec.rollout.groups_per_step
         while run.step < total_steps and not run.stop.is_set():
-            entries = collect_groups(run, settings, needed)
+            entries = collect_groups(run, settings, needed, checkpoints)
             if len(entries) < needed:  # stopped while waiting
                 break
             groups = [e.group for e in entries]
-            step_metrics = train_step(run.model, run.optimizer, run.scheduler, groups, config, run.ref_model)
+            step_metrics = run.ranks.call("train_step", groups)
             version = run.step + 1
             sync_started = time.perf_counter()
-            path = save_version(run.model, run.weights_root, version, run.tokenizer_dir)
-            router.load_weights(str(path), version)
+            path = publisher.publish(run.model, version)
             step_metrics["weight_sync_seconds"] = time.perf_counter() - sync_started
-            record = RunRecord(
+            prune_versions(run.weights_root, keep_from=version - settings.keep_weight_versions + 1)
+            run.uncommitted.extend(e.entry_id for e in entries)
+            groups_trained = run.groups_trained + len(groups)
+            if checkpoint_due(run, version):
+                checkpoints.commit(run, version, groups_trained)
+            run.update(
                 step=version,
                 weight_version=version,
                 weights_path=str(path),
-                groups_trained=run.groups_trained + len(groups),
-            )
-            store.commit(run.run_id, record, run.stream, [e.entry_id for e in entries])
-            prune_versions(run.weights_root, keep_from=version - settings.keep_weight_versions + 1)
-            run.update(
-                step=record.step,
-                weight_version=record.weight_version,
-                weights_path=record.weights_path,
-                groups_trained=record.groups_trained,
+                groups_trained=groups_trained,
                 state=TrainerState.TRAINER_STATE_TRAINING,
             )
-            now = Timestamp()
-            now.GetCurrentTime()
-            run.add_report(
-                StepReport(
-                    run_id=run.run_id,
-                    step=version,
-                    weight_version=version,
-                    metrics=step_metrics,
-                    groups=len(groups),
-                    time=now,
-                )
-            )
-            metrics.observe_step(step_metrics)
-            metrics.step.set(version)
-            metrics.weight_version.set(version)
-            metrics.groups_consumed.inc(len(groups))
-            metrics.samples_consumed.inc(step_metrics.get("samples", 0))
-            metrics.stream_lag.set(max(0, run.stream.length() - record.groups_trained))
-            logger.info(
-                "run %s step %d/%d: loss %.4f reward %.3f logprob_diff %.2e (%.2fs + sync %.2fs)",
-                run.run_id, version, total_steps, step_metrics.get("loss", 0.0), step_metrics["reward_mean"],
-                step_metrics.get("logprob_diff", 0.0), step_metrics.get("step_seconds", 0.0),
-                step_metrics["weight_sync_seconds"],
-                extra={"run_id": run.run_id, "step": version},
-            )
+            report(run, version, len(groups), step_metrics, metrics)
+        if run.checkpoint_on_stop or run.checkpoint_wanted:
+            checkpoints.commit(run, run.step, run.groups_trained)
         run.update(state=TrainerState.TRAINER_STATE_STOPPED)
     except Exception as exc:  # noqa: BLE001 - the run fails with a reason instead of the thread dying silently
         logger.exception("run %s failed at step %d", run.run_id, run.step, extra={"run_id": run.run_id})
         run.update(state=TrainerState.TRAINER_STATE_FAILED, error=f"{type(exc).__name__}: {exc}")
+    finally:
+        publisher.close()
+        release_policy(run)
+
+
+def release_policy(run: ActiveRun) -> None:
+    """Frees the run's model and optimizer on every rank; the run's state lives on in its checkpoints."""
+    try:
+        run.ranks.call("unload_run")
+    except Exception:  # noqa: BLE001 - a rank that failed is reported by the run's error already
+        logger.exception("run %s: releasing the policy on the ranks failed", run.run_id)
+
+
+def report(run: ActiveRun, version: int, groups: int, step_metrics: dict[str, float], metrics: TrainerMetrics) -> None:
+    now = Timestamp()
+    now.GetCurrentTime()
+    run.add_report(
+        StepReport(
+            run_id=run.run_id, step=version, weight_version=version, metrics=step_metrics, groups=groups, time=now
+        )
+    )
+    metrics.observe_step(step_metrics)
+    metrics.step.set(version)
+    metrics.weight_version.set(version)
+    metrics.groups_consumed.inc(groups)
+    metrics.samples_consumed.inc(step_metrics.get("samples", 0))
+    metrics.stream_lag.set(max(0, run.stream.length() - run.groups_trained))
+    logger.info(
+        "run %s step %d/%d: loss %.4f reward %.3f logprob_diff %.2e (%.2fs + sync %.2fs)",
+        run.run_id, version, run.spec.schedule.steps, step_metrics.get("loss", 0.0), step_metrics["reward_mean"],
+        step_metrics.get("logprob_diff", 0.0), step_metrics.get("step_seconds", 0.0),
+        step_metrics["weight_sync_seconds"],
+        extra={"run_id": run.run_id, "step": version},
+    )

@@ -1,9 +1,10 @@
-"""The trainer's durable record of a run: how far it got, and which groups that covers.
+"""The trainer's durable record of a run: its last checkpoint, and which groups that covers.
 
-The record and the acknowledgement of the groups a step trained on are written in one Redis
-transaction, so after a crash the record and the stream's pending list always agree: every group
-the record covers is acknowledged, every group it does not cover is still pending and is trained
-on again.
+A step acknowledges nothing. A checkpoint commit writes the record (pointing at the checkpoint) and
+acknowledges every group trained since the previous checkpoint in one Redis transaction, so after
+a crash the record and the stream's pending list always agree: every group the checkpoint covers
+is acknowledged, every group it does not cover is still pending and is trained on again after the
+trainer resumes from that checkpoint.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import cast
 
 import redis
 
+from rlfleet.errors import Conflict
 from rlfleet.sample_stream import SampleStream
 
 
@@ -21,8 +23,10 @@ from rlfleet.sample_stream import SampleStream
 class RunRecord:
     step: int = 0
     weight_version: int = 0
-    weights_path: str = ""
+    checkpoint_path: str = ""
     groups_trained: int = 0
+    last_entry_id: str = ""
+    """Last stream entry the checkpoint covers (empty before the first group)."""
 
 
 class RunStateStore:
@@ -38,23 +42,30 @@ class RunStateStore:
         if not raw:
             return None
         fields = {k.decode(): v.decode() for k, v in raw.items()}
+        if "checkpoint_path" not in fields:
+            raise Conflict(
+                f"the trainer's record of run {run_id} ({self.key(run_id)}) predates checkpoints and names "
+                "no checkpoint to resume from; start the run under a new id"
+            )
         return RunRecord(
             step=int(fields["step"]),
             weight_version=int(fields["weight_version"]),
-            weights_path=fields["weights_path"],
+            checkpoint_path=fields["checkpoint_path"],
             groups_trained=int(fields["groups_trained"]),
+            last_entry_id=fields.get("last_entry_id", ""),
         )
 
     def commit(self, run_id: str, record: RunRecord, stream: SampleStream, entry_ids: Sequence[str]) -> None:
-        """Saves `record` and acknowledges `entry_ids` atomically."""
+        """Saves `record` and acknowledges `entry_ids` atomically (MULTI/EXEC)."""
         pipe = self.client.pipeline(transaction=True)
         pipe.hset(
             self.key(run_id),
             mapping={
                 "step": record.step,
                 "weight_version": record.weight_version,
-                "weights_path": record.weights_path,
+                "checkpoint_path": record.checkpoint_path,
                 "groups_trained": record.groups_trained,
+                "last_entry_id": record.last_entry_id,
             },
         )
         if entry_ids:

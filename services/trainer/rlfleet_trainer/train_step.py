@@ -7,6 +7,12 @@
 4. Micro-batches accumulate gradients: each adds its loss numerator divided by the global batch's
    denominator (aggregation.py), so the result equals one pass over the whole batch. The gradient
    is clipped, the optimizer and the schedule step; PPO's critic steps its own optimizer.
+
+Under a process group every rank gets the whole batch and trains on its share of the sequences
+(data_parallel.py): the gradient-free pass fills each rank's rows of the KL and value grids and a
+sum gives every rank the whole grids, so advantages are those of the whole batch; FSDP sums the
+policy's gradients over ranks, the critic's are summed here, and metrics are summed to global
+values. One rank (or none) computes exactly what it always did.
 """
 
 from __future__ import annotations
@@ -18,14 +24,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from rlfleet.v1.runs_pb2 import RunSpec
 from rlfleet.v1.samples_pb2 import SampleGroup
 from rlfleet_trainer.aggregation import denominator, numerator
 from rlfleet_trainer.algorithms import ALGORITHMS, AdvantageInputs, Algorithm
-from rlfleet_trainer.batch import TrainSequence, pack, plan_micro_batches, sequences_from_groups
+from rlfleet_trainer.batch import TrainSequence, sequences_from_groups
 from rlfleet_trainer.critic import Critic, clipped_value_loss
+from rlfleet_trainer.data_parallel import (
+    current_ranks,
+    micro_batch,
+    rank_plan,
+    sum_gradients_over_ranks,
+    sum_over_ranks,
+    sum_tensor_over_ranks,
+)
 from rlfleet_trainer.kl import kl_penalty
 from rlfleet_trainer.policy import token_logprobs
 from rlfleet_trainer.policy_loss import PolicyLossConfig, policy_loss
@@ -120,23 +135,30 @@ def train_step(
     if not sequences:
         metrics["skipped"] = 1.0
         return metrics
-    plan = plan_micro_batches([len(s.tokens) for s in sequences], config.micro_batch_tokens, config.pack_row_tokens)
+    ranks = current_ranks()
+    # This rank's micro-batches; None marks an idle one that only joins the collectives.
+    plan = rank_plan([len(s.tokens) for s in sequences], config.micro_batch_tokens, config.pack_row_tokens, ranks)
     mask, present = response_grid(sequences)  # (S, T)
     kl = torch.zeros_like(mask)
     values = torch.zeros_like(mask) if config.critic is not None else None
     if config.reward_kl_coef > 0 or values is not None:
         with torch.no_grad():
             for rows in plan:
-                batch = pack(sequences, rows, config.pad_id)
+                batch = micro_batch(sequences, rows, config.pad_id)
                 ids, width = batch.seq_ids, batch.mask.shape[1]
                 if config.reward_kl_coef > 0:
                     assert ref_model is not None, "a KL in the reward needs a reference model"
                     reference = token_logprobs(ref_model, batch, config.temperature).logp
-                    kl[ids, :width] = kl_penalty(batch.old_logp, reference, config.kl_estimator) * batch.present
+                    if rows is not None:
+                        kl[ids, :width] = kl_penalty(batch.old_logp, reference, config.kl_estimator) * batch.present
                 if values is not None and config.critic is not None:
                     hidden = token_logprobs(model, batch, config.temperature, with_hidden=True).hidden
                     assert hidden is not None
-                    values[ids, :width] = config.critic.values(hidden) * batch.present
+                    if rows is not None:
+                        values[ids, :width] = config.critic.values(hidden) * batch.present
+        sum_tensor_over_ranks(kl, ranks)
+        if values is not None:
+            sum_tensor_over_ranks(values, ranks)
     estimate = config.algorithm.advantages(
         AdvantageInputs(
             rewards=torch.tensor([s.reward for s in sequences], dtype=torch.float32),
@@ -160,9 +182,9 @@ def train_step(
     if critic is not None:
         critic.optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = defaultdict(float)
-    loss_sum, value_loss_sum, diff_sum, tokens, slots = 0.0, 0.0, 0.0, 0, 0
+    loss_sum, value_loss_sum, diff_sum, tokens, slots, micro_batches = 0.0, 0.0, 0.0, 0, 0, 0
     for rows in plan:
-        batch = pack(sequences, rows, config.pad_id)
+        batch = micro_batch(sequences, rows, config.pad_id)
         ids, width = batch.seq_ids, batch.mask.shape[1]
         scored = token_logprobs(model, batch, config.temperature, with_entropy=True, with_hidden=critic is not None)
         ref_logp: torch.Tensor | None = None
@@ -186,29 +208,38 @@ def train_step(
             sums[name] += float(value)
         with torch.no_grad():
             diff_sum += float(((scored.logp - batch.old_logp).abs() * batch.mask).sum())
-        tokens += batch.tokens
-        slots += int(batch.input_ids.numel())
+        if rows is not None:
+            tokens += batch.tokens
+            slots += int(batch.input_ids.numel())
+            micro_batches += 1
+    names = sorted(sums)
+    loss_total, value_loss_total, diff_total, tokens_total, slots_total, batches_total, *stat_totals = sum_over_ranks(
+        [loss_sum, value_loss_sum, diff_sum, tokens, slots, micro_batches, *(sums[n] for n in names)], ranks
+    )
     clip = config.grad_clip if config.grad_clip > 0 else math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    if isinstance(grad_norm, DTensor):  # a sharded model's norm: each rank holds a part of the sum
+        grad_norm = grad_norm.full_tensor()
     optimizer.step()
     scheduler.step()
     if critic is not None:
+        sum_gradients_over_ranks(critic.head, ranks)
         torch.nn.utils.clip_grad_norm_(critic.head.parameters(), clip)
         critic.optimizer.step()
-        metrics["value_loss"] = value_loss_sum
+        metrics["value_loss"] = value_loss_total
     elapsed = time.perf_counter() - started
-    metrics.update({name: value / len(sequences) for name, value in sums.items()})
+    metrics.update({name: value / len(sequences) for name, value in zip(names, stat_totals, strict=True)})
     metrics.update(
         {
-            "loss": loss_sum / norm,
+            "loss": loss_total / norm,
             "grad_norm": float(grad_norm),
-            "logprob_diff": diff_sum / max(1.0, trained_tokens),
+            "logprob_diff": diff_total / max(1.0, trained_tokens),
             "advantage_abs_mean": float((advantages.abs() * mask).sum()) / max(1.0, trained_tokens),
-            "tokens": float(tokens),
-            "pack_efficiency": tokens / max(1, slots),
-            "micro_batches": float(len(plan)),
+            "tokens": float(tokens_total),
+            "pack_efficiency": tokens_total / max(1, slots_total),
+            "micro_batches": float(batches_total),
             "step_seconds": elapsed,
-            "tokens_per_second": tokens / elapsed if elapsed > 0 else 0.0,
+            "tokens_per_second": tokens_total / elapsed if elapsed > 0 else 0.0,
         }
     )
     return metrics

@@ -1,8 +1,9 @@
 """The transport-free trainer: StartRun, Status, Checkpoint, StopRun and WatchSteps semantics.
 
 One run trains at a time. StartRun of a run this process does not know resumes it from the
-trainer's record in Redis when there is one (the weights of the last version it published, the
-groups it has not acknowledged), so a trainer restarted after a crash continues where it stopped.
+trainer's record in Redis when there is one: the run's last checkpoint (model, optimizer, schedule,
+critic, RNG) and the groups it does not cover, which are still pending on the stream. So a trainer
+restarted after a crash retrains exactly the groups after its last checkpoint.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import threading
 from pathlib import Path
 
 import redis
-import torch
 
 from rlfleet.errors import Conflict, InvalidInput, NotFound
 from rlfleet.run_spec import resolve, validate
@@ -20,26 +20,38 @@ from rlfleet.sample_stream import SampleStream
 from rlfleet.v1.runs_pb2 import RunSpec
 from rlfleet.v1.trainer_pb2 import CheckpointResponse, StepReport, TrainerState, TrainerStatus
 from rlfleet_trainer.active_run import ActiveRun
+from rlfleet_trainer.checkpoint import prune_checkpoints
+from rlfleet_trainer.checkpoint_commit import CheckpointCommitter
 from rlfleet_trainer.config import TrainerSettings
 from rlfleet_trainer.metrics import TrainerMetrics
-from rlfleet_trainer.optim import optimizer_from_spec
-from rlfleet_trainer.policy import load_policy
+from rlfleet_trainer.rank_group import RankGroup
+from rlfleet_trainer.rank_ops import RANK_OPS, RankState, ShardingOptions
 from rlfleet_trainer.router_client import RouterClient
 from rlfleet_trainer.run_loop import train_run
-from rlfleet_trainer.run_state import RunStateStore
+from rlfleet_trainer.run_state import RunRecord, RunStateStore
+from rlfleet_trainer.weights import save_version
 
 logger = logging.getLogger(__name__)
 
 
 class TrainerCore:
     def __init__(
-        self, settings: TrainerSettings, client: redis.Redis, router: RouterClient, metrics: TrainerMetrics
+        self,
+        settings: TrainerSettings,
+        client: redis.Redis,
+        router: RouterClient,
+        metrics: TrainerMetrics,
+        ranks: RankGroup | None = None,
     ) -> None:
+        """`ranks`: the torchrun ranks the policy is sharded over (rank 0 is this process); by
+        default this process alone."""
         self.settings = settings
+        self.ranks = ranks or RankGroup(RANK_OPS, RankState(ShardingOptions()))
         self.client = client
         self.router = router
         self.metrics = metrics
         self.store = RunStateStore(client, settings.redis_prefix)
+        self.checkpoints = CheckpointCommitter(self.store, settings.keep_checkpoints, metrics)
         self._runs: dict[str, ActiveRun] = {}
         self._finished: dict[str, TrainerStatus] = {}
         self._starting: set[str] = set()
@@ -73,9 +85,10 @@ class TrainerCore:
         run.update(state=TrainerState.TRAINER_STATE_TRAINING)
         self.metrics.step.set(run.step)
         self.metrics.weight_version.set(run.weight_version)
+        self.metrics.checkpoint_step.set(run.checkpoint_step)
         run.thread = threading.Thread(
             target=train_run,
-            args=(run, self.settings, self.router, self.store, self.metrics),
+            args=(run, self.settings, self.router, self.checkpoints, self.metrics),
             name=f"train-{run_id}",
             daemon=True,
         )
@@ -92,22 +105,43 @@ class TrainerCore:
         raise NotFound(f"this trainer has no run {run_id!r}; StartRun resumes it")
 
     def checkpoint(self, run_id: str) -> CheckpointResponse:
-        """Every step publishes a complete weight directory; the latest one is the checkpoint."""
-        status = self.status(run_id)
-        return CheckpointResponse(path=status.weights_path, step=status.step, weight_version=status.weight_version)
-
-    def stop_run(self, run_id: str, timeout_s: float = 300.0) -> TrainerStatus:
+        """A checkpoint covering every step taken so far, taken at the next step boundary (the
+        latest one when it does already)."""
         run = self._active(run_id)
         if run is None:
-            return self.status(run_id)
-        run.stop.set()
-        if run.thread is not None:
-            run.thread.join(timeout=timeout_s)
-            if run.thread.is_alive():
-                raise Conflict(f"run {run_id} is still finishing its step after {timeout_s:.0f}s; ask again")
-        if not run.finished:
-            run.update(state=TrainerState.TRAINER_STATE_STOPPED)
-        return run.status()
+            status = self.status(run_id)  # raises NotFound for unknown runs
+            if not status.checkpoint_path or status.checkpoint_step != status.step:
+                raise Conflict(
+                    f"run {run_id} stopped at step {status.step} without a checkpoint of it; "
+                    "StartRun resumes it from its last checkpoint"
+                )
+            return CheckpointResponse(
+                path=status.checkpoint_path, step=status.checkpoint_step, weight_version=status.checkpoint_step
+            )
+        return run.request_checkpoint(self.settings.checkpoint_timeout_s)
+
+    def stop_run(self, run_id: str, checkpoint: bool = False, timeout_s: float = 300.0) -> TrainerStatus:
+        """Stops after the step in progress; with `checkpoint`, checkpoints first, so the groups it
+        trained since the last checkpoint are acknowledged instead of trained again on resume."""
+        run = self._active(run_id)
+        if run is None:
+            status = self.status(run_id)
+        else:
+            run.update(checkpoint_on_stop=checkpoint or run.checkpoint_on_stop)
+            run.stop.set()
+            if run.thread is not None:
+                run.thread.join(timeout=timeout_s)
+                if run.thread.is_alive():
+                    raise Conflict(f"run {run_id} is still finishing its step after {timeout_s:.0f}s; ask again")
+            if not run.finished:
+                run.update(state=TrainerState.TRAINER_STATE_STOPPED)
+            status = run.status()
+        if checkpoint and status.state == TrainerState.TRAINER_STATE_STOPPED and status.checkpoint_step != status.step:
+            raise Conflict(
+                f"run {run_id} had stopped at step {status.step} before a checkpoint was asked for; its last "
+                f"checkpoint is of step {status.checkpoint_step}, and StartRun resumes from there"
+            )
+        return status
 
     def reports(self, run_id: str, from_step: int) -> tuple[list[StepReport], bool]:
         """Step reports with step >= from_step, and whether the run has finished."""
@@ -125,9 +159,12 @@ class TrainerCore:
                 run.changed.wait(timeout=timeout_s)
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stops every run after its step in progress, checkpointing it (a graceful termination,
+        e.g. SIGTERM, loses no training)."""
         with self._lock:
             runs = list(self._runs.values())
         for run in runs:
+            run.update(checkpoint_on_stop=True)
             run.stop.set()
         for run in runs:
             if run.thread is not None:
@@ -151,37 +188,46 @@ class TrainerCore:
         if not (base / "config.json").exists():
             raise InvalidInput(f"model.path: no Hugging Face model at {base} (config.json missing)")
         record = self.store.load(run_id)
-        source, step, version, trained = base, 0, 0, 0
-        if record is not None and record.weight_version > 0:
-            source = Path(record.weights_path)
-            if not (source / "config.json").exists():
-                raise Conflict(
-                    f"run {run_id} was at weight version {record.weight_version} but {source} is gone; "
-                    "it cannot be resumed"
-                )
-            step, version, trained = record.step, record.weight_version, record.groups_trained
-        torch.manual_seed(spec.trainer.seed + step)
-        model = load_policy(source)
-        optimizer, scheduler = optimizer_from_spec(model, spec, start_step=step)
-        ref_model = None
-        if spec.algorithm.kl_coef > 0:
-            ref_model = load_policy(base).eval().requires_grad_(False)
-        stream = SampleStream(self.client, run_id, prefix=self.settings.redis_prefix)
-        stream.ensure_consumer_group()
-        pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-        return ActiveRun(
+        run_dir = self.settings.work_dir / "runs" / run_id
+        weights_root, checkpoints_root = run_dir / "weights", run_dir / "checkpoints"
+        self.ranks.call("load_run", spec)
+        run = ActiveRun(
             run_id=run_id,
             spec=spec,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            ref_model=ref_model,
-            stream=stream,
-            weights_root=self.settings.work_dir / "runs" / run_id / "weights",
+            ranks=self.ranks,
+            stream=SampleStream(self.client, run_id, prefix=self.settings.redis_prefix),
+            weights_root=weights_root,
+            checkpoints_root=checkpoints_root,
             tokenizer_dir=Path(spec.model.tokenizer_path),
-            pad_id=int(pad_id),
-            step=step,
-            weight_version=version,
-            weights_path=str(source),
-            groups_trained=trained,
+            weights_path=str(base),
+        )
+        if record is not None:  # last: restoring the RNG state must be the final use of the RNG
+            self._resume(run, record)
+        run.stream.ensure_consumer_group()
+        return run
+
+    def _resume(self, run: ActiveRun, record: RunRecord) -> None:
+        """Restores `run` from the checkpoint its record names and republishes that version."""
+        path = Path(record.checkpoint_path)
+        try:
+            meta = self.ranks.call("checkpoint_load", str(path))
+        except FileNotFoundError as exc:
+            raise Conflict(f"run {run.run_id} cannot be resumed: {exc}") from exc
+        if meta.step != record.step:
+            raise Conflict(
+                f"run {run.run_id}: the checkpoint at {path} is of step {meta.step} but the run's record says "
+                f"step {record.step}; the checkpoint directory was replaced behind the trainer's back"
+            )
+        # Checkpoints after the recorded one were written by a trainer that died before recording them.
+        prune_checkpoints(run.checkpoints_root, newest=record.step, keep=self.settings.keep_checkpoints)
+        run.step, run.weight_version, run.groups_trained = meta.step, meta.weight_version, meta.groups_trained
+        run.checkpoint_step, run.checkpoint_path, run.last_entry_id = meta.step, str(path), meta.last_entry_id
+        if meta.weight_version > 0:
+            full = self.ranks.call("full_state_dict")
+            weights = save_version(run.model, run.weights_root, meta.weight_version, run.tokenizer_dir, full)
+            run.weights_path = str(weights)
+        logger.info(
+            "run %s resumes from its checkpoint of step %d (%d groups, through stream entry %s)",
+            run.run_id, meta.step, meta.groups_trained, meta.last_entry_id or "-",
+            extra={"run_id": run.run_id},
         )

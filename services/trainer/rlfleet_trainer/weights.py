@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import logging
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
+import torch
 from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
@@ -21,12 +23,16 @@ def version_dir(weights_root: Path, version: int) -> Path:
     return weights_root / f"v{version}"
 
 
-def write_model_dir(model: PreTrainedModel, dest: Path, tokenizer_dir: Path) -> Path:
+def write_model_dir(
+    model: PreTrainedModel, dest: Path, tokenizer_dir: Path, state_dict: Mapping[str, torch.Tensor] | None = None
+) -> Path:
     """Writes `model` (safetensors + config) and the tokenizer files of `tokenizer_dir` as the
-    Hugging Face directory `dest`, replacing it atomically."""
+    Hugging Face directory `dest`, replacing it atomically. `state_dict` replaces the model's own
+    tensors: a sharded model passes its gathered full weights."""
     tmp = dest.parent / f".{dest.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp), safe_serialization=True)
+    tensors = None if state_dict is None else dict(state_dict)
+    model.save_pretrained(str(tmp), state_dict=tensors, safe_serialization=True)
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
             shutil.copy2(tokenizer_dir / name, tmp / name)
@@ -35,9 +41,15 @@ def write_model_dir(model: PreTrainedModel, dest: Path, tokenizer_dir: Path) -> 
     return dest
 
 
-def save_version(model: PreTrainedModel, weights_root: Path, version: int, tokenizer_dir: Path) -> Path:
-    """Writes `model` as weight version `version` and returns its directory."""
-    return write_model_dir(model, version_dir(weights_root, version), tokenizer_dir)
+def save_version(
+    model: PreTrainedModel,
+    weights_root: Path,
+    version: int,
+    tokenizer_dir: Path,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+) -> Path:
+    """Writes `model` (or `state_dict` in its shape) as weight version `version`; returns its directory."""
+    return write_model_dir(model, version_dir(weights_root, version), tokenizer_dir, state_dict)
 
 
 def prune_versions(weights_root: Path, keep_from: int) -> None:

@@ -1,21 +1,29 @@
-"""TrainerCore end to end on one process: real Redis stream, real tiny model, weights over HTTP."""
+"""TrainerCore end to end on one process: real Redis stream, real tiny model, weights over HTTP, and
+its gRPC servicer."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 import redis
 import torch
 from google.protobuf import json_format
+from prometheus_client import generate_latest
 
 from rlfleet.errors import Conflict, InvalidInput, NotFound
+from rlfleet.processes import free_port
 from rlfleet.sample_stream import SampleStream
+from rlfleet.v1 import trainer_pb2, trainer_pb2_grpc
 from rlfleet.v1.runs_pb2 import RunSpec
 from rlfleet.v1.samples_pb2 import Sample, SampleGroup, SampleStatus
 from rlfleet.v1.trainer_pb2 import TrainerState
 from rlfleet_trainer.config import TrainerSettings
+from rlfleet_trainer.grpc_server import make_grpc_server
 from rlfleet_trainer.metrics import TrainerMetrics
 from rlfleet_trainer.policy import load_policy
 from rlfleet_trainer.router_client import RouterClient
@@ -101,7 +109,7 @@ def test_trains_publishes_and_acknowledges(core, small_model_dir, redis_client, 
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
-def test_restarted_trainer_resumes_from_its_record(
+def test_graceful_shutdown_checkpoints_and_a_restart_resumes_from_it(
     tmp_path, small_model_dir, redis_client, redis_prefix, fake_router
 ) -> None:
     settings = TrainerSettings(redis_prefix=redis_prefix, work_dir=tmp_path / "trainer", read_block_ms=100)
@@ -112,7 +120,9 @@ def test_restarted_trainer_resumes_from_its_record(
     model = load_policy(small_model_dir)
     stream.append(rollout_group(model, "r2", 0, 0))
     wait_for(lambda: first.status("r2").weight_version == 1)
+    assert stream.pending_count() == 1  # a step acknowledges nothing; a checkpoint does
     first.shutdown()
+    assert first.status("r2").checkpoint_step == 1 and stream.pending_count() == 0
 
     # A group delivered to the old process but never acknowledged must be trained by the new one.
     stream.append(rollout_group(model, "r2", 1, 0))
@@ -120,11 +130,13 @@ def test_restarted_trainer_resumes_from_its_record(
     second = TrainerCore(settings, redis_client, RouterClient(fake_router.url, 30.0), TrainerMetrics())
     with pytest.raises(NotFound):
         second.status("r2")
-    status = second.start_run("r2", spec)
-    assert status.step == 1 and status.weight_version == 1
-    assert fake_router.loads[-1]["weight_version"] == "1"
+    loads_before = len(fake_router.loads)
+    second.start_run("r2", spec)
+    resumed_load = fake_router.loads[loads_before]  # before the run's thread starts: the version it resumes from
+    assert resumed_load["weight_version"] == "1" and resumed_load["model_path"].endswith("/weights/v1")
     wait_for(lambda: second.status("r2").state == TrainerState.TRAINER_STATE_STOPPED)
-    assert second.status("r2").groups_trained == 2
+    final = second.status("r2")
+    assert (final.groups_trained, final.checkpoint_step) == (2, 2)  # the schedule's end checkpoints
     assert stream.pending_count() == 0
     second.shutdown()
 
@@ -148,3 +160,88 @@ def test_router_refusal_fails_the_start(core, small_model_dir, fake_router) -> N
     core.router.timeout_s = 1.0
     with pytest.raises(Exception, match="did not load weight version 0"):
         core.start_run("r3", spec_for(small_model_dir, steps=1, groups_per_step=1))
+
+
+def test_checkpoint_call_commits_the_groups_and_a_stop_without_one_keeps_them_pending(
+    core, small_model_dir, redis_client, redis_prefix
+) -> None:
+    core.start_run("c", spec_for(small_model_dir, steps=5, groups_per_step=1))
+    stream = SampleStream(redis_client, "c", prefix=redis_prefix)
+    model = load_policy(small_model_dir)
+    for i in range(2):
+        stream.append(rollout_group(model, "c", 0, i))
+    wait_for(lambda: core.status("c").weight_version == 2)
+    assert stream.pending_count() == 2 and core.store.load("c") is None
+
+    taken = core.checkpoint("c")  # the trainer is waiting for groups: it checkpoints at once
+    assert (taken.step, taken.weight_version) == (2, 2) and Path(taken.path, ".metadata").exists()
+    assert stream.pending_count() == 0
+    record = core.store.load("c")
+    assert record is not None and (record.step, record.checkpoint_path, record.groups_trained) == (2, taken.path, 2)
+    assert core.checkpoint("c") == taken  # nothing trained since: the same checkpoint
+    exported = generate_latest(core.metrics.registry).decode()
+    assert "rlfleet_trainer_checkpoint_step 2.0" in exported
+    assert "rlfleet_trainer_checkpoint_seconds_count 1.0" in exported
+
+    stream.append(rollout_group(model, "c", 2, 0))
+    wait_for(lambda: core.status("c").weight_version == 3)
+    stopped = core.stop_run("c")
+    assert (stopped.step, stopped.checkpoint_step) == (3, 2)
+    assert stream.pending_count() == 1  # trained, but no checkpoint covers it
+    with pytest.raises(Conflict, match="without a checkpoint of it"):
+        core.checkpoint("c")
+    with pytest.raises(Conflict, match="before a checkpoint was asked for"):
+        core.stop_run("c", checkpoint=True)
+
+
+def serve_grpc(core: TrainerCore) -> tuple[int, threading.Event]:
+    """The real gRPC server over `core` on a free port, in a thread with its own event loop."""
+    port, ready, done = free_port(), threading.Event(), threading.Event()
+
+    async def run() -> None:
+        server = make_grpc_server(core, "127.0.0.1", port)
+        await server.start()
+        ready.set()
+        while not done.is_set():
+            await asyncio.sleep(0.05)
+        await server.stop(grace=1)
+
+    threading.Thread(target=asyncio.run, args=(run(),), daemon=True).start()
+    assert ready.wait(10), "gRPC server did not start"
+    return port, done
+
+
+def test_grpc_resume_checkpoint_and_stop_with_checkpoint(
+    core, small_model_dir, redis_client, redis_prefix, fake_router
+) -> None:
+    spec = spec_for(small_model_dir, steps=5, groups_per_step=1)
+    core.start_run("g", spec)
+    stream = SampleStream(redis_client, "g", prefix=redis_prefix)
+    model = load_policy(small_model_dir)
+    stream.append(rollout_group(model, "g", 0, 0))
+    wait_for(lambda: core.status("g").weight_version == 1)
+    core.checkpoint("g")
+    stream.append(rollout_group(model, "g", 1, 0))
+    wait_for(lambda: core.status("g").weight_version == 2)
+    core.stop_run("g")  # step 2 is not covered: StartRun goes back to step 1 and trains it again
+
+    port, done = serve_grpc(core)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = trainer_pb2_grpc.TrainerStub(channel)
+            started = stub.StartRun(trainer_pb2.StartRunRequest(run_id="g", spec=spec), timeout=60)
+            assert started.checkpoint_step == 1 and started.checkpoint_path.endswith("/checkpoints/step_1")
+            wait_for(lambda: core.status("g").weight_version == 2)
+            assert [load["weight_version"] for load in fake_router.loads[-3:]] == ["2", "1", "2"]
+            taken = stub.Checkpoint(trainer_pb2.CheckpointRequest(run_id="g"), timeout=60)
+            assert (taken.step, taken.weight_version) == (2, 2)
+            stream.append(rollout_group(model, "g", 2, 0))
+            wait_for(lambda: core.status("g").weight_version == 3)
+            stopped = stub.StopRun(trainer_pb2.StopRunRequest(run_id="g", checkpoint=True), timeout=60)
+            assert (stopped.state, stopped.step, stopped.checkpoint_step) == (TrainerState.TRAINER_STATE_STOPPED, 3, 3)
+            status = stub.Status(trainer_pb2.StatusRequest(run_id="g"), timeout=10)
+            assert status.checkpoint_path == str(Path(taken.path).parent / "step_3")
+            assert stream.pending_count() == 0
+            assert sorted(p.name for p in Path(taken.path).parent.iterdir()) == ["step_2", "step_3"]  # keep 2
+    finally:
+        done.set()

@@ -1,0 +1,191 @@
+"""Checkpoints of a run with torch.distributed.checkpoint (DCP), in `<root>/step_<N>/`.
+
+A checkpoint holds everything a step depends on, so training resumed from it takes the same steps
+an uninterrupted run would: the policy, its optimizer and LR schedule, PPO's critic head and its
+optimizer, the RNG state of every rank, and the trainer's position (step, weight version, groups
+trained, last stream entry covered).
+
+The state dicts come from `torch.distributed.checkpoint.state_dict`, so the same code saves a plain
+module (one process, no process group) and an FSDP2-sharded one (every rank calls `save_checkpoint`
+and writes its own shards). A checkpoint is written under a temporary name and renamed into place,
+so `step_<N>` exists only once it is complete.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from rlfleet_trainer.critic import Critic
+
+STEP_PREFIX = "step_"
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """The trainer's position that a checkpoint covers."""
+
+    step: int = 0
+    weight_version: int = 0
+    groups_trained: int = 0
+    """Groups trained from the start of the run through `step`."""
+    last_entry_id: str = ""
+    """Last stream entry the checkpoint covers (every covered entry is acknowledged)."""
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """The objects whose state a checkpoint captures; restored in place."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    critic: Critic | None = None
+
+
+def checkpoint_dir(root: Path, step: int) -> Path:
+    return root / f"{STEP_PREFIX}{step}"
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+@contextmanager
+def _single_process_quietly() -> Iterator[None]:
+    """DCP warns on every call without a process group; one process is an intended mode here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    # Keyed by rank: ranks draw different numbers, and DCP would keep only one copy of a shared key.
+    rank = _rank()
+    state = {f"torch_rank{rank}": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state[f"cuda_rank{rank}"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _state_dict(parts: TrainingState, meta: CheckpointMeta | None) -> dict[str, Any]:
+    model_state, optimizer_state = get_state_dict(parts.model, parts.optimizer)
+    state: dict[str, Any] = {
+        "model": model_state,
+        "optimizer": optimizer_state,
+        "scheduler": parts.scheduler.state_dict(),
+        "rng": _rng_state(),
+    }
+    if parts.critic is not None:
+        head_state, head_optimizer_state = get_state_dict(parts.critic.head, parts.critic.optimizer)
+        state["critic"] = {"head": head_state, "optimizer": head_optimizer_state}
+    if meta is not None:
+        state["trainer"] = asdict(meta)
+    return state
+
+
+def save_checkpoint(root: Path, parts: TrainingState, meta: CheckpointMeta) -> Path:
+    """Writes `parts` and `meta` as `<root>/step_<meta.step>` and returns that directory.
+
+    Under a process group every rank must call this (DCP is collective); rank 0's `meta` is the one
+    written. An existing directory of the same step (left by a run that crashed before recording
+    it) is replaced."""
+    dest = checkpoint_dir(root, meta.step)
+    tmp = root / f".{dest.name}.tmp"
+    distributed = _distributed()
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    if distributed:
+        dist.barrier()  # nobody writes into the temporary directory before rank 0 has emptied it
+    state = _state_dict(parts, meta if _rank() == 0 else None)
+    with _single_process_quietly():
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=not distributed)
+    # dcp.save returns on rank 0 after every rank's shards and the metadata are written.
+    if _rank() == 0:
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp.rename(dest)
+    if distributed:
+        dist.barrier()
+    return dest
+
+
+def load_checkpoint(path: Path, parts: TrainingState) -> CheckpointMeta:
+    """Restores `parts` (and this rank's RNG) from the checkpoint at `path`; returns its position."""
+    if not (path / ".metadata").exists():
+        raise FileNotFoundError(f"no checkpoint at {path} (its .metadata file is missing)")
+    state = _state_dict(parts, CheckpointMeta())
+    with _single_process_quietly():
+        dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
+    set_state_dict(
+        parts.model, parts.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
+    parts.scheduler.load_state_dict(state["scheduler"])
+    if parts.critic is not None:
+        critic = state["critic"]
+        set_state_dict(
+            parts.critic.head,
+            parts.critic.optimizer,
+            model_state_dict=critic["head"],
+            optim_state_dict=critic["optimizer"],
+        )
+    rank = _rank()
+    torch.set_rng_state(state["rng"][f"torch_rank{rank}"])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["rng"][f"cuda_rank{rank}"])
+    return CheckpointMeta(**state["trainer"])
+
+
+def load_model_weights(path: Path, model: torch.nn.Module) -> None:
+    """Loads only the policy's weights of the checkpoint at `path` into `model` (any sharding)."""
+    if not (path / ".metadata").exists():
+        raise FileNotFoundError(f"no checkpoint at {path} (its .metadata file is missing)")
+    state = {"model": get_model_state_dict(model)}
+    with _single_process_quietly():
+        dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
+    set_model_state_dict(model, state["model"])
+
+
+def checkpoint_steps(root: Path) -> list[int]:
+    """Steps of the complete checkpoints under `root`, oldest first."""
+    if not root.exists():
+        return []
+    steps = []
+    for path in root.iterdir():
+        suffix = path.name.removeprefix(STEP_PREFIX)
+        if path.name.startswith(STEP_PREFIX) and suffix.isdigit():
+            steps.append(int(suffix))
+    return sorted(steps)
+
+
+def prune_checkpoints(root: Path, newest: int, keep: int) -> None:
+    """Keeps the `keep` latest checkpoints up to step `newest` (the one the run's record names).
+
+    Checkpoints after `newest` were written by a trainer that died before recording them: the
+    resumed run writes them again. Temporary directories of interrupted saves go too."""
+    for path in root.glob(f".{STEP_PREFIX}*.tmp"):
+        shutil.rmtree(path, ignore_errors=True)
+    steps = checkpoint_steps(root)
+    kept = [s for s in steps if s <= newest][-keep:]
+    for step in steps:
+        if step not in kept:
+            shutil.rmtree(checkpoint_dir(root, step), ignore_errors=True)

@@ -1,0 +1,65 @@
+"""Taking a run's checkpoint: write it (checkpoint.py), then commit it (run_state.py).
+
+The commit is what acknowledges groups: the run's record is pointed at the new checkpoint and every
+group trained since the previous one is acknowledged in one Redis transaction. A trainer killed
+after the write but before the commit resumes from the previous checkpoint, whose groups are the
+acknowledged ones; the unrecorded directory is replaced when the step is reached again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from rlfleet_trainer.active_run import ActiveRun
+from rlfleet_trainer.checkpoint import CheckpointMeta, prune_checkpoints
+from rlfleet_trainer.metrics import TrainerMetrics
+from rlfleet_trainer.run_state import RunRecord, RunStateStore
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointCommitter:
+    """Used by the training thread only, between steps."""
+
+    def __init__(self, store: RunStateStore, keep: int, metrics: TrainerMetrics) -> None:
+        self.store = store
+        self.keep = keep
+        self.metrics = metrics
+
+    def commit(self, run: ActiveRun, step: int, groups_trained: int) -> None:
+        """Checkpoints `run` as of `step` (its model must be at that step's end), unless its last
+        checkpoint is of that step already; wakes whoever asked for a checkpoint."""
+        if run.checkpoint_path and run.checkpoint_step == step:
+            run.update(checkpoint_wanted=False)
+            return
+        started = time.perf_counter()
+        last_entry_id = run.uncommitted[-1] if run.uncommitted else run.last_entry_id
+        meta = CheckpointMeta(
+            step=step, weight_version=step, groups_trained=groups_trained, last_entry_id=last_entry_id
+        )
+        path = run.ranks.call("checkpoint_save", str(run.checkpoints_root), meta)
+        record = RunRecord(
+            step=step,
+            weight_version=step,
+            checkpoint_path=str(path),
+            groups_trained=groups_trained,
+            last_entry_id=last_entry_id,
+        )
+        self.store.commit(run.run_id, record, run.stream, run.uncommitted)
+        prune_checkpoints(run.checkpoints_root, newest=step, keep=self.keep)
+        elapsed = time.perf_counter() - started
+        logger.info(
+            "run %s: checkpoint of step %d at %s covers %d new group(s) (%.2fs)",
+            run.run_id, step, path, len(run.uncommitted), elapsed,
+            extra={"run_id": run.run_id, "step": step},
+        )
+        run.update(
+            checkpoint_step=step,
+            checkpoint_path=str(path),
+            last_entry_id=last_entry_id,
+            uncommitted=[],
+            checkpoint_wanted=False,
+        )
+        self.metrics.checkpoint_seconds.observe(elapsed)
+        self.metrics.checkpoint_step.set(step)

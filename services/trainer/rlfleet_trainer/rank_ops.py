@@ -1,0 +1,124 @@
+"""The collective operations every trainer rank runs in lockstep (rank_group.py), over the state
+one rank holds: its shard of the policy of the run being trained.
+
+Each op is a function of (state, *args) that every rank runs with the same arguments; rank 0's
+return value is what `RankGroup.call` returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from rlfleet.v1.runs_pb2 import RunSpec
+from rlfleet.v1.samples_pb2 import SampleGroup
+from rlfleet_trainer.checkpoint import CheckpointMeta, TrainingState, load_checkpoint, save_checkpoint
+from rlfleet_trainer.data_parallel import current_ranks
+from rlfleet_trainer.optim import optimizer_from_spec
+from rlfleet_trainer.policy import load_policy
+from rlfleet_trainer.rank_group import Op
+from rlfleet_trainer.sharding import full_state_dict, shard_model
+from rlfleet_trainer.train_step import StepConfig, step_config_from_spec, train_step
+
+
+@dataclass(frozen=True)
+class ShardingOptions:
+    mixed_precision: bool = False
+    activation_checkpointing: bool = False
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One rank's part of a run: the (sharded) model, its optimizer and schedule, the frozen
+    reference, and the step configuration (which holds PPO's critic, replicated on every rank)."""
+
+    model: PreTrainedModel
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    ref_model: PreTrainedModel | None
+    step: StepConfig
+    pad_id: int
+
+
+@dataclass
+class RankState:
+    options: ShardingOptions
+    policy: Policy | None = None
+
+    def require_policy(self) -> Policy:
+        if self.policy is None:
+            raise RuntimeError("no run is loaded on this rank; load_run first")
+        return self.policy
+
+
+def load_model(path: str | Path, options: ShardingOptions, trainable: bool) -> PreTrainedModel:
+    """The model at `path`, sharded when there is more than one rank (one rank keeps it whole)."""
+    model = load_policy(path)
+    if not trainable:
+        model.eval().requires_grad_(False)
+    if current_ranks().world > 1:
+        shard_model(model, options.mixed_precision, options.activation_checkpointing and trainable)
+    return model
+
+
+def load_run(state: RankState, spec: RunSpec) -> Policy:
+    """Loads the run's policy from the spec's base model with a fresh optimizer and schedule (a
+    resumed run then loads its checkpoint over them); the reference is the base model too."""
+    torch.manual_seed(spec.trainer.seed)
+    model = load_model(spec.model.path, state.options, trainable=True)
+    # After sharding: the optimizer must hold the sharded parameters.
+    optimizer, scheduler = optimizer_from_spec(model, spec)
+    ref_model = load_model(spec.model.path, state.options, trainable=False) if spec.algorithm.kl_coef > 0 else None
+    pad_id = int(model.config.pad_token_id if model.config.pad_token_id is not None else 0)
+    state.policy = Policy(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        ref_model=ref_model,
+        step=step_config_from_spec(spec, model, pad_id),
+        pad_id=pad_id,
+    )
+    return state.policy
+
+
+def train(state: RankState, groups: list[SampleGroup]) -> dict[str, float]:
+    """One optimizer step on the global batch `groups`; every rank trains on its share."""
+    policy = state.require_policy()
+    return train_step(policy.model, policy.optimizer, policy.scheduler, groups, policy.step, policy.ref_model)
+
+
+def gather_weights(state: RankState) -> dict[str, torch.Tensor]:
+    """The full weights on rank 0 (an empty dict on the others), for publishing."""
+    return full_state_dict(state.require_policy().model)
+
+
+def training_state(policy: Policy) -> TrainingState:
+    return TrainingState(policy.model, policy.optimizer, policy.scheduler, policy.step.critic)
+
+
+def checkpoint_save(state: RankState, root: str, meta: CheckpointMeta) -> Path:
+    """Every rank writes its shards of the run's checkpoint as `<root>/step_<meta.step>`."""
+    return save_checkpoint(Path(root), training_state(state.require_policy()), meta)
+
+
+def checkpoint_load(state: RankState, path: str) -> CheckpointMeta:
+    """Every rank restores its shards (and its RNG) from the checkpoint at `path`."""
+    return load_checkpoint(Path(path), training_state(state.require_policy()))
+
+
+def unload_run(state: RankState) -> None:
+    """Frees the run's model and optimizer on this rank."""
+    state.policy = None
+
+
+RANK_OPS: dict[str, Op] = {
+    "load_run": load_run,
+    "train_step": train,
+    "full_state_dict": gather_weights,
+    "checkpoint_save": checkpoint_save,
+    "checkpoint_load": checkpoint_load,
+    "unload_run": unload_run,
+}

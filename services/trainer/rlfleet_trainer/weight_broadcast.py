@@ -1,0 +1,264 @@
+"""Rank 0 of the distributed weight path: a group with every engine (through the router), versions sent in buckets.
+
+Opening: the trainer hosts the rendezvous on a free port, asks the router to have its k healthy
+engines join (world_size 1 + k), and joins as rank 0; everyone returns once all have joined.
+Publishing a version: the state is cut into buckets of at most `bucket_mb`; for each, the router
+is asked to have every engine receive it (names, dtypes, shapes; one flat byte tensor per bucket,
+SGLang's "flattened_bucket") while this process broadcasts it. Only the last bucket carries the
+weight_version, so engines report the new version once they hold all of it.
+
+Each HTTP call runs in a thread beside the collective, which runs in the calling thread and is
+bounded by the group's timeout (a collective blocked in C++ cannot be interrupted, so it is never
+left behind in a thread of its own). Opening waits `REFUSAL_WINDOW_S` for a quick refusal (an
+engine that is gone, a world_size that no longer fits) before joining, so that case is reported
+at once instead of after the timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import httpx
+import torch
+
+from rlfleet.errors import Unavailable
+from rlfleet.weight_update_group import (
+    FLATTENED_BUCKET,
+    WeightUpdateGroup,
+    join_group,
+    rendezvous,
+    request_fields,
+    send,
+)
+from rlfleet_trainer.router_client import RouterClient
+
+logger = logging.getLogger(__name__)
+
+GROUP_NAME = "rlfleet-trainer"
+REFUSAL_WINDOW_S = 1.0
+"""How long opening waits for the router to refuse before joining (joining cannot be called off)."""
+
+
+def unique_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` without tensors that share storage with an earlier one (tied weights travel once)."""
+    seen: set[tuple[int, int]] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor.detach()
+    return out
+
+
+def buckets(state: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """Consecutive groups of tensors of at most `bucket_bytes` each (a larger tensor is a bucket by itself)."""
+    out: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if out[-1] and size + nbytes > bucket_bytes:
+            out.append({})
+            size = 0
+        out[-1][name] = tensor
+        size += nbytes
+    return [bucket for bucket in out if bucket]
+
+
+class WeightBroadcaster:
+    def __init__(
+        self,
+        router: RouterClient,
+        master_address: str,
+        backend: str,
+        bucket_mb: float,
+        timeout_s: float,
+        group_name: str = GROUP_NAME,
+    ) -> None:
+        self._router = router
+        self._master_address = master_address
+        self._backend = backend
+        self._bucket_bytes = int(bucket_mb * 2**20)
+        self._timeout_s = timeout_s
+        self.group_name = group_name
+        self.group: WeightUpdateGroup | None = None
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self._backend == "nccl" else "cpu"
+
+    def open(self) -> None:
+        """Opens the group with every healthy engine; raises Unavailable naming what failed."""
+        self.close()
+        engines = int(self._get("/health")["healthy"])
+        world_size = 1 + engines
+        store = rendezvous(self._master_address, 0, host=True, timeout_s=self._timeout_s)
+        body = {
+            "master_address": self._master_address,
+            "master_port": store.port,
+            "world_size": world_size,
+            "group_name": self.group_name,
+            "backend": self._backend,
+        }
+        joined: list[WeightUpdateGroup] = []
+
+        def join() -> None:
+            joined.append(join_group(store, 0, world_size, self.group_name, self._backend, self._timeout_s))
+
+        self._together("/init_weights_update_group", body, join, REFUSAL_WINDOW_S, abort=lambda: None)
+        self.group = joined[0]
+        logger.info("weight update group %s open with %d engines", self.group_name, engines)
+
+    def is_current(self) -> bool:
+        """True if the group is open and its members are still exactly the healthy engines."""
+        if self.group is None:
+            return False
+        try:
+            return bool(self._get(f"/weights_update_groups/{self.group_name}")["current"])
+        except Unavailable as exc:
+            logger.info("reopening weight update group %s: %s", self.group_name, exc)
+            return False
+
+    def bucket_count(self, state: Mapping[str, torch.Tensor]) -> int:
+        return len(buckets(unique_tensors(state), self._bucket_bytes))
+
+    def broadcast(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Sends `state` to every engine in buckets; they serve `version` once this returns."""
+        group = self.group
+        if group is None:
+            raise Unavailable("the weight update group is not open; call open() first")
+        parts = buckets(unique_tensors(state), self._bucket_bytes)
+        for index, bucket in enumerate(parts):
+            last = index == len(parts) - 1
+            tensors = [t.to(self.device) for t in bucket.values()]
+            body: dict[str, Any] = {
+                **request_fields(bucket),
+                "group_name": self.group_name,
+                "load_format": FLATTENED_BUCKET,
+                "flush_cache": last,
+                "weight_version": str(version) if last else None,
+            }
+            try:
+                self._together(
+                    "/update_weights_from_distributed",
+                    body,
+                    functools.partial(send, group, tensors, True),
+                    refusal_window_s=0.0,
+                    abort=group.abort,
+                )
+            except Unavailable:
+                self.group = None
+                raise
+        logger.info("weight version %d broadcast in %d buckets", version, len(parts))
+
+    @contextlib.contextmanager
+    def engines_paused(self) -> Iterator[None]:
+        """Generation paused fleet-wide while a version travels in several buckets, so no engine samples
+        from a half-updated model (one bucket needs no pause: an engine loads it between two steps).
+        Best effort: an engine that does not answer is out of routing anyway."""
+        self._post_best_effort("/pause_generation")
+        try:
+            yield
+        finally:
+            self._post_best_effort("/continue_generation")
+
+    def register_disk_copy(self, model_path: str, version: int) -> None:
+        """Tells the router where engines that rejoin load `version` (which arrived over the group) from."""
+        self._post("/weight_version/disk_copy", {"model_path": model_path, "weight_version": str(version)})
+
+    def close(self) -> None:
+        """Closes the group on the engines (best effort) and here."""
+        group, self.group = self.group, None
+        if group is None:
+            return
+        try:
+            self._post("/destroy_weights_update_group", {"group_name": self.group_name})
+        except Unavailable as exc:
+            logger.warning("could not close weight update group %s on the engines: %s", self.group_name, exc)
+        group.close()
+
+    # -- the router ---------------------------------------------------------------------------
+
+    def _together(
+        self,
+        route: str,
+        body: dict[str, Any],
+        collective: Callable[[], None],
+        refusal_window_s: float,
+        abort: Callable[[], None],
+    ) -> None:
+        """POSTs `body` in a thread while `collective` runs here; both must succeed."""
+        answer: list[dict[str, Any] | Unavailable] = []
+
+        def call() -> None:
+            try:
+                answer.append(self._post(route, body))
+            except Unavailable as exc:
+                answer.append(exc)
+
+        caller = threading.Thread(target=call, name=f"router{route}", daemon=True)
+        caller.start()
+        caller.join(refusal_window_s)
+        if answer and isinstance(answer[0], Unavailable):
+            raise answer[0]
+        try:
+            collective()
+        except (RuntimeError, OSError) as exc:
+            abort()
+            refusal = f"; the router answered: {answer[0]}" if answer else ""
+            raise Unavailable(f"{route}: this trainer's side failed: {type(exc).__name__}: {exc}{refusal}") from exc
+        caller.join(2 * self._timeout_s)
+        if not answer:
+            abort()
+            raise Unavailable(f"router {route}: no answer within {2 * self._timeout_s:.0f}s")
+        if isinstance(answer[0], Unavailable):
+            abort()
+            raise answer[0]
+
+    def _post(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
+        # One bucket's call lasts as long as its broadcast: bounded by the group's timeout plus the load.
+        try:
+            response = httpx.post(
+                self._router.base_url + route, json=body, headers=self._router.headers, timeout=2 * self._timeout_s
+            )
+        except httpx.HTTPError as exc:
+            raise Unavailable(f"router {self._router.base_url}{route}: {type(exc).__name__}: {exc}") from exc
+        return _answer(route, response)
+
+    def _post_best_effort(self, route: str) -> None:
+        try:
+            self._post(route, {})
+        except Unavailable as exc:
+            logger.warning("%s did not reach every engine: %s", route, exc)
+
+    def _get(self, route: str) -> dict[str, Any]:
+        try:
+            response = httpx.get(self._router.base_url + route, headers=self._router.headers, timeout=self._timeout_s)
+        except httpx.HTTPError as exc:
+            raise Unavailable(f"router {self._router.base_url}{route}: {type(exc).__name__}: {exc}") from exc
+        return _answer(route, response)
+
+
+def _answer(route: str, response: httpx.Response) -> dict[str, Any]:
+    """The JSON body of a 2xx answer whose `success` is not false; Unavailable naming the failed engines otherwise."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if response.status_code == 200 and isinstance(body, dict) and body.get("success", True) is not False:
+        return body
+    if isinstance(body, dict):
+        failed = [f"{e.get('url')}: {e.get('message')}" for e in body.get("engines", []) if not e.get("success")]
+        error = body.get("error")
+        detail = str(body.get("message") or (error.get("message") if isinstance(error, dict) else error) or "")
+        if failed:
+            detail += f" ({'; '.join(failed)})"
+    else:
+        detail = response.text[:300]
+    raise Unavailable(f"router {route}: HTTP {response.status_code}: {detail}")

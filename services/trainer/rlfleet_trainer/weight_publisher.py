@@ -1,0 +1,140 @@
+"""How each new weight version reaches the engines: one `publish` call per optimizer step.
+
+disk: the version is written as a Hugging Face directory and the router has every engine load it.
+distributed: the version is broadcast to the engines through a weight update group the trainer
+opens once per run (and again when the fleet's membership changed), then written to disk off the
+critical path, as the copy that restarted engines load and a resumed trainer starts from; the
+router is told where it is. If the broadcast fails, the same version goes the disk way, so a step
+never ends with the fleet behind it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from transformers import PreTrainedModel
+
+from rlfleet.errors import Unavailable
+from rlfleet_trainer.config import TrainerSettings
+from rlfleet_trainer.router_client import RouterClient
+from rlfleet_trainer.weight_broadcast import WeightBroadcaster
+from rlfleet_trainer.weights import save_version
+
+logger = logging.getLogger(__name__)
+
+FullState = Callable[[PreTrainedModel], Mapping[str, torch.Tensor]]
+
+
+class WeightPublisher(Protocol):
+    def publish(self, model: PreTrainedModel, version: int) -> Path:
+        """Makes every engine serve `model` as `version`; returns the version's directory on disk."""
+        ...
+
+    def close(self) -> None:
+        """Releases what the publisher holds for the run (the weight update group)."""
+        ...
+
+
+class DiskPublisher:
+    def __init__(
+        self,
+        router: RouterClient,
+        weights_root: Path,
+        tokenizer_dir: Path,
+        full_state: FullState = PreTrainedModel.state_dict,
+        *,
+        abort_all_requests: bool = False,
+    ) -> None:
+        self._router = router
+        # rollout.on_weight_update "abort_resume": the load aborts generations in flight.
+        self._abort_all_requests = abort_all_requests
+        self._weights_root = weights_root
+        self._tokenizer_dir = tokenizer_dir
+        # The whole (unsharded) state; a sharded model passes the function that gathers it.
+        self._full_state = full_state
+
+    def publish(self, model: PreTrainedModel, version: int) -> Path:
+        return self.publish_state(model, self._full_state(model), version)
+
+    def publish_state(self, model: PreTrainedModel, state: Mapping[str, torch.Tensor], version: int) -> Path:
+        """Writes `state` (in `model`'s shape) as `version` and has every engine load it."""
+        path = save_version(model, self._weights_root, version, self._tokenizer_dir, state)
+        self._router.load_weights(str(path), version, abort_all_requests=self._abort_all_requests)
+        return path
+
+    def close(self) -> None:
+        return None
+
+
+class DistributedPublisher:
+    def __init__(
+        self,
+        broadcaster: WeightBroadcaster,
+        disk: DiskPublisher,
+        weights_root: Path,
+        tokenizer_dir: Path,
+        full_state: FullState = PreTrainedModel.state_dict,
+    ) -> None:
+        self._broadcaster = broadcaster
+        self._disk = disk
+        self._weights_root = weights_root
+        self._tokenizer_dir = tokenizer_dir
+        self._full_state = full_state
+
+    def publish(self, model: PreTrainedModel, version: int) -> Path:
+        state = self._full_state(model)
+        if self.serve(state, version):
+            return self.write_disk_copy(model, state, version)
+        return self._disk.publish_state(model, state, version)
+
+    def serve(self, state: Mapping[str, torch.Tensor], version: int) -> bool:
+        """Brings every engine to `version` over the group; False when the broadcast failed (the
+        group is closed then, and the caller loads the version from disk)."""
+        several = self._broadcaster.bucket_count(state) > 1
+        with self._broadcaster.engines_paused() if several else contextlib.nullcontext():
+            try:
+                if not self._broadcaster.is_current():
+                    self._broadcaster.open()
+                self._broadcaster.broadcast(state, version)
+            except Unavailable as exc:
+                logger.warning("broadcasting weight version %d failed (%s); loading it from disk instead", version, exc)
+                self._broadcaster.close()
+                return False
+        return True
+
+    def write_disk_copy(self, model: PreTrainedModel, state: Mapping[str, torch.Tensor], version: int) -> Path:
+        """Writes `version` (already served) to disk and tells the router, for engines that rejoin."""
+        path = save_version(model, self._weights_root, version, self._tokenizer_dir, state)
+        self._broadcaster.register_disk_copy(str(path), version)
+        return path
+
+    def close(self) -> None:
+        self._broadcaster.close()
+
+
+def make_publisher(
+    settings: TrainerSettings,
+    router: RouterClient,
+    weights_root: Path,
+    tokenizer_dir: Path,
+    full_state: FullState = PreTrainedModel.state_dict,
+    *,
+    abort_all_requests: bool = False,
+) -> WeightPublisher:
+    """The publisher `settings.weight_sync` names, for one run (it opens its group on the first publish)."""
+    disk = DiskPublisher(router, weights_root, tokenizer_dir, full_state, abort_all_requests=abort_all_requests)
+    if settings.weight_sync == "disk":
+        return disk
+    broadcaster = WeightBroadcaster(
+        router,
+        master_address=settings.weight_sync_address,
+        backend=settings.weight_sync_backend,
+        bucket_mb=settings.weight_sync_bucket_mb,
+        timeout_s=settings.weight_sync_timeout_s,
+    )
+    return DistributedPublisher(broadcaster, disk, weights_root, tokenizer_dir, full_state)

@@ -1,0 +1,142 @@
+"""DCP checkpoints on one process: what they restore, which ones are kept, and the HF export."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlfleet_trainer.checkpoint import (
+    CheckpointMeta,
+    TrainingState,
+    checkpoint_steps,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+)
+from rlfleet_trainer.critic import Critic
+from rlfleet_trainer.export import export_checkpoint
+from rlfleet_trainer.optim import LrSchedule, make_optimizer
+from rlfleet_trainer.policy import load_policy
+
+SCHEDULE = LrSchedule(warmup_steps=2, kind="cosine", total_steps=10, min_lr_ratio=0.1)
+
+
+def fresh_state(model_dir: Path) -> TrainingState:
+    model = load_policy(model_dir)
+    optimizer, scheduler = make_optimizer(model, 1e-2, 0.01, SCHEDULE)
+    return TrainingState(model, optimizer, scheduler, Critic(int(model.config.hidden_size), 1e-2, 0.2))
+
+
+def train_once(parts: TrainingState) -> None:
+    """One step of policy and critic on random tokens: it draws from the RNG, as dropout would."""
+    assert parts.critic is not None
+    ids = torch.randint(3, 40, (2, 10))  # (B, T)
+    out = parts.model(input_ids=ids, output_hidden_states=True)
+    values = parts.critic.values(out.hidden_states[-1])  # (B, T)
+    loss = torch.log_softmax(out.logits, -1)[..., 5].mean() + (values - torch.rand_like(values)).square().mean()
+    loss.backward()
+    for optimizer in (parts.optimizer, parts.critic.optimizer):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    parts.scheduler.step()
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [t for state in optimizer.state_dict()["state"].values() for t in state.values() if torch.is_tensor(t)]
+
+
+def assert_same_tensors(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert a and len(a) == len(b)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def assert_same_state(a: TrainingState, b: TrainingState) -> None:
+    assert a.critic is not None and b.critic is not None
+    for name, tensor in a.model.state_dict().items():
+        assert torch.equal(tensor, b.model.state_dict()[name]), name
+    assert_same_tensors(optimizer_tensors(a.optimizer), optimizer_tensors(b.optimizer))
+    assert a.optimizer.param_groups[0]["lr"] == b.optimizer.param_groups[0]["lr"]
+    assert a.scheduler.state_dict() == b.scheduler.state_dict()
+    assert_same_tensors(list(a.critic.head.parameters()), list(b.critic.head.parameters()))
+    assert_same_tensors(optimizer_tensors(a.critic.optimizer), optimizer_tensors(b.critic.optimizer))
+
+
+def test_round_trip_restores_model_optimizer_schedule_critic_and_rng(small_model_dir: Path, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    original = fresh_state(small_model_dir)
+    for _ in range(3):
+        train_once(original)
+    meta = CheckpointMeta(step=3, weight_version=3, groups_trained=6, last_entry_id="1700000000000-5")
+    path = save_checkpoint(tmp_path / "checkpoints", original, meta)
+    assert path == tmp_path / "checkpoints" / "step_3" and (path / ".metadata").exists()
+    rng_at_save = torch.get_rng_state()
+
+    torch.manual_seed(1234)  # a restarted process: other weights, optimizer empty, schedule at 0, other RNG
+    restored = fresh_state(small_model_dir)
+    assert load_checkpoint(path, restored) == meta
+    assert torch.equal(torch.get_rng_state(), rng_at_save)
+    assert_same_state(original, restored)
+
+    # Both continue identically: same random draws, same updates, same learning rate.
+    torch.set_rng_state(rng_at_save)
+    train_once(original)
+    torch.set_rng_state(rng_at_save)
+    train_once(restored)
+    assert_same_state(original, restored)
+
+
+def test_load_names_a_missing_checkpoint(small_model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        load_checkpoint(tmp_path / "step_9", fresh_state(small_model_dir))
+
+
+def test_prune_keeps_the_latest_up_to_the_recorded_one(tmp_path: Path) -> None:
+    for step in (2, 4, 6, 8, 10):
+        (tmp_path / f"step_{step}").mkdir()
+    (tmp_path / ".step_12.tmp").mkdir()
+    prune_checkpoints(tmp_path, newest=8, keep=2)
+    # step_10 was written but never recorded (the trainer died): the resumed run writes it again.
+    assert checkpoint_steps(tmp_path) == [6, 8]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_6", "step_8"]
+
+
+def test_export_loads_with_transformers_and_gives_the_same_logits(small_model_dir: Path, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    parts = fresh_state(small_model_dir)
+    for _ in range(2):
+        train_once(parts)
+    path = save_checkpoint(tmp_path / "checkpoints", parts, CheckpointMeta(step=2, weight_version=2))
+
+    out = export_checkpoint(path, small_model_dir, tmp_path / "hf")
+    exported = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+    ids = torch.tensor([[5, 20, 15, 21, 33, 22, 23]])
+    with torch.no_grad():
+        expected = parts.model(input_ids=ids).logits
+        got = exported(input_ids=ids).logits
+    base = load_policy(small_model_dir)
+    with torch.no_grad():
+        assert not torch.allclose(base(input_ids=ids).logits, expected)  # training moved the weights
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+def test_export_command(small_model_dir: Path, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    parts = fresh_state(small_model_dir)
+    train_once(parts)
+    path = save_checkpoint(tmp_path / "checkpoints", parts, CheckpointMeta(step=1, weight_version=1))
+    command = [sys.executable, "-m", "rlfleet_trainer", "export", "--checkpoint", str(path),
+               "--base-model", str(small_model_dir), "--out", str(tmp_path / "hf")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    for name, tensor in parts.model.state_dict().items():
+        torch.testing.assert_close(exported.state_dict()[name], tensor, rtol=0, atol=0)
+
+    again = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "is not empty" in again.stderr

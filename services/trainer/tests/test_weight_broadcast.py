@@ -1,0 +1,118 @@
+"""Distributed weight sync end to end: this process is the trainer (rank 0, gloo), two real CPU engines behind
+the real router receive its versions in buckets, and then score a prompt exactly as the trainer's model does."""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from engine_fleet import EngineFleet, start_engine_fleet  # noqa: E402
+
+from rlfleet.errors import Unavailable  # noqa: E402
+from rlfleet_trainer.router_client import RouterClient  # noqa: E402
+from rlfleet_trainer.weight_broadcast import WeightBroadcaster, buckets, unique_tensors  # noqa: E402
+from rlfleet_trainer.weight_publisher import DiskPublisher, DistributedPublisher  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+PROMPT = [20, 21, 22, 23, 24]
+BUCKET_MB = 0.05  # the small model is ~0.2 MB: several buckets per version
+
+
+@pytest.fixture(scope="module")
+def engine_fleet(small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineFleet]:
+    # A slow health check, so the router still counts an engine this test kills as healthy.
+    router_args = ["--health-check-interval-secs", "30", "--policy", "round_robin"]
+    fleet = start_engine_fleet(small_model_dir, tmp_path_factory.mktemp("weight-sync-logs"), router_args=router_args)
+    yield fleet
+    fleet.stop()
+
+
+def broadcaster_for(fleet: EngineFleet) -> WeightBroadcaster:
+    return WeightBroadcaster(RouterClient(fleet.router_url, 30.0), "127.0.0.1", "gloo", BUCKET_MB, timeout_s=15.0)
+
+
+@pytest.fixture(scope="module")
+def publisher(
+    engine_fleet: EngineFleet, small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[DistributedPublisher]:
+    weights_root = tmp_path_factory.mktemp("weights")
+    disk = DiskPublisher(RouterClient(engine_fleet.router_url, 30.0), weights_root, small_model_dir)
+    published = DistributedPublisher(broadcaster_for(engine_fleet), disk, weights_root, small_model_dir)
+    yield published
+    published.close()
+
+
+@pytest.fixture(scope="module")
+def model(small_model_dir: Path) -> PreTrainedModel:
+    torch.set_num_threads(1)
+    return AutoModelForCausalLM.from_pretrained(small_model_dir).eval()
+
+
+def take_a_step(model: PreTrainedModel, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=generator))
+
+
+def assert_engines_serve(fleet: EngineFleet, urls: list[str], model: PreTrainedModel, version: int) -> None:
+    """Each engine's greedy logprobs for PROMPT equal the trainer model's (1e-4), under `version`."""
+    for url in urls:
+        out = fleet.generate(url, {"input_ids": PROMPT, "return_logprob": True, "sampling_params": GREEDY})
+        output = out["output_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([PROMPT + output])).logits[0].float()  # (T, V)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        expected = [float(logprobs[len(PROMPT) - 1 + i, tok]) for i, tok in enumerate(output)]
+        served = [t[0] for t in out["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(served, expected, strict=True)) < 1e-4, url
+        assert out["meta_info"]["weight_version"] == str(version)
+        assert httpx.get(f"{url}/get_model_info", timeout=10).json()["weight_version"] == str(version)
+
+
+GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+
+
+def test_versions_broadcast_in_buckets_reach_every_engine_exactly(
+    engine_fleet: EngineFleet, publisher: DistributedPublisher, model: PreTrainedModel
+) -> None:
+    assert len(buckets(unique_tensors(model.state_dict()), int(BUCKET_MB * 2**20))) > 2
+    for version in (1, 2):
+        take_a_step(model, seed=version)
+        path = publisher.publish(model, version)
+        assert_engines_serve(engine_fleet, engine_fleet.engine_urls, model, version)
+        # The disk copy for engines that rejoin is registered as the fleet's current version.
+        current = httpx.get(f"{engine_fleet.router_url}/weight_version", timeout=10).json()
+        assert current == {"weight_version": str(version), "model_path": str(path)}
+        assert (path / "config.json").exists()
+
+    group = httpx.get(f"{engine_fleet.router_url}/weights_update_groups/rlfleet-trainer", timeout=10).json()
+    assert group["current"] is True and [e["rank_offset"] for e in group["engines"]] == [1, 2]
+    metrics = httpx.get(f"{engine_fleet.router_url}/metrics", timeout=10).text
+    assert 'rlfleet_router_weight_sync_seconds_count{path="distributed"} 2.0' in metrics
+    assert 'rlfleet_router_weight_sync_seconds_count{path="disk"}' not in metrics, "no fallback to disk"
+
+
+def test_a_dead_engine_is_named_and_the_version_still_arrives_from_disk(
+    engine_fleet: EngineFleet, publisher: DistributedPublisher, model: PreTrainedModel
+) -> None:
+    live, dead = engine_fleet.engine_urls
+    engine_fleet.engines[1].kill()
+    with pytest.raises(Unavailable, match=dead.replace(".", r"\.")):
+        broadcaster_for(engine_fleet).open()
+
+    take_a_step(model, seed=3)
+    path = publisher.publish(model, 3)
+    assert_engines_serve(engine_fleet, [live], model, 3)
+    assert httpx.get(f"{engine_fleet.router_url}/weight_version", timeout=10).json()["model_path"] == str(path)
+    metrics = httpx.get(f"{engine_fleet.router_url}/metrics", timeout=10).text
+    assert re.search(r'rlfleet_router_weight_sync_seconds_count\{path="disk"\} [1-9]', metrics), "fell back to disk"

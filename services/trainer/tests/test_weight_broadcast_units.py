@@ -1,0 +1,82 @@
+"""The pieces of weight publishing that need no engines: buckets, tied weights, the wire format, the fallback."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlfleet.errors import Unavailable
+from rlfleet.weight_update_group import request_fields, spec_of, unflatten
+from rlfleet_trainer.config import TrainerSettings
+from rlfleet_trainer.router_client import RouterClient
+from rlfleet_trainer.weight_broadcast import WeightBroadcaster, buckets, unique_tensors
+from rlfleet_trainer.weight_publisher import DiskPublisher, DistributedPublisher, make_publisher
+
+
+def test_buckets_keep_order_and_size_and_a_large_tensor_travels_alone() -> None:
+    state = {"a": torch.zeros(10), "b": torch.zeros(10), "big": torch.zeros(100), "c": torch.zeros(5)}  # 4 bytes each
+    parts = buckets(state, bucket_bytes=80)
+    assert [list(p) for p in parts] == [["a", "b"], ["big"], ["c"]]
+    assert [n for p in parts for n in p] == list(state)
+
+
+def test_tied_weights_travel_once() -> None:
+    embed = torch.nn.Parameter(torch.ones(4, 2))
+    state = {"embed": embed, "lm_head": embed, "norm": torch.ones(2), "half": embed[2:]}
+    assert list(unique_tensors(state)) == ["embed", "norm", "half"]
+
+
+def test_a_flattened_bucket_round_trips_mixed_dtypes() -> None:
+    named = {
+        "f": torch.randn(3, 4),
+        "h": torch.randn(5).to(torch.bfloat16),
+        "i": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+    }
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in named.values()])
+    back = unflatten(flat, [spec_of(n, t) for n, t in named.items()])
+    assert all(torch.equal(back[n], t) for n, t in named.items())
+    assert request_fields(named) == {
+        "names": ["f", "h", "i"],
+        "dtypes": ["float32", "bfloat16", "int64"],
+        "shapes": [[3, 4], [5], [2, 3]],
+    }
+
+
+def test_settings_choose_the_publisher(tmp_path: Path) -> None:
+    router = RouterClient("http://127.0.0.1:1", 1.0)
+    assert isinstance(make_publisher(TrainerSettings(), router, tmp_path, tmp_path), DiskPublisher)
+    distributed = make_publisher(TrainerSettings(weight_sync="distributed"), router, tmp_path, tmp_path)
+    assert isinstance(distributed, DistributedPublisher)
+    with pytest.raises(ValueError, match="weight_sync"):
+        TrainerSettings(weight_sync="carrier-pigeon")
+
+
+class BrokenBroadcaster(WeightBroadcaster):
+    """Opens fine, then every broadcast fails, as when an engine dies mid-version."""
+
+    def __init__(self) -> None:
+        super().__init__(RouterClient("http://127.0.0.1:1", 1.0), "127.0.0.1", "gloo", 1.0, 1.0)
+        self.closed = 0
+
+    def is_current(self) -> bool:
+        return True
+
+    def broadcast(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        raise Unavailable("engine http://10.0.0.2:30001 closed the connection")
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_a_failed_broadcast_brings_the_version_by_disk(fake_router: Any, small_model_dir: Path, tmp_path: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(small_model_dir)
+    broadcaster = BrokenBroadcaster()
+    disk = DiskPublisher(RouterClient(fake_router.url, 10.0), tmp_path, small_model_dir)
+    path = DistributedPublisher(broadcaster, disk, tmp_path, small_model_dir).publish(model, 4)
+    assert fake_router.loads == [{"model_path": str(path), "weight_version": "4"}]
+    assert (path / "config.json").exists() and broadcaster.closed == 1
