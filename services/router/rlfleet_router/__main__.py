@@ -15,9 +15,9 @@ VALUE_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--port", int, "port to listen on (default 30000)"),
     ("--policy", str, "routing policy: cache_aware (default), least_load, power_of_two or round_robin"),
     ("--cache-threshold", float, "cache_aware: share of a prompt an engine must hold to be preferred (default 0.3)"),
-    ("--cache-tokens-per-request", int, "cache_aware: prompt tokens to prefill worth one request in flight (24)"),
-    ("--balance-abs-threshold", int, "cache_aware: an engine with more requests in flight than this (2) ..."),
-    ("--balance-rel-threshold", float, "cache_aware: ... plus this factor times the mean (1.25) is overloaded"),
+    ("--cache-tokens-per-request", int, "cache_aware: prompt tokens to prefill worth one request in flight (40)"),
+    ("--balance-abs-threshold", int, "cache_aware: an engine has room for a group within this many (6) ..."),
+    ("--balance-rel-threshold", float, "cache_aware: ... plus this factor times the mean in flight (1.25)"),
     ("--max-tree-tokens", int, "cache_aware: global token budget of the prefix tree (default 2**24)"),
     ("--request-timeout-secs", float, "bound on one proxied request, retries included (default 600)"),
     ("--connect-timeout-secs", float, "bound on connecting to an engine (default 5)"),
@@ -52,6 +52,7 @@ VALUE_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--kubernetes-engine-port", int, "kubernetes: engine port (default: the Endpoints' first port)"),
     ("--kubernetes-timeout-secs", float, "kubernetes: bound on one API call (default 10)"),
     ("--log-level", str, "debug, info (default), warning, error"),
+    ("--api-token-file", str, "file holding the API token admin requests must carry (default: none, open)"),
 )
 
 

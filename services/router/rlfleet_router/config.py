@@ -31,13 +31,13 @@ class RouterConfig(BaseSettings):
         0.3, ge=0.0, le=1.0, description="cache_aware: fraction of a prompt an engine must hold to be preferred."
     )
     cache_tokens_per_request: int = Field(
-        24, ge=1, description="cache_aware: prompt tokens to prefill costing an engine as much as a request in flight."
+        40, ge=1, description="cache_aware: prompt tokens to prefill costing an engine as much as a request in flight."
     )
     balance_abs_threshold: int = Field(
-        2, ge=0, description="cache_aware: an engine with more requests in flight than this ..."
+        6, ge=0, description="cache_aware: an engine has room for a prompt's group while its requests in flight ..."
     )
     balance_rel_threshold: float = Field(
-        1.25, ge=1.0, description="cache_aware: ... plus this factor times the mean per engine is overloaded."
+        1.25, ge=1.0, description="cache_aware: ... plus the group stay within the above plus this times the mean."
     )
     max_tree_tokens: int = Field(
         2**24, ge=1, description="cache_aware: global token budget of the prefix tree (LRU eviction beyond it)."
@@ -111,6 +111,9 @@ class RouterConfig(BaseSettings):
     )
     kubernetes_timeout_secs: float = Field(10.0, gt=0, description="kubernetes: bound on one API call.")
     log_level: str = Field("info", description="Log level of the router process.")
+    api_token_file: str | None = Field(
+        None, description="File holding the API token admin requests (every non-GET but generation) must carry."
+    )
 
     def policy_options(self) -> PolicyOptions:
         return PolicyOptions(

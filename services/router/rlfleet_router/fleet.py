@@ -18,6 +18,7 @@ import httpx
 
 from rlfleet.errors import InvalidInput
 from rlfleet_router.config import RouterConfig
+from rlfleet_router.distributed_weights import DistributedWeights
 from rlfleet_router.fanout import Fanout
 from rlfleet_router.health import HealthChecker
 from rlfleet_router.kubernetes_api import KubernetesAPI
@@ -49,6 +50,9 @@ class Fleet:
         self.workers = WorkerRegistry(config.health_failure_threshold, config.health_success_threshold)
         self.metrics = RouterMetrics(self.workers, lambda: self.weights.version)
         self.weights = FleetWeights(self.client, self.workers, config.weight_update_timeout_secs, self.metrics)
+        self.distributed_weights = DistributedWeights(
+            self.client, self.workers, self.weights, config.health_check_timeout_secs
+        )
         self.health = HealthChecker(
             self.client,
             self.workers,

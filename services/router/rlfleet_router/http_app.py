@@ -16,7 +16,9 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
+from rlfleet.api_token import ApiTokenGuard
 from rlfleet.errors import Unavailable
+from rlfleet.http_auth import require_api_token
 from rlfleet.http_errors import install_error_handlers
 from rlfleet_router.api_models import AddWorkerRequest, UpdateWeightsRequest
 from rlfleet_router.config import RouterConfig
@@ -26,11 +28,12 @@ from rlfleet_router.generation_relay import GenerationRelay
 from rlfleet_router.metrics import RequestMetricsMiddleware
 from rlfleet_router.policies import RoutingRequest
 from rlfleet_router.proxy import EngineResponse
+from rlfleet_router.weight_group_routes import weight_group_routes
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def create_app(config: RouterConfig) -> FastAPI:
+def create_app(config: RouterConfig) -> GenerationRelay:
     fleet = Fleet(config)
 
     @asynccontextmanager
@@ -45,13 +48,14 @@ def create_app(config: RouterConfig) -> FastAPI:
     app.state.fleet = fleet
     install_error_handlers(app)
     app.add_middleware(RequestMetricsMiddleware, metrics=fleet.metrics)
-    # Outermost, so generation requests (POST /generate, /v1/completions, /v1/chat/completions) skip the rest.
-    app.add_middleware(GenerationRelay, fleet=fleet)
+    # Admin requests (workers, weight loads, aborts, pause/continue, flush) need the token; reads stay open.
+    guard = ApiTokenGuard.from_file(config.api_token_file, fleet.metrics.registry, "router")
+    require_api_token(app, guard, open_methods=("GET", "HEAD"))
 
     def control(route: str) -> Callable[[Request], Awaitable[JSONResponse]]:
         async def fan_out(request: Request) -> JSONResponse:
-            ok, summary = await fleet.fanout.send(route, await request.body(), request.headers)
-            return JSONResponse(summary, status_code=200 if ok else 502)
+            status, summary = await fleet.fanout.send(route, await request.body(), request.headers)
+            return JSONResponse(summary, status_code=status)
 
         return fan_out
 
@@ -86,6 +90,8 @@ def create_app(config: RouterConfig) -> FastAPI:
         body = json.dumps(update.model_dump()).encode()
         result = await fleet.update_weights(update.model_path, update.weight_version, body)
         return JSONResponse(result.describe(), status_code=200 if result.success else 502)
+
+    app.include_router(weight_group_routes(fleet))
 
     @app.get("/weight_version")
     async def weight_version() -> dict[str, object]:
@@ -145,4 +151,6 @@ def create_app(config: RouterConfig) -> FastAPI:
     async def metrics() -> Response:
         return Response(fleet.metrics.exposition(), media_type=PROMETHEUS_CONTENT_TYPE)
 
-    return app
+    # Around the whole app, so generation requests (POST /generate, /v1/completions, /v1/chat/completions)
+    # skip FastAPI's middleware stack and routing; lifespan and every other request go on to the app.
+    return GenerationRelay(app, fleet)

@@ -136,6 +136,12 @@ class RouterMetrics:
             ["result"],
             registry=self.registry,
         )
+        self.weight_update_engines_skipped = Counter(
+            "rlfleet_router_weight_update_engines_skipped",
+            "Engines a fleet weight update stopped waiting for: their health checks took them out of routing "
+            "while they loaded (they load the version before they rejoin).",
+            registry=self.registry,
+        )
         self.routing_decisions = Counter(
             "rlfleet_router_routing_decisions",
             "Engine choices by reason (cache_hit, imbalance, low_match, least_load, round_robin, ...).",

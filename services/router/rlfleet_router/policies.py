@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -29,6 +30,14 @@ ENTRY_POINT_GROUP = "rlfleet.router.policies"
 DEFAULT_MAX_NEW_TOKENS = 128
 # Characters per token when only text is known (a common estimate for English with BPE tokenizers).
 CHARS_PER_TOKEN = 4
+# cache_aware: each later routed request scales an engine's count of recent assignments by this, so about
+# the last 50 requests decide which of two equally loaded engines has had less traffic lately.
+RECENT_DECAY = 0.98
+# cache_aware: the group size is estimated over this many recent requests: several groups of the usual
+# sizes (8-16 samples), so the estimate does not depend on where in a group the window starts.
+GROUP_SIZE_WINDOW = 128
+# ... and capped here: a flood of one identical prompt must not let its engine take every request in flight.
+MAX_GROUP_SIZE = 16
 
 
 def _first(value: object) -> object:
@@ -87,14 +96,14 @@ class PolicyOptions:
 
     cache_threshold: float = 0.3
     """cache_aware: smallest fraction of the prompt an engine must hold for the request to follow the cache."""
-    cache_tokens_per_request: int = 24
+    cache_tokens_per_request: int = 40
     """cache_aware: prompt tokens whose prefill costs an engine as much as one more request in flight; the
     exchange rate between cache misses and load in an engine's cost (see `CacheAware`)."""
-    balance_abs_threshold: int = 2
-    """cache_aware: an engine is overloaded, and takes no request, when it has more requests in flight than
-    this many ..."""
+    balance_abs_threshold: int = 6
+    """cache_aware: an engine has room for a prompt's group of requests while its requests in flight plus
+    the group stay within this many ..."""
     balance_rel_threshold: float = 1.25
-    """... plus this factor times the fleet's mean requests in flight per engine."""
+    """... plus this factor times the fleet's mean requests in flight per engine (the group counted in)."""
     max_tree_tokens: int = 2**24
     """cache_aware: global budget of the prefix tree, in tokens (characters for text prompts), all engines together."""
     seed: int | None = None
@@ -166,63 +175,107 @@ class PowerOfTwo:
 
 
 class CacheAware:
-    """Follows the engines' prefix caches as far as that pays for itself in load.
+    """Follows the engines' prefix caches while the fleet stays balanced, placing a GRPO group as one unit.
 
-    The tree records, for every prompt routed, the engine it went to. For a new request each engine
-    costs its requests in flight plus the prompt tokens it would have to prefill (the part of the
-    prompt the tree says it does not hold), converted at `cache_tokens_per_request` tokens to one
-    request; the cheapest engine wins, ties to the longer match, then to fewer tokens in flight.
+    The tree records, for every prompt routed, the engine it went to, so the samples of a prompt sent one
+    after another find where the first one went before any engine has answered. The policy also estimates
+    the group size G, the requests per distinct prompt (the n samples of a GRPO prompt sent one by one: n;
+    multi-turn turns: 1), as the last GROUP_SIZE_WINDOW requests over the prompts among them that no engine
+    held whole, at most MAX_GROUP_SIZE.
+      * An engine holding the whole prompt (a group's later samples) keeps it while it has fewer than
+        `balance_abs_threshold` + `balance_rel_threshold` x the mean in flight + G requests in flight:
+        room for the whole group was checked when its first sample was placed, so a group is split only
+        when its engine is overloaded and its question is prefilled once.
       * No engine holding `cache_threshold` of the prompt: the least-loaded engine (low_match).
-      * An engine holding the whole prompt (the samples of one GRPO prompt, sent one after another)
-        keeps it while it has room, i.e. is not overloaded: the group's question is prefilled once.
-      * An overloaded engine (more requests in flight than `balance_abs_threshold` plus
-        `balance_rel_threshold` times the mean over the engines) takes nothing.
-    The reason is cache_hit when the chosen engine holds the longest prefix any engine holds, else
-    imbalance (load outweighed the cache).
-
-    A popular prompt family spills to a second engine only once its engine is loaded by more than
-    its prefix is worth, instead of whenever it queues a little; a shared system prompt worth a few
-    requests does not pull every first turn of a conversation onto the engines holding it.
+      * Otherwise the engines with room for the whole group (in flight + G within `balance_abs_threshold`
+        + `balance_rel_threshold` x the mean with the group counted in, or idle) compete on cost: requests in flight
+        plus the prompt tokens the engine would have to prefill (what the tree says it does not hold) at
+        `cache_tokens_per_request` tokens to one request. A prompt family therefore spreads to another
+        engine only when its engines are full, and a conversation stays where its history is while that
+        is worth the load. No engine with room: the least-loaded one (imbalance).
+    A match below `cache_threshold` counts as none everywhere, so a short prefix all traffic shares (a chat
+    template's header) does not make the engines that served something cheaper than an idle one. Ties go
+    to the longer match, then to the engine with the fewest requests routed to it lately, so an idle fleet
+    fills every engine instead of the first ones in its list. The reason is cache_hit when the chosen
+    engine holds the longest prefix any engine holds, else imbalance.
     """
 
     def __init__(self, options: PolicyOptions | None = None) -> None:
         self.options = options or PolicyOptions()
         self.tree = RadixTree(self.options.max_tree_tokens)
-        self._least_load = LeastLoad()
+        self._window: deque[bool] = deque(maxlen=GROUP_SIZE_WINDOW)  # per recent request: a new prompt?
+        self._new_prompts = 0  # True entries in the window
+        self._recent: dict[str, tuple[float, int]] = {}  # worker id -> (score, request number it was taken at)
+        self._routed = 0
+
+    @property
+    def group_size(self) -> float:
+        """Estimated requests per distinct prompt: recent requests over the new prompts among them (1 at first)."""
+        return min(MAX_GROUP_SIZE, len(self._window) / self._new_prompts) if self._new_prompts else 1.0
+
+    def _count(self, new_prompt: bool) -> None:
+        if len(self._window) == self._window.maxlen:
+            self._new_prompts -= self._window[0]
+        self._window.append(new_prompt)
+        self._new_prompts += new_prompt
 
     def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Choice:
         assert workers, "select() needs at least one worker"
         key = request.prompt_key
         if key is None:
-            return Choice(self._least_load.least_loaded(workers), "no_prompt")
-        choice = self._choose(workers, key)
-        self.tree.insert(key, choice.worker.id)
+            choice = Choice(self._least_loaded(workers, {}), "no_prompt")
+        else:
+            choice = self._choose(workers, key)
+            self.tree.insert(key, choice.worker.id)
+        self._recent[choice.worker.id] = (self._recent_score(choice.worker) + 1.0, self._routed)
+        self._routed += 1
         return choice
 
     def forget(self, worker: Worker) -> None:
         self.tree.remove_tenant(worker.id)
+        self._recent.pop(worker.id, None)
+
+    def _recent_score(self, worker: Worker) -> float:
+        """Requests routed to `worker`, each weighed RECENT_DECAY ** (requests routed anywhere since)."""
+        score, at = self._recent.get(worker.id, (0.0, self._routed))
+        return score * RECENT_DECAY ** (self._routed - at)
+
+    def _least_loaded(self, workers: Sequence[Worker], held: Mapping[str, int]) -> Worker:
+        return min(workers, key=lambda w: (w.in_flight, -held.get(w.id, 0), self._recent_score(w), w.in_flight_tokens))
 
     def _choose(self, workers: Sequence[Worker], key: Key) -> Choice:
-        matched = self.tree.match(key).matched
-        held = {w.id: matched.get(w.id, 0) for w in workers}
-        longest = max(held.values())
-        size = len(key)
-        if longest == 0 or longest < self.options.cache_threshold * size:
-            return Choice(self._least_load.least_loaded(workers), "low_match")
         opts = self.options
-        # Against the mean rather than the least-loaded engine: one idle engine must not make every
-        # other one overloaded, and a fleet with more engines than prompt families still fills them all.
-        cap = opts.balance_abs_threshold + opts.balance_rel_threshold * sum(w.in_flight for w in workers) / len(workers)
-        room = [w for w in workers if w.in_flight <= cap]
-        whole = [w for w in room if held[w.id] == size]
-        if whole:
-            best = min(whole, key=load)
-            return Choice(best, "cache_hit")
+        size = len(key)
+        matched = self.tree.match(key).matched
+        # A match below the threshold counts as none: a short prefix every prompt shares (a chat template's
+        # header) must not make the engines that served anything cheaper than one that is idle.
+        floor = opts.cache_threshold * size
+        held = {w.id: n if (n := matched.get(w.id, 0)) >= floor else 0 for w in workers}
+        longest = max(held.values())
+        whole_held = longest == size
+        group = self.group_size  # before this request counts: a new prompt is where its group starts
+        self._count(not whole_held)
+        in_flight = sum(w.in_flight for w in workers)
+        if whole_held:
+            bound = opts.balance_abs_threshold + opts.balance_rel_threshold * in_flight / len(workers) + group
+            holders = [w for w in workers if held[w.id] == size and w.in_flight < bound]
+            if holders:
+                return Choice(min(holders, key=lambda w: (w.in_flight, self._recent_score(w))), "cache_hit")
+        if longest == 0:
+            return Choice(self._least_loaded(workers, held), "low_match")
+        # Against the mean rather than the least-loaded engine: one idle engine must not make every other
+        # one full, and a fleet with more engines than prompt families still fills them all. An idle engine
+        # always has room, whatever the group size estimate (it lags when the traffic changes).
+        bound = opts.balance_abs_threshold + opts.balance_rel_threshold * (in_flight + group) / len(workers)
+        bound = max(bound, group)
+        room = [w for w in workers if w.in_flight + group <= bound]
+        if not room:
+            return Choice(self._least_loaded(workers, held), "imbalance")
         # Text prompts are matched by character; their cost is in estimated tokens like an id prompt's.
         per_request = opts.cache_tokens_per_request * (CHARS_PER_TOKEN if isinstance(key, str) else 1)
 
-        def cost(w: Worker) -> tuple[float, int, int]:
-            return w.in_flight + (size - held[w.id]) / per_request, -held[w.id], w.in_flight_tokens
+        def cost(w: Worker) -> tuple[float, int, float]:
+            return w.in_flight + (size - held[w.id]) / per_request, -held[w.id], self._recent_score(w)
 
         best = min(room, key=cost)
         return Choice(best, "cache_hit" if held[best.id] == longest else "imbalance")

@@ -1,12 +1,11 @@
 """Forwarding a request to one engine: selection, in-flight counting, retries, streaming back.
 
 The request body goes to the engine as the bytes that arrived, so fields the router does not
-know reach the engine untouched; the engine's answer streams back chunk by chunk (plain JSON and
-SSE alike), its bytes unchanged (content-length kept, so a plain answer needs no chunked framing),
-with a copy of the bytes read for the prompt and cached tokens the engine reports
-(`engine_usage`). A request is retried on another engine only while nothing has been sent back yet,
-and only for a connection failure or a 5xx, with exponential backoff inside the request's
-deadline.
+know reach the engine untouched; the engine's answer goes back with its bytes unchanged (a plain
+answer whole, with its content-length; a stream chunk by chunk as it arrives), with a copy of the
+bytes read for the prompt and cached tokens the engine reports (`engine_usage`). A request is
+retried on another engine only while nothing has been sent back yet, and only for a connection
+failure or a 5xx, with exponential backoff inside the request's deadline.
 
 The relay uses aiohttp, whose connector keeps one pool of idle connections per engine (taken and
 returned in O(1)): an httpx/httpcore pool rescans every pooled connection on each request's start
@@ -25,7 +24,8 @@ import aiohttp
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from rlfleet.errors import DeadlineExceeded, Unavailable
+from rlfleet.errors import DeadlineExceeded, RlfleetError, Unavailable
+from rlfleet.http_errors import error_response
 from rlfleet_router.engine_usage import UsageTap
 from rlfleet_router.metrics import RouterMetrics
 from rlfleet_router.policies import Policy, RoutingRequest
@@ -39,13 +39,16 @@ HOP_HEADERS = frozenset(
     {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "host"}
 )
 # A request's length is recomputed for the bytes sent; an answer's is kept, as its bytes are relayed unchanged.
-DROPPED_REQUEST_HEADERS = HOP_HEADERS | {"content-length"}
+# The caller's Authorization is the fleet's API token, meant for the router: engines never see it.
+DROPPED_REQUEST_HEADERS = HOP_HEADERS | {"content-length", "authorization"}
 # Failures that mean the engine never took the request (or died before answering): safe to resend. A
 # timeout connecting is one; a timeout reading the answer (aiohttp.SocketTimeoutError, a subclass) is not.
 CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
 ENGINE_HEADER = "x-rlfleet-engine"
 # Answers kept whole for an `on_answer` reader (trajectories); a larger one is relayed but not read.
 MAX_CAPTURED_BYTES = 32 * 1024 * 1024
+# Plain answers up to this size are read whole and sent in one piece; larger ones are relayed as streams.
+MAX_WHOLE_ANSWER_BYTES = 8 * 1024 * 1024
 
 # Receives a complete 200 answer and the engine that gave it, after its last byte was relayed.
 AnswerReader = Callable[[bytes, Worker], None]
@@ -75,7 +78,13 @@ def forwardable_headers(
 
 
 class EngineResponse(StreamingResponse):
-    """An engine's answer relayed as it arrives; releases the engine slot however the relay ends."""
+    """An engine's answer relayed as it arrives; releases the engine slot however the relay ends.
+
+    A plain answer (one with a content-length, up to `MAX_WHOLE_ANSWER_BYTES`) is already whole at the
+    engine: it is read in one go and sent as one body, without an async generator or a task watching for
+    the client's disconnect, which cost more router CPU than the relay itself. A stream (SSE, or no
+    length) is relayed chunk by chunk.
+    """
 
     def __init__(
         self,
@@ -91,7 +100,8 @@ class EngineResponse(StreamingResponse):
         headers[ENGINE_HEADER] = worker.url
         super().__init__(self._relay(), status_code=upstream.status, headers=headers)
         self._upstream = upstream
-        self._plain = "content-length" in upstream.headers
+        length = upstream.content_length
+        self._whole = length is not None and length <= MAX_WHOLE_ANSWER_BYTES
         self._worker = worker
         self._workers = workers
         self._deadline = deadline
@@ -105,10 +115,8 @@ class EngineResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            if self._plain:
-                # A plain answer is already whole at the engine and relayed in one go: a task watching
-                # for the client's disconnect (below) would cost more router CPU than the relay itself.
-                await self.stream_response(send)
+            if self._whole:
+                await self._relay_whole(scope, receive, send)
             else:
                 await super().__call__(scope, receive, send)
         finally:
@@ -125,6 +133,44 @@ class EngineResponse(StreamingResponse):
         else:
             self._upstream.close()  # an answer cut short leaves the connection unusable
 
+    async def _relay_whole(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error: RlfleetError
+        try:
+            body = await self._upstream.read()  # bounded by the session's read timeout (the time left)
+        except TimeoutError as exc:  # aiohttp's read timeout included
+            error = DeadlineExceeded(f"{self._worker.url} did not finish its answer in time ({describe_error(exc)})")
+        except CONNECTION_ERRORS as exc:
+            reason = f"connection lost mid-response: {describe_error(exc)}"
+            self._workers.record_failure(self._worker, reason)
+            error = Unavailable(f"{self._worker.url}: {reason}")
+        else:
+            await self._send_whole(body, send)
+            return
+        # Nothing has reached the client yet: it gets an error in the router's shape, not a cut answer.
+        logger.warning("answer from %s not relayed: %s", self._worker.url, error)
+        await error_response(error)(scope, receive, send)
+
+    async def _send_whole(self, body: bytes, send: Send) -> None:
+        # Released before the client has the answer, so a client that sends its next request on receipt
+        # already finds this engine's load decremented.
+        self._complete = True
+        await self.release()
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": body})
+        # Counting and trajectory capture happen once the client has its answer: off its critical path.
+        if self._tap is not None:
+            self._tap.feed(body)
+        self._finish(body)
+
+    def _finish(self, answer: bytes) -> None:
+        """Counts the prompt and cached tokens the answer reports and hands it to its reader, if any."""
+        usage = self._tap.result() if self._tap is not None else None
+        if usage is not None:
+            self._metrics.prompt_tokens.labels(engine=self._worker.url).inc(usage.prompt_tokens)
+            self._metrics.cached_tokens.labels(engine=self._worker.url).inc(usage.cached_tokens)
+        if self._on_answer is not None:
+            self._on_answer(answer, self._worker)
+
     async def _relay(self) -> AsyncIterator[bytes]:
         try:
             # Each read is bounded by the session's read timeout (the time left when the request
@@ -140,16 +186,9 @@ class EngineResponse(StreamingResponse):
                         self._on_answer = None
                 if time.monotonic() > self._deadline:
                     raise TimeoutError(f"request to {self._worker.url} exceeded its deadline")
-            # Released before the client sees the end of the body, so a client that sends its next
-            # request on receipt already finds this engine's load decremented.
             self._complete = True
             await self.release()
-            usage = self._tap.result() if self._tap is not None else None
-            if usage is not None:
-                self._metrics.prompt_tokens.labels(engine=self._worker.url).inc(usage.prompt_tokens)
-                self._metrics.cached_tokens.labels(engine=self._worker.url).inc(usage.cached_tokens)
-            if self._on_answer is not None:
-                self._on_answer(bytes(self._answer), self._worker)
+            self._finish(bytes(self._answer))
         except TimeoutError:  # aiohttp's read timeout included
             # Ending the body early would look like a complete answer; failing the connection does not.
             logger.warning("request to %s exceeded its deadline mid-response; aborting it", self._worker.url)

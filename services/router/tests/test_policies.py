@@ -85,19 +85,74 @@ def test_cache_aware_weighs_uncached_tokens_against_requests_in_flight() -> None
     assert other.reason == "low_match" and other.worker.in_flight == 0
 
 
-def test_cache_aware_keeps_the_samples_of_a_prompt_together_while_the_engine_has_room() -> None:
-    workers = make_workers(0, 0, 0)
-    policy = CacheAware(PolicyOptions(cache_tokens_per_request=1, balance_abs_threshold=2))
-    prompt = generate(list(range(200, 240)))
+def route_group(policy: CacheAware, workers: list[Worker], prompt: list[int], samples: int = 8) -> list[Worker]:
+    """Routes the samples of one prompt one after another, each staying in flight; returns where each went."""
     picks = []
-    for _ in range(5):  # one GRPO group, sent one after another; each sample stays in flight
-        choice = policy.select(workers, prompt)
+    for _ in range(samples):
+        choice = policy.select(workers, generate(prompt))
         choice.worker.in_flight += 1
         picks.append(choice.worker)
-    # Even at 1 token per request the whole-prompt holder keeps the group until it is overloaded:
-    # 4 in flight is over 2 + 1.25 x the mean of 4/3.
-    assert picks[:4] == [picks[0]] * 4
-    assert picks[4] is not picks[0]
+    return picks
+
+
+def test_cache_aware_learns_the_group_size_and_places_a_group_as_one_unit() -> None:
+    workers = make_workers(0, 0, 0, 0)
+    policy = CacheAware(PolicyOptions(cache_threshold=0.3, cache_tokens_per_request=40))
+    assert policy.group_size == 1
+    warmup = list(range(5000, 5400))
+    for question in range(10):  # groups of 8 that finish before the next one starts
+        route_group(policy, workers, [*warmup, question])
+        for worker in workers:
+            worker.in_flight = 0
+    assert policy.group_size == 8
+
+    family = list(range(1000, 1400))  # a 400-token prefix shared by the next prompts, then a question
+    picks = route_group(policy, workers, [*family, 1])
+    assert picks == [picks[0]] * 8, "a group's samples stay together"
+    home = picks[0]
+    assert policy.tree.match((*family, 2)).matched == {home.id: len(family)}
+
+    # The family's engine runs one group (8 in flight): a second one would not fit within the balance
+    # bound (6 + 1.25 x (8 + 8) / 4 = 11), so the next group goes whole to an idle engine.
+    home.in_flight = 8
+    picks = route_group(policy, workers, [*family, 100])
+    assert picks == [picks[0]] * 8 and picks[0] is not home
+    assert policy.tree.match((*family, 100)).matched == {picks[0].id: len(family) + 1, home.id: len(family)}
+
+
+def test_cache_aware_splits_a_group_only_when_its_engine_is_overloaded() -> None:
+    workers = make_workers(0, 0, 0)
+    policy = CacheAware(PolicyOptions(balance_abs_threshold=2, balance_rel_threshold=1.25))
+    for question in range(8):  # groups of 4, each finished before the next
+        route_group(policy, workers, [*range(300, 340), question], samples=4)
+        for worker in workers:
+            worker.in_flight = 0
+    assert policy.group_size == 4
+    picks = route_group(policy, workers, list(range(200, 240)), samples=16)  # a far larger group
+    first = picks[0]
+    # Its samples stay while the engine has fewer than 2 + 1.25 x the mean in flight + the group size
+    # (about 4, and growing as this group is counted), then spill to an engine that is not overloaded.
+    moved = next(k for k, worker in enumerate(picks) if worker is not first)
+    assert 8 <= moved <= 12
+    assert first.in_flight == moved and picks[moved:] == [picks[moved]] * (16 - moved)
+
+
+def test_cache_aware_fills_an_idle_fleet_evenly() -> None:
+    workers = make_workers(0, 0, 0, 0)
+    policy = CacheAware()
+    # Prompts nobody holds, each finished before the next: every engine is equally loaded, so each pick
+    # goes to the engine that had the least traffic lately rather than to the first one listed.
+    picks = [policy.select(workers, generate([k] * 20)).worker for k in range(8)]
+    assert picks[:4] == workers and picks[4:] == workers
+
+
+def test_cache_aware_ignores_a_short_prefix_every_prompt_shares() -> None:
+    workers = make_workers(0, 0, 0)
+    policy = CacheAware()
+    header = [7, 7, 7, 7]  # a chat template's header: below the cache threshold of any prompt here
+    picks = [policy.select(workers, generate([*header, *range(100 * k, 100 * k + 36)])).worker for k in range(6)]
+    # The engines that served a prompt hold the header; an engine that did not is not dearer for it.
+    assert picks[:3] == workers and picks[3:] == workers
 
 
 def test_cache_aware_prices_text_prompts_in_estimated_tokens() -> None:
