@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 SERVICE_DIRS := $(patsubst %/pyproject.toml,%,$(wildcard services/*/pyproject.toml))
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo lint protos clean
+.PHONY: install test test-load test-faults demo lint protos clean
 
 $(STAMP): pyproject.toml constraints.txt $(wildcard services/*/pyproject.toml)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,7 +22,15 @@ $(STAMP): pyproject.toml constraints.txt $(wildcard services/*/pyproject.toml)
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -m 'not faults'
+
+# Every fault-injection case (tests/faults, about 10 minutes); `make test` runs only the fast ones.
+test-faults: $(STAMP)
+	$(PY) -m pytest tests/faults
+
+# The load tests in their full form (25 s of load per service); `make test` runs them for a few seconds.
+test-load: $(STAMP)
+	RLFLEET_LOAD_SECONDS=25 $(PY) -m pytest tests/load -s
 
 demo: $(STAMP)
 	$(VENV)/bin/rlfleet demo

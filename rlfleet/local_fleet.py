@@ -4,6 +4,9 @@ Start order follows the dependencies (Redis, engines, router, reward hub, traine
 each service must answer its health check within a bound before the next starts, and a failure
 names the service and shows the end of its log. Stopping goes in reverse order. The fleet's pids
 and addresses are written to `<state_dir>/fleet.json` so `rlfleet down` can stop it from elsewhere.
+
+Any one service, Redis included when the fleet started it, can be started again with the same
+command (`restart`), which is how the fault tests bring back what they killed.
 """
 
 from __future__ import annotations
@@ -55,13 +58,19 @@ class FleetConfig:
     host: str = "127.0.0.1"
     ports: FleetPorts = field(default_factory=FleetPorts)
     redis_url: str | None = None
-    """Redis to use; unset means 127.0.0.1:<ports.redis>, started here if none answers."""
+    """Redis to use; unset means 127.0.0.1:<ports.redis>, started here if none answers (AOF on, data in
+    <state_dir>/redis). Only a Redis started here is the fleet's own: `restart("redis")` needs one."""
     redis_prefix: str = "rlfleet:"
     engine_threads: int = 1
     engine_backend: str = "transformers"
     """rlfleet_engine's --backend: transformers (CPU) or sglang (the real SGLang server, GPU)."""
     trainer_threads: int = 1
+    trainer_ranks: int = 1
+    """torchrun ranks of the trainer (FSDP2 over gloo on CPU); each uses `trainer_threads` threads."""
     startup_timeout_s: float = 180.0
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment of every service, e.g. RLFLEET_ROUTER_HEALTH_CHECK_INTERVAL_SECS=1 (each service
+    reads only its own RLFLEET_<SVC>_ settings)."""
 
     def resolved_redis_url(self) -> str:
         return self.redis_url or f"redis://{self.host}:{self.ports.redis}/0"
@@ -76,7 +85,7 @@ class LocalFleet:
         self.config = config
         self.processes: dict[str, ServiceProcess] = {}
         self.log_dir = Path(config.state_dir) / "logs"
-        self._commands: dict[str, tuple[list[str], str]] = {}  # name -> (argv, health url)
+        self._commands: dict[str, tuple[list[str], str]] = {}  # name -> (argv, health URL or Redis URL)
 
     # -- addresses ------------------------------------------------------------------------------
 
@@ -151,11 +160,11 @@ class LocalFleet:
         )
         self._spawn(
             "trainer",
-            [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "rlfleet_trainer",
-             "serve", "--host", c.host, "--grpc-port", str(p.trainer_grpc), "--http-port", str(p.trainer_http),
-             "--redis-url", c.resolved_redis_url(), "--redis-prefix", c.redis_prefix, "--router-url",
-             self.router_url, "--work-dir", str(Path(c.state_dir) / "trainer"), "--torch-threads",
-             str(c.trainer_threads)],
+            [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={c.trainer_ranks}",
+             "-m", "rlfleet_trainer", "serve", "--host", c.host, "--grpc-port", str(p.trainer_grpc),
+             "--http-port", str(p.trainer_http), "--redis-url", c.resolved_redis_url(), "--redis-prefix",
+             c.redis_prefix, "--router-url", self.router_url, "--work-dir", str(Path(c.state_dir) / "trainer"),
+             "--torch-threads", str(c.trainer_threads)],
             f"{self.url(p.trainer_http)}/health",
         )
         self._wait("reward")
@@ -172,23 +181,27 @@ class LocalFleet:
 
     def restart(self, name: str) -> None:
         """Starts service `name` again with the same command (after a crash, or killing it) and
-        waits until it is healthy."""
+        waits until it is healthy. It keeps its place in the stop order."""
+        if name not in self._commands:
+            raise KeyError(f"{name!r} is not a service this fleet started; it has {sorted(self._commands)}")
         argv, health_url = self._commands[name]
-        old = self.processes.pop(name)
-        old.stop(timeout=10)
+        self.processes[name].stop(timeout=10)
         self._spawn(name, argv, health_url)
         self._wait(name)
         self._write_state()
 
     def _spawn(self, name: str, argv: list[str], health_url: str) -> None:
-        env = {"RLFLEET_LOG_FORMAT": "text", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        env = {"RLFLEET_LOG_FORMAT": "text", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.config.env}
         self._commands[name] = (argv, health_url)
         self.processes[name] = ServiceProcess(name, argv, self.log_dir / f"{name}.log", env=env)
 
     def _wait(self, name: str) -> None:
         health_url = self._commands[name][1]
         started = time.monotonic()
-        self.processes[name].wait_healthy(health_url, timeout=self.config.startup_timeout_s)
+        if health_url.startswith("redis://"):
+            self._wait_redis(name, health_url)
+        else:
+            self.processes[name].wait_healthy(health_url, timeout=self.config.startup_timeout_s)
         logger.info("%s healthy after %.1fs", name, time.monotonic() - started)
 
     def _ensure_redis(self) -> None:
@@ -202,16 +215,20 @@ class LocalFleet:
             raise RuntimeError("no Redis answers and redis-server is not installed (apt-get install redis-server)")
         data_dir = Path(self.config.state_dir) / "redis"
         data_dir.mkdir(parents=True, exist_ok=True)
-        self.processes["redis"] = ServiceProcess(
+        self._spawn(
             "redis",
             [server, "--bind", self.config.host, "--port", str(self.config.ports.redis), "--dir", str(data_dir),
              "--appendonly", "yes", "--save", ""],
-            self.log_dir / "redis.log",
+            url,
         )
-        deadline = time.monotonic() + 20
+        self._wait("redis")
+
+    def _wait_redis(self, name: str, url: str) -> None:
+        """Redis started from its AOF answers once the file is loaded: bounded by the startup timeout."""
+        deadline = time.monotonic() + self.config.startup_timeout_s
         while not _redis_answers(url):
-            if time.monotonic() > deadline or not self.processes["redis"].alive():
-                raise RuntimeError(f"redis-server did not answer at {url}; see {self.log_dir / 'redis.log'}")
+            if time.monotonic() > deadline or not self.processes[name].alive():
+                raise RuntimeError(f"redis-server did not answer at {url}; see {self.processes[name].log_path}")
             time.sleep(0.1)
 
     def _write_state(self) -> None:

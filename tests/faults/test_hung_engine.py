@@ -1,0 +1,26 @@
+"""An engine that hangs (SIGSTOP: the kernel still accepts its connections, nothing ever answers)
+in the middle of a run: the router's health checks take it out of routing, the requests it held fail
+at their deadline and are sent again elsewhere, and the run completes without it."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+import pytest
+
+from rlfleet.local_fleet import LocalFleet
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.faults]
+
+
+def test_hung_engine_is_routed_around(fault_fleet: LocalFleet, runs) -> None:
+    engine = fault_fleet.processes["engine-1"]
+    try:
+        runs.survive("hung engine (SIGSTOP)", lambda: os.killpg(engine.pid, signal.SIGSTOP))
+        workers = httpx.get(f"{fault_fleet.router_url}/workers", timeout=5).json()["workers"]
+        hung = [w for w in workers if w["url"] == fault_fleet.engine_urls()[1]]
+        assert hung and not hung[0]["healthy"], f"the hung engine is still in routing: {workers}"
+    finally:
+        os.killpg(engine.pid, signal.SIGCONT)
