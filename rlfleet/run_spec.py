@@ -45,10 +45,13 @@ ALGORITHM_DEFAULTS: dict[str, AlgorithmDefaults] = {
     "ppo": AlgorithmDefaults(loss_aggregation="token_mean", kl_mode="reward"),
 }
 ALGORITHMS = tuple(ALGORITHM_DEFAULTS)
-ROLLOUT_FUNCTIONS = ("single_turn",)
+MAX_TURNS = 64
+MAX_GROUP_SIZE = 1024
+MAX_GROUPS_PER_STEP = 16384
 BAD_ROWS = ("reject", "skip")
 TRUNCATED = ("keep", "zero_reward", "mask")
 STALE_GROUPS = ("drop", "downweight")
+ON_WEIGHT_UPDATE = ("finish", "abort_resume")
 MAX_EVAL_SAMPLES = 64
 
 
@@ -76,6 +79,10 @@ def resolve(spec: RunSpec) -> RunSpec:
     ds.bad_rows = ds.bad_rows or "reject"
     ro = out.rollout
     ro.function = ro.function or "single_turn"
+    if ro.function == "multi_turn":
+        ro.multi_turn.environment = ro.multi_turn.environment or "calculator"
+        if not ro.multi_turn.HasField("max_turns"):
+            ro.multi_turn.max_turns = 3
     if not ro.HasField("group_size"):
         ro.group_size = 8
     if not ro.HasField("groups_per_step"):
@@ -83,11 +90,14 @@ def resolve(spec: RunSpec) -> RunSpec:
     if not ro.HasField("oversample"):
         ro.oversample = 1.0
     if not ro.HasField("max_prompts_per_step"):
-        ro.max_prompts_per_step = 4 * math.ceil(ro.oversample * ro.groups_per_step)
+        # Kept inside the int32 field for any input; validate() then names the field that is out of range.
+        wanted = ro.oversample * ro.groups_per_step
+        ro.max_prompts_per_step = 4 * math.ceil(wanted) if math.isfinite(wanted) and wanted < 2**29 else 2**31 - 1
     ro.truncated = ro.truncated or "keep"
     ro.stale_groups = ro.stale_groups or "drop"
     if not ro.HasField("stale_weight"):
         ro.stale_weight = 0.5
+    ro.on_weight_update = ro.on_weight_update or "finish"
     if not out.schedule.HasField("eval_samples"):
         out.schedule.eval_samples = 1
     sp = ro.sampling
@@ -161,9 +171,22 @@ def validate(spec: RunSpec) -> None:
     _require(ds.bad_rows in BAD_ROWS, "dataset.bad_rows", f"must be one of {list(BAD_ROWS)}, got {ds.bad_rows!r}")
 
     ro = spec.rollout
-    _require(ro.function in ROLLOUT_FUNCTIONS, "rollout.function", f"must be one of {list(ROLLOUT_FUNCTIONS)}")
+    # Which rollout functions and environments exist is the orchestrator's registry's to say (at submit).
+    _require(bool(ro.function), "rollout.function", "must name a registered rollout function")
+    if ro.function == "multi_turn":
+        _require(
+            1 <= ro.multi_turn.max_turns <= MAX_TURNS,
+            "rollout.multi_turn.max_turns",
+            f"must be in [1, {MAX_TURNS}]",
+        )
     _require(ro.group_size >= 2, "rollout.group_size", "must be >= 2 (group-relative advantages need a group)")
-    _require(ro.groups_per_step >= 1, "rollout.groups_per_step", "must be >= 1")
+    # One group is one /generate request (n = group_size): bounded as engines bound a request.
+    _require(ro.group_size <= MAX_GROUP_SIZE, "rollout.group_size", f"must be <= {MAX_GROUP_SIZE}")
+    _require(
+        1 <= ro.groups_per_step <= MAX_GROUPS_PER_STEP,
+        "rollout.groups_per_step",
+        f"must be in [1, {MAX_GROUPS_PER_STEP}]",
+    )
     _require(ro.max_staleness >= 0, "rollout.max_staleness", "must be >= 0 (0 is on-policy)")
     _require(_finite(ro.oversample) and 1 <= ro.oversample <= 16, "rollout.oversample", "must be in [1, 16]")
     _require(
@@ -179,6 +202,11 @@ def validate(spec: RunSpec) -> None:
         f"must be one of {list(STALE_GROUPS)}, got {ro.stale_groups!r}",
     )
     _require(_finite(ro.stale_weight) and 0 < ro.stale_weight <= 1, "rollout.stale_weight", "must be in (0, 1]")
+    _require(
+        ro.on_weight_update in ON_WEIGHT_UPDATE,
+        "rollout.on_weight_update",
+        f"must be one of {list(ON_WEIGHT_UPDATE)}, got {ro.on_weight_update!r}",
+    )
     sp = ro.sampling
     _require(
         _finite(sp.temperature) and 0 <= sp.temperature <= 10, "rollout.sampling.temperature", "must be in [0, 10]"

@@ -13,10 +13,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import redis
+import redis.asyncio as aioredis
 from google.protobuf.message import DecodeError
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from rlfleet.errors import InvalidInput
 from rlfleet.v1.samples_pb2 import SampleGroup
@@ -38,15 +42,68 @@ return false
 """
 
 
+def entry_order(entry_id: bytes | str) -> tuple[int, int]:
+    """Sort key of stream entry ids ("<ms>-<seq>"), which do not sort as strings."""
+    raw = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    millis, _, seq = raw.partition("-")
+    return int(millis), int(seq or 0)
+
+
 @dataclass(frozen=True)
 class StreamEntry:
     entry_id: str
     group: SampleGroup
 
 
+REDIS_RETRY_BUDGET_S = 30.0
+"""How long a Redis command keeps retrying a lost connection (a Redis restart) before it raises:
+the sum of the backoffs between attempts; each attempt is bounded by the socket timeouts too."""
+REDIS_RETRY_ERRORS: tuple[type[redis.RedisError], ...] = (redis.ConnectionError, redis.TimeoutError)
+_BACKOFF_BASE_S, _BACKOFF_CAP_S = 0.1, 2.0
+_HEALTH_CHECK_INTERVAL_S = 10
+
+
+def _backoff() -> ExponentialBackoff:
+    return ExponentialBackoff(cap=_BACKOFF_CAP_S, base=_BACKOFF_BASE_S)
+
+
+def _retries_within(budget_s: float) -> int:
+    """How many retries the backoff allows before its waits add up to `budget_s`."""
+    backoff, waited, retries = _backoff(), 0.0, 0
+    while waited + backoff.compute(retries + 1) <= budget_s:
+        retries += 1
+        waited += backoff.compute(retries)
+    return retries
+
+
+def _client_options(timeout_s: float) -> dict[str, Any]:
+    return {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "socket_keepalive": True,
+        # A pooled connection idle this long is pinged before use, so one left broken by a Redis
+        # restart is replaced before a command is sent on it.
+        "health_check_interval": _HEALTH_CHECK_INTERVAL_S,
+    }
+
+
 def connect_redis(url: str, timeout_s: float = 10.0) -> redis.Redis:
-    """A client that never waits forever: connect and socket timeouts of `timeout_s`."""
-    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    """A client that never waits forever and waits out a Redis restart: each call is bounded by
+    connect and socket timeouts of `timeout_s`, and retried on a lost connection or a timeout with
+    exponential backoff for up to REDIS_RETRY_BUDGET_S. Every service's synchronous client is made here.
+
+    Retrying is safe for what the fleet writes: stream appends are idempotent per group_id (a
+    retried append of a group already written is a no-op), acknowledgements and the trainer's
+    record (absolute values, MULTI/EXEC) can be applied twice, and a WATCHed transaction is never
+    retried by the client (it raises WatchError)."""
+    retry = Retry(_backoff(), _retries_within(REDIS_RETRY_BUDGET_S), supported_errors=REDIS_RETRY_ERRORS)
+    return redis.Redis.from_url(url, retry=retry, **_client_options(timeout_s))
+
+
+def connect_redis_async(url: str, timeout_s: float = 10.0) -> aioredis.Redis:
+    """The asyncio twin of `connect_redis`, with the same timeouts and retry policy."""
+    retry = AsyncRetry(_backoff(), _retries_within(REDIS_RETRY_BUDGET_S), supported_errors=REDIS_RETRY_ERRORS)
+    return aioredis.Redis.from_url(url, retry=retry, **_client_options(timeout_s))
 
 
 def validate_group(group: SampleGroup) -> None:
@@ -116,30 +173,37 @@ class SampleStream:
         """Up to `count` entries never delivered to the group, waiting at most `block_ms` for one."""
         return self._read(consumer, count, ">", block_ms)
 
-    def read_own_pending(self, consumer: str, count: int) -> list[StreamEntry]:
-        """Entries delivered to `consumer` but not acknowledged (e.g. before this process restarted)."""
-        return self._read(consumer, count, "0", None)
+    def read_own_pending(self, consumer: str, count: int, after: str = "0") -> list[StreamEntry]:
+        """Entries delivered to `consumer` but not acknowledged (e.g. before this process restarted),
+        in id order, starting after entry id `after`."""
+        return self._read(consumer, count, after, None)
 
     def claim_stale(self, consumer: str, min_idle_ms: int, count: int = 100) -> list[StreamEntry]:
-        """Takes over up to `count` entries pending on any consumer for at least `min_idle_ms`."""
-        entries: list[StreamEntry] = []
-        cursor = "0-0"
-        # XAUTOCLAIM pages through the pending list; one pass over it is bounded by its length.
-        while len(entries) < count:
-            reply = self.client.xautoclaim(
-                self.key,
-                self.consumer_group,
-                consumer,
-                min_idle_time=min_idle_ms,
-                start_id=cursor,
-                count=count - len(entries),
+        """Takes over up to `count` entries pending on other consumers for at least `min_idle_ms`
+        (a consumer that died), oldest first. Entries pending on `consumer` itself are left alone: it
+        may hold them on purpose (the trainer acknowledges only what a checkpoint covers)."""
+        consumers = cast(list[dict[str, Any]], self.client.xinfo_consumers(self.key, self.consumer_group))
+        stale: list[bytes] = []
+        for info in consumers:
+            name = info["name"].decode() if isinstance(info["name"], bytes) else str(info["name"])
+            if name == consumer or not info["pending"]:
+                continue
+            rows = cast(
+                list[dict[str, Any]],
+                self.client.xpending_range(
+                    self.key, self.consumer_group, min="-", max="+", count=count, consumername=name, idle=min_idle_ms
+                ),
             )
-            cursor, claimed = reply[0], reply[1]
-            entries.extend(self._decode(claimed))
-            cursor = cursor.decode() if isinstance(cursor, bytes) else cursor
-            if cursor == "0-0":
-                break
-        return entries
+            stale.extend(row["message_id"] for row in rows)
+        if not stale:
+            return []
+        oldest: list[Any] = sorted(stale, key=entry_order)[:count]
+        # XCLAIM checks the idle time again, so an entry its consumer touched meanwhile stays with it.
+        claimed = cast(
+            list[tuple[bytes | None, dict[bytes, bytes] | None]],
+            self.client.xclaim(self.key, self.consumer_group, consumer, min_idle_time=min_idle_ms, message_ids=oldest),
+        )
+        return self._decode([(raw_id, fields) for raw_id, fields in claimed if raw_id is not None and fields])
 
     def ack(self, entry_ids: Iterable[str]) -> int:
         ids = list(entry_ids)

@@ -47,6 +47,7 @@ def test_defaults_are_filled_and_the_input_is_untouched() -> None:
         0.5,
     )
     assert resolved.dataset.bad_rows == "reject" and resolved.schedule.eval_samples == 1
+    assert ro.on_weight_update == "finish"
 
 
 def test_explicit_zero_is_kept_where_zero_means_something() -> None:
@@ -107,6 +108,7 @@ def test_each_algorithm_fills_its_own_defaults() -> None:
         ({"rollout": {"truncated": "drop"}}, "rollout.truncated"),
         ({"rollout": {"stale_groups": "keep"}}, "rollout.stale_groups"),
         ({"rollout": {"stale_weight": 0}}, "rollout.stale_weight"),
+        ({"rollout": {"on_weight_update": "drop"}}, "rollout.on_weight_update"),
         ({"schedule": {"eval_samples": 0}}, "schedule.eval_samples"),
     ],
 )

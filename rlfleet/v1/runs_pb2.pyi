@@ -90,8 +90,16 @@ class SamplingParams(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class MultiTurnSpec(_message.Message):
+    __slots__ = ("environment", "max_turns")
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
+    environment: str
+    max_turns: int
+    def __init__(self, environment: _Optional[str] = ..., max_turns: _Optional[int] = ...) -> None: ...
+
 class RolloutSpec(_message.Message):
-    __slots__ = ("function", "group_size", "groups_per_step", "sampling", "max_staleness", "filters", "oversample", "max_prompts_per_step", "max_prompt_tokens", "truncated", "stale_groups", "stale_weight")
+    __slots__ = ("function", "group_size", "groups_per_step", "sampling", "max_staleness", "filters", "oversample", "max_prompts_per_step", "max_prompt_tokens", "truncated", "stale_groups", "stale_weight", "multi_turn", "on_weight_update")
     FUNCTION_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     GROUPS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +112,8 @@ class RolloutSpec(_message.Message):
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     STALE_GROUPS_FIELD_NUMBER: _ClassVar[int]
     STALE_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    MULTI_TURN_FIELD_NUMBER: _ClassVar[int]
+    ON_WEIGHT_UPDATE_FIELD_NUMBER: _ClassVar[int]
     function: str
     group_size: int
     groups_per_step: int
@@ -116,7 +126,9 @@ class RolloutSpec(_message.Message):
     truncated: str
     stale_groups: str
     stale_weight: float
-    def __init__(self, function: _Optional[str] = ..., group_size: _Optional[int] = ..., groups_per_step: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_staleness: _Optional[int] = ..., filters: _Optional[_Iterable[str]] = ..., oversample: _Optional[float] = ..., max_prompts_per_step: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., truncated: _Optional[str] = ..., stale_groups: _Optional[str] = ..., stale_weight: _Optional[float] = ...) -> None: ...
+    multi_turn: MultiTurnSpec
+    on_weight_update: str
+    def __init__(self, function: _Optional[str] = ..., group_size: _Optional[int] = ..., groups_per_step: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_staleness: _Optional[int] = ..., filters: _Optional[_Iterable[str]] = ..., oversample: _Optional[float] = ..., max_prompts_per_step: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., truncated: _Optional[str] = ..., stale_groups: _Optional[str] = ..., stale_weight: _Optional[float] = ..., multi_turn: _Optional[_Union[MultiTurnSpec, _Mapping]] = ..., on_weight_update: _Optional[str] = ...) -> None: ...
 
 class AlgorithmSpec(_message.Message):
     __slots__ = ("name", "clip_low", "clip_high", "kl_coef", "kl_estimator", "entropy_coef", "loss_aggregation", "kl_mode", "tis_cap", "ratio_mask_low", "ratio_mask_high", "gamma", "gae_lambda", "value_clip", "critic_learning_rate")
@@ -262,7 +274,7 @@ class EvalResult(_message.Message):
     def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., size: _Optional[int] = ..., accuracy: _Optional[float] = ..., pass_at_k: _Optional[float] = ..., mean_length: _Optional[float] = ..., truncation_rate: _Optional[float] = ..., k: _Optional[int] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("id", "spec", "state", "error", "progress", "metrics", "evals", "created_at", "started_at", "finished_at")
+    __slots__ = ("id", "spec", "state", "error", "progress", "metrics", "evals", "created_at", "started_at", "finished_at", "stalled")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +292,7 @@ class Run(_message.Message):
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    STALLED_FIELD_NUMBER: _ClassVar[int]
     id: str
     spec: RunSpec
     state: RunState
@@ -290,7 +303,8 @@ class Run(_message.Message):
     created_at: _timestamp_pb2.Timestamp
     started_at: _timestamp_pb2.Timestamp
     finished_at: _timestamp_pb2.Timestamp
-    def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[RunSpec, _Mapping]] = ..., state: _Optional[_Union[RunState, str]] = ..., error: _Optional[str] = ..., progress: _Optional[_Union[RunProgress, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., evals: _Optional[_Iterable[_Union[EvalResult, _Mapping]]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    stalled: str
+    def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[RunSpec, _Mapping]] = ..., state: _Optional[_Union[RunState, str]] = ..., error: _Optional[str] = ..., progress: _Optional[_Union[RunProgress, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., evals: _Optional[_Iterable[_Union[EvalResult, _Mapping]]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., stalled: _Optional[str] = ...) -> None: ...
 
 class SubmitRunRequest(_message.Message):
     __slots__ = ("spec",)

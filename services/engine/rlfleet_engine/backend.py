@@ -7,7 +7,7 @@ list of running requests in the same order, so row i of every logits tensor is r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -35,6 +35,14 @@ class GenerationBackend(Protocol):
 
     def load_weights(self, model_path: str) -> None:
         """Replaces the weights with those in `model_path`; raises InvalidInput if they do not fit."""
+        ...
+
+    def check_tensors(self, shapes: Sequence[tuple[str, tuple[int, ...]]], source: str) -> None:
+        """Raises InvalidInput unless each (name, shape) names a weight of the model with that shape."""
+        ...
+
+    def load_tensors(self, tensors: Mapping[str, torch.Tensor], source: str) -> None:
+        """Replaces the named weights (any subset) with `tensors`; raises InvalidInput if they do not fit."""
         ...
 
     def describe(self) -> dict[str, Any]:

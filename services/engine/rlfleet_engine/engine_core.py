@@ -10,21 +10,23 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
+import torch
 from prometheus_client import CollectorRegistry
 
 from rlfleet.errors import DeadlineExceeded, InvalidInput
 from rlfleet_engine import __version__
 from rlfleet_engine.backend import GenerationBackend
 from rlfleet_engine.config import EngineConfig
+from rlfleet_engine.distributed_weights import WeightReceiver
 from rlfleet_engine.generation_job import GenerationJob
 from rlfleet_engine.metrics import EngineMetrics
 from rlfleet_engine.request_expansion import expand
 from rlfleet_engine.sampling_params import SamplingParams
 from rlfleet_engine.scheduler import Scheduler
-from rlfleet_engine.schemas import GenerateRequest, UpdateWeightsFromDiskRequest
+from rlfleet_engine.schemas import GenerateRequest, UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest
 
 # Bound on a weight load, including the wait for the current step to end.
 WEIGHT_LOAD_TIMEOUT_S = 300.0
@@ -57,6 +59,11 @@ class EngineCore:
             max_running_requests=config.max_running_requests,
             weight_version=config.weight_version,
             seed=config.random_seed,
+        )
+        self.weight_receiver = WeightReceiver(
+            check=backend.check_tensors,
+            apply=self._load_received,
+            abort_all=lambda: self.scheduler.abort("", abort_all=True),
         )
 
     @property
@@ -158,18 +165,28 @@ class EngineCore:
             raise InvalidInput(f"load_format {req.load_format!r} is not supported; use 'auto' or 'safetensors'")
         if req.abort_all_requests:
             self.scheduler.abort("", abort_all=True)
-        future = self.scheduler.call(lambda: self.scheduler.load_weights(req.model_path, req.weight_version))
-        try:
-            held = await asyncio.wait_for(asyncio.wrap_future(future), timeout=WEIGHT_LOAD_TIMEOUT_S)
-        except TimeoutError as exc:
-            raise DeadlineExceeded(
-                f"loading weights from {req.model_path} took over {WEIGHT_LOAD_TIMEOUT_S:.0f}s"
-            ) from exc
+
+        def load_from_disk(backend: GenerationBackend) -> None:
+            backend.load_weights(req.model_path)
+
+        held = await self._load(load_from_disk, req.weight_version, req.model_path)
         self.model_path = req.model_path
         message = "Succeeded to update model weights."
         if req.weight_version is not None:
             message += f" Weight version updated to {req.weight_version}."
         return {"success": True, "message": message, "num_paused_requests": held}
+
+    async def _load_received(self, tensors: dict[str, torch.Tensor], req: UpdateWeightsFromDistributedRequest) -> int:
+        source = f"weight update group {req.group_name!r}"
+        return await self._load(lambda backend: backend.load_tensors(tensors, source), req.weight_version, source)
+
+    async def _load(self, load: Callable[[GenerationBackend], None], version: str | None, source: str) -> int:
+        """Runs `load` between two decode steps; returns how many running requests it held."""
+        future = self.scheduler.call(lambda: self.scheduler.load_weights(load, version))
+        try:
+            return int(await asyncio.wait_for(asyncio.wrap_future(future), timeout=WEIGHT_LOAD_TIMEOUT_S))
+        except TimeoutError as exc:
+            raise DeadlineExceeded(f"loading weights from {source} took over {WEIGHT_LOAD_TIMEOUT_S:.0f}s") from exc
 
     async def health_generate(self) -> bool:
         """True if the scheduler produces a token within the health-check timeout (or is busy doing so)."""

@@ -2,8 +2,11 @@
 
 Output shape (non-incremental, as SGLang streams by default: every chunk is cumulative):
     {"text": str, "output_ids": [int], "meta_info": {"id", "finish_reason", "prompt_tokens",
-     "completion_tokens", "cached_tokens", "weight_version", "e2e_latency" (when finished),
+     "completion_tokens", "cached_tokens", "weight_version", "weight_versions", "e2e_latency" (when finished),
      "input_token_logprobs" + "output_token_logprobs" (when return_logprob), ...}}
+`weight_version` is the engine's version when the output was published (SGLang's field);
+`weight_versions` (an rlfleet extension) lists, oldest first, every version that sampled one of
+the output's tokens, so a sequence that ran across a weight load is labelled with both versions.
 """
 
 from __future__ import annotations
@@ -38,13 +41,18 @@ class GenerationJob:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    weight_versions: list[str] = field(default_factory=list)
+    """Every version that sampled a token of `output_ids`, oldest first."""
     finish: FinishReason | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
     _stop_at: int | None = None  # where a matched stop string starts in the decoded text
     _checked_chars: int = 0  # decoded length at the previous stop-string check
 
-    def append(self, token_id: int, logprob: float, top: list[tuple[float, int]]) -> None:
+    def append(self, token_id: int, logprob: float, top: list[tuple[float, int]], weight_version: str) -> None:
+        """Records one token sampled under `weight_version`."""
+        if not self.weight_versions or self.weight_versions[-1] != weight_version:
+            self.weight_versions.append(weight_version)
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self.output_ids.append(token_id)
@@ -89,6 +97,8 @@ class GenerationJob:
             "completion_tokens": len(self.output_ids),
             "cached_tokens": 0,
             "weight_version": weight_version,
+            # A job without tokens was produced by nothing yet: it reports the version it would have used.
+            "weight_versions": list(self.weight_versions) or [weight_version],
         }
         if self.return_logprob:
             meta["input_token_logprobs"] = []

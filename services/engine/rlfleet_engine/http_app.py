@@ -4,7 +4,10 @@ Error bodies follow SGLang, which has two: a body that fails validation (malform
 types, missing prompt) answers 400 `{"object": "error", "message", "type": "Bad Request", "param",
 "code": 400}`; a request the engine cannot run (prompt over the context, bad token ids) answers 400
 `{"error": {"message", ...}}` through rlfleet's shared error handlers. Weight loads answer
-`{"success", "message", "num_paused_requests"}` with 200 or 400, as SGLang does.
+`{"success", "message", "num_paused_requests"}` with 200 or 400, as SGLang does; the distributed
+weight path (`/init_weights_update_group`, `/update_weights_from_distributed`,
+`/destroy_weights_update_group`) answers `{"success", "message"}`, with the failure's own status
+(400 bad input, 503 a group that could not be joined or broke, 504 a load that timed out).
 """
 
 from __future__ import annotations
@@ -19,11 +22,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from rlfleet.errors import InvalidInput
+from rlfleet.errors import InvalidInput, RlfleetError
 from rlfleet.http_errors import install_error_handlers
 from rlfleet_engine.openai_api import OpenAIServer
 from rlfleet_engine.openai_schemas import ChatCompletionRequest, CompletionRequest
-from rlfleet_engine.schemas import AbortRequest, GenerateRequest, UpdateWeightsFromDiskRequest
+from rlfleet_engine.schemas import (
+    AbortRequest,
+    DestroyWeightsUpdateGroupRequest,
+    GenerateRequest,
+    InitWeightsUpdateGroupRequest,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
+)
 
 if TYPE_CHECKING:  # the sim backend serves this app without importing torch
     from rlfleet_engine.engine_core import EngineCore
@@ -117,6 +127,30 @@ def create_app(core: EngineCore, registry: CollectorRegistry) -> FastAPI:
             return JSONResponse(failed, status_code=HTTPStatus.BAD_REQUEST)
         return JSONResponse(result)
 
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(req: InitWeightsUpdateGroupRequest) -> JSONResponse:
+        try:
+            message = await core.weight_receiver.init_group(req)
+        except RlfleetError as exc:
+            return _weight_failure(exc, "Failed to initialize custom process group")
+        return JSONResponse({"success": True, "message": message})
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(req: UpdateWeightsFromDistributedRequest) -> JSONResponse:
+        try:
+            message, held = await core.weight_receiver.update(req)
+        except RlfleetError as exc:
+            return _weight_failure(exc, "Failed to update parameter online")
+        return JSONResponse({"success": True, "message": message, "num_paused_requests": held})
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(req: DestroyWeightsUpdateGroupRequest) -> JSONResponse:
+        try:
+            message = core.weight_receiver.destroy_group(req)
+        except RlfleetError as exc:
+            return _weight_failure(exc, "Failed to destroy custom process group")
+        return JSONResponse({"success": True, "message": message})
+
     @app.post("/pause_generation")
     async def pause_generation() -> dict[str, str]:
         core.pause()
@@ -137,6 +171,10 @@ def create_app(core: EngineCore, registry: CollectorRegistry) -> FastAPI:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _weight_failure(exc: RlfleetError, what: str) -> JSONResponse:
+    return JSONResponse({"success": False, "message": f"{what}: {exc}"}, status_code=exc.http_status)
 
 
 async def _server_sent_events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:

@@ -11,11 +11,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from rlfleet.errors import InvalidInput
+from rlfleet.errors import InvalidInput, ResourceExhausted
 from rlfleet_engine.sampling_params import SamplingParams
 from rlfleet_engine.schemas import GenerateRequest
 
 T = TypeVar("T")
+# Sequences (prompts x n) one request may ask for: far above a GRPO group or an evaluation batch, far
+# below what would let a single request hold the engine's memory and scheduler hostage.
+MAX_SEQUENCES_PER_REQUEST = 4096
 
 
 class Encoder(Protocol):
@@ -39,6 +42,11 @@ def expand(req: GenerateRequest, tokenizer: Encoder, vocab_size: int, context_le
     n = params[0].n
     if any(p.n != n for p in params):
         raise InvalidInput("sampling_params: n must be the same for every prompt of a batch")
+    if size * n > MAX_SEQUENCES_PER_REQUEST:
+        raise ResourceExhausted(
+            f"the request asks for {size} prompt(s) x n={n} = {size * n} sequences; at most "
+            f"{MAX_SEQUENCES_PER_REQUEST} per request: split it"
+        )
     logprob = _per_prompt(req.return_logprob, size, "return_logprob", False)
     tops = _per_prompt(req.top_logprobs_num, size, "top_logprobs_num", 0)
     starts = _per_prompt(req.logprob_start_len, size, "logprob_start_len", -1)

@@ -1,4 +1,6 @@
-"""Next-token sampling for a batch of rows, each with its own temperature, top-p, top-k and min-p.
+"""Next-token sampling for a batch of rows, each with its own temperature, top-p, top-k, min-p and
+(optionally) `sampling_seed`: a seeded row draws from its request's own generator, so its tokens do
+not depend on which other requests share the batch.
 
 Logprob convention (the same as SGLang's default, i.e. without SGLANG_RETURN_ORIGINAL_LOGPROB):
 the reported logprob of a token is its log-probability under the temperature-scaled distribution
@@ -49,9 +51,15 @@ def sample(
     sampled_rows = (~greedy).nonzero().flatten()
     if sampled_rows.numel() > 0:
         sub = [params[i] for i in sampled_rows.tolist()]
-        probs = truncated_probs(logprobs[sampled_rows].exp(), sub, vocab)
-        draws = torch.multinomial(probs, num_samples=1, generator=generator).flatten()
-        chosen[sampled_rows] = draws
+        probs = truncated_probs(logprobs[sampled_rows].exp(), sub, vocab)  # (S, V)
+        own = [p.seeded_generator() for p in sub]
+        shared = [k for k, g in enumerate(own) if g is None]
+        if shared:
+            draws = torch.multinomial(probs[shared], num_samples=1, generator=generator).flatten()
+            chosen[sampled_rows[shared]] = draws
+        for k, row_generator in enumerate(own):
+            if row_generator is not None:  # a seeded request draws from its own generator, whatever its batch
+                chosen[sampled_rows[k]] = torch.multinomial(probs[k], num_samples=1, generator=row_generator)[0]
 
     token_logprobs = logprobs.gather(1, chosen.unsqueeze(1)).flatten()
     tops: list[list[tuple[float, int]]] = [[] for _ in range(rows)]

@@ -7,9 +7,12 @@ different distribution than it asked for.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+if TYPE_CHECKING:
+    import torch
 
 # Below this a temperature means greedy decoding, as in SGLang.
 GREEDY_TEMPERATURE = 1e-6
@@ -45,6 +48,9 @@ class SamplingParams(BaseModel):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     n: int = Field(default=1, ge=1)
+    sampling_seed: int | None = Field(default=None, ge=0)
+    """Seeds this request's own random generator, so the same request samples the same tokens."""
+    _generator: torch.Generator | None = PrivateAttr(default=None)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -74,6 +80,17 @@ class SamplingParams(BaseModel):
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         return self
+
+    def seeded_generator(self) -> torch.Generator | None:
+        """The request's generator (seeded with `sampling_seed` at its first draw, then advancing with each
+        token); None without a seed. Sequences sharing one SamplingParams (n > 1) draw from one generator."""
+        if self.sampling_seed is None:
+            return None
+        if self._generator is None:
+            import torch  # the parameters themselves are parsed without torch
+
+            self._generator = torch.Generator().manual_seed(self.sampling_seed)
+        return self._generator
 
     @property
     def is_greedy(self) -> bool:

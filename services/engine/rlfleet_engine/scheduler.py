@@ -1,7 +1,7 @@
 """The batching loop: one worker thread that owns the backend and advances every running sequence together.
 
 Each iteration, between two decode steps, the loop
-  1. runs queued control operations (weight loads) and aborts,
+  1. runs queued aborts, then control operations (weight loads),
   2. admits waiting jobs up to --max-running-requests: they are prefilled together, left-padded,
      and merged into the running batch (continuous batching), and their first token is sampled,
   3. runs one decode step over all running rows with per-row sampling parameters,
@@ -112,13 +112,17 @@ class Scheduler:
             self._wake.notify()
         return future
 
-    def load_weights(self, model_path: str, weight_version: str | None) -> int:
-        """In the scheduler thread only (via `call`): loads weights, then recomputes the running rows' KV.
+    def load_weights(self, load: Callable[[GenerationBackend], None], weight_version: str | None) -> int:
+        """In the scheduler thread only (via `call`): `load` changes the backend's weights (from disk or
+        received tensors), then the running rows' KV is recomputed.
 
         Running requests are held, not dropped: their cache is rebuilt under the new weights, so every
-        token they sample afterwards comes from the new version. Returns how many requests were held.
+        token they sample afterwards comes from the new version, and their output lists both versions
+        (`weight_versions`). A load with abort_all_requests has already aborted them (aborts run before
+        control operations), so they were answered with the old version alone. Returns how many
+        requests were held.
         """
-        self.backend.load_weights(model_path)
+        load(self.backend)
         if self._running:
             self.backend.keep([])
             self.backend.add([job.input_ids + job.output_ids[:-1] for job in self._running])
@@ -147,10 +151,12 @@ class Scheduler:
             aborts = list(self._aborts)
             self._aborts.clear()
             paused = self._paused
-        for fn, future in control:
-            self._run_control(fn, future)
+        # Aborts first: a weight load with abort_all_requests queues its abort before the load, and the
+        # aborted requests must be answered with the version that produced their tokens.
         if aborts:
             self._apply_aborts(aborts)
+        for fn, future in control:
+            self._run_control(fn, future)
         if not paused:
             self._admit()
             if self._running:
@@ -201,7 +207,7 @@ class Scheduler:
             top_logprobs_nums=[job.top_logprobs_num for job in jobs],
         )
         for i, job in enumerate(jobs):
-            job.append(drawn.token_ids[i], drawn.logprobs[i], drawn.top_logprobs[i])
+            job.append(drawn.token_ids[i], drawn.logprobs[i], drawn.top_logprobs[i], self.weight_version)
             reason = token_finish(job.output_ids, job.params, self.backend.eos_token_ids)
             if reason is None:
                 reason = job.check_stop_strings(self.tokenizer)

@@ -6,7 +6,9 @@ would change the result in a way this engine cannot honour are refused with a me
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlfleet_engine.sampling_params import SamplingParams
 
@@ -61,6 +63,69 @@ class UpdateWeightsFromDiskRequest(BaseModel):
     load_format: str | None = None
     weight_version: str | None = None
     abort_all_requests: bool = False
+
+
+def _version_as_text(value: object) -> object:
+    # Trainers count steps; SGLang's weight_version is a string. Accept both, keep the string.
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return value
+
+
+class InitWeightsUpdateGroupRequest(BaseModel):
+    """POST /init_weights_update_group: join the trainer's group (rank 0 hosts it at master_address:master_port)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    master_address: str = Field(min_length=1)
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1, description="This engine's first rank; rank 0 is the trainer.")
+    world_size: int = Field(ge=2)
+    group_name: str = Field("weight_update_group", min_length=1)
+    backend: Literal["gloo", "nccl"] = "nccl"
+
+    @model_validator(mode="after")
+    def _rank_in_group(self) -> InitWeightsUpdateGroupRequest:
+        if self.rank_offset >= self.world_size:
+            raise ValueError(f"rank_offset {self.rank_offset} must be below world_size {self.world_size}")
+        return self
+
+
+class UpdateWeightsFromDistributedRequest(BaseModel):
+    """POST /update_weights_from_distributed: receive these tensors, in this order, from rank 0 of the group."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    names: list[str] = Field(min_length=1)
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = Field("weight_update_group", min_length=1)
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: Literal["flattened_bucket"] | None = None
+
+    _weight_version_text = field_validator("weight_version", mode="before")(_version_as_text)
+
+    @model_validator(mode="after")
+    def _one_entry_per_tensor(self) -> UpdateWeightsFromDistributedRequest:
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError(
+                f"names, dtypes and shapes must have one entry per tensor; got {len(self.names)}, "
+                f"{len(self.dtypes)} and {len(self.shapes)}"
+            )
+        negative = [name for name, shape in zip(self.names, self.shapes, strict=True) if any(d < 0 for d in shape)]
+        if negative:
+            raise ValueError(f"shapes must not have negative sizes (tensors {negative[:5]})")
+        return self
+
+
+class DestroyWeightsUpdateGroupRequest(BaseModel):
+    """POST /destroy_weights_update_group."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    group_name: str = Field("weight_update_group", min_length=1)
 
 
 class AbortRequest(BaseModel):

@@ -18,12 +18,13 @@ on this backend is a simulation and must say so.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
@@ -33,9 +34,12 @@ from rlfleet_engine.config import EngineConfig
 from rlfleet_engine.generation_job import GenerationJob
 from rlfleet_engine.metrics import EngineMetrics
 from rlfleet_engine.request_expansion import expand
-from rlfleet_engine.schemas import GenerateRequest, UpdateWeightsFromDiskRequest
+from rlfleet_engine.schemas import GenerateRequest, UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest
 from rlfleet_engine.sim_prefix_cache import PrefixCache
 from rlfleet_engine.stop_conditions import FinishReason
+
+if TYPE_CHECKING:  # torch is imported only once a trainer opens a weight update group
+    from rlfleet_engine.distributed_weights import WeightReceiver
 
 # Tokens are Unicode code points below this (the Basic Multilingual Plane), so text round-trips.
 SIM_VOCAB_SIZE = 65536
@@ -175,7 +179,7 @@ class SimScheduler:
     def _advance(self) -> None:
         for job in self._running:
             token = job.rng.choice(_OUTPUT_ALPHABET)
-            job.append(token, -2.0 * job.rng.random(), [])
+            job.append(token, -2.0 * job.rng.random(), [], self.weight_version)
             if len(job.output_ids) >= job.params.max_new_tokens:
                 job.finish_with(FinishReason("length", length=job.params.max_new_tokens))
             elif token in job.params.stop_token_ids:
@@ -320,6 +324,25 @@ class SimEngineCore:
         if req.weight_version is not None:
             message += f" Weight version updated to {req.weight_version}."
         return {"success": True, "message": message, "num_paused_requests": running}
+
+    @functools.cached_property
+    def weight_receiver(self) -> WeightReceiver:
+        """Joins a trainer's group and receives its tensors like a real engine would, then drops them."""
+        from rlfleet_engine.distributed_weights import WeightReceiver
+
+        return WeightReceiver(
+            check=lambda shapes, source: None,
+            apply=self._discard_received,
+            abort_all=lambda: self.scheduler.abort("", abort_all=True),
+        )
+
+    async def _discard_received(self, tensors: dict[str, Any], req: UpdateWeightsFromDistributedRequest) -> int:
+        if req.flush_cache:
+            self.cache.clear()
+        if req.weight_version is not None:
+            self.scheduler.weight_version = req.weight_version
+        running, _ = self.scheduler.counts()
+        return running
 
     async def health_generate(self) -> bool:
         return self.scheduler.alive()

@@ -14,13 +14,13 @@ Supports decoder-only models whose every layer has a full (not sliding-window) K
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from rlfleet_engine.weight_loading import load_state_into, read_safetensors_dir
+from rlfleet_engine.weight_loading import check_shapes, copy_tensors_into, load_state_into, read_safetensors_dir
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +104,12 @@ class TransformersBackend:
 
     def load_weights(self, model_path: str) -> None:
         load_state_into(self.model, read_safetensors_dir(model_path), model_path)
+
+    def check_tensors(self, shapes: Sequence[tuple[str, tuple[int, ...]]], source: str) -> None:
+        check_shapes(self.model, shapes, source)
+
+    def load_tensors(self, tensors: Mapping[str, torch.Tensor], source: str) -> None:
+        copy_tensors_into(self.model, tensors, source)
 
     def describe(self) -> dict[str, Any]:
         return {

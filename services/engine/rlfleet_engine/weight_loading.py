@@ -1,12 +1,15 @@
-"""Loads a Hugging Face checkpoint's safetensors into a live model, checking everything before changing anything.
+"""Puts new weights into a live model, checking everything before changing anything.
 
-A load that fails (missing or unknown tensors, wrong shapes, no files) raises InvalidInput and
-leaves the model exactly as it was, so the engine keeps serving its previous version.
+Two sources: a Hugging Face checkpoint's safetensors (a complete state, `load_state_into`), and
+the tensors of one distributed update (any subset of the model's tensors, `copy_tensors_into`).
+A load that does not fit (unknown or missing tensors, wrong shapes, no files) raises InvalidInput
+and leaves the model exactly as it was, so the engine keeps serving its previous version.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -31,26 +34,39 @@ def read_safetensors_dir(model_path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> int:
-    """Copies `state` into `model` in place; returns the number of tensors copied."""
+def check_shapes(model: torch.nn.Module, shapes: Iterable[tuple[str, tuple[int, ...]]], source: str) -> None:
+    """Raises InvalidInput unless every (name, shape) is a tensor of `model` with that shape."""
     targets = model.state_dict(keep_vars=True)
-    unknown = sorted(set(state) - set(targets))
+    given = list(shapes)
+    unknown = sorted(name for name, _ in given if name not in targets)
     if unknown:
         raise InvalidInput(f"{source} holds tensors the model does not have: {unknown[:5]}")
+    for name, shape in given:
+        want = tuple(targets[name].shape)
+        if tuple(shape) != want:
+            raise InvalidInput(f"{source}: tensor {name} has shape {tuple(shape)}, the model expects {want}")
+
+
+def load_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> int:
+    """Copies a complete state into `model` in place; returns the number of tensors copied."""
     # Tied parameters (e.g. lm_head = embed_tokens) appear once in named_parameters; one copy suffices.
     required = {name for name, _ in model.named_parameters()}
+    check_shapes(model, ((name, tuple(t.shape)) for name, t in state.items()), source)
     missing = sorted(name for name in required if name not in state and not _tied_copy_present(model, name, state))
     if missing:
         raise InvalidInput(f"{source} lacks tensors the model needs: {missing[:5]}")
-    for name, tensor in state.items():
-        want = tuple(targets[name].shape)
-        if tuple(tensor.shape) != want:
-            raise InvalidInput(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, the model expects {want}")
+    return copy_tensors_into(model, state, source)
+
+
+def copy_tensors_into(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], source: str) -> int:
+    """Copies some of the model's tensors (cast to the model's dtype); returns how many. Checks shapes first."""
+    check_shapes(model, ((name, tuple(t.shape)) for name, t in tensors.items()), source)
+    targets = model.state_dict(keep_vars=True)
     with torch.no_grad():
-        for name, tensor in state.items():
+        for name, tensor in tensors.items():
             targets[name].copy_(tensor.to(targets[name].dtype))
-    logger.info("loaded %d tensors from %s", len(state), source)
-    return len(state)
+    logger.info("loaded %d tensors from %s", len(tensors), source)
+    return len(tensors)
 
 
 def _tied_copy_present(model: torch.nn.Module, name: str, state: dict[str, torch.Tensor]) -> bool:

@@ -35,7 +35,7 @@ def ids(text: str) -> list[int]:
 def run(job: GenerationJob, tokens: list[int]) -> GenerationJob:
     """Feeds tokens until the job finishes, as the scheduler does."""
     for token in tokens:
-        job.append(token, -1.0, [])
+        job.append(token, -1.0, [], "0")
         reason = token_finish(job.output_ids, job.params, {EOS}) or job.check_stop_strings(CharTokenizer())
         if reason:
             job.finish_with(reason)

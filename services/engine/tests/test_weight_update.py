@@ -98,4 +98,39 @@ def test_requests_in_flight_are_paused_not_broken(own_engine: RunningEngine, tin
     out = result["out"]
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 300}
     assert out["meta_info"]["weight_version"] == "9"
+    # Tokens were sampled before and after the load: the output names both versions, oldest first.
+    versions = out["meta_info"]["weight_versions"]
+    assert len(versions) == 2 and versions[0] != "9" and versions[1] == "9"
     assert own_engine.get("/get_weight_version").json() == {"weight_version": "9"}
+
+
+def test_a_load_with_abort_all_requests_answers_the_partial_output_with_the_old_version(
+    own_engine: RunningEngine, tiny_model_dir: Path
+) -> None:
+    old = own_engine.get("/get_weight_version").json()["weight_version"]
+    result: dict[str, Any] = {}
+
+    def long_request() -> None:
+        result["out"] = own_engine.generate(
+            {
+                "input_ids": PROMPT,
+                "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 300, "ignore_eos": True},
+            },
+            timeout=60,
+        )
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    wait_until_running(own_engine, 1)
+    body = {"model_path": str(tiny_model_dir), "weight_version": "10", "abort_all_requests": True}
+    response = own_engine.post("/update_weights_from_disk", body)
+    assert response.status_code == 200, response.text
+    assert response.json()["num_paused_requests"] == 0
+    worker.join(timeout=60)
+    meta = result["out"]["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort"
+    assert 0 < len(result["out"]["output_ids"]) < 300
+    assert len(meta["output_token_logprobs"]) == len(result["out"]["output_ids"])
+    assert meta["weight_version"] == old and meta["weight_versions"] == [old]
+    assert own_engine.get("/get_weight_version").json() == {"weight_version": "10"}
