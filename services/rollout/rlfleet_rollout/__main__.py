@@ -15,6 +15,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Heavy imports (servers, tokenizers) only after the arguments are known to be good: --help stays fast.
     import redis
 
+    from rlfleet.errors import RlfleetError
     from rlfleet.logs import init_logging
     from rlfleet_rollout.orchestrator import serve
 
@@ -23,7 +24,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         asyncio.run(serve(config))
-    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+    except (redis.ConnectionError, redis.TimeoutError, OSError, RlfleetError) as exc:
         logging.getLogger("rlfleet_rollout").error("cannot start the orchestrator: %s", exc)
         sys.exit(1)
 

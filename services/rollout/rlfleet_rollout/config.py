@@ -46,6 +46,8 @@ class RolloutConfig(BaseSettings):
     """Bound on every other trainer call (Status, StopRun)."""
     step_timeout_s: float = Field(default=3600.0, gt=0)
     """How long the run may wait for the trainer to reach one weight version before the run fails."""
+    stall_after_s: float = Field(default=600.0, gt=0)
+    """No progress for this long makes the step watchdog report the run as stalled (a run event and a metric)."""
     poll_interval_s: float = Field(default=1.0, gt=0)
     """Pause between trainer Status polls, and the longest a watcher goes without re-reading Redis."""
     max_concurrent_generations: int = Field(default=8, gt=0)
@@ -56,6 +58,8 @@ class RolloutConfig(BaseSettings):
     """How long open requests and streams get to finish on SIGTERM."""
     log_level: str = "info"
     """Root log level (debug, info, warning, error)."""
+    api_token_file: str | None = None
+    """File holding the API token every Runs API call must carry (`Authorization: Bearer`); unset: open."""
 
     @field_validator("router_url", "reward_url")
     @classmethod
@@ -79,8 +83,10 @@ _FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--trainer-call-timeout", "trainer_call_timeout_s", "Seconds any other trainer call may take (default 30)."),
     ("--step-timeout", "step_timeout_s", "Seconds to wait for the trainer to reach a weight version (default 3600)."),
     ("--poll-interval", "poll_interval_s", "Seconds between trainer Status polls (default 1)."),
+    ("--stall-after", "stall_after_s", "Seconds without progress before a run is reported stalled (default 600)."),
     ("--max-concurrent-generations", "max_concurrent_generations", "Generate requests in flight (default 8)."),
     ("--log-level", "log_level", "Log level: debug, info, warning, error (default info)."),
+    ("--api-token-file", "api_token_file", "File holding the API token the Runs API requires (default: none)."),
 )
 
 

@@ -1,10 +1,11 @@
 """Held-out evaluation: k samples of every held-out prompt (k = schedule.eval_samples), scored at the reward hub.
 
 k = 1 is one greedy answer per prompt; k > 1 samples with the run's sampling parameters and
-per-sample seeds. accuracy: share of samples that earn full marks (every reward term at 1,
-weighted); pass_at_k: share of prompts with at least one such sample. A sample whose generation or
-scoring failed counts as wrong. mean_length and truncation_rate are over the responses the engines
-returned.
+per-sample seeds. A run with an environment (multi_turn) is evaluated in whole episodes, its last
+model turn scored, as in training. accuracy: share of samples that earn full marks (every reward
+term at 1, weighted); pass_at_k: share of prompts with at least one such sample. A sample whose
+generation or scoring failed counts as wrong. mean_length and truncation_rate are over the
+responses the engines returned (every turn and environment token of an episode).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from rlfleet.v1.samples_pb2 import FinishReason
 from rlfleet_rollout.concurrency import gather_cancelling
 from rlfleet_rollout.datasets import Prompt
 from rlfleet_rollout.group_producer import RolloutContext, full_marks, sample_seed, seeded_sampling
+from rlfleet_rollout.multi_turn import run_episode
 from rlfleet_rollout.router_client import Completion, sampling_body
 
 
@@ -62,6 +64,43 @@ async def _evaluate_batch(
     return outcomes
 
 
+async def _evaluate_episodes(
+    ctx: RolloutContext, run_id: str, step: int, start: int, prompts: list[Prompt], k: int
+) -> list[_Outcome]:
+    """As `_evaluate_batch`, one episode with the run's environment per held-out prompt and sample."""
+    assert ctx.environment is not None
+    cells = [(start + i, p, j) for i, p in enumerate(prompts) for j in range(k)]
+    sampling = sampling_body(ctx.spec.rollout.sampling, greedy=k == 1)
+    attempt = uuid.uuid4().hex[:8]
+    episodes = await gather_cancelling(
+        [
+            run_episode(
+                ctx,
+                ctx.environment,
+                p,
+                ctx.encode(ctx.render(p.prompt)),
+                sampling,
+                None if k == 1 else sample_seed(ctx.spec.dataset.seed, -1 - index, j),
+                f"{run_id}:eval:{step}:{index}:{j}@{attempt}",
+            )
+            for index, p, j in cells
+        ]
+    )
+    items = [
+        ScoreItem(id=str(i), prompt=p.prompt, response=e.final_turn, label=p.answer, metadata=p.metadata)
+        for i, ((_, p, _), e) in enumerate(zip(cells, episodes, strict=True))
+        if not e.completion.error
+    ]
+    results = {r.id: r for r in await ctx.score(items)}
+    threshold = full_marks(ctx.spec.reward)
+    outcomes = []
+    for i, ((index, _, _), episode) in enumerate(zip(cells, episodes, strict=True)):
+        result = results.get(str(i))
+        ok = result is not None and result.status == ScoreStatus.SCORE_STATUS_OK and result.score >= threshold
+        outcomes.append(_Outcome(prompt_index=index, correct=ok, completion=episode.completion))
+    return outcomes
+
+
 async def evaluate(
     ctx: RolloutContext, run_id: str, step: int, prompts: list[Prompt], batch_size: int, trainer_version: int
 ) -> EvalResult:
@@ -69,8 +108,9 @@ async def evaluate(
     k = ctx.spec.schedule.eval_samples
     per_request = max(1, batch_size // k)  # a request holds about batch_size samples
     batches = [prompts[i : i + per_request] for i in range(0, len(prompts), per_request)]
+    evaluate_batch = _evaluate_batch if ctx.environment is None else _evaluate_episodes
     per_batch = await gather_cancelling(
-        [_evaluate_batch(ctx, run_id, step, i * per_request, batch, k) for i, batch in enumerate(batches)]
+        [evaluate_batch(ctx, run_id, step, i * per_request, batch, k) for i, batch in enumerate(batches)]
     )
     outcomes = [o for batch in per_batch for o in batch]
     answered = [o.completion for o in outcomes if not o.completion.error]

@@ -1,4 +1,5 @@
-"""Producing one SampleGroup: n samples of one prompt from the router, scored at the reward hub.
+"""What every rollout function shares: the run's context, turning completions into scored Samples, and
+finishing a SampleGroup (seeds, the truncation rule, metrics).
 
 A failure confined to a group (the router or the hub failing that request, an engine aborting a
 sample) marks the affected samples FAILED or ABORTED with reward 0 instead of failing the run;
@@ -9,12 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import logging
 import time
-import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer
 
@@ -25,9 +24,23 @@ from rlfleet.v1.samples_pb2 import FinishReason, Sample, SampleGroup, SampleStat
 from rlfleet_rollout.datasets import Prompt
 from rlfleet_rollout.metrics import RolloutMetrics
 from rlfleet_rollout.reward_client import RewardClient
-from rlfleet_rollout.router_client import Completion, RouterClient, sampling_body
+from rlfleet_rollout.router_client import Completion, RouterClient
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from rlfleet_rollout.environment import Environment
+    from rlfleet_rollout.rollout_function import RolloutFunction
+
+
+@dataclass(frozen=True)
+class GroupRequest:
+    """One group to produce: the prompt at `position` of the run's data, under the id `group_id`."""
+
+    run_id: str
+    group_id: str
+    position: int
+    prompt: Prompt
+    fallback_version: int
+    """Weight version recorded when an engine does not report its own."""
 
 
 @dataclass(frozen=True)
@@ -40,8 +53,12 @@ class RolloutContext:
     spec: RunSpec
     limit: asyncio.Semaphore
     metrics: RolloutMetrics
+    rollout: RolloutFunction
+    """The run's rollout.function."""
     render: Callable[[str], str] = str
     """Prompt -> text the model sees (the tokenizer's chat template when the dataset asks for it)."""
+    environment: Environment | None = None
+    """The run's rollout.multi_turn.environment, when it names one."""
 
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer.encode(prompt).ids)
@@ -56,6 +73,16 @@ class RolloutContext:
             started = time.monotonic()
             try:
                 return await self.router.generate(prompts, sampling, rids)
+            finally:
+                self.metrics.generate_seconds.observe(time.monotonic() - started)
+
+    async def generate_turn(
+        self, prompt: list[int], sampling: dict[str, Any], rid: str, trajectory_id: str
+    ) -> Completion:
+        async with self.limit:
+            started = time.monotonic()
+            try:
+                return await self.router.generate_turn(prompt, sampling, rid, trajectory_id)
             finally:
                 self.metrics.generate_seconds.observe(time.monotonic() - started)
 
@@ -86,8 +113,15 @@ def build_sample(
     response_text: str,
     result: ScoreResult | None,
     fallback_version: int,
+    *,
+    loss_mask: Sequence[int] | None = None,
+    weight_versions: Sequence[int] = (),
 ) -> Sample:
-    """One Sample from an engine completion and its score (None when the completion was not scored)."""
+    """One Sample from an engine completion and its score (None when the completion was not scored).
+
+    `loss_mask` defaults to every response token; `weight_versions` to the versions the completion
+    reports (every one that produced a token), else its engine's version, else `fallback_version`.
+    """
     version = completion.weight_version if completion.weight_version is not None else fallback_version
     sample = Sample(
         sample_id=sample_id,
@@ -95,10 +129,10 @@ def build_sample(
         prompt_token_ids=prompt_ids,
         response_token_ids=completion.output_ids,
         rollout_logprobs=completion.logprobs,
-        loss_mask=[1] * len(completion.output_ids),
+        loss_mask=[1] * len(completion.output_ids) if loss_mask is None else loss_mask,
         prompt_text=prompt_text,
         response_text=response_text,
-        weight_versions=[version],
+        weight_versions=weight_versions or completion.weight_versions or [version],
         finish_reason=completion.finish_reason,
         cached_prompt_tokens=completion.cached_tokens,
     )
@@ -141,48 +175,20 @@ def apply_truncation_rule(sample: Sample, rule: str) -> None:
         sample.loss_mask[:] = [0] * len(sample.loss_mask)
 
 
-async def produce_group(
-    ctx: RolloutContext, run_id: str, group_id: str, position: int, prompt: Prompt, fallback_version: int
-) -> SampleGroup:
-    """The group `group_id`: `group_size` seeded samples of the prompt at `position`, scored."""
-    ro = ctx.spec.rollout
-    n = ro.group_size
-    text = ctx.render(prompt.prompt)
-    prompt_ids = ctx.encode(text)
-    sample_ids = [f"{group_id}/{j}" for j in range(n)]
-    seeds = [sample_seed(ctx.spec.dataset.seed, position, j) for j in range(n)]
-    # Request ids must be unique among requests in flight, and a restarted orchestrator may re-produce
-    # a group while its predecessor's request still runs: the suffix keeps them apart.
-    attempt = uuid.uuid4().hex[:8]
-    rids = [f"{sample_id}@{attempt}" for sample_id in sample_ids]
-    try:
-        completions = await ctx.generate([prompt_ids] * n, seeded_sampling(sampling_body(ro.sampling), seeds), rids)
-    except RlfleetError as exc:
-        logger.warning("generation of group %s failed: %s", group_id, exc, extra={"run_id": run_id})
-        completions = [Completion(error=f"generation failed: {exc}")] * n
-    texts = [ctx.response_text(c) if not c.error else "" for c in completions]
-    items = [
-        ScoreItem(id=str(j), prompt=prompt.prompt, response=texts[j], label=prompt.answer, metadata=prompt.metadata)
-        for j, c in enumerate(completions)
-        if not c.error
-    ]
-    results = {r.id: r for r in await ctx.score(items)}
-    samples = [
-        build_sample(sample_ids[j], j, prompt_ids, text, c, texts[j], results.get(str(j)), fallback_version)
-        for j, c in enumerate(completions)
-    ]
+def finish_group(ctx: RolloutContext, request: GroupRequest, samples: list[Sample], seeds: list[int]) -> SampleGroup:
+    """The SampleGroup of `samples` (seeded, the run's truncation rule applied, counted in the metrics)."""
     for sample, seed in zip(samples, seeds, strict=True):
         sample.seed = seed
-        apply_truncation_rule(sample, ro.truncated)
+        apply_truncation_rule(sample, ctx.spec.rollout.truncated)
         ctx.metrics.count_sample(sample.status)
     group = SampleGroup(
-        group_id=group_id,
-        run_id=run_id,
-        prompt_id=f"train/{position}",
-        label=prompt.answer,
+        group_id=request.group_id,
+        run_id=request.run_id,
+        prompt_id=f"train/{request.position}",
+        label=request.prompt.answer,
         samples=samples,
         weight=1.0,
-        metadata=prompt.metadata,
+        metadata=request.prompt.metadata,
     )
     group.created_at.GetCurrentTime()
     return group

@@ -6,7 +6,10 @@ from collections.abc import AsyncIterator
 
 from grpc import aio
 
+from rlfleet.api_token import ApiTokenGuard
+from rlfleet.grpc_auth import BearerTokenInterceptor
 from rlfleet.grpc_errors import ErrorInterceptor
+from rlfleet.grpc_limits import message_size_options
 from rlfleet.v1 import runs_pb2_grpc
 from rlfleet.v1.runs_pb2 import (
     CancelRunRequest,
@@ -44,9 +47,11 @@ class RunsServicer(runs_pb2_grpc.RunsServicer):
             yield event
 
 
-def build_grpc_server(core: RunsCore, host: str, port: int) -> tuple[aio.Server, int]:
+def build_grpc_server(core: RunsCore, host: str, port: int, guard: ApiTokenGuard) -> tuple[aio.Server, int]:
     """The server (not started) and the port it bound (useful when `port` is 0)."""
-    server = aio.server(interceptors=[ErrorInterceptor()])
+    server = aio.server(
+        interceptors=[BearerTokenInterceptor(guard), ErrorInterceptor()], options=message_size_options()
+    )
     runs_pb2_grpc.add_RunsServicer_to_server(RunsServicer(core), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

@@ -22,8 +22,11 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from rlfleet.api_token import ApiTokenGuard
 from rlfleet.errors import InvalidInput, Unavailable
+from rlfleet.http_auth import require_api_token
 from rlfleet.http_errors import install_error_handlers
+from rlfleet.http_limits import limit_request_body
 from rlfleet.v1.runs_pb2 import RunSpec, RunState
 from rlfleet_rollout.metrics import RolloutMetrics
 from rlfleet_rollout.runs_core import RunsCore
@@ -80,9 +83,11 @@ def parse_state(value: str) -> RunState:
     return RunState.Value(name)
 
 
-def build_app(core: RunsCore, metrics: RolloutMetrics, redis_client: aioredis.Redis) -> FastAPI:
+def build_app(core: RunsCore, metrics: RolloutMetrics, redis_client: aioredis.Redis, guard: ApiTokenGuard) -> FastAPI:
     app = FastAPI(title="rlfleet rollout orchestrator", version="1")
     install_error_handlers(app)
+    limit_request_body(app)
+    require_api_token(app, guard)  # added last, so it runs first: strangers are refused before anything else
 
     @app.post("/v1/runs")
     async def submit(request: Request) -> JSONResponse:

@@ -28,6 +28,7 @@ async def request_json(
     *,
     deadline_s: float,
     body: Any = None,
+    headers: dict[str, str] | None = None,
 ) -> Any:
     """The decoded JSON answer of `method url`; raises InvalidInput (4xx), Unavailable or DeadlineExceeded."""
     deadline = time.monotonic() + deadline_s
@@ -38,7 +39,7 @@ async def request_json(
         if remaining <= 0:
             break
         try:
-            response = await client.request(method, url, json=body, timeout=remaining)
+            response = await client.request(method, url, json=body, headers=headers, timeout=remaining)
         except httpx.TimeoutException as exc:
             raise DeadlineExceeded(f"{method} {url} took longer than {deadline_s:.0f}s") from exc
         except httpx.TransportError as exc:

@@ -33,6 +33,11 @@ class RolloutMetrics:
         self.weight_version = Gauge(
             "rlfleet_rollout_weight_version", "Weight version the trainer published last.", registry=self.registry
         )
+        self.resumed_generations = Counter(
+            "rlfleet_rollout_resumed_generations",
+            "Aborted generations re-submitted as prompt + partial response (rollout.on_weight_update abort_resume).",
+            registry=self.registry,
+        )
         self.groups_filtered = Counter(
             "rlfleet_rollout_groups_filtered",
             "Groups produced but kept from the trainer, by reason (a filter's name, stale, surplus, prompt_too_long).",
@@ -55,6 +60,29 @@ class RolloutMetrics:
             registry=self.registry,
         )
         self.step = Gauge("rlfleet_rollout_step", "Optimizer steps the trainer has taken.", registry=self.registry)
+        self.step_stalls = Counter(
+            "rlfleet_rollout_step_stalls",
+            "Times the running run made no progress for stall_after_s (the step watchdog's reports).",
+            registry=self.registry,
+        )
+        self.redis_outage_waits = Counter(
+            "rlfleet_rollout_redis_outage_waits",
+            "Times Redis stayed unreachable beyond its client's retries and the orchestrator waited for it "
+            "(run queue, a run's final record), by what waited.",
+            ["waiter"],
+            registry=self.registry,
+        )
+        self.seconds_without_progress = Gauge(
+            "rlfleet_rollout_seconds_without_progress",
+            "Seconds since the running run last made progress (0 when it just moved or none runs).",
+            registry=self.registry,
+        )
+        self.episode_turns = Histogram(
+            "rlfleet_rollout_episode_turns",
+            "Model turns of one multi_turn sample (1: it answered without the environment).",
+            buckets=(1, 2, 3, 4, 6, 8, 16, 32, 64),
+            registry=self.registry,
+        )
         for state in RunState.keys():
             if state != "RUN_STATE_UNSPECIFIED":
                 self.runs.labels(state=_label(state))

@@ -14,16 +14,17 @@ import signal
 from collections.abc import Iterator
 
 import httpx
-import redis.asyncio as aioredis
 import uvicorn
 
-from rlfleet.sample_stream import connect_redis
+from rlfleet.api_token import ApiTokenGuard, bearer_headers, read_token_file
+from rlfleet.sample_stream import connect_redis, connect_redis_async
 from rlfleet_rollout.config import RolloutConfig
 from rlfleet_rollout.group_filters import FilterRegistry
 from rlfleet_rollout.grpc_server import build_grpc_server
 from rlfleet_rollout.http_app import build_app
 from rlfleet_rollout.metrics import RolloutMetrics
 from rlfleet_rollout.reward_client import RewardClient
+from rlfleet_rollout.rollout_function import RolloutRegistry
 from rlfleet_rollout.router_client import RouterClient
 from rlfleet_rollout.run_events import RunNotifier
 from rlfleet_rollout.run_loop import RunDeps
@@ -47,12 +48,17 @@ class _EmbeddedUvicorn(uvicorn.Server):
 
 async def serve(config: RolloutConfig) -> None:
     metrics = RolloutMetrics()
+    token = read_token_file(config.api_token_file)
+    guard = ApiTokenGuard(token, metrics.registry, "rollout")
     filters = FilterRegistry.from_entry_points()
-    redis_async = aioredis.Redis.from_url(
-        config.redis_url, socket_timeout=_REDIS_TIMEOUT_S, socket_connect_timeout=_REDIS_TIMEOUT_S
-    )
+    rollouts = RolloutRegistry.from_entry_points()
+    redis_async = connect_redis_async(config.redis_url, timeout_s=_REDIS_TIMEOUT_S)
     redis_sync = connect_redis(config.redis_url, timeout_s=_REDIS_TIMEOUT_S)
-    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=max(16, 2 * config.max_concurrent_generations)))
+    # The fleet's one token also opens the router's admin endpoints (aborts) to this client.
+    http = httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=max(16, 2 * config.max_concurrent_generations)),
+        headers=bearer_headers(token),
+    )
     trainer = TrainerClient(
         config.trainer_address,
         call_timeout_s=config.trainer_call_timeout_s,
@@ -67,6 +73,7 @@ async def serve(config: RolloutConfig) -> None:
         RunNotifier(),
         metrics,
         filters=filters,
+        rollouts=rollouts,
         poll_interval_s=config.poll_interval_s,
     )
     deps = RunDeps(
@@ -78,13 +85,14 @@ async def serve(config: RolloutConfig) -> None:
         config=config,
         metrics=metrics,
         filters=filters,
+        rollouts=rollouts,
     )
     await core.count_existing_runs()
 
-    grpc_server, grpc_port = build_grpc_server(core, config.host, config.grpc_port)
+    grpc_server, grpc_port = build_grpc_server(core, config.host, config.grpc_port, guard)
     web = _EmbeddedUvicorn(
         uvicorn.Config(
-            build_app(core, metrics, redis_async),
+            build_app(core, metrics, redis_async, guard),
             host=config.host,
             port=config.port,
             log_config=None,

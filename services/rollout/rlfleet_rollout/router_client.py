@@ -1,4 +1,5 @@
-"""Client of the router's SGLang-compatible `/generate`: a batch of token-id prompts in, completions out.
+"""Client of the router's SGLang-compatible `/generate` (a batch of token-id prompts in, completions out)
+and of its trajectory cache (`/trajectories/{id}`: a multi-turn sample as the engines produced it).
 
 The router answers in SGLang's shape. Parsing is tolerant where engines differ (the weight version
 may be a string; output ids may or may not end in EOS) and strict where training depends on it:
@@ -10,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -34,8 +36,26 @@ class Completion:
     text: str = ""
     finish_reason: FinishReason = FinishReason.FINISH_REASON_UNSPECIFIED
     weight_version: int | None = None
+    weight_versions: tuple[int, ...] = ()
+    """Every version that produced `output_ids`, oldest first (empty when no tokens or none reported)."""
     cached_tokens: int = 0
     error: str = ""
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """The router's record of a multi-turn conversation: every turn's generated tokens (loss mask 1, the
+    engine's logprobs) and the tokens between turns (loss mask 0, logprob 0.0), after the first prompt."""
+
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    loss_mask: tuple[int, ...]
+    weight_versions: tuple[int | None, ...]
+    """The version of every turn's engine, in order of first use."""
+
+
+TRAJECTORY_HEADER = "X-Rlfleet-Trajectory-Id"
 
 
 def sampling_body(params: SamplingParams, *, greedy: bool = False) -> dict[str, Any]:
@@ -62,8 +82,37 @@ def parse_weight_version(value: object) -> int | None:
     return None
 
 
+def parse_weight_versions(value: object, version: int | None) -> tuple[int, ...]:
+    """meta_info.weight_versions (rlfleet-engine: every version that sampled a token, oldest first);
+    engines that report only `weight_version` (SGLang) name that one."""
+    if isinstance(value, list):
+        versions = tuple(v for v in (parse_weight_version(item) for item in value) if v is not None)
+        if versions:
+            return versions
+    return (version,) if version is not None else ()
+
+
+def _parse_tokens(item: dict[str, Any], meta: dict[str, Any]) -> tuple[tuple[int, ...], tuple[float, ...]] | str:
+    """(output ids, their logprobs), or why they cannot be trained on."""
+    output_ids = item.get("output_ids")
+    entries = meta.get("output_token_logprobs")
+    if not isinstance(output_ids, list) or not isinstance(entries, list):
+        return "router answer lacks output_ids or meta_info.output_token_logprobs"
+    try:
+        ids = tuple(int(t) for t in output_ids)
+        logprobs = tuple(float(entry[0]) for entry in entries)
+    except (TypeError, ValueError, IndexError) as exc:
+        return f"router answer has malformed tokens or logprobs: {exc}"
+    if len(logprobs) != len(ids):
+        return f"engine returned {len(ids)} output ids but {len(logprobs)} logprobs"
+    if not all(math.isfinite(lp) for lp in logprobs):
+        return "engine returned a non-finite logprob"
+    return ids, logprobs
+
+
 def parse_completion(item: Any) -> Completion:
-    """One element of SGLang's batch answer."""
+    """One element of SGLang's batch answer. An aborted completion keeps the tokens it produced before
+    the abort (when they are well-formed), so a partial rollout can be resumed from them."""
     if not isinstance(item, dict):
         return Completion(error=f"router returned a {type(item).__name__} where a completion was expected")
     meta = item.get("meta_info") or {}
@@ -71,29 +120,32 @@ def parse_completion(item: Any) -> Completion:
     finish_type = finish.get("type") if isinstance(finish, dict) else finish
     reason = _FINISH_REASONS.get(str(finish_type), FinishReason.FINISH_REASON_UNSPECIFIED)
     version = parse_weight_version(meta.get("weight_version"))
+    versions = parse_weight_versions(meta.get("weight_versions"), version)
     cached = int(meta.get("cached_tokens") or 0)
+    tokens = _parse_tokens(item, meta)
     if reason == FinishReason.FINISH_REASON_ABORT:
         message = finish.get("message", "") if isinstance(finish, dict) else ""
-        return Completion(finish_reason=reason, weight_version=version, error=f"generation aborted: {message}".strip())
-    output_ids = item.get("output_ids")
-    entries = meta.get("output_token_logprobs")
-    if not isinstance(output_ids, list) or not isinstance(entries, list):
-        return Completion(error="router answer lacks output_ids or meta_info.output_token_logprobs")
-    try:
-        ids = tuple(int(t) for t in output_ids)
-        logprobs = tuple(float(entry[0]) for entry in entries)
-    except (TypeError, ValueError, IndexError) as exc:
-        return Completion(error=f"router answer has malformed tokens or logprobs: {exc}")
-    if len(logprobs) != len(ids):
-        return Completion(error=f"engine returned {len(ids)} output ids but {len(logprobs)} logprobs")
-    if not all(math.isfinite(lp) for lp in logprobs):
-        return Completion(error="engine returned a non-finite logprob")
+        ids, logprobs = tokens if not isinstance(tokens, str) else ((), ())
+        return Completion(
+            output_ids=ids,
+            logprobs=logprobs,
+            text=str(item.get("text") or "") if ids else "",
+            finish_reason=reason,
+            weight_version=version,
+            weight_versions=versions if ids else (),
+            cached_tokens=cached,
+            error=f"generation aborted: {message}".strip(),
+        )
+    if isinstance(tokens, str):
+        return Completion(error=tokens)
+    ids, logprobs = tokens
     return Completion(
         output_ids=ids,
         logprobs=logprobs,
         text=str(item.get("text") or ""),
         finish_reason=reason,
         weight_version=version,
+        weight_versions=versions,
         cached_tokens=cached,
     )
 
@@ -116,3 +168,37 @@ class RouterClient:
             got = len(answer) if isinstance(answer, list) else type(answer).__name__
             raise Unavailable(f"router answered a batch of {len(prompts)} prompts with {got} completions")
         return [parse_completion(item) for item in answer]
+
+    async def generate_turn(
+        self, prompt: list[int], sampling: dict[str, Any], rid: str, trajectory_id: str
+    ) -> Completion:
+        """One completion of one prompt, recorded by the router as a turn of `trajectory_id`."""
+        body = {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True, "rid": rid}
+        answer = await request_json(
+            self.client,
+            "POST",
+            f"{self.base_url}/generate",
+            deadline_s=self.timeout_s,
+            body=body,
+            headers={TRAJECTORY_HEADER: trajectory_id},
+        )
+        return parse_completion(answer)
+
+    async def trajectory(self, trajectory_id: str) -> Trajectory:
+        """The cached trajectory; InvalidInput when the router no longer holds it or it does not line up."""
+        url = f"{self.base_url}/trajectories/{quote(trajectory_id, safe='')}"
+        answer = await request_json(self.client, "GET", url, deadline_s=self.timeout_s)
+        try:
+            trajectory = Trajectory(
+                prompt_ids=tuple(int(t) for t in answer["prompt_ids"]),
+                response_ids=tuple(int(t) for t in answer["response_ids"]),
+                logprobs=tuple(float(lp) for lp in answer["response_logprobs"]),
+                loss_mask=tuple(int(m) for m in answer["loss_mask"]),
+                weight_versions=tuple(parse_weight_version(v) for v in answer["weight_versions"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise Unavailable(f"router answered {url} without a well-formed trajectory: {exc!r}") from exc
+        n = len(trajectory.response_ids)
+        if len(trajectory.logprobs) != n or len(trajectory.loss_mask) != n:
+            raise Unavailable(f"router's trajectory {trajectory_id!r} has per-token lists of different lengths")
+        return trajectory

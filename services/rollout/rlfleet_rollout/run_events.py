@@ -60,6 +60,8 @@ def describe_change(before: Run | None, after: Run) -> str:
     if before.state != after.state:
         text = f"run {after.id} is {state_name(after.state)}"
         return f"{text}: {after.error}" if after.error else text
+    if before.stalled != after.stalled:
+        return f"run {after.id}: {after.stalled}" if after.stalled else f"run {after.id} makes progress again"
     if len(after.evals) > len(before.evals):
         ev = after.evals[-1]
         return f"eval at step {ev.step}: accuracy {ev.accuracy:.3f} on {ev.size} held-out prompts"

@@ -12,6 +12,9 @@
 Appending is idempotent per group id, so a restarted orchestrator re-producing a step never
 duplicates a group. Cancellation arrives as asyncio cancellation: if the record says CANCELLED the
 trainer is stopped, otherwise (the orchestrator is shutting down) the run stays RUNNING to be resumed.
+
+A Redis restart is waited out by the Redis clients' own retries (rlfleet.sample_stream); an outage
+longer than their budget fails the run, and that final state is recorded once Redis answers again.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 import redis
 
 from rlfleet.errors import Internal, RlfleetError
-from rlfleet.sample_stream import SampleStream
+from rlfleet.sample_stream import REDIS_RETRY_BUDGET_S, REDIS_RETRY_ERRORS, SampleStream
 from rlfleet.v1.runs_pb2 import Run, RunState
 from rlfleet.v1.trainer_pb2 import TrainerStatus
 from rlfleet_rollout.config import RolloutConfig
@@ -33,11 +36,14 @@ from rlfleet_rollout.group_filters import FilterRegistry
 from rlfleet_rollout.group_producer import RolloutContext
 from rlfleet_rollout.metrics import RolloutMetrics
 from rlfleet_rollout.prompt_tokenizer import load_chat_template, load_tokenizer
+from rlfleet_rollout.redis_outage import until_redis_answers
 from rlfleet_rollout.reward_client import RewardClient
+from rlfleet_rollout.rollout_function import RolloutRegistry
 from rlfleet_rollout.router_client import RouterClient
 from rlfleet_rollout.run_data import DataPosition, RunData
 from rlfleet_rollout.runs_core import RunEnded, RunsCore, now
 from rlfleet_rollout.step_producer import produce_step
+from rlfleet_rollout.step_watchdog import watch_progress
 from rlfleet_rollout.trainer_client import TrainerClient
 from rlfleet_rollout.trainer_session import TrainerSession
 
@@ -56,6 +62,7 @@ class RunDeps:
     config: RolloutConfig
     metrics: RolloutMetrics
     filters: FilterRegistry
+    rollouts: RolloutRegistry
 
 
 async def execute_run(run_id: str, deps: RunDeps) -> None:
@@ -88,17 +95,27 @@ async def execute_run(run_id: str, deps: RunDeps) -> None:
         if isinstance(exc, RlfleetError):
             reason = str(exc)
             logger.error("run %s failed: %s", run_id, reason, extra=log)
+        elif isinstance(exc, REDIS_RETRY_ERRORS):
+            reason = f"Redis was unreachable for longer than {REDIS_RETRY_BUDGET_S:.0f}s: {type(exc).__name__}: {exc}"
+            logger.error("run %s failed: %s", run_id, reason, extra=log)
         else:
             reason = f"internal error: {type(exc).__name__}: {exc}"
             logger.exception("run %s failed", run_id, extra=log)
         await session.stop()
-        try:
-            await deps.core.update(run_id, _mark_finished(RunState.RUN_STATE_FAILED, reason))
-        except RunEnded:
-            pass
+        await _record_final(deps, run_id, RunState.RUN_STATE_FAILED, reason)
         return
     await session.stop()
-    await deps.core.update(run_id, _mark_finished(RunState.RUN_STATE_SUCCEEDED, ""))
+    await _record_final(deps, run_id, RunState.RUN_STATE_SUCCEEDED, "")
+
+
+async def _record_final(deps: RunDeps, run_id: str, state: RunState, error: str) -> None:
+    """Records the run's final state, waiting for Redis if it is down (the outcome must not be lost)."""
+    try:
+        await until_redis_answers(
+            lambda: deps.core.update(run_id, _mark_finished(state, error)), "final run record", deps.metrics
+        )
+    except RunEnded:
+        pass
 
 
 async def _drive(run: Run, session: TrainerSession, deps: RunDeps) -> None:
@@ -116,7 +133,11 @@ async def _drive(run: Run, session: TrainerSession, deps: RunDeps) -> None:
         spec=spec,
         limit=asyncio.Semaphore(deps.config.max_concurrent_generations),
         metrics=deps.metrics,
+        rollout=deps.rollouts.function(spec.rollout.function),
         render=render,
+        environment=deps.rollouts.environment(spec.rollout.multi_turn.environment)
+        if spec.rollout.HasField("multi_turn")
+        else None,
     )
     stream = SampleStream(deps.redis, run_id, prefix=deps.config.redis_prefix)
     position = DataPosition(deps.redis, run_id, prefix=deps.config.redis_prefix)
@@ -125,6 +146,7 @@ async def _drive(run: Run, session: TrainerSession, deps: RunDeps) -> None:
     first = min(int(status.step), steps)
     logger.info("run %s starts at step %d of %d", run_id, first, steps, extra={"run_id": run_id})
     follower = asyncio.create_task(_follow_trainer_metrics(deps, run_id))
+    watchdog = asyncio.create_task(watch_progress(deps.core, deps.metrics, run_id, deps.config.stall_after_s))
     try:
         if first == 0:
             await _evaluate_once(ctx, deps, data, run_id, 0, status)
@@ -138,6 +160,7 @@ async def _drive(run: Run, session: TrainerSession, deps: RunDeps) -> None:
         await _evaluate_once(ctx, deps, data, run_id, steps, status)
     finally:
         follower.cancel()
+        watchdog.cancel()
 
 
 async def _produce_step(

@@ -2,7 +2,9 @@
 runs in submission order.
 
 The queue is the run records in Redis, so nothing is lost when the orchestrator restarts; the
-in-process notifier only wakes the queue early and forwards Cancel to the active run's task.
+in-process notifier only wakes the queue early and forwards Cancel to the active run's task. While
+Redis is unreachable the queue waits for it (`until_redis_answers`) rather than ending: a run that
+could not even record its start is still RUNNING or QUEUED, and is picked again once Redis is back.
 """
 
 from __future__ import annotations
@@ -11,12 +13,15 @@ import asyncio
 import logging
 
 from rlfleet.v1.runs_pb2 import Run, RunState
+from rlfleet_rollout.redis_outage import until_redis_answers
 from rlfleet_rollout.run_loop import RunDeps, execute_run
 
 logger = logging.getLogger(__name__)
 
 # Without notifications (e.g. runs submitted through another process) the queue still looks this often.
 _IDLE_RECHECK_S = 5.0
+# After a run was interrupted by its records' outage, before the queue looks again (no tight loop).
+_INTERRUPTED_PAUSE_S = 1.0
 
 
 class RunQueue:
@@ -31,24 +36,29 @@ class RunQueue:
         """Runs queued runs one after another until cancelled (which leaves the active run RUNNING)."""
         while True:
             self._wake.clear()
-            run = await self._next_run()
+            run = await until_redis_answers(self._next_run, "run queue", self.deps.metrics)
             if run is None:
                 try:
                     await asyncio.wait_for(self._wake.wait(), timeout=_IDLE_RECHECK_S)
                 except TimeoutError:
                     pass
                 continue
-            self._active_id = run.id
-            self._active_task = asyncio.create_task(execute_run(run.id, self.deps), name=f"run {run.id}")
+            task = asyncio.create_task(execute_run(run.id, self.deps), name=f"run {run.id}")
+            self._active_id, self._active_task = run.id, task
             try:
                 # asyncio.wait does not raise when the run's task is cancelled (by Cancel), only when
                 # this coroutine is (at shutdown); then the run's task is cancelled too.
-                await asyncio.wait({self._active_task})
+                await asyncio.wait({task})
             except asyncio.CancelledError:
-                await _cancel_and_wait(self._active_task)
+                await _cancel_and_wait(task)
                 raise
             finally:
                 self._active_id, self._active_task = None, None
+            if not task.cancelled() and task.exception() is not None:
+                # execute_run records every failure of the run itself; what escapes it is an outage of
+                # the run's records (Redis), and the run is picked again from them.
+                logger.error("run %s interrupted: %r", run.id, task.exception(), extra={"run_id": run.id})
+                await asyncio.sleep(_INTERRUPTED_PAUSE_S)
 
     async def _next_run(self) -> Run | None:
         runs = await self.deps.core.store.all_in_order([RunState.RUN_STATE_RUNNING, RunState.RUN_STATE_QUEUED])

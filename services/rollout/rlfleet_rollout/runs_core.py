@@ -21,6 +21,7 @@ from rlfleet_rollout.group_filters import FilterRegistry
 from rlfleet_rollout.metrics import RolloutMetrics
 from rlfleet_rollout.prompt_tokenizer import load_chat_template, tokenizer_file
 from rlfleet_rollout.reward_client import RewardClient
+from rlfleet_rollout.rollout_function import RolloutRegistry
 from rlfleet_rollout.run_data import RunData
 from rlfleet_rollout.run_events import RunNotifier, describe_change, is_terminal, state_name
 from rlfleet_rollout.run_store import RunStore
@@ -47,9 +48,11 @@ class RunsCore:
         metrics: RolloutMetrics,
         *,
         filters: FilterRegistry,
+        rollouts: RolloutRegistry,
         poll_interval_s: float,
     ) -> None:
         self.filters = filters
+        self.rollouts = rollouts
         self.store = store
         self.reward = reward
         self.notifier = notifier
@@ -71,6 +74,7 @@ class RunsCore:
         validate(resolved)
         tokenizer_file(resolved.model.tokenizer_path)
         self.filters.check(resolved.rollout.filters)
+        self.rollouts.check(resolved.rollout)
         if resolved.dataset.chat_template:
             await asyncio.to_thread(load_chat_template, resolved.model.tokenizer_path)
         await asyncio.to_thread(RunData.from_spec, resolved)

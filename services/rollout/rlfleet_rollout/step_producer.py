@@ -21,7 +21,7 @@ from rlfleet.errors import ResourceExhausted, Unavailable
 from rlfleet.v1.samples_pb2 import SampleGroup, SampleStatus
 from rlfleet_rollout.concurrency import gather_cancelling
 from rlfleet_rollout.group_filters import FilterRegistry
-from rlfleet_rollout.group_producer import RolloutContext, produce_group, rename_group
+from rlfleet_rollout.group_producer import GroupRequest, RolloutContext, rename_group
 from rlfleet_rollout.run_data import RunData
 
 _UNUSABLE = (SampleStatus.SAMPLE_STATUS_FAILED, SampleStatus.SAMPLE_STATUS_ABORTED)
@@ -107,7 +107,8 @@ async def _candidate(
     limit = ctx.spec.rollout.max_prompt_tokens
     if limit and len(ctx.encode(ctx.render(prompt.prompt))) > limit:
         return None
-    return await produce_group(ctx, run_id, f"{run_id}/{step}/p{position}", position, prompt, fallback_version)
+    request = GroupRequest(run_id, f"{run_id}/{step}/p{position}", position, prompt, fallback_version)
+    return await ctx.rollout(ctx, request)
 
 
 def _reason(filters: FilterRegistry, group: SampleGroup, step: int, ctx: RolloutContext) -> str | None:

@@ -12,6 +12,7 @@ import grpc
 from grpc import aio
 
 from rlfleet.errors import Conflict, DeadlineExceeded, Internal, InvalidInput, NotFound, RlfleetError, Unavailable
+from rlfleet.grpc_limits import message_size_options
 from rlfleet.v1.runs_pb2 import RunSpec
 from rlfleet.v1.trainer_pb2 import (
     StartRunRequest,
@@ -32,6 +33,17 @@ _ERRORS: dict[grpc.StatusCode, type[RlfleetError]] = {
 }
 
 
+# How soon the channel tries the trainer again after losing it (a restarted trainer). With gRPC's
+# defaults (1 s, growing x1.6 up to 120 s) calls fail fast with UNAVAILABLE meanwhile, so a trainer
+# back after a restart went unnoticed for 11 s and more; these bound the wait to 2 s. Keepalive
+# pings are not set: the trainer's server accepts one at most every 5 minutes (gRPC's default) and
+# answers faster ones with GOAWAY; every call has a deadline instead.
+CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
 def to_rlfleet_error(exc: aio.AioRpcError, call: str) -> RlfleetError:
     kind = _ERRORS.get(exc.code(), Internal)
     return kind(f"trainer {call} failed: {exc.code().name}: {exc.details()}")
@@ -42,7 +54,7 @@ class TrainerClient:
         self.address = address
         self.call_timeout_s = call_timeout_s
         self.start_timeout_s = start_timeout_s
-        self._channel = aio.insecure_channel(address)
+        self._channel = aio.insecure_channel(address, options=[*message_size_options(), *CHANNEL_OPTIONS])
         self._stub = TrainerStub(self._channel)
 
     async def close(self) -> None:

@@ -2,6 +2,11 @@
 
 An unreachable trainer is waited out within the step bound; a trainer that no longer knows the run
 (it restarted) is sent StartRun again, which resumes the run from its last checkpoint.
+
+A StartRun in flight is never abandoned: the trainer goes on starting the run after its caller
+stops waiting, so a run cancelled meanwhile would leave the trainer busy with it, refusing every
+later run. Cancellation waits for StartRun's answer (bounded by its own deadline) before it goes
+through, so the StopRun the run loop then sends finds the run started.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ class TrainerSession:
         deadline = time.monotonic() + self.step_timeout_s
         while True:
             try:
-                status = await self.client.start_run(self.run_id, self.spec)
+                status = await self._start_once()
                 break
             except _TRANSIENT as exc:
                 if time.monotonic() + self.poll_interval_s > deadline:
@@ -57,6 +62,19 @@ class TrainerSession:
                 await asyncio.sleep(self.poll_interval_s)
         await self._observe(status)
         return status
+
+    async def _start_once(self) -> TrainerStatus:
+        """One StartRun, answered before a cancellation of the caller goes through."""
+        call = asyncio.ensure_future(self.client.start_run(self.run_id, self.spec))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            log = {"run_id": self.run_id}
+            logger.info("run %s cancelled during StartRun; waiting for its answer", self.run_id, extra=log)
+            await asyncio.wait({call})
+            if not call.cancelled() and call.exception() is not None:
+                logger.warning("StartRun of %s failed: %s", self.run_id, call.exception(), extra=log)
+            raise
 
     async def wait_for_version(self, target: int) -> TrainerStatus:
         """The trainer's status once it serves weight version `target` or later; DeadlineExceeded after the bound."""

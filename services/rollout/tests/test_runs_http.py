@@ -52,6 +52,25 @@ def test_bad_specs_get_400_naming_the_field_and_nothing_is_stored(
             "dataset.chat_template",
         ),
         ("missing file", json.dumps({**good, "dataset": {"jsonl": {"path": "/nonexistent.jsonl"}}}).encode(), "path"),
+        (
+            "unknown rollout function",
+            json.dumps({**good, "rollout": {**good["rollout"], "function": "nope"}}).encode(),
+            "rollout.function",
+        ),
+        (
+            "unknown environment",
+            json.dumps(
+                {**good, "rollout": {**good["rollout"], "function": "multi_turn", "multi_turn": {"environment": "no"}}}
+            ).encode(),
+            "rollout.multi_turn.environment",
+        ),
+        (
+            "no model turn",
+            json.dumps(
+                {**good, "rollout": {**good["rollout"], "function": "multi_turn", "multi_turn": {"max_turns": 0}}}
+            ).encode(),
+            "rollout.multi_turn.max_turns",
+        ),
     ]
     before = _count_runs(orchestrator.url)
     for name, body, field in cases:
@@ -66,6 +85,10 @@ def test_bad_specs_get_400_naming_the_field_and_nothing_is_stored(
         timeout=10,
     ).json()["error"]["message"]
     assert "arith_exact" in unknown  # the known functions are listed
+    unknown = httpx.post(
+        f"{orchestrator.url}/v1/runs", json={**good, "rollout": {**good["rollout"], "function": "nope"}}, timeout=10
+    ).json()["error"]["message"]
+    assert "'multi_turn'" in unknown and "'single_turn'" in unknown
     assert _count_runs(orchestrator.url) == before
     assert httpx.get(f"{orchestrator.url}/v1/runs", params={"state": "bogus"}, timeout=5).status_code == 400
     assert httpx.get(f"{orchestrator.url}/v1/runs/run-missing", timeout=5).status_code == 404

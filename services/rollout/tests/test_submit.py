@@ -18,6 +18,7 @@ from rlfleet.v1.runs_pb2 import RunSpec
 from rlfleet_rollout.group_filters import FilterRegistry
 from rlfleet_rollout.metrics import RolloutMetrics
 from rlfleet_rollout.reward_client import RewardClient
+from rlfleet_rollout.rollout_function import RolloutRegistry
 from rlfleet_rollout.run_events import RunNotifier
 from rlfleet_rollout.run_store import RunStore
 from rlfleet_rollout.runs_core import RunsCore
@@ -32,7 +33,13 @@ def test_submit_with_the_reward_hub_down_is_unavailable_and_stores_nothing(
             hub = RewardClient(http, f"http://127.0.0.1:{free_port()}", score_timeout_s=1, list_timeout_s=0.5)
             store = RunStore(client, redis_prefix)
             core = RunsCore(
-                store, hub, RunNotifier(), RolloutMetrics(), filters=FilterRegistry({}), poll_interval_s=0.1
+                store,
+                hub,
+                RunNotifier(),
+                RolloutMetrics(),
+                filters=FilterRegistry({}),
+                rollouts=RolloutRegistry.from_entry_points(),
+                poll_interval_s=0.1,
             )
             with pytest.raises(Unavailable, match="/functions"):
                 await core.submit(json_format.ParseDict(spec_json(tokenizer_dir), RunSpec()))

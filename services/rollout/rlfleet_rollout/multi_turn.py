@@ -1,0 +1,144 @@
+"""`multi_turn`: each of the n samples is an episode in which the model and the run's environment take turns.
+
+    ids = the rendered prompt's tokens
+    for turn in 1..max_turns:
+        generate from ids through the router, under the sample's trajectory id
+        ask the environment for a reply to the turns so far; stop if it has none (or the turn was cut)
+        ids = ids + the tokens the engine generated + the reply's tokens
+    read the trajectory back from the router's cache: the Sample's prompt ids, response ids,
+    rollout logprobs, loss mask (0 on the environment's tokens) and weight versions
+
+Each turn's prompt extends the previous one by exactly the generated ids, so the router lays the
+turns out as one sequence of the tokens the engines produced: nothing is re-tokenised. The last
+model turn is what the reward functions score.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from rlfleet.errors import Internal, RlfleetError
+from rlfleet.v1.reward_pb2 import ScoreItem
+from rlfleet.v1.samples_pb2 import FinishReason, SampleGroup
+from rlfleet_rollout.concurrency import gather_cancelling
+from rlfleet_rollout.datasets import Prompt
+from rlfleet_rollout.environment import Environment
+from rlfleet_rollout.group_producer import GroupRequest, RolloutContext, build_sample, finish_group, sample_seed
+from rlfleet_rollout.router_client import Completion, sampling_body
+
+
+@dataclass(frozen=True)
+class Episode:
+    """One sample's episode; `completion` spans every turn (its error set when it cannot be trained on)."""
+
+    completion: Completion
+    loss_mask: tuple[int, ...] = ()
+    weight_versions: tuple[int, ...] = ()
+    final_turn: str = ""
+    """Text of the last model turn: what is scored."""
+    turns: int = 0
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """Sampling seed of turn `turn` of the sample seeded `seed` (a non-negative int32)."""
+    return (seed + turn) % 2**31
+
+
+async def multi_turn(ctx: RolloutContext, request: GroupRequest) -> SampleGroup:
+    """The group `request.group_id`: `group_size` seeded episodes of the prompt with the run's environment."""
+    env = ctx.environment
+    if env is None:
+        raise Internal("multi_turn needs rollout.multi_turn.environment, which resolve() fills in")
+    n = ctx.spec.rollout.group_size
+    prompt = request.prompt
+    text = ctx.render(prompt.prompt)
+    prompt_ids = ctx.encode(text)
+    seeds = [sample_seed(ctx.spec.dataset.seed, request.position, j) for j in range(n)]
+    # Unique per attempt (a restarted orchestrator may re-produce the group while the old episode runs);
+    # no "/" so the id is one path segment of the router's /trajectories/{id}.
+    attempt = uuid.uuid4().hex[:8]
+    base_id = request.group_id.replace("/", ":")
+    trajectory_ids = [f"{base_id}:{j}@{attempt}" for j in range(n)]
+    sampling = sampling_body(ctx.spec.rollout.sampling)
+    episodes = await gather_cancelling(
+        [run_episode(ctx, env, prompt, prompt_ids, sampling, seeds[j], trajectory_ids[j]) for j in range(n)]
+    )
+    items = [
+        ScoreItem(id=str(j), prompt=prompt.prompt, response=e.final_turn, label=prompt.answer, metadata=prompt.metadata)
+        for j, e in enumerate(episodes)
+        if not e.completion.error
+    ]
+    results = {r.id: r for r in await ctx.score(items)}
+    samples = []
+    for j, episode in enumerate(episodes):
+        completion = episode.completion
+        sample = build_sample(
+            f"{request.group_id}/{j}",
+            j,
+            prompt_ids,
+            text,
+            completion,
+            ctx.tokenizer.decode(list(completion.output_ids), skip_special_tokens=True),
+            results.get(str(j)),
+            request.fallback_version,
+            loss_mask=episode.loss_mask if not completion.error else None,
+            weight_versions=episode.weight_versions,
+        )
+        # The router keeps the trajectory under this id until it is evicted: the sample can be checked against it.
+        sample.metadata["trajectory_id"] = trajectory_ids[j]
+        sample.metadata["turns"] = str(episode.turns)
+        if not completion.error:
+            ctx.metrics.episode_turns.observe(episode.turns)
+        samples.append(sample)
+    return finish_group(ctx, request, samples, seeds)
+
+
+async def run_episode(
+    ctx: RolloutContext,
+    env: Environment,
+    prompt: Prompt,
+    prompt_ids: list[int],
+    sampling: dict[str, Any],
+    seed: int | None,
+    trajectory_id: str,
+) -> Episode:
+    """One episode of `prompt` under `trajectory_id`, with SGLang `sampling` params (seeded per turn unless
+    `seed` is None, e.g. greedy evaluation)."""
+    max_turns = ctx.spec.rollout.multi_turn.max_turns
+    ids = list(prompt_ids)
+    texts: list[str] = []
+    last = first = Completion()
+    for turn in range(max_turns):
+        params = sampling if seed is None else {**sampling, "sampling_seed": turn_seed(seed, turn)}
+        try:
+            last = await ctx.generate_turn(ids, params, f"{trajectory_id}/{turn}", trajectory_id)
+        except RlfleetError as exc:
+            return Episode(Completion(error=f"turn {turn + 1}: generation failed: {exc}"), turns=turn + 1)
+        if last.error:
+            # Only this turn's tokens came back: a sample of them alone would misstate the episode.
+            return Episode(Completion(finish_reason=last.finish_reason, error=last.error), turns=turn + 1)
+        first = first if turn else last
+        texts.append(ctx.response_text(last))
+        if last.finish_reason == FinishReason.FINISH_REASON_LENGTH or turn + 1 == max_turns:
+            break
+        reply = env.reply(prompt, texts)
+        if reply is None:
+            break
+        ids += list(last.output_ids) + list(ctx.tokenizer.encode(reply, add_special_tokens=False).ids)
+    try:
+        trajectory = await ctx.router.trajectory(trajectory_id)
+    except RlfleetError as exc:
+        return Episode(Completion(error=f"reading trajectory {trajectory_id} from the router failed: {exc}"))
+    if trajectory.prompt_ids + trajectory.response_ids != (*ids, *last.output_ids):
+        return Episode(Completion(error=f"the router's trajectory {trajectory_id} differs from the episode's tokens"))
+    versions = tuple(v for v in trajectory.weight_versions if v is not None)
+    whole = Completion(
+        output_ids=trajectory.response_ids,
+        logprobs=trajectory.logprobs,
+        finish_reason=last.finish_reason,
+        weight_version=versions[-1] if versions else None,
+        cached_tokens=first.cached_tokens,
+    )
+    return Episode(whole, trajectory.loss_mask, versions, texts[-1], len(texts))

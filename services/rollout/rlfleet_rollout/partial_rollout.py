@@ -1,0 +1,83 @@
+"""Partial rollouts: generations that a weight update aborted, resumed on the new weights
+(`rollout.on_weight_update: abort_resume`).
+
+The trainer's weight load asks every engine to abort what it is generating
+(`abort_all_requests`); each aborted completion comes back with the tokens and logprobs it had
+produced under the old version. Such a completion is re-submitted as prompt + partial response
+with the remaining `max_new_tokens`, and the two halves are joined: the Sample's response is the
+concatenation, its logprobs those each half was sampled with, and its `weight_versions` both
+versions, oldest first, so the staleness rule and the trainer's off-policy correction see the old
+part for what it is.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from rlfleet.errors import RlfleetError
+from rlfleet.v1.samples_pb2 import FinishReason
+from rlfleet_rollout.router_client import Completion
+
+if TYPE_CHECKING:
+    from rlfleet_rollout.group_producer import RolloutContext
+
+logger = logging.getLogger(__name__)
+
+# Weight updates come once per training step, far apart next to one generation: a completion aborted
+# more often than this is failing for another reason, and is recorded as aborted.
+MAX_RESUMES = 4
+
+
+def join(head: Completion, tail: Completion) -> Completion:
+    """`head` (aborted) followed by `tail` (its continuation): the tail decides how the whole ended.
+
+    The text is the engines' own texts end to end, so each half keeps the engine's stop-string trimming.
+    """
+    versions = list(head.weight_versions)
+    versions += [v for v in tail.weight_versions if not versions or v != versions[-1]]
+    return Completion(
+        output_ids=head.output_ids + tail.output_ids,
+        logprobs=head.logprobs + tail.logprobs,
+        text=head.text + tail.text,
+        finish_reason=tail.finish_reason,
+        weight_version=tail.weight_version,
+        weight_versions=tuple(versions),
+        cached_tokens=head.cached_tokens,
+        error=tail.error,
+    )
+
+
+def _remaining_tokens(completion: Completion, sampling: dict[str, Any]) -> int:
+    return int(sampling["max_new_tokens"]) - len(completion.output_ids)
+
+
+async def generate_resuming(
+    ctx: RolloutContext, prompts: list[list[int]], sampling: list[dict[str, Any]], rids: list[str]
+) -> list[Completion]:
+    """One completion per prompt, as `ctx.generate`; under abort_resume, aborted ones are resumed (bounded)."""
+    completions = await ctx.generate(prompts, sampling, rids)
+    if ctx.spec.rollout.on_weight_update != "abort_resume":
+        return completions
+    for attempt in range(1, MAX_RESUMES + 1):
+        todo = [
+            i
+            for i, c in enumerate(completions)
+            if c.finish_reason == FinishReason.FINISH_REASON_ABORT and _remaining_tokens(c, sampling[i]) > 0
+        ]
+        if not todo:
+            break
+        ctx.metrics.resumed_generations.inc(len(todo))
+        try:
+            tails = await ctx.generate(
+                [prompts[i] + list(completions[i].output_ids) for i in todo],
+                [{**sampling[i], "max_new_tokens": _remaining_tokens(completions[i], sampling[i])} for i in todo],
+                [f"{rids[i]}+resume{attempt}" for i in todo],
+            )
+        except RlfleetError as exc:
+            # The partial completions stay as they are: aborted samples, kept out of the loss.
+            logger.warning("resuming %d aborted generations failed: %s", len(todo), exc)
+            break
+        for i, tail in zip(todo, tails, strict=True):
+            completions[i] = join(completions[i], tail)
+    return completions

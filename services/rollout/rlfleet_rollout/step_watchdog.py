@@ -1,0 +1,128 @@
+"""The step watchdog: notices a running run that stopped moving, and says so instead of hanging silently.
+
+Progress is anything the run loop records or counts: the trainer's step and weight version, groups
+produced or trained, an evaluation, a sample generated. When none of these changes for
+`stall_after_s`, the watchdog
+
+- writes `Run.stalled` ("no progress for 300 s at step 4: ..."), which every watcher of the run
+  receives as a run event, and clears it once the run moves again;
+- counts `rlfleet_rollout_step_stalls_total` and keeps `rlfleet_rollout_seconds_without_progress`
+  current, so an alert can fire on either;
+- logs a warning with the run id and step.
+
+It never ends the run: each wait of the loop has its own bound (`step_timeout_s`, the request
+deadlines) that fails the run when it runs out. The watchdog makes the wait visible long before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from redis.exceptions import RedisError
+
+from rlfleet.v1.runs_pb2 import Run
+from rlfleet_rollout.metrics import RolloutMetrics
+from rlfleet_rollout.runs_core import RunEnded
+
+logger = logging.getLogger(__name__)
+
+# How often progress is looked at, at most; a short stall bound is checked four times per bound.
+_CHECK_EVERY_S = 5.0
+
+ProgressMark = tuple[int, ...]
+
+
+class RunRecords(Protocol):
+    """What the watchdog needs of `RunsCore`: read a run, and change it as the run loop does."""
+
+    async def get(self, run_id: str) -> Run: ...
+
+    async def update(self, run_id: str, mutate: Callable[[Run], None]) -> Run: ...
+
+
+def progress_mark(run: Run, samples_generated: float) -> ProgressMark:
+    """Everything whose change counts as progress (not `stalled` itself, which the watchdog writes)."""
+    p = run.progress
+    return (
+        p.step,
+        p.weight_version,
+        p.groups_produced,
+        p.groups_trained,
+        p.groups_filtered,
+        len(run.evals),
+        int(samples_generated),
+    )
+
+
+def describe_stall(run: Run, idle_s: float) -> str:
+    p = run.progress
+    produced_this_step = p.groups_produced >= (p.step + 1) * run.spec.rollout.groups_per_step
+    waiting = (
+        f"its groups are on the stream; waiting for the trainer (at weight version {p.weight_version})"
+        if produced_this_step
+        else "producing its groups (generation through the router, scoring at the reward hub)"
+    )
+    return (
+        f"no progress for {idle_s:.0f} s at step {p.step} of {p.total_steps}: {waiting}; "
+        f"{p.groups_produced} groups produced, {p.groups_trained} trained"
+    )
+
+
+def samples_generated(metrics: RolloutMetrics) -> float:
+    """Samples this orchestrator has produced, every status together."""
+    return sum(s.value for family in metrics.samples.collect() for s in family.samples if s.name.endswith("_total"))
+
+
+async def watch_progress(
+    core: RunRecords,
+    metrics: RolloutMetrics,
+    run_id: str,
+    stall_after_s: float,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """Runs beside the run loop until it is cancelled or the run ends."""
+    check_every = min(_CHECK_EVERY_S, stall_after_s / 4)
+    last_mark: ProgressMark | None = None
+    last_moved = clock()
+    stalled = False
+    try:
+        while True:
+            await asyncio.sleep(check_every)
+            try:
+                run = await core.get(run_id)
+            except RedisError as exc:  # the run loop's own calls fail and report it; look again later
+                logger.debug("watchdog of %s cannot read the run: %s", run_id, exc, extra={"run_id": run_id})
+                continue
+            mark = progress_mark(run, samples_generated(metrics))
+            now = clock()
+            if mark != last_mark:
+                last_mark, last_moved = mark, now
+                metrics.seconds_without_progress.set(0)
+                if stalled:
+                    stalled = False
+                    logger.info("run %s moves again", run_id, extra={"run_id": run_id})
+                    await core.update(run_id, _set_stalled(""))
+                continue
+            idle = now - last_moved
+            metrics.seconds_without_progress.set(idle)
+            if idle >= stall_after_s and not stalled:
+                stalled = True
+                message = describe_stall(run, idle)
+                metrics.step_stalls.inc()
+                logger.warning("run %s: %s", run_id, message, extra={"run_id": run_id, "step": run.progress.step})
+                await core.update(run_id, _set_stalled(message))
+    except RunEnded:
+        return
+    finally:
+        metrics.seconds_without_progress.set(0)
+
+
+def _set_stalled(message: str) -> Callable[[Run], None]:
+    def record(run: Run) -> None:
+        run.stalled = message
+
+    return record

@@ -1,0 +1,174 @@
+"""The multi_turn rollout function and the calculator environment, in process: a fake router that keeps
+trajectories the way the real one lays them out, a fake reward hub that scores the last turn."""
+
+from __future__ import annotations
+
+import asyncio
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import pytest
+from google.protobuf import json_format
+from rollout_test_support import EOS_ID, spec_json
+from tokenizers import Tokenizer
+
+from rlfleet.char_tokenizer import vocabulary
+from rlfleet.errors import Unavailable
+from rlfleet.run_spec import resolve
+from rlfleet.v1.reward_pb2 import RewardSpec, ScoreItem, ScoreResult, ScoreStatus
+from rlfleet.v1.runs_pb2 import RunSpec
+from rlfleet.v1.samples_pb2 import FinishReason, SampleStatus
+from rlfleet_rollout.calculator import calculator, evaluate
+from rlfleet_rollout.datasets import Prompt
+from rlfleet_rollout.evaluation import evaluate as evaluate_run
+from rlfleet_rollout.group_producer import GroupRequest, RolloutContext
+from rlfleet_rollout.metrics import RolloutMetrics
+from rlfleet_rollout.multi_turn import multi_turn
+from rlfleet_rollout.prompt_tokenizer import load_tokenizer
+from rlfleet_rollout.rollout_function import RolloutRegistry
+from rlfleet_rollout.router_client import Completion, Trajectory
+
+VOCAB = vocabulary()
+CHARS = {i: c for c, i in VOCAB.items()}
+
+
+def _ids(text: str) -> list[int]:
+    return [VOCAB[c] for c in text]
+
+
+@pytest.mark.parametrize(
+    ("expression", "value"),
+    [("37+45", 82), ("2*(3-5)/4", Fraction(-1, 1)), ("-3--2", -1), (" 7 * 6 ", 42), ("1/3", Fraction(1, 3))],
+)
+def test_the_calculator_parses_arithmetic(expression: str, value: Fraction) -> None:
+    assert evaluate(expression) == value
+
+
+@pytest.mark.parametrize("expression", ["1/0", "2+", "(1", "1)", "a+1", "__import__('os')", ""])
+def test_the_calculator_rejects_what_is_not_arithmetic(expression: str) -> None:
+    with pytest.raises(ValueError):
+        evaluate(expression)
+
+
+def test_the_calculator_answers_a_bracketed_call_and_ends_on_an_answer() -> None:
+    prompt = Prompt(prompt="12+7=", answer="19")
+    assert calculator.reply(prompt, ["[12+7]"]) == "=19\n"
+    assert calculator.reply(prompt, ["[1/4]"]) == "=0.25\n"
+    assert calculator.reply(prompt, ["[12+x]"]) == "=error\n"
+    assert calculator.reply(prompt, ["19"]) is None
+
+
+class FakeRouter:
+    """Answers `[a+b]<eos>` to a prompt ending in `=` and the tool's number `<eos>` after a tool reply."""
+
+    def __init__(self, fail_turn: int | None = None) -> None:
+        self.turns: dict[str, list[tuple[list[int], list[int], list[float]]]] = {}
+        self.fail_turn = fail_turn
+
+    async def generate_turn(self, prompt: list[int], sampling: dict[str, Any], rid: str, tid: str) -> Completion:
+        turns = self.turns.setdefault(tid, [])
+        if len(turns) == self.fail_turn:
+            raise Unavailable("no healthy engine")
+        text = "".join(CHARS[i] for i in prompt)
+        said = f"[{text.rstrip('=')}]" if text.endswith("=") else text.rstrip("\n").rsplit("=", 1)[-1]
+        output = _ids(said)[: sampling["max_new_tokens"] - 1] + [EOS_ID]
+        logprobs = [-0.5 - 0.01 * k for k in range(len(output))]
+        turns.append((list(prompt), output, logprobs))
+        return Completion(
+            output_ids=tuple(output),
+            logprobs=tuple(logprobs),
+            text=said,
+            finish_reason=FinishReason.FINISH_REASON_STOP,
+            weight_version=3,
+        )
+
+    async def trajectory(self, tid: str) -> Trajectory:
+        (prompt, output, logprobs), *rest = self.turns[tid]
+        response, lps, mask = list(output), list(logprobs), [1] * len(output)
+        for turn_prompt, turn_output, turn_logprobs in rest:
+            between = turn_prompt[len(prompt) + len(response) :]
+            response += between + turn_output
+            lps += [0.0] * len(between) + turn_logprobs
+            mask += [0] * len(between) + [1] * len(turn_output)
+        return Trajectory(tuple(prompt), tuple(response), tuple(lps), tuple(mask), (3,))
+
+
+class FakeHub:
+    async def score(self, spec: RewardSpec, items: list[ScoreItem]) -> list[ScoreResult]:
+        return [
+            ScoreResult(id=i.id, status=ScoreStatus.SCORE_STATUS_OK, score=float(i.response == i.label)) for i in items
+        ]
+
+
+def _context(tokenizer_dir: Path, router: FakeRouter, max_turns: int) -> RolloutContext:
+    rollout = {
+        "function": "multi_turn",
+        "multi_turn": {"max_turns": max_turns},
+        "group_size": 2,
+        "sampling": {"max_new_tokens": 8},
+    }
+    spec = resolve(json_format.ParseDict(spec_json(tokenizer_dir, rollout=rollout), RunSpec()))
+    registry = RolloutRegistry.from_entry_points()
+    registry.check(spec.rollout)
+    tokenizer: Tokenizer = load_tokenizer(str(tokenizer_dir))
+    return RolloutContext(
+        router=router,  # type: ignore[arg-type]
+        reward=FakeHub(),  # type: ignore[arg-type]
+        tokenizer=tokenizer,
+        spec=spec,
+        limit=asyncio.Semaphore(4),
+        metrics=RolloutMetrics(),
+        rollout=registry.function(spec.rollout.function),
+        environment=registry.environment(spec.rollout.multi_turn.environment),
+    )
+
+
+def _request() -> GroupRequest:
+    return GroupRequest("run-1", "run-1/0/p5", 5, Prompt(prompt="12+7=", answer="19"), fallback_version=0)
+
+
+def test_an_episode_masks_the_tool_reply_and_scores_the_last_turn(tokenizer_dir: Path) -> None:
+    router = FakeRouter()
+    ctx = _context(tokenizer_dir, router, max_turns=3)
+    group = asyncio.run(multi_turn(ctx, _request()))
+    assert [s.status for s in group.samples] == [SampleStatus.SAMPLE_STATUS_OK] * 2
+    sample = group.samples[0]
+    call, reply, answer = _ids("[12+7]") + [EOS_ID], _ids("=19\n"), _ids("19") + [EOS_ID]
+    assert list(sample.prompt_token_ids) == _ids("12+7=")
+    assert list(sample.response_token_ids) == call + reply + answer
+    assert list(sample.loss_mask) == [1] * len(call) + [0] * len(reply) + [1] * len(answer)
+    assert list(sample.rollout_logprobs[len(call) : len(call) + len(reply)]) == [0.0] * len(reply)
+    assert sample.reward == 1.0 and sample.metadata["turns"] == "2" and list(sample.weight_versions) == [3]
+    assert sample.metadata["trajectory_id"] in router.turns and "/" not in sample.metadata["trajectory_id"]
+    assert group.samples[0].seed != group.samples[1].seed
+    exported = ctx.metrics.registry.get_sample_value("rlfleet_rollout_episode_turns_count")
+    assert exported == 2 and ctx.metrics.registry.get_sample_value("rlfleet_rollout_episode_turns_sum") == 4
+
+
+def test_the_turn_bound_ends_an_episode_without_a_reply(tokenizer_dir: Path) -> None:
+    group = asyncio.run(multi_turn(_context(tokenizer_dir, FakeRouter(), max_turns=1), _request()))
+    sample = group.samples[0]
+    assert list(sample.loss_mask) == [1] * len(sample.response_token_ids)
+    assert sample.reward == 0.0 and sample.metadata["turns"] == "1"
+
+
+def test_a_failed_turn_fails_its_sample_not_the_group(tokenizer_dir: Path) -> None:
+    group = asyncio.run(multi_turn(_context(tokenizer_dir, FakeRouter(fail_turn=1), max_turns=3), _request()))
+    assert [s.status for s in group.samples] == [SampleStatus.SAMPLE_STATUS_FAILED] * 2
+    assert "turn 2: generation failed" in group.samples[0].error
+
+
+def test_a_multi_turn_run_is_evaluated_in_episodes(tokenizer_dir: Path) -> None:
+    router = FakeRouter()
+    ctx = _context(tokenizer_dir, router, max_turns=3)
+    prompts = [Prompt(prompt="12+7=", answer="19"), Prompt(prompt="30+4=", answer="34")]
+    result = asyncio.run(evaluate_run(ctx, "run-1", 0, prompts, batch_size=8, trainer_version=0))
+    assert result.accuracy == 1.0 and result.pass_at_k == 1.0  # only the turn after the tool's reply is right
+    assert result.mean_length == (len("[12+7]=19\n19") + 2 + len("[30+4]=34\n34") + 2) / 2
+    assert all(len(turns) == 2 for turns in router.turns.values()) and len(router.turns) == 2
+
+
+def test_an_environment_without_a_reply_method_is_refused_at_start_up() -> None:
+    with pytest.raises(TypeError, match="'broken' is a object without a reply"):
+        RolloutRegistry({}, {"broken": object()})

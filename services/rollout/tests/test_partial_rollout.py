@@ -1,0 +1,210 @@
+"""Partial rollouts (rollout.on_weight_update "abort_resume"): joining an aborted completion with its
+continuation, and single_turn across a real weight update (a `sim` engine behind the real router)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from google.protobuf import json_format
+from rollout_test_support import spec_json
+
+from rlfleet.processes import ServiceProcess, free_port
+from rlfleet.run_spec import resolve
+from rlfleet.v1.reward_pb2 import RewardSpec, ScoreItem, ScoreResult, ScoreStatus
+from rlfleet.v1.runs_pb2 import RunSpec
+from rlfleet.v1.samples_pb2 import FinishReason, SampleGroup, SampleStatus
+from rlfleet_rollout.datasets import Prompt
+from rlfleet_rollout.group_producer import GroupRequest, RolloutContext
+from rlfleet_rollout.metrics import RolloutMetrics
+from rlfleet_rollout.partial_rollout import MAX_RESUMES, generate_resuming, join
+from rlfleet_rollout.prompt_tokenizer import load_tokenizer
+from rlfleet_rollout.rollout_function import RolloutRegistry
+from rlfleet_rollout.router_client import Completion, RouterClient, parse_completion
+from rlfleet_rollout.single_turn import single_turn
+
+ABORT = FinishReason.FINISH_REASON_ABORT
+LENGTH = FinishReason.FINISH_REASON_LENGTH
+MAX_NEW_TOKENS = 60
+
+
+class AcceptAll:
+    async def score(self, spec: RewardSpec, items: list[ScoreItem]) -> list[ScoreResult]:
+        return [ScoreResult(id=i.id, status=ScoreStatus.SCORE_STATUS_OK, score=1.0) for i in items]
+
+
+def _context(tokenizer_dir: Path, router: Any, on_weight_update: str, group_size: int = 2) -> RolloutContext:
+    rollout = {
+        "group_size": group_size,
+        "sampling": {"max_new_tokens": MAX_NEW_TOKENS},
+        "on_weight_update": on_weight_update,
+    }
+    spec = resolve(json_format.ParseDict(spec_json(tokenizer_dir, rollout=rollout), RunSpec()))
+    return RolloutContext(
+        router=router,
+        reward=AcceptAll(),  # type: ignore[arg-type]
+        tokenizer=load_tokenizer(str(tokenizer_dir)),
+        spec=spec,
+        limit=asyncio.Semaphore(4),
+        metrics=RolloutMetrics(),
+        rollout=RolloutRegistry.from_entry_points().function("single_turn"),
+    )
+
+
+def test_an_aborted_answer_keeps_its_tokens_and_versions_are_read_oldest_first() -> None:
+    meta = {
+        "finish_reason": {"type": "abort", "message": "Abort in running batch"},
+        "weight_version": "3",
+        "output_token_logprobs": [[-0.5, 20, None], [-0.25, 21, None]],
+    }
+    aborted = parse_completion({"text": "ab", "output_ids": [20, 21], "meta_info": meta})
+    assert aborted.finish_reason == ABORT and "aborted" in aborted.error
+    assert aborted.output_ids == (20, 21) and aborted.logprobs == (-0.5, -0.25) and aborted.weight_versions == (3,)
+    meta = {**meta, "finish_reason": {"type": "length"}, "weight_versions": ["2", "3"]}
+    spanning = parse_completion({"text": "ab", "output_ids": [20, 21], "meta_info": meta})
+    assert spanning.weight_versions == (2, 3) and spanning.weight_version == 3 and not spanning.error
+
+
+def test_join_concatenates_tokens_logprobs_text_and_versions() -> None:
+    head = Completion((1, 2), (-0.1, -0.2), "ab", ABORT, 4, (4,), cached_tokens=3, error="generation aborted")
+    tail = Completion((3,), (-0.3,), "c", LENGTH, 5, (5,), cached_tokens=0)
+    whole = join(head, tail)
+    assert whole.output_ids == (1, 2, 3) and whole.logprobs == (-0.1, -0.2, -0.3) and whole.text == "abc"
+    assert whole.weight_versions == (4, 5) and whole.weight_version == 5
+    assert whole.finish_reason == LENGTH and not whole.error and whole.cached_tokens == 3
+    assert join(Completion(finish_reason=ABORT, error="x"), tail).weight_versions == (5,)
+
+
+class AlwaysAborts:
+    """A router whose engines abort every request after one token."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def generate(self, prompts: list[list[int]], sampling: Any, rids: list[str]) -> list[Completion]:
+        self.calls += 1
+        return [Completion((7,), (-1.0,), "x", ABORT, 1, (1,), error="generation aborted") for _ in prompts]
+
+
+def test_resuming_is_bounded_and_off_unless_the_spec_asks(tokenizer_dir: Path) -> None:
+    sampling = [{"max_new_tokens": MAX_NEW_TOKENS}]
+    router = AlwaysAborts()
+    ctx = _context(tokenizer_dir, router, "abort_resume")
+    [result] = asyncio.run(generate_resuming(ctx, [[5]], sampling, ["r"]))
+    assert router.calls == 1 + MAX_RESUMES and len(result.output_ids) == 1 + MAX_RESUMES
+    assert result.finish_reason == ABORT and result.error
+    resumed = ctx.metrics.registry.get_sample_value("rlfleet_rollout_resumed_generations_total")
+    assert resumed == MAX_RESUMES
+    router = AlwaysAborts()
+    asyncio.run(generate_resuming(_context(tokenizer_dir, router, "finish"), [[5]], sampling, ["r"]))
+    assert router.calls == 1
+
+
+# -- across a real weight update -----------------------------------------------------------------
+
+
+@pytest.fixture
+def sim_router(tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """(router url, engine url): one `sim` engine at weight version 0 (50 ms per decode step), one router."""
+    engine_port, router_port = free_port(), free_port()
+    engine_argv = [sys.executable, "-m", "rlfleet_engine", "--backend", "sim", "--model-path", "sim"]
+    engine_argv += ["--port", str(engine_port), "--weight-version", "0", "--sim-decode-ms-per-step", "50"]
+    engine_argv += ["--log-level", "warning"]
+    router_argv = [sys.executable, "-m", "rlfleet_router", "--port", str(router_port), "--policy", "least_load"]
+    router_argv += ["--health-check-endpoint", "/health", "--health-check-interval-secs", "0.5"]
+    router_argv += ["--log-level", "warning", "--worker-urls", f"http://127.0.0.1:{engine_port}"]
+    engine = ServiceProcess("sim-engine", engine_argv, tmp_path / "engine.log")
+    router = None
+    try:
+        engine.wait_healthy(f"http://127.0.0.1:{engine_port}/health", timeout=30)
+        router = ServiceProcess("router", router_argv, tmp_path / "router.log")
+        router.wait_healthy(f"http://127.0.0.1:{router_port}/health", timeout=30)
+        yield f"http://127.0.0.1:{router_port}", f"http://127.0.0.1:{engine_port}"
+    finally:
+        if router is not None:
+            router.stop(timeout=10)
+        engine.stop(timeout=10)
+
+
+class RecordingRouter(RouterClient):
+    """The real client, keeping every /generate batch it sent and what came back."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[list[list[int]], list[dict[str, Any]], tuple[Completion, ...]]] = []
+
+    async def generate(self, prompts: list[list[int]], sampling: Any, rids: list[str]) -> list[Completion]:
+        completions = await super().generate(prompts, sampling, rids)
+        self.calls.append((prompts, sampling, tuple(completions)))
+        return completions
+
+
+async def _running(client: httpx.AsyncClient, engine_url: str, count: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = (await client.get(f"{engine_url}/get_server_info")).json()
+        if info["internal_states"][0]["num_running_reqs"] >= count:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"fewer than {count} requests were running on {engine_url} within {timeout}s")
+
+
+def _group_across_an_update(
+    tokenizer_dir: Path, router_url: str, engine_url: str, on_weight_update: str
+) -> tuple[RecordingRouter, SampleGroup]:
+    """single_turn's group of 2 samples, with the fleet moved from version 0 to 1 while it generates."""
+
+    async def scenario() -> tuple[RecordingRouter, SampleGroup]:
+        async with httpx.AsyncClient(timeout=30.0, trust_env=False) as client:
+            router = RecordingRouter(client, router_url, timeout_s=30.0)
+            ctx = _context(tokenizer_dir, router, on_weight_update)
+            request = GroupRequest("run-p", "run-p/0/p0", 0, Prompt(prompt="3+4=", answer="7"), fallback_version=0)
+            group = asyncio.create_task(single_turn(ctx, request))
+            await _running(client, engine_url, 2)
+            await asyncio.sleep(0.2)  # a few tokens on version 0
+            abort = on_weight_update == "abort_resume"
+            update = {"model_path": "sim", "weight_version": "1", "abort_all_requests": abort}
+            answer = await client.post(f"{router_url}/update_weights_from_disk", json=update)
+            assert answer.status_code == 200, answer.text
+            return router, await asyncio.wait_for(group, timeout=30)
+
+    return asyncio.run(scenario())
+
+
+@pytest.mark.e2e
+def test_a_generation_aborted_by_a_weight_update_is_resumed_on_the_new_version(
+    tokenizer_dir: Path, sim_router: tuple[str, str]
+) -> None:
+    router, group = _group_across_an_update(tokenizer_dir, *sim_router, "abort_resume")
+    assert len(router.calls) == 2, "one batch on version 0, one resuming it on version 1"
+    (prompts, _, partial), (resumed_prompts, resumed_sampling, continuation) = router.calls
+    for j, sample in enumerate(group.samples):
+        head, tail = partial[j], continuation[j]
+        assert head.finish_reason == ABORT and head.weight_versions == (0,)
+        assert 0 < len(head.output_ids) < MAX_NEW_TOKENS
+        assert resumed_prompts[j] == prompts[j] + list(head.output_ids)
+        assert resumed_sampling[j]["max_new_tokens"] == MAX_NEW_TOKENS - len(head.output_ids)
+        assert tail.weight_versions == (1,) and tail.finish_reason == LENGTH
+        assert list(sample.response_token_ids) == list(head.output_ids + tail.output_ids)
+        assert list(sample.rollout_logprobs) == pytest.approx(head.logprobs + tail.logprobs)
+        assert len(sample.response_token_ids) == MAX_NEW_TOKENS == len(sample.loss_mask)
+        assert list(sample.weight_versions) == [0, 1]
+        assert sample.status == SampleStatus.SAMPLE_STATUS_TRUNCATED
+
+
+@pytest.mark.e2e
+def test_under_finish_a_generation_runs_through_the_update_and_names_both_versions(
+    tokenizer_dir: Path, sim_router: tuple[str, str]
+) -> None:
+    router, group = _group_across_an_update(tokenizer_dir, *sim_router, "finish")
+    assert len(router.calls) == 1
+    for sample in group.samples:
+        assert len(sample.response_token_ids) == MAX_NEW_TOKENS
+        assert list(sample.weight_versions) == [0, 1]
+        assert sample.status == SampleStatus.SAMPLE_STATUS_TRUNCATED
