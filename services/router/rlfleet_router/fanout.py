@@ -1,8 +1,9 @@
 """Control requests sent to every engine at once: abort, pause, continue, flush the cache.
 
 The body goes to each engine as it arrived. The answer lists each engine's outcome; it is 200 only if
-every engine answered 2xx, else 502 with the failures, so a caller never mistakes a partial pause
-for a fleet-wide one. Engines out of routing get the request too (an abort or a pause must reach an
+every engine answered 2xx, 400 if every failing engine refused the request as malformed (4xx: the
+caller's fault, and retrying will not help), else 502 with the failures, so a caller never mistakes a
+partial pause for a fleet-wide one. Engines out of routing get the request too (an abort or a pause must reach an
 engine that still runs requests while it is drained), and their failures are reported the same way.
 """
 
@@ -41,8 +42,8 @@ class Fanout:
         self._workers = workers
         self._timeout = timeout_secs
 
-    async def send(self, route: str, body: bytes, headers: Mapping[str, str]) -> tuple[bool, dict[str, object]]:
-        """Sends `route` to every engine; returns whether all succeeded and the per-engine outcomes."""
+    async def send(self, route: str, body: bytes, headers: Mapping[str, str]) -> tuple[int, dict[str, object]]:
+        """Sends `route` to every engine; returns the HTTP status of the whole and the per-engine outcomes."""
         assert route in FANOUT_ROUTES, route
         forwarded = forwardable_headers(headers)
         outcomes = await asyncio.gather(*(self._one(w, route, body, forwarded) for w in self._workers.all()))
@@ -53,7 +54,10 @@ class Fanout:
             "message": f"{route}: {done}/{len(outcomes)} engines answered 2xx",
             "engines": [o.describe() for o in outcomes],
         }
-        return ok, summary
+        if ok:
+            return 200, summary
+        refused = [o for o in outcomes if not o.ok]
+        return (400 if all(o.status is not None and 400 <= o.status < 500 for o in refused) else 502), summary
 
     async def _one(self, worker: Worker, route: str, body: bytes, headers: dict[str, str]) -> EngineOutcome:
         try:

@@ -5,6 +5,11 @@ once at least one engine has loaded it. Every engine that was not part of that u
 taken out, restarted) is brought to the target by `FleetWeights.admit` before it enters routing,
 so rollouts never mix weight versions silently. One lock orders fleet updates and admissions: an
 engine either joins on the version current when it joined, or is part of the next fan-out.
+
+A version that arrived over a weight update group (`rlfleet_router.distributed_weights`) has no
+disk path at first: the trainer writes a disk copy after the broadcast and registers it
+(`register_disk_copy`); until then an engine that rejoins waits out of routing rather than
+serving an older version.
 """
 
 from __future__ import annotations
@@ -16,21 +21,32 @@ import time
 from dataclasses import dataclass
 
 import httpx
+from prometheus_client import Histogram
 
-from rlfleet.errors import Unavailable
+from rlfleet.errors import Conflict, Unavailable
 from rlfleet_router.metrics import RouterMetrics
 from rlfleet_router.workers import Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
 
 JSON_HEADERS = {"content-type": "application/json"}
+DISK_UPDATE_ROUTE = "/update_weights_from_disk"
+FANOUT_ENGINE_DEADLINE_SECS = 100.0
+"""Longest a fleet update waits for one engine, below `weight_update_timeout_secs` when that is
+longer: the trainer waits 120 s for one attempt and 300 s in all (`weight_load_timeout_s`), and the
+fan-out must answer it before then. An engine slower than this is taken out of routing and loads the
+version before it rejoins (`admit`, which is bounded by `weight_update_timeout_secs` alone)."""
+ROUTING_CHECK_SECS = 0.2
+"""How often a fan-out looks whether an engine it waits for was taken out of routing meanwhile."""
+# From a small model's disk load to a large model's broadcast.
+SYNC_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
 @dataclass(frozen=True)
 class WeightTarget:
     version: str
-    model_path: str
-    request_body: bytes  # sent unchanged to engines that rejoin, so they load exactly what the fleet did
+    model_path: str | None  # None: received over a weight update group, disk copy not registered yet
+    request_body: bytes | None  # a disk load, sent unchanged to engines that rejoin, so they load what the fleet did
 
 
 @dataclass(frozen=True)
@@ -57,7 +73,9 @@ class FleetUpdateResult:
     message: str
     weight_version: str | None  # the fleet's version after the update (unchanged if every engine failed)
     engines: tuple[EngineUpdateResult, ...]
-    skipped: tuple[Worker, ...]  # not healthy: they load the target before they rejoin
+    # Not waited for: out of routing when the update began, or taken out by their health checks while
+    # it ran (a hung engine). They load the target before they rejoin.
+    skipped: tuple[Worker, ...]
 
     def describe(self) -> dict[str, object]:
         return {
@@ -65,7 +83,9 @@ class FleetUpdateResult:
             "message": self.message,
             "weight_version": self.weight_version,
             "engines": [r.describe() for r in self.engines],
-            "skipped": [{"id": w.id, "url": w.url, "state": w.state.value} for w in self.skipped],
+            "skipped": [
+                {"id": w.id, "url": w.url, "state": w.state.value, "reason": w.last_error} for w in self.skipped
+            ],
         }
 
 
@@ -77,9 +97,18 @@ class FleetWeights:
         self._workers = workers
         self._timeout = timeout_secs
         self._metrics = metrics
-        self._lock = asyncio.Lock()
+        # Orders fleet updates (disk loads, versioned distributed updates) and admissions.
+        self.lock = asyncio.Lock()
         self.target: WeightTarget | None = None
         self.updates = 0  # fleet updates that changed the target: the age unit of cached trajectories
+        self.sync_seconds = Histogram(
+            "rlfleet_router_weight_sync_seconds",
+            "Time to bring the fleet to a new weight version, by path (disk: one load fan-out; "
+            "distributed: from the first bucket of a version to the bucket that carries its version).",
+            ["path"],
+            buckets=SYNC_BUCKETS,
+            registry=metrics.registry,
+        )
 
     @property
     def version(self) -> str | None:
@@ -89,45 +118,102 @@ class FleetWeights:
         """Sends `request_body` to every healthy engine at once; records the target if any engine loaded it.
 
         Engines that fail leave routing (they may serve either version now) and rejoin through
-        `admit`. If every engine fails, nothing changes: they all still serve the old
+        `admit`. So do engines that do not answer within FANOUT_ENGINE_DEADLINE_SECS, and engines
+        their health checks take out of routing while the update runs (a hung engine) are no longer
+        waited for. If every engine fails, nothing changes: they all still serve the old
         version, which is consistent.
         """
-        async with self._lock:
+        async with self.lock:
+            started = time.monotonic()
             engines = self._workers.healthy()
-            skipped = tuple(w for w in self._workers.all() if not w.healthy)
+            skipped = [w for w in self._workers.all() if not w.healthy]
             if not engines:
-                self._metrics.weight_updates.labels(result="failure").inc()
+                self.count_update("failure")
                 raise Unavailable(
                     f"no healthy engine to load weight version {version!r} into; "
                     "GET /workers shows why each engine is out of routing"
                 )
-            results = await asyncio.gather(*(self._update_engine(w, request_body) for w in engines))
+            answers = await asyncio.gather(*(self._update_while_routed(w, request_body) for w in engines))
+            skipped += [w for w, answer in zip(engines, answers, strict=True) if answer is None]
+            engines = [w for w, answer in zip(engines, answers, strict=True) if answer is not None]
+            results = [answer for answer in answers if answer is not None]
+            if not results:
+                self.count_update("failure")
+                raise Unavailable(
+                    f"every engine left routing while loading weight version {version!r}; "
+                    f"the fleet still serves {self.version!r}; GET /workers shows why"
+                )
             failed = [r for r in results if not r.success]
             if len(failed) == len(results):
-                self._metrics.weight_updates.labels(result="failure").inc()
+                self.count_update("failure")
                 return FleetUpdateResult(
                     success=False,
                     message=f"no engine loaded weight version {version!r}; the fleet still serves {self.version!r}",
                     weight_version=self.version,
                     engines=tuple(results),
-                    skipped=skipped,
+                    skipped=tuple(skipped),
                 )
-            self.target = WeightTarget(version=version, model_path=model_path, request_body=request_body)
-            self.updates += 1
+            self.set_target(WeightTarget(version=version, model_path=model_path, request_body=request_body))
+            self.sync_seconds.labels(path="disk").observe(time.monotonic() - started)
             for worker, result in zip(engines, results, strict=True):
                 if result.success:
                     worker.weight_version = version
                 else:
                     self._workers.take_out(worker, f"failed to load weight version {version!r}: {result.message}")
-            self._metrics.weight_updates.labels(result="partial" if failed else "success").inc()
+            self.count_update("partial" if failed else "success")
             loaded = len(results) - len(failed)
             message = f"{loaded}/{len(results)} healthy engines serve weight version {version!r}"
             if failed:
                 message += "; the others were taken out of routing until they load it"
+            if len(skipped) > 0:
+                message += f"; {len(skipped)} out of routing were not waited for and load it before they rejoin"
             logger.info("weight update: %s", message)
             return FleetUpdateResult(
-                success=not failed, message=message, weight_version=version, engines=tuple(results), skipped=skipped
+                success=not failed,
+                message=message,
+                weight_version=version,
+                engines=tuple(results),
+                skipped=tuple(skipped),
             )
+
+    async def _update_while_routed(self, worker: Worker, request_body: bytes) -> EngineUpdateResult | None:
+        """`worker`'s answer to a fleet update, or None once its health checks take it out of routing
+        (it hangs, or died): the update stops waiting for it, and it loads the version before it rejoins."""
+        post = asyncio.create_task(
+            self.post_update(
+                worker, DISK_UPDATE_ROUTE, request_body, timeout=min(self._timeout, FANOUT_ENGINE_DEADLINE_SECS)
+            )
+        )
+        while True:
+            done, _ = await asyncio.wait({post}, timeout=ROUTING_CHECK_SECS)
+            if done:
+                return post.result()
+            if not worker.healthy:
+                post.cancel()
+                await asyncio.wait({post})
+                reason = worker.last_error
+                logger.warning("worker %s left routing while loading weights (%s); not waited for", worker.url, reason)
+                self._metrics.weight_update_engines_skipped.inc()
+                return None
+
+    def count_update(self, result: str) -> None:
+        """Counts one fleet-wide update by result: success, partial or failure."""
+        self._metrics.weight_updates.labels(result=result).inc()
+
+    def set_target(self, target: WeightTarget) -> None:
+        """Records the version the fleet now serves (call with `lock` held)."""
+        self.target = target
+        self.updates += 1
+
+    def register_disk_copy(self, version: str, model_path: str, request_body: bytes) -> None:
+        """Records where engines that rejoin load the current `version` from; refuses any other version."""
+        if self.target is None or self.target.version != version:
+            raise Conflict(
+                f"weight_version: the fleet serves {self.version!r}, not {version!r}; "
+                "a disk copy can only be registered for the current version"
+            )
+        self.target = WeightTarget(version=version, model_path=model_path, request_body=request_body)
+        logger.info("disk copy of weight version %r registered at %s", version, model_path)
 
     async def admit(self, worker: Worker) -> None:
         """Brings `worker` to the fleet's version (loading it if needed), then into routing.
@@ -135,17 +221,22 @@ class FleetWeights:
         Both happen under the lock, so a fleet update cannot slip in between and leave the worker
         routable on the previous version. Raises Unavailable if the engine cannot load it.
         """
-        async with self._lock:
+        async with self.lock:
             worker.weight_version = await self._engine_version(worker)
             target = self.target
             if target is not None and worker.weight_version != target.version:
+                if target.request_body is None:
+                    raise Unavailable(
+                        f"the fleet serves weight version {target.version!r}, received over a weight update group; "
+                        "its disk copy is not registered yet, so this engine cannot load it"
+                    )
                 logger.info(
                     "worker %s serves weight version %r, the fleet %r: loading it before it rejoins",
                     worker.url,
                     worker.weight_version,
                     target.version,
                 )
-                result = await self._update_engine(worker, target.request_body)
+                result = await self.post_update(worker, DISK_UPDATE_ROUTE, target.request_body)
                 if not result.success:
                     raise Unavailable(f"could not load weight version {target.version!r}: {result.message}")
                 worker.weight_version = target.version
@@ -162,15 +253,19 @@ class FleetWeights:
         version = info.get("weight_version") if isinstance(info, dict) else None
         return None if version is None else str(version)
 
-    async def _update_engine(self, worker: Worker, request_body: bytes) -> EngineUpdateResult:
+    async def post_update(
+        self, worker: Worker, route: str, request_body: bytes, timeout: float | None = None
+    ) -> EngineUpdateResult:
+        """POSTs a weight request to one engine, within `timeout` (`weight_update_timeout_secs` when
+        None); success needs HTTP 200 and `success: true`."""
         start = time.monotonic()
         success = False
         try:
             response = await self._client.post(
-                f"{worker.url}/update_weights_from_disk",
+                f"{worker.url}{route}",
                 content=request_body,
                 headers=JSON_HEADERS,
-                timeout=self._timeout,
+                timeout=self._timeout if timeout is None else timeout,
             )
         except httpx.HTTPError as exc:
             message = describe_error(exc)
@@ -183,7 +278,7 @@ class FleetWeights:
                 success = response.status_code == 200 and body.get("success") is True
                 message = str(body.get("message") or f"HTTP {response.status_code}")
         if not success:
-            logger.warning("worker %s failed to load weights: %s", worker.url, message)
+            logger.warning("worker %s failed %s: %s", worker.url, route, message)
         return EngineUpdateResult(worker.id, worker.url, success, message, time.monotonic() - start)
 
 
