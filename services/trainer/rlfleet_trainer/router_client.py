@@ -26,7 +26,9 @@ class RouterClient:
         `abort_all_requests` (SGLang's field, passed through by the router's fan-out) has every engine
         abort its generations first, answering them with the old version: rollout.on_weight_update
         "abort_resume" then resumes them on the new one."""
-        body = {"model_path": model_path, "weight_version": str(version), "abort_all_requests": abort_all_requests}
+        body: dict[str, object] = {"model_path": model_path, "weight_version": str(version)}
+        if abort_all_requests:
+            body["abort_all_requests"] = True
         deadline = time.monotonic() + self.timeout_s
         delay = 0.5
         last = "no attempt"
