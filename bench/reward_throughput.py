@@ -2,14 +2,20 @@
 and `code` items/s through the hub's sandbox.
 
 The hub runs as a real process (`python -m rlfleet_reward`, one worker per CPU unless --workers);
-each batch is one HTTP request. The baseline calls the same `math` function (math-verify) on the
-same kind of items one after another in this process. Items are distinct (math-verify caches parses);
-both sides are warmed up first on other items, then measured in interleaved rounds so that a change
-in the machine's load hits both alike (the load average is printed: on a shared machine other
-processes take cores from both sides). The code items each run two stdin/stdout tests, every
-test in its own sandbox (see services/reward/rlfleet_reward/sandbox.py). Run:
+each batch is one HTTP request, sent one after another. The baseline calls the same `math` function
+(math-verify) on the same items one after another in this process. Both sides are warmed up first on
+other items, then measured in rounds: each round makes fresh items (so neither side has seen them),
+scores them on both sides, and alternates which side goes first, so that a change in the machine's
+load hits both alike. Each side's time is the wall clock around its calls alone (the hub side
+includes this process encoding the requests and decoding the responses). The ratio reported is the
+median of the rounds' ratios; the load average is printed (on a shared machine other processes take
+cores from both sides, and more from the side that needs two). CPU time per item is printed too, for
+each side and, on the hub side, for the workers, the hub process itself and this client: it shows
+where the hub's cycles go, and it changes less with the machine's load than wall time. The code items
+each run two
+stdin/stdout tests, every test in its own sandbox (see services/reward/rlfleet_reward/sandbox.py). Run:
 
-    .venv/bin/python bench/reward_throughput.py [--math-items 400] [--code-items 60] [--workers N]
+    .venv/bin/python bench/reward_throughput.py [--math-items 1600] [--rounds 8] [--code-items 60] [--workers N]
 
 Record the printed figures in bench/reward_throughput.md.
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -70,23 +77,74 @@ def sequential_math(items: list[dict[str, str]]) -> float:
     return time.monotonic() - started
 
 
-def hub_seconds(url: str, terms: list[dict], items: list[dict], batch: int, statuses: dict[str, int]) -> float:
+def hub_seconds(
+    http: httpx.Client, url: str, terms: list[dict], items: list[dict], batch: int, statuses: dict[str, int]
+) -> float:
     """Seconds the hub takes to score `items` in requests of `batch`; counts result statuses."""
     started = time.monotonic()
-    with httpx.Client(timeout=600) as http:
-        for start in range(0, len(items), batch):
-            body = {"spec": {"terms": terms, "timeout_seconds": 60}, "items": items[start : start + batch]}
-            response = http.post(f"{url}/score", json=body)
-            response.raise_for_status()
-            for result in response.json()["results"]:
-                statuses[result["status"]] = statuses.get(result["status"], 0) + 1
+    for start in range(0, len(items), batch):
+        body = {"spec": {"terms": terms, "timeout_seconds": 60}, "items": items[start : start + batch]}
+        response = http.post(f"{url}/score", json=body)
+        response.raise_for_status()
+        for result in response.json()["results"]:
+            statuses[result["status"]] = statuses.get(result["status"], 0) + 1
     return time.monotonic() - started
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def descendants(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            found += [int(child), *descendants(int(child))]
+    return found
+
+
+def math_rounds(
+    http: httpx.Client, url: str, hub_pid: int, rounds: int, per_round: int, batch: int
+) -> list[tuple[float, float]]:
+    """(sequential seconds, hub seconds) per round; both sides score the same fresh items each round."""
+    math = [{"function": "math"}]
+    statuses: dict[str, int] = {}
+    timings = []
+    workers = descendants(hub_pid)
+    cpu = dict.fromkeys(("sequential", "workers", "hub", "client"), 0.0)
+    for r in range(rounds):
+        items = math_items(per_round, offset=r * 10_000)
+        for side in ("hub", "sequential") if r % 2 else ("sequential", "hub"):
+            client = time.process_time()
+            if side == "sequential":
+                sequential = sequential_math(items)
+                cpu["sequential"] += time.process_time() - client
+                continue
+            hub, pool = process_cpu_seconds(hub_pid), sum(process_cpu_seconds(pid) for pid in workers)
+            through_hub = hub_seconds(http, url, math, items, batch, statuses)
+            cpu["client"] += time.process_time() - client
+            cpu["hub"] += process_cpu_seconds(hub_pid) - hub
+            cpu["workers"] += sum(process_cpu_seconds(pid) for pid in workers) - pool
+        timings.append((sequential, through_hub))
+        print(
+            f"round {r}: sequential {per_round / sequential:.1f} items/s, hub {per_round / through_hub:.1f} items/s, "
+            f"ratio {sequential / through_hub:.2f}x, load average {os.getloadavg()[0]:.2f}"
+        )
+    per_item = {side: 1000 * seconds / (rounds * per_round) for side, seconds in cpu.items()}
+    print(
+        f"CPU ms per item: sequential {per_item['sequential']:.2f}; through the hub {per_item['workers']:.2f} in "
+        f"the workers + {per_item['hub']:.3f} in the hub process + {per_item['client']:.3f} in this client; "
+        f"hub result statuses: {statuses}"
+    )
+    return timings
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--math-items", type=int, default=400, help="per side, over --rounds rounds")
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--math-items", type=int, default=1600, help="per side, over --rounds rounds")
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--code-items", type=int, default=60)
     parser.add_argument("--batch", type=int, default=100, help="items per /score request")
     parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
@@ -97,28 +155,34 @@ def main() -> None:
     port = free_port()
     argv = [sys.executable, "-m", "rlfleet_reward", "--host", "127.0.0.1", "--port", str(port),
             "--grpc-port", str(free_port()), "--workers", str(args.workers)]  # fmt: skip
-    with tempfile.TemporaryDirectory() as logs:
+    with tempfile.TemporaryDirectory() as logs, httpx.Client(timeout=600) as http:
         hub = ServiceProcess("reward-hub", argv, Path(logs) / "hub.log", env={"RLFLEET_LOG_FORMAT": "text"})
         try:
             url = f"http://127.0.0.1:{port}"
             hub.wait_healthy(f"{url}/health", timeout=60)
-            math = [{"function": "math"}]
-            statuses: dict[str, int] = {}
             sequential_math(math_items(100, offset=900_000))
-            hub_seconds(url, math, math_items(100 * args.workers, offset=800_000), args.batch, {})
-            sequential = through_hub = 0.0
-            for r in range(args.rounds):
-                sequential += sequential_math(math_items(per_round, offset=r * 10_000))
-                items = math_items(per_round, offset=r * 10_000 + 5_000)
-                through_hub += hub_seconds(url, math, items, args.batch, statuses)
+            hub_seconds(
+                http, url, [{"function": "math"}], math_items(100 * args.workers, offset=800_000), args.batch, {}
+            )
+            timings = math_rounds(http, url, hub.pid, args.rounds, per_round, args.batch)
             total = per_round * args.rounds
+            sequential = sum(t[0] for t in timings)
+            through_hub = sum(t[1] for t in timings)
+            ratios = [seq / via_hub for seq, via_hub in timings]
             print(f"math-verify sequential, one process: {total / sequential:.1f} items/s")
-            print(f"math-verify through the hub ({args.workers} workers): {total / through_hub:.1f} items/s {statuses}")
-            print(f"ratio: {sequential / through_hub:.2f}x")
-            statuses = {}
-            code_seconds = hub_seconds(url, [{"function": "code"}], code_items(args.code_items), args.batch, statuses)
-            print(f"code through the hub's sandbox (2 tests per item): {args.code_items / code_seconds:.1f} items/s "
-                  f"{statuses}")  # fmt: skip
+            print(f"math-verify through the hub ({args.workers} workers): {total / through_hub:.1f} items/s")
+            print(
+                f"ratio: {statistics.median(ratios):.2f}x (median of {args.rounds} rounds; min {min(ratios):.2f}x, "
+                f"max {max(ratios):.2f}x; all items together {sequential / through_hub:.2f}x)"
+            )
+            statuses: dict[str, int] = {}
+            code_seconds = hub_seconds(
+                http, url, [{"function": "code"}], code_items(args.code_items), args.batch, statuses
+            )
+            print(
+                f"code through the hub's sandbox (2 tests per item): {args.code_items / code_seconds:.1f} items/s "
+                f"{statuses}"
+            )
             print(f"load average after: {os.getloadavg()}")
         finally:
             hub.stop(timeout=15)

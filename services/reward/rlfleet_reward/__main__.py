@@ -41,12 +41,12 @@ async def serve(settings: RewardSettings, registry: Registry) -> None:
     import contextlib
     import math
     import signal
-    import socket
 
     import uvicorn
 
     from rlfleet_reward.grpc_server import create_grpc_server
     from rlfleet_reward.http_app import create_app
+    from rlfleet_reward.http_listener import tcp_listener
     from rlfleet_reward.metrics import RewardMetrics
     from rlfleet_reward.scoring import Scorer, ScoringLimits
     from rlfleet_reward.worker_pool import WorkerPool
@@ -72,7 +72,7 @@ async def serve(settings: RewardSettings, registry: Registry) -> None:
         grpc_server, grpc_port = create_grpc_server(
             scorer, f"{settings.host}:{settings.grpc_port}", settings.max_request_bytes
         )
-        http_socket = socket.create_server((settings.host, settings.port))
+        http_socket = tcp_listener(settings.host, settings.port)
     except (OSError, RuntimeError) as exc:
         raise SystemExit(f"reward hub cannot listen on {settings.host}: {exc}") from None
     http = _Server(

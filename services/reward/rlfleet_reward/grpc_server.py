@@ -5,6 +5,7 @@ from __future__ import annotations
 from grpc import aio
 
 from rlfleet.grpc_errors import ErrorInterceptor
+from rlfleet.grpc_limits import message_size_options
 from rlfleet.v1 import reward_pb2, reward_pb2_grpc
 from rlfleet_reward.scoring import Scorer
 
@@ -26,13 +27,7 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
 
 def create_grpc_server(scorer: Scorer, address: str, max_message_bytes: int) -> tuple[aio.Server, int]:
     """A server bound to `address` (port 0 picks one); returns it, not yet started, with its port."""
-    server = aio.server(
-        interceptors=[ErrorInterceptor()],
-        options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-        ],
-    )
+    server = aio.server(interceptors=[ErrorInterceptor()], options=message_size_options(max_message_bytes))
     reward_pb2_grpc.add_RewardServicer_to_server(RewardServicer(scorer), server)
     port = server.add_insecure_port(address)
     if port == 0:

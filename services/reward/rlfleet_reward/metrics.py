@@ -27,7 +27,7 @@ class RewardMetrics:
         )
         self.item_seconds = Histogram(
             "rlfleet_reward_item_seconds",
-            "Time one function took on one item, pipe round trip included.",
+            "Time one function took on one item (in the worker for pooled functions).",
             ["function"],
             buckets=_SECONDS_BUCKETS,
             registry=self.registry,
@@ -42,9 +42,8 @@ class RewardMetrics:
             "rlfleet_reward_pool_workers", "Live worker processes in the scoring pool.", registry=self.registry
         )
         self.pool_busy_workers = Gauge(
-            "rlfleet_reward_pool_busy_workers", "Worker processes running a function now.", registry=self.registry
+            "rlfleet_reward_pool_busy_workers", "Worker processes running a chunk of items now.", registry=self.registry
         )
-
         self.pool_queued_jobs = Gauge(
             "rlfleet_reward_pool_queued_jobs",
             "Function calls waiting for an idle worker; above zero the pool is saturated.",
@@ -52,7 +51,7 @@ class RewardMetrics:
         )
         self.pool_wait_seconds = Histogram(
             "rlfleet_reward_pool_wait_seconds",
-            "Time a function call queued for an idle worker before it started.",
+            "Time a chunk of items queued for an idle worker before it started.",
             buckets=_SECONDS_BUCKETS,
             registry=self.registry,
         )
@@ -63,7 +62,8 @@ class RewardMetrics:
         )
 
     def watch_pool(self, pool: WorkerPool) -> None:
-        """Reads the pool's gauges at scrape time, so the pool itself knows nothing of metrics."""
+        """Reads the pool's gauges at scrape time and times its waits, so the pool knows nothing of metrics."""
         self.pool_workers.set_function(lambda: pool.live)
         self.pool_busy_workers.set_function(lambda: pool.busy)
         self.pool_queued_jobs.set_function(lambda: pool.waiting)
+        pool.on_wait = self.pool_wait_seconds.observe

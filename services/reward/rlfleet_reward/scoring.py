@@ -1,13 +1,13 @@
 """The hub's transport-free core: validate a ScoreRequest, score every (item, term), combine per item.
 
-Every (item, term) pair is one job, all submitted at once: on the worker pool, which bounds how
-many run together, or, for `async def` functions (network calls), on the event loop, at most
-`max_concurrent_io_calls` at a time. An item's result is OK only when all its terms are: then `score` is the weighted
-sum and `components` holds each term's unweighted score (plus `<function>/<part>` sub-scores).
-Otherwise the item is TIMEOUT (some term exceeded the limit) or ERROR (some term failed), with
-score 0, no components, and `error` naming the function and the reason. One bad item never fails
-the batch; only a malformed request does. An item's `seconds` is the time its function calls took,
-summed.
+Every term scores all the items at once, the terms side by side: on the worker pool, which hands the
+items to its workers in chunks, or, for `async def` functions (network calls), on the event loop, one
+call per item, at most `max_concurrent_io_calls` at a time. An item's result is OK only when all its
+terms are: then `score` is the weighted sum and `components` holds each term's unweighted score (plus
+`<function>/<part>` sub-scores). Otherwise the item is TIMEOUT (some term exceeded the limit) or ERROR
+(some term failed), with score 0, no components, and `error` naming the function and the reason. One
+bad item never fails the batch; only a malformed request does. An item's `seconds` is the time its
+function calls took, summed.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,7 @@ from rlfleet.v1 import reward_pb2
 from rlfleet_reward.metrics import RewardMetrics
 from rlfleet_reward.registry import Registry
 from rlfleet_reward.reward_function import INPUT_FIELDS, RewardFunction, RewardInput
-from rlfleet_reward.worker import Job, checked_reply, failure_reply
+from rlfleet_reward.worker import checked_reply, failure_reply
 from rlfleet_reward.worker_pool import JobResult, JobStatus, WorkerPool
 
 
@@ -61,11 +62,10 @@ class Scorer:
         except RlfleetError as exc:
             self.metrics.requests.labels(exc.kind).inc()
             raise
-        outcomes = await asyncio.gather(
-            *(self._score_one(item, term, timeout) for item in request.items for term in terms)
-        )
-        n = len(terms)
-        results = [self._combine(item, terms, outcomes[i * n : (i + 1) * n]) for i, item in enumerate(request.items)]
+        by_term = await asyncio.gather(*(self._score_term(request.items, term, timeout) for term in terms))
+        results = [
+            self._combine(item, terms, [outcomes[i] for outcomes in by_term]) for i, item in enumerate(request.items)
+        ]
         self.metrics.requests.labels("ok").inc()
         return reward_pb2.ScoreResponse(results=results)
 
@@ -128,21 +128,21 @@ class Scorer:
             )
             raise InvalidInput(problems) from None
 
-    async def _score_one(self, item: reward_pb2.ScoreItem, term: _Term, timeout: float) -> JobResult:
-        fields: dict[str, Any] = {name: getattr(item, name) for name in term.function.inputs}
-        if "metadata" in fields:
-            fields["metadata"] = dict(item.metadata)
-        sample = RewardInput(**fields)
+    async def _score_term(self, items: Sequence[reward_pb2.ScoreItem], term: _Term, timeout: float) -> list[JobResult]:
+        """Every item scored by one term; metrics counted once per status rather than once per item."""
+        samples = [_sample(item, term.function.inputs) for item in items]
         if term.function.waits_on_io:
-            outcome = await self._run_on_loop(term, sample, timeout)
+            outcomes = list(await asyncio.gather(*(self._run_on_loop(term, sample, timeout) for sample in samples)))
         else:
-            outcome = await self.pool.run(Job(term.name, sample, term.params), timeout)
-            self.metrics.pool_wait_seconds.observe(outcome.waited)
-        self.metrics.items.labels(term.name, outcome.status.value).inc()
-        self.metrics.item_seconds.labels(term.name).observe(outcome.seconds)
-        if outcome.status is JobStatus.TIMEOUT:
-            self.metrics.timeouts.labels(term.name).inc()
-        return outcome
+            outcomes = await self.pool.run(term.name, term.params, samples, timeout)
+        seconds = self.metrics.item_seconds.labels(term.name)
+        for outcome in outcomes:
+            seconds.observe(outcome.seconds)
+        for status, count in Counter(outcome.status for outcome in outcomes).items():
+            self.metrics.items.labels(term.name, status.value).inc(count)
+            if status is JobStatus.TIMEOUT:
+                self.metrics.timeouts.labels(term.name).inc(count)
+        return outcomes
 
     async def _run_on_loop(self, term: _Term, sample: RewardInput, timeout: float) -> JobResult:
         async with self._io_slots:
@@ -157,10 +157,7 @@ class Scorer:
                 reply = failure_reply(exc)
             finally:
                 self.metrics.io_calls_in_flight.dec()
-        seconds = time.monotonic() - started
-        if reply.error:
-            return JobResult(JobStatus.ERROR, error=reply.error, seconds=seconds)
-        return JobResult(JobStatus.OK, score=reply.score, parts=reply.parts or {}, seconds=seconds)
+        return JobResult.from_reply(reply, time.monotonic() - started)
 
     @staticmethod
     def _combine(
@@ -180,3 +177,11 @@ class Scorer:
             for part, value in outcome.parts.items():
                 result.components[f"{term.name}/{part}"] = value
         return result
+
+
+def _sample(item: reward_pb2.ScoreItem, inputs: frozenset[str]) -> RewardInput:
+    """The item as the function sees it: only the fields it declared, so the rest never cross the pipe."""
+    fields: dict[str, Any] = {name: getattr(item, name) for name in inputs}
+    if "metadata" in fields:
+        fields["metadata"] = dict(item.metadata)
+    return RewardInput(**fields)

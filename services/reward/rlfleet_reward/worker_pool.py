@@ -1,10 +1,14 @@
 """A fixed-size pool of worker processes that run reward functions, each call under a hard deadline.
 
 Why not `concurrent.futures.ProcessPoolExecutor`: it cannot cancel a running call, so a function
-stuck in C code would hold a worker forever. Here the parent owns every worker: it sends one job,
-waits for the reply with a deadline, and on a miss SIGKILLs the worker and starts a replacement.
-Workers come from a fork server that has already imported the functions' modules, so a replacement
-is a fork (milliseconds), not a fresh interpreter.
+stuck in C code would hold a worker forever. Here the parent owns every worker: it sends a chunk of
+items, collects the replies, and when an item overruns its limit SIGKILLs the worker, scores that
+item alone as a TIMEOUT, and hands the chunk's unanswered items to the next idle worker. Workers come
+from a fork server that has already imported the functions' modules, so a replacement is a fork
+(milliseconds), not a fresh interpreter.
+
+Chunks keep the hub's event loop out of the way: a message or two per chunk rather than a round trip
+per item, so the workers, not the hub, use the cores.
 """
 
 from __future__ import annotations
@@ -14,14 +18,17 @@ import enum
 import logging
 import multiprocessing
 import time
-from collections.abc import Iterable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 from rlfleet.errors import Unavailable
-from rlfleet_reward.reward_function import ScoreFn
-from rlfleet_reward.worker import READY, Job, Reply, worker_main
+from rlfleet_reward.chunk_call import ChunkCall, ChunkEnd
+from rlfleet_reward.reward_function import RewardInput, ScoreFn
+from rlfleet_reward.worker import READY, Chunk, Progress, Reply, worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +38,11 @@ _EXIT_STATUS_WAIT_SECONDS = 1.0
 # A fork of the preloaded fork server is ready in milliseconds; the first start also imports modules.
 _READY_WAIT_SECONDS = 60.0
 _RESPAWN_BACKOFF_SECONDS = 1.0
+# A chunk is this share of the items a call has left per worker (so the last chunks are single items
+# that end together), and never more than _MAX_CHUNK_ITEMS, so one large batch cannot hold a worker
+# long while other requests wait for one.
+_CHUNKS_PER_WORKER = 2
+_MAX_CHUNK_ITEMS = 32
 
 
 class JobStatus(enum.Enum):
@@ -46,17 +58,23 @@ class JobResult:
     parts: Mapping[str, float] = field(default_factory=dict)
     error: str = ""
     seconds: float = 0.0
-    waited: float = 0.0  # time the job queued for an idle worker, before `seconds` started
+
+    @classmethod
+    def from_reply(cls, reply: Reply, seconds: float) -> JobResult:
+        if reply.error:
+            return cls(JobStatus.ERROR, error=reply.error, seconds=seconds)
+        return cls(JobStatus.OK, score=reply.score, parts=reply.parts or {}, seconds=seconds)
 
 
 @dataclass(eq=False)
 class _Worker:
     process: BaseProcess
     conn: Connection
+    progress: Progress
 
 
 class WorkerPool:
-    """`size` worker processes; `run` takes the next idle one, so at most `size` jobs run at once."""
+    """`size` worker processes; at most `size` chunks run at once, each on its own worker."""
 
     def __init__(self, functions: Mapping[str, ScoreFn], size: int, preload: Iterable[str] = ()) -> None:
         if size < 1:
@@ -70,9 +88,11 @@ class WorkerPool:
         self._workers: set[_Worker] = set()
         self._idle: asyncio.Queue[_Worker | None] = asyncio.Queue()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._queued: dict[int, deque[int]] = {}  # by id(): each run's items not yet handed to a worker
         self._busy = 0
-        self._waiting = 0
         self._closed = False
+        # Called with the seconds each chunk waited for an idle worker (a metric, say).
+        self.on_wait: Callable[[float], None] | None = None
 
     @property
     def busy(self) -> int:
@@ -80,8 +100,8 @@ class WorkerPool:
 
     @property
     def waiting(self) -> int:
-        """Jobs queued for an idle worker: above zero, the pool is saturated."""
-        return self._waiting
+        """Items not yet handed to a worker: above zero, the pool is saturated."""
+        return sum(len(queued) for queued in self._queued.values())
 
     @property
     def live(self) -> int:
@@ -99,54 +119,91 @@ class WorkerPool:
             self._idle.put_nowait(worker)
         logger.info("reward worker pool started: %d workers", self.size)
 
-    async def run(self, job: Job, timeout: float) -> JobResult:
-        """Runs `job` on the next idle worker; its deadline counts from when the worker gets it.
+    async def run(
+        self, function: str, params: Mapping[str, Any], samples: Sequence[RewardInput], timeout: float
+    ) -> list[JobResult]:
+        """Scores every sample with `function`; one result per sample, in order.
 
-        The wait for an idle worker needs no deadline of its own: every job ahead of this one ends
-        by its deadline, so the wait is bounded by the work queued before it.
+        Each sample's `timeout` counts from when its worker starts it, so queueing behind a large
+        batch never causes a TIMEOUT. The wait for idle workers needs no deadline of its own: every
+        chunk ahead ends by its items' deadlines, so the wait is bounded by the work queued before.
         """
-        queued = time.monotonic()
-        self._waiting += 1
+        results: list[JobResult | None] = [None] * len(samples)
+        queued = deque(range(len(samples)))
+        self._queued[id(queued)] = queued
         try:
-            worker = await self._idle.get()
+            lanes = min(self.size, len(samples))
+            await asyncio.gather(
+                *(self._lane(function, params, samples, timeout, queued, results) for _ in range(lanes))
+            )
         finally:
-            self._waiting -= 1
-        waited = time.monotonic() - queued
+            del self._queued[id(queued)]
+        assert all(result is not None for result in results), "every item was scored"
+        return results  # type: ignore[return-value]
+
+    async def _lane(
+        self,
+        function: str,
+        params: Mapping[str, Any],
+        samples: Sequence[RewardInput],
+        timeout: float,
+        queued: deque[int],
+        results: list[JobResult | None],
+    ) -> None:
+        """Takes an idle worker and the next chunk of `queued`, until none is left."""
+        while queued:
+            worker = await self._acquire()
+            if not queued:  # the other lanes took the rest meanwhile
+                self._idle.put_nowait(worker)
+                return
+            size = min(_MAX_CHUNK_ITEMS, -(-len(queued) // (_CHUNKS_PER_WORKER * self.size)))
+            indices = [queued.popleft() for _ in range(size)]
+            scored = await self._run_chunk(worker, Chunk(function, params, [samples[i] for i in indices]), timeout)
+            for position, result in scored.items():
+                results[indices[position]] = result
+            # After a timeout or a dead worker, the items left without a result go back to the front.
+            queued.extendleft(reversed([index for position, index in enumerate(indices) if position not in scored]))
+
+    async def _acquire(self) -> _Worker:
+        asked = time.monotonic()
+        worker = await self._idle.get()
         if worker is None:
             self._idle.put_nowait(None)  # wakes the next waiter too
             raise Unavailable("the reward worker pool is shut down")
+        if self.on_wait is not None:
+            self.on_wait(time.monotonic() - asked)
+        return worker
+
+    async def _run_chunk(self, worker: _Worker, chunk: Chunk, timeout: float) -> dict[int, JobResult]:
+        """Results by position in the chunk: every item's, or, when an item timed out or killed its
+        worker, that item's and those of the items answered before it."""
         self._busy += 1
-        started = time.monotonic()
-        healthy = False
+        outcome = None
         try:
-            reply = await self._call(worker, job, timeout)
-            healthy = True
-        except TimeoutError:
-            logger.warning("%s exceeded its %g s limit; replacing worker %d", job.function, timeout, worker.process.pid)
-            return JobResult(
-                JobStatus.TIMEOUT, error=f"exceeded its {timeout:g} s time limit", seconds=timeout, waited=waited
-            )
-        except (EOFError, OSError):
-            # The pipe closes a moment before the exit status is known; wait that moment, bounded.
-            await asyncio.to_thread(worker.process.join, _EXIT_STATUS_WAIT_SECONDS)
-            code = worker.process.exitcode
-            return JobResult(
-                JobStatus.ERROR,
-                error=f"the worker process running it died (exit code {code})",
-                seconds=time.monotonic() - started,
-                waited=waited,
-            )
+            outcome = await ChunkCall(worker.conn, worker.progress, chunk, timeout).run()
+            if outcome.end is ChunkEnd.DIED:
+                # The pipe closes a moment before the exit status is known; wait that moment, bounded.
+                await asyncio.to_thread(worker.process.join, _EXIT_STATUS_WAIT_SECONDS)
         finally:
             self._busy -= 1
-            if healthy:
+            if outcome is not None and outcome.end is ChunkEnd.DONE:
                 self._idle.put_nowait(worker)
             else:
-                # Timed out, died, or the caller went away mid-job: the worker's state is unknown.
+                # Timed out, died, or the caller went away mid-chunk: the worker's state is unknown.
                 self._replace(worker)
-        seconds = time.monotonic() - started
-        if reply.error:
-            return JobResult(JobStatus.ERROR, error=reply.error, seconds=seconds, waited=waited)
-        return JobResult(JobStatus.OK, score=reply.score, parts=reply.parts or {}, seconds=seconds, waited=waited)
+        results = {
+            position: JobResult.from_reply(reply, reply.seconds) for position, reply in enumerate(outcome.replies)
+        }
+        if outcome.end is ChunkEnd.TIMEOUT:
+            pid = worker.process.pid
+            logger.warning("%s exceeded its %g s limit; replaced worker %d", chunk.function, timeout, pid)
+            error = f"exceeded its {timeout:g} s time limit"
+            results[outcome.culprit] = JobResult(JobStatus.TIMEOUT, error=error, seconds=timeout)
+        elif outcome.end is ChunkEnd.DIED:
+            error = f"the worker process running it died (exit code {worker.process.exitcode})"
+            seconds = time.monotonic() - outcome.started
+            results[outcome.culprit] = JobResult(JobStatus.ERROR, error=error, seconds=seconds)
+        return results
 
     async def close(self) -> None:
         """Stops every worker: closing its pipe ends an idle one; a busy one is killed."""
@@ -170,22 +227,18 @@ class WorkerPool:
         await asyncio.gather(*(self._reap(worker) for worker in workers))
         logger.info("reward worker pool stopped")
 
-    async def _call(self, worker: _Worker, job: Job, timeout: float) -> Reply:
-        # An idle worker is blocked in recv(), so a large job drains as fast as it is written.
-        worker.conn.send(job)
-        await _readable(worker.conn, timeout)
-        reply = worker.conn.recv()
-        assert isinstance(reply, Reply), f"worker sent a {type(reply).__name__}"
-        return reply
-
     def _start_worker(self) -> _Worker:
         parent_conn, child_conn = self._context.Pipe(duplex=True)
+        progress = Progress(self._context.RawArray("d", 2))
         process = self._context.Process(
-            target=worker_main, args=(child_conn, self._functions), name="rlfleet-reward-worker", daemon=True
+            target=worker_main,
+            args=(child_conn, self._functions, progress),
+            name="rlfleet-reward-worker",
+            daemon=True,
         )
         process.start()
         child_conn.close()
-        worker = _Worker(process, parent_conn)
+        worker = _Worker(process, parent_conn, progress)
         self._workers.add(worker)
         return worker
 

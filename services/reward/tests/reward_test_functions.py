@@ -40,6 +40,25 @@ def hang_on_label(sample: RewardInput, params: Mapping[str, Any]) -> float:
     return 1.0
 
 
+class RecordParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    log: str
+
+
+def record_label(sample: RewardInput, params: Mapping[str, Any]) -> float:
+    """Appends the label to the file `log`, then: "hang" hangs, "exit" ends the worker, "slow" takes 0.15 s."""
+    with open(params["log"], "a") as log:
+        log.write(sample.label + "\n")
+    if sample.label == "hang":
+        hang(sample, params)
+    if sample.label == "exit":
+        os._exit(3)
+    if sample.label == "slow":
+        time.sleep(0.15)
+    return 1.0
+
+
 def raise_error(sample: RewardInput, params: Mapping[str, Any]) -> float:
     raise RuntimeError(f"cannot score {sample.response!r}")
 
@@ -72,6 +91,7 @@ TEST_FUNCTIONS = {
     "sleep": _declare(sleep_then_one, {"response"}, "sleeps `seconds`, then scores 1.0", SleepParams),
     "hang": _declare(hang, {"response"}, "never returns and ignores signals"),
     "hang_on_label": _declare(hang_on_label, {"label"}, "hangs when the label is 'hang', else 1.0"),
+    "record_label": _declare(record_label, {"label"}, "logs the label, then misbehaves as it says", RecordParams),
     "raise": _declare(raise_error, {"response"}, "always raises"),
     "exit": _declare(exit_process, {"response"}, "ends its worker process"),
     "not_a_number": _declare(not_a_number, {"response"}, "returns a string"),

@@ -6,16 +6,17 @@ import sys
 import time
 import types
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 from reward_test_functions import TEST_FUNCTIONS
 
 from rlfleet_reward.reward_function import RewardInput
-from rlfleet_reward.worker import Job
-from rlfleet_reward.worker_pool import JobStatus, WorkerPool
+from rlfleet_reward.worker_pool import JobResult, JobStatus, WorkerPool
 
 T = TypeVar("T")
+OK, ERROR, TIMEOUT = JobStatus.OK, JobStatus.ERROR, JobStatus.TIMEOUT
 FUNCTIONS = {name: function.fn for name, function in TEST_FUNCTIONS.items()}
 
 
@@ -31,19 +32,24 @@ def with_pool(body: Callable[[WorkerPool], Awaitable[T]], size: int = 2) -> T:
     return asyncio.run(main())
 
 
-def job(function: str, seconds: float = 0.0) -> Job:
-    return Job(function, RewardInput(response="abc\ndef"), {"seconds": seconds})
+async def run_one(pool: WorkerPool, function: str, timeout: float, seconds: float = 0.0) -> JobResult:
+    (result,) = await pool.run(function, {"seconds": seconds}, [RewardInput(response="abc\ndef")], timeout)
+    return result
+
+
+def labelled(*labels: str) -> list[RewardInput]:
+    return [RewardInput(label=label) for label in labels]
 
 
 def test_results_errors_and_bad_return_values() -> None:
     async def body(pool: WorkerPool) -> None:
-        parts = await pool.run(job("length_parts"), timeout=5)
+        parts = await run_one(pool, "length_parts", timeout=5)
         assert parts.status is JobStatus.OK
         assert (parts.score, dict(parts.parts)) == (0.5, {"chars": 7.0, "lines": 2.0})
-        failed = await pool.run(job("raise"), timeout=5)
+        failed = await run_one(pool, "raise", timeout=5)
         assert failed.status is JobStatus.ERROR
         assert failed.error == "RuntimeError: cannot score 'abc\\ndef'"
-        wrong_type = await pool.run(job("not_a_number"), timeout=5)
+        wrong_type = await run_one(pool, "not_a_number", timeout=5)
         assert wrong_type.status is JobStatus.ERROR
         assert "is a str; expected a float" in wrong_type.error
 
@@ -54,13 +60,13 @@ def test_a_hang_times_out_within_its_limit_and_the_worker_is_replaced() -> None:
     async def body(pool: WorkerPool) -> None:
         pids = {w.process.pid for w in pool._workers}
         started = time.monotonic()
-        result = await pool.run(job("hang"), timeout=0.5)
+        result = await run_one(pool, "hang", timeout=0.5)
         elapsed = time.monotonic() - started
         assert result.status is JobStatus.TIMEOUT
         assert result.error == "exceeded its 0.5 s time limit"
         assert 0.5 <= elapsed < 1.5
         # Both workers serve again, one of them new.
-        ok = await asyncio.gather(*(pool.run(job("sleep", 0.05), timeout=5) for _ in range(4)))
+        ok = await pool.run("sleep", {"seconds": 0.05}, labelled(*"abcd"), timeout=5)
         assert [r.status for r in ok] == [JobStatus.OK] * 4
         assert pool.live == 2
         assert {w.process.pid for w in pool._workers} != pids
@@ -70,10 +76,10 @@ def test_a_hang_times_out_within_its_limit_and_the_worker_is_replaced() -> None:
 
 def test_a_worker_that_dies_is_an_error_and_is_replaced() -> None:
     async def body(pool: WorkerPool) -> None:
-        result = await pool.run(job("exit"), timeout=5)
+        result = await run_one(pool, "exit", timeout=5)
         assert result.status is JobStatus.ERROR
         assert "died (exit code 3)" in result.error
-        assert (await pool.run(job("sleep", 0.0), timeout=5)).status is JobStatus.OK
+        assert (await run_one(pool, "sleep", timeout=5)).status is JobStatus.OK
 
     with_pool(body, size=1)
 
@@ -81,7 +87,7 @@ def test_a_worker_that_dies_is_an_error_and_is_replaced() -> None:
 def test_at_most_size_jobs_run_at_once() -> None:
     async def body(pool: WorkerPool) -> float:
         started = time.monotonic()
-        results = await asyncio.gather(*(pool.run(job("sleep", 0.3), timeout=5) for _ in range(4)))
+        results = await pool.run("sleep", {"seconds": 0.3}, labelled(*"abcd"), timeout=5)
         assert all(r.status is JobStatus.OK for r in results)
         assert pool.busy == 0
         return time.monotonic() - started
@@ -90,12 +96,86 @@ def test_at_most_size_jobs_run_at_once() -> None:
     assert 0.6 <= elapsed < 1.5
 
 
+# With one worker the first chunk is half the items: "slow", "b" and the misbehaving item. The worker
+# sends the reply of "slow" as soon as it is done (0.15 s is past its flush interval) but holds that of
+# "b", which dies with it: "b" alone is scored again, by the replacement worker.
+
+
+@pytest.mark.parametrize(("culprit", "status", "error"), [("hang", TIMEOUT, "exceeded its 0.5 s time limit"),
+                                                           ("exit", ERROR, "died (exit code 3)")])  # fmt: skip
+def test_a_misbehaving_item_inside_a_chunk_fails_alone(
+    tmp_path: Path, culprit: str, status: JobStatus, error: str
+) -> None:
+    log = tmp_path / "calls.log"
+
+    async def body(pool: WorkerPool) -> None:
+        started = time.monotonic()
+        labels = ("slow", "b", culprit, "c", "d", "e")
+        results = await pool.run("record_label", {"log": str(log)}, labelled(*labels), timeout=0.5)
+        assert time.monotonic() - started < 2.0
+        assert [r.status for r in results] == [OK, OK, status, OK, OK, OK]
+        assert error in results[2].error
+        assert pool.live == 1
+
+    with_pool(body, size=1)
+    assert sorted(log.read_text().split()) == sorted(["slow", "b", "b", culprit, "c", "d", "e"])
+
+
+def test_each_item_of_a_chunk_gets_its_whole_time_limit() -> None:
+    async def body(pool: WorkerPool) -> float:
+        started = time.monotonic()
+        # A chunk of three items of 0.3 s runs for 0.9 s, well past one item's 0.5 s limit.
+        results = await pool.run("sleep", {"seconds": 0.3}, labelled(*"abcdef"), timeout=0.5)
+        assert [r.status for r in results] == [OK] * 6
+        assert all(0.3 <= r.seconds < 0.5 for r in results)
+        return time.monotonic() - started
+
+    assert with_pool(body, size=1) >= 1.8
+
+
+def test_a_batch_spreads_over_every_worker_and_ends_together() -> None:
+    async def body(pool: WorkerPool) -> float:
+        started = time.monotonic()
+        results = await pool.run("sleep", {"seconds": 0.05}, labelled(*"abcdefghijklmnopqrstuvwx"), timeout=5)
+        assert [r.status for r in results] == [OK] * 24
+        return time.monotonic() - started
+
+    # 0.6 s split evenly over two workers; 1.2 s on one.
+    assert with_pool(body, size=2) < 0.95
+
+
+def test_queued_items_are_counted_until_a_worker_takes_them() -> None:
+    async def body(pool: WorkerPool) -> None:
+        task = asyncio.create_task(pool.run("sleep", {"seconds": 0.3}, labelled(*"abcdef"), timeout=5))
+        await asyncio.sleep(0.15)
+        assert (pool.busy, pool.waiting) == (1, 3)
+        await task
+        assert (pool.busy, pool.waiting) == (0, 0)
+
+    with_pool(body, size=1)
+
+
+def test_a_caller_that_goes_away_mid_chunk_gets_its_worker_replaced() -> None:
+    async def body(pool: WorkerPool) -> None:
+        pids = {w.process.pid for w in pool._workers}
+        task = asyncio.create_task(pool.run("sleep", {"seconds": 0.3}, labelled(*"abcd"), timeout=5))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert (await run_one(pool, "sleep", timeout=5)).status is OK
+        assert pool.live == 1 and {w.process.pid for w in pool._workers} != pids
+        assert (pool.busy, pool.waiting) == (0, 0)
+
+    with_pool(body, size=1)
+
+
 def test_close_ends_every_worker_even_a_hung_one() -> None:
     pids: list[int] = []
 
     async def body(pool: WorkerPool) -> None:
         pids.extend(w.process.pid for w in pool._workers if w.process.pid is not None)
-        hung = asyncio.create_task(pool.run(job("hang"), timeout=60))
+        hung = asyncio.create_task(run_one(pool, "hang", timeout=60))
         await asyncio.sleep(0.2)
         assert pool.busy == 1
         started = time.monotonic()
