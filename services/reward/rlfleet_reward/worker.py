@@ -14,6 +14,7 @@ the parent's to kill.
 from __future__ import annotations
 
 import ctypes
+import gc
 import math
 import signal
 import sys
@@ -138,6 +139,9 @@ def worker_main(conn: Connection, functions: Mapping[str, ScoreFn], progress: Pr
     _die_with_parent()
     # Ctrl-C reaches the whole process group; the hub, not each worker, decides how to shut down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The scorers' imports (sympy, parsers) are long-lived: move them out of the collector's view so
+    # each collection scans only what scoring allocates.
+    gc.freeze()
     conn.send(READY)
     while True:
         try:
