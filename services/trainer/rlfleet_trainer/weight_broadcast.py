@@ -80,8 +80,12 @@ class WeightBroadcaster:
         bucket_mb: float,
         timeout_s: float,
         group_name: str = GROUP_NAME,
+        abort_all_requests: bool = False,
     ) -> None:
+        """`abort_all_requests`: each version's first bucket has the engines abort their requests
+        first (the run resumes them on the new version: partial rollouts)."""
         self._router = router
+        self._abort_all_requests = abort_all_requests
         self._master_address = master_address
         self._backend = backend
         self._bucket_bytes = int(bucket_mb * 2**20)
@@ -144,6 +148,8 @@ class WeightBroadcaster:
                 "flush_cache": last,
                 "weight_version": str(version) if last else None,
             }
+            if index == 0 and self._abort_all_requests:
+                body["abort_all_requests"] = True
             try:
                 self._together(
                     "/update_weights_from_distributed",

@@ -136,5 +136,6 @@ def make_publisher(
         backend=settings.weight_sync_backend,
         bucket_mb=settings.weight_sync_bucket_mb,
         timeout_s=settings.weight_sync_timeout_s,
+        abort_all_requests=abort_all_requests,
     )
     return DistributedPublisher(broadcaster, disk, weights_root, tokenizer_dir, full_state)

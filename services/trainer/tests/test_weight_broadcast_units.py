@@ -80,3 +80,17 @@ def test_a_failed_broadcast_brings_the_version_by_disk(fake_router: Any, small_m
     path = DistributedPublisher(broadcaster, disk, tmp_path, small_model_dir).publish(model, 4)
     assert fake_router.loads == [{"model_path": str(path), "weight_version": "4"}]
     assert (path / "config.json").exists() and broadcaster.closed == 1
+
+
+@pytest.mark.parametrize("abort", [False, True])
+def test_only_a_versions_first_bucket_asks_engines_to_abort(abort: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    broadcaster = WeightBroadcaster(
+        RouterClient("http://127.0.0.1:1", 1.0), "127.0.0.1", "gloo", 80 / 2**20, 1.0, abort_all_requests=abort
+    )
+    bodies: list[dict[str, Any]] = []
+    monkeypatch.setattr(broadcaster, "_together", lambda route, body, *args, **kwargs: bodies.append(body))
+    broadcaster.group = type("OpenGroup", (), {"abort": lambda self: None})()  # type: ignore[assignment]
+    broadcaster.broadcast({"a": torch.zeros(10), "b": torch.zeros(10), "c": torch.zeros(20)}, version=3)
+    assert len(bodies) == 2
+    assert [body.get("abort_all_requests", False) for body in bodies] == [abort, False]
+    assert [body["weight_version"] for body in bodies] == [None, "3"]
