@@ -3,10 +3,13 @@ tiny model made once per session, and a whole fleet per module for the tests tha
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -14,6 +17,7 @@ import redis
 from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet
 from rlfleet.sample_stream import connect_redis
 
+FleetFactory = Callable[..., contextlib.AbstractContextManager[LocalFleet]]
 REDIS_URL = os.environ.get("RLFLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
@@ -48,24 +52,43 @@ def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory, small_model_dir: Path) -> Iterator[LocalFleet]:
-    """One real fleet (engines, router, reward hub, trainer under torchrun, orchestrator) on free
-    ports with its own Redis key prefix; stopped by pid and its keys deleted afterwards."""
+@contextlib.contextmanager
+def running_fleet(
+    tmp_path_factory: pytest.TempPathFactory, model_dir: Path, engines: int = 2, **config: Any
+) -> Iterator[LocalFleet]:
+    """A real fleet (engines, router, reward hub, trainer under torchrun, orchestrator) on free ports
+    with its own Redis key prefix; stopped by pid and its keys deleted afterwards. `config`: more
+    FleetConfig fields (trainer_ranks, env, ...)."""
     prefix = f"rlfleet-fleet:{uuid.uuid4().hex[:10]}:"
-    config = FleetConfig(
-        model_path=small_model_dir,
-        engines=2,
+    fleet_config = FleetConfig(
+        model_path=model_dir,
+        engines=engines,
         state_dir=tmp_path_factory.mktemp("fleet"),
-        ports=FleetPorts.free(2),
+        ports=FleetPorts.free(engines),
         redis_url=REDIS_URL,
         redis_prefix=prefix,
         startup_timeout_s=120,
+        **config,
     )
-    with LocalFleet(config) as running:
+    try:
+        with LocalFleet(fleet_config) as running:
+            yield running
+    finally:
+        client = connect_redis(REDIS_URL)
+        keys = list(client.scan_iter(match=f"{prefix}*", count=500))
+        if keys:
+            client.delete(*keys)
+        client.close()
+
+
+@pytest.fixture(scope="session")
+def fleet_factory(tmp_path_factory: pytest.TempPathFactory) -> FleetFactory:
+    """`with fleet_factory(model_dir, engines=1, trainer_ranks=2) as fleet:` for a fleet of other shape."""
+    return functools.partial(running_fleet, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory, small_model_dir: Path) -> Iterator[LocalFleet]:
+    """One real fleet of two engines per test module."""
+    with running_fleet(tmp_path_factory, small_model_dir) as running:
         yield running
-    client = connect_redis(REDIS_URL)
-    keys = list(client.scan_iter(match=f"{prefix}*", count=500))
-    if keys:
-        client.delete(*keys)
-    client.close()

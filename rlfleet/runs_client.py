@@ -7,6 +7,7 @@ get typed values (int64 fields arrive as JSON strings).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +16,15 @@ import yaml
 from google.protobuf import json_format
 
 from rlfleet.api_token import bearer_headers
-from rlfleet.errors import Conflict, InvalidInput, NotFound, RlfleetError, Unauthenticated, Unavailable
+from rlfleet.errors import (
+    Conflict,
+    DeadlineExceeded,
+    InvalidInput,
+    NotFound,
+    RlfleetError,
+    Unauthenticated,
+    Unavailable,
+)
 from rlfleet.v1.runs_pb2 import Run, RunSpec, RunState
 
 STATUS_ERRORS: dict[int, type[RlfleetError]] = {400: InvalidInput, 401: Unauthenticated, 404: NotFound, 409: Conflict}
@@ -58,6 +67,18 @@ class RunsClient:
         params = {"state": state} if state else None
         body = self._request("GET", "/v1/runs", params=params)
         return [json_format.ParseDict(r, Run(), ignore_unknown_fields=True) for r in body.get("runs", [])]
+
+    def wait_final(self, run_id: str, timeout_s: float, poll_s: float = 0.5) -> Run:
+        """The run once it has ended (succeeded, failed or cancelled); DeadlineExceeded after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while (run := self.get(run_id)).state not in FINAL_STATES:
+            if time.monotonic() >= deadline:
+                raise DeadlineExceeded(
+                    f"run {run_id} had not ended after {timeout_s:g}s: {RunState.Name(run.state)} at step "
+                    f"{run.progress.step}"
+                )
+            time.sleep(poll_s)
+        return run
 
     def cancel(self, run_id: str) -> Run:
         return self._run(self._request("POST", f"/v1/runs/{run_id}:cancel"))

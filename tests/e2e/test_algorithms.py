@@ -4,7 +4,6 @@ router, reward hub, trainer under torchrun, orchestrator): two steps each, tiny 
 from __future__ import annotations
 
 import math
-import time
 
 import grpc
 import pytest
@@ -12,9 +11,9 @@ from google.protobuf import json_format
 
 from rlfleet.local_fleet import LocalFleet
 from rlfleet.run_spec import ALGORITHMS
-from rlfleet.runs_client import FINAL_STATES, RunsClient
+from rlfleet.runs_client import RunsClient
 from rlfleet.v1 import trainer_pb2, trainer_pb2_grpc
-from rlfleet.v1.runs_pb2 import Run, RunSpec, RunState
+from rlfleet.v1.runs_pb2 import RunSpec, RunState
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -24,16 +23,6 @@ STEPS = 2
 @pytest.fixture(scope="module")
 def api(fleet: LocalFleet) -> RunsClient:
     return RunsClient(fleet.api_url, timeout_s=30)
-
-
-def wait_final(client: RunsClient, run_id: str, timeout: float = 120.0) -> Run:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        run = client.get(run_id)
-        if run.state in FINAL_STATES:
-            return run
-        time.sleep(0.3)
-    raise AssertionError(f"run {run_id} did not finish in {timeout}s: {client.get(run_id)}")
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)
@@ -49,7 +38,7 @@ def test_algorithm_runs_end_to_end(fleet: LocalFleet, api: RunsClient, name: str
         "trainer": {"learning_rate": 1e-3, "lr_schedule": "cosine", "warmup_steps": 1},
         "schedule": {"steps": STEPS},
     }
-    run = wait_final(api, api.submit(json_format.ParseDict(spec, RunSpec())).id)
+    run = api.wait_final(api.submit(json_format.ParseDict(spec, RunSpec())).id, timeout_s=120)
     assert run.state == RunState.RUN_STATE_SUCCEEDED, run.error
     assert run.progress.step == STEPS and run.progress.weight_version == STEPS
     with grpc.insecure_channel(f"127.0.0.1:{fleet.config.ports.trainer_grpc}") as channel:

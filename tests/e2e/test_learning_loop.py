@@ -38,16 +38,6 @@ def spec_dict(fleet: LocalFleet, steps: int = STEPS, name: str = "e2e") -> dict:
     }
 
 
-def wait_final(client: RunsClient, run_id: str, timeout: float = 240.0) -> Run:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        run = client.get(run_id)
-        if run.state in FINAL_STATES:
-            return run
-        time.sleep(0.5)
-    raise AssertionError(f"run {run_id} did not finish in {timeout}s: {client.get(run_id)}")
-
-
 def wait_step(client: RunsClient, run_id: str, step: int, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -96,7 +86,7 @@ def test_run_submitted_with_curl_completes(fleet: LocalFleet, api: RunsClient, t
     )
     submitted = json_format.Parse(out.stdout, Run(), ignore_unknown_fields=True)
     assert submitted.state in (RunState.RUN_STATE_QUEUED, RunState.RUN_STATE_RUNNING)
-    run = wait_final(api, submitted.id)
+    run = api.wait_final(submitted.id, timeout_s=240)
     assert run.state == RunState.RUN_STATE_SUCCEEDED, run.error
     assert run.progress.step == STEPS and run.progress.weight_version == STEPS
     assert [e.step for e in run.evals][0] == 0 and run.evals[-1].step == STEPS
@@ -136,7 +126,7 @@ def test_cancel_stops_a_run(fleet: LocalFleet, api: RunsClient) -> None:
     wait_step(api, run.id, 1)
     cancelled = api.cancel(run.id)
     assert cancelled.state == RunState.RUN_STATE_CANCELLED
-    final = wait_final(api, run.id, timeout=60)
+    final = api.wait_final(run.id, timeout_s=60)
     assert final.state == RunState.RUN_STATE_CANCELLED
     client = connect_redis(fleet.config.resolved_redis_url())
     stream = SampleStream(client, run.id, prefix=fleet.config.redis_prefix)
@@ -162,7 +152,7 @@ def test_trainer_killed_mid_run_resumes_and_nothing_is_lost(fleet: LocalFleet, a
     else:
         raise AssertionError("the trainer rank survived its killed launcher")
     fleet.restart("trainer")
-    final = wait_final(api, run.id)
+    final = api.wait_final(run.id, timeout_s=240)
     assert final.state == RunState.RUN_STATE_SUCCEEDED, final.error
     assert final.progress.weight_version == 6
     assert_trained_exactly_once(fleet, final)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 import shutil
-import time
 from pathlib import Path
 
 import grpc
@@ -18,10 +17,10 @@ from transformers import AutoModelForCausalLM
 
 from rlfleet.char_tokenizer import EOS, SPECIAL_TOKENS, vocabulary
 from rlfleet.local_fleet import LocalFleet
-from rlfleet.runs_client import FINAL_STATES, RunsClient
+from rlfleet.runs_client import RunsClient
 from rlfleet.sample_stream import SampleStream, connect_redis
 from rlfleet.v1 import trainer_pb2, trainer_pb2_grpc
-from rlfleet.v1.runs_pb2 import Run, RunSpec, RunState
+from rlfleet.v1.runs_pb2 import RunSpec, RunState
 from rlfleet.v1.samples_pb2 import Sample, SampleGroup, SampleStatus
 from rlfleet_rollout.calculator import calculator
 
@@ -79,16 +78,6 @@ def tool_model_dir(small_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
     return out
 
 
-def _wait_final(api: RunsClient, run_id: str, timeout: float = 180.0) -> Run:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        run = api.get(run_id)
-        if run.state in FINAL_STATES:
-            return run
-        time.sleep(0.5)
-    raise AssertionError(f"run {run_id} did not finish in {timeout}s: {api.get(run_id)}")
-
-
 def _segments(sample: Sample) -> list[tuple[int, list[int]]]:
     """The response as maximal runs of equal loss mask: [(mask, token ids), ...]."""
     runs: list[tuple[int, list[int]]] = []
@@ -117,7 +106,7 @@ def test_calculator_episodes_train_on_the_generated_tokens_only(tool_model_dir: 
         "trainer": {"learning_rate": 1e-3},
         "schedule": {"steps": STEPS},
     }
-    run = _wait_final(api, api.submit(json_format.ParseDict(spec, RunSpec())).id)
+    run = api.wait_final(api.submit(json_format.ParseDict(spec, RunSpec())).id, timeout_s=180)
     assert run.state == RunState.RUN_STATE_SUCCEEDED, run.error
     assert run.progress.weight_version == STEPS
     # Evaluation runs whole episodes too: the taught model answers from the calculator's reply.

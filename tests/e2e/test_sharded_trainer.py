@@ -4,9 +4,8 @@ weight update group (weight_sync=distributed), with the engines' log-probs match
 
 from __future__ import annotations
 
-import time
-import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import grpc
@@ -14,39 +13,24 @@ import httpx
 import pytest
 from google.protobuf import json_format
 
-from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet
-from rlfleet.runs_client import FINAL_STATES, RunsClient
-from rlfleet.sample_stream import connect_redis
+from rlfleet.local_fleet import LocalFleet
+from rlfleet.runs_client import RunsClient
 from rlfleet.v1 import trainer_pb2, trainer_pb2_grpc
 from rlfleet.v1.runs_pb2 import RunSpec, RunState
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def sharded_fleet(tmp_path_factory: pytest.TempPathFactory, small_model_dir: Path) -> Iterator[LocalFleet]:
-    prefix = f"rlfleet-sharded:{uuid.uuid4().hex[:10]}:"
-    config = FleetConfig(
-        model_path=small_model_dir,
-        engines=1,
-        state_dir=tmp_path_factory.mktemp("sharded"),
-        ports=FleetPorts.free(1),
-        redis_url=REDIS_URL,
-        redis_prefix=prefix,
-        trainer_ranks=2,
-        startup_timeout_s=120,
-        env={"RLFLEET_TRAINER_WEIGHT_SYNC": "distributed"},
-    )
-    with LocalFleet(config) as running:
+def sharded_fleet(
+    fleet_factory: Callable[..., AbstractContextManager[LocalFleet]], small_model_dir: Path
+) -> Iterator[LocalFleet]:
+    with fleet_factory(
+        small_model_dir, engines=1, trainer_ranks=2, env={"RLFLEET_TRAINER_WEIGHT_SYNC": "distributed"}
+    ) as running:
         yield running
-    client = connect_redis(REDIS_URL)
-    keys = list(client.scan_iter(match=f"{prefix}*", count=500))
-    if keys:
-        client.delete(*keys)
-    client.close()
 
 
 def test_two_rank_trainer_trains_checkpoints_and_broadcasts(sharded_fleet: LocalFleet) -> None:
@@ -65,10 +49,7 @@ def test_two_rank_trainer_trains_checkpoints_and_broadcasts(sharded_fleet: Local
         "schedule": {"steps": STEPS},
     }
     run_id = api.submit(json_format.ParseDict(spec, RunSpec())).id
-    deadline = time.monotonic() + 180
-    while (run := api.get(run_id)).state not in FINAL_STATES:
-        assert time.monotonic() < deadline, f"run did not finish in 180 s: {run}"
-        time.sleep(0.3)
+    run = api.wait_final(run_id, timeout_s=180)
     assert run.state == RunState.RUN_STATE_SUCCEEDED, run.error
     with grpc.insecure_channel(f"127.0.0.1:{fleet.config.ports.trainer_grpc}") as channel:
         stub = trainer_pb2_grpc.TrainerStub(channel)
