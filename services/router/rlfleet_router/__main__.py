@@ -52,6 +52,7 @@ VALUE_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--kubernetes-engine-port", int, "kubernetes: engine port (default: the Endpoints' first port)"),
     ("--kubernetes-timeout-secs", float, "kubernetes: bound on one API call (default 10)"),
     ("--log-level", str, "debug, info (default), warning, error"),
+    ("--max-request-bytes", int, "largest request body accepted, 413 beyond (default 64 MiB)"),
     ("--api-token-file", str, "file holding the API token admin requests must carry (default: none, open)"),
 )
 

@@ -47,6 +47,9 @@ class RouterConfig(BaseSettings):
         600.0, gt=0, description="Upper bound on one proxied request, retries included, until its last byte."
     )
     connect_timeout_secs: float = Field(5.0, gt=0, description="Bound on opening a connection to an engine.")
+    max_request_bytes: int = Field(
+        64 * 2**20, ge=1024, description="Largest request body accepted (413 beyond); the router buffers each one."
+    )
     retry_max_retries: int = Field(
         3, ge=0, description="Further engines tried after a connection error or 5xx before any byte was returned."
     )

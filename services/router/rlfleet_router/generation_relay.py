@@ -46,7 +46,11 @@ class GenerationRelay:
             await send(message)
 
         try:
-            body = await read_body(receive)
+            try:
+                body = await read_body(receive)
+            except RlfleetError as exc:  # a body over the router's size bound, counted as it arrived
+                await error_response(exc)(scope, receive, send_and_watch)
+                return
             if body is None:
                 status = CLIENT_CLOSED_REQUEST
                 return

@@ -20,6 +20,7 @@ from rlfleet.api_token import ApiTokenGuard
 from rlfleet.errors import Unavailable
 from rlfleet.http_auth import require_api_token
 from rlfleet.http_errors import install_error_handlers
+from rlfleet.http_limits import BodySizeLimitMiddleware
 from rlfleet_router.api_models import AddWorkerRequest, UpdateWeightsRequest
 from rlfleet_router.config import RouterConfig
 from rlfleet_router.fanout import FANOUT_ROUTES
@@ -33,7 +34,7 @@ from rlfleet_router.weight_group_routes import weight_group_routes
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def create_app(config: RouterConfig) -> GenerationRelay:
+def create_app(config: RouterConfig) -> BodySizeLimitMiddleware:
     fleet = Fleet(config)
 
     @asynccontextmanager
@@ -153,4 +154,5 @@ def create_app(config: RouterConfig) -> GenerationRelay:
 
     # Around the whole app, so generation requests (POST /generate, /v1/completions, /v1/chat/completions)
     # skip FastAPI's middleware stack and routing; lifespan and every other request go on to the app.
-    return GenerationRelay(app, fleet)
+    # The body bound comes first: every request is buffered whole before it is routed.
+    return BodySizeLimitMiddleware(GenerationRelay(app, fleet), max_bytes=config.max_request_bytes)

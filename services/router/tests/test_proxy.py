@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -163,6 +163,28 @@ def test_bad_generate_bodies_are_400(
     a_list = router.client.post("/generate", json=[1, 2])
     assert a_list.status_code == 400 and "JSON object" in a_list.json()["error"]["message"]
     assert engine.raw_bodies == []
+
+
+def test_bodies_over_the_bound_are_413_and_never_reach_an_engine(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    engine = start_engine("a")
+    router = start_router([engine.url], max_request_bytes=4096)
+    router.wait_healthy(1)
+    huge = json.dumps({"text": "x" * 5000}).encode()
+    declared = router.client.post("/generate", content=huge, headers={"content-type": "application/json"})
+    assert declared.status_code == 413 and declared.json()["error"]["kind"] == "resource_exhausted"
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+        yield huge[:3000]
+        yield huge[3000:]
+
+    chunked = router.client.post("/generate", content=chunks(), headers={"content-type": "application/json"})
+    assert chunked.status_code == 413, chunked.text
+    admin = router.client.post("/abort_request", content=chunks(), headers={"content-type": "application/json"})
+    assert admin.status_code == 413, admin.text
+    assert engine.raw_bodies == []
+    assert router.client.post("/generate", json={"text": "x" * 100}).status_code == 200
 
 
 def test_requests_time_out(start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]) -> None:
