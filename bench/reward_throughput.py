@@ -2,20 +2,22 @@
 and `code` items/s through the hub's sandbox.
 
 The hub runs as a real process (`python -m rlfleet_reward`, one worker per CPU unless --workers);
-each batch is one HTTP request, sent one after another. The baseline calls the same `math` function
-(math-verify) on the same items one after another in this process. Both sides are warmed up first on
-other items, then measured in rounds: each round makes fresh items (so neither side has seen them),
-scores them on both sides, and alternates which side goes first, so that a change in the machine's
-load hits both alike. Each side's time is the wall clock around its calls alone (the hub side
-includes this process encoding the requests and decoding the responses). The ratio reported is the
-median of the rounds' ratios; the load average is printed (on a shared machine other processes take
-cores from both sides, and more from the side that needs two). CPU time per item is printed too, for
-each side and, on the hub side, for the workers, the hub process itself and this client: it shows
-where the hub's cycles go, and it changes less with the machine's load than wall time. The code items
-each run two
-stdin/stdout tests, every test in its own sandbox (see services/reward/rlfleet_reward/sandbox.py). Run:
+each batch is one HTTP request, `--in-flight` of them at a time (default 2: a client scoring several
+groups at once, so the workers need not wait while the hub reads one request and answers another).
+The baseline calls the same `math` function (math-verify) on the same items one after another in this
+process. Both sides are warmed up first on other items, then measured in rounds: each round makes
+fresh items (so neither side has seen them), scores them on both sides, and alternates which side
+goes first, so that a change in the machine's load hits both alike. Each side's time is the wall
+clock around its calls alone (the hub side includes this process encoding the requests and decoding
+the responses). The ratio reported is the median of the rounds' ratios; the load average is printed
+(on a shared machine other processes take cores from both sides, and more from the side that needs
+two). CPU time per item is printed too, for each side and, on the hub side, for the workers, the hub
+process itself and this client: it shows where the hub's cycles go, and it changes less with the
+machine's load than wall time. The code items each run two stdin/stdout tests, every test in its own
+sandbox (see services/reward/rlfleet_reward/sandbox.py). Run:
 
-    .venv/bin/python bench/reward_throughput.py [--math-items 1600] [--rounds 8] [--code-items 60] [--workers N]
+    .venv/bin/python bench/reward_throughput.py [--math-items 1600] [--rounds 8] [--code-items 60]
+        [--in-flight 2] [--workers N]
 
 Record the printed figures in bench/reward_throughput.md.
 """
@@ -29,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -78,16 +81,28 @@ def sequential_math(items: list[dict[str, str]]) -> float:
 
 
 def hub_seconds(
-    http: httpx.Client, url: str, terms: list[dict], items: list[dict], batch: int, statuses: dict[str, int]
+    http: httpx.Client,
+    url: str,
+    terms: list[dict],
+    items: list[dict],
+    batch: int,
+    statuses: dict[str, int],
+    in_flight: int = 1,
 ) -> float:
-    """Seconds the hub takes to score `items` in requests of `batch`; counts result statuses."""
-    started = time.monotonic()
-    for start in range(0, len(items), batch):
+    """Seconds the hub takes to score `items` in requests of `batch`, `in_flight` requests at a time;
+    counts result statuses."""
+
+    def post(start: int) -> list[dict]:
         body = {"spec": {"terms": terms, "timeout_seconds": 60}, "items": items[start : start + batch]}
         response = http.post(f"{url}/score", json=body)
         response.raise_for_status()
-        for result in response.json()["results"]:
-            statuses[result["status"]] = statuses.get(result["status"], 0) + 1
+        return response.json()["results"]
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(in_flight) as requests:
+        for results in requests.map(post, range(0, len(items), batch)):
+            for result in results:
+                statuses[result["status"]] = statuses.get(result["status"], 0) + 1
     return time.monotonic() - started
 
 
@@ -106,7 +121,7 @@ def descendants(pid: int) -> list[int]:
 
 
 def math_rounds(
-    http: httpx.Client, url: str, hub_pid: int, rounds: int, per_round: int, batch: int
+    http: httpx.Client, url: str, hub_pid: int, rounds: int, per_round: int, batch: int, in_flight: int
 ) -> list[tuple[float, float]]:
     """(sequential seconds, hub seconds) per round; both sides score the same fresh items each round."""
     math = [{"function": "math"}]
@@ -123,7 +138,7 @@ def math_rounds(
                 cpu["sequential"] += time.process_time() - client
                 continue
             hub, pool = process_cpu_seconds(hub_pid), sum(process_cpu_seconds(pid) for pid in workers)
-            through_hub = hub_seconds(http, url, math, items, batch, statuses)
+            through_hub = hub_seconds(http, url, math, items, batch, statuses, in_flight)
             cpu["client"] += time.process_time() - client
             cpu["hub"] += process_cpu_seconds(hub_pid) - hub
             cpu["workers"] += sum(process_cpu_seconds(pid) for pid in workers) - pool
@@ -147,6 +162,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--code-items", type=int, default=60)
     parser.add_argument("--batch", type=int, default=100, help="items per /score request")
+    parser.add_argument(
+        "--in-flight", type=int, default=2, help="/score requests at a time (a client scoring several groups)"
+    )
     parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
     args = parser.parse_args()
 
@@ -164,13 +182,16 @@ def main() -> None:
             hub_seconds(
                 http, url, [{"function": "math"}], math_items(100 * args.workers, offset=800_000), args.batch, {}
             )
-            timings = math_rounds(http, url, hub.pid, args.rounds, per_round, args.batch)
+            timings = math_rounds(http, url, hub.pid, args.rounds, per_round, args.batch, args.in_flight)
             total = per_round * args.rounds
             sequential = sum(t[0] for t in timings)
             through_hub = sum(t[1] for t in timings)
             ratios = [seq / via_hub for seq, via_hub in timings]
             print(f"math-verify sequential, one process: {total / sequential:.1f} items/s")
-            print(f"math-verify through the hub ({args.workers} workers): {total / through_hub:.1f} items/s")
+            print(
+                f"math-verify through the hub ({args.workers} workers, {args.in_flight} requests in flight): "
+                f"{total / through_hub:.1f} items/s"
+            )
             print(
                 f"ratio: {statistics.median(ratios):.2f}x (median of {args.rounds} rounds; min {min(ratios):.2f}x, "
                 f"max {max(ratios):.2f}x; all items together {sequential / through_hub:.2f}x)"
