@@ -5,11 +5,19 @@ Requests go through the same parsing, expansion and output shapes as the `transf
 time from a latency model, on the asyncio loop, without torch, so 8-16 engines fit on two cores.
 
 What it models, per engine:
-  * a real prefix cache with a token budget (`PrefixCache`): a prompt's cached tokens are reported
-    as `meta_info.cached_tokens` and in `sglang:cache_hit_rate`, and only uncached tokens cost prefill;
-  * continuous batching: up to `max_running_requests` sequences advance together; each iteration
-    takes `decode_step + per_sequence * batch + prefill_per_token * (uncached tokens admitted)`, so
-    a prefill stalls the whole batch, as it does in SGLang without chunked prefill.
+  * KV memory as in SGLang's pool (`PrefixCache`): one token budget holds the running requests'
+    KV (prompt + room for max_new_tokens, shared prefix blocks counted once) and the prefix cache
+    of finished ones, which is evicted LRU but never under a running request. A prompt's cached
+    tokens are reported as `meta_info.cached_tokens` and in `sglang:cache_hit_rate`, and only
+    uncached tokens cost prefill;
+  * admission first come, first served: a waiting request starts when there is a free batch slot
+    (`max_running_requests`) and its KV fits in free + evictable memory; otherwise it and those
+    behind it wait, as on an engine sent more than it can hold. A request larger than the whole
+    budget is refused (400) rather than left waiting forever;
+  * continuous batching: the running sequences advance together; each iteration takes
+    `decode_step + per_sequence * batch + per_kv_token * (running sequences' tokens) + prefill_per_token
+    * (uncached tokens admitted)`: decoding reads every sequence's whole KV (a shared prefix once per
+    sequence), and a prefill stalls the whole batch, as it does in SGLang without chunked prefill.
 Output token j of sample i of a prompt is a function of (random_seed, prompt ids, i, j) only: the
 same request gets the same tokens on every engine, whatever routed it there. Every figure measured
 on this backend is a simulation and must say so.
@@ -35,7 +43,7 @@ from rlfleet_engine.generation_job import GenerationJob
 from rlfleet_engine.metrics import EngineMetrics
 from rlfleet_engine.request_expansion import expand
 from rlfleet_engine.schemas import GenerateRequest, UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest
-from rlfleet_engine.sim_prefix_cache import PrefixCache
+from rlfleet_engine.sim_prefix_cache import Lease, PrefixCache
 from rlfleet_engine.stop_conditions import FinishReason
 
 if TYPE_CHECKING:  # torch is imported only once a trainer opens a weight update group
@@ -61,11 +69,14 @@ class LatencyModel:
     prefill_secs_per_token: float
     decode_secs_per_step: float
     decode_secs_per_sequence: float
+    decode_secs_per_kv_token: float
 
-    def iteration_secs(self, batch: int, prefill_tokens: int) -> float:
+    def iteration_secs(self, batch: int, prefill_tokens: int, context_tokens: int) -> float:
+        """One iteration of `batch` sequences holding `context_tokens` in all, after admitting `prefill_tokens`."""
         return (
             self.decode_secs_per_step
             + self.decode_secs_per_sequence * batch
+            + self.decode_secs_per_kv_token * context_tokens
             + self.prefill_secs_per_token * prefill_tokens
         )
 
@@ -75,6 +86,8 @@ class SimJob(GenerationJob):
     sample_index: int = 0
     cached_tokens: int = 0
     rng: random.Random = field(default_factory=random.Random)
+    lease: Lease | None = None
+    """The KV memory the job holds while it runs."""
 
     def output(self, tokenizer: Any, weight_version: str) -> dict[str, Any]:
         out = super().output(tokenizer, weight_version)
@@ -134,6 +147,7 @@ class SimScheduler:
                 job.finish_with(FinishReason("abort", message=f"Abort in {where}"))
                 self._publish(job)
                 queue.remove(job)
+                self._release(job)
 
     def set_paused(self, paused: bool) -> None:
         self.paused = paused
@@ -152,28 +166,38 @@ class SimScheduler:
                 next_at = time.monotonic()
                 continue
             prefill = self._admit()
+            assert self._running, "an idle engine admits any request small enough for its KV budget"
             batch = len(self._running)
+            context = sum(len(job.input_ids) + len(job.output_ids) for job in self._running)
             self.peak_batch_size = max(self.peak_batch_size, batch)
             self.metrics.decode_batch_size.observe(batch)
             # Absolute deadlines keep sleep overshoot from adding up over a long generation.
-            next_at = max(next_at, time.monotonic() - 0.05) + self.latency.iteration_secs(batch, prefill)
+            next_at = max(next_at, time.monotonic() - 0.05) + self.latency.iteration_secs(batch, prefill, context)
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
             self._advance()
             self._update_gauges()
 
     def _admit(self) -> int:
-        """Moves waiting jobs into the batch; returns their uncached prompt tokens (the prefill to pay)."""
+        """Moves waiting jobs into the batch while slots and KV memory last; returns the prefill to pay.
+
+        First come, first served: the first job that does not fit stops admission, so a large
+        request is not starved by smaller ones behind it.
+        """
         prefill = 0
+        admitted = 0
         room = self.max_running_requests - len(self._running)
-        admitted, self._waiting = self._waiting[:room], self._waiting[room:]
-        for job in admitted:
-            job.cached_tokens = min(self.cache.match(job.input_ids), len(job.input_ids) - 1)
+        for job in self._waiting[:room]:
+            job.lease = self.cache.lease(job.input_ids, job.params.max_new_tokens)
+            if job.lease is None:
+                break
+            admitted += 1
+            job.cached_tokens = min(job.lease.cached_tokens, len(job.input_ids) - 1)
             prefill += len(job.input_ids) - job.cached_tokens
-            self.cache.insert(job.input_ids)
             self.metrics.prompt_tokens.inc(len(job.input_ids))
             self.metrics.cached_tokens.inc(job.cached_tokens)
         self.metrics.cache_hit_rate.set(self.cache.hit_rate)
-        self._running.extend(admitted)
+        self._running.extend(self._waiting[:admitted])
+        del self._waiting[:admitted]
         return prefill
 
     def _advance(self) -> None:
@@ -192,10 +216,16 @@ class SimScheduler:
                 self._publish(job)
         self.metrics.observe_generated(len(self._running))
         self.last_step_at = time.monotonic()
-        done = [job for job in self._running if job.finish is not None]
-        for job in done:
-            self.cache.insert(job.input_ids + job.output_ids)
+        for job in self._running:
+            if job.finish is not None:
+                self._release(job)
         self._running = [job for job in self._running if job.finish is None]
+
+    def _release(self, job: SimJob) -> None:
+        """Returns a finished job's KV memory and keeps what it computed (prompt + output) cached."""
+        if job.lease is not None:
+            self.cache.release(job.lease, job.input_ids + job.output_ids)
+            job.lease = None
 
     def _publish(self, job: SimJob) -> None:
         job.deliver(job.output(self.tokenizer, self.weight_version))
@@ -207,7 +237,7 @@ class SimScheduler:
     def _update_gauges(self) -> None:
         self.metrics.num_running_reqs.set(len(self._running))
         self.metrics.num_queue_reqs.set(len(self._waiting))
-        self.metrics.num_used_tokens.set(self.cache.tokens)
+        self.metrics.num_used_tokens.set(self.cache.in_use_tokens)
 
 
 def _deliverer(queue: asyncio.Queue[tuple[int, dict[str, Any]]], index: int) -> Callable[[dict[str, Any]], None]:
@@ -230,6 +260,7 @@ class SimEngineCore:
             prefill_secs_per_token=config.sim_prefill_us_per_token / 1e6,
             decode_secs_per_step=config.sim_decode_ms_per_step / 1e3,
             decode_secs_per_sequence=config.sim_decode_us_per_sequence / 1e6,
+            decode_secs_per_kv_token=config.sim_decode_us_per_kv_token / 1e6,
         )
         self.cache = PrefixCache(config.sim_cache_tokens)
         self.scheduler = SimScheduler(config, self.cache, latency, self.metrics)
@@ -271,6 +302,14 @@ class SimEngineCore:
 
     def _submit(self, req: GenerateRequest) -> tuple[list[SimJob], asyncio.Queue[tuple[int, dict[str, Any]]]]:
         specs = expand(req, self.tokenizer, self.backend.vocab_size, self.backend.context_length)
+        budget = self.cache.max_tokens
+        for spec in specs:
+            if len(spec.input_ids) + spec.params.max_new_tokens > budget:
+                raise InvalidInput(
+                    f"The request needs {len(spec.input_ids)} prompt tokens + max_new_tokens "
+                    f"{spec.params.max_new_tokens} of KV memory, more than the engine's whole budget of {budget} "
+                    "tokens (--sim-cache-tokens); it could never run."
+                )
         queue: asyncio.Queue[tuple[int, dict[str, Any]]] = asyncio.Queue()
         samples = specs[0].params.n if specs else 1
         jobs = [
