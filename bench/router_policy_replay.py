@@ -3,52 +3,76 @@
 `router_vs_sglang_router.py` measures real routers in front of real `sim` engine processes; on a shared
 2-core machine its makespans move by 10-30 % with the machine's load, too much to tune a policy
 setting by. This replays the same traffic (the same workload generators and seed, 32 clients) without
-processes and without timing noise, in seconds: N engines follow the `sim` backend's model (continuous
-batching of up to 16 running requests; an iteration takes the decode step + the per-sequence cost x
-the batch + the prefill cost x the uncached prompt tokens admitted; the backend's own `PrefixCache`,
-filled on admission and with each finished sequence), and each request is routed by the policy object
-itself, seeing the requests in flight per engine as the router would; as in the benchmark, one policy
-object serves the workloads one after another. Router and network time count as zero unless
-`--jitter-ms` adds some.
+processes and without timing noise, in seconds. N engines follow the `sim` backend's model, started with
+the benchmark's flags (`SIM_LATENCY`): the backend's own `PrefixCache` as KV memory, where a running
+request holds a `Lease` (its prompt's blocks pinned, room for its partial tail and all of
+`max_new_tokens`) and a finished one leaves prompt + output cached; admission first come, first served
+while a batch slot is free and the next waiting request's lease fits, stopping at the first that does
+not; and the backend's own `LatencyModel` per iteration (decode step + per-sequence cost x batch +
+per-KV-token cost x the running sequences' tokens + prefill cost x uncached prompt tokens admitted).
+Each request is routed by the policy object itself, seeing the requests in flight per engine as the
+router would; as in the benchmark, one policy object serves the workloads one after another and engine
+caches start empty for each workload. Router and network time count as zero unless `--jitter-ms` adds
+some.
 
 Beside rlfleet's policies it replays a model of sglang-router's cache_aware at its defaults (the
 engine holding the longest prefix when it holds more than 30 % of the prompt, else the engine with the
-smallest tree; the least-loaded engine once max - min in flight > 64 and max > 1.5 x min), which
-reproduces the real benchmark's sglang-router figures within a few percent. Every figure is a replay
-of the sim engines' model and says so; confirm a change with the real benchmark.
+smallest tree, in characters held; the least-loaded engine once max - min in flight > 64 and max >
+1.5 x min). On the benchmark's seed at `--scale 0.5` it lands within a point of the measured hit rates
+and, when sglang-router spreads the conversations as it does here, within 1-5 % of its makespans; the
+real router breaks ties between engines holding a prefix arbitrarily, so its spread varies run to run.
+Every figure is a replay of the sim engines' model and says so; confirm a change with the real benchmark.
 
     .venv/bin/python bench/router_policy_replay.py [--engines 4 8] [--caches roomy tight] [--seeds 0 1 2]
-        [--policies cache_aware sglang-model least_load] [--jitter-ms 5] [--option cache_tokens_per_request=32 ...]
+        [--scale 0.5] [--policies cache_aware sglang-model least_load] [--jitter-ms 5]
+        [--option cache_tokens_per_request=32 ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import heapq
 import random
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from router_vs_sglang_router import CACHES, Workload, grpo_workload, multiturn_workload
+from router_vs_sglang_router import BASELINE, CACHES, SIM_LATENCY, Workload, grpo_workload, multiturn_workload
 
-from rlfleet_engine.sim_prefix_cache import PrefixCache
+from rlfleet_engine.config import EngineConfig, config_from_args
+from rlfleet_engine.sim_backend import LatencyModel, output_rng
+from rlfleet_engine.sim_prefix_cache import Lease, PrefixCache
 from rlfleet_router.policies import Choice, Policy, PolicyOptions, RoutingRequest, create_policy
 from rlfleet_router.radix_tree import RadixTree
 from rlfleet_router.workers import Worker, WorkerState
 
 REPLAY = "replay of the sim engines' model"
-# The benchmark's sim latency model (SIM_LATENCY in router_vs_sglang_router.py) and the engines' batch.
-DECODE_SECS_PER_STEP = 0.020
-DECODE_SECS_PER_SEQUENCE = 0.0005
-PREFILL_SECS_PER_TOKEN = 0.0001
-MAX_RUNNING_REQUESTS = 16
 CONCURRENCY = 32
+# The benchmark's router of each replayed policy, named in its run label (the salt); rlfleet's otherwise.
+BENCH_ROUTERS = {"sglang-model": BASELINE, "round_robin": "sglang:round_robin"}
 _OUTPUT_ALPHABET = "abcdefghijklmnopqrstuvwxyz "
 
 
+def bench_engine_config(cache_tokens: int) -> EngineConfig:
+    """The config the benchmark starts each sim engine with (`SimFleet`): a change of its flags reaches the replay."""
+    return config_from_args(
+        ["--backend", "sim", "--model-path", "sim", "--sim-cache-tokens", str(cache_tokens), *SIM_LATENCY]
+    )
+
+
+def latency_model(config: EngineConfig) -> LatencyModel:
+    """The iteration cost a sim engine with `config` pays, in seconds (as `SimEngineCore` builds it)."""
+    return LatencyModel(
+        prefill_secs_per_token=config.sim_prefill_us_per_token / 1e6,
+        decode_secs_per_step=config.sim_decode_ms_per_step / 1e3,
+        decode_secs_per_sequence=config.sim_decode_us_per_sequence / 1e6,
+        decode_secs_per_kv_token=config.sim_decode_us_per_kv_token / 1e6,
+    )
+
+
 class SglangCacheAwareModel:
-    """sglang-router's cache_aware policy at its defaults, as its documentation describes it."""
+    """sglang-router's cache_aware policy at its defaults, as its documentation and its tree's code describe it."""
 
     def __init__(self, options: PolicyOptions | None = None) -> None:
         self.tree = RadixTree(2**26)
@@ -58,17 +82,18 @@ class SglangCacheAwareModel:
         key = request.prompt_key
         assert key is not None, "the replayed traffic always has a prompt"
         loads = [w.in_flight for w in workers]
+        matched = self.tree.match(key).matched
         if max(loads) - min(loads) > 64 and max(loads) > 1.5 * min(loads):
             chosen = min(workers, key=lambda w: w.in_flight)
         else:
-            matched = self.tree.match(key).matched
             longest = max((matched.get(w.id, 0) for w in workers), default=0)
             if longest > 0.3 * len(key):
                 chosen = min((w for w in workers if matched.get(w.id, 0) == longest), key=lambda w: w.in_flight)
             else:
                 chosen = min(workers, key=lambda w: self.tree_sizes.get(w.id, 0))
         self.tree.insert(key, chosen.id)
-        self.tree_sizes[chosen.id] = self.tree_sizes.get(chosen.id, 0) + len(key)
+        # sglang-router's tree counts each engine's characters once, however many prompts share them.
+        self.tree_sizes[chosen.id] = self.tree_sizes.get(chosen.id, 0) + len(key) - matched.get(chosen.id, 0)
         return Choice(chosen, "sglang_model")
 
     def forget(self, worker: Worker) -> None:
@@ -82,7 +107,11 @@ class Job:
     worker: Worker
     tokens: int
     sent_at: float
+    rng: random.Random
+    """Draws the output; seeded by the prompt, as on a sim engine, so equal prompts get equal outputs."""
     output: list[str] = field(default_factory=list)
+    lease: Lease | None = None
+    """The engine's KV memory the job holds while it runs."""
 
 
 @dataclass(eq=False)
@@ -111,13 +140,13 @@ class Replay:
 def replay(
     policy: Policy,
     engines: int,
-    cache_tokens: int,
+    engine_config: EngineConfig,
     workload: Workload,
     seed: int,
     salt: str = "",
     jitter_secs: float = 0.0,
 ) -> Replay:
-    """Runs `workload` from 32 clients through `policy` onto `engines` modelled sim engines.
+    """Runs `workload` from 32 clients through `policy` onto `engines` modelled sim engines of `engine_config`.
 
     `salt` starts every prompt, as the benchmark's run label does (a prefix shared by all traffic, like a
     chat template's header).
@@ -127,18 +156,21 @@ def replay(
     router counts a request in flight from its routing to its answer's delivery.
     """
     delays = random.Random(seed + 1)
+    latency = latency_model(engine_config)
     fleet = [
-        Engine(Worker(url=f"sim-{k}", id=f"sim-{k}", state=WorkerState.HEALTHY), PrefixCache(cache_tokens))
+        Engine(
+            Worker(url=f"sim-{k}", id=f"sim-{k}", state=WorkerState.HEALTHY),
+            PrefixCache(engine_config.sim_cache_tokens),
+        )
         for k in range(engines)
     ]
     by_id = {e.worker.id: e for e in fleet}
     events: list[tuple[float, int, Callable[[float], None]]] = []
     order = iter(range(1 << 62))
-    items: list[object] = [p for p in workload.grpo_prompts for _ in range(workload.samples)]
+    items: list[str | tuple[str, list[str]]] = [p for p in workload.grpo_prompts for _ in range(workload.samples)]
     items += workload.conversations
     pending = iter(items)
     histories: dict[int, tuple[str, list[str]]] = {}  # client -> (conversation so far, user turns left)
-    output_rng = random.Random(seed)
     latencies: list[float] = []
     prompt_tokens = cached_tokens = 0
 
@@ -151,11 +183,18 @@ def replay(
         worker = policy.select([e.worker for e in fleet], request).worker
         worker.in_flight += 1
         worker.in_flight_tokens += request.tokens
-        job = Job(client, [ord(c) for c in text], worker, request.tokens, now)
+        prompt = [ord(c) for c in text]
+        job = Job(client, prompt, worker, request.tokens, now, output_rng(engine_config.random_seed, prompt, 0))
         at(now + delays.uniform(0.0, jitter_secs), lambda when: arrive(job, when))
 
     def arrive(job: Job, now: float) -> None:
         engine = by_id[job.worker.id]
+        if len(job.prompt) + workload.max_new_tokens > engine.cache.max_tokens:
+            # The sim engine refuses it (400) and the benchmark stops; a replay of that would mean nothing.
+            raise ValueError(
+                f"a {len(job.prompt)}-token prompt + max_new_tokens {workload.max_new_tokens} exceeds the engines' "
+                f"KV memory of {engine.cache.max_tokens} tokens; use a larger cache"
+            )
         engine.waiting.append(job)
         if not engine.busy:
             step(engine, now)
@@ -173,37 +212,43 @@ def replay(
         if isinstance(item, str):
             send(client, salt + item, now)
         elif item is not None:
-            system, users = item  # type: ignore[misc]
+            system, users = item
             histories[client] = (salt + system, list(users))
             next_request(client, now)
 
     def step(engine: Engine, now: float) -> None:
+        """One iteration of the engine's loop: `SimScheduler._admit`, then the iteration's cost."""
         nonlocal prompt_tokens, cached_tokens
-        room = MAX_RUNNING_REQUESTS - len(engine.running)
-        admitted, engine.waiting = engine.waiting[:room], engine.waiting[room:]
-        prefill = 0
-        for job in admitted:
-            cached = min(engine.cache.match(job.prompt), len(job.prompt) - 1)
+        prefill = admitted = 0
+        for job in engine.waiting[: engine_config.max_running_requests - len(engine.running)]:
+            job.lease = engine.cache.lease(job.prompt, workload.max_new_tokens)
+            if job.lease is None:  # first come, first served: the rest wait behind it
+                break
+            admitted += 1
+            cached = min(job.lease.cached_tokens, len(job.prompt) - 1)
             prefill += len(job.prompt) - cached
-            engine.cache.insert(job.prompt)
             prompt_tokens += len(job.prompt)
             cached_tokens += cached
-        engine.running += admitted
+        engine.running += engine.waiting[:admitted]
+        del engine.waiting[:admitted]
+        assert engine.running or not engine.waiting, "an idle engine admits any request small enough for its KV"
         engine.busy = bool(engine.running)
         if engine.busy:
-            batch = len(engine.running)
-            secs = DECODE_SECS_PER_STEP + DECODE_SECS_PER_SEQUENCE * batch + PREFILL_SECS_PER_TOKEN * prefill
+            context = sum(len(job.prompt) + len(job.output) for job in engine.running)
+            secs = latency.iteration_secs(len(engine.running), prefill, context)
             at(now + secs, lambda when: finish_step(engine, when))
 
     def finish_step(engine: Engine, now: float) -> None:
         for job in engine.running:
-            job.output.append(output_rng.choice(_OUTPUT_ALPHABET))
+            job.output.append(job.rng.choice(_OUTPUT_ALPHABET))
         done = [job for job in engine.running if len(job.output) >= workload.max_new_tokens]
         engine.running = [job for job in engine.running if len(job.output) < workload.max_new_tokens]
         for job in done:
-            engine.cache.insert(job.prompt + [ord(c) for c in job.output])
+            assert job.lease is not None, "a running job holds a lease"
+            engine.cache.release(job.lease, job.prompt + [ord(c) for c in job.output])
+            job.lease = None
             engine.served += 1
-            at(now + delays.uniform(0.0, jitter_secs), lambda when, job=job: answer(job, when))
+            at(now + delays.uniform(0.0, jitter_secs), functools.partial(answer, job))
         step(engine, now)
 
     def answer(job: Job, now: float) -> None:
@@ -250,13 +295,14 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["grpo", "multiturn"], choices=["grpo", "multiturn"])
     parser.add_argument("--caches", nargs="+", default=list(CACHES), choices=list(CACHES))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--scale", type=float, default=1.0, help="fraction of the default traffic, as the benchmark's")
     parser.add_argument("--policies", nargs="+", default=["cache_aware", "sglang-model", "least_load", "round_robin"])
     parser.add_argument("--jitter-ms", type=float, default=0.0, help="delay of each request and answer, 0 to this")
     parser.add_argument("--option", type=parse_option, action="append", default=[], help="PolicyOptions NAME=VALUE")
     args = parser.parse_args()
     options = PolicyOptions(**dict(args.option))
     jitter = args.jitter_ms / 1e3
+    configs = {cache: bench_engine_config(CACHES[cache]) for cache in args.caches}
     makers = {"grpo": grpo_workload, "multiturn": multiturn_workload}
     print(f"# routing replay ({REPLAY}); 32 clients; options {options}")
     print(f"{'workload':26} {'policy':13} {'hit':>6} {'makespan':>9} {'p50':>6} {'p99':>6} {'max/mean':>8}  per engine")
@@ -265,12 +311,13 @@ def main() -> None:
             # As in the benchmark, one router (policy object) per fleet serves the workloads one after another.
             results: dict[tuple[str, str], list[Replay]] = {}
             for policy in args.policies:
-                salt = f"{policy} {cache} {engines}\n"  # the benchmark's run label
+                # The benchmark's run label: its length moves where the prompts' blocks start.
+                salt = f"{BENCH_ROUTERS.get(policy, f'rlfleet:{policy}')} {cache} {engines}\n"
                 for seed in args.seeds:
                     router = make_policy(policy, options)
                     for name in args.workloads:
                         workload = makers[name](seed, args.scale)
-                        run = replay(router, engines, CACHES[cache], workload, seed, salt, jitter)
+                        run = replay(router, engines, configs[cache], workload, seed, salt, jitter)
                         results.setdefault((name, policy), []).append(run)
             for (name, policy), runs in sorted(results.items(), key=lambda item: args.workloads.index(item[0][0])):
                 print(

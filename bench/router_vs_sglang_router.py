@@ -47,10 +47,12 @@ SIM = "measured on sim engines"
 BASELINE = "sglang:cache_aware"
 ROUTERS = ("rlfleet:cache_aware", BASELINE, "sglang:round_robin")
 CACHES = {"roomy": 1_000_000, "tight": 6144}
-# The sim's latency model, nearer a 7B model on one GPU than its defaults: 20 ms decode steps, +0.5 ms per
-# sequence in the batch, prefill at 10k tokens/s. Slow steps also keep two CPU cores from being the bottleneck.
+# The sim's latency model, a 7B model on one GPU slowed ~4x (so two CPU cores keep up with 8 engines): 20 ms
+# decode steps, +0.5 ms per sequence in the batch, prefill at 10k tokens/s, and +0.7 us per token of KV the batch
+# holds, since a decode step reads every sequence's whole KV (7B fp16 is ~0.5 MB per token, an H100 reads ~3 TB/s:
+# ~0.17 us per token, x4).
 SIM_LATENCY = ["--sim-decode-ms-per-step", "20", "--sim-decode-us-per-sequence", "500"]
-SIM_LATENCY += ["--sim-prefill-us-per-token", "100"]
+SIM_LATENCY += ["--sim-prefill-us-per-token", "100", "--sim-decode-us-per-kv-token", "0.7"]
 
 
 def words(rng: random.Random, length: int) -> str:
