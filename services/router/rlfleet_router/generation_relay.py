@@ -1,9 +1,10 @@
 """The generation routes' fast path: a bare ASGI layer in front of the FastAPI app.
 
 Every generation request goes through here without FastAPI's routing, dependency solving and
-middleware stack, which together cost about as much router CPU as the routing itself. It answers
-errors in the same body shape as the app (`rlfleet.http_errors`) and counts each request in the
-same metrics as `RequestMetricsMiddleware`; every other request goes on to the app.
+middleware stack (body bound included), which together cost about as much router CPU as the routing
+itself. It bounds the body itself, answers errors in the same body shape as the app
+(`rlfleet.http_errors`) and counts each request in the same metrics as `RequestMetricsMiddleware`;
+every other request goes on to the app.
 """
 
 from __future__ import annotations
@@ -11,11 +12,10 @@ from __future__ import annotations
 import logging
 import time
 
-from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rlfleet.errors import Internal, RlfleetError
+from rlfleet.errors import Internal, ResourceExhausted, RlfleetError
 from rlfleet.http_errors import error_response
 from rlfleet_router.fleet import Fleet
 from rlfleet_router.openai_routing import GENERATION_ROUTES
@@ -26,9 +26,10 @@ CLIENT_CLOSED_REQUEST = 499
 
 
 class GenerationRelay:
-    def __init__(self, app: ASGIApp, fleet: Fleet) -> None:
+    def __init__(self, app: ASGIApp, fleet: Fleet, max_bytes: int) -> None:
         self.app = app
         self.fleet = fleet
+        self.max_bytes = max_bytes
         self.routes = frozenset(GENERATION_ROUTES)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -46,9 +47,10 @@ class GenerationRelay:
             await send(message)
 
         try:
+            headers = header_dict(scope)
             try:
-                body = await read_body(receive)
-            except RlfleetError as exc:  # a body over the router's size bound, counted as it arrived
+                body = await read_body(receive, headers.get("content-length"), self.max_bytes)
+            except RlfleetError as exc:  # a body over the router's size bound, refused as it arrived
                 await error_response(exc)(scope, receive, send_and_watch)
                 return
             if body is None:
@@ -56,7 +58,7 @@ class GenerationRelay:
                 return
             response: Response
             try:
-                response = await self.fleet.generate(route, body, Headers(scope=scope), arrived_at=time.perf_counter())
+                response = await self.fleet.generate(route, body, headers, arrived_at=time.perf_counter())
             except RlfleetError as exc:
                 if exc.http_status >= 500:
                     logger.error("POST %s failed: %s", route, exc)
@@ -69,13 +71,34 @@ class GenerationRelay:
             self.fleet.metrics.observe_request(route, status, time.perf_counter() - started)
 
 
-async def read_body(receive: Receive) -> bytes | None:
-    """The request body; None if the client went away before sending all of it."""
+def header_dict(scope: Scope) -> dict[str, str]:
+    """The request's headers by name; ASGI servers give the names lower-case."""
+    return {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
+
+
+async def read_body(receive: Receive, declared: str | None, max_bytes: int) -> bytes | None:
+    """The request body; None if the client went away before sending all of it.
+
+    ResourceExhausted (413) for a body over `max_bytes`: at once when its Content-Length says so,
+    else as soon as the bytes received pass the bound, so an unbounded body is never buffered.
+    """
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise too_large(max_bytes)
     chunks = []
+    received = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             return None
-        chunks.append(message.get("body", b""))
+        chunk = message.get("body", b"")
+        received += len(chunk)
+        if received > max_bytes:
+            raise too_large(max_bytes)
+        chunks.append(chunk)
         if not message.get("more_body", False):
-            return b"".join(chunks)
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def too_large(max_bytes: int) -> ResourceExhausted:
+    # The same words as `rlfleet.http_limits`, which bounds every other route.
+    return ResourceExhausted(f"request body over {max_bytes} bytes; send less")

@@ -34,7 +34,7 @@ from rlfleet_router.weight_group_routes import weight_group_routes
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def create_app(config: RouterConfig) -> BodySizeLimitMiddleware:
+def create_app(config: RouterConfig) -> GenerationRelay:
     fleet = Fleet(config)
 
     @asynccontextmanager
@@ -154,5 +154,6 @@ def create_app(config: RouterConfig) -> BodySizeLimitMiddleware:
 
     # Around the whole app, so generation requests (POST /generate, /v1/completions, /v1/chat/completions)
     # skip FastAPI's middleware stack and routing; lifespan and every other request go on to the app.
-    # The body bound comes first: every request is buffered whole before it is routed.
-    return BodySizeLimitMiddleware(GenerationRelay(app, fleet), max_bytes=config.max_request_bytes)
+    # Both bound request bodies alike (the relay on its own): every request is buffered whole before it is routed.
+    bounded = BodySizeLimitMiddleware(app, max_bytes=config.max_request_bytes)
+    return GenerationRelay(bounded, fleet, max_bytes=config.max_request_bytes)

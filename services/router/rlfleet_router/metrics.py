@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -21,6 +22,8 @@ from rlfleet_router.trajectory_store import TrajectoryStore
 from rlfleet_router.workers import WorkerRegistry, WorkerState
 
 ENGINE_STATES = (*(s.value for s in WorkerState), "restarting")
+
+MetricT = TypeVar("MetricT", Counter, Histogram)
 
 # Generation requests run from milliseconds (cached, short) to minutes (long rollouts).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -111,6 +114,21 @@ class FleetCollector(Collector):
         )
 
 
+class Children(Generic[MetricT]):
+    """A labelled metric's children by label values, looked up once each: prometheus' `labels()` validates
+    and locks on every call, a cost paid on every request of the generation path otherwise."""
+
+    def __init__(self, metric: MetricT) -> None:
+        self._metric: MetricT = metric
+        self._children: dict[tuple[str, ...], MetricT] = {}
+
+    def __call__(self, *values: str) -> MetricT:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*values)
+        return child
+
+
 class RouterMetrics:
     def __init__(self, workers: WorkerRegistry, weight_version: Callable[[], str | None]) -> None:
         self.registry = CollectorRegistry()
@@ -186,10 +204,16 @@ class RouterMetrics:
         )
         self.fleet = FleetCollector(workers, weight_version)
         self.registry.register(self.fleet)
+        # Children of the metrics every generation request updates, by label values in declaration order.
+        self.request_count = Children(self.requests)
+        self.request_timing = Children(self.request_seconds)
+        self.routing_decision = Children(self.routing_decisions)
+        self.engine_prompt_tokens = Children(self.prompt_tokens)
+        self.engine_cached_tokens = Children(self.cached_tokens)
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:
-        self.requests.labels(route=route, status=str(status)).inc()
-        self.request_seconds.labels(route=route).observe(seconds)
+        self.request_count(route, str(status)).inc()
+        self.request_timing(route).observe(seconds)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -7,9 +7,8 @@ bytes read for the prompt and cached tokens the engine reports (`engine_usage`).
 retried on another engine only while nothing has been sent back yet, and only for a connection
 failure or a 5xx, with exponential backoff inside the request's deadline.
 
-The relay uses aiohttp, whose connector keeps one pool of idle connections per engine (taken and
-returned in O(1)): an httpx/httpcore pool rescans every pooled connection on each request's start
-and end, which cost several milliseconds of router CPU per request.
+The relay uses `engine_client`, keep-alive connections pooled per engine and parsed in C: the
+client is most of the latency the router adds to a request, so it is kept to what the relay needs.
 """
 
 from __future__ import annotations
@@ -20,12 +19,12 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
-import aiohttp
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from rlfleet.errors import DeadlineExceeded, RlfleetError, Unavailable
 from rlfleet.http_errors import error_response
+from rlfleet_router.engine_client import EngineAnswer, EngineClient, EngineConnectionError, EngineReadTimeout
 from rlfleet_router.engine_usage import UsageTap
 from rlfleet_router.metrics import RouterMetrics
 from rlfleet_router.policies import Policy, RoutingRequest
@@ -38,13 +37,15 @@ logger = logging.getLogger(__name__)
 HOP_HEADERS = frozenset(
     {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "host"}
 )
+# Of an answer, the router's server sets its own date and server fields: relayed too, each would appear twice.
+DROPPED_ANSWER_HEADER_NAMES = frozenset(name.encode() for name in HOP_HEADERS | {"date", "server"})
 # A request's length is recomputed for the bytes sent; an answer's is kept, as its bytes are relayed unchanged.
 # The caller's Authorization is the fleet's API token, meant for the router: engines never see it.
 DROPPED_REQUEST_HEADERS = HOP_HEADERS | {"content-length", "authorization"}
-# Failures that mean the engine never took the request (or died before answering): safe to resend. A
-# timeout connecting is one; a timeout reading the answer (aiohttp.SocketTimeoutError, a subclass) is not.
-CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
+# Idle connections to an engine are kept this long for the next request.
+KEEPALIVE_SECS = 60.0
 ENGINE_HEADER = "x-rlfleet-engine"
+ENGINE_HEADER_NAME = ENGINE_HEADER.encode()
 # Answers kept whole for an `on_answer` reader (trajectories); a larger one is relayed but not read.
 MAX_CAPTURED_BYTES = 32 * 1024 * 1024
 # Plain answers up to this size are read whole and sent in one piece; larger ones are relayed as streams.
@@ -70,11 +71,8 @@ class RetryPolicy:
         return min(self.max_backoff_secs, self.initial_backoff_secs * self.multiplier ** (retry - 1))
 
 
-def forwardable_headers(
-    headers: Mapping[str, str],
-    dropped: frozenset[str] = DROPPED_REQUEST_HEADERS,
-) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() not in dropped}
+def forwardable_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in DROPPED_REQUEST_HEADERS}
 
 
 class EngineResponse(StreamingResponse):
@@ -88,7 +86,7 @@ class EngineResponse(StreamingResponse):
 
     def __init__(
         self,
-        upstream: aiohttp.ClientResponse,
+        upstream: EngineAnswer,
         worker: Worker,
         workers: WorkerRegistry,
         deadline: float,
@@ -96,9 +94,15 @@ class EngineResponse(StreamingResponse):
         metrics: RouterMetrics,
         on_answer: AnswerReader | None = None,
     ) -> None:
-        headers = forwardable_headers(upstream.headers, HOP_HEADERS)
-        headers[ENGINE_HEADER] = worker.url
-        super().__init__(self._relay(), status_code=upstream.status, headers=headers)
+        super().__init__(self._relay(), status_code=upstream.status)
+        # Straight from the engine's raw headers (duplicates such as set-cookie kept), names lower-cased for ASGI.
+        raw = [
+            (lower, value)
+            for name, value in upstream.raw_headers
+            if (lower := name.lower()) not in DROPPED_ANSWER_HEADER_NAMES
+        ]
+        raw.append((ENGINE_HEADER_NAME, worker.url.encode("latin-1")))
+        self.raw_headers = raw
         self._upstream = upstream
         length = upstream.content_length
         self._whole = length is not None and length <= MAX_WHOLE_ANSWER_BYTES
@@ -107,7 +111,7 @@ class EngineResponse(StreamingResponse):
         self._deadline = deadline
         self._tokens = tokens
         self._metrics = metrics
-        self._tap = UsageTap(upstream.headers.get("content-type", "")) if upstream.status == 200 else None
+        self._tap = UsageTap(upstream.content_type) if upstream.status == 200 else None
         self._on_answer = on_answer if upstream.status == 200 else None
         self._answer = bytearray()
         self._released = False
@@ -136,10 +140,10 @@ class EngineResponse(StreamingResponse):
     async def _relay_whole(self, scope: Scope, receive: Receive, send: Send) -> None:
         error: RlfleetError
         try:
-            body = await self._upstream.read()  # bounded by the session's read timeout (the time left)
-        except TimeoutError as exc:  # aiohttp's read timeout included
+            body = await self._upstream.read()  # each wait bounded by the time left when the request was sent
+        except EngineReadTimeout as exc:
             error = DeadlineExceeded(f"{self._worker.url} did not finish its answer in time ({describe_error(exc)})")
-        except CONNECTION_ERRORS as exc:
+        except EngineConnectionError as exc:
             reason = f"connection lost mid-response: {describe_error(exc)}"
             self._workers.record_failure(self._worker, reason)
             error = Unavailable(f"{self._worker.url}: {reason}")
@@ -166,16 +170,16 @@ class EngineResponse(StreamingResponse):
         """Counts the prompt and cached tokens the answer reports and hands it to its reader, if any."""
         usage = self._tap.result() if self._tap is not None else None
         if usage is not None:
-            self._metrics.prompt_tokens.labels(engine=self._worker.url).inc(usage.prompt_tokens)
-            self._metrics.cached_tokens.labels(engine=self._worker.url).inc(usage.cached_tokens)
+            self._metrics.engine_prompt_tokens(self._worker.url).inc(usage.prompt_tokens)
+            self._metrics.engine_cached_tokens(self._worker.url).inc(usage.cached_tokens)
         if self._on_answer is not None:
             self._on_answer(answer, self._worker)
 
     async def _relay(self) -> AsyncIterator[bytes]:
         try:
-            # Each read is bounded by the session's read timeout (the time left when the request
-            # was sent); the check below ends a stream that keeps trickling past the deadline.
-            async for chunk in self._upstream.content.iter_any():
+            # Each read is bounded by the time left when the request was sent; the check below ends a
+            # stream that keeps trickling past the deadline.
+            while (chunk := await self._upstream.read_chunk()) is not None:
                 yield chunk
                 if self._tap is not None:
                     self._tap.feed(chunk)
@@ -189,11 +193,11 @@ class EngineResponse(StreamingResponse):
             self._complete = True
             await self.release()
             self._finish(bytes(self._answer))
-        except TimeoutError:  # aiohttp's read timeout included
+        except TimeoutError:  # EngineReadTimeout included
             # Ending the body early would look like a complete answer; failing the connection does not.
             logger.warning("request to %s exceeded its deadline mid-response; aborting it", self._worker.url)
             raise
-        except CONNECTION_ERRORS as exc:
+        except EngineConnectionError as exc:
             self._workers.record_failure(self._worker, f"connection lost mid-response: {describe_error(exc)}")
             raise
 
@@ -210,7 +214,7 @@ class Proxy:
         request_timeout_secs: float,
         connect_timeout_secs: float,
     ) -> None:
-        self._session: aiohttp.ClientSession | None = None
+        self._client: EngineClient | None = None
         self._workers = workers
         self._policy = policy
         self._metrics = metrics
@@ -219,26 +223,14 @@ class Proxy:
         self._connect_timeout = connect_timeout_secs
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(
-            # Streams stay open for a whole generation: a pool cap would queue requests behind them.
-            limit=0,
-            limit_per_host=0,
-            keepalive_timeout=60,
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            # Answers are relayed as the engine sent them (compressed or not), never decoded on the way.
-            auto_decompress=False,
-            # Only the client's own headers go to the engine; no compression the client did not ask for.
-            skip_auto_headers=("Accept-Encoding",),
-            # Engines sit on the cluster network; a proxy from the environment must not intercept them.
-            trust_env=False,
-        )
+        # No cap on connections (streams stay open for a whole generation: a cap would queue requests behind
+        # them), no proxy from the environment, no decoding of answers, no headers but the client's own.
+        self._client = EngineClient(keepalive_secs=KEEPALIVE_SECS)
 
     async def stop(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
 
     async def forward(
         self,
@@ -288,7 +280,7 @@ class Proxy:
         # Prefer engines not tried yet; with all of them tried, any healthy one may have recovered.
         untried = [w for w in healthy if w.id not in tried]
         choice = self._policy.select(untried or healthy, routing)
-        self._metrics.routing_decisions.labels(reason=choice.reason).inc()
+        self._metrics.routing_decision(choice.reason).inc()
         return choice.worker
 
     async def _send(
@@ -308,20 +300,20 @@ class Proxy:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise DeadlineExceeded(f"{route} ran out of time before an engine answered")
-        if self._session is None:
+        if self._client is None:
             raise Unavailable("the router is not serving yet (its engine connections are not open)")
-        # Each read of the answer is bounded by the time left; see EngineResponse._relay for the whole.
-        timeout = aiohttp.ClientTimeout(sock_connect=min(self._connect_timeout, remaining), sock_read=remaining)
         worker.in_flight += 1
         worker.in_flight_tokens += tokens
         try:
-            upstream = await self._session.request(
-                method, f"{worker.url}{route}", data=body or None, headers=headers, timeout=timeout
+            # Each wait for the answer is bounded by the time left; see EngineResponse._relay for the whole.
+            upstream = await self._client.request(
+                method, worker.url, route, body, headers, min(self._connect_timeout, remaining), remaining
             )
-        except CONNECTION_ERRORS as exc:
+        except EngineReadTimeout as exc:  # the engine has the request: resending it elsewhere would double it
             self._unload(worker, tokens)
-            if isinstance(exc, aiohttp.SocketTimeoutError):  # connected and sent, but no answer in time
-                raise DeadlineExceeded(f"{worker.url} did not answer {route} in time ({describe_error(exc)})") from exc
+            raise DeadlineExceeded(f"{worker.url} did not answer {route} in time ({describe_error(exc)})") from exc
+        except EngineConnectionError as exc:
+            self._unload(worker, tokens)
             self._metrics.engine_errors.labels(engine=worker.url, kind="connection").inc()
             reason = f"{worker.url}: {describe_error(exc)}"
             self._workers.record_failure(worker, reason)
