@@ -70,11 +70,12 @@ class OpenAIServer:
         prompt = req.prompt
         if isinstance(prompt, str):
             return [encode(prompt)]
-        if prompt and all(isinstance(p, int) for p in prompt):
-            return [list(prompt)]  # type: ignore[arg-type]
         if not prompt:
             raise InvalidInput("prompt: must not be empty")
-        return [encode(p) if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[union-attr]
+        ids = [p for p in prompt if isinstance(p, int)]
+        if len(ids) == len(prompt):
+            return [ids]
+        return [encode(p) if isinstance(p, str) else list(p) for p in prompt if not isinstance(p, int)]
 
     def _generate_request(
         self, req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]]

@@ -60,3 +60,26 @@ def test_bad_requests_name_the_field(client: TestClient) -> None:
     assert answer.status_code == 400 and "messages" in answer.json()["message"]
     answer = client.post("/v1/completions", json={"prompt": "x", "frequency_penalty": 0.5})
     assert answer.status_code == 400 and "frequency_penalty" in answer.text
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ("ab", [[97, 98]]),
+        ([97, 98], [[97, 98]]),
+        (["ab", "c"], [[97, 98], [99]]),
+        ([[97, 98], [99]], [[97, 98], [99]]),
+    ],
+)
+def test_every_prompt_form_reaches_the_engine_as_token_ids(
+    client: TestClient, prompt: object, expected: list[list[int]]
+) -> None:
+    answer = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "return_token_ids": True})
+    assert answer.status_code == 200, answer.text
+    choices = sorted(answer.json()["choices"], key=lambda c: c["index"])
+    assert [c["prompt_token_ids"] for c in choices] == expected
+
+
+def test_an_empty_prompt_list_is_refused(client: TestClient) -> None:
+    answer = client.post("/v1/completions", json={"prompt": [], "max_tokens": 1})
+    assert answer.status_code == 400 and "prompt: must not be empty" in answer.text
