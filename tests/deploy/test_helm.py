@@ -105,6 +105,8 @@ def test_environment_is_what_the_services_read(
     for name, spec in pod_specs(docs).items():
         for container in spec["containers"]:
             for var in container.get("env", []):
+                if var["name"].startswith("PET_"):  # torchrun's own options
+                    continue
                 svc = var["name"].split("_")[1].lower()
                 assert svc in settings_classes, f"{name}: {var['name']} names no service"
                 field = var["name"].removeprefix(f"RLFLEET_{svc.upper()}_").lower()
@@ -115,7 +117,11 @@ def test_router_lists_every_engine_and_services_find_each_other(rendered: tuple[
     values, docs = rendered
     specs = pod_specs(docs)
     env = {
-        var["name"]: var["value"] for spec in specs.values() for c in spec["containers"] for var in c.get("env", [])
+        var["name"]: var["value"]
+        for spec in specs.values()
+        for c in spec["containers"]
+        for var in c.get("env", [])
+        if "value" in var
     }
     urls = json.loads(env["RLFLEET_ROUTER_WORKER_URLS"])
     assert len(urls) == values["engine"]["replicas"]
@@ -131,18 +137,26 @@ def test_router_lists_every_engine_and_services_find_each_other(rendered: tuple[
     assert int(port) in [p["port"] for p in services[host]["spec"]["ports"]]
 
 
-def test_trainer_ranks_meet_through_c10d_when_spread_over_nodes(rendered: tuple[dict, list[dict[str, Any]]]) -> None:
+def test_trainer_rank_0_is_on_the_pod_the_trainer_service_selects(rendered: tuple[dict, list[dict[str, Any]]]) -> None:
     values, docs = rendered
     trainer = by_kind(docs, "StatefulSet")["rl-rlfleet-trainer"]
     args = trainer["spec"]["template"]["spec"]["containers"][0]["args"]
     nodes = values["trainer"]["nodes"]
     assert trainer["spec"]["replicas"] == nodes and f"--nnodes={nodes}" in args
     assert args[-3:] == ["-m", "rlfleet_trainer", "serve"]
+    services = by_kind(docs, "Service")
+    assert services["rl-rlfleet-trainer"]["spec"]["selector"]["statefulset.kubernetes.io/pod-name"] == (
+        "rl-rlfleet-trainer-0"
+    )
     if nodes > 1:
-        assert "--rdzv-backend=c10d" in args
-        endpoint = next(a for a in args if a.startswith("--rdzv-endpoint=")).split("=")[1]
-        assert endpoint.startswith(f"rl-rlfleet-trainer-0.{trainer['spec']['serviceName']}:")
-        assert by_kind(docs, "Service")[trainer["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"
+        # Static rendezvous with the pod ordinal as node rank: pod 0 hosts the store and runs rank 0.
+        assert "--rdzv-backend=static" in args
+        master = next(a for a in args if a.startswith("--master-addr=")).split("=")[1]
+        assert master == f"rl-rlfleet-trainer-0.{trainer['spec']['serviceName']}"
+        env = {e["name"]: e for e in trainer["spec"]["template"]["spec"]["containers"][0]["env"]}
+        field = env["PET_NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+        assert field == "metadata.labels['apps.kubernetes.io/pod-index']"
+        assert services[trainer["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"
     gpus = values["trainer"]["gpusPerNode"]
     limits = trainer["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits.get("nvidia.com/gpu", 0) == gpus
