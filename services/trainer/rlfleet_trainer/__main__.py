@@ -1,8 +1,8 @@
 """`python -m rlfleet_trainer serve|sft|export`, serve usually under torchrun:
 
     torchrun --nproc_per_node=1 -m rlfleet_trainer serve --router-url http://127.0.0.1:30000
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=NODE0:29400 \
-        --rdzv-id=trainer -m rlfleet_trainer serve ...     (the same on every node; rank 0 serves)
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=static --node-rank=K --master-addr=NODE0 \
+        --master-port=29400 -m rlfleet_trainer serve ...     (on node K; rank 0, on NODE0, serves)
     python -m rlfleet_trainer sft --model-path DIR --out DIR --steps 300
     python -m rlfleet_trainer export --checkpoint DIR --base-model DIR --out DIR
 
