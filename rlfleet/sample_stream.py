@@ -178,6 +178,14 @@ class SampleStream:
         in id order, starting after entry id `after`."""
         return self._read(consumer, count, after, None)
 
+    def own_pending_between(self, consumer: str, after: str, upto: str, limit: int) -> int:
+        """How many entries pending on `consumer` have ids after `after` and up to `upto` (at most `limit`
+        counted): ids only, so it is cheap to ask once per read."""
+        rows = self.client.xpending_range(
+            self.key, self.consumer_group, min=f"({after}", max=upto, count=limit, consumername=consumer
+        )
+        return len(cast(list[Any], rows))
+
     def claim_stale(self, consumer: str, min_idle_ms: int, count: int = 100) -> list[StreamEntry]:
         """Takes over up to `count` entries pending on other consumers for at least `min_idle_ms`
         (a consumer that died), oldest first. Entries pending on `consumer` itself are left alone: it

@@ -52,10 +52,31 @@ def collect_groups(
         if run.checkpoint_wanted:
             checkpoints.commit(run, run.step, run.groups_trained)
         entries += stream.read(settings.consumer, needed - len(entries), block_ms=settings.read_block_ms)
+    entries = _with_undelivered_replies(stream, settings.consumer, run.cursor, entries, needed)
     # Every entry taken is now pending on this consumer; the next step reads its pending ones after
     # them. (When own pending ones ran short, all of them were taken, and new ones come after all.)
     run.cursor = max([run.cursor, *(e.entry_id for e in entries)], key=entry_order)
     return entries
+
+
+def _with_undelivered_replies(
+    stream: SampleStream, consumer: str, cursor: str, entries: list[StreamEntry], needed: int
+) -> list[StreamEntry]:
+    """`entries`, or, when Redis handed this consumer entries whose reply never arrived (a read retried
+    after a lost connection: the entries are pending here but were never seen), the pending ones in id
+    order instead, so none is skipped by the cursor and left unacknowledged until a restart."""
+    after = [e for e in entries if entry_order(e.entry_id) > entry_order(cursor)]
+    if not after:
+        return entries
+    last = max((e.entry_id for e in after), key=entry_order)
+    pending = stream.own_pending_between(consumer, cursor, last, len(after) + 1)
+    if pending <= len(after):
+        return entries
+    logger.warning(
+        "stream entries reached this trainer without their reply (a read was retried); taking its pending ones in order"
+    )
+    before = [e for e in entries if entry_order(e.entry_id) <= entry_order(cursor)]  # claimed from a dead consumer
+    return before + stream.read_own_pending(consumer, needed - len(before), after=cursor)
 
 
 def checkpoint_due(run: ActiveRun, step: int) -> bool:
@@ -140,8 +161,13 @@ def report(run: ActiveRun, version: int, groups: int, step_metrics: dict[str, fl
     metrics.stream_lag.set(max(0, run.stream.length() - run.groups_trained))
     logger.info(
         "run %s step %d/%d: loss %.4f reward %.3f logprob_diff %.2e (%.2fs + sync %.2fs)",
-        run.run_id, version, run.spec.schedule.steps, step_metrics.get("loss", 0.0), step_metrics["reward_mean"],
-        step_metrics.get("logprob_diff", 0.0), step_metrics.get("step_seconds", 0.0),
+        run.run_id,
+        version,
+        run.spec.schedule.steps,
+        step_metrics.get("loss", 0.0),
+        step_metrics["reward_mean"],
+        step_metrics.get("logprob_diff", 0.0),
+        step_metrics.get("step_seconds", 0.0),
         step_metrics["weight_sync_seconds"],
         extra={"run_id": run.run_id, "step": version},
     )
