@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import random
+import uuid
 from functools import lru_cache
 
 import redis
@@ -53,12 +54,15 @@ class DataPosition:
     """The position each step of a run starts at, in Redis (`run:<id>:data_position`, a hash step -> position).
 
     Step 0 starts at 0; step s + 1 starts where step s ended, recorded once step s's groups are on
-    the stream. A restarted orchestrator that re-produces step s reads the same start.
+    the stream. A restarted orchestrator that re-produces step s reads the same start. Each record
+    carries the token of the producer that wrote it (one per instance), so a producer whose write
+    went through but whose reply was lost (the client retried it) still knows the record is its own.
     """
 
     def __init__(self, client: redis.Redis, run_id: str, *, prefix: str) -> None:
         self.client = client
         self.key = f"{prefix}run:{run_id}:data_position"
+        self.token = uuid.uuid4().hex
 
     def start_of(self, step: int) -> int:
         if step == 0:
@@ -66,8 +70,12 @@ class DataPosition:
         raw = self.client.hget(self.key, str(step))
         if raw is None:
             raise LookupError(f"no data position recorded for step {step}")
-        return int(raw)
+        return int(raw.split()[0])
 
     def record_end(self, step: int, position: int) -> bool:
-        """Records where step `step` ended; False if it was recorded already (the step was re-produced)."""
-        return bool(self.client.hsetnx(self.key, str(step + 1), position))
+        """Records where step `step` ended; False if another producer recorded it first (the step was
+        re-produced after a restart)."""
+        value = f"{position} {self.token}"
+        if self.client.hsetnx(self.key, str(step + 1), value):
+            return True
+        return self.client.hget(self.key, str(step + 1)) == value.encode()

@@ -1,0 +1,33 @@
+"""Where each step of a run starts, in the real Redis: recorded once, and known as its own by its writer."""
+
+from __future__ import annotations
+
+import redis
+
+from rlfleet_rollout.run_data import DataPosition
+
+
+def test_each_step_starts_where_the_previous_one_ended(redis_client: redis.Redis, redis_prefix: str) -> None:
+    position = DataPosition(redis_client, "run1", prefix=redis_prefix)
+    assert position.start_of(0) == 0
+    assert position.record_end(0, 12)
+    assert position.start_of(1) == 12
+
+
+def test_a_retried_record_is_still_its_producers_and_a_re_produced_step_is_not(
+    redis_client: redis.Redis, redis_prefix: str
+) -> None:
+    first = DataPosition(redis_client, "run1", prefix=redis_prefix)
+    assert first.record_end(3, 40)
+    # The same write sent again (the client retried after its reply was lost): still the first record.
+    assert first.record_end(3, 40)
+    # An orchestrator restarted after the write re-produces the step: its record is not the first.
+    restarted = DataPosition(redis_client, "run1", prefix=redis_prefix)
+    assert not restarted.record_end(3, 40)
+    assert restarted.start_of(4) == 40
+
+
+def test_positions_recorded_before_producer_tokens_still_read(redis_client: redis.Redis, redis_prefix: str) -> None:
+    position = DataPosition(redis_client, "run1", prefix=redis_prefix)
+    redis_client.hset(position.key, "5", 77)
+    assert position.start_of(5) == 77
