@@ -2,7 +2,8 @@
 
     ids = the rendered prompt's tokens
     for turn in 1..max_turns:
-        generate from ids through the router, under the sample's trajectory id
+        generate from ids through the router, under the sample's trajectory id (a turn a weight
+        update aborts is resumed on the new weights under rollout.on_weight_update abort_resume)
         ask the environment for a reply to the turns so far; stop if it has none (or the turn was cut)
         ids = ids + the tokens the engine generated + the reply's tokens
     read the trajectory back from the router's cache: the Sample's prompt ids, response ids,
@@ -26,6 +27,7 @@ from rlfleet_rollout.concurrency import gather_cancelling
 from rlfleet_rollout.datasets import Prompt
 from rlfleet_rollout.environment import Environment
 from rlfleet_rollout.group_producer import GroupRequest, RolloutContext, build_sample, finish_group, sample_seed
+from rlfleet_rollout.partial_rollout import generate_turn_resuming
 from rlfleet_rollout.router_client import Completion, sampling_body
 
 
@@ -113,7 +115,7 @@ async def run_episode(
     for turn in range(max_turns):
         params = sampling if seed is None else {**sampling, "sampling_seed": turn_seed(seed, turn)}
         try:
-            last = await ctx.generate_turn(ids, params, f"{trajectory_id}/{turn}", trajectory_id)
+            last = await generate_turn_resuming(ctx, ids, params, f"{trajectory_id}/{turn}", trajectory_id)
         except RlfleetError as exc:
             return Episode(Completion(error=f"turn {turn + 1}: generation failed: {exc}"), turns=turn + 1)
         if last.error:

@@ -7,7 +7,9 @@ produced under the old version. Such a completion is re-submitted as prompt + pa
 with the remaining `max_new_tokens`, and the two halves are joined: the Sample's response is the
 concatenation, its logprobs those each half was sampled with, and its `weight_versions` both
 versions, oldest first, so the staleness rule and the trainer's off-policy correction see the old
-part for what it is.
+part for what it is. A multi-turn episode's turn is resumed the same way under its trajectory id:
+the router then holds the aborted half and its continuation as two turns with nothing between
+them, which lay out as the same tokens, all in the loss.
 """
 
 from __future__ import annotations
@@ -50,6 +52,28 @@ def join(head: Completion, tail: Completion) -> Completion:
 
 def _remaining_tokens(completion: Completion, sampling: dict[str, Any]) -> int:
     return int(sampling["max_new_tokens"]) - len(completion.output_ids)
+
+
+async def generate_turn_resuming(
+    ctx: RolloutContext, prompt: list[int], sampling: dict[str, Any], rid: str, trajectory_id: str
+) -> Completion:
+    """One turn of a trajectory, as `ctx.generate_turn`; under abort_resume an aborted turn is resumed (bounded)."""
+    completion = await ctx.generate_turn(prompt, sampling, rid, trajectory_id)
+    if ctx.spec.rollout.on_weight_update != "abort_resume":
+        return completion
+    for attempt in range(1, MAX_RESUMES + 1):
+        remaining = _remaining_tokens(completion, sampling)
+        if completion.finish_reason != FinishReason.FINISH_REASON_ABORT or remaining <= 0:
+            break
+        ctx.metrics.resumed_generations.inc()
+        tail = await ctx.generate_turn(
+            prompt + list(completion.output_ids),
+            {**sampling, "max_new_tokens": remaining},
+            f"{rid}+resume{attempt}",
+            trajectory_id,
+        )
+        completion = join(completion, tail)
+    return completion
 
 
 async def generate_resuming(

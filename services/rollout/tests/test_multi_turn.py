@@ -101,12 +101,41 @@ class FakeHub:
         ]
 
 
-def _context(tokenizer_dir: Path, router: FakeRouter, max_turns: int) -> RolloutContext:
+class AbortsFirstTurns(FakeRouter):
+    """Aborts each trajectory's first turn after 3 tokens, as a weight update would, recording the partial
+    turn as the router does; the resumed call (prompt + partial) gets the rest of what was coming."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rest: dict[str, tuple[list[int], list[float]]] = {}
+        self.resumed: list[tuple[list[int], dict[str, Any], str]] = []
+
+    async def generate_turn(self, prompt: list[int], sampling: dict[str, Any], rid: str, tid: str) -> Completion:
+        if tid in self.rest:
+            self.resumed.append((list(prompt), dict(sampling), rid))
+            output, logprobs = self.rest.pop(tid)
+            self.turns[tid].append((list(prompt), output, logprobs))
+            text = "".join(CHARS.get(i, "") for i in output)
+            return Completion(tuple(output), tuple(logprobs), text, FinishReason.FINISH_REASON_STOP, 4, (4,))
+        whole = await super().generate_turn(prompt, sampling, rid, tid)
+        if len(self.turns[tid]) > 1:
+            return whole
+        head, logprobs = list(whole.output_ids[:3]), list(whole.logprobs[:3])
+        self.turns[tid][0] = (list(prompt), head, logprobs)
+        self.rest[tid] = (list(whole.output_ids[3:]), list(whole.logprobs[3:]))
+        abort = FinishReason.FINISH_REASON_ABORT
+        return Completion(tuple(head), tuple(logprobs), whole.text[:3], abort, 3, (3,), error="generation aborted")
+
+
+def _context(
+    tokenizer_dir: Path, router: FakeRouter, max_turns: int, on_weight_update: str = "finish"
+) -> RolloutContext:
     rollout = {
         "function": "multi_turn",
         "multi_turn": {"max_turns": max_turns},
         "group_size": 2,
         "sampling": {"max_new_tokens": 8},
+        "on_weight_update": on_weight_update,
     }
     spec = resolve(json_format.ParseDict(spec_json(tokenizer_dir, rollout=rollout), RunSpec()))
     registry = RolloutRegistry.from_entry_points()
@@ -144,6 +173,28 @@ def test_an_episode_masks_the_tool_reply_and_scores_the_last_turn(tokenizer_dir:
     assert group.samples[0].seed != group.samples[1].seed
     exported = ctx.metrics.registry.get_sample_value("rlfleet_rollout_episode_turns_count")
     assert exported == 2 and ctx.metrics.registry.get_sample_value("rlfleet_rollout_episode_turns_sum") == 4
+
+
+def test_a_turn_aborted_by_a_weight_update_is_resumed_within_its_trajectory(tokenizer_dir: Path) -> None:
+    router = AbortsFirstTurns()
+    ctx = _context(tokenizer_dir, router, max_turns=3, on_weight_update="abort_resume")
+    group = asyncio.run(multi_turn(ctx, _request()))
+    assert [s.status for s in group.samples] == [SampleStatus.SAMPLE_STATUS_OK] * 2
+    call, reply, answer = _ids("[12+7]") + [EOS_ID], _ids("=19\n"), _ids("19") + [EOS_ID]
+    for sample in group.samples:
+        assert list(sample.response_token_ids) == call + reply + answer
+        assert list(sample.loss_mask) == [1] * len(call) + [0] * len(reply) + [1] * len(answer)
+        assert sample.reward == 1.0 and sample.metadata["turns"] == "2"
+    for prompt, sampling, rid in router.resumed:
+        assert prompt == _ids("12+7=") + call[:3] and sampling["max_new_tokens"] == 8 - 3
+        assert rid.endswith("/0+resume1")
+    assert len(router.resumed) == 2
+    assert ctx.metrics.registry.get_sample_value("rlfleet_rollout_resumed_generations_total") == 2
+
+
+def test_without_abort_resume_an_aborted_turn_fails_only_its_sample(tokenizer_dir: Path) -> None:
+    group = asyncio.run(multi_turn(_context(tokenizer_dir, AbortsFirstTurns(), max_turns=3), _request()))
+    assert [s.status for s in group.samples] == [SampleStatus.SAMPLE_STATUS_ABORTED] * 2
 
 
 def test_the_turn_bound_ends_an_episode_without_a_reply(tokenizer_dir: Path) -> None:

@@ -1,5 +1,6 @@
 """Partial rollouts (rollout.on_weight_update "abort_resume"): joining an aborted completion with its
-continuation, and single_turn across a real weight update (a `sim` engine behind the real router)."""
+continuation, and single_turn and multi_turn across a real weight update (a `sim` engine behind the real
+router)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ from rlfleet_rollout.partial_rollout import MAX_RESUMES, generate_resuming, join
 from rlfleet_rollout.prompt_tokenizer import load_tokenizer
 from rlfleet_rollout.rollout_function import RolloutRegistry
 from rlfleet_rollout.router_client import Completion, RouterClient, parse_completion
-from rlfleet_rollout.single_turn import single_turn
 
 ABORT = FinishReason.FINISH_REASON_ABORT
 LENGTH = FinishReason.FINISH_REASON_LENGTH
@@ -39,13 +39,18 @@ class AcceptAll:
         return [ScoreResult(id=i.id, status=ScoreStatus.SCORE_STATUS_OK, score=1.0) for i in items]
 
 
-def _context(tokenizer_dir: Path, router: Any, on_weight_update: str, group_size: int = 2) -> RolloutContext:
+def _context(
+    tokenizer_dir: Path, router: Any, on_weight_update: str, group_size: int = 2, function: str = "single_turn"
+) -> RolloutContext:
     rollout = {
+        "function": function,
         "group_size": group_size,
         "sampling": {"max_new_tokens": MAX_NEW_TOKENS},
         "on_weight_update": on_weight_update,
     }
     spec = resolve(json_format.ParseDict(spec_json(tokenizer_dir, rollout=rollout), RunSpec()))
+    registry = RolloutRegistry.from_entry_points()
+    environment = spec.rollout.multi_turn.environment
     return RolloutContext(
         router=router,
         reward=AcceptAll(),  # type: ignore[arg-type]
@@ -53,7 +58,8 @@ def _context(tokenizer_dir: Path, router: Any, on_weight_update: str, group_size
         spec=spec,
         limit=asyncio.Semaphore(4),
         metrics=RolloutMetrics(),
-        rollout=RolloutRegistry.from_entry_points().function("single_turn"),
+        rollout=registry.function(function),
+        environment=registry.environment(environment) if environment else None,
     )
 
 
@@ -156,16 +162,16 @@ async def _running(client: httpx.AsyncClient, engine_url: str, count: int, timeo
 
 
 def _group_across_an_update(
-    tokenizer_dir: Path, router_url: str, engine_url: str, on_weight_update: str
+    tokenizer_dir: Path, router_url: str, engine_url: str, on_weight_update: str, function: str = "single_turn"
 ) -> tuple[RecordingRouter, SampleGroup]:
-    """single_turn's group of 2 samples, with the fleet moved from version 0 to 1 while it generates."""
+    """A group of 2 samples, with the fleet moved from version 0 to 1 while it generates."""
 
     async def scenario() -> tuple[RecordingRouter, SampleGroup]:
         async with httpx.AsyncClient(timeout=30.0, trust_env=False) as client:
             router = RecordingRouter(client, router_url, timeout_s=30.0)
-            ctx = _context(tokenizer_dir, router, on_weight_update)
+            ctx = _context(tokenizer_dir, router, on_weight_update, function=function)
             request = GroupRequest("run-p", "run-p/0/p0", 0, Prompt(prompt="3+4=", answer="7"), fallback_version=0)
-            group = asyncio.create_task(single_turn(ctx, request))
+            group = asyncio.create_task(ctx.rollout(ctx, request))
             await _running(client, engine_url, 2)
             await asyncio.sleep(0.2)  # a few tokens on version 0
             abort = on_weight_update == "abort_resume"
@@ -208,3 +214,16 @@ def test_under_finish_a_generation_runs_through_the_update_and_names_both_versio
         assert len(sample.response_token_ids) == MAX_NEW_TOKENS
         assert list(sample.weight_versions) == [0, 1]
         assert sample.status == SampleStatus.SAMPLE_STATUS_TRUNCATED
+
+
+@pytest.mark.e2e
+def test_a_multi_turn_turn_aborted_by_a_weight_update_is_resumed_in_its_trajectory(
+    tokenizer_dir: Path, sim_router: tuple[str, str]
+) -> None:
+    # The sim engine's letters never call the calculator: each episode is one turn, cut by the update.
+    _, group = _group_across_an_update(tokenizer_dir, *sim_router, "abort_resume", function="multi_turn")
+    for sample in group.samples:
+        # multi_turn checks the episode against the router's trajectory: a mismatch would fail the sample.
+        assert sample.status == SampleStatus.SAMPLE_STATUS_TRUNCATED, sample.error
+        assert len(sample.response_token_ids) == MAX_NEW_TOKENS == len(sample.loss_mask) == sum(sample.loss_mask)
+        assert list(sample.weight_versions) == [0, 1] and sample.metadata["turns"] == "1"
