@@ -16,8 +16,24 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from router_fakes import FakeEngine, RunningRouter, ThreadedServer  # noqa: E402
 
+from rlfleet.processes import ServiceProcess  # noqa: E402
 from rlfleet_router.config import RouterConfig  # noqa: E402
 from rlfleet_router.http_app import create_app  # noqa: E402
+
+
+@pytest.fixture
+def start_process(tmp_path: Path) -> Iterator[Callable[[str, list[str]], ServiceProcess]]:
+    """Starts real service processes (logs under tmp_path); stops them, last first, at teardown."""
+    started: list[ServiceProcess] = []
+
+    def start(name: str, argv: list[str]) -> ServiceProcess:
+        process = ServiceProcess(name, argv, tmp_path / f"{name}.log", env={"RLFLEET_LOG_FORMAT": "text"})
+        started.append(process)
+        return process
+
+    yield start
+    for process in reversed(started):
+        process.stop(timeout=10)
 
 
 @pytest.fixture

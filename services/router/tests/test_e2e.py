@@ -11,7 +11,7 @@ import json
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -23,20 +23,6 @@ from rlfleet.processes import ServiceProcess, free_port
 pytestmark = pytest.mark.e2e
 
 STARTUP_SECS = 60.0
-
-
-@pytest.fixture
-def start_process(tmp_path: Path) -> Iterator[Callable[..., ServiceProcess]]:
-    started: list[ServiceProcess] = []
-
-    def start(name: str, argv: list[str]) -> ServiceProcess:
-        process = ServiceProcess(name, argv, tmp_path / f"{name}.log", env={"RLFLEET_LOG_FORMAT": "text"})
-        started.append(process)
-        return process
-
-    yield start
-    for process in reversed(started):
-        process.stop(timeout=10)
 
 
 def router_argv(port: int, worker_urls: list[str], *extra: str) -> list[str]:

@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -28,31 +28,15 @@ SIM_COMMAND = (
 )
 
 
-@pytest.fixture
-def processes(tmp_path: Path) -> Iterator[Callable[[str, list[str]], ServiceProcess]]:
-    started: list[ServiceProcess] = []
-
-    def start(name: str, argv: list[str]) -> ServiceProcess:
-        process = ServiceProcess(name, argv, tmp_path / f"{name}.log", env={"RLFLEET_LOG_FORMAT": "text"})
-        started.append(process)
-        return process
-
-    yield start
-    for process in reversed(started):
-        process.stop(timeout=10)
-
-
 def test_killed_engine_is_restarted_on_the_fleets_weights_and_no_request_fails(
-    processes: Callable[[str, list[str]], ServiceProcess], tmp_path: Path
+    start_process: Callable[[str, list[str]], ServiceProcess], tmp_path: Path
 ) -> None:
     ports = [free_port() for _ in range(3)]
-    engines = [
-        processes(f"engine-{p}", SIM_COMMAND.format(host="127.0.0.1", port=p).split()) for p in ports
-    ]
+    engines = [start_process(f"engine-{p}", SIM_COMMAND.format(host="127.0.0.1", port=p).split()) for p in ports]
     for engine, port in zip(engines, ports, strict=True):
         engine.wait_healthy(f"http://127.0.0.1:{port}/health", timeout=30)
     router_port = free_port()
-    router = processes(
+    router = start_process(
         "router",
         [
             sys.executable, "-m", "rlfleet_router", "--port", str(router_port),
