@@ -7,14 +7,19 @@ produced under the old version. Such a completion is re-submitted as prompt + pa
 with the remaining `max_new_tokens`, and the two halves are joined: the Sample's response is the
 concatenation, its logprobs those each half was sampled with, and its `weight_versions` both
 versions, oldest first, so the staleness rule and the trainer's off-policy correction see the old
-part for what it is. A multi-turn episode's turn is resumed the same way under its trajectory id:
-the router then holds the aborted half and its continuation as two turns with nothing between
-them, which lay out as the same tokens, all in the loss.
+part for what it is. A stop string the cut splits (begun in the first half, completed in the
+second) ends the joined generation where the engine would have ended it had it made both halves.
+
+A multi-turn episode's turn is resumed the same way under its trajectory id: the router then holds
+the aborted half and its continuation as two turns with nothing between them, which lay out as the
+same tokens, all in the loss. Such a turn keeps every token the engines made, as its trajectory
+does, so there a stop string split by the cut is not matched.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rlfleet.errors import RlfleetError
@@ -48,6 +53,43 @@ def join(head: Completion, tail: Completion) -> Completion:
         cached_tokens=head.cached_tokens,
         error=tail.error,
     )
+
+
+def stop_across_the_cut(
+    whole: Completion, head: Completion, stops: Sequence[str], decode: Callable[[list[int]], str]
+) -> Completion:
+    """`whole` (`head` joined with its continuation) cut at the earliest stop string that begins in
+    `head`'s text and ends after it, as the engine cuts a generation: the tokens up to the one that
+    completes the match, the text up to where the match begins, finish reason stop. Unchanged if none."""
+    cut = len(head.text)
+    hits = []
+    for stop in stops:
+        start = whole.text.find(stop, max(0, cut - len(stop) + 1))
+        if 0 <= start < cut < start + len(stop):
+            hits.append((start, start + len(stop)))
+    if not hits:
+        return whole
+    start, end = min(hits)
+    ids = list(whole.output_ids)
+    count = next((k for k in range(len(head.output_ids) + 1, len(ids) + 1) if len(decode(ids[:k])) >= end), len(ids))
+    return Completion(
+        output_ids=tuple(ids[:count]),
+        logprobs=whole.logprobs[:count],
+        text=whole.text[:start],
+        finish_reason=FinishReason.FINISH_REASON_STOP,
+        weight_version=whole.weight_version,
+        weight_versions=whole.weight_versions,
+        cached_tokens=whole.cached_tokens,
+    )
+
+
+def resumed(head: Completion, tail: Completion, sampling: dict[str, Any], ctx: RolloutContext) -> Completion:
+    """`head` joined with its continuation `tail`, ended at a stop string the cut split, if any."""
+    stops = sampling.get("stop") or ()
+    whole = join(head, tail)
+    if not stops:
+        return whole
+    return stop_across_the_cut(whole, head, stops, lambda ids: ctx.tokenizer.decode(ids, skip_special_tokens=True))
 
 
 def _remaining_tokens(completion: Completion, sampling: dict[str, Any]) -> int:
@@ -103,5 +145,5 @@ async def generate_resuming(
             logger.warning("resuming %d aborted generations failed: %s", len(todo), exc)
             break
         for i, tail in zip(todo, tails, strict=True):
-            completions[i] = join(completions[i], tail)
+            completions[i] = resumed(completions[i], tail, sampling[i], ctx)
     return completions

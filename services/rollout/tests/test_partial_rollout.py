@@ -24,7 +24,7 @@ from rlfleet.v1.samples_pb2 import FinishReason, SampleGroup, SampleStatus
 from rlfleet_rollout.datasets import Prompt
 from rlfleet_rollout.group_producer import GroupRequest, RolloutContext
 from rlfleet_rollout.metrics import RolloutMetrics
-from rlfleet_rollout.partial_rollout import MAX_RESUMES, generate_resuming, join
+from rlfleet_rollout.partial_rollout import MAX_RESUMES, generate_resuming, join, stop_across_the_cut
 from rlfleet_rollout.prompt_tokenizer import load_tokenizer
 from rlfleet_rollout.rollout_function import RolloutRegistry
 from rlfleet_rollout.router_client import Completion, RouterClient, parse_completion
@@ -110,6 +110,49 @@ def test_resuming_is_bounded_and_off_unless_the_spec_asks(tokenizer_dir: Path) -
     router = AlwaysAborts()
     asyncio.run(generate_resuming(_context(tokenizer_dir, router, "finish"), [[5]], sampling, ["r"]))
     assert router.calls == 1
+
+
+def _chars(text: str) -> tuple[int, ...]:
+    return tuple(ord(c) for c in text)
+
+
+def _decode(ids: list[int]) -> str:
+    return "".join(chr(i) for i in ids)
+
+
+def test_a_stop_string_the_cut_splits_ends_the_joined_generation_where_the_engine_would_have() -> None:
+    head = Completion(_chars("abc EN"), (-0.1,) * 6, "abc EN", ABORT, 4, (4,), error="generation aborted")
+    tail = Completion(_chars("D! more"), (-0.2,) * 7, "D! more", LENGTH, 5, (5,))
+    cut = stop_across_the_cut(join(head, tail), head, ["END"], _decode)
+    assert cut.output_ids == _chars("abc END") and cut.logprobs == (-0.1,) * 6 + (-0.2,)
+    assert cut.text == "abc " and cut.finish_reason == FinishReason.FINISH_REASON_STOP and not cut.error
+    assert cut.weight_versions == (4, 5)
+    # A stop string wholly in one half was the engine's to match; none at all leaves the join as it is.
+    for stops in (["more"], ["abc"], ["zz"], []):
+        assert stop_across_the_cut(join(head, tail), head, stops, _decode) == join(head, tail)
+
+
+class AbortsThenFinishesTheStop:
+    """Aborts a generation after "x [EN"; its continuation is "D] y"."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.calls = 0
+
+    async def generate(self, prompts: list[list[int]], sampling: Any, rids: list[str]) -> list[Completion]:
+        self.calls += 1
+        text = "x [EN" if self.calls == 1 else "D] y"
+        ids = tuple(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        reason, error = (ABORT, "generation aborted") if self.calls == 1 else (LENGTH, "")
+        return [Completion(ids, (-1.0,) * len(ids), text, reason, self.calls, (self.calls,), error=error)]
+
+
+def test_resuming_matches_a_stop_string_across_the_cut(tokenizer_dir: Path) -> None:
+    router = AbortsThenFinishesTheStop(load_tokenizer(str(tokenizer_dir)))
+    ctx = _context(tokenizer_dir, router, "abort_resume")
+    [whole] = asyncio.run(generate_resuming(ctx, [[5]], [{"max_new_tokens": 20, "stop": ["END]"]}], ["r"]))
+    assert router.calls == 2 and whole.text == "x [" and whole.finish_reason == FinishReason.FINISH_REASON_STOP
+    assert whole.output_ids == tuple(ctx.tokenizer.encode("x [END]", add_special_tokens=False).ids)
 
 
 # -- across a real weight update -----------------------------------------------------------------
