@@ -49,19 +49,7 @@ async def _evaluate_batch(
         completions = await ctx.generate(encoded, sampling, rids)
     except RlfleetError as exc:
         completions = [Completion(error=f"generation failed: {exc}")] * len(cells)
-    items = [
-        ScoreItem(id=str(i), prompt=p.prompt, response=ctx.response_text(c), label=p.answer, metadata=p.metadata)
-        for i, ((_, p, _), c) in enumerate(zip(cells, completions, strict=True))
-        if not c.error
-    ]
-    results = {r.id: r for r in await ctx.score(items)}
-    threshold = full_marks(ctx.spec.reward)
-    outcomes = []
-    for i, ((index, _, _), c) in enumerate(zip(cells, completions, strict=True)):
-        result = results.get(str(i))
-        ok = result is not None and result.status == ScoreStatus.SCORE_STATUS_OK and result.score >= threshold
-        outcomes.append(_Outcome(prompt_index=index, correct=ok, completion=c))
-    return outcomes
+    return await _judge(ctx, cells, completions, [ctx.response_text(c) for c in completions])
 
 
 async def _evaluate_episodes(
@@ -86,18 +74,25 @@ async def _evaluate_episodes(
             for index, p, j in cells
         ]
     )
+    return await _judge(ctx, cells, [e.completion for e in episodes], [e.final_turn for e in episodes])
+
+
+async def _judge(
+    ctx: RolloutContext, cells: list[tuple[int, Prompt, int]], completions: list[Completion], responses: list[str]
+) -> list[_Outcome]:
+    """Each cell's outcome: correct when its response (what the reward scores) earns full marks."""
     items = [
-        ScoreItem(id=str(i), prompt=p.prompt, response=e.final_turn, label=p.answer, metadata=p.metadata)
-        for i, ((_, p, _), e) in enumerate(zip(cells, episodes, strict=True))
-        if not e.completion.error
+        ScoreItem(id=str(i), prompt=p.prompt, response=response, label=p.answer, metadata=p.metadata)
+        for i, ((_, p, _), c, response) in enumerate(zip(cells, completions, responses, strict=True))
+        if not c.error
     ]
     results = {r.id: r for r in await ctx.score(items)}
     threshold = full_marks(ctx.spec.reward)
     outcomes = []
-    for i, ((index, _, _), episode) in enumerate(zip(cells, episodes, strict=True)):
+    for i, ((index, _, _), c) in enumerate(zip(cells, completions, strict=True)):
         result = results.get(str(i))
         ok = result is not None and result.status == ScoreStatus.SCORE_STATUS_OK and result.score >= threshold
-        outcomes.append(_Outcome(prompt_index=index, correct=ok, completion=episode.completion))
+        outcomes.append(_Outcome(prompt_index=index, correct=ok, completion=c))
     return outcomes
 
 
