@@ -65,20 +65,19 @@ class PrefixCache:
     def _held(self, digest: int) -> bool:
         return digest in self._pins or digest in self._evictable
 
-    def _count_lookup(self, chain: Iterable[int], prompt_tokens: int) -> int:
-        """Tokens of the held blocks at the start of `chain`; counted in the hit rate."""
+    def _held_prefix(self, chain: Iterable[int]) -> int:
+        """Tokens of the held blocks at the start of `chain`."""
         held = 0
         for digest in chain:
             if not self._held(digest):
                 break
             held += self.block_size
-        self.lookup_tokens += prompt_tokens
-        self.hit_tokens += held
         return held
 
     def match(self, ids: Sequence[int]) -> int:
-        """Tokens at the start of `ids` the cache holds (a multiple of the block size); counted in the hit rate."""
-        return self._count_lookup(self._chain(ids), len(ids))
+        """Tokens at the start of `ids` the cache holds (a multiple of the block size); a look, not a lookup:
+        only a granted lease counts in the hit rate."""
+        return self._held_prefix(self._chain(ids))
 
     def insert(self, ids: Sequence[int]) -> None:
         """Holds every whole block of `ids` from now on, evicting the least recently used blocks beyond the budget."""
@@ -104,7 +103,9 @@ class PrefixCache:
         room = free + (len(self._evictable) - reused_evictable) * self.block_size
         if new_blocks * self.block_size + private > room:
             return None
-        cached = self._count_lookup(chain, len(ids))
+        cached = self._held_prefix(chain)
+        self.lookup_tokens += len(ids)
+        self.hit_tokens += cached
         for digest in chain:
             self._evictable.pop(digest, None)
             self._pins[digest] = self._pins.get(digest, 0) + 1
