@@ -21,7 +21,9 @@ smallest tree, in characters held; the least-loaded engine once max - min in fli
 1.5 x min). On the benchmark's seed at `--scale 0.5` it lands within a point of the measured hit rates
 and, when sglang-router spreads the conversations as it does here, within 1-5 % of its makespans; the
 real router breaks ties between engines holding a prefix arbitrarily, so its spread varies run to run.
-Every figure is a replay of the sim engines' model and says so; confirm a change with the real benchmark.
+Under each workload's rows it prints the benchmark's `hit_ceiling`: the highest hit rate any router can
+reach there with max/mean load within the benchmark's target, and at any load. Every figure is a replay
+of the sim engines' model and says so; confirm a change with the real benchmark.
 
     .venv/bin/python bench/router_policy_replay.py [--engines 4 8] [--caches roomy tight] [--seeds 0 1 2]
         [--scale 0.5] [--policies cache_aware sglang-model least_load] [--jitter-ms 5]
@@ -38,7 +40,17 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from router_vs_sglang_router import BASELINE, CACHES, SIM_LATENCY, Workload, grpo_workload, multiturn_workload
+from router_vs_sglang_router import (
+    BALANCE_TARGET,
+    BASELINE,
+    CACHES,
+    SIM_LATENCY,
+    Workload,
+    grpo_workload,
+    hit_ceiling,
+    multiturn_workload,
+    run_label,
+)
 
 from rlfleet_engine.config import EngineConfig, config_from_args
 from rlfleet_engine.sim_backend import LatencyModel, output_rng
@@ -311,22 +323,36 @@ def main() -> None:
             # As in the benchmark, one router (policy object) per fleet serves the workloads one after another.
             results: dict[tuple[str, str], list[Replay]] = {}
             for policy in args.policies:
-                # The benchmark's run label: its length moves where the prompts' blocks start.
-                salt = f"{BENCH_ROUTERS.get(policy, f'rlfleet:{policy}')} {cache} {engines}\n"
+                # The benchmark's run label for this router (a prefix all its traffic shares).
+                salt = run_label(BENCH_ROUTERS.get(policy, f"rlfleet:{policy}"), cache, engines)
                 for seed in args.seeds:
                     router = make_policy(policy, options)
                     for name in args.workloads:
                         workload = makers[name](seed, args.scale)
                         run = replay(router, engines, configs[cache], workload, seed, salt, jitter)
                         results.setdefault((name, policy), []).append(run)
-            for (name, policy), runs in sorted(results.items(), key=lambda item: args.workloads.index(item[0][0])):
+            for name in args.workloads:
+                for policy in args.policies:
+                    runs = results[name, policy]
+                    print(
+                        f"{name:9} {engines} engines {cache:6} {policy:13} "
+                        f"{statistics.mean(r.hit_rate for r in runs):6.3f} "
+                        f"{statistics.mean(r.makespan for r in runs):8.2f}s "
+                        f"{statistics.mean(r.p50 for r in runs) * 1e3:4.0f}ms "
+                        f"{statistics.mean(r.p99 for r in runs) * 1e3:4.0f}ms "
+                        f"{statistics.mean(r.max_over_mean for r in runs):8.2f}  {runs[0].per_engine}",
+                        flush=True,
+                    )
+                salt = run_label("rlfleet:cache_aware", cache, engines)
+                ceilings = {
+                    bound: statistics.mean(
+                        hit_ceiling(makers[name](seed, args.scale), engines, salt, bound) for seed in args.seeds
+                    )
+                    for bound in (BALANCE_TARGET, engines)
+                }
                 print(
-                    f"{name:9} {engines} engines {cache:6} {policy:13} "
-                    f"{statistics.mean(r.hit_rate for r in runs):6.3f} "
-                    f"{statistics.mean(r.makespan for r in runs):8.2f}s "
-                    f"{statistics.mean(r.p50 for r in runs) * 1e3:4.0f}ms "
-                    f"{statistics.mean(r.p99 for r in runs) * 1e3:4.0f}ms "
-                    f"{statistics.mean(r.max_over_mean for r in runs):8.2f}  {runs[0].per_engine}",
+                    f"{name:9} {engines} engines {cache:6} {'ceiling':13} {ceilings[BALANCE_TARGET]:6.3f}  highest hit "
+                    f"rate of any router at max/mean <= {BALANCE_TARGET} ({ceilings[engines]:.3f} at any load)",
                     flush=True,
                 )
 
