@@ -194,7 +194,7 @@ async def drive(url: str, workload: Workload, concurrency: int, salt: str) -> tu
             latencies.append(time.perf_counter() - started)
             return str(response.json()["text"])
 
-        queue: asyncio.Queue[object] = asyncio.Queue()
+        queue: asyncio.Queue[str | tuple[str, list[str]]] = asyncio.Queue()
         for prompt in workload.grpo_prompts:
             for _ in range(workload.samples):
                 queue.put_nowait(salt + prompt)

@@ -18,6 +18,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import ASGIApp
 
 from rlfleet.processes import free_port
 
@@ -25,7 +26,7 @@ from rlfleet.processes import free_port
 class ThreadedServer:
     """An ASGI app served by uvicorn on 127.0.0.1 in a daemon thread; start/stop are bounded."""
 
-    def __init__(self, app: object, port: int | None = None) -> None:
+    def __init__(self, app: ASGIApp, port: int | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
@@ -127,9 +128,11 @@ class FakeEngine:
         }
 
     async def _sse(self, body: dict[str, object]) -> AsyncIterator[bytes]:
-        for i in range(int(body.get("chunks", 3))):
+        chunks, delay = body.get("chunks", 3), body.get("chunk_delay", 0.05)
+        assert isinstance(chunks, int) and isinstance(delay, (int, float)), "chunks: int, chunk_delay: seconds"
+        for i in range(chunks):
             yield f"data: {json.dumps({'index': i, 'engine': self.name})}\n\n".encode()
-            await asyncio.sleep(float(body.get("chunk_delay", 0.05)))
+            await asyncio.sleep(delay)
         yield b"data: [DONE]\n\n"
 
 
