@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,11 +22,29 @@ import httpx
 logger = logging.getLogger(__name__)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS reports free now (bind to port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+_PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PICKED_PORT = 15000
+"""Ports below this stay for services with well-known defaults (Redis 6379, PostgreSQL 5432, 8000s)."""
+_handed_out: set[int] = set()
+_pick = random.Random()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel gives outgoing connections (Linux's default when it cannot be read)."""
+    try:
+        low, high = _PORT_RANGE_FILE.read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _candidate_ports() -> range:
+    """Where free ports are picked: outside the ephemeral range, so that no outgoing connection can be
+    given the port between picking it and the service binding it (minutes later, in a fleet)."""
+    low, high = _ephemeral_range()
+    below = range(_LOWEST_PICKED_PORT, low)
+    above = range(high + 1, 65536)
+    return below if len(below) >= len(above) else above
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
@@ -37,13 +56,28 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 50) -> int:
-    """A port p such that p .. p + count - 1 are all free now (for services on consecutive ports)."""
+def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
+    """A port p such that p .. p + count - 1 are all free now and none was handed out before by this
+    process. Picked outside the kernel's ephemeral range when it leaves room (see _candidate_ports),
+    else by binding port 0."""
+    candidates = _candidate_ports()
     for _ in range(attempts):
-        base = free_port(host)
-        if all(port_is_free(base + i, host) for i in range(1, count)):
+        if len(candidates) >= 1000:
+            base = _pick.randrange(candidates.start, candidates.stop - count + 1)
+        else:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind((host, 0))
+                base = int(sock.getsockname()[1])
+        block = range(base, base + count)
+        if block.stop <= 65536 and not _handed_out.intersection(block) and all(port_is_free(p, host) for p in block):
+            _handed_out.update(block)
             return base
-    raise RuntimeError(f"found no {count} consecutive free ports in {attempts} attempts")
+    raise RuntimeError(f"found no {count} consecutive free ports on {host} in {attempts} attempts")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, never handed out before by this process (see free_port_block)."""
+    return free_port_block(1, host)
 
 
 class ServiceProcess:
