@@ -94,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from rlfleet.logs import init_logging
     from rlfleet_router.http_app import create_app
+    from rlfleet_router.http_protocol import RouterHttpProtocol
 
     init_logging("router", config.log_level)
     uvicorn.run(
@@ -101,9 +102,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         host=config.host,
         port=config.port,
         log_config=None,
-        # The C parser and event loop, no per-request access log line, and no X-Forwarded-* rewriting of the
-        # client address the router never reads: each is CPU on every request's path through the router.
-        http="httptools",
+        # The C parser (generation requests served from it, see http_protocol.py) and event loop, no
+        # per-request access log line, and no X-Forwarded-* rewriting of the client address the router never
+        # reads: each is CPU on every request's path through the router.
+        http=RouterHttpProtocol,
         loop="uvloop",
         access_log=False,
         proxy_headers=False,

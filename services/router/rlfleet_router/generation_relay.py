@@ -56,19 +56,25 @@ class GenerationRelay:
             if body is None:
                 status = CLIENT_CLOSED_REQUEST
                 return
-            response: Response
-            try:
-                response = await self.fleet.generate(route, body, headers, arrived_at=time.perf_counter())
-            except RlfleetError as exc:
-                if exc.http_status >= 500:
-                    logger.error("POST %s failed: %s", route, exc)
-                response = error_response(exc)
-            except Exception:
-                logger.exception("POST %s failed", route)
-                response = error_response(Internal("internal error; see the service log"))
-            await response(scope, receive, send_and_watch)
+            await self.answer(route, body, headers, scope, receive, send_and_watch)
         finally:
             self.fleet.metrics.observe_request(route, status, time.perf_counter() - started)
+
+    async def answer(
+        self, route: str, body: bytes, headers: dict[str, str], scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """Routes one whole generation request and sends the engine's answer, or the error, through `send`."""
+        response: Response
+        try:
+            response = await self.fleet.generate(route, body, headers, arrived_at=time.perf_counter())
+        except RlfleetError as exc:
+            if exc.http_status >= 500:
+                logger.error("POST %s failed: %s", route, exc)
+            response = error_response(exc)
+        except Exception:
+            logger.exception("POST %s failed", route)
+            response = error_response(Internal("internal error; see the service log"))
+        await response(scope, receive, send)
 
 
 def header_dict(scope: Scope) -> dict[str, str]:

@@ -19,6 +19,7 @@ from router_fakes import FakeEngine, RunningRouter, ThreadedServer  # noqa: E402
 from rlfleet.processes import ServiceProcess  # noqa: E402
 from rlfleet_router.config import RouterConfig  # noqa: E402
 from rlfleet_router.http_app import create_app  # noqa: E402
+from rlfleet_router.http_protocol import RouterHttpProtocol  # noqa: E402
 
 
 @pytest.fixture
@@ -68,7 +69,7 @@ def start_router() -> Iterator[Callable[..., RunningRouter]]:
             "retry_initial_backoff_ms": 10,
         }
         config = RouterConfig(worker_urls=worker_urls, **{**defaults, **settings})  # type: ignore[arg-type]
-        server = ThreadedServer(create_app(config)).start()
+        server = ThreadedServer(create_app(config), http=RouterHttpProtocol).start()  # as `python -m rlfleet_router`
         router = RunningRouter(server, httpx.Client(base_url=server.url, timeout=30.0, trust_env=False))
         started.append(router)
         return router

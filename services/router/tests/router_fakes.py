@@ -26,10 +26,12 @@ from rlfleet.processes import free_port
 class ThreadedServer:
     """An ASGI app served by uvicorn on 127.0.0.1 in a daemon thread; start/stop are bounded."""
 
-    def __init__(self, app: ASGIApp, port: int | None = None) -> None:
+    def __init__(self, app: ASGIApp, port: int | None = None, http: type[asyncio.Protocol] | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on", http=http or "auto"
+        )
         self.server = uvicorn.Server(config)
         self.server.config.timeout_graceful_shutdown = 1
         self._thread = threading.Thread(target=self.server.run, daemon=True)
@@ -66,6 +68,7 @@ class FakeEngine:
     events: list[str] = field(default_factory=list)  # "generate" / "update", in arrival order
     in_flight: int = 0
     max_in_flight: int = 0
+    streams_cut: int = 0  # streams whose reader left before their end
     server: ThreadedServer | None = None
 
     @property
@@ -130,10 +133,15 @@ class FakeEngine:
     async def _sse(self, body: dict[str, object]) -> AsyncIterator[bytes]:
         chunks, delay = body.get("chunks", 3), body.get("chunk_delay", 0.05)
         assert isinstance(chunks, int) and isinstance(delay, (int, float)), "chunks: int, chunk_delay: seconds"
-        for i in range(chunks):
-            yield f"data: {json.dumps({'index': i, 'engine': self.name})}\n\n".encode()
-            await asyncio.sleep(delay)
-        yield b"data: [DONE]\n\n"
+        finished = False
+        try:
+            for i in range(chunks):
+                yield f"data: {json.dumps({'index': i, 'engine': self.name})}\n\n".encode()
+                await asyncio.sleep(delay)
+            yield b"data: [DONE]\n\n"
+            finished = True
+        finally:
+            self.streams_cut += not finished
 
 
 @dataclass

@@ -1,0 +1,169 @@
+"""The router's HTTP/1.1 protocol: generation requests served from the parser, everything else by uvicorn."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Callable
+
+import pytest
+from router_fakes import FakeEngine, RunningRouter, metric_value
+
+from rlfleet_router import http_protocol
+
+
+def post(path: str, body: dict[str, object], extra: str = "") -> bytes:
+    raw = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(raw)}\r\n{extra}\r\n"
+    )
+    return head.encode() + raw
+
+
+def read_answers(sock: socket.socket, count: int, timeout: float = 10.0) -> list[tuple[int, dict[str, str], bytes]]:
+    """`count` HTTP/1.1 answers with content-length, in the order they arrive on `sock`."""
+    sock.settimeout(timeout)
+    data = b""
+    answers: list[tuple[int, dict[str, str], bytes]] = []
+    while len(answers) < count:
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            assert chunk, f"connection closed after {len(answers)} answers"
+            data += chunk
+        head, data = data.split(b"\r\n\r\n", 1)
+        status_line, *lines = head.decode("latin-1").split("\r\n")
+        headers = {name.lower(): value.strip() for name, value in (line.split(":", 1) for line in lines)}
+        length = int(headers["content-length"])
+        while len(data) < length:
+            chunk = sock.recv(65536)
+            assert chunk, "connection closed mid-answer"
+            data += chunk
+        answers.append((int(status_line.split()[1]), headers, data[:length]))
+        data = data[length:]
+    return answers
+
+
+@pytest.fixture
+def one_engine(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> tuple[FakeEngine, RunningRouter]:
+    """A fake engine and a router in front of it, the engine healthy in routing."""
+    engine = start_engine("a")
+    router = start_router([engine.url])
+    router.wait_healthy(1)
+    return engine, router
+
+
+@pytest.fixture
+def served(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The routes of the generation requests served from the parser (not through the ASGI app)."""
+    routes: list[str] = []
+    made = http_protocol.GenerationExchange.__init__
+
+    def counting(self: http_protocol.GenerationExchange, *args: object, **kwargs: object) -> None:
+        made(self, *args, **kwargs)  # type: ignore[arg-type]
+        routes.append(self.route)
+
+    monkeypatch.setattr(http_protocol.GenerationExchange, "__init__", counting)
+    return routes
+
+
+def test_generation_requests_skip_asgi_and_keep_the_connection(
+    one_engine: tuple[FakeEngine, RunningRouter], served: list[str]
+) -> None:
+    engine, router = one_engine
+    with socket.create_connection(("127.0.0.1", router.server.port)) as sock:
+        for k in range(3):  # one after another on one keep-alive connection
+            sock.sendall(post("/generate", {"text": f"q{k}"}))
+            [(status, headers, body)] = read_answers(sock, 1)
+            assert status == 200 and json.loads(body)["meta_info"]["engine"] == "a"
+            assert headers["x-rlfleet-engine"] == engine.url and "date" in headers
+    assert served == ["/generate"] * 3
+    assert [json.loads(raw)["text"] for raw in engine.raw_bodies] == ["q0", "q1", "q2"]
+    metrics = router.client.get("/metrics").text
+    assert metric_value(metrics, "rlfleet_router_requests_total", {"route": "/generate", "status": "200"}) == 3
+
+
+def test_pipelined_requests_are_answered_in_order(
+    one_engine: tuple[FakeEngine, RunningRouter], served: list[str]
+) -> None:
+    engine, router = one_engine
+    slow_first = post("/generate", {"text": "first", "delay": 0.3})
+    then_info = b"GET /workers HTTP/1.1\r\nhost: r\r\n\r\n"
+    then_generate = post("/generate", {"text": "third"})
+    with socket.create_connection(("127.0.0.1", router.server.port)) as sock:
+        sock.sendall(slow_first + then_info + then_generate)  # all three before any answer
+        answers = read_answers(sock, 3)
+    assert [status for status, _, _ in answers] == [200, 200, 200]
+    assert json.loads(answers[1][2])["workers"][0]["url"] == engine.url
+    assert [json.loads(raw)["text"] for raw in engine.raw_bodies] == ["first", "third"]
+    assert served == ["/generate"]  # the third waited behind the second, on uvicorn's path
+
+
+def test_a_client_gone_before_its_body_is_counted_and_the_router_serves_on(
+    one_engine: tuple[FakeEngine, RunningRouter], served: list[str]
+) -> None:
+    engine, router = one_engine
+    with socket.create_connection(("127.0.0.1", router.server.port)) as sock:
+        sock.sendall(post("/generate", {"text": "never whole"})[:-5])
+        time.sleep(0.2)
+    deadline = time.monotonic() + 5
+    labels = {"route": "/generate", "status": "499"}
+    while metric_value(router.client.get("/metrics").text, "rlfleet_router_requests_total", labels) != 1:
+        assert time.monotonic() < deadline, "the abandoned request was not counted"
+        time.sleep(0.05)
+    assert engine.raw_bodies == [] and served == ["/generate"]
+    assert router.client.post("/generate", json={"text": "next"}).status_code == 200
+
+
+def test_expect_100_continue_takes_uvicorns_path(
+    one_engine: tuple[FakeEngine, RunningRouter], served: list[str]
+) -> None:
+    engine, router = one_engine
+    request = post("/generate", {"text": "after continue"}, extra="expect: 100-continue\r\n")
+    head, body = request.split(b"\r\n\r\n", 1)
+    with socket.create_connection(("127.0.0.1", router.server.port)) as sock:
+        sock.sendall(head + b"\r\n\r\n")
+        sock.settimeout(5)
+        assert sock.recv(1024).startswith(b"HTTP/1.1 100 Continue")
+        sock.sendall(body)
+        [(status, _, answer)] = read_answers(sock, 1)
+    assert status == 200 and json.loads(answer)["meta_info"]["engine"] == "a"
+    assert served == []
+
+
+def test_a_body_larger_than_uvicorns_read_buffer_is_read_whole(
+    one_engine: tuple[FakeEngine, RunningRouter], served: list[str]
+) -> None:
+    engine, router = one_engine
+    ids = list(range(40_000))  # ~230 KB of JSON: uvicorn pauses reading past 64 KB until the body is consumed
+    response = router.client.post("/generate", json={"input_ids": ids}, timeout=10)
+    assert response.status_code == 200, response.text
+    assert json.loads(engine.raw_bodies[-1])["input_ids"] == ids
+    assert served == ["/generate"]
+
+
+def test_a_client_leaving_a_stream_ends_the_engines_stream(
+    one_engine: tuple[FakeEngine, RunningRouter], served: list[str]
+) -> None:
+    engine, router = one_engine
+    with socket.create_connection(("127.0.0.1", router.server.port)) as sock:
+        sock.sendall(post("/generate", {"text": "long", "stream": True, "chunks": 200, "chunk_delay": 0.05}))
+        sock.settimeout(5)
+        received = b""
+        while received.count(b"data: ") < 2:  # the head and two events have arrived
+            chunk = sock.recv(65536)
+            assert chunk, "the stream ended early"
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in received
+    deadline = time.monotonic() + 5
+    labels = {"route": "/generate", "status": "499"}
+    while (
+        engine.streams_cut != 1
+        or metric_value(router.client.get("/metrics").text, "rlfleet_router_requests_total", labels) != 1
+    ):
+        assert time.monotonic() < deadline, f"engine streams cut: {engine.streams_cut}; the router kept relaying"
+        time.sleep(0.05)
+    assert served == ["/generate"]
