@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -25,6 +25,7 @@ from rlfleet_engine.generation_job import GenerationJob
 from rlfleet_engine.metrics import EngineMetrics
 from rlfleet_engine.request_expansion import expand
 from rlfleet_engine.sampling_params import SamplingParams
+from rlfleet_engine.scheduled_generation import Outputs, ScheduledGeneration
 from rlfleet_engine.scheduler import Scheduler
 from rlfleet_engine.schemas import GenerateRequest, UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest
 
@@ -39,7 +40,9 @@ class Tokenizer(Protocol):
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
 
 
-class EngineCore:
+class EngineCore(ScheduledGeneration):
+    scheduler: Scheduler
+
     def __init__(
         self,
         config: EngineConfig,
@@ -66,10 +69,6 @@ class EngineCore:
             abort_all=lambda: self.scheduler.abort("", abort_all=True),
         )
 
-    @property
-    def weight_version(self) -> str:
-        return self.scheduler.weight_version
-
     def start(self) -> None:
         self.scheduler.start()
 
@@ -78,46 +77,10 @@ class EngineCore:
 
     # ---- generation ----------------------------------------------------------------------------
 
-    async def generate(self, req: GenerateRequest) -> dict[str, Any] | list[dict[str, Any]]:
-        """Runs `req` to the end; a single prompt with n == 1 answers one object, anything else a list."""
-        jobs, queue = self._submit(req)
-        results: list[dict[str, Any] | None] = [None] * len(jobs)
-        try:
-            while any(r is None for r in results):
-                index, out = await queue.get()
-                if out["meta_info"]["finish_reason"] is not None:
-                    results[index] = out
-        finally:
-            self._abort_unfinished(jobs)
-        done = [r for r in results if r is not None]
-        return done[0] if len(jobs) == 1 and not req.is_batch else done
-
-    def generate_stream(self, req: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
-        """Submits `req` now (so bad input raises before a response starts) and returns its output stream.
-
-        Chunks are cumulative, as SGLang streams by default; batch chunks carry the item's `index`.
-        """
-        jobs, queue = self._submit(req)
-
-        async def chunks() -> AsyncIterator[dict[str, Any]]:
-            pending = len(jobs)
-            try:
-                while pending:
-                    index, out = await queue.get()
-                    if len(jobs) > 1 or req.is_batch:
-                        out["index"] = index
-                    if out["meta_info"]["finish_reason"] is not None:
-                        pending -= 1
-                    yield out
-            finally:
-                self._abort_unfinished(jobs)
-
-        return chunks()
-
-    def _submit(self, req: GenerateRequest) -> tuple[list[GenerationJob], asyncio.Queue[tuple[int, dict[str, Any]]]]:
+    def _submit(self, req: GenerateRequest) -> tuple[list[GenerationJob], Outputs]:
         specs = expand(req, self.tokenizer, self.backend.vocab_size, self.backend.context_length)
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[int, dict[str, Any]]] = asyncio.Queue()
+        queue: Outputs = asyncio.Queue()
 
         def deliverer(index: int):  # noqa: ANN202 - a closure per job
             def deliver(out: dict[str, Any]) -> None:
@@ -142,23 +105,6 @@ class EngineCore:
         ]
         self.scheduler.submit(jobs)
         return jobs, queue
-
-    def _abort_unfinished(self, jobs: list[GenerationJob]) -> None:
-        # A caller that went away (disconnect, cancellation) should not keep a batch row busy.
-        for job in jobs:
-            if job.finish is None:
-                self.scheduler.abort(job.rid)
-
-    # ---- control -------------------------------------------------------------------------------
-
-    def abort(self, rid: str, abort_all: bool = False) -> None:
-        self.scheduler.abort(rid, abort_all)
-
-    def pause(self) -> None:
-        self.scheduler.set_paused(True)
-
-    def resume(self) -> None:
-        self.scheduler.set_paused(False)
 
     async def update_weights_from_disk(self, req: UpdateWeightsFromDiskRequest) -> dict[str, Any]:
         if req.load_format not in _LOAD_FORMATS:

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from rlfleet_engine.generation_job import GenerationJob
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 15, 20, 30, 60)
 _E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200)
@@ -92,9 +96,13 @@ class EngineMetrics:
         self.last_gen_throughput = sum(n for _, n in self._recent) / span
         self.gen_throughput.set(self.last_gen_throughput)
 
-    def observe_finished(self, ttft: float | None, e2e: float, completion_tokens: int) -> None:
+    def observe_finished(self, job: GenerationJob) -> None:
+        """A finished job's request count, time to first token, inter-token and end-to-end latency."""
+        e2e = (job.finished_at or time.monotonic()) - job.created_at
         self.num_requests.inc()
-        if ttft is not None:
+        completion_tokens = len(job.output_ids)
+        if job.first_token_at is not None:
+            ttft = job.first_token_at - job.created_at
             self.time_to_first_token.observe(ttft)
             if completion_tokens > 1:
                 self.inter_token_latency.observe((e2e - ttft) / (completion_tokens - 1))

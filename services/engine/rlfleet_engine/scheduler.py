@@ -259,9 +259,7 @@ class Scheduler:
         except Exception:  # noqa: BLE001 - one broken receiver must not stop the batch
             logger.exception("could not deliver output of %s", job.rid)
         if job.finish is not None and job.log_metrics:
-            ttft = job.first_token_at - job.created_at if job.first_token_at is not None else None
-            e2e = (job.finished_at or time.monotonic()) - job.created_at
-            self.metrics.observe_finished(ttft, e2e, len(job.output_ids))
+            self.metrics.observe_finished(job)
 
     def _update_gauges(self) -> None:
         self.metrics.num_running_reqs.set(len(self._running))

@@ -30,7 +30,7 @@ import functools
 import hashlib
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +42,7 @@ from rlfleet_engine.config import EngineConfig
 from rlfleet_engine.generation_job import GenerationJob
 from rlfleet_engine.metrics import EngineMetrics
 from rlfleet_engine.request_expansion import expand
+from rlfleet_engine.scheduled_generation import Outputs, ScheduledGeneration
 from rlfleet_engine.schemas import GenerateRequest, UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest
 from rlfleet_engine.sim_prefix_cache import Lease, PrefixCache
 from rlfleet_engine.stop_conditions import FinishReason
@@ -230,9 +231,7 @@ class SimScheduler:
     def _publish(self, job: SimJob) -> None:
         job.deliver(job.output(self.tokenizer, self.weight_version))
         if job.finish is not None and job.log_metrics:
-            ttft = job.first_token_at - job.created_at if job.first_token_at is not None else None
-            e2e = (job.finished_at or time.monotonic()) - job.created_at
-            self.metrics.observe_finished(ttft, e2e, len(job.output_ids))
+            self.metrics.observe_finished(job)
 
     def _update_gauges(self) -> None:
         self.metrics.num_running_reqs.set(len(self._running))
@@ -240,15 +239,17 @@ class SimScheduler:
         self.metrics.num_used_tokens.set(self.cache.in_use_tokens)
 
 
-def _deliverer(queue: asyncio.Queue[tuple[int, dict[str, Any]]], index: int) -> Callable[[dict[str, Any]], None]:
+def _deliverer(queue: Outputs, index: int) -> Callable[[dict[str, Any]], None]:
     def deliver(out: dict[str, Any]) -> None:
         queue.put_nowait((index, out))
 
     return deliver
 
 
-class SimEngineCore:
+class SimEngineCore(ScheduledGeneration):
     """The engine core of the `sim` backend: the same surface as `EngineCore`, served by the same HTTP app."""
+
+    scheduler: SimScheduler
 
     def __init__(self, config: EngineConfig, registry: CollectorRegistry) -> None:
         self.config = config
@@ -265,42 +266,7 @@ class SimEngineCore:
         self.cache = PrefixCache(config.sim_cache_tokens)
         self.scheduler = SimScheduler(config, self.cache, latency, self.metrics)
 
-    @property
-    def weight_version(self) -> str:
-        return self.scheduler.weight_version
-
-    async def generate(self, req: GenerateRequest) -> dict[str, Any] | list[dict[str, Any]]:
-        jobs, queue = self._submit(req)
-        results: list[dict[str, Any] | None] = [None] * len(jobs)
-        try:
-            while any(r is None for r in results):
-                index, out = await queue.get()
-                if out["meta_info"]["finish_reason"] is not None:
-                    results[index] = out
-        finally:
-            self._abort_unfinished(jobs)
-        done = [r for r in results if r is not None]
-        return done[0] if len(jobs) == 1 and not req.is_batch else done
-
-    def generate_stream(self, req: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
-        jobs, queue = self._submit(req)
-
-        async def chunks() -> AsyncIterator[dict[str, Any]]:
-            pending = len(jobs)
-            try:
-                while pending:
-                    index, out = await queue.get()
-                    if len(jobs) > 1 or req.is_batch:
-                        out["index"] = index
-                    if out["meta_info"]["finish_reason"] is not None:
-                        pending -= 1
-                    yield out
-            finally:
-                self._abort_unfinished(jobs)
-
-        return chunks()
-
-    def _submit(self, req: GenerateRequest) -> tuple[list[SimJob], asyncio.Queue[tuple[int, dict[str, Any]]]]:
+    def _submit(self, req: GenerateRequest) -> tuple[list[SimJob], Outputs]:
         specs = expand(req, self.tokenizer, self.backend.vocab_size, self.backend.context_length)
         budget = self.cache.max_tokens
         for spec in specs:
@@ -310,7 +276,7 @@ class SimEngineCore:
                     f"{spec.params.max_new_tokens} of KV memory, more than the engine's whole budget of {budget} "
                     "tokens (--sim-cache-tokens); it could never run."
                 )
-        queue: asyncio.Queue[tuple[int, dict[str, Any]]] = asyncio.Queue()
+        queue: Outputs = asyncio.Queue()
         samples = specs[0].params.n if specs else 1
         jobs = [
             SimJob(
@@ -333,20 +299,6 @@ class SimEngineCore:
                 job.deliver(job.output(self.tokenizer, self.weight_version))
         self.scheduler.submit([job for job in jobs if job.finish is None])
         return jobs, queue
-
-    def _abort_unfinished(self, jobs: list[SimJob]) -> None:
-        for job in jobs:
-            if job.finish is None:
-                self.scheduler.abort(job.rid)
-
-    def abort(self, rid: str, abort_all: bool = False) -> None:
-        self.scheduler.abort(rid, abort_all)
-
-    def pause(self) -> None:
-        self.scheduler.set_paused(True)
-
-    def resume(self) -> None:
-        self.scheduler.set_paused(False)
 
     async def update_weights_from_disk(self, req: UpdateWeightsFromDiskRequest) -> dict[str, Any]:
         """No weights to read: records the version and, as SGLang does after a load, empties the prefix cache."""

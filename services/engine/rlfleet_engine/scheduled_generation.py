@@ -1,0 +1,89 @@
+"""What both engine cores (the model's `EngineCore` and the `sim` backend's `SimEngineCore`) do alike over
+their schedulers: answer a generate request whole or as a stream from the outputs its jobs deliver, abort
+the jobs a caller leaves, and pass abort, pause and resume on to the scheduler.
+
+Outputs arrive on one queue per request as (index of the job in the request, SGLang-shaped output).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol
+
+from rlfleet_engine.generation_job import GenerationJob
+from rlfleet_engine.schemas import GenerateRequest
+
+Outputs = asyncio.Queue[tuple[int, dict[str, Any]]]
+
+
+class JobScheduler(Protocol):
+    weight_version: str
+
+    def abort(self, rid: str, abort_all: bool = False) -> None: ...
+
+    def set_paused(self, paused: bool) -> None: ...
+
+
+class ScheduledGeneration(ABC):
+    scheduler: JobScheduler
+
+    @abstractmethod
+    def _submit(self, req: GenerateRequest) -> tuple[Sequence[GenerationJob], Outputs]:
+        """Checks `req`, hands its jobs (one per prompt and sample) to the scheduler, returns them and their queue."""
+
+    @property
+    def weight_version(self) -> str:
+        return self.scheduler.weight_version
+
+    async def generate(self, req: GenerateRequest) -> dict[str, Any] | list[dict[str, Any]]:
+        """Runs `req` to the end; a single prompt with n == 1 answers one object, anything else a list."""
+        jobs, queue = self._submit(req)
+        results: list[dict[str, Any] | None] = [None] * len(jobs)
+        try:
+            while any(r is None for r in results):
+                index, out = await queue.get()
+                if out["meta_info"]["finish_reason"] is not None:
+                    results[index] = out
+        finally:
+            self._abort_unfinished(jobs)
+        done = [r for r in results if r is not None]
+        return done[0] if len(jobs) == 1 and not req.is_batch else done
+
+    def generate_stream(self, req: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+        """Submits `req` now (so bad input raises before a response starts) and returns its output stream.
+
+        Chunks are cumulative, as SGLang streams by default; batch chunks carry the item's `index`.
+        """
+        jobs, queue = self._submit(req)
+
+        async def chunks() -> AsyncIterator[dict[str, Any]]:
+            pending = len(jobs)
+            try:
+                while pending:
+                    index, out = await queue.get()
+                    if len(jobs) > 1 or req.is_batch:
+                        out["index"] = index
+                    if out["meta_info"]["finish_reason"] is not None:
+                        pending -= 1
+                    yield out
+            finally:
+                self._abort_unfinished(jobs)
+
+        return chunks()
+
+    def _abort_unfinished(self, jobs: Sequence[GenerationJob]) -> None:
+        # A caller that went away (disconnect, cancellation) should not keep a batch row busy.
+        for job in jobs:
+            if job.finish is None:
+                self.scheduler.abort(job.rid)
+
+    def abort(self, rid: str, abort_all: bool = False) -> None:
+        self.scheduler.abort(rid, abort_all)
+
+    def pause(self) -> None:
+        self.scheduler.set_paused(True)
+
+    def resume(self) -> None:
+        self.scheduler.set_paused(False)
