@@ -7,7 +7,8 @@
         (every eval_every steps: evaluate once the trainer serves version s)
         produce groups_per_step SampleGroups that pass the filters, from the step's saved data
         position on (step_producer), record where the step ended, append them to the stream
-    wait until the trainer serves version schedule.steps, evaluate, StopRun, SUCCEEDED
+    wait until the trainer serves version schedule.steps, evaluate, wait (bounded) until the last step's
+    report is in the run's record, StopRun, SUCCEEDED
 
 Appending is idempotent per group id, so a restarted orchestrator re-producing a step never
 duplicates a group. Cancellation arrives as asyncio cancellation: if the record says CANCELLED the
@@ -43,11 +44,16 @@ from rlfleet_rollout.router_client import RouterClient
 from rlfleet_rollout.run_data import DataPosition, RunData
 from rlfleet_rollout.runs_core import RunEnded, RunsCore, now
 from rlfleet_rollout.step_producer import produce_step
+from rlfleet_rollout.step_reports import StepReportFollower
 from rlfleet_rollout.step_watchdog import watch_progress
 from rlfleet_rollout.trainer_client import TrainerClient
 from rlfleet_rollout.trainer_session import TrainerSession
 
 logger = logging.getLogger(__name__)
+
+# How long a finished run waits for the trainer's report of its last step (made as the trainer ends the step,
+# before the final evaluation starts, so it is normally there at once) before it ends with the metrics it has.
+LAST_REPORT_WAIT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -145,7 +151,8 @@ async def _drive(run: Run, session: TrainerSession, deps: RunDeps) -> None:
     status = await session.start()
     first = min(int(status.step), steps)
     logger.info("run %s starts at step %d of %d", run_id, first, steps, extra={"run_id": run_id})
-    follower = asyncio.create_task(_follow_trainer_metrics(deps, run_id))
+    reports = StepReportFollower(deps.trainer, deps.core, run_id, reconnect_after_s=deps.config.poll_interval_s * 5)
+    follower = asyncio.create_task(reports.follow())
     watchdog = asyncio.create_task(watch_progress(deps.core, deps.metrics, run_id, deps.config.stall_after_s))
     try:
         if first == 0:
@@ -158,6 +165,15 @@ async def _drive(run: Run, session: TrainerSession, deps: RunDeps) -> None:
             await _produce_step(ctx, deps, data, stream, position, run_id, step, int(status.weight_version))
         status = await session.wait_for_version(steps)
         await _evaluate_once(ctx, deps, data, run_id, steps, status)
+        if not await reports.caught_up(steps, LAST_REPORT_WAIT_S):
+            logger.warning(
+                "run %s: the trainer's report of step %d did not arrive within %.0fs; the run keeps step %d's metrics",
+                run_id,
+                steps,
+                LAST_REPORT_WAIT_S,
+                reports.step,
+                extra={"run_id": run_id},
+            )
     finally:
         follower.cancel()
         watchdog.cancel()
@@ -248,27 +264,6 @@ async def _record_trainer_status(deps: RunDeps, run_id: str, status: TrainerStat
         run.progress.groups_trained = status.groups_trained
 
     await deps.core.update(run_id, record)
-
-
-async def _follow_trainer_metrics(deps: RunDeps, run_id: str) -> None:
-    """Copies the latest StepReport's metrics into the run; reconnects while the run lives."""
-    while True:
-        try:
-            async for report in deps.trainer.watch_steps(run_id, from_step=0):
-                await deps.core.update(run_id, _metrics_setter(dict(report.metrics)))
-        except RunEnded:
-            return
-        except RlfleetError as exc:
-            logger.debug("WatchSteps of %s ended: %s", run_id, exc, extra={"run_id": run_id})
-        await asyncio.sleep(deps.config.poll_interval_s * 5)
-
-
-def _metrics_setter(metrics: dict[str, float]) -> Callable[[Run], None]:
-    def record(run: Run) -> None:
-        run.metrics.clear()
-        run.metrics.update(metrics)
-
-    return record
 
 
 def _rows_skipped_setter(count: int) -> Callable[[Run], None]:

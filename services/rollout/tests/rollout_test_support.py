@@ -96,13 +96,23 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
         self.start_calls: list[str] = []
         self.stop_calls: list[str] = []
         self.version = 0  # what the fake router reports: the latest run's weight version
+        self.watch_delay_s = 0.0  # WatchSteps calls reach the trainer this late (a busy or reconnecting channel)
         self._lock = threading.Lock()
         self._closing = threading.Event()
+
+    def known_run(self, run_id: str, context: grpc.ServicerContext, started_only: bool = False) -> FakeRun:
+        """The run `run_id`; NOT_FOUND, as the trainer answers, for one never started (or forgotten, when
+        `started_only`: a test sets `known` False to play a trainer that restarted without it)."""
+        run = self.runs.get(run_id)
+        if run is None or (started_only and not run.known):
+            context.abort(grpc.StatusCode.NOT_FOUND, f"run {run_id} is not known to this trainer")
+            raise AssertionError("abort raises")
+        return run
 
     def status_of(self, run: FakeRun) -> TrainerStatus:
         return TrainerStatus(
             run_id=run.run_id,
-            state=run.state,
+            state=TrainerState.ValueType(run.state),
             step=run.step,
             weight_version=run.step,
             groups_trained=run.groups_trained,
@@ -122,24 +132,19 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
             return self.status_of(run)
 
     def Status(self, request: Any, context: grpc.ServicerContext) -> TrainerStatus:  # noqa: N802
-        run = self.runs.get(request.run_id)
-        if run is None or not run.known:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"run {request.run_id} is not known to this trainer")
-        return self.status_of(run)
+        return self.status_of(self.known_run(request.run_id, context, started_only=True))
 
     def StopRun(self, request: Any, context: grpc.ServicerContext) -> TrainerStatus:  # noqa: N802
         self.stop_calls.append(request.run_id)
-        run = self.runs.get(request.run_id)
-        if run is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"run {request.run_id} is not known to this trainer")
+        run = self.known_run(request.run_id, context)
         run.state = TrainerState.TRAINER_STATE_STOPPED
         return self.status_of(run)
 
     def WatchSteps(self, request: Any, context: grpc.ServicerContext) -> Iterator[StepReport]:  # noqa: N802
-        run = self.runs.get(request.run_id)
-        if run is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"run {request.run_id} is not known to this trainer")
-        sent = len(run.reports)
+        run = self.known_run(request.run_id, context)
+        time.sleep(self.watch_delay_s)
+        # As the trainer does: from_step 0 starts with the next step, any other replays from that step on.
+        sent = len(run.reports) if request.from_step == 0 else sum(r.step < request.from_step for r in run.reports)
         while context.is_active() and run.state == TrainerState.TRAINER_STATE_TRAINING and not self._closing.is_set():
             while sent < len(run.reports):
                 yield run.reports[sent]

@@ -94,6 +94,20 @@ def test_bad_specs_get_400_naming_the_field_and_nothing_is_stored(
     assert httpx.get(f"{orchestrator.url}/v1/runs/run-missing", timeout=5).status_code == 404
 
 
+@pytest.mark.e2e
+def test_a_run_ends_with_its_last_steps_metrics_when_the_trainers_reports_reach_it_late(
+    orchestrator: Orchestrator, fleet: FakeFleet, tokenizer_dir: Path
+) -> None:
+    fleet.trainer.watch_delay_s = 2.0  # every report is made before the orchestrator's WatchSteps reaches the trainer
+    try:
+        run_id = httpx.post(f"{orchestrator.url}/v1/runs", json=spec_json(tokenizer_dir), timeout=10).json()["id"]
+        final = wait_for_state(orchestrator.url, run_id, {"RUN_STATE_SUCCEEDED", "RUN_STATE_FAILED"}, timeout=40)
+    finally:
+        fleet.trainer.watch_delay_s = 0.0
+    assert final["state"] == "RUN_STATE_SUCCEEDED", final.get("error")
+    assert final["metrics"]["loss"] == pytest.approx(1 / 3)  # step 3 of 3: replayed, and waited for at the end
+
+
 def _read_sse(url: str, events: list[dict[str, Any]], done: threading.Event) -> None:
     with httpx.stream("GET", url, timeout=httpx.Timeout(5.0, read=60.0)) as response:
         for line in response.iter_lines():
@@ -130,7 +144,7 @@ def test_a_run_goes_from_queued_to_succeeded_with_exact_groups_and_evals(
     assert progress["groups_produced"] == str(steps * gps)
     assert progress["weight_version"] == str(steps)
     assert progress["groups_trained"] == str(steps * gps)
-    assert final["metrics"]["loss"] > 0  # copied from the trainer's step reports
+    assert final["metrics"]["loss"] == pytest.approx(1 / steps)  # the fake trainer's report of the last step
 
     stream = SampleStream(redis_client, run_id, prefix=fleet.prefix)
     groups = [group for _, group in _all_groups(stream)]

@@ -1,0 +1,66 @@
+"""Copies the trainer's step reports into a run's record, losing none across reconnects or at the run's end."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from rlfleet.errors import RlfleetError
+from rlfleet.v1.runs_pb2 import Run
+from rlfleet_rollout.runs_core import RunEnded, RunsCore
+from rlfleet_rollout.trainer_client import TrainerClient
+
+logger = logging.getLogger(__name__)
+
+
+class StepReportFollower:
+    """Follows WatchSteps for one run and keeps the latest report's metrics in the run (`Run.metrics`).
+
+    The trainer keeps a run's reports, so a reconnect asks for the steps after the last one copied and
+    nothing made in between is missed; `caught_up` lets the run wait, bounded, for its last step's report
+    before it records its final state.
+    """
+
+    def __init__(self, trainer: TrainerClient, core: RunsCore, run_id: str, reconnect_after_s: float) -> None:
+        self.trainer = trainer
+        self.core = core
+        self.run_id = run_id
+        self.reconnect_after_s = reconnect_after_s
+        self.step = 0
+        """The last step whose report is in the run's record."""
+        self._copied = asyncio.Condition()
+
+    async def follow(self) -> None:
+        """Copies reports until the run ends; run it as a task and cancel it when the run is done."""
+        while True:
+            try:
+                async for report in self.trainer.watch_steps(self.run_id, from_step=self.step + 1):
+                    if report.step <= self.step:
+                        continue
+                    await self.core.update(self.run_id, _metrics_setter(dict(report.metrics)))
+                    async with self._copied:
+                        self.step = report.step
+                        self._copied.notify_all()
+            except RunEnded:
+                return
+            except RlfleetError as exc:
+                logger.debug("WatchSteps of %s ended: %s", self.run_id, exc, extra={"run_id": self.run_id})
+            await asyncio.sleep(self.reconnect_after_s)
+
+    async def caught_up(self, step: int, timeout_s: float) -> bool:
+        """Waits until the report of `step` is in the run's record; False if it is not within `timeout_s`."""
+        async with self._copied:
+            try:
+                await asyncio.wait_for(self._copied.wait_for(lambda: self.step >= step), timeout_s)
+            except TimeoutError:
+                return False
+        return True
+
+
+def _metrics_setter(metrics: dict[str, float]) -> Callable[[Run], None]:
+    def record(run: Run) -> None:
+        run.metrics.clear()
+        run.metrics.update(metrics)
+
+    return record
