@@ -24,10 +24,12 @@ def test_hung_engine_is_routed_around(fault_fleet: LocalFleet, runs) -> None:
         hung = [w for w in workers if w["url"] == fault_fleet.engine_urls()[1]]
         assert hung and not hung[0]["healthy"], f"the hung engine is still in routing: {workers}"
         # Once its health checks take it out, a weight update stops waiting for it: recovery is bounded by
-        # the health checks (2 x 3 s timeouts), not by the weight update timeout.
+        # the health checks (2 x 3 s timeouts) or, when the next step needs a request that was in flight on
+        # the hung engine, by the router's request deadline (15 s) and a step; a weight update that waited
+        # for the engine would take its whole timeout (30 s).
         recovery = runs.figures[-1]["recovery_s"]
         update_timeout = float(fault_fleet.config.env["RLFLEET_ROUTER_WEIGHT_UPDATE_TIMEOUT_SECS"])
-        assert isinstance(recovery, float) and recovery < update_timeout / 2, (
+        assert isinstance(recovery, float) and recovery < update_timeout, (
             f"recovery took {recovery}s: a weight update waited for the hung engine"
         )
     finally:
