@@ -22,7 +22,8 @@ smallest tree, in characters held; the least-loaded engine once max - min in fli
 and, when sglang-router spreads the conversations as it does here, within 1-5 % of its makespans; the
 real router breaks ties between engines holding a prefix arbitrarily, so its spread varies run to run.
 Under each workload's rows it prints the benchmark's `hit_ceiling`: the highest hit rate any router can
-reach there with max/mean load within the benchmark's target, and at any load. Every figure is a replay
+reach there with max/mean load within the benchmark's target, and at any load. Its "busy" column is the
+share of the makespan the engines spent running requests (the rest they had none). Every figure is a replay
 of the sim engines' model and says so; confirm a change with the real benchmark.
 
     .venv/bin/python bench/router_policy_replay.py [--engines 4 8] [--caches roomy tight] [--seeds 0 1 2]
@@ -134,6 +135,8 @@ class Engine:
     running: list[Job] = field(default_factory=list)
     busy: bool = False
     served: int = 0
+    busy_secs: float = 0.0
+    """Time spent in iterations (prefill or decode); the rest of the run the engine had nothing to run."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,8 @@ class Replay:
     p50: float
     p99: float
     per_engine: list[int]
+    busy: float
+    """Mean share of the makespan the engines spent running requests."""
 
     @property
     def max_over_mean(self) -> float:
@@ -248,6 +253,7 @@ def replay(
         if engine.busy:
             context = sum(len(job.prompt) + len(job.output) for job in engine.running)
             secs = latency.iteration_secs(len(engine.running), prefill, context)
+            engine.busy_secs += secs
             at(now + secs, lambda when: finish_step(engine, when))
 
     def finish_step(engine: Engine, now: float) -> None:
@@ -285,6 +291,7 @@ def replay(
         p50=latencies[len(latencies) // 2],
         p99=latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
         per_engine=[e.served for e in fleet],
+        busy=statistics.mean(e.busy_secs for e in fleet) / now,
     )
 
 
@@ -317,7 +324,10 @@ def main() -> None:
     configs = {cache: bench_engine_config(CACHES[cache]) for cache in args.caches}
     makers = {"grpo": grpo_workload, "multiturn": multiturn_workload}
     print(f"# routing replay ({REPLAY}); 32 clients; options {options}")
-    print(f"{'workload':26} {'policy':13} {'hit':>6} {'makespan':>9} {'p50':>6} {'p99':>6} {'max/mean':>8}  per engine")
+    print(
+        f"{'workload':26} {'policy':13} {'hit':>6} {'makespan':>9} {'p50':>6} {'p99':>6} {'max/mean':>8} {'busy':>5}"
+        "  per engine"
+    )
     for cache in args.caches:
         for engines in args.engines:
             # As in the benchmark, one router (policy object) per fleet serves the workloads one after another.
@@ -340,7 +350,8 @@ def main() -> None:
                         f"{statistics.mean(r.makespan for r in runs):8.2f}s "
                         f"{statistics.mean(r.p50 for r in runs) * 1e3:4.0f}ms "
                         f"{statistics.mean(r.p99 for r in runs) * 1e3:4.0f}ms "
-                        f"{statistics.mean(r.max_over_mean for r in runs):8.2f}  {runs[0].per_engine}",
+                        f"{statistics.mean(r.max_over_mean for r in runs):8.2f} "
+                        f"{statistics.mean(r.busy for r in runs):5.0%}  {runs[0].per_engine}",
                         flush=True,
                     )
                 salt = run_label("rlfleet:cache_aware", cache, engines)
