@@ -230,6 +230,11 @@ class SampleStream:
                 return 0
             raise
 
+    def entries(self) -> list[StreamEntry]:
+        """Every group in the stream, oldest first, trained or not (reading for training goes through read())."""
+        rows = cast(list[tuple[bytes, dict[bytes, bytes]]], self.client.xrange(self.key))
+        return [StreamEntry(raw_id.decode(), SampleGroup.FromString(fields[_GROUP_FIELD])) for raw_id, fields in rows]
+
     def dead_letters(self) -> list[tuple[str, str]]:
         """(entry id, reason) of every entry moved aside as undecodable."""
         entries = cast(list[tuple[bytes, dict[bytes, bytes]]], self.client.xrange(self.dead_key))

@@ -53,14 +53,13 @@ def assert_trained_exactly_once(fleet: LocalFleet, run: Run) -> None:
     """Every group written to the run's stream was trained on once and acknowledged."""
     client = connect_redis(fleet.config.resolved_redis_url())
     stream = SampleStream(client, run.id, prefix=fleet.config.redis_prefix)
-    entries = client.xrange(stream.key)
-    group_ids = [fields[b"group_id"].decode() for _, fields in entries]
+    group_ids = [entry.group.group_id for entry in stream.entries()]
     expected = run.spec.schedule.steps * run.spec.rollout.groups_per_step
     assert len(group_ids) == len(set(group_ids)) == expected
     assert stream.pending_count() == 0
     assert stream.dead_letters() == []
     trained = client.hget(f"{fleet.config.redis_prefix}run:{run.id}:trainer", "groups_trained")
-    assert int(trained) == expected
+    assert trained is not None and int(trained) == expected
     assert run.progress.groups_trained == expected
     client.close()
 

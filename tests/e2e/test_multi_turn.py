@@ -21,7 +21,7 @@ from rlfleet.runs_client import RunsClient
 from rlfleet.sample_stream import SampleStream, connect_redis
 from rlfleet.v1 import trainer_pb2, trainer_pb2_grpc
 from rlfleet.v1.runs_pb2 import RunSpec, RunState
-from rlfleet.v1.samples_pb2 import Sample, SampleGroup, SampleStatus
+from rlfleet.v1.samples_pb2 import Sample, SampleStatus
 from rlfleet_rollout.calculator import calculator
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -114,7 +114,7 @@ def test_calculator_episodes_train_on_the_generated_tokens_only(tool_model_dir: 
 
     client = connect_redis(fleet.config.resolved_redis_url())
     stream = SampleStream(client, run.id, prefix=fleet.config.redis_prefix)
-    groups = [SampleGroup.FromString(fields[b"group"]) for _, fields in client.xrange(stream.key)]
+    groups = [entry.group for entry in stream.entries()]
     client.close()
     assert len(groups) == STEPS * GROUPS_PER_STEP
     samples = [s for g in groups for s in g.samples]

@@ -57,7 +57,7 @@ def _wait(api: RunsClient, run_id: str, done: object, what: str, timeout: float 
 def _stream_groups(fleet: LocalFleet, run_id: str) -> tuple[list[SampleGroup], SampleStream]:
     client = connect_redis(fleet.config.resolved_redis_url())
     stream = SampleStream(client, run_id, prefix=fleet.config.redis_prefix)
-    return [SampleGroup.FromString(fields[b"group"]) for _, fields in client.xrange(stream.key)], stream
+    return [entry.group for entry in stream.entries()], stream
 
 
 def _step_reports(fleet: LocalFleet, run_id: str) -> list[trainer_pb2.StepReport]:
@@ -119,7 +119,7 @@ def test_with_max_staleness_1_no_trained_group_is_more_than_one_version_old(flee
     reports = _step_reports(fleet, run.id)
     # The trainer reads the stream in order, groups_per_step at a time: report k trained entries of batch k - 1.
     assert [(r.step, r.groups) for r in reports] == [(k, GROUPS_PER_STEP) for k in range(1, steps + 1)]
-    lags = Counter()
+    lags: Counter[int] = Counter()
     for index, group in enumerate(groups):
         trained_by = reports[index // GROUPS_PER_STEP].weight_version - 1  # the policy the step started from
         oldest = min(v for s in group.samples for v in s.weight_versions)

@@ -164,7 +164,7 @@ class FaultRuns:
         client = connect_redis(config.resolved_redis_url())
         try:
             stream = SampleStream(client, run.id, prefix=config.redis_prefix)
-            group_ids = [fields[b"group_id"].decode() for _, fields in client.xrange(stream.key)]
+            group_ids = [entry.group.group_id for entry in stream.entries()]
             trainer_count = client.hget(f"{config.redis_prefix}run:{run.id}:trainer", "groups_trained")
             pending, dead = stream.pending_count(), stream.dead_letters()
         finally:

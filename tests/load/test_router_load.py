@@ -4,7 +4,7 @@ answered, p99 latency and memory within bounds (figures printed; the full form i
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 
 import httpx
 import pytest
@@ -30,7 +30,7 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         engine.stop()
 
 
-def generate(client: httpx.AsyncClient, n: int) -> object:
+def generate(client: httpx.AsyncClient, n: int) -> Awaitable[httpx.Response]:
     # GRPO-like traffic: 64 prompt families with a shared 48-token prefix, 4 new tokens each.
     prompt = [100 + n % 64] * 48 + [7 + n % 5]
     return client.post("/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 4}})

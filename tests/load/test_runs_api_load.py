@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 
 import httpx
 import pytest
@@ -58,7 +58,7 @@ def test_runs_api_holds_sustained_load(api: tuple[Service, str, list[str]]) -> N
     service, token, ids = api
     headers = {"Authorization": f"Bearer {token}"}
 
-    def get_or_list(client: httpx.AsyncClient, n: int) -> object:
+    def get_or_list(client: httpx.AsyncClient, n: int) -> Awaitable[httpx.Response]:
         if n % 4 == 0:
             return client.get("/v1/runs", params={"page_size": 20}, headers=headers)
         return client.get(f"/v1/runs/{ids[n % len(ids)]}", headers=headers)

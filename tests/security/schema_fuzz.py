@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
+from schemathesis.core.result import Err
 from schemathesis.generation.case import Case
 
 
@@ -25,6 +26,8 @@ def fuzz_operations(
     skipped = set(skip)
     sent: dict[str, int] = {}
     for result in schema.get_all_operations():
+        if isinstance(result, Err):
+            raise AssertionError(f"{base_url}/openapi.json has an operation schemathesis cannot read: {result.err()}")
         operation = result.ok()
         if operation.label not in skipped:
             sent[operation.label] = 0

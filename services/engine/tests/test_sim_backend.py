@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -38,7 +39,7 @@ def start_sim(tmp_path: Path) -> Iterator[Callable[..., str]]:
         process.stop(timeout=10)
 
 
-def generate(url: str, body: dict[str, object]) -> dict[str, object]:
+def generate(url: str, body: dict[str, object]) -> dict[str, Any]:
     answer = httpx.post(url + "/generate", json=body, timeout=30)
     assert answer.status_code == 200, answer.text
     return answer.json()

@@ -154,7 +154,7 @@ def test_a_restarted_orchestrator_continues_the_data_position(
         groups = [g for _, g in fleet.trainer.runs[run_id].trained]
         assert [int(g.prompt_id.removeprefix("train/")) for g in groups] == list(range(10))
         prompts = [g.samples[0].prompt_text for g in groups]
-        train = sorted(r["prompt"] for r in TRAIN)
+        train = sorted(str(r["prompt"]) for r in TRAIN)
         assert sorted(prompts[:5]) == train and sorted(prompts[5:]) == train  # each epoch: every prompt once
     finally:
         for orch in (first, second):

@@ -93,7 +93,7 @@ def test_arithmetic_runs_longer_than_its_problems_cycle_through_epochs() -> None
 
 
 def _group(
-    rewards: list[float], versions: list[int] | None = None, status: int = SampleStatus.SAMPLE_STATUS_OK
+    rewards: list[float], versions: list[int] | None = None, status: SampleStatus = SampleStatus.SAMPLE_STATUS_OK
 ) -> SampleGroup:
     versions = versions or [0] * len(rewards)
     return SampleGroup(

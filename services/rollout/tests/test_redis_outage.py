@@ -106,7 +106,7 @@ def test_commands_during_a_restart_wait_for_redis_and_append_nothing_twice(priva
 
 
 def test_async_client_waits_out_a_restart(private_redis: PrivateRedis) -> None:
-    async def scenario() -> bytes | None:
+    async def scenario() -> bytes | str | None:
         client = connect_redis_async(private_redis.url, timeout_s=2.0)
         try:
             await client.set("k", b"v")

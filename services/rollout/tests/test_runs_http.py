@@ -147,7 +147,7 @@ def test_a_run_goes_from_queued_to_succeeded_with_exact_groups_and_evals(
     assert final["metrics"]["loss"] == pytest.approx(1 / steps)  # the fake trainer's report of the last step
 
     stream = SampleStream(redis_client, run_id, prefix=fleet.prefix)
-    groups = [group for _, group in _all_groups(stream)]
+    groups = [entry.group for entry in stream.entries()]
     assert [g.group_id for g in groups] == [f"{run_id}/{s}/{i}" for s in range(steps) for i in range(gps)]
     assert fleet.trainer.runs[run_id].trained_group_ids == [g.group_id for g in groups]
     for group in groups:
@@ -185,12 +185,6 @@ def test_a_run_goes_from_queued_to_succeeded_with_exact_groups_and_evals(
         "rlfleet_rollout_step 3.0",
     ):
         assert name in exported, name
-
-
-def _all_groups(stream: SampleStream) -> list[tuple[str, Any]]:
-    from rlfleet.v1.samples_pb2 import SampleGroup
-
-    return [(i.decode(), SampleGroup.FromString(f[b"group"])) for i, f in stream.client.xrange(stream.key)]
 
 
 @pytest.mark.e2e

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from rlfleet.processes import free_port
 
@@ -28,14 +29,12 @@ def fake_router() -> Iterator[FakeRouter]:
     app = FastAPI()
 
     @app.post("/update_weights_from_disk")
-    async def load(request: Request) -> dict:
+    async def load(request: Request) -> JSONResponse:
         if router.fail_next > 0:
             router.fail_next -= 1
-            from fastapi.responses import JSONResponse
-
             return JSONResponse({"success": False, "message": "engine down"}, status_code=503)
         router.loads.append(await request.json())
-        return {"success": True, "message": "ok"}
+        return JSONResponse({"success": True, "message": "ok"})
 
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -75,6 +75,12 @@ def make_groups(model_dir: Path, run_id: str, count: int, seed: int = 7) -> list
     return groups
 
 
+def appended(stream: SampleStream, group: SampleGroup) -> str:
+    entry_id = stream.append(group)
+    assert entry_id is not None, f"{group.group_id} was on the stream already"
+    return entry_id
+
+
 def settings_for(work_dir: Path, redis_prefix: str) -> TrainerSettings:
     return TrainerSettings(redis_prefix=redis_prefix, work_dir=work_dir, read_block_ms=100, torch_threads=1)
 
@@ -106,7 +112,7 @@ def test_sigkill_between_checkpoints_resumes_and_matches_an_uninterrupted_run(
     settings = settings_for(tmp_path / "trainer", redis_prefix)
     stream = SampleStream(redis_client, "killed", prefix=redis_prefix)
     groups = make_groups(small_model_dir, "killed", STEPS * GROUPS_PER_STEP)
-    entry_ids = [stream.append(g) for g in groups[: KILLED_AFTER * GROUPS_PER_STEP]]
+    entry_ids = [appended(stream, g) for g in groups[: KILLED_AFTER * GROUPS_PER_STEP]]
 
     child = ServiceProcess(
         "trainer",
@@ -124,7 +130,8 @@ def test_sigkill_between_checkpoints_resumes_and_matches_an_uninterrupted_run(
     assert record is not None and (record.step, record.groups_trained) == (2, 4), child.log_tail()
     assert record.last_entry_id == entry_ids[3]
     pending = redis_client.xpending_range(stream.key, stream.consumer_group, min="-", max="+", count=100)
-    assert [p["message_id"].decode() for p in pending] == entry_ids[4:6]  # step 3's groups: trained, not covered
+    # Step 3's groups: trained, not covered by the checkpoint.
+    assert [p["message_id"] for p in pending] == [i.encode() for i in entry_ids[4:6]]
 
     for group in groups[KILLED_AFTER * GROUPS_PER_STEP :]:
         stream.append(group)
@@ -163,7 +170,7 @@ def test_claiming_stale_groups_leaves_the_trainers_own_pending_ones(
     must not come back to it as "stale" and be trained twice."""
     stream = SampleStream(redis_client, "claims", prefix=redis_prefix)
     stream.ensure_consumer_group()
-    ids = [stream.append(g) for g in make_groups(small_model_dir, "claims", 3)]
+    ids = [appended(stream, g) for g in make_groups(small_model_dir, "claims", 3)]
     stream.read("trainer-0", count=2)
     stream.read("dead", count=1)
     time.sleep(0.1)
