@@ -35,8 +35,14 @@ test-load: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/rlfleet demo
 
+# mypy reads each test directory on its own: each has a conftest.py of its own.
+TYPED := rlfleet bench scripts tests/*.py $(filter-out %.egg-info,$(wildcard services/*/rlfleet_*))
+TEST_DIRS := $(filter-out %__pycache__/,$(wildcard tests/*/ services/*/tests/))
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy $(TYPED)
+	for dir in $(TEST_DIRS); do $(VENV)/bin/mypy $$dir || exit 1; done
 
 protos: $(STAMP)
 	$(PY) scripts/gen_protos.py
