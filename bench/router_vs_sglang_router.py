@@ -21,9 +21,12 @@ as unreachable; then the latency a router adds at concurrency 1 against calling 
 Every figure is measured on `sim` engines and says so. Run:
 
     .venv/bin/python bench/router_vs_sglang_router.py [--engines 4 8] [--workloads grpo multiturn]
-        [--caches roomy tight] [--scale 1.0] [--routers rlfleet:cache_aware sglang:cache_aware ...]
+        [--caches roomy tight] [--scale 1.0] [--routers rlfleet:cache_aware sglang:cache_aware ...] [--repeats 3]
 
-`--scale 0.5` halves the traffic for a quicker pass. Record the printed figures in
+`--scale 0.5` halves the traffic for a quicker pass. The same code's figures move between runs (a run's
+placements follow the order in which answers come back, which the machine's load decides); `--repeats N`
+runs every router N times, each with a new router process, and reports each figure's median and the
+spread of hit rates and makespans. Record the printed figures in
 bench/router_vs_sglang_router.md.
 """
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import math
 import random
 import statistics
@@ -169,15 +173,30 @@ def hit_ceiling(workload: Workload, engines: int, salt: str, max_over_mean: floa
 
 @dataclass
 class RunResult:
-    latencies: list[float]
     makespan: float
     hit_rate: float
+    p50: float
+    p99: float
     max_over_mean: float
     per_engine: list[int]
 
-    def p(self, q: float) -> float:
-        ordered = sorted(self.latencies)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+def quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def median_run(runs: Sequence[RunResult]) -> RunResult:
+    """Each figure's median over repeated runs; the requests per engine of the run with the median makespan."""
+    middle = sorted(runs, key=lambda r: r.makespan)[len(runs) // 2]
+    return RunResult(
+        makespan=statistics.median(r.makespan for r in runs),
+        hit_rate=statistics.median(r.hit_rate for r in runs),
+        p50=statistics.median(r.p50 for r in runs),
+        p99=statistics.median(r.p99 for r in runs),
+        max_over_mean=statistics.median(r.max_over_mean for r in runs),
+        per_engine=middle.per_engine,
+    )
 
 
 async def drive(url: str, workload: Workload, concurrency: int, salt: str) -> tuple[list[float], float]:
@@ -297,7 +316,9 @@ def run_once(fleet: SimFleet, urls: Sequence[str], router_url: str, workload: Wo
     cached = sum(d["sglang:cached_tokens_total"] for d in delta)
     per_engine = [int(d["sglang:num_requests_total"]) for d in delta]
     mean = sum(per_engine) / len(per_engine)
-    return RunResult(latencies, makespan, cached / prompt if prompt else 0.0, max(per_engine) / mean, per_engine)
+    hit_rate = cached / prompt if prompt else 0.0
+    p50, p99 = quantile(latencies, 0.5), quantile(latencies, 0.99)
+    return RunResult(makespan, hit_rate, p50, p99, max(per_engine) / mean, per_engine)
 
 
 def added_latency(router_url: str, engine_url: str, rounds: int) -> tuple[float, float]:
@@ -318,18 +339,22 @@ def met(ok: bool) -> str:
     return "met" if ok else "NOT MET"
 
 
-def report(title: str, results: dict[str, RunResult], workload: Workload, cache: str, engines: int) -> list[str]:
+def report(
+    title: str, runs: dict[str, list[RunResult]], workload: Workload, cache: str, engines: int
+) -> list[str]:
+    results = {spec: median_run(each) for spec, each in runs.items()}
+    repeats = max(len(each) for each in runs.values())
     base = results.get(BASELINE)
     lines = [
-        f"== {title} ({SIM}) ==",
+        f"== {title} ({SIM}{f'; medians of {repeats} runs' if repeats > 1 else ''}) ==",
         f"{'router':22} {'hit':>6} {'makespan':>9} {'p50':>7} {'p99':>7} "
         f"{'max/mean':>8} {'makespan/sg-ca':>14} {'p99/sg-ca':>9}  requests per engine",
     ]
     for spec, r in results.items():
         ratio_m = f"{r.makespan / base.makespan:.2f}x" if base else "-"
-        ratio_p = f"{r.p(0.99) / base.p(0.99):.2f}x" if base else "-"
+        ratio_p = f"{r.p99 / base.p99:.2f}x" if base else "-"
         lines.append(
-            f"{spec:22} {r.hit_rate:6.3f} {r.makespan:8.2f}s {r.p(0.5) * 1e3:5.0f}ms {r.p(0.99) * 1e3:5.0f}ms "
+            f"{spec:22} {r.hit_rate:6.3f} {r.makespan:8.2f}s {r.p50 * 1e3:5.0f}ms {r.p99 * 1e3:5.0f}ms "
             f"{r.max_over_mean:8.2f} {ratio_m:>14} {ratio_p:>9}  {r.per_engine}"
         )
     label = run_label("rlfleet:cache_aware", cache, engines)
@@ -345,7 +370,7 @@ def report(title: str, results: dict[str, RunResult], workload: Workload, cache:
         hit = "met" if hit_gap >= need else "NOT MET"
         if base.hit_rate + need / 100 > ceiling:
             hit += f", unreachable at max/mean <= {BALANCE_TARGET:.2f}"
-        makespan, p99 = ours.makespan / base.makespan, ours.p(0.99) / base.p(0.99)
+        makespan, p99 = ours.makespan / base.makespan, ours.p99 / base.p99
         checks = [
             f"hit {hit_gap:+.1f} pt vs sg-ca (need >= {need:+.0f}) {hit}",
             f"makespan {makespan:.2f}x (<= 0.85) {met(makespan <= 0.85)}",
@@ -353,6 +378,13 @@ def report(title: str, results: dict[str, RunResult], workload: Workload, cache:
             f"max/mean {ours.max_over_mean:.2f} (<= {BALANCE_TARGET:.2f}) {met(ours.max_over_mean <= BALANCE_TARGET)}",
         ]
         lines.append("targets: " + "; ".join(checks))
+    if repeats > 1:
+        for spec, each in runs.items():
+            hits, makespans = sorted(r.hit_rate for r in each), sorted(r.makespan for r in each)
+            lines.append(
+                f"  {spec} over its {len(each)} runs: hit {' '.join(f'{h:.3f}' for h in hits)}, "
+                f"makespan {' '.join(f'{m:.2f}s' for m in makespans)}"
+            )
     return lines
 
 
@@ -366,6 +398,9 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of the default traffic (1.0)")
     parser.add_argument("--latency-rounds", type=int, default=200, help="requests per side of the added-latency probe")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs per router, each with a new router process; medians are reported"
+    )
     parser.add_argument("--rlfleet-flags", default="", help="extra rlfleet router flags, e.g. '--cache-threshold 0.5'")
     args = parser.parse_args()
     caches = {**CACHES, "tight": args.tight_cache_tokens}
@@ -386,18 +421,18 @@ def main() -> None:
             try:
                 for count in args.engines:
                     urls = fleet.urls[:count]
-                    results: dict[str, dict[str, RunResult]] = {w: {} for w in workloads}
-                    for spec in args.routers:
+                    results: dict[str, dict[str, list[RunResult]]] = {w: {} for w in workloads}
+                    for repeat, spec in itertools.product(range(args.repeats), args.routers):
                         extra = args.rlfleet_flags.split() if spec.startswith("rlfleet:") else []
                         router, router_url = start_router(spec, urls, logs, extra)
                         try:
                             for name, workload in workloads.items():
                                 salt = run_label(spec, cache, count)
-                                results[name][spec] = run_once(fleet, urls, router_url, workload, salt)
-                                r = results[name][spec]
+                                r = run_once(fleet, urls, router_url, workload, salt)
+                                results[name].setdefault(spec, []).append(r)
                                 print(
-                                    f"  {name} {count} engines {cache} cache {spec}: hit {r.hit_rate:.3f} "
-                                    f"makespan {r.makespan:.2f}s ({SIM})",
+                                    f"  {name} {count} engines {cache} cache {spec} run {repeat + 1}/{args.repeats}: "
+                                    f"hit {r.hit_rate:.3f} makespan {r.makespan:.2f}s ({SIM})",
                                     flush=True,
                                 )
                             if spec not in added and cache == args.caches[0]:
