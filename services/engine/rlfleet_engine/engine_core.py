@@ -17,7 +17,6 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from rlfleet.errors import DeadlineExceeded, InvalidInput
-from rlfleet_engine import __version__
 from rlfleet_engine.backend import GenerationBackend
 from rlfleet_engine.config import EngineConfig
 from rlfleet_engine.distributed_weights import WeightReceiver
@@ -41,6 +40,7 @@ class Tokenizer(Protocol):
 
 
 class EngineCore(ScheduledGeneration):
+    backend: GenerationBackend
     scheduler: Scheduler
 
     def __init__(
@@ -153,45 +153,3 @@ class EngineCore(ScheduledGeneration):
         except TimeoutError:
             return False
         return True
-
-    # ---- information ---------------------------------------------------------------------------
-
-    def model_info(self) -> dict[str, Any]:
-        facts = self.backend.describe()
-        return {
-            "model_path": self.model_path,
-            "tokenizer_path": self.config.tokenizer_path,
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": self.weight_version,
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
-            "model_type": facts.get("model_type"),
-            "architectures": facts.get("architectures"),
-        }
-
-    def server_info(self) -> dict[str, Any]:
-        running, waiting = self.scheduler.counts()
-        context = self.backend.context_length
-        return {
-            **self.config.model_dump(),
-            "model_path": self.model_path,
-            "weight_version": self.weight_version,
-            "context_length": context,
-            "dp_size": 1,
-            "tp_size": 1,
-            "pp_size": 1,
-            "max_req_input_len": context - 1,
-            "max_total_num_tokens": context * self.config.max_running_requests,
-            "internal_states": [
-                {
-                    "num_running_reqs": running,
-                    "num_queue_reqs": waiting,
-                    "peak_batch_size": self.scheduler.peak_batch_size,
-                    "paused": self.scheduler.paused,
-                    "last_gen_throughput": self.metrics.last_gen_throughput,
-                }
-            ],
-            "version": __version__,
-            "engine": "rlfleet-engine",
-        }

@@ -1,6 +1,7 @@
 """What both engine cores (the model's `EngineCore` and the `sim` backend's `SimEngineCore`) do alike over
 their schedulers: answer a generate request whole or as a stream from the outputs its jobs deliver, abort
-the jobs a caller leaves, and pass abort, pause and resume on to the scheduler.
+the jobs a caller leaves, pass abort, pause and resume on to the scheduler, and describe the engine
+(SGLang's /get_model_info and /get_server_info).
 
 Outputs arrive on one queue per request as (index of the job in the request, SGLang-shaped output).
 """
@@ -12,21 +13,51 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
+from rlfleet_engine import __version__
+from rlfleet_engine.config import EngineConfig
 from rlfleet_engine.generation_job import GenerationJob
+from rlfleet_engine.metrics import EngineMetrics
 from rlfleet_engine.schemas import GenerateRequest
 
 Outputs = asyncio.Queue[tuple[int, dict[str, Any]]]
 
 
 class JobScheduler(Protocol):
-    weight_version: str
+    @property
+    def weight_version(self) -> str: ...
+
+    @property
+    def peak_batch_size(self) -> int: ...
+
+    @property
+    def paused(self) -> bool: ...
+
+    def counts(self) -> tuple[int, int]:
+        """Requests running, requests waiting."""
+        ...
 
     def abort(self, rid: str, abort_all: bool = False) -> None: ...
 
     def set_paused(self, paused: bool) -> None: ...
 
 
+class ModelFacts(Protocol):
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def context_length(self) -> int: ...
+
+    def describe(self) -> dict[str, Any]:
+        """Model facts for /get_model_info (model_type, architectures, ...)."""
+        ...
+
+
 class ScheduledGeneration(ABC):
+    config: EngineConfig
+    model_path: str
+    backend: ModelFacts
+    metrics: EngineMetrics
     scheduler: JobScheduler
 
     @abstractmethod
@@ -87,3 +118,43 @@ class ScheduledGeneration(ABC):
 
     def resume(self) -> None:
         self.scheduler.set_paused(False)
+
+    def model_info(self) -> dict[str, Any]:
+        facts = self.backend.describe()
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.config.tokenizer_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": facts.get("model_type"),
+            "architectures": facts.get("architectures"),
+        }
+
+    def server_info(self) -> dict[str, Any]:
+        running, waiting = self.scheduler.counts()
+        context = self.backend.context_length
+        return {
+            **self.config.model_dump(),
+            "model_path": self.model_path,
+            "weight_version": self.weight_version,
+            "context_length": context,
+            "dp_size": 1,
+            "tp_size": 1,
+            "pp_size": 1,
+            "max_req_input_len": context - 1,
+            "max_total_num_tokens": context * self.config.max_running_requests,
+            "internal_states": [
+                {
+                    "num_running_reqs": running,
+                    "num_queue_reqs": waiting,
+                    "peak_batch_size": self.scheduler.peak_batch_size,
+                    "paused": self.scheduler.paused,
+                    "last_gen_throughput": self.metrics.last_gen_throughput,
+                }
+            ],
+            "version": __version__,
+            "engine": "rlfleet-engine",
+        }

@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry
 
 from rlfleet.errors import InvalidInput
-from rlfleet_engine import __version__
 from rlfleet_engine.config import EngineConfig
 from rlfleet_engine.generation_job import GenerationJob
 from rlfleet_engine.metrics import EngineMetrics
@@ -107,6 +106,9 @@ class SimModel:
 
     context_length: int
     vocab_size: int = SIM_VOCAB_SIZE
+
+    def describe(self) -> dict[str, Any]:
+        return {"model_type": "sim", "architectures": ["SimulatedCausalLM"]}
 
 
 class SimScheduler:
@@ -249,6 +251,7 @@ def _deliverer(queue: Outputs, index: int) -> Callable[[dict[str, Any]], None]:
 class SimEngineCore(ScheduledGeneration):
     """The engine core of the `sim` backend: the same surface as `EngineCore`, served by the same HTTP app."""
 
+    backend: SimModel
     scheduler: SimScheduler
 
     def __init__(self, config: EngineConfig, registry: CollectorRegistry) -> None:
@@ -338,47 +341,12 @@ class SimEngineCore(ScheduledGeneration):
     async def health_generate(self) -> bool:
         return self.scheduler.alive()
 
-    def model_info(self) -> dict[str, Any]:
-        return {
-            "model_path": self.model_path,
-            "tokenizer_path": self.config.tokenizer_path,
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": self.weight_version,
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
-            "model_type": "sim",
-            "architectures": ["SimulatedCausalLM"],
-        }
-
     def server_info(self) -> dict[str, Any]:
-        running, waiting = self.scheduler.counts()
-        context = self.backend.context_length
-        return {
-            **self.config.model_dump(),
-            "model_path": self.model_path,
-            "weight_version": self.weight_version,
-            "context_length": context,
-            "dp_size": 1,
-            "tp_size": 1,
-            "pp_size": 1,
-            "max_req_input_len": context - 1,
-            "max_total_num_tokens": self.cache.max_tokens,
-            "internal_states": [
-                {
-                    "num_running_reqs": running,
-                    "num_queue_reqs": waiting,
-                    "peak_batch_size": self.scheduler.peak_batch_size,
-                    "paused": self.scheduler.paused,
-                    "last_gen_throughput": self.metrics.last_gen_throughput,
-                    "cache_hit_rate": self.cache.hit_rate,
-                    "cached_tokens": self.cache.tokens,
-                }
-            ],
-            "version": __version__,
-            "engine": "rlfleet-engine",
-            "backend": "sim",
-        }
+        info = super().server_info()
+        info["max_total_num_tokens"] = self.cache.max_tokens
+        info["internal_states"][0].update(cache_hit_rate=self.cache.hit_rate, cached_tokens=self.cache.tokens)
+        info["backend"] = "sim"
+        return info
 
 
 def serve_sim(config: EngineConfig) -> None:

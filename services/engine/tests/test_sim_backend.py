@@ -62,6 +62,10 @@ def test_prefix_cache_serves_repeats_and_is_flushed_by_a_weight_load(start_sim: 
     assert 'sglang:cached_tokens_total{model_name="sim"} 80.0' in metrics
     rate = next(line for line in metrics.splitlines() if line.startswith("sglang:cache_hit_rate{"))
     assert float(rate.rpartition(" ")[2]) == pytest.approx(80 / (2 * prompt))
+    info = httpx.get(url + "/get_server_info", timeout=10).json()
+    assert info["backend"] == "sim" and info["max_total_num_tokens"] == info["sim_cache_tokens"]
+    state = info["internal_states"][0]
+    assert state["cache_hit_rate"] == pytest.approx(80 / (2 * prompt)) and state["cached_tokens"] > 0
 
     load = httpx.post(url + "/update_weights_from_disk", json={"model_path": "/ckpt/1", "weight_version": "1"})
     assert load.status_code == 200 and load.json()["success"] is True
