@@ -23,7 +23,7 @@ from pathlib import Path
 
 import redis
 
-from rlfleet.processes import ServiceProcess, free_port, free_port_block
+from rlfleet.processes import ServiceProcess, command_line, free_port, free_port_block
 
 logger = logging.getLogger(__name__)
 
@@ -139,42 +139,80 @@ class LocalFleet:
         for i, url in enumerate(self.engine_urls()):
             self._spawn(
                 f"engine-{i}",
-                [py, "-m", "rlfleet_engine", "--model-path", str(c.model_path), "--host", c.host,
-                 "--port", str(p.engine_base + i), "--torch-threads", str(c.engine_threads),
-                 "--random-seed", str(i), "--weight-version", "0", "--backend", c.engine_backend],
+                command_line(
+                    py,
+                    "-m",
+                    "rlfleet_engine",
+                    model_path=c.model_path,
+                    host=c.host,
+                    port=p.engine_base + i,
+                    torch_threads=c.engine_threads,
+                    random_seed=i,
+                    weight_version=0,
+                    backend=c.engine_backend,
+                ),
                 f"{url}/health",
             )
         for i in range(c.engines):
             self._wait(f"engine-{i}")
         self._spawn(
             "router",
-            [py, "-m", "rlfleet_router", "--worker-urls", *self.engine_urls(), "--host", c.host,
-             "--port", str(p.router), "--policy", "least_load"],
+            command_line(
+                py,
+                "-m",
+                "rlfleet_router",
+                worker_urls=self.engine_urls(),
+                host=c.host,
+                port=p.router,
+                policy="least_load",
+            ),
             f"{self.router_url}/health",
         )
         self._wait("router")
         self._spawn(
             "reward",
-            [py, "-m", "rlfleet_reward", "--host", c.host, "--port", str(p.reward), "--grpc-port", str(p.reward_grpc)],
+            command_line(py, "-m", "rlfleet_reward", host=c.host, port=p.reward, grpc_port=p.reward_grpc),
             f"{self.reward_url}/health",
         )
         self._spawn(
             "trainer",
-            [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={c.trainer_ranks}",
-             "-m", "rlfleet_trainer", "serve", "--host", c.host, "--grpc-port", str(p.trainer_grpc),
-             "--http-port", str(p.trainer_http), "--redis-url", c.resolved_redis_url(), "--redis-prefix",
-             c.redis_prefix, "--router-url", self.router_url, "--work-dir", str(Path(c.state_dir) / "trainer"),
-             "--torch-threads", str(c.trainer_threads)],
+            command_line(
+                py,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={c.trainer_ranks}",
+                "-m",
+                "rlfleet_trainer",
+                "serve",
+                host=c.host,
+                grpc_port=p.trainer_grpc,
+                http_port=p.trainer_http,
+                redis_url=c.resolved_redis_url(),
+                redis_prefix=c.redis_prefix,
+                router_url=self.router_url,
+                work_dir=Path(c.state_dir) / "trainer",
+                torch_threads=c.trainer_threads,
+            ),
             f"{self.url(p.trainer_http)}/health",
         )
         self._wait("reward")
         self._wait("trainer")
         self._spawn(
             "rollout",
-            [py, "-m", "rlfleet_rollout", "--host", c.host, "--port", str(p.rollout), "--grpc-port",
-             str(p.rollout_grpc), "--redis-url", c.resolved_redis_url(), "--redis-prefix", c.redis_prefix,
-             "--router-url", self.router_url, "--reward-url", self.reward_url, "--trainer-address",
-             f"{c.host}:{p.trainer_grpc}"],
+            command_line(
+                py,
+                "-m",
+                "rlfleet_rollout",
+                host=c.host,
+                port=p.rollout,
+                grpc_port=p.rollout_grpc,
+                redis_url=c.resolved_redis_url(),
+                redis_prefix=c.redis_prefix,
+                router_url=self.router_url,
+                reward_url=self.reward_url,
+                trainer_address=f"{c.host}:{p.trainer_grpc}",
+            ),
             f"{self.api_url}/health",
         )
         self._wait("rollout")
@@ -217,8 +255,14 @@ class LocalFleet:
         data_dir.mkdir(parents=True, exist_ok=True)
         self._spawn(
             "redis",
-            [server, "--bind", self.config.host, "--port", str(self.config.ports.redis), "--dir", str(data_dir),
-             "--appendonly", "yes", "--save", ""],
+            command_line(
+                server,
+                bind=self.config.host,
+                port=self.config.ports.redis,
+                dir=data_dir,
+                appendonly="yes",
+                save="",
+            ),
             url,
         )
         self._wait("redis")

@@ -80,6 +80,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_port_block(1, host)
 
 
+def command_line(*head: str, **flags: object) -> list[str]:
+    """`head`, then `--name value` for each keyword in order: underscores in a name become dashes, a list
+    or tuple gives its items after the flag, any other value its `str`."""
+    argv = list(head)
+    for name, value in flags.items():
+        argv.append("--" + name.replace("_", "-"))
+        argv += [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
+    return argv
+
+
 class ServiceProcess:
     """One child process in its own process group, logging to `log_path`."""
 

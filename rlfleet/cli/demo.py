@@ -18,6 +18,7 @@ from pathlib import Path
 
 from rlfleet.cli.runs import progress_line
 from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet
+from rlfleet.processes import command_line
 from rlfleet.runs_client import FINAL_STATES, RunsClient, load_spec_file
 from rlfleet.tiny_model import create_tiny_model
 from rlfleet.v1.runs_pb2 import Run, RunState
@@ -52,17 +53,31 @@ def run_demo(args: argparse.Namespace) -> int:
     say(f"2/5 SFT warm start ({args.sft_steps} steps)")
     arith = spec.dataset.arithmetic
     subprocess.run(
-        [sys.executable, "-m", "rlfleet_trainer", "sft", "--model-path", str(out / "base"), "--out", str(out / "sft"),
-         "--steps", str(args.sft_steps), "--digits", str(arith.digits or 2), "--ops", arith.ops or "+",
-         "--seed", str(spec.trainer.seed)],
-        check=True, timeout=1800, env={**os.environ, "RLFLEET_LOG_FORMAT": "text"},
+        command_line(
+            sys.executable,
+            "-m",
+            "rlfleet_trainer",
+            "sft",
+            model_path=out / "base",
+            out=out / "sft",
+            steps=args.sft_steps,
+            digits=arith.digits or 2,
+            ops=arith.ops or "+",
+            seed=spec.trainer.seed,
+        ),
+        check=True,
+        timeout=1800,
+        env={**os.environ, "RLFLEET_LOG_FORMAT": "text"},
     )
 
     say("3/5 bringing the fleet up (engines, router, reward hub, trainer, orchestrator)")
     ports = FleetPorts.free(args.engines)
     # Its own Redis prefix: an orchestrator of `rlfleet up` on the same Redis never sees the demo's runs.
     config = FleetConfig(
-        model_path=out / "sft", engines=args.engines, state_dir=out / "fleet", ports=ports,
+        model_path=out / "sft",
+        engines=args.engines,
+        state_dir=out / "fleet",
+        ports=ports,
         redis_prefix="rlfleet-demo:",
     )
     with LocalFleet(config) as fleet:

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Mapping
 from typing import NoReturn
 
+from rlfleet.processes import command_line
 from rlfleet_engine.config import EngineConfig
 
 INSTALL_HINT = "pip install 'rlfleet-engine[sglang]'"
@@ -24,25 +25,26 @@ INSTALL_HINT = "pip install 'rlfleet-engine[sglang]'"
 
 def sglang_argv(config: EngineConfig, python: str = sys.executable) -> list[str]:
     """The `sglang.launch_server` command line that serves what `config` describes."""
-    # _fill_defaults always sets these two; the asserts narrow the types for the list below.
+    # _fill_defaults always sets these two; unset, they would reach SGLang as the word None.
     assert config.tokenizer_path is not None and config.served_model_name is not None
-    argv = [
-        python, "-m", "sglang.launch_server",
-        "--model-path", config.model_path,
-        "--tokenizer-path", config.tokenizer_path,
-        "--host", config.host,
-        "--port", str(config.port),
-        "--served-model-name", config.served_model_name,
-        "--max-running-requests", str(config.max_running_requests),
-        "--random-seed", str(config.random_seed),
-        "--log-level", config.log_level.lower(),
-        "--dtype", config.dtype,
-        "--weight-version", config.weight_version,
-        "--enable-metrics",
-    ]
+    argv = command_line(
+        python,
+        "-m",
+        "sglang.launch_server",
+        model_path=config.model_path,
+        tokenizer_path=config.tokenizer_path,
+        host=config.host,
+        port=config.port,
+        served_model_name=config.served_model_name,
+        max_running_requests=config.max_running_requests,
+        random_seed=config.random_seed,
+        log_level=config.log_level.lower(),
+        dtype=config.dtype,
+        weight_version=config.weight_version,
+    )
     if config.context_length is not None:
         argv += ["--context-length", str(config.context_length)]
-    return argv
+    return [*argv, "--enable-metrics"]
 
 
 def sglang_env(config: EngineConfig, base: Mapping[str, str]) -> dict[str, str]:
