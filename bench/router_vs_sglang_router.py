@@ -22,12 +22,15 @@ Every figure is measured on `sim` engines and says so. Run:
 
     .venv/bin/python bench/router_vs_sglang_router.py [--engines 4 8] [--workloads grpo multiturn]
         [--caches roomy tight] [--scale 1.0] [--routers rlfleet:cache_aware sglang:cache_aware ...] [--repeats 3]
+        [--seeds 0 1 2]
 
 `--scale 0.5` halves the traffic for a quicker pass. The same code's figures move between runs (a run's
 placements follow the order in which answers come back, which the machine's load decides); `--repeats N`
 runs every router N times, each with a new router process, and reports each figure's median and the
-spread of hit rates and makespans. Record the printed figures in
-bench/router_vs_sglang_router.md.
+spread of hit rates and makespans. The traffic itself is one draw of its generator: `--seeds 0 1 2 3 4`
+runs every router on several (the order of prompt families, which system prompt a conversation has),
+compares the routers within each seed and reports the median over seeds beside every seed's value.
+Record the printed figures in bench/router_vs_sglang_router.md.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -340,51 +343,84 @@ def met(ok: bool) -> str:
 
 
 def report(
-    title: str, runs: dict[str, list[RunResult]], workload: Workload, cache: str, engines: int
+    title: str,
+    runs: dict[int, dict[str, list[RunResult]]],
+    workloads: dict[int, Workload],
+    cache: str,
+    engines: int,
 ) -> list[str]:
-    results = {spec: median_run(each) for spec, each in runs.items()}
-    repeats = max(len(each) for each in runs.values())
-    base = results.get(BASELINE)
+    """One workload's table: `runs` holds each seed's runs per router, `workloads` each seed's traffic.
+
+    A router's figures are medians over all its runs; the ratios and target checks compare routers within
+    a seed (each seed's medians), then take the median over seeds, listing every seed's value beside it."""
+    seeds = list(runs)
+    specs = list(runs[seeds[0]])
+    per_seed = {seed: {spec: median_run(each) for spec, each in by_spec.items()} for seed, by_spec in runs.items()}
+    overall = {spec: median_run([r for seed in seeds for r in runs[seed][spec]]) for spec in specs}
+    repeats = max(len(each) for by_spec in runs.values() for each in by_spec.values())
+    label = run_label("rlfleet:cache_aware", cache, engines)
+    ceilings = {seed: hit_ceiling(workloads[seed], engines, label, BALANCE_TARGET) for seed in seeds}
+    any_load = statistics.median(hit_ceiling(workloads[seed], engines, label, engines) for seed in seeds)
+    have_base = BASELINE in specs
+
+    def across(value: Callable[[int], float], fmt: str) -> tuple[float, str]:
+        """The median over seeds of `value(seed)`, and every seed's value when there are several."""
+        values = [value(seed) for seed in seeds]
+        listed = f" (seeds {' '.join(format(v, fmt) for v in values)})" if len(seeds) > 1 else ""
+        return statistics.median(values), listed
+
+    def ratio(spec: str, field: str) -> float:
+        return across(lambda s: getattr(per_seed[s][spec], field) / getattr(per_seed[s][BASELINE], field), ".2f")[0]
+
+    how = [f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {' '.join(map(str, seeds))}"]
+    if repeats > 1:
+        how.append(f"{repeats} runs per seed")
+    if len(seeds) > 1 or repeats > 1:
+        how.append("medians")
     lines = [
-        f"== {title} ({SIM}{f'; medians of {repeats} runs' if repeats > 1 else ''}) ==",
+        f"== {title} ({SIM}; {', '.join(how)}) ==",
         f"{'router':22} {'hit':>6} {'makespan':>9} {'p50':>7} {'p99':>7} "
         f"{'max/mean':>8} {'makespan/sg-ca':>14} {'p99/sg-ca':>9}  requests per engine",
     ]
-    for spec, r in results.items():
-        ratio_m = f"{r.makespan / base.makespan:.2f}x" if base else "-"
-        ratio_p = f"{r.p99 / base.p99:.2f}x" if base else "-"
+    for spec, r in overall.items():
+        ratio_m = f"{ratio(spec, 'makespan'):.2f}x" if have_base else "-"
+        ratio_p = f"{ratio(spec, 'p99'):.2f}x" if have_base else "-"
         lines.append(
             f"{spec:22} {r.hit_rate:6.3f} {r.makespan:8.2f}s {r.p50 * 1e3:5.0f}ms {r.p99 * 1e3:5.0f}ms "
             f"{r.max_over_mean:8.2f} {ratio_m:>14} {ratio_p:>9}  {r.per_engine}"
         )
-    label = run_label("rlfleet:cache_aware", cache, engines)
-    ceiling = hit_ceiling(workload, engines, label, BALANCE_TARGET)
     lines.append(
-        f"{'ceiling':22} {ceiling:6.3f}  the highest hit rate any router can reach here at max/mean <= "
-        f"{BALANCE_TARGET:.2f} ({hit_ceiling(workload, engines, label, engines):.3f} at any load; see hit_ceiling)"
+        f"{'ceiling':22} {statistics.median(ceilings.values()):6.3f}  the highest hit rate any router can reach here "
+        f"at max/mean <= {BALANCE_TARGET:.2f} ({any_load:.3f} at any load; see hit_ceiling)"
     )
-    ours = results.get("rlfleet:cache_aware")
-    if ours and base:
-        hit_gap = (ours.hit_rate - base.hit_rate) * 100
-        need = {("grpo", "tight"): 0.0, ("multiturn", "tight"): 10.0}.get((workload.name, cache), -1.0)
-        hit = "met" if hit_gap >= need else "NOT MET"
-        if base.hit_rate + need / 100 > ceiling:
+    ours = "rlfleet:cache_aware"
+    if ours in specs and have_base:
+        need = {("grpo", "tight"): 0.0, ("multiturn", "tight"): 10.0}.get((workloads[seeds[0]].name, cache), -1.0)
+        gap, gaps = across(lambda s: (per_seed[s][ours].hit_rate - per_seed[s][BASELINE].hit_rate) * 100, "+.1f")
+        hit = met(gap >= need)
+        # Reachable: sglang-router's hit rate plus the margin stays within the ceiling (median over seeds).
+        room = statistics.median((ceilings[s] - per_seed[s][BASELINE].hit_rate) * 100 for s in seeds)
+        if need > room:
             hit += f", unreachable at max/mean <= {BALANCE_TARGET:.2f}"
-        makespan, p99 = ours.makespan / base.makespan, ours.p99 / base.p99
+        makespan, makespans = across(lambda s: per_seed[s][ours].makespan / per_seed[s][BASELINE].makespan, ".2f")
+        p99, p99s = across(lambda s: per_seed[s][ours].p99 / per_seed[s][BASELINE].p99, ".2f")
+        balance, balances = across(lambda s: per_seed[s][ours].max_over_mean, ".2f")
         checks = [
-            f"hit {hit_gap:+.1f} pt vs sg-ca (need >= {need:+.0f}) {hit}",
-            f"makespan {makespan:.2f}x (<= 0.85) {met(makespan <= 0.85)}",
-            f"p99 {p99:.2f}x (<= 0.80) {met(p99 <= 0.8)}",
-            f"max/mean {ours.max_over_mean:.2f} (<= {BALANCE_TARGET:.2f}) {met(ours.max_over_mean <= BALANCE_TARGET)}",
+            f"hit {gap:+.1f} pt vs sg-ca{gaps} (need >= {need:+.0f}) {hit}",
+            f"makespan {makespan:.2f}x{makespans} (<= 0.85) {met(makespan <= 0.85)}",
+            f"p99 {p99:.2f}x{p99s} (<= 0.80) {met(p99 <= 0.8)}",
+            f"max/mean {balance:.2f}{balances} (<= {BALANCE_TARGET:.2f}) {met(balance <= BALANCE_TARGET)}",
         ]
         lines.append("targets: " + "; ".join(checks))
-    if repeats > 1:
-        for spec, each in runs.items():
-            hits, makespans = sorted(r.hit_rate for r in each), sorted(r.makespan for r in each)
-            lines.append(
-                f"  {spec} over its {len(each)} runs: hit {' '.join(f'{h:.3f}' for h in hits)}, "
-                f"makespan {' '.join(f'{m:.2f}s' for m in makespans)}"
-            )
+    if len(seeds) > 1 or repeats > 1:
+        for spec in specs:
+            for seed in seeds:
+                each = runs[seed][spec]
+                hits, times = sorted(r.hit_rate for r in each), sorted(r.makespan for r in each)
+                lines.append(
+                    f"  {spec} seed {seed}, {len(each)} run{'s' if len(each) > 1 else ''}: "
+                    f"hit {' '.join(f'{h:.3f}' for h in hits)}, makespan {' '.join(f'{m:.2f}s' for m in times)}"
+                )
     return lines
 
 
@@ -397,7 +433,9 @@ def main() -> None:
     parser.add_argument("--routers", nargs="+", default=list(ROUTERS), help="rlfleet:<policy> or sglang:<policy>")
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of the default traffic (1.0)")
     parser.add_argument("--latency-rounds", type=int, default=200, help="requests per side of the added-latency probe")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=[0], help="traffic seeds; each is its own workload instance (default 0)"
+    )
     parser.add_argument(
         "--repeats", type=int, default=1, help="runs per router, each with a new router process; medians are reported"
     )
@@ -405,10 +443,10 @@ def main() -> None:
     args = parser.parse_args()
     caches = {**CACHES, "tight": args.tight_cache_tokens}
     makers = {"grpo": grpo_workload, "multiturn": multiturn_workload}
-    workloads = {name: makers[name](args.seed, args.scale) for name in args.workloads}
+    workloads = {seed: {name: makers[name](seed, args.scale) for name in args.workloads} for seed in args.seeds}
     print(
         f"# rlfleet router vs sglang-router, {SIM}; 32 requests in flight; "
-        + ", ".join(f"{w.name}: {w.requests} requests" for w in workloads.values()),
+        + ", ".join(f"{w.name}: {w.requests} requests" for w in workloads[args.seeds[0]].values()),
         flush=True,
     )
 
@@ -421,27 +459,30 @@ def main() -> None:
             try:
                 for count in args.engines:
                     urls = fleet.urls[:count]
-                    results: dict[str, dict[str, list[RunResult]]] = {w: {} for w in workloads}
-                    for repeat, spec in itertools.product(range(args.repeats), args.routers):
+                    # workload -> seed -> router -> runs
+                    results: dict[str, dict[int, dict[str, list[RunResult]]]] = {w: {} for w in args.workloads}
+                    for seed, repeat, spec in itertools.product(args.seeds, range(args.repeats), args.routers):
                         extra = args.rlfleet_flags.split() if spec.startswith("rlfleet:") else []
                         router, router_url = start_router(spec, urls, logs, extra)
                         try:
-                            for name, workload in workloads.items():
+                            for name, workload in workloads[seed].items():
                                 salt = run_label(spec, cache, count)
                                 r = run_once(fleet, urls, router_url, workload, salt)
-                                results[name].setdefault(spec, []).append(r)
+                                results[name].setdefault(seed, {}).setdefault(spec, []).append(r)
                                 print(
-                                    f"  {name} {count} engines {cache} cache {spec} run {repeat + 1}/{args.repeats}: "
-                                    f"hit {r.hit_rate:.3f} makespan {r.makespan:.2f}s ({SIM})",
+                                    f"  {name} {count} engines {cache} cache seed {seed} {spec} run "
+                                    f"{repeat + 1}/{args.repeats}: hit {r.hit_rate:.3f} makespan {r.makespan:.2f}s "
+                                    f"({SIM})",
                                     flush=True,
                                 )
                             if spec not in added and cache == args.caches[0]:
                                 added[spec] = added_latency(router_url, urls[0], args.latency_rounds)
                         finally:
                             router.stop()
-                    for name in workloads:
+                    for name in args.workloads:
                         title = f"{name}, {count} engines, {cache} caches ({caches[cache]} tokens/engine)"
-                        lines += report(title, results[name], workloads[name], cache, count) + [""]
+                        instances = {seed: workloads[seed][name] for seed in args.seeds}
+                        lines += report(title, results[name], instances, cache, count) + [""]
             finally:
                 fleet.stop()
     print("\n".join(lines))
