@@ -41,6 +41,7 @@ TEST_DIRS := $(filter-out %__pycache__/,$(wildcard tests/*/ services/*/tests/))
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy $(TYPED)
 	for dir in $(TEST_DIRS); do $(VENV)/bin/mypy $$dir || exit 1; done
 

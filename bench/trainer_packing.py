@@ -36,8 +36,9 @@ def skewed_batch(count: int, seed: int) -> list[TrainSequence]:
     for _ in range(count):
         response = rng.randint(160, 240) if rng.random() < 0.125 else rng.randint(8, 40)
         tokens = tuple(rng.randint(3, 30) for _ in range(PROMPT_TOKENS + response))
-        out.append(TrainSequence(tokens=tokens, prompt_len=PROMPT_TOKENS, old_logp=(0.0,) * response,
-                                 mask=(1,) * response))
+        out.append(
+            TrainSequence(tokens=tokens, prompt_len=PROMPT_TOKENS, old_logp=(0.0,) * response, mask=(1,) * response)
+        )
     return out
 
 
@@ -95,8 +96,10 @@ def main() -> None:
         "padded (sorted by length)": padded_plan(lengths, sorted(arrival, key=lambda i: lengths[i]), args.token_budget),
         "packed": plan_micro_batches(lengths, args.token_budget),
     }
-    print(f"tiny model ({params / 1e6:.1f}M parameters), {len(sequences)} sequences, {tokens} tokens "
-          f"(lengths {min(lengths)}..{max(lengths)}), token budget {args.token_budget}, {args.threads} threads")
+    print(
+        f"tiny model ({params / 1e6:.1f}M parameters), {len(sequences)} sequences, {tokens} tokens "
+        f"(lengths {min(lengths)}..{max(lengths)}), token budget {args.token_budget}, {args.threads} threads"
+    )
     sums = {name: run(model, sequences, plan)[1] for name, plan in plans.items()}  # also warms up every shape
     best = dict.fromkeys(plans, float("inf"))
     for _ in range(args.repeats):  # interleaved, so a busy moment of the machine hits every layout alike
@@ -104,8 +107,10 @@ def main() -> None:
             best[name] = min(best[name], run(model, sequences, plan)[0])
     rates = {name: tokens / seconds for name, seconds in best.items()}
     for name, plan in plans.items():
-        print(f"{name:28s} {len(plan):3d} micro-batches, {tokens / slots(sequences, plan):6.1%} of slots real, "
-              f"{best[name]:6.2f} s, {rates[name]:8.0f} tokens/s")
+        print(
+            f"{name:28s} {len(plan):3d} micro-batches, {tokens / slots(sequences, plan):6.1%} of slots real, "
+            f"{best[name]:6.2f} s, {rates[name]:8.0f} tokens/s"
+        )
     spread = (max(sums.values()) - min(sums.values())) / abs(sums["packed"])
     print(f"summed log-prob agrees across layouts to a relative {spread:.1e}")
     print(f"packed / padded (arrival order): {rates['packed'] / rates['padded (arrival order)']:.2f}x")

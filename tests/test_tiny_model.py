@@ -18,7 +18,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny") / "model"
     result = subprocess.run(
         [sys.executable, "-m", "rlfleet.cli", "model", "init", "--out", str(out)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert "M-parameter model" in result.stdout
@@ -56,7 +58,9 @@ def test_forward_pass_gives_finite_logits(model_dir: Path) -> None:
 def test_refuses_to_overwrite_a_model(model_dir: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "rlfleet.cli", "model", "init", "--out", str(model_dir)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2
     assert "already holds a model" in result.stderr
@@ -65,7 +69,9 @@ def test_refuses_to_overwrite_a_model(model_dir: Path) -> None:
 def test_bad_shape_is_refused_with_the_fix(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "rlfleet.cli", "model", "init", "--out", str(tmp_path / "m"), "--heads", "3"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2
     assert "multiple of heads" in result.stderr

@@ -17,17 +17,23 @@ def register(areas: argparse._SubParsersAction) -> None:
         "up", help="start Redis (if none answers), engines, router, reward hub, trainer and orchestrator"
     )
     up.add_argument(
-        "--model-path", type=Path, default=None,
+        "--model-path",
+        type=Path,
+        default=None,
         help="model the engines serve (default: <state-dir>/models/tiny, created when missing)",
     )
     up.add_argument("--engines", type=int, default=2, help="engines to start (default 2)")
     up.add_argument(
-        "--engine", choices=["transformers", "sglang"], default="transformers",
+        "--engine",
+        choices=["transformers", "sglang"],
+        default="transformers",
         help="engine backend: transformers (CPU, default) or sglang (the real SGLang server, needs a GPU "
         "and `pip install 'rlfleet-engine[sglang]'`)",
     )
     up.add_argument(
-        "--trainer-ranks", type=int, default=1,
+        "--trainer-ranks",
+        type=int,
+        default=1,
         help="torchrun ranks the trainer shards the policy over with FSDP2 (default 1)",
     )
     up.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="logs, weights and fleet.json")
@@ -52,8 +58,14 @@ def default_model(state_dir: Path) -> Path:
 def run_up(args: argparse.Namespace) -> int:
     model_path = args.model_path or default_model(args.state_dir)
     fleet = LocalFleet(
-        FleetConfig(model_path=model_path, engines=args.engines, state_dir=args.state_dir, redis_url=args.redis_url,
-                    engine_backend=args.engine, trainer_ranks=args.trainer_ranks)
+        FleetConfig(
+            model_path=model_path,
+            engines=args.engines,
+            state_dir=args.state_dir,
+            redis_url=args.redis_url,
+            engine_backend=args.engine,
+            trainer_ranks=args.trainer_ranks,
+        )
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

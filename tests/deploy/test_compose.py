@@ -16,8 +16,13 @@ from pydantic_settings import BaseSettings
 
 # Compose service -> the rlfleet service it runs.
 RLFLEET_SERVICES = {
-    "engine-0": "engine", "engine-1": "engine", "router": "router", "reward": "reward",
-    "trainer": "trainer", "trainer-gpu": "trainer", "rollout": "rollout",
+    "engine-0": "engine",
+    "engine-1": "engine",
+    "router": "router",
+    "reward": "reward",
+    "trainer": "trainer",
+    "trainer-gpu": "trainer",
+    "rollout": "rollout",
 }
 HEALTH_URL = re.compile(r"http://127\.0\.0\.1:(\d+)(/[\w/]*)")
 
@@ -53,9 +58,17 @@ def health_port_and_path(service: dict[str, Any]) -> tuple[int, str]:
 
 def test_compose_file_follows_the_compose_specification(compose_dir: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec",
-         str(compose_dir / "docker-compose.yml")],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "check_jsonschema",
+            "--builtin-schema",
+            "vendor.compose-spec",
+            str(compose_dir / "docker-compose.yml"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -103,7 +116,7 @@ def test_variables_ports_and_health_checks_match_the_services(
     compose: dict[str, Any], settings_classes: dict[str, type[BaseSettings]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     services = compose["services"]
-    listening: dict[str, BaseSettings] = {}
+    listening: dict[str, Any] = {}
     for name, kind in RLFLEET_SERVICES.items():
         cls = settings_classes[kind]
         env = env_of(services[name])
@@ -111,22 +124,23 @@ def test_variables_ports_and_health_checks_match_the_services(
         for key in env:
             assert key.startswith(prefix), f"{name}: {key} is not read by rlfleet_{kind}"
             assert key.removeprefix(prefix).lower() in cls.model_fields, f"{name}: rlfleet_{kind} has no {key}"
-        settings = settings_from(cls, env, monkeypatch)
+        settings: Any = settings_from(cls, env, monkeypatch)  # its own fields are read below
         listening[name] = settings
-        http_port = getattr(settings, "http_port", None) or settings.port  # type: ignore[attr-defined]
+        http_port = getattr(settings, "http_port", None) or settings.port
         assert health_port_and_path(services[name]) == (http_port, "/health"), name
         for published in services[name].get("ports") or []:
             container_port = int(published.rsplit(":", 1)[1])
             assert container_port in (http_port, getattr(settings, "grpc_port", None)), f"{name}: {published}"
 
     router, rollout, trainer = listening["router"], listening["rollout"], listening["trainer"]
-    assert router.worker_urls == [  # type: ignore[attr-defined]
-        f"http://engine-0:{listening['engine-0'].port}", f"http://engine-1:{listening['engine-1'].port}"  # type: ignore[attr-defined]
+    assert router.worker_urls == [
+        f"http://engine-0:{listening['engine-0'].port}",
+        f"http://engine-1:{listening['engine-1'].port}",
     ]
-    assert rollout.router_url == trainer.router_url == f"http://router:{router.port}"  # type: ignore[attr-defined]
-    assert rollout.reward_url == f"http://reward:{listening['reward'].port}"  # type: ignore[attr-defined]
-    assert rollout.trainer_address == f"trainer:{trainer.grpc_port}"  # type: ignore[attr-defined]
-    assert rollout.redis_url == trainer.redis_url == "redis://redis:6379/0"  # type: ignore[attr-defined]
+    assert rollout.router_url == trainer.router_url == f"http://router:{router.port}"
+    assert rollout.reward_url == f"http://reward:{listening['reward'].port}"
+    assert rollout.trainer_address == f"trainer:{trainer.grpc_port}"
+    assert rollout.redis_url == trainer.redis_url == "redis://redis:6379/0"
     assert env_of(services["trainer"]) == env_of(services["trainer-gpu"])
 
 

@@ -20,7 +20,15 @@ METRIC = re.compile(r"\b(rlfleet_[a-z_]+|sglang:[a-z_]+)")
 SUFFIXES = ("_total", "_bucket", "_count", "_sum")
 REQUIRED_PANELS = {
     "rlfleet-run.json": [
-        "reward", "eval accuracy", "kl", "entropy", "loss", "clip", "step time", "tokens", "staleness"
+        "reward",
+        "eval accuracy",
+        "kl",
+        "entropy",
+        "loss",
+        "clip",
+        "step time",
+        "tokens",
+        "staleness",
     ],
     "rlfleet-fleet.json": ["routing", "restarts", "load", "cache hit", "queue", "weight version", "router latency"],
     "rlfleet-stream.json": ["lag", "produced"],
@@ -80,6 +88,7 @@ def test_every_query_names_exported_metrics(path: Path) -> None:
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")
 def test_compose_prometheus_config_passes_promtool() -> None:
     config = REPO / "deploy" / "compose" / "prometheus.yml"
-    result = subprocess.run(["promtool", "check", "config", "--syntax-only", str(config)],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["promtool", "check", "config", "--syntax-only", str(config)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -57,8 +57,12 @@ def prometheus(fleet: LocalFleet, tmp_path_factory: pytest.TempPathFactory) -> I
     port = free_port()
     process = ServiceProcess(
         "prometheus",
-        [shutil.which("prometheus") or "prometheus", f"--config.file={work / 'prometheus.yml'}",
-         f"--storage.tsdb.path={work / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+        [
+            shutil.which("prometheus") or "prometheus",
+            f"--config.file={work / 'prometheus.yml'}",
+            f"--storage.tsdb.path={work / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
         work / "prometheus.log",
     )
     url = f"http://127.0.0.1:{port}"

@@ -79,9 +79,23 @@ def test_run_submitted_with_curl_completes(fleet: LocalFleet, api: RunsClient, t
     body = tmp_path / "spec.json"
     body.write_text(json.dumps(spec_dict(fleet, name="curl")))
     out = subprocess.run(
-        ["curl", "-sS", "--max-time", "30", "-X", "POST", "-H", "Content-Type: application/json",
-         "--data", f"@{body}", f"{fleet.api_url}/v1/runs"],
-        capture_output=True, text=True, timeout=60, check=True,
+        [
+            "curl",
+            "-sS",
+            "--max-time",
+            "30",
+            "-X",
+            "POST",
+            "-H",
+            "Content-Type: application/json",
+            "--data",
+            f"@{body}",
+            f"{fleet.api_url}/v1/runs",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     submitted = json_format.Parse(out.stdout, Run(), ignore_unknown_fields=True)
     assert submitted.state in (RunState.RUN_STATE_QUEUED, RunState.RUN_STATE_RUNNING)
@@ -97,7 +111,9 @@ def test_run_submitted_with_curl_completes(fleet: LocalFleet, api: RunsClient, t
 
     watched = subprocess.run(
         [sys.executable, "-m", "rlfleet.cli", "watch", submitted.id, "--api", fleet.api_url],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert watched.returncode == 0, watched.stderr
     assert f"step {STEPS}/{STEPS}" in watched.stdout and "succeeded" in watched.stdout

@@ -23,11 +23,32 @@ print(json.dumps({"argv": sys.argv[1:], "pid": os.getpid(),
 
 
 def test_settings_become_launch_server_flags() -> None:
-    config = config_from_args([
-        "--model-path", "/m", "--port", "30005", "--host", "0.0.0.0", "--max-running-requests", "64",
-        "--random-seed", "3", "--dtype", "bfloat16", "--weight-version", "7", "--context-length", "4096",
-        "--served-model-name", "policy", "--log-level", "WARNING", "--backend", "sglang",
-    ])
+    config = config_from_args(
+        [
+            "--model-path",
+            "/m",
+            "--port",
+            "30005",
+            "--host",
+            "0.0.0.0",
+            "--max-running-requests",
+            "64",
+            "--random-seed",
+            "3",
+            "--dtype",
+            "bfloat16",
+            "--weight-version",
+            "7",
+            "--context-length",
+            "4096",
+            "--served-model-name",
+            "policy",
+            "--log-level",
+            "WARNING",
+            "--backend",
+            "sglang",
+        ]
+    )
     argv = sglang_argv(config, python="/py")
     assert argv[:3] == ["/py", "-m", "sglang.launch_server"]
     flags = dict(zip(argv[3::2], argv[4::2], strict=False))
@@ -55,7 +76,9 @@ def test_health_check_timeout_goes_through_sglangs_variable() -> None:
 def test_without_sglang_the_engine_names_the_extra_to_install() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "rlfleet_engine", "--backend", "sglang", "--model-path", "/m"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode != 0
     assert INSTALL_HINT in result.stderr and "not installed" in result.stderr
@@ -69,7 +92,10 @@ def test_the_engine_process_becomes_sglangs_server(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     process = subprocess.Popen(
         [sys.executable, "-m", "rlfleet_engine", "--backend", "sglang", "--model-path", "/m", "--port", "30009"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     out, err = process.communicate(timeout=60)
     assert process.returncode == 0, err

@@ -151,8 +151,13 @@ def serve(settings: TrainerSettings) -> int:
         http = uvicorn.Server(
             uvicorn.Config(make_http_app(metrics), host=settings.host, port=settings.http_port, log_config=None)
         )
-        logger.info("trainer serving gRPC on %s:%d, HTTP on %s:%d", settings.host, settings.grpc_port,
-                    settings.host, settings.http_port)
+        logger.info(
+            "trainer serving gRPC on %s:%d, HTTP on %s:%d",
+            settings.host,
+            settings.grpc_port,
+            settings.host,
+            settings.http_port,
+        )
         try:
             await http.serve()  # returns on SIGTERM / SIGINT
         finally:

@@ -136,9 +136,7 @@ def load_checkpoint(path: Path, parts: TrainingState) -> CheckpointMeta:
     state = _state_dict(parts, CheckpointMeta())
     with _single_process_quietly():
         dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
-    set_state_dict(
-        parts.model, parts.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
-    )
+    set_state_dict(parts.model, parts.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     parts.scheduler.load_state_dict(state["scheduler"])
     if parts.critic is not None:
         critic = state["critic"]

@@ -51,7 +51,11 @@ class CheckpointCommitter:
         elapsed = time.perf_counter() - started
         logger.info(
             "run %s: checkpoint of step %d at %s covers %d new group(s) (%.2fs)",
-            run.run_id, step, path, len(run.uncommitted), elapsed,
+            run.run_id,
+            step,
+            path,
+            len(run.uncommitted),
+            elapsed,
             extra={"run_id": run.run_id, "step": step},
         )
         run.update(

@@ -18,8 +18,8 @@ def clipped_value_loss(
 ) -> torch.Tensor:
     """PPO's clipped value loss per token:
 
-        V_clip = V_old + clip(V - V_old, -clip, clip)
-        l_t    = 0.5 * max((V - R)^2, (V_clip - R)^2)
+    V_clip = V_old + clip(V - V_old, -clip, clip)
+    l_t    = 0.5 * max((V - R)^2, (V_clip - R)^2)
     """
     clipped = old_values + torch.clamp(values - old_values, -clip, clip)
     return 0.5 * torch.maximum((values - returns).square(), (clipped - returns).square())  # (B, T)

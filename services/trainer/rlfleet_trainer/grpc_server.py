@@ -17,19 +17,29 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def __init__(self, core: TrainerCore) -> None:
         self.core = core
 
-    async def StartRun(self, request: trainer_pb2.StartRunRequest, context: aio.ServicerContext) -> trainer_pb2.TrainerStatus:  # noqa: N802,E501
+    async def StartRun(
+        self, request: trainer_pb2.StartRunRequest, context: aio.ServicerContext
+    ) -> trainer_pb2.TrainerStatus:  # noqa: N802,E501
         return await asyncio.to_thread(self.core.start_run, request.run_id, request.spec)
 
-    async def Status(self, request: trainer_pb2.StatusRequest, context: aio.ServicerContext) -> trainer_pb2.TrainerStatus:  # noqa: N802,E501
+    async def Status(
+        self, request: trainer_pb2.StatusRequest, context: aio.ServicerContext
+    ) -> trainer_pb2.TrainerStatus:  # noqa: N802,E501
         return self.core.status(request.run_id)
 
-    async def Checkpoint(self, request: trainer_pb2.CheckpointRequest, context: aio.ServicerContext) -> trainer_pb2.CheckpointResponse:  # noqa: N802,E501
+    async def Checkpoint(
+        self, request: trainer_pb2.CheckpointRequest, context: aio.ServicerContext
+    ) -> trainer_pb2.CheckpointResponse:  # noqa: N802,E501
         return await asyncio.to_thread(self.core.checkpoint, request.run_id)
 
-    async def StopRun(self, request: trainer_pb2.StopRunRequest, context: aio.ServicerContext) -> trainer_pb2.TrainerStatus:  # noqa: N802,E501
+    async def StopRun(
+        self, request: trainer_pb2.StopRunRequest, context: aio.ServicerContext
+    ) -> trainer_pb2.TrainerStatus:  # noqa: N802,E501
         return await asyncio.to_thread(self.core.stop_run, request.run_id, request.checkpoint)
 
-    async def WatchSteps(self, request: trainer_pb2.WatchStepsRequest, context: aio.ServicerContext) -> AsyncIterator[trainer_pb2.StepReport]:  # noqa: N802,E501
+    async def WatchSteps(
+        self, request: trainer_pb2.WatchStepsRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[trainer_pb2.StepReport]:  # noqa: N802,E501
         next_step = request.from_step or self.core.status(request.run_id).step + 1
         while True:
             reports, finished = self.core.reports(request.run_id, next_step)

@@ -102,7 +102,9 @@ class RankGroup:
             registry=registry,
         )
         self._op_failures = Counter(
-            "rlfleet_trainer_rank_op_failures_total", "collective ops that failed on some rank", ["op"],
+            "rlfleet_trainer_rank_op_failures_total",
+            "collective ops that failed on some rank",
+            ["op"],
             registry=registry,
         )
         Gauge("rlfleet_trainer_ranks", "ranks of the trainer's process group", registry=registry).set(self.ranks.world)

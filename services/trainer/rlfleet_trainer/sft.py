@@ -87,6 +87,9 @@ def run_sft(model_path: Path, out_dir: Path, task: ArithmeticTask, config: SftCo
         if step % config.log_every == 0 or step == config.steps:
             logger.info(
                 "sft step %d/%d: loss %.4f (%.1f steps/s)",
-                step, config.steps, float(loss.detach()), step / (time.perf_counter() - started),
+                step,
+                config.steps,
+                float(loss.detach()),
+                step / (time.perf_counter() - started),
             )
     return write_model_dir(model, Path(out_dir), Path(model_path))

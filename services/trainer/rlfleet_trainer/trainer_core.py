@@ -228,6 +228,9 @@ class TrainerCore:
             run.weights_path = str(weights)
         logger.info(
             "run %s resumes from its checkpoint of step %d (%d groups, through stream entry %s)",
-            run.run_id, meta.step, meta.groups_trained, meta.last_entry_id or "-",
+            run.run_id,
+            meta.step,
+            meta.groups_trained,
+            meta.last_entry_id or "-",
             extra={"run_id": run.run_id},
         )

@@ -53,11 +53,20 @@ def groups_from(model: torch.nn.Module, count: int = 2) -> list[SampleGroup]:
             response = [22 + j, 23, 24 + i, 1][: 2 + (i + j) % 3]
             with torch.no_grad():
                 logp = torch.log_softmax(model(torch.tensor([prompt + response])).logits[0, :-1], -1)
-            picked = [float(logp[len(prompt) - 1 + k, t]) + 0.01 * float(torch.randn(1, generator=g))
-                      for k, t in enumerate(response)]
-            samples.append(Sample(prompt_token_ids=prompt, response_token_ids=response, rollout_logprobs=picked,
-                                  loss_mask=[1] * len(response), reward=float((i + j) % 2),
-                                  status=SampleStatus.SAMPLE_STATUS_OK))
+            picked = [
+                float(logp[len(prompt) - 1 + k, t]) + 0.01 * float(torch.randn(1, generator=g))
+                for k, t in enumerate(response)
+            ]
+            samples.append(
+                Sample(
+                    prompt_token_ids=prompt,
+                    response_token_ids=response,
+                    rollout_logprobs=picked,
+                    loss_mask=[1] * len(response),
+                    reward=float((i + j) % 2),
+                    status=SampleStatus.SAMPLE_STATUS_OK,
+                )
+            )
         out.append(SampleGroup(group_id=f"g{i}", run_id="r", samples=samples))
     return out
 

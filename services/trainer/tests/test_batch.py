@@ -71,8 +71,11 @@ def random_sequences(lengths: list[tuple[int, int]], seed: int = 0) -> list[Trai
     out = []
     for n, prompt in lengths:
         tokens = torch.randint(3, 30, (n,), generator=g).tolist()
-        out.append(TrainSequence(tokens=tuple(tokens), prompt_len=prompt, old_logp=(0.0,) * (n - prompt),
-                                 mask=(1,) * (n - prompt)))
+        out.append(
+            TrainSequence(
+                tokens=tuple(tokens), prompt_len=prompt, old_logp=(0.0,) * (n - prompt), mask=(1,) * (n - prompt)
+            )
+        )
     return out
 
 

@@ -130,8 +130,18 @@ def test_export_command(small_model_dir: Path, tmp_path: Path) -> None:
     parts = fresh_state(small_model_dir)
     train_once(parts)
     path = save_checkpoint(tmp_path / "checkpoints", parts, CheckpointMeta(step=1, weight_version=1))
-    command = [sys.executable, "-m", "rlfleet_trainer", "export", "--checkpoint", str(path),
-               "--base-model", str(small_model_dir), "--out", str(tmp_path / "hf")]
+    command = [
+        sys.executable,
+        "-m",
+        "rlfleet_trainer",
+        "export",
+        "--checkpoint",
+        str(path),
+        "--base-model",
+        str(small_model_dir),
+        "--out",
+        str(tmp_path / "hf"),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)

@@ -41,7 +41,10 @@ def spec_for(model_dir: Path) -> RunSpec:
             "reward": {"terms": [{"function": "arith_exact"}]},
             "algorithm": {"name": "ppo"},
             "trainer": {
-                "learning_rate": 5e-3, "warmup_steps": 2, "lr_schedule": "cosine", "checkpoint_every": CHECKPOINT_EVERY,
+                "learning_rate": 5e-3,
+                "warmup_steps": 2,
+                "lr_schedule": "cosine",
+                "checkpoint_every": CHECKPOINT_EVERY,
             },
             "schedule": {"steps": STEPS},
         },
@@ -66,9 +69,15 @@ def make_groups(model_dir: Path, run_id: str, count: int, seed: int = 7) -> list
             picked = [float(logp[len(prompt) - 1 + k, t]) for k, t in enumerate(response)]
             samples.append(
                 Sample(
-                    sample_id=f"{i}-{j}", index=j, prompt_token_ids=prompt, response_token_ids=response,
-                    rollout_logprobs=picked, loss_mask=[1] * length, reward=float(torch.rand(1, generator=gen)),
-                    weight_versions=[0], status=SampleStatus.SAMPLE_STATUS_OK,
+                    sample_id=f"{i}-{j}",
+                    index=j,
+                    prompt_token_ids=prompt,
+                    response_token_ids=response,
+                    rollout_logprobs=picked,
+                    loss_mask=[1] * length,
+                    reward=float(torch.rand(1, generator=gen)),
+                    weight_versions=[0],
+                    status=SampleStatus.SAMPLE_STATUS_OK,
                 )
             )
         groups.append(SampleGroup(group_id=f"g{i}", run_id=run_id, samples=samples, weight=1.0))
@@ -121,8 +130,12 @@ def test_sigkill_between_checkpoints_resumes_and_matches_an_uninterrupted_run(
     )
     try:
         # The child trains 3 steps, checkpoints after step 2, and then waits for step 4's groups.
-        wait_for(lambda: any(load["weight_version"] == str(KILLED_AFTER) for load in fake_router.loads),
-                 "the killed trainer's step 3", timeout=120, child=child)
+        wait_for(
+            lambda: any(load["weight_version"] == str(KILLED_AFTER) for load in fake_router.loads),
+            "the killed trainer's step 3",
+            timeout=120,
+            child=child,
+        )
         child.kill()
     finally:
         child.stop()

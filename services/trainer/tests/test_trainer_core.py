@@ -56,8 +56,14 @@ def rollout_group(model: torch.nn.Module, run_id: str, step: int, i: int) -> Sam
         picked = [float(logp[len(prompt) - 1 + k, t]) for k, t in enumerate(response)]
         samples.append(
             Sample(
-                sample_id=f"{i}-{j}", index=j, prompt_token_ids=prompt, response_token_ids=response,
-                rollout_logprobs=picked, loss_mask=[1, 1, 1], reward=float(j % 2), weight_versions=[step],
+                sample_id=f"{i}-{j}",
+                index=j,
+                prompt_token_ids=prompt,
+                response_token_ids=response,
+                rollout_logprobs=picked,
+                loss_mask=[1, 1, 1],
+                reward=float(j % 2),
+                weight_versions=[step],
                 status=SampleStatus.SAMPLE_STATUS_OK,
             )
         )

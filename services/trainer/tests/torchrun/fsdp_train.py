@@ -70,9 +70,14 @@ def global_batch(model_dir: str, step: int) -> list[SampleGroup]:
             status = SampleStatus.SAMPLE_STATUS_FAILED if (g, j) == (2, 3) else SampleStatus.SAMPLE_STATUS_OK
             samples.append(
                 Sample(
-                    sample_id=f"{g}-{j}", index=j, prompt_token_ids=prompt, response_token_ids=response,
-                    rollout_logprobs=old, loss_mask=[int(rng.random() > 0.1) for _ in response],
-                    reward=float(rng.random() > 0.5) + 0.1 * j, status=status,
+                    sample_id=f"{g}-{j}",
+                    index=j,
+                    prompt_token_ids=prompt,
+                    response_token_ids=response,
+                    rollout_logprobs=old,
+                    loss_mask=[int(rng.random() > 0.1) for _ in response],
+                    reward=float(rng.random() > 0.5) + 0.1 * j,
+                    status=status,
                 )
             )
         groups.append(SampleGroup(group_id=f"s{step}-g{g}", samples=samples, weight=1.0 if g else 0.5))
