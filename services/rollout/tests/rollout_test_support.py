@@ -83,6 +83,8 @@ class FakeRun:
     trained_group_ids: list[str] = field(default_factory=list)
     trained: list[tuple[int, SampleGroup]] = field(default_factory=list)
     """Every trained group with the trainer's step when it trained it."""
+    thread_alive: bool = False
+    error: str = ""
 
 
 class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
@@ -116,6 +118,7 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
             step=run.step,
             weight_version=run.step,
             groups_trained=run.groups_trained,
+            error=run.error,
         )
 
     def StartRun(self, request: Any, context: grpc.ServicerContext) -> TrainerStatus:  # noqa: N802
@@ -151,7 +154,29 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
                 sent += 1
             time.sleep(0.05)
 
+    def describe(self, run_id: str) -> str:
+        """The fake's view of `run_id`, for a failing test's message."""
+        run = self.runs.get(run_id)
+        if run is None:
+            return f"fake trainer: run {run_id} never started"
+        return (
+            f"fake trainer: state {TrainerState.Name(run.state)}, step {run.step}, paused {self.paused.is_set()}, "
+            f"training thread alive {run.thread_alive}, StopRun calls {self.stop_calls.count(run_id)}, "
+            f"stream length {run.stream.length()}, pending {run.stream.pending_count()}"
+        )
+
     def _train(self, run: FakeRun) -> None:
+        """As the trainer does, a fault fails the run with its reason instead of ending the thread silently."""
+        run.thread_alive = True
+        try:
+            self._train_loop(run)
+        except Exception as exc:  # noqa: BLE001 - reported through Status
+            run.error = f"fake trainer: {exc!r}"
+            run.state = TrainerState.TRAINER_STATE_FAILED
+        finally:
+            run.thread_alive = False
+
+    def _train_loop(self, run: FakeRun) -> None:
         gps = run.spec.rollout.groups_per_step
         batch: list[Any] = []
         while run.state == TrainerState.TRAINER_STATE_TRAINING and not self._closing.is_set():

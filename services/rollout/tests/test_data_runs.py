@@ -150,7 +150,10 @@ def test_a_restarted_orchestrator_continues_the_data_position(
         second = start_orchestrator(fleet, tmp_path / "second.log")
         fleet.trainer.paused.clear()
         final = wait_for_state(second.url, run_id, {"RUN_STATE_SUCCEEDED", "RUN_STATE_FAILED"}, timeout=40)
-        assert final["state"] == "RUN_STATE_SUCCEEDED", final.get("error")
+        assert final["state"] == "RUN_STATE_SUCCEEDED", (
+            f"{final.get('error')}\n{fleet.trainer.describe(run_id)}\n"
+            f"first orchestrator:\n{first.process.log_tail()}\nsecond orchestrator:\n{second.process.log_tail()}"
+        )
         groups = [g for _, g in fleet.trainer.runs[run_id].trained]
         assert [int(g.prompt_id.removeprefix("train/")) for g in groups] == list(range(10))
         prompts = [g.samples[0].prompt_text for g in groups]
