@@ -183,7 +183,12 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
             if self.paused.is_set():
                 time.sleep(0.05)
                 continue
-            batch += run.stream.read("fake-trainer", count=gps - len(batch), block_ms=100)
+            # Own pending entries first, as the trainer reads them: a read the Redis client retried after a
+            # timeout delivers its entries to this consumer without their reply.
+            after = batch[-1].entry_id if batch else "0"
+            batch += run.stream.read_own_pending("fake-trainer", gps - len(batch), after=after)
+            if len(batch) < gps:
+                batch += run.stream.read("fake-trainer", count=gps - len(batch), block_ms=100)
             if len(batch) < gps:
                 continue
             run.stream.ack(e.entry_id for e in batch)
