@@ -338,6 +338,13 @@ def added_latency(router_url: str, engine_url: str, rounds: int) -> tuple[float,
     return statistics.median(timings[router_url]), statistics.median(timings[engine_url])
 
 
+def non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be 0 or more")
+    return value
+
+
 def met(ok: bool) -> str:
     return "met" if ok else "NOT MET"
 
@@ -432,7 +439,12 @@ def main() -> None:
     parser.add_argument("--tight-cache-tokens", type=int, default=CACHES["tight"], help="per-engine tight cache")
     parser.add_argument("--routers", nargs="+", default=list(ROUTERS), help="rlfleet:<policy> or sglang:<policy>")
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of the default traffic (1.0)")
-    parser.add_argument("--latency-rounds", type=int, default=200, help="requests per side of the added-latency probe")
+    parser.add_argument(
+        "--latency-rounds",
+        type=non_negative,
+        default=200,
+        help="requests per side of the added-latency probe (200; 0 skips it)",
+    )
     parser.add_argument(
         "--seeds", type=int, nargs="+", default=[0], help="traffic seeds; each is its own workload instance (default 0)"
     )
@@ -475,7 +487,7 @@ def main() -> None:
                                     f"({SIM})",
                                     flush=True,
                                 )
-                            if spec not in added and cache == args.caches[0]:
+                            if args.latency_rounds and spec not in added and cache == args.caches[0]:
                                 added[spec] = added_latency(router_url, urls[0], args.latency_rounds)
                         finally:
                             router.stop()
@@ -486,6 +498,8 @@ def main() -> None:
             finally:
                 fleet.stop()
     print("\n".join(lines))
+    if not added:
+        return
     print(f"== added latency at concurrency 1, p50 through the router minus p50 straight to an engine ({SIM}) ==")
     for spec, (via, direct) in added.items():
         verdict = f"  target <= 1 ms {met(via - direct <= 1e-3)}" if spec.startswith("rlfleet") else ""

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from router_vs_sglang_router import BASELINE, RunResult, grpo_workload, report  # noqa: E402
+from router_vs_sglang_router import BASELINE, RunResult, grpo_workload, non_negative, report  # noqa: E402
 
 OURS = "rlfleet:cache_aware"
 
@@ -43,3 +46,9 @@ def test_one_seed_reads_as_before() -> None:
     targets = next(line for line in lines if line.startswith("targets:"))
     assert "makespan 0.90x (<= 0.85) NOT MET" in targets and "seeds" not in targets
     assert not any(line.startswith("  ") for line in lines), "no per-run lines for a single run"
+
+
+def test_latency_rounds_of_zero_skip_the_probe_and_negative_ones_are_refused() -> None:
+    assert non_negative("0") == 0 and non_negative("200") == 200
+    with pytest.raises(argparse.ArgumentTypeError, match="-1: must be 0 or more"):
+        non_negative("-1")
