@@ -3,9 +3,10 @@
 The benchmark's hit targets on some workloads sit within a point of what any router can reach there at
 max/mean <= 1.3 (`hit_ceiling`). This asks whether some setting of the shipped policy gets there anyway: it
 replays every combination of the swept `PolicyOptions` values (`router_policy_replay.replay`, the same
-traffic, seeds and engine model) and compares each with the model of sglang-router's cache_aware within
-each seed, as the benchmark does: hit rate in points (median over seeds of the per-seed difference),
-makespan ratio (median), and max/mean load (the worst seed, since the target holds for every run).
+traffic, seeds and engine model; a new policy object for each workload and seed) and compares each with
+the model of sglang-router's cache_aware within each seed, as the benchmark does: hit rate in points
+(median over seeds of the per-seed difference), makespan ratio (median), and max/mean load (the worst
+seed, since the target holds for every run).
 
 Per workload it prints the shipped settings, the settings on the frontier (no other setting has a hit rate
 as high, a max/mean as low and a makespan ratio as low, one of them strictly), and the highest hit rate
@@ -15,6 +16,8 @@ so the makespan ratios here are pessimistic for multi-turn, and the best row is 
 
     .venv/bin/python bench/router_policy_frontier.py [--engines 4 8] [--workloads grpo multiturn]
         [--caches roomy] [--seeds 0 1 2 3 4] [--sweep cache_tokens_per_request=10,20,40,80 ...]
+
+Record the printed figures in bench/router_vs_sglang_router.md (section "Settings sweep").
 """
 
 from __future__ import annotations
