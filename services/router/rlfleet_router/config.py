@@ -34,10 +34,15 @@ class RouterConfig(BaseSettings):
         40, ge=1, description="cache_aware: prompt tokens to prefill costing an engine as much as a request in flight."
     )
     balance_abs_threshold: int = Field(
-        6, ge=0, description="cache_aware: an engine has room for a prompt's group while its requests in flight ..."
+        10, ge=0, description="cache_aware: an engine has room for a prompt's group while its requests in flight ..."
     )
     balance_rel_threshold: float = Field(
         1.25, ge=1.0, description="cache_aware: ... plus the group stay within the above plus this times the mean."
+    )
+    balance_share_threshold: float = Field(
+        1.15,
+        ge=1.0,
+        description="cache_aware: an engine whose recent requests exceed this times the mean (+1) takes no new prompt.",
     )
     max_tree_tokens: int = Field(
         2**24, ge=1, description="cache_aware: global token budget of the prefix tree (LRU eviction beyond it)."
@@ -124,6 +129,7 @@ class RouterConfig(BaseSettings):
             cache_tokens_per_request=self.cache_tokens_per_request,
             balance_abs_threshold=self.balance_abs_threshold,
             balance_rel_threshold=self.balance_rel_threshold,
+            balance_share_threshold=self.balance_share_threshold,
             max_tree_tokens=self.max_tree_tokens,
         )
 

@@ -31,8 +31,8 @@ DEFAULT_MAX_NEW_TOKENS = 128
 # Characters per token when only text is known (a common estimate for English with BPE tokenizers).
 CHARS_PER_TOKEN = 4
 # cache_aware: each later routed request scales an engine's count of recent assignments by this, so about
-# the last 50 requests decide which of two equally loaded engines has had less traffic lately.
-RECENT_DECAY = 0.98
+# the last 100 requests make up an engine's recent share of the traffic.
+RECENT_DECAY = 0.99
 # cache_aware: the group size is estimated over this many recent requests: several groups of the usual
 # sizes (8-16 samples), so the estimate does not depend on where in a group the window starts.
 GROUP_SIZE_WINDOW = 128
@@ -99,11 +99,15 @@ class PolicyOptions:
     cache_tokens_per_request: int = 40
     """cache_aware: prompt tokens whose prefill costs an engine as much as one more request in flight; the
     exchange rate between cache misses and load in an engine's cost (see `CacheAware`)."""
-    balance_abs_threshold: int = 6
+    balance_abs_threshold: int = 10
     """cache_aware: an engine has room for a prompt's group of requests while its requests in flight plus
     the group stay within this many ..."""
     balance_rel_threshold: float = 1.25
     """... plus this factor times the fleet's mean requests in flight per engine (the group counted in)."""
+    balance_share_threshold: float = 1.15
+    """cache_aware: an engine whose recent requests (about the last 100 routed) exceed this factor times the
+    fleet's mean, plus one, takes no new prompt: a popular prompt family spreads once its engines have served
+    their share, not only when they are busy."""
     max_tree_tokens: int = 2**24
     """cache_aware: global budget of the prefix tree, in tokens (characters for text prompts), all engines together."""
     seed: int | None = None
@@ -186,13 +190,18 @@ class CacheAware:
         `balance_abs_threshold` + `balance_rel_threshold` x the mean in flight + G requests in flight:
         room for the whole group was checked when its first sample was placed, so a group is split only
         when its engine is overloaded and its question is prefilled once.
-      * No engine holding `cache_threshold` of the prompt: the least-loaded engine (low_match).
-      * Otherwise the engines with room for the whole group (in flight + G within `balance_abs_threshold`
-        + `balance_rel_threshold` x the mean with the group counted in, or idle) compete on cost: requests in flight
-        plus the prompt tokens the engine would have to prefill (what the tree says it does not hold) at
-        `cache_tokens_per_request` tokens to one request. A prompt family therefore spreads to another
-        engine only when its engines are full, and a conversation stays where its history is while that
-        is worth the load. No engine with room: the least-loaded one (imbalance).
+      * Any other prompt goes to one of the engines with room for its whole group: in flight + G within
+        `balance_abs_threshold` + `balance_rel_threshold` x the mean with the group counted in (or idle), and
+        recent requests within `balance_share_threshold` x the mean + 1. Recent requests are the requests
+        routed to the engine, each weighed RECENT_DECAY ** (requests routed anywhere since): its part of
+        about the last 100 (an engine new to the policy starts at the mean). The first bound keeps the
+        engines' queues even at each moment; the second keeps their shares of the traffic even over time,
+        so a popular prompt family spreads to another engine once its engines have served their share.
+        Among them, cost decides: requests in flight plus the prompt tokens the engine would have to prefill
+        (what the tree says it does not hold) at `cache_tokens_per_request` tokens to one request. A prompt
+        family therefore spreads only when its engines are full, and a conversation stays where its history
+        is while that is worth the load. No engine holding `cache_threshold` of the prompt: the least-loaded
+        engine with room (low_match); no engine with room: the one with the fewest recent requests (imbalance).
     A match below `cache_threshold` counts as none everywhere, so a short prefix all traffic shares (a chat
     template's header) does not make the engines that served something cheaper than an idle one. Ties go
     to the longer match, then to the engine with the fewest requests routed to it lately, so an idle fleet
@@ -221,6 +230,7 @@ class CacheAware:
 
     def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Choice:
         assert workers, "select() needs at least one worker"
+        self._admit(workers)
         key = request.prompt_key
         if key is None:
             choice = Choice(self._least_loaded(workers, {}), "no_prompt")
@@ -234,6 +244,18 @@ class CacheAware:
     def forget(self, worker: Worker) -> None:
         self.tree.remove_tenant(worker.id)
         self._recent.pop(worker.id, None)
+
+    def _admit(self, workers: Sequence[Worker]) -> None:
+        """Gives each engine new to the policy the mean recent share, or at first an even part of the ~100
+        requests it covers: a fresh router or engine is judged against its share once it has had time to
+        serve one, so the first requests of a family do not spread it over an idle fleet."""
+        new = [w for w in workers if w.id not in self._recent]
+        if not new:
+            return
+        known = [self._recent_score(w) for w in workers if w.id in self._recent]
+        prior = sum(known) / len(known) if known else 1 / (1 - RECENT_DECAY) / len(workers)
+        for worker in new:
+            self._recent[worker.id] = (prior, self._routed)
 
     def _recent_score(self, worker: Worker) -> float:
         """Requests routed to `worker`, each weighed RECENT_DECAY ** (requests routed anywhere since)."""
@@ -261,23 +283,25 @@ class CacheAware:
             holders = [w for w in workers if held[w.id] == size and w.in_flight < bound]
             if holders:
                 return Choice(min(holders, key=lambda w: (w.in_flight, self._recent_score(w))), "cache_hit")
-        if longest == 0:
-            return Choice(self._least_loaded(workers, held), "low_match")
         # Against the mean rather than the least-loaded engine: one idle engine must not make every other
         # one full, and a fleet with more engines than prompt families still fills them all. An idle engine
         # always has room, whatever the group size estimate (it lags when the traffic changes).
         bound = opts.balance_abs_threshold + opts.balance_rel_threshold * (in_flight + group) / len(workers)
         bound = max(bound, group)
-        room = [w for w in workers if w.in_flight + group <= bound]
+        recent = {w.id: self._recent_score(w) for w in workers}
+        share = opts.balance_share_threshold * (sum(recent.values()) + group) / len(workers) + 1
+        room = [w for w in workers if w.in_flight + group <= bound and recent[w.id] <= share]
         if not room:
-            return Choice(self._least_loaded(workers, held), "imbalance")
+            return Choice(min(workers, key=lambda w: (recent[w.id], w.in_flight)), "imbalance")
         # Text prompts are matched by character; their cost is in estimated tokens like an id prompt's.
         per_request = opts.cache_tokens_per_request * (CHARS_PER_TOKEN if isinstance(key, str) else 1)
 
         def cost(w: Worker) -> tuple[float, int, float]:
-            return w.in_flight + (size - held[w.id]) / per_request, -held[w.id], self._recent_score(w)
+            return w.in_flight + (size - held[w.id]) / per_request, -held[w.id], recent[w.id]
 
         best = min(room, key=cost)
+        if longest == 0:
+            return Choice(best, "low_match")
         return Choice(best, "cache_hit" if held[best.id] == longest else "imbalance")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -69,3 +70,20 @@ def test_help_lists_the_flags_without_importing_the_server() -> None:
     for flag in ("--worker-urls", "--policy", "--health-check-interval-secs", "--health-failure-threshold"):
         assert flag in result.stdout
     assert result.stdout.strip().endswith("LIGHT")
+
+
+def test_every_cache_aware_setting_has_a_flag_that_reaches_the_policy() -> None:
+    settings = {
+        "--cache-threshold": 0.5,
+        "--cache-tokens-per-request": 20,
+        "--balance-abs-threshold": 3,
+        "--balance-rel-threshold": 1.5,
+        "--balance-share-threshold": 1.4,
+        "--max-tree-tokens": 4096,
+    }
+    _, overrides = parse_args([arg for flag, value in settings.items() for arg in (flag, str(value))])
+    options = RouterConfig(**overrides).policy_options()  # type: ignore[arg-type]
+    for flag, value in settings.items():
+        assert getattr(options, flag.removeprefix("--").replace("-", "_")) == value, flag
+    # PolicyOptions' remaining field, the power_of_two seed, is for tests and replays only.
+    assert {f.name for f in dataclasses.fields(options)} - {f[2:].replace("-", "_") for f in settings} == {"seed"}

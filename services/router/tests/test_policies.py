@@ -113,7 +113,7 @@ def test_cache_aware_learns_the_group_size_and_places_a_group_as_one_unit() -> N
     assert policy.tree.match((*family, 2)).matched == {home.id: len(family)}
 
     # The family's engine runs one group (8 in flight): a second one would not fit within the balance
-    # bound (6 + 1.25 x (8 + 8) / 4 = 11), so the next group goes whole to an idle engine.
+    # bound (10 + 1.25 x (8 + 8) / 4 = 15), so the next group goes whole to an idle engine.
     home.in_flight = 8
     picks = route_group(policy, workers, [*family, 100])
     assert picks == [picks[0]] * 8 and picks[0] is not home
@@ -135,6 +135,20 @@ def test_cache_aware_splits_a_group_only_when_its_engine_is_overloaded() -> None
     moved = next(k for k, worker in enumerate(picks) if worker is not first)
     assert 8 <= moved <= 12
     assert first.in_flight == moved and picks[moved:] == [picks[moved]] * (16 - moved)
+
+
+def test_cache_aware_spreads_a_family_once_its_engine_has_served_its_share() -> None:
+    workers = make_workers(0, 0, 0, 0)
+    policy = CacheAware()
+    family = list(range(1000, 1400))  # one family's questions, each finished before the next is sent
+    choices = [policy.select(workers, generate([*family, question])) for question in range(200)]
+    served = [sum(c.worker is w for c in choices) for w in workers]
+    # No engine is ever busy, yet none keeps the whole family: each takes new prompts only while its share
+    # of the last ~100 requests stays within 1.15 x the mean + 1 ...
+    assert max(served) <= 1.15 * 50 + 2, served
+    # ... and the family is prefilled once per engine: after the first one, only the three spreads missed.
+    assert [c.reason for c in choices].count("cache_hit") == 200 - 4
+    assert policy.tree.match((*family, 999)).matched == {w.id: len(family) for w in workers}
 
 
 def test_cache_aware_fills_an_idle_fleet_evenly() -> None:
