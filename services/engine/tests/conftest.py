@@ -38,10 +38,13 @@ def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 @pytest.fixture(scope="session")
-def reference_model(tiny_model_dir: Path) -> Any:
-    """The same checkpoint as a plain Hugging Face model, for computing expected logprobs."""
+def reference_model(tiny_model_dir: Path) -> Iterator[Any]:
+    """The same checkpoint as a plain Hugging Face model, for computing expected logprobs (on one torch
+    thread, as the engine under test runs; the setting is restored for the tests after this session)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    yield AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    torch.set_num_threads(threads)

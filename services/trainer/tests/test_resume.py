@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
 import redis
 import torch
 from google.protobuf import json_format
@@ -113,10 +114,19 @@ def run_to_the_end(core: TrainerCore, run_id: str, spec: RunSpec) -> None:
     assert core.status(run_id).state == TrainerState.TRAINER_STATE_STOPPED, core.status(run_id).error
 
 
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread, as the child process runs: the same reductions in the same order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
 def test_sigkill_between_checkpoints_resumes_and_matches_an_uninterrupted_run(
     tmp_path: Path, small_model_dir: Path, redis_client: redis.Redis, redis_prefix: str, fake_router
 ) -> None:
-    torch.set_num_threads(1)  # as the child process: the same reductions in the same order
     spec = spec_for(small_model_dir)
     settings = settings_for(tmp_path / "trainer", redis_prefix)
     stream = SampleStream(redis_client, "killed", prefix=redis_prefix)

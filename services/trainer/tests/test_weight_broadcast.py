@@ -52,9 +52,11 @@ def publisher(
 
 
 @pytest.fixture(scope="module")
-def model(small_model_dir: Path) -> PreTrainedModel:
+def model(small_model_dir: Path) -> Iterator[PreTrainedModel]:
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    return AutoModelForCausalLM.from_pretrained(small_model_dir).eval()
+    yield AutoModelForCausalLM.from_pretrained(small_model_dir).eval()
+    torch.set_num_threads(threads)
 
 
 def take_a_step(model: PreTrainedModel, seed: int) -> None:
