@@ -233,7 +233,8 @@ class CacheAware:
         self._admit(workers)
         key = request.prompt_key
         if key is None:
-            choice = Choice(self._least_loaded(workers, {}), "no_prompt")
+            least_loaded = min(workers, key=lambda w: (w.in_flight, self._recent_score(w), w.in_flight_tokens))
+            choice = Choice(least_loaded, "no_prompt")
         else:
             choice = self._choose(workers, key)
             self.tree.insert(key, choice.worker.id)
@@ -261,9 +262,6 @@ class CacheAware:
         """Requests routed to `worker`, each weighed RECENT_DECAY ** (requests routed anywhere since)."""
         score, at = self._recent.get(worker.id, (0.0, self._routed))
         return score * RECENT_DECAY ** (self._routed - at)
-
-    def _least_loaded(self, workers: Sequence[Worker], held: Mapping[str, int]) -> Worker:
-        return min(workers, key=lambda w: (w.in_flight, -held.get(w.id, 0), self._recent_score(w), w.in_flight_tokens))
 
     def _choose(self, workers: Sequence[Worker], key: Key) -> Choice:
         opts = self.options
