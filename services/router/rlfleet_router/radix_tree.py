@@ -8,7 +8,8 @@ Memory is bounded by one global budget on the tokens stored in edges, shared by 
 an insert takes the tree over `max_tokens`, the least recently used leaves are evicted (with all
 their tenants) until it fits again. The budget is global rather than per engine so that the
 router's memory does not grow with the fleet, and so that a hot prefix shared by many engines is
-stored once.
+stored once. The tree also remembers, per tenant, where each inserted key ended, so a match tells
+which earlier prompt a key repeats or continues, not only how much of it a tenant holds.
 
 Exact LRU in O(1) per touched node: every node (but the root) sits in one ordered dict, and a
 touched path is moved to the end leaf first, then parent, then grandparent. A parent therefore
@@ -26,13 +27,14 @@ Key = Sequence[object]  # tuple[int, ...] of token ids, or str
 
 
 class _Node:
-    __slots__ = ("key", "children", "parent", "tenants")
+    __slots__ = ("key", "children", "parent", "tenants", "ends")
 
     def __init__(self, key: Key, parent: _Node | None) -> None:
         self.key = key  # the edge from the parent: never empty except at the root
         self.children: dict[object, _Node] = {}
         self.parent = parent
         self.tenants: set[str] = set()
+        self.ends: set[str] | None = None  # tenants a whole inserted key ended here for (None: none)
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,9 @@ class PrefixMatch:
     """Length of the key that was matched against."""
     matched: dict[str, int]
     """Tenant -> tokens of the key's prefix it holds."""
+    extended: dict[str, int]
+    """Tenant -> length of the longest prefix of the key that was itself inserted whole for the tenant: an
+    earlier prompt this key repeats or continues (a conversation's previous turn, a group's earlier sample)."""
 
     def best(self, tenants: Sequence[str]) -> tuple[str | None, int]:
         """Among `tenants`, the one holding the longest prefix and that length ((None, 0) if none holds any)."""
@@ -84,7 +89,8 @@ class RadixTree:
         return len(self._lru)
 
     def insert(self, key: Key, tenant: str) -> None:
-        """Records that `tenant` holds `key` (and so every prefix of it); may evict other prefixes."""
+        """Records that `tenant` holds `key` (and so every prefix of it) and that `key` ended there; may evict
+        other prefixes."""
         if len(key) > self.max_tokens:
             key = key[: self.max_tokens]
         node, pos, end = self._root, 0, len(key)
@@ -104,6 +110,10 @@ class RadixTree:
                 child = self._split(child, common)
                 pos += common
             node = child
+        if node.parent is not None:
+            if node.ends is None:
+                node.ends = set()
+            node.ends.add(tenant)
         lru = self._lru
         while node.parent is not None:  # up to, not including, the root; leaf first: see the module docstring
             node.tenants.add(tenant)
@@ -118,6 +128,7 @@ class RadixTree:
     def match(self, key: Key) -> PrefixMatch:
         """How much of `key` each tenant holds. Read-only: a match alone does not make a prefix recent."""
         matched: dict[str, int] = {}
+        extended: dict[str, int] = {}
         node, pos = self._root, 0
         while pos < len(key):
             child = node.children.get(key[pos])
@@ -129,8 +140,10 @@ class RadixTree:
                 matched[tenant] = pos
             if common < len(child.key):
                 break
+            for tenant in child.ends or ():
+                extended[tenant] = pos
             node = child
-        return PrefixMatch(length=len(key), matched=matched)
+        return PrefixMatch(length=len(key), matched=matched, extended=extended)
 
     def remove_tenant(self, tenant: str) -> None:
         """Forgets everything `tenant` holds (an engine left, or lost its cache); O(size of the tree)."""
@@ -140,6 +153,8 @@ class RadixTree:
             if tenant not in node.tenants:
                 continue
             node.tenants.discard(tenant)
+            if node.ends is not None:
+                node.ends.discard(tenant)
             if node.tenants:
                 stack.extend(node.children.values())
             else:

@@ -20,6 +20,22 @@ def test_match_reports_the_longest_prefix_each_tenant_holds() -> None:
     assert tree.tokens == 5 + 1 + 2, "shared prefixes are stored once"
 
 
+def test_match_tells_which_earlier_key_each_tenant_was_sent_that_this_one_continues() -> None:
+    tree = RadixTree(max_tokens=1000)
+    tree.insert((1, 2, 3, 4), "a")  # a conversation's first turn
+    tree.insert((1, 2, 3, 4, 5, 6), "b")  # its next turn, sent elsewhere
+    tree.insert((1, 2), "c")  # ends inside the edge a's key made: the edge is split there
+    match = tree.match((1, 2, 3, 4, 5, 6, 7))
+    assert match.matched == {"a": 4, "b": 6, "c": 2}
+    assert match.extended == {"a": 4, "b": 6, "c": 2}
+    # Holding a prefix is not having been sent it: a and b hold (1, 2, 3) but no key of theirs ended there.
+    other = tree.match((1, 2, 3, 9))
+    assert other.matched == {"a": 3, "b": 3, "c": 2} and other.extended == {"c": 2}
+    assert tree.match((1, 2, 3, 4)).extended == {"a": 4, "c": 2}, "a key repeated whole is continued too"
+    tree.remove_tenant("c")
+    assert tree.match((1, 2, 3, 4, 5, 6, 7)).extended == {"a": 4, "b": 6}
+
+
 def test_text_and_token_keys_live_side_by_side() -> None:
     tree = RadixTree(max_tokens=1000)
     tree.insert("You are a helpful assistant. 1+1=", "a")
