@@ -56,6 +56,7 @@ from router_vs_sglang_router import (
 from rlfleet_engine.config import EngineConfig, config_from_args
 from rlfleet_engine.sim_backend import LatencyModel, output_rng
 from rlfleet_engine.sim_prefix_cache import Lease, PrefixCache
+from rlfleet_router.chars_per_token import CharsPerToken
 from rlfleet_router.policies import Choice, Policy, PolicyOptions, RoutingRequest, create_policy
 from rlfleet_router.radix_tree import RadixTree
 from rlfleet_router.workers import Worker, WorkerState
@@ -190,13 +191,14 @@ def replay(
     histories: dict[int, tuple[str, list[str]]] = {}  # client -> (conversation so far, user turns left)
     latencies: list[float] = []
     prompt_tokens = cached_tokens = 0
+    chars_per_token = CharsPerToken()  # learned from the answers, as the router does
 
     def at(when: float, action: Callable[[float], None]) -> None:
         heapq.heappush(events, (when, next(order), action))
 
     def send(client: int, text: str, now: float) -> None:
         body = {"text": text, "sampling_params": {"max_new_tokens": workload.max_new_tokens}}
-        request = RoutingRequest("/generate", body)
+        request = RoutingRequest("/generate", body, chars_per_token.value)
         worker = policy.select([e.worker for e in fleet], request).worker
         worker.in_flight += 1
         worker.in_flight_tokens += request.tokens
@@ -272,6 +274,7 @@ def replay(
     def answer(job: Job, now: float) -> None:
         job.worker.in_flight -= 1
         job.worker.in_flight_tokens -= job.tokens
+        chars_per_token.observe(len(job.prompt), len(job.prompt))  # the sim's tokenizer: a token per character
         latencies.append(now - job.sent_at)
         if job.client in histories:
             history, users = histories[job.client]

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 import httpx
 
 from rlfleet.errors import InvalidInput
+from rlfleet_router.chars_per_token import CharsPerToken
 from rlfleet_router.config import RouterConfig
 from rlfleet_router.distributed_weights import DistributedWeights
 from rlfleet_router.fanout import Fanout
@@ -68,6 +69,8 @@ class Fleet:
             max_backoff_secs=config.retry_max_backoff_ms / 1000,
             multiplier=config.retry_backoff_multiplier,
         )
+        self.chars_per_token = CharsPerToken()
+        self.metrics.fleet.chars_per_token = self.chars_per_token
         self.policy = create_policy(config.policy, config.policy_options())
         if isinstance(self.policy, CacheAware):
             self.metrics.fleet.tree = self.policy.tree
@@ -76,6 +79,7 @@ class Fleet:
             self.policy,
             self.metrics,
             retry,
+            self.chars_per_token,
             request_timeout_secs=config.request_timeout_secs,
             connect_timeout_secs=config.connect_timeout_secs,
         )
@@ -131,7 +135,7 @@ class Fleet:
     ) -> EngineResponse:
         """Routes a generation request (/generate or OpenAI); records its turn if it belongs to a trajectory."""
         parsed = parse_json_object(body)
-        routing = RoutingRequest(route=route, body=routing_body(route, parsed))
+        routing = RoutingRequest(route, routing_body(route, parsed), self.chars_per_token.value)
         trajectory = trajectory_id(headers)
         on_answer = None
         if trajectory is not None:

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from rlfleet_router.chars_per_token import CharsPerToken
 from rlfleet_router.radix_tree import RadixTree
 from rlfleet_router.trajectory_store import TrajectoryStore
 from rlfleet_router.workers import WorkerRegistry, WorkerState
@@ -47,6 +48,7 @@ class FleetCollector(Collector):
         self._weight_version = weight_version
         self.tree: RadixTree | None = None  # the cache_aware policy's prefix tree, when that policy routes
         self.trajectories: TrajectoryStore | None = None
+        self.chars_per_token: CharsPerToken | None = None
 
     def collect(self) -> Iterator[Metric]:
         in_flight = GaugeMetricFamily(
@@ -106,6 +108,12 @@ class FleetCollector(Collector):
                 "rlfleet_router_tree_evictions",
                 "Prefixes evicted from the tree to keep it within its token budget.",
                 value=self.tree.evictions,
+            )
+        if self.chars_per_token is not None:
+            yield GaugeMetricFamily(
+                "rlfleet_router_chars_per_token",
+                "Characters per token of the engines' tokenizer, learned from their answers; sizes text prompts.",
+                value=self.chars_per_token.value,
             )
         yield GaugeMetricFamily(
             "rlfleet_router_weight_version",

@@ -14,6 +14,7 @@ than one running as many short ones.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -22,14 +23,13 @@ from functools import cached_property
 from importlib.metadata import entry_points
 from typing import Protocol
 
+from rlfleet_router.chars_per_token import DEFAULT_CHARS_PER_TOKEN
 from rlfleet_router.radix_tree import Key, RadixTree
 from rlfleet_router.workers import Worker
 
 ENTRY_POINT_GROUP = "rlfleet.router.policies"
 # SGLang's default completion budget, counted when a request does not set max_new_tokens.
 DEFAULT_MAX_NEW_TOKENS = 128
-# Characters per token when only text is known (a common estimate for English with BPE tokenizers).
-CHARS_PER_TOKEN = 4
 # cache_aware: each later routed request scales an engine's count of recent assignments by this, so about
 # the last 100 requests make up an engine's recent share of the traffic.
 RECENT_DECAY = 0.99
@@ -53,6 +53,8 @@ class RoutingRequest:
 
     route: str
     body: Mapping[str, object] = field(default_factory=dict)
+    chars_per_token: float = DEFAULT_CHARS_PER_TOKEN
+    """The engines' characters per token, which sizes a text prompt in tokens (see `CharsPerToken`)."""
 
     @cached_property
     def prompt_key(self) -> Key | None:
@@ -65,11 +67,13 @@ class RoutingRequest:
             return text
         return None
 
+    def key_tokens(self, length: int) -> float:
+        """Tokens in `length` elements of the prompt key: ids one each, text characters by `chars_per_token`."""
+        return length / self.chars_per_token if isinstance(self.prompt_key, str) else length
+
     @cached_property
-    def tokens(self) -> int:
-        """Estimated tokens the request occupies at the engine: (prompt + completion budget) x samples x prompts."""
-        key = self.prompt_key
-        prompt = 0 if key is None else len(key) if not isinstance(key, str) else len(key) // CHARS_PER_TOKEN + 1
+    def _sampling(self) -> tuple[int, int, int]:
+        """(completion budget, samples per prompt, prompts in the batch), with SGLang's defaults."""
         params = self.body.get("sampling_params")
         params = _first(params) if isinstance(params, list) else params
         budget, samples = DEFAULT_MAX_NEW_TOKENS, 1
@@ -80,7 +84,25 @@ class RoutingRequest:
         batch = len(prompts) if isinstance(prompts, list) and prompts and isinstance(prompts[0], (list, str)) else 1
         budget = budget if isinstance(budget, int) and budget >= 0 else DEFAULT_MAX_NEW_TOKENS
         samples = samples if isinstance(samples, int) and samples >= 1 else 1
+        return budget, samples, batch
+
+    @cached_property
+    def tokens(self) -> int:
+        """Estimated tokens the request occupies at the engine: (prompt + completion budget) x samples x prompts."""
+        key = self.prompt_key
+        prompt = 0 if key is None else math.ceil(self.key_tokens(len(key)))
+        budget, samples, batch = self._sampling
         return (prompt + budget) * samples * batch
+
+    @cached_property
+    def single_text_chars(self) -> int | None:
+        """Characters of the prompt when the request is one raw text prompt with one sample, else None: the
+        prompt tokens an engine reports for it then measure the engines' characters per token. Chat messages
+        are not raw: the engine adds a chat template the router does not see."""
+        key = self.prompt_key
+        if not isinstance(key, str) or self._sampling[1:] != (1, 1) or self.route == "/v1/chat/completions":
+            return None
+        return len(key)
 
 
 @dataclass(frozen=True)
@@ -198,7 +220,8 @@ class CacheAware:
         engines' queues even at each moment; the second keeps their shares of the traffic even over time,
         so a popular prompt family spreads to another engine once its engines have served their share.
         Among them, cost decides: requests in flight plus the prompt tokens the engine would have to prefill
-        (what the tree says it does not hold) at `cache_tokens_per_request` tokens to one request. A prompt
+        (what the tree says it does not hold; text in the engines' characters per token, see `CharsPerToken`)
+        at `cache_tokens_per_request` tokens to one request. A prompt
         family therefore spreads only when its engines are full, and a conversation stays where its history
         is while that is worth the load. No engine holding `cache_threshold` of the prompt: the least-loaded
         engine with room (low_match); no engine with room: the one with the fewest recent requests (imbalance).
@@ -236,7 +259,7 @@ class CacheAware:
             least_loaded = min(workers, key=lambda w: (w.in_flight, self._recent_score(w), w.in_flight_tokens))
             choice = Choice(least_loaded, "no_prompt")
         else:
-            choice = self._choose(workers, key)
+            choice = self._choose(workers, request)
             self.tree.insert(key, choice.worker.id)
         self._recent[choice.worker.id] = (self._recent_score(choice.worker) + 1.0, self._routed)
         self._routed += 1
@@ -263,8 +286,10 @@ class CacheAware:
         score, at = self._recent.get(worker.id, (0.0, self._routed))
         return score * RECENT_DECAY ** (self._routed - at)
 
-    def _choose(self, workers: Sequence[Worker], key: Key) -> Choice:
+    def _choose(self, workers: Sequence[Worker], request: RoutingRequest) -> Choice:
         opts = self.options
+        key = request.prompt_key
+        assert key is not None
         size = len(key)
         matched = self.tree.match(key).matched
         # A match below the threshold counts as none: a short prefix every prompt shares (a chat template's
@@ -291,11 +316,10 @@ class CacheAware:
         room = [w for w in workers if w.in_flight + group <= bound and recent[w.id] <= share]
         if not room:
             return Choice(min(workers, key=lambda w: (recent[w.id], w.in_flight)), "imbalance")
-        # Text prompts are matched by character; their cost is in estimated tokens like an id prompt's.
-        per_request = opts.cache_tokens_per_request * (CHARS_PER_TOKEN if isinstance(key, str) else 1)
 
         def cost(w: Worker) -> tuple[float, int, float]:
-            return w.in_flight + (size - held[w.id]) / per_request, -held[w.id], recent[w.id]
+            prefill = request.key_tokens(size - held[w.id])
+            return w.in_flight + prefill / opts.cache_tokens_per_request, -held[w.id], recent[w.id]
 
         best = min(room, key=cost)
         if longest == 0:

@@ -3,7 +3,8 @@
 The request body goes to the engine as the bytes that arrived, so fields the router does not
 know reach the engine untouched; the engine's answer goes back with its bytes unchanged (a plain
 answer whole, with its content-length; a stream chunk by chunk as it arrives), with a copy of the
-bytes read for the prompt and cached tokens the engine reports (`engine_usage`). A request is
+bytes read for the prompt and cached tokens the engine reports (`engine_usage`; for a text prompt they
+also teach the router the engines' characters per token, `chars_per_token`). A request is
 retried on another engine only while nothing has been sent back yet, and only for a connection
 failure or a 5xx, with exponential backoff inside the request's deadline.
 
@@ -24,8 +25,9 @@ from starlette.types import Receive, Scope, Send
 
 from rlfleet.errors import DeadlineExceeded, RlfleetError, Unavailable
 from rlfleet.http_errors import error_response
+from rlfleet_router.chars_per_token import CharsPerToken
 from rlfleet_router.engine_client import EngineAnswer, EngineClient, EngineConnectionError, EngineReadTimeout
-from rlfleet_router.engine_usage import UsageTap
+from rlfleet_router.engine_usage import PromptUsage, UsageTap
 from rlfleet_router.metrics import RouterMetrics
 from rlfleet_router.policies import Policy, RoutingRequest
 from rlfleet_router.weights import describe_error
@@ -53,6 +55,8 @@ MAX_WHOLE_ANSWER_BYTES = 8 * 1024 * 1024
 
 # Receives a complete 200 answer and the engine that gave it, after its last byte was relayed.
 AnswerReader = Callable[[bytes, Worker], None]
+# Receives the prompt tokens and cached tokens a complete 200 answer reports.
+UsageReader = Callable[[PromptUsage], None]
 
 
 class RetryableFailure(Exception):
@@ -93,6 +97,7 @@ class EngineResponse(StreamingResponse):
         tokens: int,
         metrics: RouterMetrics,
         on_answer: AnswerReader | None = None,
+        on_usage: UsageReader | None = None,
     ) -> None:
         super().__init__(self._relay(), status_code=upstream.status)
         # Straight from the engine's raw headers (duplicates such as set-cookie kept), names lower-cased for ASGI.
@@ -113,6 +118,7 @@ class EngineResponse(StreamingResponse):
         self._metrics = metrics
         self._tap = UsageTap(upstream.content_type) if upstream.status == 200 else None
         self._on_answer = on_answer if upstream.status == 200 else None
+        self._on_usage = on_usage
         self._answer = bytearray()
         self._released = False
         self._complete = False
@@ -172,6 +178,8 @@ class EngineResponse(StreamingResponse):
         if usage is not None:
             self._metrics.engine_prompt_tokens(self._worker.url).inc(usage.prompt_tokens)
             self._metrics.engine_cached_tokens(self._worker.url).inc(usage.cached_tokens)
+            if self._on_usage is not None:
+                self._on_usage(usage)
         if self._on_answer is not None:
             self._on_answer(answer, self._worker)
 
@@ -211,10 +219,12 @@ class Proxy:
         policy: Policy,
         metrics: RouterMetrics,
         retry: RetryPolicy,
+        chars_per_token: CharsPerToken,
         request_timeout_secs: float,
         connect_timeout_secs: float,
     ) -> None:
         self._client: EngineClient | None = None
+        self._chars_per_token = chars_per_token
         self._workers = workers
         self._policy = policy
         self._metrics = metrics
@@ -327,7 +337,10 @@ class Proxy:
                 self._unload(worker, tokens)
                 upstream.close()
                 raise RetryableFailure(f"{worker.url}: HTTP {upstream.status}")
-        return EngineResponse(upstream, worker, self._workers, deadline, tokens, self._metrics, on_answer)
+        # The prompt tokens an engine reports for one text prompt teach the router the engines' tokenizer.
+        chars = routing.single_text_chars
+        on_usage = None if chars is None else lambda usage: self._chars_per_token.observe(chars, usage.prompt_tokens)
+        return EngineResponse(upstream, worker, self._workers, deadline, tokens, self._metrics, on_answer, on_usage)
 
     @staticmethod
     def _unload(worker: Worker, tokens: int) -> None:

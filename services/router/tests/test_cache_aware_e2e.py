@@ -80,3 +80,30 @@ def test_repeats_follow_the_cache_and_an_overloaded_engine_spills_over(
     assert prompt == 24 * 203 and cached >= 9 * 192
     assert 0 < (metric_value(text, "rlfleet_router_tree_tokens") or 0) <= 2**24
     assert (metric_value(text, "rlfleet_router_added_latency_seconds_count") or 0) == 24
+
+
+def test_conversations_stay_with_their_history_and_text_is_priced_in_the_engines_tokens(
+    sim_engines: Callable[[int], list[str]], start_router: Callable[..., RunningRouter]
+) -> None:
+    urls = sim_engines(2)
+    router = start_router(urls, policy="cache_aware")
+    router.wait_healthy(2)
+    system = "You are a terse assistant who answers with one number. " * 6
+    for conversation in range(4):
+        history, engines, answered = system, [], 0
+        for turn in range(3):
+            history += f"\nUser: what is {conversation} + {turn}?\nAssistant:"
+            body = {"text": history, "sampling_params": {"max_new_tokens": 8}}
+            answer = router.client.post("/generate", json=body)
+            assert answer.status_code == 200, answer.text
+            meta = answer.json()["meta_info"]
+            assert meta["prompt_tokens"] == len(history), "the sim engine makes a token of each character"
+            if turn:  # the previous turn's prompt and answer are cached where it ran: whole 16-token blocks
+                assert meta["cached_tokens"] == answered // 16 * 16, (conversation, turn)
+            engines.append(answer.headers["x-rlfleet-engine"])
+            history += answer.json()["text"]
+            answered = len(history)
+        assert len(set(engines)) == 1, f"conversation {conversation} moved: {engines}"
+    # Twelve answers of ~400 characters in as many tokens: the estimate has left its default of 4 for about 1.
+    estimate = metric_value(router.client.get("/metrics").text, "rlfleet_router_chars_per_token")
+    assert estimate is not None and estimate < 2, estimate

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from rlfleet.errors import InvalidInput, NotFound
@@ -64,7 +66,7 @@ def generate(prompt: list[int], max_new_tokens: int = 8) -> RoutingRequest:
 def test_cache_aware_weighs_uncached_tokens_against_requests_in_flight() -> None:
     workers = make_workers(0, 0, 0)
     # A 40-token family prefix is worth 4 requests in flight.
-    policy = CacheAware(PolicyOptions(cache_threshold=0.5, cache_tokens_per_request=10, balance_abs_threshold=100))
+    policy = CacheAware(PolicyOptions(cache_threshold=0.5, cache_tokens_per_request=10, balance_rel_threshold=100))
     family = list(range(100, 140))
     first = policy.select(workers, generate([*family, 1]))
     assert first.reason == "low_match"
@@ -171,7 +173,7 @@ def test_cache_aware_ignores_a_short_prefix_every_prompt_shares() -> None:
 
 def test_cache_aware_prices_text_prompts_in_estimated_tokens() -> None:
     workers = make_workers(0, 0)
-    policy = CacheAware(PolicyOptions(cache_tokens_per_request=10, balance_abs_threshold=100))
+    policy = CacheAware(PolicyOptions(cache_tokens_per_request=10, balance_rel_threshold=100))
     family = "x" * 200  # 200 characters: about 50 tokens, worth 5 requests in flight
 
     def ask(question: str) -> RoutingRequest:
@@ -192,7 +194,7 @@ def test_cache_aware_routes_text_prompts_and_counts_tokens() -> None:
     assert len(picks) == 1
     request = RoutingRequest("/generate", {"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": {"max_new_tokens": 4}})
     assert request.prompt_key == (1, 2, 3) and request.tokens == (3 + 4) * 2
-    assert RoutingRequest("/generate", text).tokens == (len(text["text"]) // 4 + 1 + 6) * 2
+    assert RoutingRequest("/generate", text).tokens == (math.ceil(len(text["text"]) / 4) + 6) * 2
     policy.forget(workers[0])
     policy.forget(workers[1])
     assert policy.tree.tokens == 0
