@@ -38,6 +38,10 @@ RECENT_DECAY = 0.99
 GROUP_SIZE_WINDOW = 128
 # ... and capped here: a flood of one identical prompt must not let its engine take every request in flight.
 MAX_GROUP_SIZE = 16
+# cache_aware: an engine's slack over the fleet's mean (`balance_abs_threshold` requests) is at most this many
+# groups: with prompts of one request each (a conversation's turns), a slack of 10 would let one engine take
+# ten new conversations at once while the others have a few, each staying for all its turns.
+MAX_SLACK_GROUPS = 1.25
 
 
 def _first(value: object) -> object:
@@ -123,7 +127,7 @@ class PolicyOptions:
     exchange rate between cache misses and load in an engine's cost (see `CacheAware`)."""
     balance_abs_threshold: int = 10
     """cache_aware: an engine has room for a prompt's group of requests while its requests in flight plus
-    the group stay within this many ..."""
+    the group stay within this many (at most MAX_SLACK_GROUPS groups) ..."""
     balance_rel_threshold: float = 1.25
     """... plus this factor times the fleet's mean requests in flight per engine (the group counted in)."""
     balance_share_threshold: float = 1.15
@@ -201,30 +205,32 @@ class PowerOfTwo:
 
 
 class CacheAware:
-    """Follows the engines' prefix caches while the fleet stays balanced, placing a GRPO group as one unit.
+    """Follows the engines' prefix caches while the fleet stays balanced, placing a GRPO group or a
+    conversation as one unit.
 
-    The tree records, for every prompt routed, the engine it went to, so the samples of a prompt sent one
-    after another find where the first one went before any engine has answered. The policy also estimates
-    the group size G, the requests per distinct prompt (the n samples of a GRPO prompt sent one by one: n;
-    multi-turn turns: 1), as the last GROUP_SIZE_WINDOW requests over the prompts among them that no engine
-    held whole, at most MAX_GROUP_SIZE.
-      * An engine holding the whole prompt (a group's later samples) keeps it while it has fewer than
-        `balance_abs_threshold` + `balance_rel_threshold` x the mean in flight + G requests in flight:
-        room for the whole group was checked when its first sample was placed, so a group is split only
-        when its engine is overloaded and its question is prefilled once.
+    The tree records, for every prompt routed, the engine it went to and where the prompt ended, so the
+    samples of a prompt sent one after another find where the first one went before any engine has
+    answered, and a conversation's next turn (its previous prompt, the answer and a new message) finds
+    where the previous turn went. The policy also estimates the group size G, the requests per distinct
+    prompt (the n samples of a GRPO prompt sent one by one: n; multi-turn turns: 1), as the last
+    GROUP_SIZE_WINDOW requests over the prompts among them that no engine held whole, at most MAX_GROUP_SIZE.
+    An engine's slack is `balance_abs_threshold` requests, but at most MAX_SLACK_GROUPS groups.
+      * A prompt that repeats or continues one routed to an engine (a group's later sample, a conversation's
+        next turn) follows it there while that engine has fewer than slack + `balance_rel_threshold` x the
+        mean in flight + G requests in flight: room was checked when the group or conversation was placed,
+        so it is split only when its engine is overloaded, and its question or history is prefilled once.
       * Any other prompt goes to one of the engines with room for its whole group: in flight + G within
-        `balance_abs_threshold` + `balance_rel_threshold` x the mean with the group counted in (or idle), and
-        recent requests within `balance_share_threshold` x the mean + 1. Recent requests are the requests
-        routed to the engine, each weighed RECENT_DECAY ** (requests routed anywhere since): its part of
-        about the last 100 (an engine new to the policy starts at the mean). The first bound keeps the
-        engines' queues even at each moment; the second keeps their shares of the traffic even over time,
-        so a popular prompt family spreads to another engine once its engines have served their share.
-        Among them, cost decides: requests in flight plus the prompt tokens the engine would have to prefill
-        (what the tree says it does not hold; text in the engines' characters per token, see `CharsPerToken`)
-        at `cache_tokens_per_request` tokens to one request. A prompt
-        family therefore spreads only when its engines are full, and a conversation stays where its history
-        is while that is worth the load. No engine holding `cache_threshold` of the prompt: the least-loaded
-        engine with room (low_match); no engine with room: the one with the fewest recent requests (imbalance).
+        slack + `balance_rel_threshold` x the mean with the group counted in (or idle), and recent requests
+        within `balance_share_threshold` x the mean + 1. Recent requests are the requests routed to the
+        engine, each weighed RECENT_DECAY ** (requests routed anywhere since): its part of about the last
+        100 (an engine new to the policy starts at the mean). The first bound keeps the engines' queues
+        even at each moment; the second keeps their shares of the traffic even over time, so a popular
+        prompt family spreads to another engine once its engines have served their share. Among them, cost
+        decides: requests in flight plus the prompt tokens the engine would have to prefill (what the tree
+        says it does not hold; text in the engines' characters per token, see `CharsPerToken`) at
+        `cache_tokens_per_request` tokens to one request. A prompt family therefore spreads only when its
+        engines are full. No engine holding `cache_threshold` of the prompt: the least-loaded engine with
+        room (low_match); no engine with room: the one with the fewest recent requests (imbalance).
     A match below `cache_threshold` counts as none everywhere, so a short prefix all traffic shares (a chat
     template's header) does not make the engines that served something cheaper than an idle one. Ties go
     to the longer match, then to the engine with the fewest requests routed to it lately, so an idle fleet
@@ -291,26 +297,25 @@ class CacheAware:
         key = request.prompt_key
         assert key is not None
         size = len(key)
-        matched = self.tree.match(key).matched
+        match = self.tree.match(key)
         # A match below the threshold counts as none: a short prefix every prompt shares (a chat template's
         # header) must not make the engines that served anything cheaper than one that is idle.
         floor = opts.cache_threshold * size
-        held = {w.id: n if (n := matched.get(w.id, 0)) >= floor else 0 for w in workers}
+        held = {w.id: n if (n := match.matched.get(w.id, 0)) >= floor else 0 for w in workers}
         longest = max(held.values())
-        whole_held = longest == size
         group = self.group_size  # before this request counts: a new prompt is where its group starts
-        self._count(not whole_held)
+        self._count(longest < size)
         in_flight = sum(w.in_flight for w in workers)
-        if whole_held:
-            bound = opts.balance_abs_threshold + opts.balance_rel_threshold * in_flight / len(workers) + group
-            holders = [w for w in workers if held[w.id] == size and w.in_flight < bound]
-            if holders:
-                return Choice(min(holders, key=lambda w: (w.in_flight, self._recent_score(w))), "cache_hit")
+        slack = min(opts.balance_abs_threshold, MAX_SLACK_GROUPS * group)
+        bound = slack + opts.balance_rel_threshold * in_flight / len(workers) + group
+        followed = [w for w in workers if match.extended.get(w.id, 0) >= floor and w.in_flight < bound]
+        if followed:
+            best = min(followed, key=lambda w: (-match.extended[w.id], w.in_flight, self._recent_score(w)))
+            return Choice(best, "cache_hit" if held[best.id] == longest else "imbalance")
         # Against the mean rather than the least-loaded engine: one idle engine must not make every other
         # one full, and a fleet with more engines than prompt families still fills them all. An idle engine
         # always has room, whatever the group size estimate (it lags when the traffic changes).
-        bound = opts.balance_abs_threshold + opts.balance_rel_threshold * (in_flight + group) / len(workers)
-        bound = max(bound, group)
+        bound = max(slack + opts.balance_rel_threshold * (in_flight + group) / len(workers), group)
         recent = {w.id: self._recent_score(w) for w in workers}
         share = opts.balance_share_threshold * (sum(recent.values()) + group) / len(workers) + 1
         room = [w for w in workers if w.in_flight + group <= bound and recent[w.id] <= share]

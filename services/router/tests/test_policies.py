@@ -9,6 +9,7 @@ import pytest
 from rlfleet.errors import InvalidInput, NotFound
 from rlfleet_router.policies import (
     CacheAware,
+    Choice,
     LeastLoad,
     PolicyOptions,
     PowerOfTwo,
@@ -151,6 +152,41 @@ def test_cache_aware_spreads_a_family_once_its_engine_has_served_its_share() -> 
     # ... and the family is prefilled once per engine: after the first one, only the three spreads missed.
     assert [c.reason for c in choices].count("cache_hit") == 200 - 4
     assert policy.tree.match((*family, 999)).matched == {w.id: len(family) for w in workers}
+
+
+def test_cache_aware_keeps_a_conversation_where_its_history_is() -> None:
+    workers = make_workers(0, 0)
+    home_engine, other = workers
+    policy = CacheAware()
+    system = list(range(2000, 2300))
+    turn = [*system, 1, 1]  # the system prompt and a first message
+    assert policy.select(workers, generate(turn)).worker is home_engine
+    home_engine.in_flight = 5
+    # The next turn (the previous prompt, the answer and a new message) follows the history although the
+    # engine has no room for a new prompt (5 + 1 > 1.25 + 1.25 x 6 / 2): the conversation was placed already.
+    turn = [*turn, 50, 51, 2, 2]
+    assert policy.select(workers, generate(turn)) == Choice(home_engine, "cache_hit")
+    # A new conversation on the same system prompt is a new prompt: it goes where there is room.
+    assert policy.select(workers, generate([*system, 3, 3])).worker is other
+    # An overloaded engine (8 in flight, the bound being 1.25 + 1.25 x 8 / 2 + 1) lets the conversation move.
+    home_engine.in_flight = 8
+    moved = policy.select(workers, generate([*turn, 60, 61, 4, 4]))
+    assert moved == Choice(other, "imbalance")
+    # From there on, it continues where it went last.
+    home_engine.in_flight = 0
+    assert policy.select(workers, generate([*turn, 60, 61, 4, 4, 70, 5])).worker is other
+
+
+def test_cache_aware_gives_prompts_of_one_request_a_slack_of_one_group() -> None:
+    workers = make_workers(0, 0, 0, 0)
+    policy = CacheAware()
+    family = list(range(3000, 3400))  # a long prefix that every prompt shares, as a system prompt is
+    for question in range(12):
+        policy.select(workers, generate([*family, question])).worker.in_flight += 1
+    # With groups of one request the slack is 1.25, not balance_abs_threshold (10): the family's engine does
+    # not take ten new conversations while the others idle. The prefix costs an engine without it as much as
+    # 10 requests in flight, so the fourth engine is not needed yet.
+    assert [w.in_flight for w in workers] == [4, 4, 4, 0]
 
 
 def test_cache_aware_fills_an_idle_fleet_evenly() -> None:
