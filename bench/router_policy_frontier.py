@@ -17,7 +17,7 @@ so the makespan ratios here are pessimistic for multi-turn, and the best row is 
     .venv/bin/python bench/router_policy_frontier.py [--engines 4 8] [--workloads grpo multiturn]
         [--caches roomy] [--seeds 0 1 2 3 4] [--sweep cache_tokens_per_request=10,20,40,80 ...]
 
-Record the printed figures in bench/router_vs_sglang_router.md (section "Settings sweep").
+Record the printed figures in bench/router_vs_sglang_router.md, beside the run or change they inform.
 """
 
 from __future__ import annotations
