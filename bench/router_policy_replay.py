@@ -110,8 +110,11 @@ class SglangCacheAwareModel:
         self.tree_sizes[chosen.id] = self.tree_sizes.get(chosen.id, 0) + len(key) - matched.get(chosen.id, 0)
         return Choice(chosen, "sglang_model")
 
-    def forget(self, worker: Worker) -> None:
+    def forget_cache(self, worker: Worker) -> None:
         self.tree.remove_tenant(worker.id)
+
+    def forget(self, worker: Worker) -> None:
+        self.forget_cache(worker)
 
 
 @dataclass(eq=False)

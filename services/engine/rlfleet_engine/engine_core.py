@@ -106,6 +106,9 @@ class EngineCore(ScheduledGeneration):
         self.scheduler.submit(jobs)
         return jobs, queue
 
+    def flush_cache(self) -> None:
+        """Nothing to drop: no prefix cache is kept across requests."""
+
     async def update_weights_from_disk(self, req: UpdateWeightsFromDiskRequest) -> dict[str, Any]:
         if req.load_format not in _LOAD_FORMATS:
             raise InvalidInput(f"load_format {req.load_format!r} is not supported; use 'auto' or 'safetensors'")

@@ -115,7 +115,7 @@ def create_app(core: EngineCore, registry: CollectorRegistry) -> FastAPI:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
-        # No prefix cache is kept across requests, so there is never anything to flush.
+        core.flush_cache()
         return PlainTextResponse("Cache flushed.\n")
 
     @app.post("/update_weights_from_disk")

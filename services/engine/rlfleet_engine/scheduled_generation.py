@@ -113,6 +113,10 @@ class ScheduledGeneration(ABC):
     def abort(self, rid: str, abort_all: bool = False) -> None:
         self.scheduler.abort(rid, abort_all)
 
+    @abstractmethod
+    def flush_cache(self) -> None:
+        """Empties the prefix cache (POST /flush_cache)."""
+
     def pause(self) -> None:
         self.scheduler.set_paused(True)
 

@@ -63,6 +63,7 @@ class UpdateWeightsFromDiskRequest(BaseModel):
     load_format: str | None = None
     weight_version: str | None = None
     abort_all_requests: bool = False
+    flush_cache: bool = True
 
 
 def _version_as_text(value: object) -> object:

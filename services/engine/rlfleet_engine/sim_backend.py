@@ -303,13 +303,18 @@ class SimEngineCore(ScheduledGeneration):
         self.scheduler.submit([job for job in jobs if job.finish is None])
         return jobs, queue
 
+    def flush_cache(self) -> None:
+        self.cache.clear()
+
     async def update_weights_from_disk(self, req: UpdateWeightsFromDiskRequest) -> dict[str, Any]:
-        """No weights to read: records the version and, as SGLang does after a load, empties the prefix cache."""
+        """No weights to read: records the version and, as SGLang does after a load (unless told not to), empties
+        the prefix cache."""
         if not req.model_path:
             raise InvalidInput("model_path must not be empty")
         if req.abort_all_requests:
             self.scheduler.abort("", abort_all=True)
-        self.cache.clear()
+        if req.flush_cache:
+            self.cache.clear()
         self.model_path = req.model_path
         if req.weight_version is not None:
             self.scheduler.weight_version = req.weight_version

@@ -45,7 +45,9 @@ def generate(url: str, body: dict[str, object]) -> dict[str, Any]:
     return answer.json()
 
 
-def test_prefix_cache_serves_repeats_and_is_flushed_by_a_weight_load(start_sim: Callable[..., str]) -> None:
+def test_prefix_cache_serves_repeats_and_is_emptied_by_a_weight_load_and_a_flush(
+    start_sim: Callable[..., str],
+) -> None:
     url = start_sim("--sim-prefill-us-per-token", "5000", "--sim-decode-ms-per-step", "1")
     params = {"max_new_tokens": 4}
     cold = generate(url, {"text": SYSTEM + "12+7=", "sampling_params": params})
@@ -71,6 +73,16 @@ def test_prefix_cache_serves_repeats_and_is_flushed_by_a_weight_load(start_sim: 
     assert load.status_code == 200 and load.json()["success"] is True
     after = generate(url, {"text": SYSTEM + "12+8=", "sampling_params": params})
     assert after["meta_info"]["cached_tokens"] == 0 and after["meta_info"]["weight_version"] == "1"
+
+    again = generate(url, {"text": SYSTEM + "12+9=", "sampling_params": params})
+    assert again["meta_info"]["cached_tokens"] > 0
+    kept = {"model_path": "/ckpt/2", "weight_version": "2", "flush_cache": False}
+    assert httpx.post(url + "/update_weights_from_disk", json=kept).json()["success"] is True
+    again = generate(url, {"text": SYSTEM + "12+9=", "sampling_params": params})
+    assert again["meta_info"]["cached_tokens"] > 0, "a load told not to flush keeps the cache"
+    assert httpx.post(url + "/flush_cache", timeout=10).status_code == 200
+    flushed = generate(url, {"text": SYSTEM + "12+9=", "sampling_params": params})
+    assert flushed["meta_info"]["cached_tokens"] == 0
 
 
 def test_tokens_depend_only_on_seed_prompt_and_sample(start_sim: Callable[..., str]) -> None:

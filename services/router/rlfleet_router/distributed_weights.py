@@ -30,7 +30,14 @@ from dataclasses import dataclass
 import httpx
 
 from rlfleet.errors import Conflict, NotFound, Unavailable
-from rlfleet_router.weights import EngineUpdateResult, FleetUpdateResult, FleetWeights, WeightTarget, describe_error
+from rlfleet_router.weights import (
+    DISTRIBUTED_UPDATE_ROUTE,
+    EngineUpdateResult,
+    FleetUpdateResult,
+    FleetWeights,
+    WeightTarget,
+    describe_error,
+)
 from rlfleet_router.workers import Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
@@ -142,8 +149,7 @@ class DistributedWeights:
         async with self._weights.lock:
             if self._version_started is None:
                 self._version_started = time.monotonic()
-            route = "/update_weights_from_distributed"
-            results, abandoned = await self._post_all(group.members, route, lambda _: request_body)
+            results, abandoned = await self._post_all(group.members, DISTRIBUTED_UPDATE_ROUTE, lambda _: request_body)
             failed = {r.worker_id: r.message for r in results if not r.success}
             for member in group.members:
                 if member.worker.id in failed and member.worker.id not in abandoned:

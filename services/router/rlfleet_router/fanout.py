@@ -10,7 +10,7 @@ engine that still runs requests while it is drained), and their failures are rep
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import httpx
@@ -37,16 +37,28 @@ class EngineOutcome:
 
 
 class Fanout:
-    def __init__(self, client: httpx.AsyncClient, workers: WorkerRegistry, timeout_secs: float) -> None:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        workers: WorkerRegistry,
+        timeout_secs: float,
+        on_cache_emptied: Callable[[Worker], None],
+    ) -> None:
+        """`on_cache_emptied(worker)` runs for every engine that answered a /flush_cache with 2xx."""
         self._client = client
         self._workers = workers
         self._timeout = timeout_secs
+        self._on_cache_emptied = on_cache_emptied
 
     async def send(self, route: str, body: bytes, headers: Mapping[str, str]) -> tuple[int, dict[str, object]]:
         """Sends `route` to every engine; returns the HTTP status of the whole and the per-engine outcomes."""
         assert route in FANOUT_ROUTES, route
         forwarded = forwardable_headers(headers)
         outcomes = await asyncio.gather(*(self._one(w, route, body, forwarded) for w in self._workers.all()))
+        if route == "/flush_cache":
+            for outcome in outcomes:
+                if outcome.ok:
+                    self._on_cache_emptied(outcome.worker)
         ok = all(o.ok for o in outcomes)
         done = sum(o.ok for o in outcomes)
         summary = {

@@ -50,7 +50,13 @@ class Fleet:
         )
         self.workers = WorkerRegistry(config.health_failure_threshold, config.health_success_threshold)
         self.metrics = RouterMetrics(self.workers, lambda: self.weights.version)
-        self.weights = FleetWeights(self.client, self.workers, config.weight_update_timeout_secs, self.metrics)
+        self.policy = create_policy(config.policy, config.policy_options())
+        if isinstance(self.policy, CacheAware):
+            self.metrics.fleet.tree = self.policy.tree
+        # A weight load or a flush empties an engine's prefix cache: the policy must not route by what it held.
+        self.weights = FleetWeights(
+            self.client, self.workers, config.weight_update_timeout_secs, self.metrics, self.policy.forget_cache
+        )
         self.distributed_weights = DistributedWeights(
             self.client, self.workers, self.weights, config.health_check_timeout_secs
         )
@@ -71,9 +77,6 @@ class Fleet:
         )
         self.chars_per_token = CharsPerToken()
         self.metrics.fleet.chars_per_token = self.chars_per_token
-        self.policy = create_policy(config.policy, config.policy_options())
-        if isinstance(self.policy, CacheAware):
-            self.metrics.fleet.tree = self.policy.tree
         self.proxy = Proxy(
             self.workers,
             self.policy,
@@ -83,7 +86,7 @@ class Fleet:
             request_timeout_secs=config.request_timeout_secs,
             connect_timeout_secs=config.connect_timeout_secs,
         )
-        self.fanout = Fanout(self.client, self.workers, config.request_timeout_secs)
+        self.fanout = Fanout(self.client, self.workers, config.request_timeout_secs, self.policy.forget_cache)
         self.trajectories = TrajectoryStore(config.trajectory_max_tokens, config.trajectory_max_update_lag)
         self.metrics.fleet.trajectories = self.trajectories
         self.healer: Healer | None = None

@@ -1,7 +1,7 @@
 """Routing policies: which healthy worker serves a request, chosen by name.
 
-A policy is any object with `select(workers, request) -> Choice` and `forget(worker)` (the `Policy`
-protocol). The built-in ones are cache_aware, least_load, power_of_two and round_robin; another
+A policy is any object with `select(workers, request) -> Choice`, `forget_cache(worker)` and `forget(worker)`
+(the `Policy` protocol). The built-in ones are cache_aware, least_load, power_of_two and round_robin; another
 installed package adds one by declaring an entry point in the group `rlfleet.router.policies` whose
 target takes a `PolicyOptions` and returns a policy. Names are resolved when the router starts, so
 a typo fails at once with the list of known names.
@@ -145,6 +145,11 @@ class Policy(Protocol):
         """Picks one of `workers` (never empty, all healthy) for `request`."""
         ...
 
+    def forget_cache(self, worker: Worker) -> None:
+        """`worker`'s prefix cache was emptied (a weight load, a flush, a restart): drop what the policy
+        remembers it holds."""
+        ...
+
     def forget(self, worker: Worker) -> None:
         """`worker` left the fleet: drop whatever the policy remembers about it."""
         ...
@@ -163,6 +168,9 @@ class RoundRobin:
     def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Choice:
         assert workers, "select() needs at least one worker"
         return Choice(workers[next(self._counter) % len(workers)], "round_robin")
+
+    def forget_cache(self, worker: Worker) -> None:
+        pass
 
     def forget(self, worker: Worker) -> None:
         pass
@@ -183,6 +191,9 @@ class LeastLoad:
     def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Choice:
         return Choice(self.least_loaded(workers), "least_load")
 
+    def forget_cache(self, worker: Worker) -> None:
+        pass
+
     def forget(self, worker: Worker) -> None:
         pass
 
@@ -199,6 +210,9 @@ class PowerOfTwo:
             return Choice(workers[0], "power_of_two")
         first, second = self._random.sample(list(workers), 2)
         return Choice(first if load(first) <= load(second) else second, "power_of_two")
+
+    def forget_cache(self, worker: Worker) -> None:
+        pass
 
     def forget(self, worker: Worker) -> None:
         pass
@@ -271,8 +285,11 @@ class CacheAware:
         self._routed += 1
         return choice
 
-    def forget(self, worker: Worker) -> None:
+    def forget_cache(self, worker: Worker) -> None:
         self.tree.remove_tenant(worker.id)
+
+    def forget(self, worker: Worker) -> None:
+        self.forget_cache(worker)
         self._recent.pop(worker.id, None)
 
     def _admit(self, workers: Sequence[Worker]) -> None:

@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -31,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 JSON_HEADERS = {"content-type": "application/json"}
 DISK_UPDATE_ROUTE = "/update_weights_from_disk"
+DISTRIBUTED_UPDATE_ROUTE = "/update_weights_from_distributed"
 FANOUT_ENGINE_DEADLINE_SECS = 100.0
 """Longest a fleet update waits for one engine, below `weight_update_timeout_secs` when that is
 longer: the trainer waits 120 s for one attempt and 300 s in all (`weight_load_timeout_s`), and the
@@ -89,14 +91,33 @@ class FleetUpdateResult:
         }
 
 
+def empties_cache(route: str, request_body: bytes) -> bool:
+    """Whether an engine that accepted `route` has an empty prefix cache now, as SGLang's has after a weight
+    load from disk or over a group, unless the body sets `flush_cache` to false."""
+    if route not in (DISK_UPDATE_ROUTE, DISTRIBUTED_UPDATE_ROUTE):
+        return False
+    try:
+        body = json.loads(request_body)
+    except ValueError:
+        return True
+    return not (isinstance(body, dict) and body.get("flush_cache") is False)
+
+
 class FleetWeights:
     def __init__(
-        self, client: httpx.AsyncClient, workers: WorkerRegistry, timeout_secs: float, metrics: RouterMetrics
+        self,
+        client: httpx.AsyncClient,
+        workers: WorkerRegistry,
+        timeout_secs: float,
+        metrics: RouterMetrics,
+        on_cache_emptied: Callable[[Worker], None],
     ) -> None:
+        """`on_cache_emptied(worker)` runs when a weight load leaves `worker`'s prefix cache empty."""
         self._client = client
         self._workers = workers
         self._timeout = timeout_secs
         self._metrics = metrics
+        self._on_cache_emptied = on_cache_emptied
         # Orders fleet updates (disk loads, versioned distributed updates) and admissions.
         self.lock = asyncio.Lock()
         self.target: WeightTarget | None = None
@@ -279,6 +300,8 @@ class FleetWeights:
                 message = str(body.get("message") or f"HTTP {response.status_code}")
         if not success:
             logger.warning("worker %s failed %s: %s", worker.url, route, message)
+        elif empties_cache(route, request_body):
+            self._on_cache_emptied(worker)
         return EngineUpdateResult(worker.id, worker.url, success, message, time.monotonic() - start)
 
 

@@ -107,3 +107,41 @@ def test_conversations_stay_with_their_history_and_text_is_priced_in_the_engines
     # Twelve answers of ~400 characters in as many tokens: the estimate has left its default of 4 for about 1.
     estimate = metric_value(router.client.get("/metrics").text, "rlfleet_router_chars_per_token")
     assert estimate is not None and estimate < 2, estimate
+
+
+def test_a_flush_or_a_weight_load_through_the_router_empties_its_tree_as_it_empties_the_engines(
+    sim_engines: Callable[[int], list[str]], start_router: Callable[..., RunningRouter]
+) -> None:
+    urls = sim_engines(2)
+    router = start_router(urls, policy="cache_aware")
+    router.wait_healthy(2)
+
+    def send(question: int) -> dict[str, object]:
+        body = {"input_ids": family_prompt(0, question), "sampling_params": {"max_new_tokens": 2}}
+        answer = router.client.post("/generate", json=body)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["meta_info"]
+
+    def tree_tokens() -> float:
+        return metric_value(router.client.get("/metrics").text, "rlfleet_router_tree_tokens") or 0
+
+    def low_matches() -> float:
+        text = router.client.get("/metrics").text
+        return metric_value(text, "rlfleet_router_routing_decisions_total", {"reason": "low_match"}) or 0
+
+    send(0)
+    for question, empty in (
+        (10, lambda: router.client.post("/flush_cache")),
+        (
+            20,
+            lambda: router.client.post("/update_weights_from_disk", json={"model_path": "sim", "weight_version": "2"}),
+        ),
+    ):
+        assert send(question)["cached_tokens"] == 192, "the family's prefix is cached where the tree says"
+        assert tree_tokens() > 0
+        before = low_matches()
+        answer = empty()
+        assert answer.status_code == 200, answer.text
+        assert tree_tokens() == 0, "the engines hold nothing now, and neither does the tree"
+        assert send(question + 1)["cached_tokens"] == 0
+        assert low_matches() == before + 1, "routed as a prompt no engine holds"

@@ -283,3 +283,15 @@ def test_registry_finds_by_id_or_url_and_keeps_one_entry_per_url() -> None:
 def test_bad_worker_urls_are_rejected(url: str) -> None:
     with pytest.raises(InvalidInput, match="url"):
         normalize_worker_url(url)
+
+
+def test_cache_aware_forgets_what_an_emptied_engine_held_and_keeps_its_share_of_the_traffic() -> None:
+    workers = make_workers(0, 0)
+    policy = CacheAware()
+    for question in range(4):
+        policy.select(workers, generate([*range(100, 400), question]))
+    holder = next(w for w in workers if policy.tree.match((*range(100, 400), 9)).matched.get(w.id))
+    share = policy._recent_score(holder)
+    policy.forget_cache(holder)
+    assert holder.id not in policy.tree.match((*range(100, 400), 9)).matched
+    assert policy._recent_score(holder) == share, "a flush empties the cache, not the engine's recent traffic"

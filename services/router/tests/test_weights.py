@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 from router_fakes import FakeEngine, RunningRouter
 
+from rlfleet_router.weights import empties_cache
+
 
 def test_update_reaches_every_engine_and_records_the_version(
     start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
@@ -112,3 +114,11 @@ def test_bad_update_requests_are_4xx_and_no_engine_is_503(
     router.client.delete(f"/workers/{router.workers()[0]['id']}")
     none = router.client.post("/update_weights_from_disk", json={"model_path": "/c", "weight_version": "1"})
     assert none.status_code == 503 and "no healthy engine" in none.json()["error"]["message"]
+
+
+def test_which_weight_requests_leave_an_engine_cache_empty() -> None:
+    assert empties_cache("/update_weights_from_disk", b'{"model_path": "/ckpt/1"}')
+    assert not empties_cache("/update_weights_from_disk", b'{"model_path": "/ckpt/1", "flush_cache": false}')
+    assert empties_cache("/update_weights_from_distributed", b'{"names": ["w"]}'), "SGLang flushes by default"
+    assert not empties_cache("/update_weights_from_distributed", b'{"names": ["w"], "flush_cache": false}')
+    assert not empties_cache("/init_weights_update_group", b"{}")
