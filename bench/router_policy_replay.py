@@ -12,7 +12,8 @@ not; and the backend's own `LatencyModel` per iteration (decode step + per-seque
 per-KV-token cost x the running sequences' tokens + prefill cost x uncached prompt tokens admitted).
 Each request is routed by the policy object itself, seeing the requests in flight per engine as the
 router would; as in the benchmark, one policy object serves the workloads one after another and engine
-caches start empty for each workload. Router and network time count as zero unless `--jitter-ms` adds
+caches start empty for each workload, emptied through the policy (`forget_cache` for every engine, what
+a router does on a `/flush_cache`). Router and network time count as zero unless `--jitter-ms` adds
 some.
 
 Beside rlfleet's policies it replays a model of sglang-router's cache_aware at its defaults (the
@@ -111,10 +112,10 @@ class SglangCacheAwareModel:
         return Choice(chosen, "sglang_model")
 
     def forget_cache(self, worker: Worker) -> None:
-        self.tree.remove_tenant(worker.id)
+        pass  # sglang-router's /flush_cache reaches the engines and leaves its tree as it was
 
     def forget(self, worker: Worker) -> None:
-        self.forget_cache(worker)
+        self.tree.remove_tenant(worker.id)
 
 
 @dataclass(eq=False)
@@ -186,6 +187,8 @@ def replay(
         for k in range(engines)
     ]
     by_id = {e.worker.id: e for e in fleet}
+    for engine in fleet:
+        policy.forget_cache(engine.worker)
     events: list[tuple[float, int, Callable[[float], None]]] = []
     order = iter(range(1 << 62))
     items: list[str | tuple[str, list[str]]] = [p for p in workload.grpo_prompts for _ in range(workload.samples)]

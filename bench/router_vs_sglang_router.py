@@ -12,12 +12,15 @@ front of the first N of them: rlfleet's cache_aware, sglang-router's cache_aware
     engine's previous answer and a new user message, so the whole history is a cacheable prefix.
 
 Both run with roomy engine caches and again with tight ones (smaller than the working set). Engine
-caches are emptied before every run. Per router it prints the prefix-cache hit rate (the engines'
-cached tokens over their prompt tokens, from their /metrics), the makespan, p50/p99 request
-latency, max/mean engine load (requests each engine served), and the ratios against sglang-router's
-cache_aware in the same run; under them the ceiling, the highest hit rate any router can reach on that
-traffic while keeping max/mean load within the target (`hit_ceiling`), so a hit target above it reads
-as unreachable; then the latency a router adds at concurrency 1 against calling an engine directly.
+caches are emptied before every run through the router under test (`/flush_cache`, which both fan out
+to their engines), as an RL step's weight update empties them; what a router does with its own view of
+the caches then is its own (rlfleet's forgets what its tree held, sglang-router's keeps it). Per router
+it prints the prefix-cache hit rate (the engines' cached tokens over their prompt tokens, from their
+/metrics), the makespan, p50/p99 request latency, max/mean engine load (requests each engine served),
+and the ratios against sglang-router's cache_aware in the same run; under them the ceiling, the highest
+hit rate any router can reach on that traffic while keeping max/mean load within the target
+(`hit_ceiling`), so a hit target above it reads as unreachable; then the latency a router adds at
+concurrency 1 against calling an engine directly.
 Every figure is measured on `sim` engines and says so. Run:
 
     .venv/bin/python bench/router_vs_sglang_router.py [--engines 4 8] [--workloads grpo multiturn]
@@ -256,11 +259,6 @@ class SimFleet:
         for process, url in zip(self.processes, self.urls, strict=True):
             process.wait_healthy(url + "/health", timeout=60)
 
-    def clear_caches(self, urls: Sequence[str]) -> None:
-        # A weight load empties a sim engine's prefix cache, as it does SGLang's; the version is unchanged.
-        for url in urls:
-            httpx.post(url + "/update_weights_from_disk", json={"model_path": "sim"}, timeout=10).raise_for_status()
-
     @staticmethod
     def counters(urls: Sequence[str]) -> list[dict[str, float]]:
         wanted = ("sglang:prompt_tokens_total", "sglang:cached_tokens_total", "sglang:num_requests_total")
@@ -310,7 +308,7 @@ def start_router(spec: str, urls: Sequence[str], logs: Path, extra: Sequence[str
 
 
 def run_once(fleet: SimFleet, urls: Sequence[str], router_url: str, workload: Workload, salt: str) -> RunResult:
-    fleet.clear_caches(urls)
+    httpx.post(router_url + "/flush_cache", timeout=30).raise_for_status()  # 2xx only if every engine flushed
     before = fleet.counters(urls)
     latencies, makespan = asyncio.run(drive(router_url, workload, 32, salt))
     after = fleet.counters(urls)
