@@ -167,6 +167,7 @@ def replay(
     seed: int,
     salt: str = "",
     jitter_secs: float = 0.0,
+    chars_per_token: CharsPerToken | None = None,
 ) -> Replay:
     """Runs `workload` from 32 clients through `policy` onto `engines` modelled sim engines of `engine_config`.
 
@@ -176,6 +177,9 @@ def replay(
     `jitter_secs`: each request reaches its engine, and each answer its client, after a delay drawn
     uniformly from [0, jitter_secs] (the router's and the network's share on a busy machine); the
     router counts a request in flight from its routing to its answer's delivery.
+
+    `chars_per_token`: the router's estimate, learned from the answers; one router serving workloads in
+    turn carries it from one to the next (None: a new router's).
     """
     delays = random.Random(seed + 1)
     latency = latency_model(engine_config)
@@ -197,7 +201,7 @@ def replay(
     histories: dict[int, tuple[str, list[str]]] = {}  # client -> (conversation so far, user turns left)
     latencies: list[float] = []
     prompt_tokens = cached_tokens = 0
-    chars_per_token = CharsPerToken()  # learned from the answers, as the router does
+    chars_per_token = chars_per_token or CharsPerToken()  # learned from the answers, as the router does
 
     def at(when: float, action: Callable[[float], None]) -> None:
         heapq.heappush(events, (when, next(order), action))
@@ -345,10 +349,10 @@ def main() -> None:
                 # The benchmark's run label for this router (a prefix all its traffic shares).
                 salt = run_label(BENCH_ROUTERS.get(policy, f"rlfleet:{policy}"), cache, engines)
                 for seed in args.seeds:
-                    router = make_policy(policy, options)
+                    router, chars_per_token = make_policy(policy, options), CharsPerToken()
                     for name in args.workloads:
                         workload = makers[name](seed, args.scale)
-                        run = replay(router, engines, configs[cache], workload, seed, salt, jitter)
+                        run = replay(router, engines, configs[cache], workload, seed, salt, jitter, chars_per_token)
                         results.setdefault((name, policy), []).append(run)
             for name in args.workloads:
                 for policy in args.policies:
