@@ -7,11 +7,8 @@ mistakes answer at once.
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Sequence
 from typing import cast
-
-from pydantic import ValidationError
 
 from rlfleet.logs import init_logging
 from rlfleet_engine.config import EngineConfig, config_from_args
@@ -20,11 +17,7 @@ logger = logging.getLogger(__name__)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    try:
-        config = config_from_args(argv)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
-        sys.exit(f"rlfleet-engine: invalid configuration: {problems}")
+    config = config_from_args(argv)
     init_logging("engine", config.log_level)
     if config.backend == "sglang":
         from rlfleet_engine.sglang_backend import exec_sglang

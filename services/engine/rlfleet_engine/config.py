@@ -15,6 +15,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from rlfleet.settings_flags import Flag, add_flags, settings_from_flags
+
 BackendName = Literal["transformers", "sglang", "sim"]
 
 
@@ -76,27 +78,26 @@ class EngineConfig(BaseSettings):
         return self
 
 
-# Flag -> (field, type, help). Types are parsed by pydantic afterwards; argparse only collects strings.
-_FLAGS: tuple[tuple[str, str, str], ...] = (
-    ("--model-path", "model_path", "Hugging Face model directory to serve."),
-    ("--tokenizer-path", "tokenizer_path", "Tokenizer directory (default: the model path)."),
-    ("--host", "host", "Address to bind (default 127.0.0.1)."),
-    ("--port", "port", "Port to bind (default 30000)."),
-    ("--served-model-name", "served_model_name", "Model name reported to clients (default: the model path)."),
-    ("--context-length", "context_length", "Longest prompt + completion in tokens (default: the model's)."),
-    ("--max-running-requests", "max_running_requests", "Most sequences in one decode batch (default 16)."),
-    ("--random-seed", "random_seed", "Seed of the sampler (default 0)."),
-    ("--log-level", "log_level", "Log level: debug, info, warning, error (default info)."),
-    ("--backend", "backend", "transformers (default), sglang (the real SGLang server) or sim (no model)."),
-    ("--torch-threads", "torch_threads", "Intra-op threads for torch (default: torch's choice)."),
-    ("--dtype", "dtype", "float32 (default), bfloat16 or float16."),
-    ("--weight-version", "weight_version", "Version label of the initial weights (default 'default')."),
-    ("--health-check-timeout", "health_check_timeout_s", "Seconds /health_generate may take (default 20)."),
-    ("--sim-cache-tokens", "sim_cache_tokens", "sim backend: KV memory in tokens (default 1000000)."),
-    ("--sim-prefill-us-per-token", "sim_prefill_us_per_token", "sim backend: prefill us per uncached token (25)."),
-    ("--sim-decode-ms-per-step", "sim_decode_ms_per_step", "sim backend: ms per decode step of one sequence (5)."),
-    ("--sim-decode-us-per-sequence", "sim_decode_us_per_sequence", "sim backend: us each batched sequence adds (100)."),
-    ("--sim-decode-us-per-kv-token", "sim_decode_us_per_kv_token", "sim backend: us each KV token adds to a step (0)."),
+FLAGS: tuple[Flag, ...] = (
+    Flag("--model-path", "Hugging Face model directory to serve."),
+    Flag("--tokenizer-path", "Tokenizer directory (default: the model path)."),
+    Flag("--host", "Address to bind (default 127.0.0.1)."),
+    Flag("--port", "Port to bind (default 30000)."),
+    Flag("--served-model-name", "Model name reported to clients (default: the model path)."),
+    Flag("--context-length", "Longest prompt + completion in tokens (default: the model's)."),
+    Flag("--max-running-requests", "Most sequences in one decode batch (default 16)."),
+    Flag("--random-seed", "Seed of the sampler (default 0)."),
+    Flag("--log-level", "Log level: debug, info, warning, error (default info)."),
+    Flag("--backend", "transformers (default), sglang (the real SGLang server) or sim (no model)."),
+    Flag("--torch-threads", "Intra-op threads for torch (default: torch's choice)."),
+    Flag("--dtype", "float32 (default), bfloat16 or float16."),
+    Flag("--weight-version", "Version label of the initial weights (default 'default')."),
+    Flag("--health-check-timeout", "Seconds /health_generate may take (default 20).", field="health_check_timeout_s"),
+    Flag("--sim-cache-tokens", "sim backend: KV memory in tokens (default 1000000)."),
+    Flag("--sim-prefill-us-per-token", "sim backend: prefill us per uncached token (25)."),
+    Flag("--sim-decode-ms-per-step", "sim backend: ms per decode step of one sequence (5)."),
+    Flag("--sim-decode-us-per-sequence", "sim backend: us each batched sequence adds (100)."),
+    Flag("--sim-decode-us-per-kv-token", "sim backend: us each KV token adds to a step (0)."),
 )
 
 
@@ -106,8 +107,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
         description="rlfleet CPU engine: SGLang's HTTP API over a Hugging Face causal LM. "
         "Every flag can also be set as RLFLEET_ENGINE_<FIELD> in the environment.",
     )
-    for flag, field, help_text in _FLAGS:
-        parser.add_argument(flag, dest=field, default=None, help=help_text)
+    add_flags(parser, FLAGS)
     # Accepted for command-line compatibility with sglang.launch_server; they change nothing here.
     parser.add_argument("--trust-remote-code", action="store_true", help="Accepted for SGLang compatibility.")
     parser.add_argument("--skip-server-warmup", action="store_true", help="Accepted for SGLang compatibility.")
@@ -116,6 +116,5 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 def config_from_args(argv: Sequence[str] | None = None) -> EngineConfig:
     """Parses `argv` (flags win over RLFLEET_ENGINE_* variables) into a validated config."""
-    args = build_arg_parser().parse_args(argv)
-    given = {field: value for _, field, _ in _FLAGS if (value := getattr(args, field)) is not None}
-    return EngineConfig(**given)
+    parser = build_arg_parser()
+    return settings_from_flags(EngineConfig, FLAGS, parser.parse_args(argv), parser)

@@ -11,29 +11,41 @@ import logging
 from collections.abc import Generator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from rlfleet.settings_flags import Flag, add_flags, settings_from_flags
+from rlfleet_reward.config import RewardSettings
+
 if TYPE_CHECKING:
-    from rlfleet_reward.config import RewardSettings
     from rlfleet_reward.registry import Registry
     from rlfleet_reward.reward_function import RewardFunction
 
+FLAGS: tuple[Flag, ...] = (
+    Flag("--host", "interface to bind (default 0.0.0.0)"),
+    Flag("--port", "HTTP port (default 8001)"),
+    Flag("--grpc-port", "gRPC port (default 50053)"),
+    Flag("--workers", "worker processes (default: CPUs available)"),
+    Flag("--default-timeout-seconds", "per-item limit when a spec sets none (10)"),
+    Flag("--max-timeout-seconds", "largest limit a spec may ask for (300)"),
+    Flag("--max-batch-size", "most items per request (4096)"),
+    Flag("--max-concurrent-io-calls", "remote/judge calls in flight at once (64)"),
+    Flag("--max-request-bytes", "largest request body or message (64 MiB)"),
+    Flag("--shutdown-grace-seconds", "time in-flight requests get on SIGTERM (10)"),
+    Flag("--log-level", "root log level (INFO)"),
+)
 
-def parse_args(argv: Sequence[str] | None) -> dict[str, object]:
+
+def build_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m rlfleet_reward",
         description="rlfleet reward hub. Every flag also reads RLFLEET_REWARD_<FLAG>; a flag wins over the variable.",
     )
-    parser.add_argument("--host", help="interface to bind (default 0.0.0.0)")
-    parser.add_argument("--port", type=int, help="HTTP port (default 8001)")
-    parser.add_argument("--grpc-port", type=int, help="gRPC port (default 50053)")
-    parser.add_argument("--workers", type=int, help="worker processes (default: CPUs available)")
-    parser.add_argument("--default-timeout-seconds", type=float, help="per-item limit when a spec sets none (10)")
-    parser.add_argument("--max-timeout-seconds", type=float, help="largest limit a spec may ask for (300)")
-    parser.add_argument("--max-batch-size", type=int, help="most items per request (4096)")
-    parser.add_argument("--max-concurrent-io-calls", type=int, help="remote/judge calls in flight at once (64)")
-    parser.add_argument("--max-request-bytes", type=int, help="largest request body or message (64 MiB)")
-    parser.add_argument("--shutdown-grace-seconds", type=float, help="time in-flight requests get on SIGTERM (10)")
-    parser.add_argument("--log-level", help="root log level (INFO)")
-    return {key: value for key, value in vars(parser.parse_args(argv)).items() if value is not None}
+    add_flags(parser, FLAGS)
+    return parser
+
+
+def settings_from_args(argv: Sequence[str] | None = None) -> RewardSettings:
+    """Parses `argv` (flags win over RLFLEET_REWARD_* variables) into validated settings."""
+    parser = build_arg_parser()
+    return settings_from_flags(RewardSettings, FLAGS, parser.parse_args(argv), parser)
 
 
 async def serve(settings: RewardSettings, registry: Registry) -> None:
@@ -119,15 +131,13 @@ def _log_sandbox(logger: logging.Logger) -> None:
 
 def main(argv: Sequence[str] | None = None, extra_functions: Mapping[str, RewardFunction] | None = None) -> None:
     """Runs the hub; `extra_functions` adds reward functions beside the entry points (for tests)."""
-    overrides = parse_args(argv)
+    settings = settings_from_args(argv)
 
     import asyncio
 
     from rlfleet.logs import init_logging
-    from rlfleet_reward.config import RewardSettings
     from rlfleet_reward.registry import Registry
 
-    settings = RewardSettings(**overrides)  # type: ignore[arg-type]
     init_logging("reward", settings.log_level)
     registry = Registry.from_entry_points(extra=extra_functions)
     asyncio.run(serve(settings, registry))

@@ -7,14 +7,14 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from rlfleet_reward.__main__ import parse_args
+from rlfleet_reward.__main__ import settings_from_args
 from rlfleet_reward.config import RewardSettings
 
 
 def test_environment_then_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RLFLEET_REWARD_WORKERS", "3")
     monkeypatch.setenv("RLFLEET_REWARD_PORT", "9001")
-    settings = RewardSettings(**parse_args(["--port", "9002", "--default-timeout-seconds", "2.5"]))  # type: ignore[arg-type]
+    settings = settings_from_args(["--port", "9002", "--default-timeout-seconds", "2.5"])
     assert (settings.workers, settings.port, settings.default_timeout_seconds) == (3, 9002, 2.5)
     assert (settings.grpc_port, settings.max_batch_size) == (50053, 4096)
 

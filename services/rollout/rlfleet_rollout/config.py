@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from rlfleet.settings_flags import Flag, add_flags, settings_from_flags
+
 
 class RolloutConfig(BaseSettings):
     """One orchestrator: where it listens, the services it calls, and how long it waits for each."""
@@ -67,26 +69,45 @@ class RolloutConfig(BaseSettings):
         return url.rstrip("/")
 
 
-# Flag -> (field, help). Types are parsed by pydantic afterwards; argparse only collects strings.
-_FLAGS: tuple[tuple[str, str, str], ...] = (
-    ("--host", "host", "Address to bind (default 127.0.0.1)."),
-    ("--port", "port", "HTTP port of the Runs API (default 8000)."),
-    ("--grpc-port", "grpc_port", "gRPC port of the Runs service (default 50051)."),
-    ("--redis-url", "redis_url", "Redis URL (default redis://127.0.0.1:6379/0)."),
-    ("--redis-prefix", "redis_prefix", "Prefix of every Redis key (default 'rlfleet:')."),
-    ("--router-url", "router_url", "Router URL (default http://127.0.0.1:30000)."),
-    ("--reward-url", "reward_url", "Reward hub URL (default http://127.0.0.1:8001)."),
-    ("--trainer-address", "trainer_address", "Trainer gRPC host:port (default 127.0.0.1:50052)."),
-    ("--generate-timeout", "generate_timeout_s", "Seconds one /generate may take, retries included (default 300)."),
-    ("--score-timeout", "score_timeout_s", "Seconds one /score may take, retries included (default 120)."),
-    ("--trainer-start-timeout", "trainer_start_timeout_s", "Seconds Trainer.StartRun may take (default 600)."),
-    ("--trainer-call-timeout", "trainer_call_timeout_s", "Seconds any other trainer call may take (default 30)."),
-    ("--step-timeout", "step_timeout_s", "Seconds to wait for the trainer to reach a weight version (default 3600)."),
-    ("--poll-interval", "poll_interval_s", "Seconds between trainer Status polls (default 1)."),
-    ("--stall-after", "stall_after_s", "Seconds without progress before a run is reported stalled (default 600)."),
-    ("--max-concurrent-generations", "max_concurrent_generations", "Generate requests in flight (default 8)."),
-    ("--log-level", "log_level", "Log level: debug, info, warning, error (default info)."),
-    ("--api-token-file", "api_token_file", "File holding the API token the Runs API requires (default: none)."),
+FLAGS: tuple[Flag, ...] = (
+    Flag("--host", "Address to bind (default 127.0.0.1)."),
+    Flag("--port", "HTTP port of the Runs API (default 8000)."),
+    Flag("--grpc-port", "gRPC port of the Runs service (default 50051)."),
+    Flag("--redis-url", "Redis URL (default redis://127.0.0.1:6379/0)."),
+    Flag("--redis-prefix", "Prefix of every Redis key (default 'rlfleet:')."),
+    Flag("--router-url", "Router URL (default http://127.0.0.1:30000)."),
+    Flag("--reward-url", "Reward hub URL (default http://127.0.0.1:8001)."),
+    Flag("--trainer-address", "Trainer gRPC host:port (default 127.0.0.1:50052)."),
+    Flag(
+        "--generate-timeout",
+        "Seconds one /generate may take, retries included (default 300).",
+        field="generate_timeout_s",
+    ),
+    Flag("--score-timeout", "Seconds one /score may take, retries included (default 120).", field="score_timeout_s"),
+    Flag(
+        "--trainer-start-timeout",
+        "Seconds Trainer.StartRun may take (default 600).",
+        field="trainer_start_timeout_s",
+    ),
+    Flag(
+        "--trainer-call-timeout",
+        "Seconds any other trainer call may take (default 30).",
+        field="trainer_call_timeout_s",
+    ),
+    Flag(
+        "--step-timeout",
+        "Seconds to wait for the trainer to reach a weight version (default 3600).",
+        field="step_timeout_s",
+    ),
+    Flag("--poll-interval", "Seconds between trainer Status polls (default 1).", field="poll_interval_s"),
+    Flag(
+        "--stall-after",
+        "Seconds without progress before a run is reported stalled (default 600).",
+        field="stall_after_s",
+    ),
+    Flag("--max-concurrent-generations", "Generate requests in flight (default 8)."),
+    Flag("--log-level", "Log level: debug, info, warning, error (default info)."),
+    Flag("--api-token-file", "File holding the API token the Runs API requires (default: none)."),
 )
 
 
@@ -96,13 +117,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
         description="rlfleet rollout orchestrator: the Runs API (REST and gRPC) and the run loop. "
         "Every flag can also be set as RLFLEET_ROLLOUT_<FIELD> in the environment.",
     )
-    for flag, field, help_text in _FLAGS:
-        parser.add_argument(flag, dest=field, default=None, help=help_text)
+    add_flags(parser, FLAGS)
     return parser
 
 
 def config_from_args(argv: Sequence[str] | None = None) -> RolloutConfig:
     """Parses `argv` (flags win over RLFLEET_ROLLOUT_* variables) into a validated config."""
-    args = build_arg_parser().parse_args(argv)
-    given = {field: value for _, field, _ in _FLAGS if (value := getattr(args, field)) is not None}
-    return RolloutConfig(**given)
+    parser = build_arg_parser()
+    return settings_from_flags(RolloutConfig, FLAGS, parser.parse_args(argv), parser)

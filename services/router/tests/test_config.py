@@ -9,14 +9,14 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from rlfleet_router.__main__ import parse_args
+from rlfleet_router.__main__ import config_from_args
 from rlfleet_router.config import RouterConfig
 
 
 def test_flags_use_sglang_router_names_and_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RLFLEET_ROUTER_HEALTH_FAILURE_THRESHOLD", "7")
     monkeypatch.setenv("RLFLEET_ROUTER_POLICY", "round_robin")
-    _, overrides = parse_args(
+    config = config_from_args(
         [
             "--worker-urls",
             "http://127.0.0.1:1",
@@ -32,7 +32,6 @@ def test_flags_use_sglang_router_names_and_override_the_environment(monkeypatch:
             "--disable-retries",
         ]
     )
-    config = RouterConfig(**overrides)  # type: ignore[arg-type]
     assert config.worker_urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     assert config.policy == "least_load", "a flag beats the environment"
     assert config.health_failure_threshold == 7, "the environment fills what no flag gives"
@@ -81,8 +80,8 @@ def test_every_cache_aware_setting_has_a_flag_that_reaches_the_policy() -> None:
         "--balance-share-threshold": 1.4,
         "--max-tree-tokens": 4096,
     }
-    _, overrides = parse_args([arg for flag, value in settings.items() for arg in (flag, str(value))])
-    options = RouterConfig(**overrides).policy_options()  # type: ignore[arg-type]
+    config = config_from_args([arg for flag, value in settings.items() for arg in (flag, str(value))])
+    options = config.policy_options()
     for flag, value in settings.items():
         assert getattr(options, flag.removeprefix("--").replace("-", "_")) == value, flag
     # PolicyOptions' remaining field, the power_of_two seed, is for tests and replays only.

@@ -21,17 +21,22 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rlfleet.logs import init_logging
+from rlfleet.settings_flags import Flag, add_flags, settings_from_flags
 from rlfleet_trainer.config import TrainerSettings
 
 logger = logging.getLogger("rlfleet_trainer")
+
+# `serve` has a flag per setting, named after it and explained by its description.
+SERVE_FLAGS: tuple[Flag, ...] = tuple(
+    Flag(f"--{name.replace('_', '-')}", field.description or "") for name, field in TrainerSettings.model_fields.items()
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlfleet_trainer", description="rlfleet trainer")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,sft,export}")
     serve = commands.add_parser("serve", help="serve the gRPC Trainer API (one process per rank, under torchrun)")
-    for name, field in TrainerSettings.model_fields.items():
-        serve.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, help=field.description)
+    add_flags(serve, SERVE_FLAGS)
     sft = commands.add_parser("sft", help="supervised warm start on the arithmetic task, written as a new model")
     sft.add_argument("--model-path", type=Path, required=True, help="Hugging Face model directory to start from")
     sft.add_argument("--out", type=Path, required=True, help="directory to write the trained model to")
@@ -52,15 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     init_logging("trainer")
     if args.command == "sft":
         return run_sft_command(args)
     if args.command == "export":
         return run_export_command(args)
-    overrides = {k: v for k, v in vars(args).items() if k in TrainerSettings.model_fields and v is not None}
-    settings = TrainerSettings(**overrides)
-    return serve(settings)
+    return serve(settings_from_flags(TrainerSettings, SERVE_FLAGS, args, parser))
 
 
 def run_sft_command(args: argparse.Namespace) -> int:
