@@ -12,7 +12,7 @@ not; and the backend's own `LatencyModel` per iteration (decode step + per-seque
 per-KV-token cost x the running sequences' tokens + prefill cost x uncached prompt tokens admitted).
 Each request is routed by the policy object itself, seeing the requests in flight per engine as the
 router would; as in the benchmark, one policy object serves the workloads one after another and engine
-caches start empty for each workload, emptied through the policy (`forget_cache` for every engine, what
+caches start empty for each workload, emptied through the policy (`forget_caches` with every engine, what
 a router does on a `/flush_cache`). Router and network time count as zero unless `--jitter-ms` adds
 some.
 
@@ -111,11 +111,11 @@ class SglangCacheAwareModel:
         self.tree_sizes[chosen.id] = self.tree_sizes.get(chosen.id, 0) + len(key) - matched.get(chosen.id, 0)
         return Choice(chosen, "sglang_model")
 
-    def forget_cache(self, worker: Worker) -> None:
+    def forget_caches(self, workers: Sequence[Worker]) -> None:
         pass  # sglang-router's /flush_cache reaches the engines and leaves its tree as it was
 
     def forget(self, worker: Worker) -> None:
-        self.tree.remove_tenant(worker.id)
+        self.tree.remove_tenants([worker.id])
 
 
 @dataclass(eq=False)
@@ -191,8 +191,7 @@ def replay(
         for k in range(engines)
     ]
     by_id = {e.worker.id: e for e in fleet}
-    for engine in fleet:
-        policy.forget_cache(engine.worker)
+    policy.forget_caches([e.worker for e in fleet])
     events: list[tuple[float, int, Callable[[float], None]]] = []
     order = iter(range(1 << 62))
     items: list[str | tuple[str, list[str]]] = [p for p in workload.grpo_prompts for _ in range(workload.samples)]

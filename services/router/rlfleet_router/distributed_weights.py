@@ -151,6 +151,10 @@ class DistributedWeights:
                 self._version_started = time.monotonic()
             results, abandoned = await self._post_all(group.members, DISTRIBUTED_UPDATE_ROUTE, lambda _: request_body)
             failed = {r.worker_id: r.message for r in results if not r.success}
+            received = {r.worker_id for r in results if r.success}
+            self._weights.loaded(
+                DISTRIBUTED_UPDATE_ROUTE, request_body, [m.worker for m in group.members if m.worker.id in received]
+            )
             for member in group.members:
                 if member.worker.id in failed and member.worker.id not in abandoned:
                     reason = f"failed a distributed weight update: {failed[member.worker.id]}"

@@ -42,13 +42,13 @@ class Fanout:
         client: httpx.AsyncClient,
         workers: WorkerRegistry,
         timeout_secs: float,
-        on_cache_emptied: Callable[[Worker], None],
+        on_caches_emptied: Callable[[list[Worker]], None],
     ) -> None:
-        """`on_cache_emptied(worker)` runs for every engine that answered a /flush_cache with 2xx."""
+        """`on_caches_emptied(workers)` runs with the engines that answered a /flush_cache with 2xx."""
         self._client = client
         self._workers = workers
         self._timeout = timeout_secs
-        self._on_cache_emptied = on_cache_emptied
+        self._on_caches_emptied = on_caches_emptied
 
     async def send(self, route: str, body: bytes, headers: Mapping[str, str]) -> tuple[int, dict[str, object]]:
         """Sends `route` to every engine; returns the HTTP status of the whole and the per-engine outcomes."""
@@ -56,9 +56,7 @@ class Fanout:
         forwarded = forwardable_headers(headers)
         outcomes = await asyncio.gather(*(self._one(w, route, body, forwarded) for w in self._workers.all()))
         if route == "/flush_cache":
-            for outcome in outcomes:
-                if outcome.ok:
-                    self._on_cache_emptied(outcome.worker)
+            self._on_caches_emptied([o.worker for o in outcomes if o.ok])
         ok = all(o.ok for o in outcomes)
         done = sum(o.ok for o in outcomes)
         summary = {

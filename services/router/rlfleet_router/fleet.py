@@ -55,7 +55,7 @@ class Fleet:
             self.metrics.fleet.tree = self.policy.tree
         # A weight load or a flush empties an engine's prefix cache: the policy must not route by what it held.
         self.weights = FleetWeights(
-            self.client, self.workers, config.weight_update_timeout_secs, self.metrics, self.policy.forget_cache
+            self.client, self.workers, config.weight_update_timeout_secs, self.metrics, self.policy.forget_caches
         )
         self.distributed_weights = DistributedWeights(
             self.client, self.workers, self.weights, config.health_check_timeout_secs
@@ -86,7 +86,7 @@ class Fleet:
             request_timeout_secs=config.request_timeout_secs,
             connect_timeout_secs=config.connect_timeout_secs,
         )
-        self.fanout = Fanout(self.client, self.workers, config.request_timeout_secs, self.policy.forget_cache)
+        self.fanout = Fanout(self.client, self.workers, config.request_timeout_secs, self.policy.forget_caches)
         self.trajectories = TrajectoryStore(config.trajectory_max_tokens, config.trajectory_max_update_lag)
         self.metrics.fleet.trajectories = self.trajectories
         self.healer: Healer | None = None

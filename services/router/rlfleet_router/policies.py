@@ -1,10 +1,10 @@
 """Routing policies: which healthy worker serves a request, chosen by name.
 
-A policy is any object with `select(workers, request) -> Choice`, `forget_cache(worker)` and `forget(worker)`
-(the `Policy` protocol). The built-in ones are cache_aware, least_load, power_of_two and round_robin; another
-installed package adds one by declaring an entry point in the group `rlfleet.router.policies` whose
-target takes a `PolicyOptions` and returns a policy. Names are resolved when the router starts, so
-a typo fails at once with the list of known names.
+A policy is any object with `select(workers, request) -> Choice`, `forget_caches(workers)` and
+`forget(worker)` (the `Policy` protocol). The built-in ones are cache_aware, least_load, power_of_two
+and round_robin; another installed package adds one by declaring an entry point in the group
+`rlfleet.router.policies` whose target takes a `PolicyOptions` and returns a policy. Names are resolved
+when the router starts, so a typo fails at once with the list of known names.
 
 Load is what the router has in flight at a worker: requests first, then their tokens (prompt plus
 the completion budget) to break ties, so a worker running a few long generations counts as busier
@@ -145,9 +145,9 @@ class Policy(Protocol):
         """Picks one of `workers` (never empty, all healthy) for `request`."""
         ...
 
-    def forget_cache(self, worker: Worker) -> None:
-        """`worker`'s prefix cache was emptied (a weight load, a flush, a restart): drop what the policy
-        remembers it holds."""
+    def forget_caches(self, workers: Sequence[Worker]) -> None:
+        """The prefix caches of `workers` were emptied (a weight load, a flush, a restart): drop what the
+        policy remembers they hold."""
         ...
 
     def forget(self, worker: Worker) -> None:
@@ -169,7 +169,7 @@ class RoundRobin:
         assert workers, "select() needs at least one worker"
         return Choice(workers[next(self._counter) % len(workers)], "round_robin")
 
-    def forget_cache(self, worker: Worker) -> None:
+    def forget_caches(self, workers: Sequence[Worker]) -> None:
         pass
 
     def forget(self, worker: Worker) -> None:
@@ -191,7 +191,7 @@ class LeastLoad:
     def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Choice:
         return Choice(self.least_loaded(workers), "least_load")
 
-    def forget_cache(self, worker: Worker) -> None:
+    def forget_caches(self, workers: Sequence[Worker]) -> None:
         pass
 
     def forget(self, worker: Worker) -> None:
@@ -211,7 +211,7 @@ class PowerOfTwo:
         first, second = self._random.sample(list(workers), 2)
         return Choice(first if load(first) <= load(second) else second, "power_of_two")
 
-    def forget_cache(self, worker: Worker) -> None:
+    def forget_caches(self, workers: Sequence[Worker]) -> None:
         pass
 
     def forget(self, worker: Worker) -> None:
@@ -285,11 +285,11 @@ class CacheAware:
         self._routed += 1
         return choice
 
-    def forget_cache(self, worker: Worker) -> None:
-        self.tree.remove_tenant(worker.id)
+    def forget_caches(self, workers: Sequence[Worker]) -> None:
+        self.tree.remove_tenants([w.id for w in workers])
 
     def forget(self, worker: Worker) -> None:
-        self.forget_cache(worker)
+        self.forget_caches([worker])
         self._recent.pop(worker.id, None)
 
     def _admit(self, workers: Sequence[Worker]) -> None:

@@ -20,7 +20,7 @@ least recently used leaf. Usable alone (no router types), e.g. in notebooks or o
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 Key = Sequence[object]  # tuple[int, ...] of token ids, or str
@@ -145,23 +145,28 @@ class RadixTree:
             node = child
         return PrefixMatch(length=len(key), matched=matched, extended=extended)
 
-    def remove_tenant(self, tenant: str) -> None:
-        """Forgets everything `tenant` holds (an engine left, or lost its cache); O(size of the tree)."""
+    def remove_tenants(self, tenants: Collection[str]) -> None:
+        """Forgets everything `tenants` hold (engines left, or lost their caches) in one walk over the nodes
+        they hold; when they are all the tree's tenants (a fleet-wide flush), empties it at once."""
+        gone = set(tenants)
+        # A tenant held by a node is held by all its ancestors: the root's children hold every tenant.
+        if all(child.tenants <= gone for child in self._root.children.values()):
+            self._clear()
+            return
         stack = list(self._root.children.values())
         while stack:
             node = stack.pop()
-            if tenant not in node.tenants:
+            if node.tenants.isdisjoint(gone):
                 continue
-            node.tenants.discard(tenant)
+            node.tenants -= gone
             if node.ends is not None:
-                node.ends.discard(tenant)
+                node.ends -= gone
             if node.tenants:
                 stack.extend(node.children.values())
             else:
-                # A tenant held by a node is held by all its ancestors, so nobody holds this subtree.
-                self._drop_subtree(node)
+                self._drop_subtree(node)  # nobody holds this subtree
 
-    def clear(self) -> None:
+    def _clear(self) -> None:
         self._root = _Node((), None)
         self._lru.clear()
         self.tokens = 0

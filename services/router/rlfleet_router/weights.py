@@ -110,14 +110,14 @@ class FleetWeights:
         workers: WorkerRegistry,
         timeout_secs: float,
         metrics: RouterMetrics,
-        on_cache_emptied: Callable[[Worker], None],
+        on_caches_emptied: Callable[[list[Worker]], None],
     ) -> None:
-        """`on_cache_emptied(worker)` runs when a weight load leaves `worker`'s prefix cache empty."""
+        """`on_caches_emptied(workers)` runs with the engines a weight load left with an empty prefix cache."""
         self._client = client
         self._workers = workers
         self._timeout = timeout_secs
         self._metrics = metrics
-        self._on_cache_emptied = on_cache_emptied
+        self._on_caches_emptied = on_caches_emptied
         # Orders fleet updates (disk loads, versioned distributed updates) and admissions.
         self.lock = asyncio.Lock()
         self.target: WeightTarget | None = None
@@ -181,6 +181,9 @@ class FleetWeights:
                     worker.weight_version = version
                 else:
                     self._workers.take_out(worker, f"failed to load weight version {version!r}: {result.message}")
+            self.loaded(
+                DISK_UPDATE_ROUTE, request_body, [w for w, r in zip(engines, results, strict=True) if r.success]
+            )
             self.count_update("partial" if failed else "success")
             loaded = len(results) - len(failed)
             message = f"{loaded}/{len(results)} healthy engines serve weight version {version!r}"
@@ -216,6 +219,11 @@ class FleetWeights:
                 logger.warning("worker %s left routing while loading weights (%s); not waited for", worker.url, reason)
                 self._metrics.weight_update_engines_skipped.inc()
                 return None
+
+    def loaded(self, route: str, request_body: bytes, workers: list[Worker]) -> None:
+        """`workers` accepted the weight request `route` with `request_body`: their caches are empty if it flushes."""
+        if workers and empties_cache(route, request_body):
+            self._on_caches_emptied(workers)
 
     def count_update(self, result: str) -> None:
         """Counts one fleet-wide update by result: success, partial or failure."""
@@ -260,6 +268,7 @@ class FleetWeights:
                 result = await self.post_update(worker, DISK_UPDATE_ROUTE, target.request_body)
                 if not result.success:
                     raise Unavailable(f"could not load weight version {target.version!r}: {result.message}")
+                self.loaded(DISK_UPDATE_ROUTE, target.request_body, [worker])
                 worker.weight_version = target.version
             if self._workers.contains(worker):
                 self._workers.admit(worker)
@@ -300,8 +309,6 @@ class FleetWeights:
                 message = str(body.get("message") or f"HTTP {response.status_code}")
         if not success:
             logger.warning("worker %s failed %s: %s", worker.url, route, message)
-        elif empties_cache(route, request_body):
-            self._on_cache_emptied(worker)
         return EngineUpdateResult(worker.id, worker.url, success, message, time.monotonic() - start)
 
 

@@ -292,6 +292,6 @@ def test_cache_aware_forgets_what_an_emptied_engine_held_and_keeps_its_share_of_
         policy.select(workers, generate([*range(100, 400), question]))
     holder = next(w for w in workers if policy.tree.match((*range(100, 400), 9)).matched.get(w.id))
     share = policy._recent_score(holder)
-    policy.forget_cache(holder)
+    policy.forget_caches([holder])
     assert holder.id not in policy.tree.match((*range(100, 400), 9)).matched
     assert policy._recent_score(holder) == share, "a flush empties the cache, not the engine's recent traffic"

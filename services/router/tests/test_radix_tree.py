@@ -32,7 +32,7 @@ def test_match_tells_which_earlier_key_each_tenant_was_sent_that_this_one_contin
     other = tree.match((1, 2, 3, 9))
     assert other.matched == {"a": 3, "b": 3, "c": 2} and other.extended == {"c": 2}
     assert tree.match((1, 2, 3, 4)).extended == {"a": 4, "c": 2}, "a key repeated whole is continued too"
-    tree.remove_tenant("c")
+    tree.remove_tenants(["c"])
     assert tree.match((1, 2, 3, 4, 5, 6, 7)).extended == {"a": 4, "b": 6}
 
 
@@ -71,7 +71,7 @@ def test_remove_tenant_drops_what_only_it_held() -> None:
     tree = RadixTree(max_tokens=100)
     tree.insert((1, 2, 3), "a")
     tree.insert((1, 2, 4), "b")
-    tree.remove_tenant("a")
+    tree.remove_tenants(["a"])
     assert tree.match((1, 2, 3)).matched == {"b": 2}
     assert tree.tokens == 3 and tree.nodes == 2
 
@@ -90,3 +90,17 @@ def test_a_million_distinct_prompts_stay_within_the_budget() -> None:
     assert tree.match((*system_prompts[7], 999_999, 999_999 >> 4, 999_999 >> 8)).matched["engine-15"] == 51
     assert tree.match(system_prompts[0]).matched, "the hot shared prefixes survive eviction"
     assert elapsed < 30, f"1M inserts took {elapsed:.1f}s"
+
+
+def test_several_tenants_go_in_one_walk_and_all_of_them_empty_the_tree() -> None:
+    tree = RadixTree(max_tokens=100)
+    tree.insert((1, 2, 3), "a")
+    tree.insert((1, 2, 4), "b")
+    tree.insert((1, 5), "c")
+    tree.remove_tenants(["a", "c"])
+    assert tree.match((1, 2, 3)).matched == {"b": 2} and tree.match((1, 5)).matched == {"b": 1}
+    assert tree.tokens == 3 and tree.nodes == 3
+    tree.remove_tenants(["b", "gone-before"])  # every tenant left: a fleet-wide flush
+    assert tree.tokens == 0 and tree.nodes == 0 and tree.match((1, 2, 4)).matched == {}
+    tree.insert((1, 2), "a")
+    assert tree.match((1, 2, 4)).matched == {"a": 2}, "the emptied tree takes new keys"
