@@ -11,10 +11,11 @@ while a batch slot is free and the next waiting request's lease fits, stopping a
 not; and the backend's own `LatencyModel` per iteration (decode step + per-sequence cost x batch +
 per-KV-token cost x the running sequences' tokens + prefill cost x uncached prompt tokens admitted).
 Each request is routed by the policy object itself, seeing the requests in flight per engine as the
-router would; as in the benchmark, one policy object serves the workloads one after another and engine
-caches start empty for each workload, emptied through the policy (`forget_caches` with every engine, what
-a router does on a `/flush_cache`). Router and network time count as zero unless `--jitter-ms` adds
-some.
+router would (the answers of one engine step, a GRPO group's, all leave that count before any of their
+clients' next requests is routed); as in the benchmark, one policy object serves the workloads one after
+another and engine caches start empty for each workload, emptied through the policy (`forget_caches`
+with every engine, what a router does on a `/flush_cache`). Router and network time count as zero
+unless `--jitter-ms` adds some.
 
 Beside rlfleet's policies it replays a model of sglang-router's cache_aware at its defaults (the
 engine holding the longest prefix when it holds more than 30 % of the prompt, else the engine with the
@@ -288,7 +289,10 @@ def replay(
         if job.client in histories:
             history, users = histories[job.client]
             histories[job.client] = (history + "".join(job.output), users)
-        next_request(job.client, now)
+        # The client's next request is an event of its own: the answers an engine step finishes together (a
+        # GRPO group's) all reach the router before any of their clients' next requests, as over a network,
+        # so the first of those requests sees the group's requests gone from the fleet's in-flight count.
+        at(now, lambda when: next_request(job.client, when))
 
     for client in range(CONCURRENCY):
         next_request(client, 0.0)

@@ -1,0 +1,40 @@
+"""The routing replay's clients: a client sends its next request only after its answer has left the
+router's in-flight count, so the answers of one engine step all leave it first, as in the benchmark."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from router_policy_replay import CONCURRENCY, bench_engine_config, replay  # noqa: E402
+from router_vs_sglang_router import CACHES, grpo_workload  # noqa: E402
+
+from rlfleet_router.policies import Choice, RoundRobin, RoutingRequest  # noqa: E402
+from rlfleet_router.workers import Worker  # noqa: E402
+
+
+class CountingRoundRobin(RoundRobin):
+    """Round robin that records the fleet's requests in flight each time it routes one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_flight_seen: list[int] = []
+
+    def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Choice:
+        self.in_flight_seen.append(sum(w.in_flight for w in workers))
+        return super().select(workers, request)
+
+
+def test_the_answers_of_one_engine_step_leave_the_count_before_the_next_requests_are_routed() -> None:
+    workload = grpo_workload(seed=0, scale=0.1)
+    policy = CountingRoundRobin()
+    result = replay(policy, 4, bench_engine_config(CACHES["roomy"]), workload, seed=0)
+    assert sum(result.per_engine) == workload.requests
+    first, later = policy.in_flight_seen[:CONCURRENCY], policy.in_flight_seen[CONCURRENCY:]
+    assert first == list(range(CONCURRENCY))  # every client's first request, before any answer
+    assert later and max(later) == CONCURRENCY - 1  # a client's next request replaces its own answered one
+    # A GRPO group's samples finish in the same engine step; their clients' next requests see them all gone.
+    assert min(later) <= CONCURRENCY - workload.samples
