@@ -26,9 +26,15 @@ from rlfleet_trainer.config import TrainerSettings
 
 logger = logging.getLogger("rlfleet_trainer")
 
-# `serve` has a flag per setting, named after it and explained by its description.
+# `serve` has a flag per setting, named after it and explained by its description; a boolean setting (off
+# unless set) is a switch, `--mixed-precision`.
 SERVE_FLAGS: tuple[Flag, ...] = tuple(
-    Flag(f"--{name.replace('_', '-')}", field.description or "") for name, field in TrainerSettings.model_fields.items()
+    Flag(
+        f"--{name.replace('_', '-')}",
+        field.description or "",
+        kind="switch" if field.annotation is bool else "value",
+    )
+    for name, field in TrainerSettings.model_fields.items()
 )
 
 
