@@ -94,10 +94,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--weight-version", "Version label of the initial weights (default 'default')."),
     Flag("--health-check-timeout", "Seconds /health_generate may take (default 20).", field="health_check_timeout_s"),
     Flag("--sim-cache-tokens", "sim backend: KV memory in tokens (default 1000000)."),
-    Flag("--sim-prefill-us-per-token", "sim backend: prefill us per uncached token (25)."),
-    Flag("--sim-decode-ms-per-step", "sim backend: ms per decode step of one sequence (5)."),
-    Flag("--sim-decode-us-per-sequence", "sim backend: us each batched sequence adds (100)."),
-    Flag("--sim-decode-us-per-kv-token", "sim backend: us each KV token adds to a step (0)."),
+    Flag("--sim-prefill-us-per-token", "sim backend: prefill us per uncached token (default 25)."),
+    Flag("--sim-decode-ms-per-step", "sim backend: ms per decode step of one sequence (default 5)."),
+    Flag("--sim-decode-us-per-sequence", "sim backend: us each batched sequence adds (default 100)."),
+    Flag("--sim-decode-us-per-kv-token", "sim backend: us each KV token adds to a step (default 0)."),
 )
 
 

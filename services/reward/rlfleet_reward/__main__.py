@@ -23,13 +23,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--port", "HTTP port (default 8001)"),
     Flag("--grpc-port", "gRPC port (default 50053)"),
     Flag("--workers", "worker processes (default: CPUs available)"),
-    Flag("--default-timeout-seconds", "per-item limit when a spec sets none (10)"),
-    Flag("--max-timeout-seconds", "largest limit a spec may ask for (300)"),
-    Flag("--max-batch-size", "most items per request (4096)"),
-    Flag("--max-concurrent-io-calls", "remote/judge calls in flight at once (64)"),
-    Flag("--max-request-bytes", "largest request body or message (64 MiB)"),
-    Flag("--shutdown-grace-seconds", "time in-flight requests get on SIGTERM (10)"),
-    Flag("--log-level", "root log level (INFO)"),
+    Flag("--default-timeout-seconds", "per-item limit when a spec sets none (default 10)"),
+    Flag("--max-timeout-seconds", "largest limit a spec may ask for (default 300)"),
+    Flag("--max-batch-size", "most items per request (default 4096)"),
+    Flag("--max-concurrent-io-calls", "remote/judge calls in flight at once (default 64)"),
+    Flag("--max-request-bytes", "largest request body or message (default 64 MiB)"),
+    Flag("--shutdown-grace-seconds", "time in-flight requests get on SIGTERM (default 10)"),
+    Flag("--log-level", "root log level (default INFO)"),
 )
 
 

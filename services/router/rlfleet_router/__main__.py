@@ -22,10 +22,14 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--port", "port to listen on (default 30000)"),
     Flag("--policy", "routing policy: cache_aware (default), least_load, power_of_two or round_robin"),
     Flag("--cache-threshold", "cache_aware: share of a prompt an engine must hold to be preferred (default 0.3)"),
-    Flag("--cache-tokens-per-request", "cache_aware: prompt tokens to prefill worth one request in flight (40)"),
-    Flag("--balance-abs-threshold", "cache_aware: an engine has room for a group within this many (10) ..."),
-    Flag("--balance-rel-threshold", "cache_aware: ... plus this factor times the mean in flight (1.25)"),
-    Flag("--balance-share-threshold", "cache_aware: no new prompt above this times the mean recent share (1.15)"),
+    Flag(
+        "--cache-tokens-per-request", "cache_aware: prompt tokens to prefill worth one request in flight (default 40)"
+    ),
+    Flag("--balance-abs-threshold", "cache_aware: an engine has room for a group within this many (default 10) ..."),
+    Flag("--balance-rel-threshold", "cache_aware: ... plus this factor times the mean in flight (default 1.25)"),
+    Flag(
+        "--balance-share-threshold", "cache_aware: no new prompt above this times the mean recent share (default 1.15)"
+    ),
     Flag("--max-tree-tokens", "cache_aware: global token budget of the prefix tree (default 2**24)"),
     Flag("--request-timeout-secs", "bound on one proxied request, retries included (default 600)"),
     Flag("--connect-timeout-secs", "bound on connecting to an engine (default 5)"),

@@ -7,6 +7,8 @@ two routers without relearning the knobs.
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -14,6 +16,8 @@ from rlfleet.errors import InvalidInput
 from rlfleet_router.policies import PolicyOptions, available_policies
 from rlfleet_router.restarters import restarter_names
 from rlfleet_router.workers import normalize_worker_url
+
+POLICY_DEFAULTS = PolicyOptions()
 
 
 class RouterConfig(BaseSettings):
@@ -28,24 +32,35 @@ class RouterConfig(BaseSettings):
         "cache_aware", description="Routing policy by name: cache_aware, least_load, power_of_two, round_robin."
     )
     cache_threshold: float = Field(
-        0.3, ge=0.0, le=1.0, description="cache_aware: fraction of a prompt an engine must hold to be preferred."
+        POLICY_DEFAULTS.cache_threshold,
+        ge=0.0,
+        le=1.0,
+        description="cache_aware: fraction of a prompt an engine must hold to be preferred.",
     )
     cache_tokens_per_request: int = Field(
-        40, ge=1, description="cache_aware: prompt tokens to prefill costing an engine as much as a request in flight."
+        POLICY_DEFAULTS.cache_tokens_per_request,
+        ge=1,
+        description="cache_aware: prompt tokens to prefill costing an engine as much as a request in flight.",
     )
     balance_abs_threshold: int = Field(
-        10, ge=0, description="cache_aware: an engine has room for a prompt's group while its requests in flight ..."
+        POLICY_DEFAULTS.balance_abs_threshold,
+        ge=0,
+        description="cache_aware: an engine has room for a prompt's group while its requests in flight ...",
     )
     balance_rel_threshold: float = Field(
-        1.25, ge=1.0, description="cache_aware: ... plus the group stay within the above plus this times the mean."
+        POLICY_DEFAULTS.balance_rel_threshold,
+        ge=1.0,
+        description="cache_aware: ... plus the group stay within the above plus this times the mean.",
     )
     balance_share_threshold: float = Field(
-        1.15,
+        POLICY_DEFAULTS.balance_share_threshold,
         ge=1.0,
         description="cache_aware: an engine whose recent requests exceed this times the mean (+1) takes no new prompt.",
     )
     max_tree_tokens: int = Field(
-        2**24, ge=1, description="cache_aware: global token budget of the prefix tree (LRU eviction beyond it)."
+        POLICY_DEFAULTS.max_tree_tokens,
+        ge=1,
+        description="cache_aware: global token budget of the prefix tree (LRU eviction beyond it).",
     )
 
     request_timeout_secs: float = Field(
@@ -124,13 +139,9 @@ class RouterConfig(BaseSettings):
     )
 
     def policy_options(self) -> PolicyOptions:
+        """The policy settings among these (the rest of PolicyOptions keeps its defaults)."""
         return PolicyOptions(
-            cache_threshold=self.cache_threshold,
-            cache_tokens_per_request=self.cache_tokens_per_request,
-            balance_abs_threshold=self.balance_abs_threshold,
-            balance_rel_threshold=self.balance_rel_threshold,
-            balance_share_threshold=self.balance_share_threshold,
-            max_tree_tokens=self.max_tree_tokens,
+            **{f.name: getattr(self, f.name) for f in fields(PolicyOptions) if f.name in type(self).model_fields}
         )
 
     @field_validator("worker_urls")

@@ -20,20 +20,25 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from pydantic.fields import FieldInfo
+
 from rlfleet.logs import init_logging
 from rlfleet.settings_flags import Flag, add_flags, settings_from_flags
 from rlfleet_trainer.config import TrainerSettings
 
 logger = logging.getLogger("rlfleet_trainer")
 
+
+def _serve_help(field: FieldInfo) -> str:
+    """The setting's description, and its default when it has a value to show (not unset, not a switch's off)."""
+    shown = field.default is not None and field.annotation is not bool
+    return f"{field.description or ''} (default {field.default})" if shown else field.description or ""
+
+
 # `serve` has a flag per setting, named after it and explained by its description; a boolean setting (off
 # unless set) is a switch, `--mixed-precision`.
 SERVE_FLAGS: tuple[Flag, ...] = tuple(
-    Flag(
-        f"--{name.replace('_', '-')}",
-        field.description or "",
-        kind="switch" if field.annotation is bool else "value",
-    )
+    Flag(f"--{name.replace('_', '-')}", _serve_help(field), kind="switch" if field.annotation is bool else "value")
     for name, field in TrainerSettings.model_fields.items()
 )
 
