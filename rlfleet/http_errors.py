@@ -25,8 +25,31 @@ def error_response(error: RlfleetError) -> JSONResponse:
     return JSONResponse(error_body(error), status_code=error.http_status)
 
 
-def describe_validation_error(exc: RequestValidationError) -> str:
-    """One line per problem, each naming the field by its path (`body.items.0.label: ...`)."""
+def is_json_media_type(content_type: str) -> bool:
+    """`application/json`, with or without parameters, or a `+json` type."""
+    media = content_type.partition(";")[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
+
+
+def body_not_read_as_json(
+    exc: RequestValidationError, content_type: str | None, missing_reads_as_json: bool = False
+) -> str | None:
+    """What to say when the whole body failed because it was not sent as JSON (`curl -d` sends form data's
+    Content-Type), which the field-by-field message would leave a puzzle; else None. `missing_reads_as_json`:
+    the app reads a body without a Content-Type as JSON (FastAPI's strict_content_type=False)."""
+    whole_body = any(tuple(err.get("loc", ())) == ("body",) for err in exc.errors())
+    read_as_json = is_json_media_type(content_type) if content_type else missing_reads_as_json
+    if not whole_body or read_as_json:
+        return None
+    sent = f"the request's Content-Type is {content_type!r}" if content_type else "the request has no Content-Type"
+    return f"body: not read as JSON: {sent}; send it with Content-Type: application/json"
+
+
+def describe_validation_error(exc: RequestValidationError, content_type: str | None = None) -> str:
+    """One line per problem, each naming the field by its path (`body.items.0.label: ...`); a body sent
+    under another Content-Type than JSON is named as that (`content_type`: the request's)."""
+    if wrong_type := body_not_read_as_json(exc, content_type):
+        return wrong_type
     parts = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err.get("loc", ()))
@@ -43,7 +66,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(InvalidInput(describe_validation_error(exc)))
+        return error_response(InvalidInput(describe_validation_error(exc, request.headers.get("content-type"))))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from rlfleet.errors import InvalidInput, RlfleetError
-from rlfleet.http_errors import install_error_handlers
+from rlfleet.http_errors import body_not_read_as_json, install_error_handlers
 from rlfleet_engine.openai_api import OpenAIServer
 from rlfleet_engine.openai_schemas import ChatCompletionRequest, CompletionRequest
 from rlfleet_engine.schemas import (
@@ -43,7 +43,7 @@ _UNION_TAGS = frozenset({"str", "int", "float", "bool"})
 
 
 def create_app(core: EngineCore, registry: CollectorRegistry) -> FastAPI:
-    # strict_content_type=False: like SGLang clients, `curl -d` without a JSON content type still works.
+    # strict_content_type=False: a body without a Content-Type is read as JSON, as SGLang's server reads it.
     app = FastAPI(title="rlfleet-engine", version="0.1.0", strict_content_type=False)
     install_error_handlers(app)
 
@@ -51,7 +51,8 @@ def create_app(core: EngineCore, registry: CollectorRegistry) -> FastAPI:
     async def _bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         body = {
             "object": "error",
-            "message": _describe(exc),
+            "message": body_not_read_as_json(exc, request.headers.get("content-type"), missing_reads_as_json=True)
+            or _describe(exc),
             "type": HTTPStatus.BAD_REQUEST.phrase,
             "param": None,
             "code": HTTPStatus.BAD_REQUEST.value,

@@ -39,6 +39,18 @@ def test_malformed_requests_get_sglangs_400_naming_the_problem(engine: RunningEn
     assert fragment in error["message"], error["message"]
 
 
+def test_a_body_sent_as_form_data_gets_a_400_naming_the_content_type(engine: RunningEngine) -> None:
+    body = json.dumps({"text": "1+1=", "sampling_params": {"max_new_tokens": 1}})
+    # curl -d without -H sends form data's Content-Type; FastAPI then does not read the body as JSON.
+    response = httpx.post(engine.url + "/generate", content=body, headers={"content-type": "text/plain"}, timeout=10)
+    assert response.status_code == 400
+    assert "Content-Type is 'text/plain'" in response.json()["message"]
+    assert "application/json" in response.json()["message"]
+    # Without a Content-Type the body is read as JSON, as SGLang's server reads it.
+    response = httpx.post(engine.url + "/generate", content=body, timeout=10)
+    assert response.status_code == 200, response.text
+
+
 @pytest.mark.parametrize(
     ("body", "fragment"),
     [

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 import httpx
 
 from rlfleet.errors import InvalidInput
+from rlfleet.http_errors import is_json_media_type
 from rlfleet_router.chars_per_token import CharsPerToken
 from rlfleet_router.config import RouterConfig
 from rlfleet_router.distributed_weights import DistributedWeights
@@ -138,6 +139,10 @@ class Fleet:
     ) -> EngineResponse:
         """Routes a generation request (/generate or OpenAI); records its turn if it belongs to a trajectory."""
         parsed = parse_json_object(body)
+        if not is_json_media_type(headers.get("content-type", "")):
+            # The body is a JSON object whatever the client called it (`curl -d` calls it form data), and an
+            # engine reads it as one only under a JSON Content-Type.
+            headers = {**headers, "content-type": "application/json"}
         routing = RoutingRequest(route, routing_body(route, parsed), self.chars_per_token.value)
         trajectory = trajectory_id(headers)
         on_answer = None

@@ -64,6 +64,7 @@ class FakeEngine:
     fail_updates: bool = False
     update_delay: float = 0.0
     raw_bodies: list[bytes] = field(default_factory=list)
+    content_types: list[str | None] = field(default_factory=list)  # of each /generate request
     update_bodies: list[dict[str, object]] = field(default_factory=list)
     events: list[str] = field(default_factory=list)  # "generate" / "update", in arrival order
     in_flight: int = 0
@@ -83,6 +84,7 @@ class FakeEngine:
         async def generate(request: Request) -> Response:
             raw = await request.body()
             self.raw_bodies.append(raw)
+            self.content_types.append(request.headers.get("content-type"))
             self.events.append("generate")
             if self.generate_status != 200:
                 return JSONResponse({"error": "engine fault"}, status_code=self.generate_status)

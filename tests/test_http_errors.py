@@ -1,0 +1,66 @@
+"""Request-validation failures as every service's HTTP API answers them: 400, naming the field, and naming
+the Content-Type when the body was not sent as JSON."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from pydantic import BaseModel, Field
+
+from rlfleet.http_errors import install_error_handlers, is_json_media_type
+
+
+class Spec(BaseModel):
+    name: str
+    steps: int = Field(ge=1)
+
+
+@pytest.fixture(scope="module")
+def client() -> TestClient:
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/runs")
+    async def submit(spec: Spec) -> dict[str, str]:
+        return {"name": spec.name}
+
+    return TestClient(app)
+
+
+def test_a_bad_field_is_named(client: TestClient) -> None:
+    response = client.post("/runs", json={"name": "a", "steps": 0})
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert message.startswith("body.steps: "), message
+
+
+@pytest.mark.parametrize(
+    ("headers", "fragment"),
+    [
+        ({"content-type": "application/x-www-form-urlencoded"}, "Content-Type is 'application/x-www-form-urlencoded'"),
+        ({}, "the request has no Content-Type"),
+    ],
+)
+def test_a_json_body_not_sent_as_json_names_the_content_type(
+    client: TestClient, headers: dict[str, str], fragment: str
+) -> None:
+    response = client.post("/runs", content='{"name": "a", "steps": 1}', headers=headers)
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert fragment in message and "send it with Content-Type: application/json" in message
+
+
+def test_a_json_body_under_a_json_type_with_parameters_is_read(client: TestClient) -> None:
+    response = client.post(
+        "/runs", content='{"name": "a", "steps": 1}', headers={"content-type": "application/json; charset=utf-8"}
+    )
+    assert response.status_code == 200, response.text
+
+
+def test_json_media_types() -> None:
+    assert is_json_media_type("application/json")
+    assert is_json_media_type("Application/JSON; charset=utf-8")
+    assert is_json_media_type("application/problem+json")
+    assert not is_json_media_type("application/x-www-form-urlencoded")
+    assert not is_json_media_type("")
