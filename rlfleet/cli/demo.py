@@ -29,9 +29,9 @@ REPO = Path(__file__).resolve().parents[2]
 def register(areas: argparse._SubParsersAction) -> None:
     demo = areas.add_parser("demo", help="SFT warm start, then GRPO through the whole fleet, with a summary")
     demo.add_argument("--out", type=Path, default=Path(".rlfleet/demo"), help="demo directory (recreated)")
-    demo.add_argument("--spec", type=Path, default=REPO / "examples/runs/arith-grpo.yaml")
+    demo.add_argument("--spec", type=Path, default=REPO / "examples/runs/arith-grpo.yaml", help="run spec to train")
     demo.add_argument("--sft-steps", type=int, default=400, help="SFT warm-start steps")
-    demo.add_argument("--engines", type=int, default=2)
+    demo.add_argument("--engines", type=int, default=2, help="engines to start")
     demo.set_defaults(func=run_demo)
 
 

@@ -40,7 +40,7 @@ def register(areas: argparse._SubParsersAction) -> None:
     up.add_argument("--redis-url", default=None, help="use this Redis instead of 127.0.0.1:6379 / a started one")
     up.set_defaults(func=run_up)
     down = areas.add_parser("down", help="stop the fleet started by `rlfleet up`")
-    down.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    down.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="the state directory `rlfleet up` used")
     down.set_defaults(func=run_down)
 
 

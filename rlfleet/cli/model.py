@@ -17,13 +17,20 @@ def register(areas: argparse._SubParsersAction) -> None:
     )
     defaults = TinyModelConfig()
     init.add_argument("--out", type=Path, required=True, help="directory to create (must not hold a model)")
-    init.add_argument("--hidden-size", type=int, default=defaults.hidden_size)
-    init.add_argument("--layers", type=int, default=defaults.layers)
-    init.add_argument("--heads", type=int, default=defaults.heads)
-    init.add_argument("--kv-heads", type=int, default=defaults.kv_heads)
-    init.add_argument("--intermediate-size", type=int, default=defaults.intermediate_size)
-    init.add_argument("--max-positions", type=int, default=defaults.max_positions)
-    init.add_argument("--seed", type=int, default=defaults.seed)
+    init.add_argument("--hidden-size", type=int, default=defaults.hidden_size, help="width of the residual stream")
+    init.add_argument("--layers", type=int, default=defaults.layers, help="transformer blocks")
+    init.add_argument("--heads", type=int, default=defaults.heads, help="attention heads; must divide the hidden size")
+    init.add_argument(
+        "--kv-heads",
+        type=int,
+        default=defaults.kv_heads,
+        help="key/value heads (grouped-query attention); must divide the heads",
+    )
+    init.add_argument(
+        "--intermediate-size", type=int, default=defaults.intermediate_size, help="width of each block's MLP"
+    )
+    init.add_argument("--max-positions", type=int, default=defaults.max_positions, help="context length in tokens")
+    init.add_argument("--seed", type=int, default=defaults.seed, help="seed of the random initialisation")
     init.set_defaults(func=run_init)
 
 
