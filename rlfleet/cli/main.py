@@ -6,31 +6,11 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from rlfleet.cli import data, demo, fleet, model, runs
+from rlfleet.cli.defaults_help import CommandParser
 from rlfleet.errors import RlfleetError
 from rlfleet.logs import init_logging
-
-
-class DefaultsShown(argparse.HelpFormatter):
-    """Help that ends with the option's default, unless the help already speaks of it or there is none to show."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
-        if not action.option_strings or unset or "default" in text:
-            return action.help
-        shown = str(action.default).replace("%", "%%")  # the help is a %-format string
-        return f"{text} (default {shown})" if text else f"(default {shown})"
-
-
-class CommandParser(argparse.ArgumentParser):
-    """Every parser of the `rlfleet` command, subcommands' included, shows defaults in its help."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", DefaultsShown)
-        super().__init__(*args, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:

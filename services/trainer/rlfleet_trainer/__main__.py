@@ -22,6 +22,7 @@ from pathlib import Path
 
 from pydantic.fields import FieldInfo
 
+from rlfleet.cli.defaults_help import DefaultsShown
 from rlfleet.logs import init_logging
 from rlfleet.settings_flags import Flag, add_flags, settings_from_flags
 from rlfleet_trainer.config import TrainerSettings
@@ -48,16 +49,20 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,sft,export}")
     serve = commands.add_parser("serve", help="serve the gRPC Trainer API (one process per rank, under torchrun)")
     add_flags(serve, SERVE_FLAGS)
-    sft = commands.add_parser("sft", help="supervised warm start on the arithmetic task, written as a new model")
+    sft = commands.add_parser(
+        "sft",
+        help="supervised warm start on the arithmetic task, written as a new model",
+        formatter_class=DefaultsShown,
+    )
     sft.add_argument("--model-path", type=Path, required=True, help="Hugging Face model directory to start from")
     sft.add_argument("--out", type=Path, required=True, help="directory to write the trained model to")
-    sft.add_argument("--steps", type=int, default=200)
-    sft.add_argument("--batch-size", type=int, default=64)
-    sft.add_argument("--learning-rate", type=float, default=1e-3)
-    sft.add_argument("--digits", type=int, default=2)
-    sft.add_argument("--ops", default="+")
-    sft.add_argument("--seed", type=int, default=0)
-    sft.add_argument("--torch-threads", type=int, default=2)
+    sft.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    sft.add_argument("--batch-size", type=int, default=64, help="problems per step")
+    sft.add_argument("--learning-rate", type=float, default=1e-3, help="AdamW learning rate")
+    sft.add_argument("--digits", type=int, default=2, help="digits per operand of the arithmetic problems")
+    sft.add_argument("--ops", default="+", help="operators to draw from, a subset of +-*/")
+    sft.add_argument("--seed", type=int, default=0, help="seed of the problems and the batches")
+    sft.add_argument("--torch-threads", type=int, default=2, help="intra-op threads of torch on CPU")
     export = commands.add_parser("export", help="write a checkpoint as a Hugging Face model (safetensors)")
     export.add_argument(
         "--checkpoint", type=Path, required=True, help="checkpoint directory (runs/<id>/checkpoints/step_<N>)"
