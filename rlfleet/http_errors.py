@@ -31,25 +31,34 @@ def is_json_media_type(content_type: str) -> bool:
     return media == "application/json" or media.endswith("+json")
 
 
-def body_not_read_as_json(
+# pydantic's error types for a value that is not a mapping where a model or dict was expected.
+NOT_AN_OBJECT = frozenset({"model_attributes_type", "model_type", "dict_type"})
+JSON_TYPE_NAMES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "true or false"}
+
+
+def whole_body_problem(
     exc: RequestValidationError, content_type: str | None, missing_reads_as_json: bool = False
 ) -> str | None:
-    """What to say when the whole body failed because it was not sent as JSON (`curl -d` sends form data's
-    Content-Type), which the field-by-field message would leave a puzzle; else None. `missing_reads_as_json`:
-    the app reads a body without a Content-Type as JSON (FastAPI's strict_content_type=False)."""
-    whole_body = any(tuple(err.get("loc", ())) == ("body",) for err in exc.errors())
-    read_as_json = is_json_media_type(content_type) if content_type else missing_reads_as_json
-    if not whole_body or read_as_json:
+    """What to say when the body as a whole is not an object, which pydantic's own words ("Input should be a
+    valid dictionary ...") leave a puzzle; else None. Most often it was not sent as JSON: `curl -d` sends form
+    data's Content-Type. `missing_reads_as_json`: the app reads a body without a Content-Type as JSON
+    (FastAPI's strict_content_type=False)."""
+    whole = [err for err in exc.errors() if tuple(err.get("loc", ())) == ("body",) and err.get("type") in NOT_AN_OBJECT]
+    if not whole:
         return None
-    sent = f"the request's Content-Type is {content_type!r}" if content_type else "the request has no Content-Type"
-    return f"body: not read as JSON: {sent}; send it with Content-Type: application/json"
+    if not (is_json_media_type(content_type) if content_type else missing_reads_as_json):
+        sent = f"the request's Content-Type is {content_type!r}" if content_type else "the request has no Content-Type"
+        return f"body: not read as JSON: {sent}; send it with Content-Type: application/json"
+    value = whole[0].get("input")
+    got = "null" if value is None else JSON_TYPE_NAMES.get(type(value), type(value).__name__)
+    return f"body: must be a JSON object, got {got}"
 
 
 def describe_validation_error(exc: RequestValidationError, content_type: str | None = None) -> str:
-    """One line per problem, each naming the field by its path (`body.items.0.label: ...`); a body sent
-    under another Content-Type than JSON is named as that (`content_type`: the request's)."""
-    if wrong_type := body_not_read_as_json(exc, content_type):
-        return wrong_type
+    """One line per problem, each naming the field by its path (`body.items.0.label: ...`), or what is wrong
+    with the body as a whole (`content_type`: the request's)."""
+    if whole := whole_body_problem(exc, content_type):
+        return whole
     parts = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err.get("loc", ()))

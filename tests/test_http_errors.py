@@ -1,5 +1,5 @@
-"""Request-validation failures as every service's HTTP API answers them: 400, naming the field, and naming
-the Content-Type when the body was not sent as JSON."""
+"""Request-validation failures as every service's HTTP API answers them: 400, naming the field, or what is
+wrong with the body as a whole (not sent as JSON, or not an object)."""
 
 from __future__ import annotations
 
@@ -64,3 +64,10 @@ def test_json_media_types() -> None:
     assert is_json_media_type("application/problem+json")
     assert not is_json_media_type("application/x-www-form-urlencoded")
     assert not is_json_media_type("")
+
+
+@pytest.mark.parametrize(("body", "got"), [("[1]", "an array"), ('"a"', "a string"), ("null", "null")])
+def test_a_json_body_that_is_not_an_object_says_what_it_is(client: TestClient, body: str, got: str) -> None:
+    response = client.post("/runs", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == f"body: must be a JSON object, got {got}"

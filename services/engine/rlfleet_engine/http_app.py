@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from rlfleet.errors import InvalidInput, RlfleetError
-from rlfleet.http_errors import body_not_read_as_json, install_error_handlers
+from rlfleet.http_errors import install_error_handlers, whole_body_problem
 from rlfleet_engine.openai_api import OpenAIServer
 from rlfleet_engine.openai_schemas import ChatCompletionRequest, CompletionRequest
 from rlfleet_engine.schemas import (
@@ -51,7 +51,7 @@ def create_app(core: EngineCore, registry: CollectorRegistry) -> FastAPI:
     async def _bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         body = {
             "object": "error",
-            "message": body_not_read_as_json(exc, request.headers.get("content-type"), missing_reads_as_json=True)
+            "message": whole_body_problem(exc, request.headers.get("content-type"), missing_reads_as_json=True)
             or _describe(exc),
             "type": HTTPStatus.BAD_REQUEST.phrase,
             "param": None,

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.e2e
     ("body", "fragment"),
     [
         ("{not json", "malformed JSON"),
+        ("[1, 2]", "body: must be a JSON object, got an array"),
         ({"sampling_params": {"max_new_tokens": 2}}, "either text or input_ids (got neither)"),
         ({"text": "1+1=", "input_ids": [5]}, "not both"),
         ({"text": 5}, "body.text"),
