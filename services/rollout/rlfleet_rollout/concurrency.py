@@ -1,12 +1,23 @@
-"""Running a batch of coroutines together so that one failure stops the rest instead of orphaning them."""
+"""Task lifetimes: a batch of coroutines that stops together on the first failure, and cancelling a task so
+that it really ends.
+
+A task can outlive one cancellation. On Python 3.11, asyncio.wait_for returns its awaitable's result when
+a cancellation arrives just as that awaitable finishes, and the cancellation is lost; redis-py's asyncio
+client sends every command through wait_for, so a task cancelled during a Redis command can run on as if
+nothing happened. `cancel_and_wait` therefore cancels again until the task has ended.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+# How long a cancelled task may run on before it is cancelled again.
+RECANCEL_EVERY_S = 0.5
 
 
 async def gather_cancelling(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
@@ -17,3 +28,23 @@ async def gather_cancelling(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
     finally:
         for task in tasks:
             task.cancel()
+
+
+async def cancel_and_wait(task: asyncio.Task[Any], within_s: float | None = None) -> bool:
+    """Cancels `task`, again every RECANCEL_EVERY_S while it runs on, until it has ended (True) or `within_s`
+    has passed (False). A cancellation of the caller meanwhile is held until then and raised after, so a
+    task is never left running by a caller that was itself cancelled while it waited."""
+    deadline = None if within_s is None else time.monotonic() + within_s
+    interrupted = False
+    while not task.done():
+        wait = RECANCEL_EVERY_S if deadline is None else min(RECANCEL_EVERY_S, deadline - time.monotonic())
+        if wait <= 0:
+            break
+        task.cancel()
+        try:
+            await asyncio.wait({task}, timeout=wait)
+        except asyncio.CancelledError:
+            interrupted = True
+    if interrupted:
+        raise asyncio.CancelledError
+    return task.done()

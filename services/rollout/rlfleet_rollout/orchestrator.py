@@ -18,6 +18,7 @@ import uvicorn
 
 from rlfleet.api_token import ApiTokenGuard, bearer_headers, read_token_file
 from rlfleet.sample_stream import connect_redis, connect_redis_async
+from rlfleet_rollout.concurrency import cancel_and_wait
 from rlfleet_rollout.config import RolloutConfig
 from rlfleet_rollout.group_filters import FilterRegistry
 from rlfleet_rollout.grpc_server import build_grpc_server
@@ -115,8 +116,7 @@ async def serve(config: RolloutConfig) -> None:
             logger.error("%s stopped: %r", task.get_name(), task.exception())
     logger.info("shutting down")
     try:
-        queue_task.cancel()
-        await asyncio.wait({queue_task}, timeout=config.trainer_call_timeout_s + config.shutdown_grace_s)
+        await cancel_and_wait(queue_task, within_s=config.trainer_call_timeout_s + config.shutdown_grace_s)
         core.close()
         web.should_exit = True
         await grpc_server.stop(grace=config.shutdown_grace_s)

@@ -13,6 +13,7 @@ import asyncio
 import logging
 
 from rlfleet.v1.runs_pb2 import Run, RunState
+from rlfleet_rollout.concurrency import cancel_and_wait
 from rlfleet_rollout.redis_outage import until_redis_answers
 from rlfleet_rollout.run_loop import RunDeps, execute_run
 
@@ -39,7 +40,9 @@ class RunQueue:
             run = await until_redis_answers(self._next_run, "run queue", self.deps.metrics)
             if run is None:
                 try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=_IDLE_RECHECK_S)
+                    # asyncio.timeout, not wait_for, which on Python 3.11 can lose a cancellation (concurrency.py).
+                    async with asyncio.timeout(_IDLE_RECHECK_S):
+                        await self._wake.wait()
                 except TimeoutError:
                     pass
                 continue
@@ -50,7 +53,7 @@ class RunQueue:
                 # this coroutine is (at shutdown); then the run's task is cancelled too.
                 await asyncio.wait({task})
             except asyncio.CancelledError:
-                await _cancel_and_wait(task)
+                await cancel_and_wait(task)
                 raise
             finally:
                 self._active_id, self._active_task = None, None
@@ -73,11 +76,3 @@ class RunQueue:
             self._wake.set()
         elif run.state == RunState.RUN_STATE_CANCELLED and run.id == self._active_id and self._active_task:
             self._active_task.cancel()
-
-
-async def _cancel_and_wait(task: asyncio.Task[None]) -> None:
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass

@@ -121,7 +121,8 @@ class RunsCore:
         while not is_terminal(run.state) and not self._closing:
             try:
                 # The timeout bounds each wait and picks up changes another process wrote to Redis.
-                await asyncio.wait_for(event.wait(), timeout=self.poll_interval_s)
+                async with asyncio.timeout(self.poll_interval_s):
+                    await event.wait()
             except TimeoutError:
                 pass
             event = self.notifier.subscribe(run_id)

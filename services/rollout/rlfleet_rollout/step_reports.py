@@ -52,7 +52,8 @@ class StepReportFollower:
         """Waits until the report of `step` is in the run's record; False if it is not within `timeout_s`."""
         async with self._copied:
             try:
-                await asyncio.wait_for(self._copied.wait_for(lambda: self.step >= step), timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    await self._copied.wait_for(lambda: self.step >= step)
             except TimeoutError:
                 return False
         return True

@@ -71,7 +71,11 @@ class TrainerSession:
         except asyncio.CancelledError:
             log = {"run_id": self.run_id}
             logger.info("run %s cancelled during StartRun; waiting for its answer", self.run_id, extra=log)
-            await asyncio.wait({call})
+            while not call.done():
+                try:
+                    await asyncio.wait({call})
+                except asyncio.CancelledError:
+                    pass  # cancelled again (cancel_and_wait repeats itself): the answer still comes first
             if not call.cancelled() and call.exception() is not None:
                 logger.warning("StartRun of %s failed: %s", self.run_id, call.exception(), extra=log)
             raise

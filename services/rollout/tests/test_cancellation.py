@@ -1,0 +1,114 @@
+"""Cancelling a task so that it really ends, even when a library drops one cancellation (Python 3.11's
+asyncio.wait_for, under redis-py's asyncio client), and a run shut down mid-step stays RUNNING."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from rlfleet.sample_stream import connect_redis_async
+from rlfleet_rollout.concurrency import RECANCEL_EVERY_S, cancel_and_wait
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+async def shrugs_off_one_cancel(ended: list[str]) -> None:
+    """A task that loses its first cancellation, as one inside asyncio.wait_for can."""
+    try:
+        await asyncio.sleep(30)
+    except asyncio.CancelledError:
+        pass
+    try:
+        await asyncio.sleep(30)
+    finally:
+        ended.append("ended")
+
+
+def test_a_task_that_loses_a_cancellation_is_cancelled_again() -> None:
+    async def main() -> tuple[bool, float, list[str]]:
+        ended: list[str] = []
+        task = asyncio.create_task(shrugs_off_one_cancel(ended))
+        await asyncio.sleep(0)
+        started = time.monotonic()
+        done = await cancel_and_wait(task)
+        return done and task.cancelled(), time.monotonic() - started, ended
+
+    cancelled, took, ended = asyncio.run(main())
+    assert cancelled and ended == ["ended"]
+    assert RECANCEL_EVERY_S * 0.9 < took < RECANCEL_EVERY_S * 3
+
+
+def test_the_wait_is_bounded() -> None:
+    stubborn = [True]
+
+    async def shrugs_off_every_cancel() -> None:
+        while stubborn[0]:
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                pass
+
+    async def main() -> tuple[bool, float, bool]:
+        task = asyncio.create_task(shrugs_off_every_cancel())
+        await asyncio.sleep(0)
+        started = time.monotonic()
+        done = await cancel_and_wait(task, within_s=1.2)
+        took = time.monotonic() - started
+        stubborn[0] = False
+        return done, took, await cancel_and_wait(task, within_s=5)
+
+    done, took, ended_once_it_yields = asyncio.run(main())
+    assert not done and 1.1 < took < 2.5
+    assert ended_once_it_yields
+
+
+def test_a_cancelled_caller_still_waits_for_the_task_then_raises() -> None:
+    async def main() -> tuple[list[str], bool]:
+        ended: list[str] = []
+        task = asyncio.create_task(shrugs_off_one_cancel(ended))
+        await asyncio.sleep(0)
+        caller = asyncio.create_task(cancel_and_wait(task))
+        await asyncio.sleep(0.1)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        return ended, task.done()
+
+    ended, done = asyncio.run(main())
+    assert done and ended == ["ended"]
+
+
+def test_a_task_cancelled_during_redis_commands_ends(redis_prefix: str) -> None:
+    """redis-py sends each command through asyncio.wait_for, which on Python 3.11 can drop a cancellation that
+    arrives as the send completes; cancelled at random points of a command loop, every task still ends."""
+
+    async def main() -> tuple[int, int]:
+        client = connect_redis_async(REDIS_URL)
+        key = f"{redis_prefix}probe"
+        await client.set(key, b"x" * 200)
+
+        async def commands() -> None:
+            while True:
+                await client.get(key)
+                await asyncio.sleep(0)
+
+        rng, outlived_one_cancel, ended = random.Random(0), 0, 0
+        try:
+            for _ in range(12):
+                task = asyncio.create_task(commands())
+                await asyncio.sleep(rng.uniform(0, 0.002))
+                task.cancel()
+                done, _ = await asyncio.wait({task}, timeout=0.2)
+                outlived_one_cancel += not done
+                ended += await cancel_and_wait(task, within_s=10)
+        finally:
+            await client.delete(key)
+            await client.aclose()
+        return outlived_one_cancel, ended
+
+    outlived, ended = asyncio.run(main())
+    assert ended == 12
+    print(f"{outlived} of 12 tasks outlived their first cancellation")
