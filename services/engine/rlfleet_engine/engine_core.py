@@ -133,7 +133,8 @@ class EngineCore(ScheduledGeneration):
         """Runs `load` between two decode steps; returns how many running requests it held."""
         future = self.scheduler.call(lambda: self.scheduler.load_weights(load, version))
         try:
-            return int(await asyncio.wait_for(asyncio.wrap_future(future), timeout=WEIGHT_LOAD_TIMEOUT_S))
+            async with asyncio.timeout(WEIGHT_LOAD_TIMEOUT_S):
+                return int(await asyncio.wrap_future(future))
         except TimeoutError as exc:
             raise DeadlineExceeded(f"loading weights from {source} took over {WEIGHT_LOAD_TIMEOUT_S:.0f}s") from exc
 
@@ -152,7 +153,8 @@ class EngineCore(ScheduledGeneration):
             log_metrics=False,
         )
         try:
-            await asyncio.wait_for(self.generate(req), timeout=timeout)
+            async with asyncio.timeout(timeout):
+                await self.generate(req)
         except TimeoutError:
             return False
         return True

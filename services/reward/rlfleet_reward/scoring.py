@@ -149,7 +149,8 @@ class Scorer:
             self.metrics.io_calls_in_flight.inc()
             started = time.monotonic()
             try:
-                value = await asyncio.wait_for(term.function.fn(sample, term.params), timeout)  # type: ignore[arg-type]
+                async with asyncio.timeout(timeout):
+                    value = await term.function.fn(sample, term.params)  # type: ignore[misc]  # async here
                 reply = checked_reply(value)
             except TimeoutError:
                 return JobResult(JobStatus.TIMEOUT, error=f"exceeded its {timeout:g} s time limit", seconds=timeout)

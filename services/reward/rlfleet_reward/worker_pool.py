@@ -300,6 +300,7 @@ async def _readable(conn: Connection, timeout: float) -> None:
     fd = conn.fileno()
     loop.add_reader(fd, on_readable)
     try:
-        await asyncio.wait_for(ready, timeout)
+        async with asyncio.timeout(timeout):
+            await ready
     finally:
         loop.remove_reader(fd)

@@ -314,12 +314,10 @@ class EngineClient:
         if origin.tls and self._tls is None:
             self._tls = ssl.create_default_context()
         try:
-            _, connection = await asyncio.wait_for(
-                loop.create_connection(
+            async with asyncio.timeout(timeout):
+                _, connection = await loop.create_connection(
                     lambda: _Connection(self, origin), origin.host, origin.port, ssl=self._tls if origin.tls else None
-                ),
-                timeout,
-            )
+                )
         except TimeoutError as exc:
             raise EngineConnectionError(
                 f"connecting to {origin.host}:{origin.port} timed out after {timeout:.3g}s"

@@ -67,7 +67,8 @@ class Healer:
             old_url = worker.url
             logger.warning("restarting engine %s (attempt %d): %s", old_url, attempt, worker.last_error)
             try:
-                url = await asyncio.wait_for(self.restarter.restart(old_url), self._timeout)
+                async with asyncio.timeout(self._timeout):
+                    url = await self.restarter.restart(old_url)
             except (Unavailable, TimeoutError, OSError) as exc:
                 self._metrics.restarts.labels(engine=old_url, result="failure").inc()
                 worker.last_error = f"restart failed: {type(exc).__name__}: {exc}"
