@@ -1,5 +1,6 @@
 """Cancelling a task so that it really ends, even when a library drops one cancellation (Python 3.11's
-asyncio.wait_for, under redis-py's asyncio client), and a run shut down mid-step stays RUNNING."""
+asyncio.wait_for, under redis-py's asyncio client). That a shutdown mid-step leaves the run RUNNING is
+test_data_runs.py's restart test."""
 
 from __future__ import annotations
 
@@ -8,11 +9,10 @@ import random
 import time
 
 import pytest
+from rollout_test_support import REDIS_URL
 
 from rlfleet.sample_stream import connect_redis_async
 from rlfleet_rollout.concurrency import RECANCEL_EVERY_S, cancel_and_wait
-
-REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 async def shrugs_off_one_cancel(ended: list[str]) -> None:
