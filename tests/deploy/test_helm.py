@@ -12,6 +12,8 @@ import pytest
 import yaml
 from pydantic_settings import BaseSettings
 
+from rlfleet_router.kubernetes_discovery import endpoint_urls
+
 helm = pytest.importorskip("helm_python", reason="needs helm-python-sdk (the dev extra)")
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (the dev extra)")
 
@@ -29,7 +31,11 @@ def values_of(values_file: Path | None) -> dict[str, Any]:
 
 @pytest.fixture(scope="module", params=CASES, ids=IDS)
 def rendered(request: pytest.FixtureRequest) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    values = values_of(request.param)
+    return render(values_of(request.param))
+
+
+def render(values: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The chart's manifests for `values`, and the values the templates saw (the defaults under them)."""
     helm.disable_logging()
     with helm.Chart.load(str(CHART)) as chart:
         files = chart.render(values, name="rl", namespace="ml", is_install=True)
@@ -123,12 +129,33 @@ def test_router_lists_every_engine_and_services_find_each_other(rendered: tuple[
         for var in c.get("env", [])
         if "value" in var
     }
-    urls = json.loads(env["RLFLEET_ROUTER_WORKER_URLS"])
-    assert len(urls) == values["engine"]["replicas"]
     engines = by_kind(docs, "StatefulSet")["rl-rlfleet-engine"]
-    assert engines["spec"]["replicas"] == values["engine"]["replicas"]
-    assert urls[-1].startswith(f"http://rl-rlfleet-engine-{len(urls) - 1}.rl-rlfleet-engine.ml.svc:")
+    replicas, port = values["engine"]["replicas"], values["engine"]["port"]
+    assert engines["spec"]["replicas"] == replicas
     services = by_kind(docs, "Service")
+    headless = services[engines["spec"]["serviceName"]]
+    assert headless["spec"]["clusterIP"] == "None"
+    if values["router"]["kubernetes"]["discovery"]:
+        # The router finds them in the headless Service's Endpoints, where each ready pod's address carries its
+        # hostname (the pod's name): the URLs are the pods' DNS names, stable across pod restarts.
+        assert "RLFLEET_ROUTER_WORKER_URLS" not in env
+        endpoints = [
+            {
+                "metadata": {"name": headless["metadata"]["name"]},
+                "subsets": [
+                    {
+                        "addresses": [
+                            {"ip": f"10.0.0.{i}", "hostname": f"rl-rlfleet-engine-{i}"} for i in range(replicas)
+                        ],
+                        "ports": [{"name": "http", "port": port}],
+                    }
+                ],
+            }
+        ]
+        urls = sorted(endpoint_urls(endpoints, int(env["RLFLEET_ROUTER_KUBERNETES_ENGINE_PORT"]), "ml"))
+    else:
+        urls = json.loads(env["RLFLEET_ROUTER_WORKER_URLS"])
+    assert urls == [f"http://rl-rlfleet-engine-{i}.rl-rlfleet-engine.ml.svc:{port}" for i in range(replicas)]
     for key in ("RLFLEET_ROLLOUT_ROUTER_URL", "RLFLEET_ROLLOUT_REWARD_URL", "RLFLEET_TRAINER_ROUTER_URL"):
         url = env[key]
         host, port = url.removeprefix("http://").split(":")
@@ -189,6 +216,14 @@ def test_checkpoint_volume_is_shared_read_write_many_by_default() -> None:
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
 
 
+@pytest.mark.parametrize(("discovery", "restarts"), [(False, False), (False, True), (True, False)])
+def test_router_without_some_kubernetes_api_use(discovery: bool, restarts: bool) -> None:
+    """The router's engine list and Role follow each use of the Kubernetes API being turned off."""
+    rendered = render({"router": {"kubernetes": {"discovery": discovery, "restarts": restarts}}})
+    test_router_lists_every_engine_and_services_find_each_other(rendered)
+    test_router_discovers_and_restarts_engines_through_the_api_it_may_use(rendered)
+
+
 def test_router_discovers_and_restarts_engines_through_the_api_it_may_use(
     rendered: tuple[dict, list[dict[str, Any]]],
 ) -> None:
@@ -202,11 +237,28 @@ def test_router_discovers_and_restarts_engines_through_the_api_it_may_use(
     if kube["discovery"] or kube["restarts"]:
         assert "app.kubernetes.io/component=engine" in env["RLFLEET_ROUTER_KUBERNETES_LABEL_SELECTOR"]
         [role] = [r for name, r in roles.items() if name.endswith("router")]
-        verbs = {verb for rule in role["rules"] for verb in rule["verbs"]}
-        assert {"list", "delete"} <= verbs
+        granted = {
+            (group, res, verb)
+            for r in role["rules"]
+            for group in r["apiGroups"]
+            for res in r["resources"]
+            for verb in r["verbs"]
+        }
+        # Exactly what rlfleet_router.kubernetes_api calls: discovery lists Endpoints; restarts list and delete pods.
+        wanted = {("", "endpoints", "list")} if kube["discovery"] else set()
+        wanted |= {("", "pods", "list"), ("", "pods", "delete")} if kube["restarts"] else set()
+        assert granted == wanted
         engine_labels = [
             doc["metadata"]["labels"]
             for doc in docs
             if doc["kind"] == "Service" and doc["metadata"]["name"].endswith("engine")
         ]
         assert engine_labels and all(labels["app.kubernetes.io/component"] == "engine" for labels in engine_labels)
+    else:
+        assert not [name for name in roles if name.endswith("router")]
+    if kube["restarts"]:
+        # A recreated engine has its startup probe's whole budget to load the model before its restart fails.
+        startup = values["engine"]["probes"]["startup"]
+        assert (
+            float(env["RLFLEET_ROUTER_RESTART_TIMEOUT_SECS"]) > startup["periodSeconds"] * startup["failureThreshold"]
+        )

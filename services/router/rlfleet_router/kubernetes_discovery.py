@@ -2,7 +2,11 @@
 
 Every `kubernetes_discovery_interval_secs`, the Endpoints objects matching `kubernetes_label_selector`
 (the endpoints controller copies a Service's labels onto its Endpoints) give the ready addresses;
-each address on the engine port (`kubernetes_engine_port`, else the first port) is a worker URL.
+each address on the engine port (`kubernetes_engine_port`, else the first port) is a worker URL. A pod
+of a StatefulSet behind a headless Service has a stable DNS name, `<hostname>.<service>.<namespace>.svc`,
+which its address carries as `hostname`: the URL uses that name, so an engine keeps its URL (and its
+place in the fleet) when its pod is recreated, and is the same worker as one listed under that name in
+`worker_urls`. Other addresses are URLs by IP.
 New URLs join the fleet (pending until healthy and on the fleet's weights); URLs this discovery
 added that are gone leave it, unless the engine is being restarted. Engines given any other way
 (`worker_urls`, `POST /workers`) are never removed by discovery.
@@ -15,24 +19,32 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from rlfleet.errors import Unavailable
+from rlfleet.errors import InvalidInput, Unavailable
 from rlfleet_router.kubernetes_api import KubernetesAPI
 from rlfleet_router.workers import Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
 
 
-def endpoint_urls(endpoints: list[dict[str, Any]], port: int | None) -> set[str]:
+def url_host(ip: str) -> str:
+    """An IP as a URL's host: an IPv6 address in brackets."""
+    return f"[{ip}]" if ":" in ip else ip
+
+
+def endpoint_urls(endpoints: list[dict[str, Any]], port: int | None, namespace: str) -> set[str]:
     urls = set()
     for item in endpoints:
+        service = item.get("metadata", {}).get("name")
         for subset in item.get("subsets") or []:
             ports = [p.get("port") for p in subset.get("ports") or [] if isinstance(p.get("port"), int)]
             chosen = port if port is not None else (ports[0] if ports else None)
             if chosen is None:
                 continue
             for address in subset.get("addresses") or []:  # ready addresses only; notReadyAddresses are not
-                if address.get("ip"):
-                    urls.add(f"http://{address['ip']}:{chosen}")
+                if address.get("hostname") and service:
+                    urls.add(f"http://{address['hostname']}.{service}.{namespace}.svc:{chosen}")
+                elif address.get("ip"):
+                    urls.add(f"http://{url_host(address['ip'])}:{chosen}")
     return urls
 
 
@@ -68,9 +80,13 @@ class KubernetesDiscovery:
 
     async def sync(self) -> None:
         """One round: add new addresses, remove the discovered workers whose address is gone."""
-        urls = endpoint_urls(await self._api.list_endpoints(self._selector), self._port)
+        urls = endpoint_urls(await self._api.list_endpoints(self._selector), self._port, self._api.namespace)
         for url in sorted(urls):
-            worker, created = self._add(url)
+            try:
+                worker, created = self._add(url)
+            except InvalidInput as exc:  # one address the fleet refuses must not keep the others out
+                logger.warning("discovered address %s not added: %s", url, exc)
+                continue
             if created:
                 logger.info("discovered engine %s", url)
                 self._found.add(worker.id)
@@ -86,4 +102,6 @@ class KubernetesDiscovery:
                 await self.sync()
             except Unavailable as exc:
                 logger.warning("engine discovery failed; keeping the current fleet: %s", exc)
+            except Exception:  # one bad round (an address the fleet refuses) must not end discovery for good
+                logger.exception("engine discovery round failed; keeping the current fleet")
             await asyncio.sleep(self._interval)

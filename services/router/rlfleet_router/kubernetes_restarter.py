@@ -1,23 +1,37 @@
 """The `kubernetes` restarter: deletes a failed engine's pod and waits for its controller to replace it.
 
-The pod is the one among `kubernetes_label_selector`'s pods whose IP is the engine URL's host. After
-the delete, the restarter waits (bounded by the restart timeout) for a pod of the same selector
-that did not exist before and is Ready, and returns its address on the same port: the engine
-rejoins under its new IP, after loading the fleet's weights like any engine that joins.
+The pod is the one among `kubernetes_label_selector`'s pods that the engine URL's host names: by its
+IP, or by its name as the first label of its DNS name (a StatefulSet pod behind a headless Service is
+`<pod>.<service>.<namespace>.svc`, the form the Helm chart lists and discovery finds). After the
+delete, the restarter waits (bounded by the restart timeout) for a pod of the same selector that did
+not exist before and is Ready: under the same name when the URL names the pod, which then keeps its
+URL; any new pod when the URL is an IP, whose address on the same port it returns. Either way the
+engine rejoins after loading the fleet's weights like any engine that joins.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
+from typing import Any
 from urllib.parse import urlsplit
 
 from rlfleet.errors import Unavailable
 from rlfleet_router.config import RouterConfig
 from rlfleet_router.kubernetes_api import KubernetesAPI, pod_ready
+from rlfleet_router.kubernetes_discovery import url_host
 
 logger = logging.getLogger(__name__)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 class KubernetesRestarter:
@@ -32,11 +46,21 @@ class KubernetesRestarter:
 
     async def restart(self, url: str) -> str:
         parts = urlsplit(url)
+        host = parts.hostname or ""
+        by_ip = _is_ip(host)
+        pod_name = None if by_ip else host.split(".", 1)[0]
+
+        def serves(pod: dict[str, Any]) -> bool:
+            if by_ip:
+                return bool(pod.get("status", {}).get("podIP") == host)
+            return bool(pod["metadata"]["name"] == pod_name)
+
         pods = await self._api.list_pods(self._selector)
         known = {p["metadata"]["uid"] for p in pods}
-        failed = [p for p in pods if p.get("status", {}).get("podIP") == parts.hostname]
+        failed = [p for p in pods if serves(p)]
         if not failed:
-            raise Unavailable(f"no pod matching {self._selector!r} in {self._api.namespace} has the IP of {url}")
+            what = "has the IP of" if by_ip else f"is named {pod_name!r} as the host of"
+            raise Unavailable(f"no pod matching {self._selector!r} in {self._api.namespace} {what} {url}")
         name = failed[0]["metadata"]["name"]
         logger.info("deleting pod %s of engine %s", name, url)
         await self._api.delete_pod(name)
@@ -44,10 +68,11 @@ class KubernetesRestarter:
         while time.monotonic() < deadline:
             await asyncio.sleep(self._poll)
             for pod in await self._api.list_pods(self._selector):
-                if pod["metadata"]["uid"] not in known and pod_ready(pod):
-                    new_url = f"{parts.scheme}://{pod['status']['podIP']}:{parts.port}"
-                    logger.info("pod %s replaced by %s at %s", name, pod["metadata"]["name"], new_url)
-                    return new_url
+                if pod["metadata"]["uid"] in known or not pod_ready(pod) or not (by_ip or serves(pod)):
+                    continue
+                new_url = f"{parts.scheme}://{url_host(pod['status']['podIP'])}:{parts.port}" if by_ip else url
+                logger.info("pod %s replaced by %s at %s", name, pod["metadata"]["name"], new_url)
+                return new_url
         raise Unavailable(f"no replacement of pod {name} became Ready within {self._timeout:.0f}s")
 
     async def close(self) -> None:

@@ -2,7 +2,9 @@
 
 The Docker fake serves the Engine API paths the `docker` SDK calls (`/version`, `GET /containers/{id}/json`,
 `POST /containers/{id}/restart?t=`); the Kubernetes fake serves core/v1 pods (list with labelSelector,
-delete, a controller that replaces a deleted pod) and endpoints.
+delete, a controller that replaces a deleted pod) and endpoints. Its controller acts as a Deployment (the
+new pod has a new name) or as a StatefulSet (the same name, a new uid and IP; the Endpoints give each address
+the pod's `hostname` and `targetRef`, as for a StatefulSet behind a headless Service).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from rlfleet.errors import Unavailable
 from rlfleet_router.config import RouterConfig
 from rlfleet_router.docker_restarter import DockerRestarter
 from rlfleet_router.kubernetes_api import KubernetesAPI
-from rlfleet_router.kubernetes_discovery import KubernetesDiscovery
+from rlfleet_router.kubernetes_discovery import KubernetesDiscovery, endpoint_urls
 from rlfleet_router.kubernetes_restarter import KubernetesRestarter
 from rlfleet_router.restarters import create_restarter, restarter_names
 from rlfleet_router.workers import WorkerRegistry
@@ -92,16 +94,23 @@ def test_docker_restarter_restarts_the_engines_container() -> None:
 
 @dataclass
 class FakeKubernetes:
-    """core/v1 pods and endpoints of one namespace, with a Deployment-like controller replacing deleted pods."""
+    """core/v1 pods and endpoints of one namespace, with a controller replacing deleted pods."""
 
     pods: dict[str, dict[str, Any]] = field(default_factory=dict)
     deleted: list[str] = field(default_factory=list)
     ready_after_polls: int = 2
+    stateful: bool = False
+    """The controller is a StatefulSet (a replacement keeps the pod's name) rather than a Deployment."""
     _ips: itertools.count = field(default_factory=lambda: itertools.count(20))
+    _uids: itertools.count = field(default_factory=itertools.count)
 
     def add_pod(self, name: str, ip: str, ready: bool = True) -> None:
         self.pods[name] = {
-            "metadata": {"name": name, "uid": f"uid-{name}", "labels": {"app.kubernetes.io/component": "engine"}},
+            "metadata": {
+                "name": name,
+                "uid": f"uid-{next(self._uids)}",
+                "labels": {"app.kubernetes.io/component": "engine"},
+            },
             "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
         }
 
@@ -131,7 +140,7 @@ class FakeKubernetes:
                 return JSONResponse({"kind": "Status", "reason": "NotFound", "code": 404}, status_code=404)
             self.deleted.append(name)
             del self.pods[name]
-            replacement = f"engine-{next(self._ips)}"
+            replacement = name if self.stateful else f"engine-{next(self._ips)}"
             self.add_pod(replacement, f"10.0.0.{next(self._ips)}", ready=False)
             return JSONResponse({"kind": "Pod", "metadata": {"name": name}})
 
@@ -139,13 +148,20 @@ class FakeKubernetes:
         async def list_endpoints(ns: str, labelSelector: str | None = None) -> dict[str, Any]:  # noqa: N803
             ready = [p for p in self.pods.values() if p["status"]["conditions"][0]["status"] == "True"]
             subset = {
-                "addresses": [{"ip": p["status"]["podIP"]} for p in ready],
+                "addresses": [self._address(p) for p in ready],
                 "ports": [{"name": "http", "port": 30000, "protocol": "TCP"}],
             }
             item = {"metadata": {"name": "engines", "labels": {"app.kubernetes.io/component": "engine"}}}
             return {"kind": "EndpointsList", "items": [{**item, "subsets": [subset]}] if labelSelector else []}
 
         return app
+
+    def _address(self, pod: dict[str, Any]) -> dict[str, Any]:
+        address: dict[str, Any] = {"ip": pod["status"]["podIP"]}
+        if self.stateful:
+            name = pod["metadata"]["name"]
+            address |= {"hostname": name, "targetRef": {"kind": "Pod", "name": name, "namespace": "rl"}}
+        return address
 
 
 def test_kubernetes_restarter_deletes_the_pod_and_returns_its_replacement() -> None:
@@ -194,6 +210,68 @@ def test_kubernetes_discovery_follows_the_ready_endpoints() -> None:
         asyncio.run(scenario())
     finally:
         server.stop()
+
+
+def test_kubernetes_restarter_keeps_a_statefulset_engine_at_its_dns_name() -> None:
+    """The Helm chart lists engines by their StatefulSet DNS names: the pod is found by name, and its
+    replacement, the same name on a new IP, serves the same URL."""
+    kube = FakeKubernetes(stateful=True)
+    kube.add_pod("rl-engine-0", "10.0.0.1")
+    kube.add_pod("rl-engine-1", "10.0.0.2")
+    server = ThreadedServer(kube.app()).start()
+    url = "http://rl-engine-1.rl-engine.rl.svc:30000"
+    try:
+
+        async def scenario() -> tuple[str, str]:
+            api = KubernetesAPI(server.url, "rl", None, None, timeout_secs=5)
+            restarter = KubernetesRestarter(api, SELECTOR, timeout_secs=10, poll_secs=0.05)
+            try:
+                new_url = await restarter.restart(url)
+                with pytest.raises(Unavailable, match="is named 'rl-engine-7' as the host of"):
+                    await restarter.restart("http://rl-engine-7.rl-engine.rl.svc:30000")
+                return new_url, str(kube.pods["rl-engine-1"]["status"]["podIP"])
+            finally:
+                await restarter.close()
+
+        new_url, new_ip = asyncio.run(scenario())
+        assert kube.deleted == ["rl-engine-1"]
+        assert new_url == url
+        assert new_ip != "10.0.0.2", "the fake's StatefulSet recreated the pod on a new IP"
+    finally:
+        server.stop()
+
+
+def test_kubernetes_discovery_names_statefulset_engines_as_the_chart_lists_them() -> None:
+    """A StatefulSet pod's address carries its hostname: discovery's URL is the pod's DNS name through the
+    headless Service, so an engine also given in worker_urls under that name is one worker, not two."""
+    kube = FakeKubernetes(stateful=True)
+    kube.add_pod("rl-engine-0", "10.0.0.1")
+    kube.add_pod("rl-engine-1", "10.0.0.2")
+    server = ThreadedServer(kube.app()).start()
+    workers = WorkerRegistry(failure_threshold=1, success_threshold=1)
+    listed, _ = workers.add("http://rl-engine-0.engines.rl.svc:30000")
+    try:
+
+        async def scenario() -> None:
+            api = KubernetesAPI(server.url, "rl", None, None, timeout_secs=5)
+            discovery = KubernetesDiscovery(api, SELECTOR, None, 1.0, workers, workers.add, workers.remove)
+            await discovery.sync()
+            await api.close()
+
+        asyncio.run(scenario())
+        assert sorted(w.url for w in workers.all()) == [listed.url, "http://rl-engine-1.engines.rl.svc:30000"]
+    finally:
+        server.stop()
+
+
+def test_kubernetes_discovery_takes_ipv6_addresses_in_brackets() -> None:
+    """An IPv6 pod address is a URL host in brackets; before, it made an invalid URL that ended discovery."""
+    endpoints = [{"subsets": [{"ports": [{"port": 30000}], "addresses": [{"ip": "10.0.0.5"}, {"ip": "fd00::7"}]}]}]
+    assert endpoint_urls(endpoints, None, "rl") == {"http://10.0.0.5:30000", "http://[fd00::7]:30000"}
+    workers = WorkerRegistry(failure_threshold=1, success_threshold=1)
+    for url in endpoint_urls(endpoints, None, "rl"):
+        workers.add(url)
+    assert len(workers.all()) == 2
 
 
 def test_restarters_are_chosen_by_name_and_validated() -> None:
