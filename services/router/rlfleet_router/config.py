@@ -7,9 +7,11 @@ two routers without relearning the knobs.
 
 from __future__ import annotations
 
+import shlex
+import string
 from dataclasses import fields
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rlfleet.errors import InvalidInput
@@ -176,6 +178,23 @@ class RouterConfig(BaseSettings):
         if not path.startswith("/"):
             raise ValueError(f"health_check_endpoint {path!r} must be a path starting with '/', e.g. /health")
         return path
+
+    @field_validator("local_engine_command", "docker_container")
+    @classmethod
+    def _url_template(cls, template: str, info: ValidationInfo) -> str:
+        """Only {host} and {port} are filled in: any other placeholder would fail at the first restart."""
+        try:
+            names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+            if info.field_name == "local_engine_command":
+                shlex.split(template)
+        except ValueError as exc:
+            raise ValueError(f"{info.field_name} {template!r} does not parse: {exc}") from None
+        if unknown := sorted(names - {"host", "port"}):
+            raise ValueError(
+                f"{info.field_name} {template!r} has placeholders {unknown}; only {{host}} and {{port}} are filled in "
+                "(write a literal brace as {{ or }})"
+            )
+        return template
 
     @model_validator(mode="after")
     def _backoff_order(self) -> RouterConfig:

@@ -69,10 +69,11 @@ class Healer:
             try:
                 async with asyncio.timeout(self._timeout):
                     url = await self.restarter.restart(old_url)
-            except (Unavailable, TimeoutError, OSError) as exc:
+            except Exception as exc:  # whatever went wrong, the engine is still out: retry after the backoff
                 self._metrics.restarts.labels(engine=old_url, result="failure").inc()
                 worker.last_error = f"restart failed: {type(exc).__name__}: {exc}"
-                logger.warning("restart of %s failed: %s", old_url, worker.last_error)
+                expected = isinstance(exc, (Unavailable, TimeoutError, OSError))
+                logger.warning("restart of %s failed: %s", old_url, worker.last_error, exc_info=not expected)
             else:
                 self._metrics.restarts.labels(engine=old_url, result="success").inc()
                 if url != old_url:

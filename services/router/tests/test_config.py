@@ -46,6 +46,26 @@ def test_unknown_policy_is_a_clear_error() -> None:
         RouterConfig(policy="fastest")
 
 
+@pytest.mark.parametrize(
+    ("field", "template", "error"),
+    [
+        (
+            "local_engine_command",
+            "python -m rlfleet_engine --model-path {model} --port {port}",
+            r"placeholders \['model'\]",
+        ),
+        ("local_engine_command", "python -m rlfleet_engine --host {host", "does not parse"),
+        ("local_engine_command", "python -m rlfleet_engine --chat-template '{port}", "does not parse"),
+        ("docker_container", "engine-{index}", r"placeholders \['index'\]"),
+    ],
+)
+def test_restart_templates_fill_only_host_and_port(field: str, template: str, error: str) -> None:
+    """A placeholder the restarter does not fill in fails when the router starts, not at the first restart."""
+    with pytest.raises(ValidationError, match=error):
+        RouterConfig(**{field: template})
+    RouterConfig(local_engine_command="sh -c 'echo {{}} && serve --host {host} --port {port}'")
+
+
 def test_cli_rejects_bad_config_with_the_field_named() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "rlfleet_router", "--health-failure-threshold", "0"],

@@ -1,0 +1,55 @@
+"""The healer keeps restarting an engine that is out of routing, whatever its restarter raised."""
+
+from __future__ import annotations
+
+import asyncio
+
+from rlfleet_router.metrics import RouterMetrics
+from rlfleet_router.policies import LeastLoad
+from rlfleet_router.self_healing import Healer
+from rlfleet_router.workers import WorkerRegistry
+
+
+class FlakyRestarter:
+    """Raises an error no restarter is documented to raise, then succeeds and lets the engine be admitted."""
+
+    def __init__(self, workers: WorkerRegistry) -> None:
+        self.calls = 0
+        self._workers = workers
+
+    async def start(self) -> list[str]:
+        return []
+
+    async def restart(self, url: str) -> str:
+        self.calls += 1
+        if self.calls == 1:
+            raise KeyError("model")  # e.g. a placeholder the command line does not fill in
+        self._workers.admit(self._workers.get(url))  # the health checker's part: back in routing
+        return url
+
+    async def close(self) -> None:
+        pass
+
+
+def test_an_unexpected_restart_error_is_retried_after_the_backoff() -> None:
+    workers = WorkerRegistry(failure_threshold=1, success_threshold=1)
+    worker, _ = workers.add("http://127.0.0.1:9")
+    workers.admit(worker)
+    restarter = FlakyRestarter(workers)
+    metrics = RouterMetrics(workers, lambda: None)
+    healer = Healer(restarter, workers, LeastLoad(), metrics, 5.0, initial_backoff_secs=0.01, max_backoff_secs=0.05)
+
+    async def scenario() -> None:
+        workers.on_failed = healer.on_failed
+        workers.record_failure(worker, "connection refused")
+        async with asyncio.timeout(5):
+            while not worker.healthy:
+                await asyncio.sleep(0.01)
+        await healer.stop()
+
+    asyncio.run(scenario())
+    assert restarter.calls == 2
+    assert not worker.restarting and worker.restarts == 2
+    failures = metrics.restarts.labels(engine=worker.url, result="failure")._value.get()
+    assert failures == 1
+    assert worker.last_error is None
