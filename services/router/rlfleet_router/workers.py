@@ -65,8 +65,13 @@ class Worker:
         }
 
 
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
 def normalize_worker_url(url: str) -> str:
-    """`http://host:port` without a trailing slash; raises InvalidInput naming what is wrong."""
+    """`http://host:port` in one spelling per engine (scheme and host in lower case, no trailing slash, the
+    scheme's default port left out), so one engine given twice is one worker; raises InvalidInput naming
+    what is wrong."""
     if not isinstance(url, str) or not url.strip():
         raise InvalidInput("url: must be a non-empty string like http://127.0.0.1:30001")
     url = url.strip().rstrip("/")
@@ -76,13 +81,18 @@ def normalize_worker_url(url: str) -> str:
             raise ValueError("port 0")
     except ValueError as exc:
         raise InvalidInput(f"url: {url!r} is not a valid URL ({exc})") from exc
-    if parts.scheme not in ("http", "https"):
+    if parts.scheme.lower() not in DEFAULT_PORTS:
         raise InvalidInput(f"url: {url!r} must start with http:// or https://")
     if not parts.hostname:
         raise InvalidInput(f"url: {url!r} has no host")
     if parts.query or parts.fragment or parts.path:
         raise InvalidInput(f"url: {url!r} must be the engine's base URL, without a path or query")
-    return url
+    if parts.username is not None or parts.password is not None:
+        raise InvalidInput(f"url: {url!r} must not carry credentials")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    scheme = parts.scheme.lower()
+    port = "" if parts.port in (None, DEFAULT_PORTS[scheme]) else f":{parts.port}"
+    return f"{scheme}://{host}{port}"
 
 
 class WorkerRegistry:

@@ -278,11 +278,37 @@ def test_registry_finds_by_id_or_url_and_keeps_one_entry_per_url() -> None:
 
 @pytest.mark.parametrize(
     "url",
-    ["", "127.0.0.1:9000", "ftp://host:1", "http://", "http://host:99999", "http://host:1/generate", "http://h:1?x=1"],
+    [
+        "",
+        "127.0.0.1:9000",
+        "ftp://host:1",
+        "http://",
+        "http://host:99999",
+        "http://host:1/generate",
+        "http://h:1?x=1",
+        "http://user:secret@h:1",
+    ],
 )
 def test_bad_worker_urls_are_rejected(url: str) -> None:
     with pytest.raises(InvalidInput, match="url"):
         normalize_worker_url(url)
+
+
+@pytest.mark.parametrize(
+    ("url", "normal"),
+    [
+        ("HTTP://127.0.0.1:9000/", "http://127.0.0.1:9000"),
+        ("http://Engine-0.Engines.rl.svc:30000", "http://engine-0.engines.rl.svc:30000"),
+        ("http://engine:80", "http://engine"),
+        ("https://engine:443/", "https://engine"),
+        ("http://[FD00::7]:30000", "http://[fd00::7]:30000"),
+    ],
+)
+def test_one_engine_has_one_url_however_it_is_spelled(url: str, normal: str) -> None:
+    assert normalize_worker_url(url) == normal
+    registry = WorkerRegistry(failure_threshold=1, success_threshold=1)
+    worker, _ = registry.add(normal)
+    assert registry.add(url) == (worker, False)
 
 
 def test_cache_aware_forgets_what_an_emptied_engine_held_and_keeps_its_share_of_the_traffic() -> None:
