@@ -1,10 +1,13 @@
 """Control requests sent to every engine at once: abort, pause, continue, flush the cache.
 
-The body goes to each engine as it arrived. The answer lists each engine's outcome; it is 200 only if
-every engine answered 2xx, 400 if every failing engine refused the request as malformed (4xx: the
-caller's fault, and retrying will not help), else 502 with the failures, so a caller never mistakes a
-partial pause for a fleet-wide one. Engines out of routing get the request too (an abort or a pause must reach an
-engine that still runs requests while it is drained), and their failures are reported the same way.
+The body, a JSON object or nothing, goes to each engine as it arrived, under a JSON Content-Type
+whatever the client called it (`curl -d` calls it form data, which an engine would not read). The
+answer lists each engine's outcome; it is 200 only if every engine answered 2xx, 400 if every failing
+engine refused the request as malformed (4xx: the caller's fault, and retrying will not help), else 502
+with the failures, so a caller never mistakes a partial pause for a fleet-wide one; 503 with no engine
+in the fleet, since nothing was paused, aborted or flushed. Engines out of routing get the request too
+(an abort or a pause must reach an engine that still runs requests while it is drained), and their
+failures are reported the same way.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from rlfleet.errors import Unavailable
 from rlfleet_router.proxy import forwardable_headers
 from rlfleet_router.weights import describe_error
 from rlfleet_router.workers import Worker, WorkerRegistry
@@ -53,8 +57,13 @@ class Fanout:
     async def send(self, route: str, body: bytes, headers: Mapping[str, str]) -> tuple[int, dict[str, object]]:
         """Sends `route` to every engine; returns the HTTP status of the whole and the per-engine outcomes."""
         assert route in FANOUT_ROUTES, route
-        forwarded = forwardable_headers(headers)
-        outcomes = await asyncio.gather(*(self._one(w, route, body, forwarded) for w in self._workers.all()))
+        workers = self._workers.all()
+        if not workers:
+            raise Unavailable(f"{route}: no engine in the fleet; add one with POST /workers")
+        forwarded = {k: v for k, v in forwardable_headers(headers).items() if k.lower() != "content-type"}
+        if body.strip():
+            forwarded["content-type"] = "application/json"
+        outcomes = await asyncio.gather(*(self._one(w, route, body, forwarded) for w in workers))
         if route == "/flush_cache":
             self._on_caches_emptied([o.worker for o in outcomes if o.ok])
         ok = all(o.ok for o in outcomes)

@@ -24,7 +24,7 @@ from rlfleet.http_limits import BodySizeLimitMiddleware
 from rlfleet_router.api_models import AddWorkerRequest, UpdateWeightsRequest
 from rlfleet_router.config import RouterConfig
 from rlfleet_router.fanout import FANOUT_ROUTES
-from rlfleet_router.fleet import Fleet
+from rlfleet_router.fleet import Fleet, parse_json_object
 from rlfleet_router.generation_relay import GenerationRelay
 from rlfleet_router.metrics import RequestMetricsMiddleware
 from rlfleet_router.policies import RoutingRequest
@@ -55,7 +55,10 @@ def create_app(config: RouterConfig) -> GenerationRelay:
 
     def control(route: str) -> Callable[[Request], Awaitable[JSONResponse]]:
         async def fan_out(request: Request) -> JSONResponse:
-            status, summary = await fleet.fanout.send(route, await request.body(), request.headers)
+            body = await request.body()
+            if body.strip():
+                parse_json_object(body)  # one clear 400 here rather than one from every engine
+            status, summary = await fleet.fanout.send(route, body, request.headers)
             return JSONResponse(summary, status_code=status)
 
         return fan_out

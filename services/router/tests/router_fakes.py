@@ -67,6 +67,7 @@ class FakeEngine:
     content_types: list[str | None] = field(default_factory=list)  # of each /generate request
     update_bodies: list[dict[str, object]] = field(default_factory=list)
     events: list[str] = field(default_factory=list)  # "generate" / "update", in arrival order
+    controls: list[tuple[str, str | None, bytes]] = field(default_factory=list)  # fan-out: route, type, body
     in_flight: int = 0
     max_in_flight: int = 0
     streams_cut: int = 0  # streams whose reader left before their end
@@ -123,6 +124,17 @@ class FakeEngine:
             self.weight_version = str(body["weight_version"])
             self.model_path = str(body["model_path"])
             return JSONResponse({"success": True, "message": "Succeeded to update model weights."})
+
+        async def control(request: Request) -> Response:
+            """Like SGLang's: a body is read as JSON only under a JSON Content-Type."""
+            body, content_type = await request.body(), request.headers.get("content-type")
+            self.controls.append((request.url.path, content_type, body))
+            if body and content_type != "application/json":
+                return JSONResponse({"detail": "body: not read as JSON"}, status_code=400)
+            return JSONResponse({"success": True})
+
+        for route in ("/abort_request", "/pause_generation", "/continue_generation", "/flush_cache"):
+            app.add_api_route(route, control, methods=["POST"])
 
         return app
 

@@ -1,0 +1,48 @@
+"""Control requests fanned out to every engine: what reaches the engines, and what the caller is told."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from router_fakes import FakeEngine, RunningRouter
+
+
+def test_a_control_body_reaches_every_engine_as_json_whatever_the_client_called_it(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    engines = [start_engine("a"), start_engine("b")]
+    router = start_router([e.url for e in engines])
+    router.wait_healthy(2)
+    body = b'{"rid": "r-1"}'
+    # curl -d sends form data's type: before, every engine refused it and the abort did nothing.
+    for sent in ("application/x-www-form-urlencoded", None):
+        headers = {"content-type": sent} if sent else {}
+        answer = router.client.post("/abort_request", content=body, headers=headers)
+        assert answer.status_code == 200, answer.text
+    assert router.client.post("/flush_cache").status_code == 200, "no body, no Content-Type needed"
+    for engine in engines:
+        assert engine.controls == [
+            ("/abort_request", "application/json", body),
+            ("/abort_request", "application/json", body),
+            ("/flush_cache", None, b""),
+        ]
+
+
+def test_a_control_body_that_is_not_a_json_object_is_refused_before_any_engine(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    engine = start_engine("a")
+    router = start_router([engine.url])
+    router.wait_healthy(1)
+    for body, problem in ((b"rid=r-1", "not valid JSON"), (b'["r-1"]', "must be a JSON object")):
+        answer = router.client.post("/pause_generation", content=body)
+        assert answer.status_code == 400, answer.text
+        assert problem in answer.text
+    assert engine.controls == []
+
+
+def test_a_control_request_to_an_empty_fleet_is_unavailable(start_router: Callable[..., RunningRouter]) -> None:
+    router = start_router([])
+    answer = router.client.post("/pause_generation", json={})
+    assert answer.status_code == 503
+    assert "no engine in the fleet" in answer.text
