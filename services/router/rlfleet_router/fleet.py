@@ -154,6 +154,10 @@ class Fleet:
                     turn = turn_from_answer(route, parsed, answer, worker.url, worker.weight_version)
                 except (ValueError, KeyError, TypeError, IndexError) as exc:
                     logger.warning("answer of %s for trajectory %s not recorded: %s", worker.url, trajectory, exc)
+                    rid = parsed.get("rid")
+                    self.trajectories.record_lost(
+                        trajectory, rid if isinstance(rid, str) else None, worker.url, str(exc), self.weights.updates
+                    )
                     return
                 self.trajectories.record(trajectory, turn, self.weights.updates)
 

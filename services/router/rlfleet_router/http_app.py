@@ -70,11 +70,12 @@ def create_app(config: RouterConfig) -> GenerationRelay:
     async def models(request: Request) -> EngineResponse:
         return await fleet.proxy.forward(RoutingRequest(route="/v1/models"), b"", request.headers, method="GET")
 
-    @app.get("/trajectories/{trajectory_id}")
+    # :path, so ids with slashes (`<run>/<group>/<sample>`, as the README suggests) can be read and deleted.
+    @app.get("/trajectories/{trajectory_id:path}")
     async def get_trajectory(trajectory_id: str) -> dict[str, object]:
         return fleet.trajectories.get(trajectory_id).describe()
 
-    @app.delete("/trajectories/{trajectory_id}")
+    @app.delete("/trajectories/{trajectory_id:path}")
     async def delete_trajectory(trajectory_id: str) -> dict[str, object]:
         fleet.trajectories.delete(trajectory_id)
         return {"status": "deleted", "trajectory_id": trajectory_id}
@@ -138,8 +139,8 @@ def create_app(config: RouterConfig) -> GenerationRelay:
         worker = fleet.remove_worker(worker_key)
         return {"status": "removed", "worker_id": worker.id, "url": worker.url}
 
-    @app.get("/health")
-    @app.get("/readiness")
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.api_route("/readiness", methods=["GET", "HEAD"])
     async def health() -> dict[str, object]:
         healthy = len(fleet.workers.healthy())
         total = len(fleet.workers.all())
@@ -147,7 +148,7 @@ def create_app(config: RouterConfig) -> GenerationRelay:
             raise Unavailable(f"no healthy engine: 0 of {total} engines are in routing; GET /workers shows why")
         return {"status": "ok", "healthy": healthy, "total": total}
 
-    @app.get("/liveness")
+    @app.api_route("/liveness", methods=["GET", "HEAD"])
     async def liveness() -> dict[str, str]:
         return {"status": "ok"}
 

@@ -12,7 +12,9 @@ store lays them out as one sample:
 where between_i is what turn i's prompt adds after everything before it. That layout is exact only
 if each prompt starts with the trajectory so far; a turn whose prompt does not (the client rewrote
 history, or re-tokenisation changed a token) marks the trajectory diverged, and reading it is then a
-Conflict naming the turn, never a silently different sequence.
+Conflict naming the turn, never a silently different sequence. So does a turn whose answer the router
+could not read (`record_lost`): the trajectory would miss its tokens, or its next turn would start a new
+one with the model's earlier outputs inside its prompt.
 
 Memory is bounded by a token budget (least recently used trajectories go first) and by staleness:
 each trajectory remembers the fleet's weight update count at its last turn, and trajectories more
@@ -114,6 +116,26 @@ class TrajectoryStore:
         self.tokens += trajectory.tokens
         self._fit_budget()
         return trajectory
+
+    def record_lost(self, trajectory_id: str, rid: str | None, engine: str, reason: str, fleet_update: int) -> None:
+        """A turn that ran but whose answer could not be read: the trajectory (created if this was its first
+        turn) can no longer be laid out, and reading it is a Conflict naming the turn."""
+        trajectory = self._entries.pop(trajectory_id, None)
+        if trajectory is None:
+            trajectory = Trajectory(id=trajectory_id, prompt_ids=[])
+        else:
+            self.tokens -= trajectory.tokens
+        if trajectory.diverged is None:
+            trajectory.diverged = (
+                f"turn {len(trajectory.turns) + 1} (rid {rid!r}) ran on {engine}, but its answer could not be "
+                f"recorded: {reason}"
+            )
+        trajectory.turns.append({"rid": rid, "engine": engine, "recorded": False})
+        trajectory.fleet_update = fleet_update
+        trajectory.updated_at = time.time()
+        self._entries[trajectory_id] = trajectory
+        self.tokens += trajectory.tokens
+        self._fit_budget()
 
     def get(self, trajectory_id: str) -> Trajectory:
         """The trajectory; NotFound if unknown or evicted, Conflict if a turn did not extend it."""

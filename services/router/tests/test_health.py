@@ -38,12 +38,14 @@ def test_router_health_follows_the_fleet(
     router = start_router([engine.url], health_failure_threshold=1, health_success_threshold=1)
     router.wait_healthy(1)
     assert router.client.get("/health").json() == {"status": "ok", "healthy": 1, "total": 1}
+    assert router.client.head("/health").status_code == 200, "a load balancer's HEAD probe, as SGLang answers it"
 
     engine.healthy = False
     router.wait_for(lambda: router.client.get("/health").status_code == 503, what="router unhealthy")
     reason = router.client.get("/health").json()["error"]["message"]
     assert "no healthy engine: 0 of 1" in reason
     assert router.client.get("/liveness").status_code == 200
+    assert router.client.head("/health").status_code == 503
 
     engine.healthy = True
     router.wait_for(lambda: router.client.get("/readiness").status_code == 200, what="router healthy again")

@@ -20,6 +20,7 @@ from rlfleet.processes import ServiceProcess, free_port
 pytestmark = pytest.mark.e2e
 
 HEADER = "X-Rlfleet-Trajectory-Id"
+TRAJECTORY = "run-1/group-0/sample-0"  # the README's form of id: slashes and all, in the URL path
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +64,14 @@ def test_three_turn_chat_trajectory_holds_the_engines_tokens_and_logprobs(router
             "rid": f"conv-1-turn-{k}",
             "an_unknown_field": {"passes": "through"},
         }
-        answer = client.post("/v1/chat/completions", json=body, headers={HEADER: "conv-1"})
+        answer = client.post("/v1/chat/completions", json=body, headers={HEADER: TRAJECTORY})
         assert answer.status_code == 200, answer.text
         choice = answer.json()["choices"][0]
         assert answer.json()["id"] == f"conv-1-turn-{k}", "the rid is kept"
         turns.append(choice)
         messages += [choice["message"], {"role": "tool", "content": f"result {k}"}]
 
-    trajectory = client.get("/trajectories/conv-1")
+    trajectory = client.get(f"/trajectories/{TRAJECTORY}")
     assert trajectory.status_code == 200, trajectory.text
     got = trajectory.json()
     assert got["prompt_ids"] == turns[0]["prompt_token_ids"]
@@ -97,8 +98,8 @@ def test_three_turn_chat_trajectory_holds_the_engines_tokens_and_logprobs(router
 
     refused = client.post("/v1/chat/completions", json={"messages": messages}, headers={HEADER: "conv-2"})
     assert refused.status_code == 400 and "return_token_ids" in refused.text
-    assert client.delete("/trajectories/conv-1").status_code == 200
-    assert client.get("/trajectories/conv-1").status_code == 404
+    assert client.delete(f"/trajectories/{TRAJECTORY}").status_code == 200
+    assert client.get(f"/trajectories/{TRAJECTORY}").status_code == 404
 
 
 def test_openai_requests_stream_through_the_router_and_control_requests_fan_out(router_url: str) -> None:

@@ -32,6 +32,21 @@ def test_a_prompt_that_rewrites_history_makes_the_trajectory_a_conflict() -> Non
         store.get("t")
 
 
+@pytest.mark.parametrize("lost_turn", [1, 2])
+def test_a_turn_the_router_could_not_read_makes_the_trajectory_a_conflict(lost_turn: int) -> None:
+    """Before, the lost turn was skipped: the trajectory read back 200 without its tokens, or (a first turn
+    lost) the next turn started a new one with the model's earlier output inside its prompt."""
+    store = TrajectoryStore(max_tokens=1000, max_update_lag=1)
+    if lost_turn == 2:
+        store.record("t", turn([1, 2], [3, 4]), fleet_update=0)
+    store.record_lost("t", "r-lost", "http://e", "3 logprobs for 2 output tokens", fleet_update=0)
+    store.record("t", turn([1, 2, 3, 4, 9, 5, 6], [7]), fleet_update=0)
+    with pytest.raises(Conflict, match=f"turn {lost_turn} \\(rid 'r-lost'\\) ran on http://e.*3 logprobs for 2"):
+        store.get("t")
+    store.delete("t")
+    assert store.tokens == 0
+
+
 def test_budget_evicts_least_recently_used_and_updates_evict_stale() -> None:
     store = TrajectoryStore(max_tokens=10, max_update_lag=1)
     store.record("old", turn([1, 2, 3], [4, 5]), fleet_update=0)
