@@ -184,6 +184,7 @@ class Fleet:
         """Out of the fleet at once; requests already at the engine finish there."""
         worker = self.workers.remove(key)
         self.policy.forget(worker)
+        self.metrics.forget_engine(worker.url)
         return worker
 
     def describe(self) -> dict[str, object]:

@@ -136,6 +136,9 @@ class Children(Generic[MetricT]):
             child = self._children[values] = self._metric.labels(*values)
         return child
 
+    def forget(self, *values: str) -> None:
+        self._children.pop(values, None)
+
 
 class RouterMetrics:
     def __init__(self, workers: WorkerRegistry, weight_version: Callable[[], str | None]) -> None:
@@ -218,6 +221,20 @@ class RouterMetrics:
         self.routing_decision = Children(self.routing_decisions)
         self.engine_prompt_tokens = Children(self.prompt_tokens)
         self.engine_cached_tokens = Children(self.cached_tokens)
+
+    def forget_engine(self, url: str) -> None:
+        """Drops the series of an engine that left the fleet: engines that come and go (pods by IP) would
+        otherwise add series for as long as the router runs."""
+        for metric in (
+            self.engine_errors,
+            self.prompt_tokens,
+            self.cached_tokens,
+            self.restarts,
+            self.health_check_failures,
+        ):
+            metric.remove_by_labels({"engine": url})
+        self.engine_prompt_tokens.forget(url)
+        self.engine_cached_tokens.forget(url)
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:
         self.request_count(route, str(status)).inc()

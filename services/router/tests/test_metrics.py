@@ -34,7 +34,11 @@ def test_metrics_follow_requests_health_and_weight_updates(
     assert metric_value(text, "rlfleet_router_weight_updates_total", {"result": "success"}) == 1
     assert metric_value(text, "rlfleet_router_retries_total") == 0
 
+    failures = {"engine": down.url}
+    assert (metric_value(text, "rlfleet_router_health_check_failures_total", failures) or 0) >= 1
     router.client.delete(f"/workers/{down.url}")
-    assert (
-        metric_value(router.client.get("/metrics").text, "rlfleet_router_engine_healthy", {"engine": down.url}) is None
-    )
+    after = router.client.get("/metrics").text
+    assert metric_value(after, "rlfleet_router_engine_healthy", {"engine": down.url}) is None
+    # Its counters go too: engines that come and go (pods by IP) would otherwise add series without end.
+    assert metric_value(after, "rlfleet_router_health_check_failures_total", failures) is None
+    assert metric_value(after, "rlfleet_router_engine_healthy", {"engine": up.url}) == 1
