@@ -147,6 +147,11 @@ class DistributedWeights:
                 "open the group again with POST /init_weights_update_group"
             )
         async with self._weights.lock:
+            if self.groups.get(name) is not group:  # closed (a bucket before this one failed) while this waited
+                raise Conflict(
+                    f"weight update group {name!r} was closed while this update waited for the one before it; "
+                    "open the group again with POST /init_weights_update_group"
+                )
             if self._version_started is None:
                 self._version_started = time.monotonic()
             results, abandoned = await self._post_all(group.members, DISTRIBUTED_UPDATE_ROUTE, lambda _: request_body)
@@ -162,7 +167,8 @@ class DistributedWeights:
             if version is not None and len(failed) < len(results):
                 self._serve_version(group, version, set(failed))
             if failed:
-                del self.groups[name]
+                if self.groups.get(name) is group:  # not already closed by a destroy meanwhile
+                    del self.groups[name]
                 self._version_started = None
                 self._weights.count_update("failure" if len(failed) == len(results) else "partial")
                 message = (

@@ -9,7 +9,9 @@ registered disk copy of a version that arrived over the group.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,6 +145,27 @@ def test_a_failed_bucket_takes_the_engine_out_and_closes_the_group(
     assert router.client.get("/weight_version").json()["weight_version"] is None
     again = router.client.post("/update_weights_from_distributed", json=bucket(["w"]))
     assert again.status_code == 404 and "init_weights_update_group" in again.json()["error"]["message"]
+
+
+def test_a_bucket_waiting_behind_a_failed_one_is_a_conflict(
+    start_group_engine: Callable[[str], GroupEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """The failed bucket closes the group while the next one waits for the fleet's lock: the next one is told
+    to open the group again (409), not sent to a closed group's members, nor a 500 from closing it twice."""
+    good, bad = start_group_engine("good"), start_group_engine("bad")
+    router = start_router([good.url, bad.url])
+    router.wait_healthy(2)
+    assert router.client.post("/init_weights_update_group", json={**INIT, "world_size": 3}).status_code == 200
+    bad.fail_updates = True
+    good.update_delay = bad.update_delay = 0.5
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(router.client.post, "/update_weights_from_distributed", json=bucket(["w1"]))
+        time.sleep(0.2)  # the first holds the lock
+        second = pool.submit(router.client.post, "/update_weights_from_distributed", json=bucket(["w2"], version=2))
+        answers = first.result(timeout=30), second.result(timeout=30)
+    assert answers[0].status_code == 502, answers[0].text
+    assert answers[1].status_code == 409 and "was closed while this update waited" in answers[1].text
+    assert [u["names"] for u in good.updates] == [["w1"]], "the waiting bucket reached no engine"
 
 
 def test_an_engine_rejoins_only_on_the_registered_disk_copy(
