@@ -2,20 +2,27 @@
 
 argparse only collects strings; the settings class converts and validates them, so a flag accepts
 exactly what its `RLFLEET_<SVC>_<FIELD>` variable accepts. Only the flags given on the command line
-reach the settings: the environment, then the defaults, fill every other field. Nothing here imports
-a service's settings class, so a service can parse its flags (and answer `--help`) before it imports
-anything heavy.
+reach the settings: the environment, then the defaults, fill every other field. `--help` names every
+setting's variable (after its flag's help, or in the epilog for a setting without a flag), and a
+variable under the settings' prefix that names no setting is refused, since pydantic-settings would
+ignore it. Nothing here imports a service's settings class: the service passes it in, so that class
+stays light (pydantic only) and the service imports anything heavy once its settings are good.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import os
+import textwrap
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
+
+from rlfleet.settings_env import setting_variables, unknown_variables
 
 Settings = TypeVar("Settings", bound=BaseSettings)
 
@@ -40,15 +47,32 @@ class Flag:
             object.__setattr__(self, "field", self.name.removeprefix("--").replace("-", "_"))
 
 
-def add_flags(parser: argparse.ArgumentParser, flags: Sequence[Flag]) -> None:
-    """Adds `flags` to `parser` (or to a subcommand's parser); a flag not given sets no attribute."""
+def add_flags(parser: argparse.ArgumentParser, flags: Sequence[Flag], settings_class: type[BaseSettings]) -> None:
+    """Adds `flags` to `parser` (or to a subcommand's parser); a flag not given sets no attribute.
+
+    Each flag's help ends with the variable of its setting, and the epilog lists the settings of
+    `settings_class` that have no flag, so `--help` names every variable the service reads.
+    """
+    variables = setting_variables(settings_class)
     for flag in flags:
-        common: dict[str, Any] = {"dest": flag.field, "default": argparse.SUPPRESS, "help": flag.help}
+        help_text = f"{flag.help} (env {variables[flag.field]})"
+        common: dict[str, Any] = {"dest": flag.field, "default": argparse.SUPPRESS, "help": help_text}
         if flag.kind == "switch":
             parser.add_argument(flag.name, action="store_true", **common)
         else:
             nargs = "*" if flag.kind == "list" else None
             parser.add_argument(flag.name, nargs=nargs, metavar=flag.metavar, **common)
+    assert parser.epilog is None, "add_flags writes the epilog"
+    flagged = {flag.field for flag in flags}
+    prefix = settings_class.model_config.get("env_prefix", "")
+    lines = [f"A flag wins over its variable. Every {prefix}* variable must name a setting, or the program stops."]
+    unflagged = [(name, field) for name, field in settings_class.model_fields.items() if name not in flagged]
+    if unflagged:
+        lines += ["", "settings without a flag:"]
+        for name, field in unflagged:
+            lines += [f"  {variables[name]}", f"      {_described(field)}"]
+    parser.epilog = "\n".join(lines)
+    parser.formatter_class = _LinesKept
 
 
 def settings_from_flags(
@@ -56,14 +80,42 @@ def settings_from_flags(
 ) -> Settings:
     """The settings from the `flags` given in `args`, over the environment and the defaults.
 
-    Settings that fail validation end the program through `parser.error` (exit status 2), naming
-    each wrong field, the flag or variable it came from, and the problem.
+    A variable under the settings' prefix that names no setting, and settings that fail validation,
+    end the program through `parser.error` (exit status 2), naming the variable (with the settings it
+    may have meant), or each wrong field, the flag or variable it came from, and the problem.
     """
+    if unknown := unknown_variables(settings_class, os.environ):
+        parser.error(_unknown(unknown, settings_class.model_config.get("env_prefix", "")))
     given = {flag.field: getattr(args, flag.field) for flag in flags if hasattr(args, flag.field)}
     try:
         return settings_class(**given)
     except ValidationError as exc:
         parser.error(_problems(exc, flags, given, settings_class.model_config.get("env_prefix", "")))
+
+
+class _LinesKept(argparse.HelpFormatter):
+    """Help whose description and epilog keep their line breaks and indents, each line wrapped on its own."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        filled = []
+        for line in text.splitlines():
+            hang = indent + line[: len(line) - len(line.lstrip())]
+            filled.append(textwrap.fill(" ".join(line.split()), width, initial_indent=hang, subsequent_indent=hang))
+        return "\n".join(filled)
+
+
+def _described(field: FieldInfo) -> str:
+    text = " ".join((field.description or "").split()).rstrip(".")
+    shown = field.default is not None and not field.is_required() and field.default_factory is None
+    return f"{text} (default {field.default})" if shown else text
+
+
+def _unknown(unknown: Mapping[str, list[str]], env_prefix: str) -> str:
+    problems = [
+        f"environment variable {name} is not a setting" + (f" (did you mean {' or '.join(close)}?)" if close else "")
+        for name, close in unknown.items()
+    ]
+    return f"{'; '.join(problems)}; --help lists every {env_prefix}* variable"
 
 
 def _problems(exc: ValidationError, flags: Sequence[Flag], given: dict[str, Any], env_prefix: str) -> str:

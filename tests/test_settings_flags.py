@@ -31,7 +31,7 @@ FLAGS = (
 
 def settings(argv: Sequence[str]) -> DemoSettings:
     parser = argparse.ArgumentParser(prog="demo")
-    add_flags(parser, FLAGS)
+    add_flags(parser, FLAGS, DemoSettings)
     return settings_from_flags(DemoSettings, FLAGS, parser.parse_args(argv), parser)
 
 
@@ -90,3 +90,55 @@ def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         settings(["--help"])
     out = capsys.readouterr().out
     assert "--timeout TIMEOUT_S" in out and "--urls [URL ...]" in out and "--verbose " in out
+
+
+def test_a_variable_under_the_prefix_that_names_no_setting_is_refused_with_the_closest_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("RLFLEET_DEMO_TIMEOUT", "7")  # the flag is --timeout, the setting timeout_s
+    with pytest.raises(SystemExit) as exit_info:
+        settings([])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: demo" in err
+    assert "environment variable RLFLEET_DEMO_TIMEOUT is not a setting (did you mean RLFLEET_DEMO_TIMEOUT_S?)" in err
+
+
+def test_a_misspelling_in_lower_case_is_refused_too(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The settings are case-insensitive, so pydantic-settings reads lower-case names as well: they count."""
+    monkeypatch.setenv("rlfleet_demo_prot", "9001")
+    with pytest.raises(SystemExit):
+        settings([])
+    assert "rlfleet_demo_prot is not a setting (did you mean RLFLEET_DEMO_PORT?)" in capsys.readouterr().err
+
+
+def test_a_known_variable_is_read_and_other_prefixes_are_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RLFLEET_DEMO_TIMEOUT_S", "7")
+    monkeypatch.setenv("rlfleet_demo_port", "9001")
+    monkeypatch.setenv("RLFLEET_DEMOS_ANYTHING", "1")  # not under RLFLEET_DEMO_
+    monkeypatch.setenv("RLFLEET_ROUTER_NOT_A_SETTING", "1")
+    monkeypatch.setenv("RLFLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    got = settings([])
+    assert (got.port, got.timeout_s) == (9001, 7.0)
+
+
+def test_a_misspelled_variable_is_refused_even_when_a_flag_sets_the_setting(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("RLFLEET_DEMO_URL", '["http://env"]')
+    with pytest.raises(SystemExit):
+        settings(["--urls", "http://a"])
+    assert "RLFLEET_DEMO_URL is not a setting (did you mean RLFLEET_DEMO_URLS?)" in capsys.readouterr().err
+
+
+def test_help_names_the_variable_of_every_setting(capsys: pytest.CaptureFixture[str]) -> None:
+    class WithoutFlags(DemoSettings):
+        retries: int = Field(3, description="Attempts after the first.")
+
+    parser = argparse.ArgumentParser(prog="demo")
+    add_flags(parser, FLAGS, WithoutFlags)
+    text = parser.format_help()
+    assert "seconds to wait (env RLFLEET_DEMO_TIMEOUT_S)" in " ".join(text.split())
+    assert "settings without a flag:\n  RLFLEET_DEMO_RETRIES\n      Attempts after the first (default 3)\n" in text

@@ -2,7 +2,8 @@
 
 The flags carry SGLang's names (`--model-path`, `--max-running-requests`, ...) so a launcher written
 for `python -m sglang.launch_server` starts this engine unchanged; every setting can also come from
-the environment as `RLFLEET_ENGINE_<FIELD>` (flags win). Nothing here imports torch, so `--help`
+the environment as `RLFLEET_ENGINE_<FIELD>` (flags win; `--help` lists them all, and an
+RLFLEET_ENGINE_* variable that names no setting is refused). Nothing here imports torch, so `--help`
 answers instantly.
 """
 
@@ -104,10 +105,9 @@ FLAGS: tuple[Flag, ...] = (
 def build_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m rlfleet_engine",
-        description="rlfleet CPU engine: SGLang's HTTP API over a Hugging Face causal LM. "
-        "Every flag can also be set as RLFLEET_ENGINE_<FIELD> in the environment.",
+        description="rlfleet CPU engine: SGLang's HTTP API over a Hugging Face causal LM.",
     )
-    add_flags(parser, FLAGS)
+    add_flags(parser, FLAGS, EngineConfig)
     # Accepted for command-line compatibility with sglang.launch_server; they change nothing here.
     parser.add_argument("--trust-remote-code", action="store_true", help="Accepted for SGLang compatibility.")
     parser.add_argument("--skip-server-warmup", action="store_true", help="Accepted for SGLang compatibility.")

@@ -36,9 +36,9 @@ FLAGS: tuple[Flag, ...] = (
 def build_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m rlfleet_reward",
-        description="rlfleet reward hub. Every flag also reads RLFLEET_REWARD_<FLAG>; a flag wins over the variable.",
+        description="rlfleet reward hub: reward functions behind HTTP and gRPC.",
     )
-    add_flags(parser, FLAGS)
+    add_flags(parser, FLAGS, RewardSettings)
     return parser
 
 

@@ -21,7 +21,7 @@ from rlfleet_reward.sandbox import probe_isolation
 pytestmark = pytest.mark.e2e
 
 LAUNCHER = Path(__file__).resolve().parent / "reward_hub_for_tests.py"
-SECRET_NAME = "RLFLEET_REWARD_TEST_SECRET"
+SECRET_NAME = "RLFLEET_TEST_SANDBOX_SECRET"  # outside RLFLEET_REWARD_, which must name settings
 GOOD_PROGRAM = (
     "Here you go:\n```python\ndef add(a, b):\n    return a + b\n\nprint(add(*map(int, input().split())))\n```"
 )

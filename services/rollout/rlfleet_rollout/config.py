@@ -1,7 +1,8 @@
 """Settings of the orchestrator process, and the command line that fills them.
 
-Every setting can come from the environment as `RLFLEET_ROLLOUT_<FIELD>`; flags win. Nothing here
-imports the servers or the tokenizer, so `--help` answers instantly.
+Every setting can come from the environment as `RLFLEET_ROLLOUT_<FIELD>` (flags win; `--help` lists
+them all, and an RLFLEET_ROLLOUT_* variable that names no setting is refused). Nothing here imports the
+servers or the tokenizer, so `--help` answers instantly.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from rlfleet.settings_flags import Flag, add_flags, settings_from_flags
 class RolloutConfig(BaseSettings):
     """One orchestrator: where it listens, the services it calls, and how long it waits for each."""
 
-    model_config = SettingsConfigDict(env_prefix="RLFLEET_ROLLOUT_", extra="ignore")
+    # The docstrings below are the descriptions `--help` shows for the settings without a flag.
+    model_config = SettingsConfigDict(env_prefix="RLFLEET_ROLLOUT_", extra="ignore", use_attribute_docstrings=True)
 
     host: str = "127.0.0.1"
     """Address the HTTP and gRPC servers bind."""
@@ -114,10 +116,9 @@ FLAGS: tuple[Flag, ...] = (
 def build_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m rlfleet_rollout",
-        description="rlfleet rollout orchestrator: the Runs API (REST and gRPC) and the run loop. "
-        "Every flag can also be set as RLFLEET_ROLLOUT_<FIELD> in the environment.",
+        description="rlfleet rollout orchestrator: the Runs API (REST and gRPC) and the run loop.",
     )
-    add_flags(parser, FLAGS)
+    add_flags(parser, FLAGS, RolloutConfig)
     return parser
 
 

@@ -1,19 +1,16 @@
 """`python -m rlfleet_router --worker-urls URL [URL ...] --port 30000 --policy cache_aware`.
 
-Flags override `RLFLEET_ROUTER_*` environment variables, which override the defaults. Only the
-flags are parsed before the server modules are imported, so `--help` answers at once.
+Flags override `RLFLEET_ROUTER_*` environment variables, which override the defaults. Only the flags
+and the settings are read before the server modules are imported, so `--help` answers at once.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from rlfleet.settings_flags import Flag, add_flags, settings_from_flags
-
-if TYPE_CHECKING:
-    from rlfleet_router.config import RouterConfig
+from rlfleet_router.config import RouterConfig
 
 # Names follow sglang-router's where it has the same setting (see config.py).
 FLAGS: tuple[Flag, ...] = (
@@ -76,21 +73,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
         prog="python -m rlfleet_router",
         description="rlfleet router: routes SGLang requests across a fleet of engines, "
         "checks their health and keeps them on one weight version.",
-        epilog="Every flag can also be set as an environment variable RLFLEET_ROUTER_<FLAG> "
-        "(e.g. RLFLEET_ROUTER_HEALTH_CHECK_INTERVAL_SECS=2).",
     )
-    add_flags(parser, FLAGS)
+    add_flags(parser, FLAGS, RouterConfig)
     return parser
 
 
 def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
     """Parses `argv` (flags win over RLFLEET_ROUTER_* variables) into a validated config."""
     parser = build_arg_parser()
-    args = parser.parse_args(argv)
-    # Only now: the config brings the policies and restarters, which --help and a mistyped flag never need.
-    from rlfleet_router.config import RouterConfig
-
-    return settings_from_flags(RouterConfig, FLAGS, args, parser)
+    return settings_from_flags(RouterConfig, FLAGS, parser.parse_args(argv), parser)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlfleet_trainer", description="rlfleet trainer")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,sft,export}")
     serve = commands.add_parser("serve", help="serve the gRPC Trainer API (one process per rank, under torchrun)")
-    add_flags(serve, SERVE_FLAGS)
+    add_flags(serve, SERVE_FLAGS, TrainerSettings)
     sft = commands.add_parser(
         "sft",
         help="supervised warm start on the arithmetic task, written as a new model",
