@@ -18,7 +18,7 @@ from rlfleet.errors import Unauthenticated
 from rlfleet.http_errors import error_response
 
 # Probes and scrapes carry no token: Kubernetes and Prometheus must reach them.
-OPEN_PATHS = ("/health", "/metrics")
+OPEN_PATHS = ("/health", "/liveness", "/metrics")
 
 
 class BearerTokenMiddleware:

@@ -5,7 +5,9 @@ GET  /v1/runs               ?state=&page_size=&page_token= -> ListRunsResponse
 GET  /v1/runs/{id}                                         -> Run
 POST /v1/runs/{id}:cancel                                  -> Run
 GET  /v1/runs/{id}:watch    server-sent events, one `data: <Run JSON>` per change, until the run ends
-GET  /health, GET /metrics
+GET  /liveness                                             -> 200 while the process serves (Redis or not)
+GET  /health                                               -> 200 once Redis answers, else 503 (readiness)
+GET  /metrics
 """
 
 from __future__ import annotations
@@ -116,6 +118,12 @@ def build_app(core: RunsCore, metrics: RolloutMetrics, redis_client: aioredis.Re
     @app.post("/v1/runs/{run_id}:cancel")
     async def cancel(run_id: str) -> JSONResponse:
         return JSONResponse(to_json(await core.cancel(run_id)))
+
+    # Liveness asks nothing of Redis: the orchestrator waits out a Redis outage (redis_outage.py),
+    # which a restart would not end sooner. Readiness (/health) does, to keep traffic away meanwhile.
+    @app.get("/liveness")
+    async def liveness() -> dict[str, str]:
+        return {"status": "ok"}
 
     @app.get("/health")
     async def health() -> dict[str, str]:
