@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node=1 -m rlfleet_trainer serve --router-url http://127.0.0.1:30000
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=static --node-rank=K --master-addr=NODE0 \
-        --master-port=29400 -m rlfleet_trainer serve ...     (on node K; rank 0, on NODE0, serves)
+        --master-port=29400 -m rlfleet_trainer serve ...     (on node K; rank 0, on NODE0, serves the API;
+                                                              each node's first rank serves /health)
     python -m rlfleet_trainer sft --model-path DIR --out DIR --steps 300
     python -m rlfleet_trainer export --checkpoint DIR --base-model DIR --out DIR
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -129,15 +131,19 @@ def die_with_launcher() -> None:
 
 def serve(settings: TrainerSettings) -> int:
     """Rank 0 serves gRPC and HTTP and drives training; under torchrun with more ranks the others
-    follow it, running in lockstep the collective ops it announces (rank_group.py)."""
+    follow it, running in lockstep the collective ops it announces (rank_group.py). The first rank of
+    every other node (LOCAL_RANK 0) serves that node's /health and /metrics, so every node (every
+    trainer pod in Kubernetes) can be probed."""
     import torch
     import uvicorn
+    from prometheus_client import CollectorRegistry
 
     from rlfleet.api_token import read_token_file
     from rlfleet.sample_stream import connect_redis
     from rlfleet_trainer.grpc_server import make_grpc_server
     from rlfleet_trainer.http_app import make_http_app
     from rlfleet_trainer.metrics import TrainerMetrics
+    from rlfleet_trainer.node_http import serving_in_thread
     from rlfleet_trainer.rank_group import RankGroup
     from rlfleet_trainer.rank_ops import RANK_OPS, RankState, ShardingOptions
     from rlfleet_trainer.router_client import RouterClient
@@ -146,17 +152,23 @@ def serve(settings: TrainerSettings) -> int:
     torch.set_num_threads(settings.torch_threads)
     if "WORLD_SIZE" in os.environ:
         die_with_launcher()
-    metrics = TrainerMetrics()
+    registry = CollectorRegistry()
     options = ShardingOptions(settings.mixed_precision, settings.activation_checkpointing)
-    ranks = RankGroup(RANK_OPS, RankState(options), settings.collective_timeout_s, metrics.registry)
+    ranks = RankGroup(RANK_OPS, RankState(options), settings.collective_timeout_s, registry)
     if ranks.rank != 0:
         # torchrun signals every rank on shutdown; rank 0 alone decides when the followers stop.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         logger.info("rank %d of %d follows rank 0", ranks.rank, ranks.ranks.world)
-        ranks.follow()  # a failure here ends the process; torchrun then stops the other ranks
+        node_http: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        if os.environ.get("LOCAL_RANK") == "0":  # one server per node: its other ranks share its port
+            app = make_http_app(registry, ranks.rank, ranks.ranks.world)
+            node_http = serving_in_thread(app, settings.host, settings.http_port)
+        with node_http:
+            ranks.follow()  # a failure here ends the process; torchrun then stops the other ranks
         ranks.close()
         return 0
+    metrics = TrainerMetrics(registry)
     core = TrainerCore(
         settings,
         connect_redis(settings.redis_url),
@@ -169,7 +181,12 @@ def serve(settings: TrainerSettings) -> int:
         grpc_server = make_grpc_server(core, settings.host, settings.grpc_port)
         await grpc_server.start()
         http = uvicorn.Server(
-            uvicorn.Config(make_http_app(metrics), host=settings.host, port=settings.http_port, log_config=None)
+            uvicorn.Config(
+                make_http_app(registry, ranks.rank, ranks.ranks.world),
+                host=settings.host,
+                port=settings.http_port,
+                log_config=None,
+            )
         )
         logger.info(
             "trainer serving gRPC on %s:%d, HTTP on %s:%d",

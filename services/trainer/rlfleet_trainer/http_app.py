@@ -1,24 +1,30 @@
-"""HTTP side of the trainer: /health and Prometheus /metrics."""
+"""HTTP side of a trainer node: /health and Prometheus /metrics.
+
+Rank 0 serves it beside the gRPC Trainer API. Kubernetes probes every pod of a multi-node trainer,
+so the first rank of every other node serves it too (node_http.py), without the API: /health then
+says that this rank is alive and follows rank 0, never that it serves the API.
+"""
 
 from __future__ import annotations
 
 from fastapi import FastAPI, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from rlfleet.http_errors import install_error_handlers
-from rlfleet_trainer.metrics import TrainerMetrics
 
 
-def make_http_app(metrics: TrainerMetrics) -> FastAPI:
+def make_http_app(registry: CollectorRegistry, rank: int = 0, world_size: int = 1) -> FastAPI:
+    """registry: what /metrics exports (on a follower, its rank ops only: it trains no run of its own)."""
     app = FastAPI(title="rlfleet trainer", docs_url=None, redoc_url=None)
     install_error_handlers(app)
+    health_body = {"status": "ok", "rank": rank, "world_size": world_size, "serves_api": rank == 0}
 
     @app.get("/health")
-    def health() -> dict[str, str]:
-        return {"status": "ok"}
+    def health() -> dict[str, object]:
+        return health_body
 
     @app.get("/metrics")
     def prometheus_metrics() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

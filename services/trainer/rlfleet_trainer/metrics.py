@@ -24,8 +24,9 @@ STEP_GAUGES = {
 
 
 class TrainerMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        """registry: where to register (rank 0 shares its RankGroup's); a new one by default."""
+        self.registry = registry or CollectorRegistry()
         self.step = Gauge("rlfleet_trainer_step", "optimizer steps taken in the active run", registry=self.registry)
         self.weight_version = Gauge(
             "rlfleet_trainer_weight_version", "weight version the fleet serves", registry=self.registry
