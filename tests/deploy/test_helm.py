@@ -164,6 +164,27 @@ def test_router_lists_every_engine_and_services_find_each_other(rendered: tuple[
     assert int(port) in [p["port"] for p in services[host]["spec"]["ports"]]
 
 
+def test_no_pod_gets_the_services_variables(rendered: tuple[dict, list[dict[str, Any]]]) -> None:
+    """Kubernetes would give each pod variables named after every Service, e.g. RLFLEET_ROUTER_PORT=tcp://...
+    for Service rlfleet-router (`helm install rlfleet`), which the router would read as its port setting."""
+    _, docs = rendered
+    specs = pod_specs(docs)
+    assert specs and all(spec.get("enableServiceLinks") is False for spec in specs.values()), [
+        name for name, spec in specs.items() if spec.get("enableServiceLinks") is not False
+    ]
+
+
+def test_the_router_follows_prefix_caches_only_where_engines_keep_them(
+    rendered: tuple[dict, list[dict[str, Any]]],
+) -> None:
+    values, docs = rendered
+    [router] = [spec for name, spec in pod_specs(docs).items() if name.endswith("router")]
+    env = {var["name"]: var["value"] for var in router["containers"][0].get("env", [])}
+    # SGLang engines keep a prefix cache to follow; rlfleet's CPU engine keeps none.
+    default = "cache_aware" if values["engine"]["backend"] == "sglang" else "least_load"
+    assert env["RLFLEET_ROUTER_POLICY"] == (values["router"]["policy"] or default)
+
+
 def test_trainer_rank_0_is_on_the_pod_the_trainer_service_selects(rendered: tuple[dict, list[dict[str, Any]]]) -> None:
     values, docs = rendered
     trainer = by_kind(docs, "StatefulSet")["rl-rlfleet-trainer"]

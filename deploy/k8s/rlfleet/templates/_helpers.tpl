@@ -26,7 +26,7 @@ app.kubernetes.io/managed-by: {{ (index . 0).Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" (index . 0).Chart.Name (index . 0).Chart.Version }}
 {{- end -}}
 
-{{/* An rlfleet image: (list $ "router") -> registry/rlfleet-router:tag */}}
+{{/* An rlfleet image: (list $ "router") -> <image.registry>/router:<image.tag> (docker.io/rlfleet/router:0.1.0) */}}
 {{- define "rlfleet.image" -}}
 {{- $ := index . 0 -}}
 {{- printf "%s/%s:%s" $.Values.image.registry (index . 1) (default $.Chart.AppVersion $.Values.image.tag) -}}
@@ -69,6 +69,12 @@ capabilities:
   drop: [ALL]
 {{- end -}}
 
+{{/* "true" when the trainer broadcasts weights to the engines over a process group they join (trainer.env
+RLFLEET_TRAINER_WEIGHT_SYNC=distributed), else empty. */}}
+{{- define "rlfleet.distributedWeightSync" -}}
+{{- if eq (toString (get .Values.trainer.env "RLFLEET_TRAINER_WEIGHT_SYNC")) "distributed" }}true{{ end -}}
+{{- end -}}
+
 {{/* The shared volume: models, and the weight versions the trainer writes and engines load by path. */}}
 {{- define "rlfleet.dataVolume" -}}
 - name: data
@@ -76,10 +82,11 @@ capabilities:
     claimName: {{ default (include "rlfleet.name" (list . "data")) .Values.data.existingClaim }}
 {{- end -}}
 
-{{/* An HTTP probe on /health; call with (dict "port" 8000 "probe" .Values.x.probes.liveness). */}}
+{{/* An HTTP probe; call with (dict "port" 8000 "probe" .Values.x.probes.liveness), and "path" "/liveness" for a
+service whose liveness must not hang on its dependencies. The probe's own `path` value wins; /health by default. */}}
 {{- define "rlfleet.httpProbe" -}}
 httpGet:
-  path: {{ default "/health" .probe.path }}
+  path: {{ .probe.path | default .path | default "/health" }}
   port: {{ .port }}
 periodSeconds: {{ .probe.periodSeconds }}
 timeoutSeconds: {{ .probe.timeoutSeconds }}
