@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from rlfleet.errors import InvalidInput, RlfleetError
 from rlfleet.http_errors import install_error_handlers, whole_body_problem
+from rlfleet_engine.client_gone import ClientGone, unless_client_leaves
 from rlfleet_engine.openai_api import OpenAIServer
 from rlfleet_engine.openai_schemas import ChatCompletionRequest, CompletionRequest
 from rlfleet_engine.schemas import (
@@ -93,26 +94,30 @@ def create_app(core: EngineCore, registry: CollectorRegistry) -> FastAPI:
         }
         return {"object": "list", "data": [card]}
 
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it, the log shows it
+
     @app.api_route("/generate", methods=["POST", "PUT"], response_model=None)
-    async def generate(req: GenerateRequest) -> Any:
+    async def generate(req: GenerateRequest, request: Request) -> Any:
         if not req.stream:
-            return await core.generate(req)
+            return await unless_client_leaves(request, core.generate(req))
         chunks = core.generate_stream(req)
         return StreamingResponse(_server_sent_events(chunks), media_type="text/event-stream")
 
     openai = OpenAIServer(core)
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(req: CompletionRequest) -> Any:
+    async def completions(req: CompletionRequest, request: Request) -> Any:
         if req.stream:
             return StreamingResponse(openai.stream(req), media_type="text/event-stream")
-        return await openai.complete(req)
+        return await unless_client_leaves(request, openai.complete(req))
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(req: ChatCompletionRequest) -> Any:
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         if req.stream:
             return StreamingResponse(openai.stream(req), media_type="text/event-stream")
-        return await openai.complete(req)
+        return await unless_client_leaves(request, openai.complete(req))
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:

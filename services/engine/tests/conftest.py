@@ -7,7 +7,7 @@ name, which pytest's importlib mode would not give them.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ if str(TESTS_DIR) not in sys.path:
 
 from engine_test_support import RunningEngine, start_engine  # noqa: E402
 
+from rlfleet.processes import ServiceProcess, free_port  # noqa: E402
 from rlfleet.tiny_model import create_tiny_model  # noqa: E402
 
 
@@ -48,3 +49,22 @@ def reference_model(tiny_model_dir: Path) -> Iterator[Any]:
     torch.set_num_threads(1)
     yield AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def start_sim(tmp_path: Path) -> Iterator[Callable[..., str]]:
+    """Starts `sim` engines (no model) as real processes; returns each one's URL."""
+    started: list[ServiceProcess] = []
+
+    def start(*extra: str) -> str:
+        port = free_port()
+        argv = [sys.executable, "-m", "rlfleet_engine", "--backend", "sim", "--model-path", "sim", "--port", str(port)]
+        process = ServiceProcess("sim-engine", [*argv, *extra], tmp_path / f"sim-{port}.log")
+        started.append(process)
+        url = f"http://127.0.0.1:{port}"
+        process.wait_healthy(url + "/health", timeout=30)
+        return url
+
+    yield start
+    for process in started:
+        process.stop(timeout=10)

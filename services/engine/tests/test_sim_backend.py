@@ -5,38 +5,17 @@ Every figure here comes from the simulation, not from a model.
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
 
-from rlfleet.processes import ServiceProcess, free_port
 from rlfleet_engine.sim_prefix_cache import PrefixCache
 
 pytestmark = pytest.mark.e2e
 
 SYSTEM = "You are a careful assistant. Think step by step, then answer with a number only. "
-
-
-@pytest.fixture
-def start_sim(tmp_path: Path) -> Iterator[Callable[..., str]]:
-    started: list[ServiceProcess] = []
-
-    def start(*extra: str) -> str:
-        port = free_port()
-        argv = [sys.executable, "-m", "rlfleet_engine", "--backend", "sim", "--model-path", "sim", "--port", str(port)]
-        process = ServiceProcess("sim-engine", [*argv, *extra], tmp_path / f"sim-{port}.log")
-        started.append(process)
-        url = f"http://127.0.0.1:{port}"
-        process.wait_healthy(url + "/health", timeout=30)
-        return url
-
-    yield start
-    for process in started:
-        process.stop(timeout=10)
 
 
 def generate(url: str, body: dict[str, object]) -> dict[str, Any]:
