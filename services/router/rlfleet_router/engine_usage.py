@@ -4,8 +4,13 @@ The router never changes an answer; it only looks at a copy of the bytes going b
 prompt tokens and the cached prompt tokens the engine reports (SGLang's `meta_info.prompt_tokens` /
 `meta_info.cached_tokens`, OpenAI's `usage.prompt_tokens` / `usage.prompt_tokens_details.cached_tokens`),
 which is the fleet's real prefix-cache hit rate. Plain JSON answers are parsed once at the end (up to
-a size limit); in a server-sent-event stream, whose chunks are cumulative, only the events that carry
-a finish reason are parsed.
+a size limit). A server-sent-event stream reports its usage once, and only the events that carry it are
+parsed: in /generate's stream (cumulative chunks) each sample's finished event, whose `meta_info.finish_reason`
+is an object; in an OpenAI stream the usage chunk (`"choices": []`) sent last when the request sets
+`stream_options.include_usage`. An OpenAI chunk with a choice is never counted, even with a `usage`
+(`continuous_usage_stats` puts a running count in every one): the usage chunk already has the total.
+SGLang puts cached tokens in OpenAI usage only when it runs with `--enable-cache-report` (and then only if
+there are some); without it they count as 0.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from dataclasses import dataclass
 
 # Answers larger than this are relayed without being counted, so a huge answer never doubles in memory.
 MAX_PARSED_BYTES = 8 * 1024 * 1024
-_FINISHED_EVENT = re.compile(rb'"finish_reason":\s*[{"]')
+# Found in the raw event before it is parsed: /generate's finish reason (an object), an OpenAI usage chunk.
+_USAGE_EVENT = re.compile(rb'"finish_reason":\s*\{|"choices":\s*\[\s*\]')
 
 
 @dataclass(frozen=True)
@@ -34,16 +40,23 @@ def _items(answer: object) -> Iterator[dict[str, object]]:
         yield answer
 
 
-def usage_of(answer: object) -> PromptUsage:
-    """Prompt and cached tokens summed over every item of a /generate or OpenAI-style answer."""
+def usage_of(answer: object, stream_event: bool = False) -> PromptUsage:
+    """Prompt and cached tokens summed over every item of a /generate or OpenAI-style answer.
+
+    A `stream_event` counts only a finished /generate item or an OpenAI usage chunk (no choices).
+    """
     prompt = cached = 0
     for item in _items(answer):
         meta = item.get("meta_info")
         usage = item.get("usage")
         if isinstance(meta, dict):
+            if stream_event and not isinstance(meta.get("finish_reason"), dict):
+                continue
             prompt += int(meta.get("prompt_tokens") or 0)
             cached += int(meta.get("cached_tokens") or 0)
         elif isinstance(usage, dict):
+            if stream_event and item.get("choices"):
+                continue
             prompt += int(usage.get("prompt_tokens") or 0)
             details = usage.get("prompt_tokens_details")
             cached += int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
@@ -69,7 +82,7 @@ class UsageTap:
             *events, rest = bytes(self._buffer).split(b"\n\n")
             self._buffer = bytearray(rest)
             for event in events:
-                if _FINISHED_EVENT.search(event):
+                if _USAGE_EVENT.search(event):
                     self._add(event.removeprefix(b"data:").strip())
         if len(self._buffer) > MAX_PARSED_BYTES:
             self._overflow = True
@@ -82,7 +95,7 @@ class UsageTap:
 
     def _add(self, payload: bytes) -> None:
         try:
-            usage = usage_of(json.loads(payload))
+            usage = usage_of(json.loads(payload), stream_event=self._stream)
         except (ValueError, TypeError):
             return
         self._seen = True

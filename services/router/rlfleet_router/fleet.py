@@ -9,6 +9,7 @@ one) use the same object.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -87,6 +88,7 @@ class Fleet:
             request_timeout_secs=config.request_timeout_secs,
             connect_timeout_secs=config.connect_timeout_secs,
         )
+        self.workers.on_failed_requests = self.proxy.engine_failed
         self.fanout = Fanout(self.client, self.workers, config.request_timeout_secs, self.policy.forget_caches)
         self.trajectories = TrajectoryStore(config.trajectory_max_tokens, config.trajectory_max_update_lag)
         self.metrics.fleet.trajectories = self.trajectories
@@ -135,9 +137,17 @@ class Fleet:
         await self.client.aclose()
 
     async def generate(
-        self, route: str, body: bytes, headers: Mapping[str, str], arrived_at: float | None = None
+        self,
+        route: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        arrived_at: float | None = None,
+        client_gone: asyncio.Future[None] | None = None,
     ) -> EngineResponse:
-        """Routes a generation request (/generate or OpenAI); records its turn if it belongs to a trajectory."""
+        """Routes a generation request (/generate or OpenAI); records its turn if it belongs to a trajectory.
+
+        `client_gone`, done once the client has left, gives the request up (`Proxy.forward`).
+        """
         parsed = parse_json_object(body)
         if not is_json_media_type(headers.get("content-type", "")):
             # The body is a JSON object whatever the client called it (`curl -d` calls it form data), and an
@@ -162,7 +172,9 @@ class Fleet:
                 self.trajectories.record(trajectory, turn, self.weights.updates)
 
         started = arrived_at if arrived_at is not None else time.perf_counter()
-        return await self.proxy.forward(routing, body, headers, arrived_at=started, on_answer=on_answer)
+        return await self.proxy.forward(
+            routing, body, headers, arrived_at=started, on_answer=on_answer, client_gone=client_gone
+        )
 
     async def update_weights(self, model_path: str, version: str, request_body: bytes) -> FleetUpdateResult:
         """Loads new weights fleet-wide, then drops the trajectories that are now too old to train on."""

@@ -3,12 +3,14 @@
 Every generation request goes through here without FastAPI's routing, dependency solving and
 middleware stack (body bound included), which together cost about as much router CPU as the routing
 itself. It bounds the body itself, answers errors in the same body shape as the app
-(`rlfleet.http_errors`) and counts each request in the same metrics as `RequestMetricsMiddleware`;
+(`rlfleet.http_errors`), gives a request up when its client leaves, and counts each request in the same
+metrics as `RequestMetricsMiddleware` (an answer cut short at its error's status, a client gone as 499);
 every other request goes on to the app.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -17,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rlfleet.errors import Internal, ResourceExhausted, RlfleetError
 from rlfleet.http_errors import error_response
+from rlfleet_router.engine_attempts import ClientGone
 from rlfleet_router.fleet import Fleet
 from rlfleet_router.openai_routing import GENERATION_ROUTES
 
@@ -38,7 +41,7 @@ class GenerationRelay:
             return
         started = time.perf_counter()
         route = scope["path"]
-        status = 500
+        status: int | None = None  # until the answer starts
 
         async def send_and_watch(message: Message) -> None:
             nonlocal status
@@ -56,17 +59,45 @@ class GenerationRelay:
             if body is None:
                 status = CLIENT_CLOSED_REQUEST
                 return
-            await self.answer(route, body, headers, scope, receive, send_and_watch)
+            # On this path (the rare one: pipelined requests, Expect: 100-continue) a task watches for the
+            # client's disconnect; the parser's path learns of it from the protocol without one.
+            gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            watcher = asyncio.create_task(watch_disconnect(receive, gone))
+            try:
+                await self.answer(route, body, headers, scope, receive, send_and_watch, gone)
+            finally:
+                watcher.cancel()
+            if status is None and gone.done():
+                status = CLIENT_CLOSED_REQUEST
+        except RlfleetError as exc:  # the engine's answer cut short after its head was sent
+            status = exc.http_status
+            raise
         finally:
-            self.fleet.metrics.observe_request(route, status, time.perf_counter() - started)
+            self.fleet.metrics.observe_request(route, 500 if status is None else status, time.perf_counter() - started)
 
     async def answer(
-        self, route: str, body: bytes, headers: dict[str, str], scope: Scope, receive: Receive, send: Send
+        self,
+        route: str,
+        body: bytes,
+        headers: dict[str, str],
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        client_gone: asyncio.Future[None],
     ) -> None:
-        """Routes one whole generation request and sends the engine's answer, or the error, through `send`."""
+        """Routes one whole generation request and sends the engine's answer, or the error, through `send`.
+
+        `client_gone` is done once the client has left: the request is then given up (and aborted at its engine),
+        with nothing sent. An answer cut short after its head was sent raises the RlfleetError it ended with.
+        """
         response: Response
         try:
-            response = await self.fleet.generate(route, body, headers, arrived_at=time.perf_counter())
+            response = await self.fleet.generate(
+                route, body, headers, arrived_at=time.perf_counter(), client_gone=client_gone
+            )
+        except ClientGone as exc:
+            logger.info("POST %s given up: %s", route, exc)
+            return
         except RlfleetError as exc:
             if exc.http_status >= 500:
                 logger.error("POST %s failed: %s", route, exc)
@@ -75,6 +106,14 @@ class GenerationRelay:
             logger.exception("POST %s failed", route)
             response = error_response(Internal("internal error; see the service log"))
         await response(scope, receive, send)
+
+
+async def watch_disconnect(receive: Receive, gone: asyncio.Future[None]) -> None:
+    """Completes `gone` when the client disconnects (the request's body was read whole before)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    if not gone.done():
+        gone.set_result(None)
 
 
 def header_dict(scope: Scope) -> dict[str, str]:

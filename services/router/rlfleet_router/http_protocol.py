@@ -25,7 +25,7 @@ import httptools
 from starlette.types import Message, Scope
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from rlfleet.errors import Internal
+from rlfleet.errors import Internal, RlfleetError
 from rlfleet.http_errors import error_response
 from rlfleet_router.generation_relay import CLIENT_CLOSED_REQUEST, GenerationRelay, too_large
 
@@ -121,7 +121,7 @@ class GenerationExchange:
         else:
             self._start(
                 lambda scope: self.relay.answer(
-                    self.route, bytes(self.body), self.headers, scope, self._receive, self._send
+                    self.route, bytes(self.body), self.headers, scope, self._receive, self._send, self._gone
                 )
             )
 
@@ -140,13 +140,17 @@ class GenerationExchange:
         scope: Scope = {"type": "http", "asgi": ASGI, "method": "POST", "path": self.route, "headers": self.raw_headers}
         try:
             await answer(scope)
-        except Exception:
-            self.protocol.logger.exception("POST %s failed", self.route)
+        except Exception as exc:
+            # An RlfleetError here is an engine's answer cut short mid-relay, logged where it broke.
+            error = exc if isinstance(exc, RlfleetError) else Internal("internal error; see the service log")
+            if error is not exc:
+                self.protocol.logger.exception("POST %s failed", self.route)
             if self._written:  # as uvicorn does: an answer cut short cannot be completed, so the connection ends
+                self.status = error.http_status  # counted as what it is, not as the status its head announced
                 self.protocol.transport.close()
             else:  # nothing reached the client: an error in the router's shape
                 self.keep_alive, self._head, self._chunked = False, None, False
-                await error_response(Internal("internal error; see the service log"))(scope, self._receive, self._send)
+                await error_response(error)(scope, self._receive, self._send)
         finally:
             self._end()
 

@@ -179,7 +179,8 @@ class RouterMetrics:
         )
         self.engine_errors = Counter(
             "rlfleet_router_engine_errors",
-            "Failed attempts at an engine, by kind (connection, http_5xx).",
+            "Failed attempts at an engine, by kind (connection, http_5xx, engine_failed: taken out of routing as "
+            "failed with the request there).",
             ["engine", "kind"],
             registry=self.registry,
         )

@@ -1,12 +1,17 @@
-"""Forwarding a request to one engine: selection, in-flight counting, retries, streaming back.
+"""Forwarding a request to one engine: selection, in-flight counting, retries, handing the answer back.
 
-The request body goes to the engine as the bytes that arrived, so fields the router does not
-know reach the engine untouched; the engine's answer goes back with its bytes unchanged (a plain
-answer whole, with its content-length; a stream chunk by chunk as it arrives), with a copy of the
-bytes read for the prompt and cached tokens the engine reports (`engine_usage`; for a text prompt they
-also teach the router the engines' characters per token, `chars_per_token`). A request is
-retried on another engine only while nothing has been sent back yet, and only for a connection
-failure or a 5xx, with exponential backoff inside the request's deadline.
+The request body goes to the engine as the bytes that arrived, so fields the router does not know
+reach the engine untouched; the engine's answer goes back with its bytes unchanged
+(`engine_response`). A request is retried on another engine only while nothing has been sent back
+yet, and only for a connection failure, a 5xx or an engine that left routing as failed while the
+request was there, with exponential backoff inside the request's deadline. "Nothing sent back yet"
+lasts until a plain answer is read whole or a stream's first piece has arrived: both are read here,
+inside the retries.
+
+A request at an engine can be interrupted from outside its task: by its engine failing
+(`engine_failed`, told by the worker registry) or by its client leaving (the `client_gone` future the
+HTTP layer completes on a disconnect). Either closes its connection; a request given up at an engine
+that may still run it is also aborted there by rid (`engine_aborts`).
 
 The relay uses `engine_client`, keep-alive connections pooled per engine and parsed in C: the
 client is most of the latency the router adds to a request, so it is kept to what the relay needs.
@@ -17,17 +22,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
-
-from rlfleet.errors import DeadlineExceeded, RlfleetError, Unavailable
-from rlfleet.http_errors import error_response
+from rlfleet.errors import DeadlineExceeded, Unavailable
 from rlfleet_router.chars_per_token import CharsPerToken
+from rlfleet_router.engine_aborts import EngineAborts
+from rlfleet_router.engine_attempts import Attempt, ClientGone, EngineAttempts, EngineFailed
 from rlfleet_router.engine_client import EngineAnswer, EngineClient, EngineConnectionError, EngineReadTimeout
-from rlfleet_router.engine_usage import PromptUsage, UsageTap
+from rlfleet_router.engine_response import HOP_HEADERS, AnswerReader, EngineResponse
 from rlfleet_router.metrics import RouterMetrics
 from rlfleet_router.policies import Policy, RoutingRequest
 from rlfleet_router.weights import describe_error
@@ -35,32 +38,17 @@ from rlfleet_router.workers import Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
 
-# Hop-by-hop headers (RFC 9110 7.6.1) plus the host, which names the router, not the engine.
-HOP_HEADERS = frozenset(
-    {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "host"}
-)
-# Of an answer, the router's server sets its own date and server fields: relayed too, each would appear twice.
-DROPPED_ANSWER_HEADER_NAMES = frozenset(name.encode() for name in HOP_HEADERS | {"date", "server"})
 # A request's length is recomputed for the bytes sent; an answer's is kept, as its bytes are relayed unchanged.
 # The caller's Authorization is the fleet's API token, meant for the router: engines never see it.
 DROPPED_REQUEST_HEADERS = HOP_HEADERS | {"content-length", "authorization"}
 # Idle connections to an engine are kept this long for the next request.
 KEEPALIVE_SECS = 60.0
-ENGINE_HEADER = "x-rlfleet-engine"
-ENGINE_HEADER_NAME = ENGINE_HEADER.encode()
-# Answers kept whole for an `on_answer` reader (trajectories); a larger one is relayed but not read.
-MAX_CAPTURED_BYTES = 32 * 1024 * 1024
 # Plain answers up to this size are read whole and sent in one piece; larger ones are relayed as streams.
 MAX_WHOLE_ANSWER_BYTES = 8 * 1024 * 1024
 
-# Receives a complete 200 answer and the engine that gave it, after its last byte was relayed.
-AnswerReader = Callable[[bytes, Worker], None]
-# Receives the prompt tokens and cached tokens a complete 200 answer reports.
-UsageReader = Callable[[PromptUsage], None]
-
 
 class RetryableFailure(Exception):
-    """The engine failed in a way another engine may not (connection failure or 5xx); nothing was relayed."""
+    """The engine failed in a way another may not (connection failure, 5xx, engine failed); nothing was relayed."""
 
 
 @dataclass(frozen=True)
@@ -77,137 +65,6 @@ class RetryPolicy:
 
 def forwardable_headers(headers: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in DROPPED_REQUEST_HEADERS}
-
-
-class EngineResponse(StreamingResponse):
-    """An engine's answer relayed as it arrives; releases the engine slot however the relay ends.
-
-    A plain answer (one with a content-length, up to `MAX_WHOLE_ANSWER_BYTES`) is already whole at the
-    engine: it is read in one go and sent as one body, without an async generator or a task watching for
-    the client's disconnect, which cost more router CPU than the relay itself. A stream (SSE, or no
-    length) is relayed chunk by chunk.
-    """
-
-    def __init__(
-        self,
-        upstream: EngineAnswer,
-        worker: Worker,
-        workers: WorkerRegistry,
-        deadline: float,
-        tokens: int,
-        metrics: RouterMetrics,
-        on_answer: AnswerReader | None = None,
-        on_usage: UsageReader | None = None,
-    ) -> None:
-        super().__init__(self._relay(), status_code=upstream.status)
-        # Straight from the engine's raw headers (duplicates such as set-cookie kept), names lower-cased for ASGI.
-        raw = [
-            (lower, value)
-            for name, value in upstream.raw_headers
-            if (lower := name.lower()) not in DROPPED_ANSWER_HEADER_NAMES
-        ]
-        raw.append((ENGINE_HEADER_NAME, worker.url.encode("latin-1")))
-        self.raw_headers = raw
-        self._upstream = upstream
-        length = upstream.content_length
-        self._whole = length is not None and length <= MAX_WHOLE_ANSWER_BYTES
-        self._worker = worker
-        self._workers = workers
-        self._deadline = deadline
-        self._tokens = tokens
-        self._metrics = metrics
-        self._tap = UsageTap(upstream.content_type) if upstream.status == 200 else None
-        self._on_answer = on_answer if upstream.status == 200 else None
-        self._on_usage = on_usage
-        self._answer = bytearray()
-        self._released = False
-        self._complete = False
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            if self._whole:
-                await self._relay_whole(scope, receive, send)
-            else:
-                await super().__call__(scope, receive, send)
-        finally:
-            await self.release()
-
-    async def release(self) -> None:
-        if self._released:
-            return
-        self._released = True
-        self._worker.in_flight -= 1
-        self._worker.in_flight_tokens -= self._tokens
-        if self._complete:
-            self._upstream.release()  # read to its end: the connection goes back to the engine's pool
-        else:
-            self._upstream.close()  # an answer cut short leaves the connection unusable
-
-    async def _relay_whole(self, scope: Scope, receive: Receive, send: Send) -> None:
-        error: RlfleetError
-        try:
-            body = await self._upstream.read()  # each wait bounded by the time left when the request was sent
-        except EngineReadTimeout as exc:
-            error = DeadlineExceeded(f"{self._worker.url} did not finish its answer in time ({describe_error(exc)})")
-        except EngineConnectionError as exc:
-            reason = f"connection lost mid-response: {describe_error(exc)}"
-            self._workers.record_failure(self._worker, reason)
-            error = Unavailable(f"{self._worker.url}: {reason}")
-        else:
-            await self._send_whole(body, send)
-            return
-        # Nothing has reached the client yet: it gets an error in the router's shape, not a cut answer.
-        logger.warning("answer from %s not relayed: %s", self._worker.url, error)
-        await error_response(error)(scope, receive, send)
-
-    async def _send_whole(self, body: bytes, send: Send) -> None:
-        # Released before the client has the answer, so a client that sends its next request on receipt
-        # already finds this engine's load decremented.
-        self._complete = True
-        await self.release()
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        await send({"type": "http.response.body", "body": body})
-        # Counting and trajectory capture happen once the client has its answer: off its critical path.
-        if self._tap is not None:
-            self._tap.feed(body)
-        self._finish(body)
-
-    def _finish(self, answer: bytes) -> None:
-        """Counts the prompt and cached tokens the answer reports and hands it to its reader, if any."""
-        usage = self._tap.result() if self._tap is not None else None
-        if usage is not None:
-            self._metrics.engine_prompt_tokens(self._worker.url).inc(usage.prompt_tokens)
-            self._metrics.engine_cached_tokens(self._worker.url).inc(usage.cached_tokens)
-            if self._on_usage is not None:
-                self._on_usage(usage)
-        if self._on_answer is not None:
-            self._on_answer(answer, self._worker)
-
-    async def _relay(self) -> AsyncIterator[bytes]:
-        try:
-            # Each read is bounded by the time left when the request was sent; the check below ends a
-            # stream that keeps trickling past the deadline.
-            while (chunk := await self._upstream.read_chunk()) is not None:
-                yield chunk
-                if self._tap is not None:
-                    self._tap.feed(chunk)
-                if self._on_answer is not None:
-                    self._answer += chunk
-                    if len(self._answer) > MAX_CAPTURED_BYTES:
-                        logger.warning("answer from %s too large to read for its trajectory", self._worker.url)
-                        self._on_answer = None
-                if time.monotonic() > self._deadline:
-                    raise TimeoutError(f"request to {self._worker.url} exceeded its deadline")
-            self._complete = True
-            await self.release()
-            self._finish(bytes(self._answer))
-        except TimeoutError:  # EngineReadTimeout included
-            # Ending the body early would look like a complete answer; failing the connection does not.
-            logger.warning("request to %s exceeded its deadline mid-response; aborting it", self._worker.url)
-            raise
-        except EngineConnectionError as exc:
-            self._workers.record_failure(self._worker, f"connection lost mid-response: {describe_error(exc)}")
-            raise
 
 
 class Proxy:
@@ -231,6 +88,8 @@ class Proxy:
         self._retry = retry
         self._request_timeout = request_timeout_secs
         self._connect_timeout = connect_timeout_secs
+        self._attempts = EngineAttempts()
+        self._aborts = EngineAborts()
 
     async def start(self) -> None:
         # No cap on connections (streams stay open for a whole generation: a cap would queue requests behind
@@ -238,9 +97,14 @@ class Proxy:
         self._client = EngineClient(keepalive_secs=KEEPALIVE_SECS)
 
     async def stop(self) -> None:
+        await self._aborts.close()
         if self._client is not None:
             await self._client.close()
             self._client = None
+
+    def engine_failed(self, worker: Worker) -> None:
+        """`worker` left routing as failed: the requests there stop waiting for it (a hung engine answers none)."""
+        self._attempts.engine_failed(worker)
 
     async def forward(
         self,
@@ -250,37 +114,60 @@ class Proxy:
         method: str = "POST",
         arrived_at: float | None = None,
         on_answer: AnswerReader | None = None,
+        client_gone: asyncio.Future[None] | None = None,
     ) -> EngineResponse:
-        """Sends `body` to `routing.route` on an engine the policy picks; returns its streaming answer.
+        """Sends `body` to `routing.route` on an engine the policy picks; returns its answer, to be relayed.
 
         `arrived_at` (time.perf_counter() when the body was read) times the router's own part;
-        `on_answer` reads the complete answer of the one attempt whose answer reached the client.
+        `on_answer` reads the complete answer of the one attempt whose answer reached the client;
+        `client_gone`, done once the client has left, ends the request with ClientGone and aborts it at its engine.
         """
         deadline = time.monotonic() + self._request_timeout
         forwarded = forwardable_headers(headers)
+        tokens = routing.tokens if routing.body else 0
         tried: set[str] = set()
         retries = 0
-        while True:
-            worker = self._choose(routing, tried)
-            if arrived_at is not None and not tried:
-                self._metrics.added_latency.observe(time.perf_counter() - arrived_at)
-            tried.add(worker.id)
-            last_try = retries >= self._retry.max_retries
-            try:
-                return await self._send(worker, method, routing, body, forwarded, deadline, last_try, on_answer)
-            except RetryableFailure as exc:
-                failure = str(exc)
-            retries += 1
-            if retries > self._retry.max_retries:
-                raise Unavailable(f"{routing.route} failed on {len(tried)} engine(s); last error: {failure}")
-            wait = self._retry.backoff(retries)
-            if time.monotonic() + wait >= deadline:
-                raise DeadlineExceeded(
-                    f"{routing.route} ran out of time after {retries} attempt(s); last error: {failure}"
-                )
-            self._metrics.retries.inc()
-            logger.info("retrying %s on another engine in %.3fs: %s", routing.route, wait, failure)
-            await asyncio.sleep(wait)
+        attempt: Attempt | None = None
+
+        def client_left(_: object) -> None:
+            if attempt is not None:
+                attempt.interrupt.fire(ClientGone("the client closed its connection"))
+
+        if client_gone is not None:
+            if client_gone.done():
+                raise ClientGone("the client closed its connection before its request was sent")
+            client_gone.add_done_callback(client_left)  # a callback, not a task: nothing runs until the client leaves
+        try:
+            while True:
+                worker = self._choose(routing, tried)
+                if arrived_at is not None and not tried:
+                    self._metrics.added_latency.observe(time.perf_counter() - arrived_at)
+                tried.add(worker.id)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise DeadlineExceeded(f"{routing.route} ran out of time before an engine answered")
+                attempt = self._attempts.start(worker, tokens)
+                last_try = retries >= self._retry.max_retries
+                try:
+                    return await self._send(attempt, method, routing, body, forwarded, remaining, last_try, on_answer)
+                except RetryableFailure as exc:
+                    failure = str(exc)
+                retries += 1
+                if retries > self._retry.max_retries:
+                    raise Unavailable(f"{routing.route} failed on {len(tried)} engine(s); last error: {failure}")
+                wait = self._retry.backoff(retries)
+                if time.monotonic() + wait >= deadline:
+                    raise DeadlineExceeded(
+                        f"{routing.route} ran out of time after {retries} attempt(s); last error: {failure}"
+                    )
+                self._metrics.retries.inc()
+                logger.info("retrying %s on another engine in %.3fs: %s", routing.route, wait, failure)
+                await asyncio.sleep(wait)
+                if client_gone is not None and client_gone.done():
+                    raise ClientGone(f"the client closed its connection while {routing.route} waited for a retry")
+        finally:
+            if client_gone is not None:
+                client_gone.remove_done_callback(client_left)
 
     def _choose(self, routing: RoutingRequest, tried: set[str]) -> Worker:
         healthy = self._workers.healthy()
@@ -295,54 +182,73 @@ class Proxy:
 
     async def _send(
         self,
-        worker: Worker,
+        attempt: Attempt,
         method: str,
         routing: RoutingRequest,
         body: bytes,
         headers: dict[str, str],
-        deadline: float,
+        remaining: float,
         last_try: bool,
         on_answer: AnswerReader | None = None,
     ) -> EngineResponse:
-        """The engine's response; RetryableFailure for a connection failure, or a 5xx unless `last_try`."""
-        route = routing.route
-        tokens = routing.tokens if routing.body else 0
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise DeadlineExceeded(f"{route} ran out of time before an engine answered")
-        if self._client is None:
+        """The engine's answer, read up to where it is committed to (a plain answer whole, a stream's first piece).
+
+        RetryableFailure for a connection failure, a failed engine, or a 5xx unless `last_try`; the attempt ends
+        with any error, and a request given up while the engine may still run it is aborted there.
+        """
+        client = self._client
+        if client is None:
+            attempt.end()
             raise Unavailable("the router is not serving yet (its engine connections are not open)")
-        worker.in_flight += 1
-        worker.in_flight_tokens += tokens
+        worker = attempt.worker
+        route = routing.route
+        upstream: EngineAnswer | None = None
         try:
-            # Each wait for the answer is bounded by the time left; see EngineResponse._relay for the whole.
-            upstream = await self._client.request(
-                method, worker.url, route, body, headers, min(self._connect_timeout, remaining), remaining
+            # The whole answer is bounded by the time left: the client's bound on the entire request.
+            connect = min(self._connect_timeout, remaining)
+            upstream = await client.request(
+                method, worker.url, route, body, headers, connect, remaining, attempt.interrupt
             )
-        except EngineReadTimeout as exc:  # the engine has the request: resending it elsewhere would double it
-            self._unload(worker, tokens)
-            raise DeadlineExceeded(f"{worker.url} did not answer {route} in time ({describe_error(exc)})") from exc
+            if upstream.status >= 500:
+                self._metrics.engine_errors.labels(engine=worker.url, kind="http_5xx").inc()
+                if not last_try:
+                    raise RetryableFailure(f"{worker.url}: HTTP {upstream.status}")
+            length = upstream.content_length
+            whole = length is not None and length <= MAX_WHOLE_ANSWER_BYTES
+            first = await upstream.read() if whole else await upstream.read_chunk()
         except EngineConnectionError as exc:
-            self._unload(worker, tokens)
+            self._give_up(attempt, upstream)
             self._metrics.engine_errors.labels(engine=worker.url, kind="connection").inc()
             reason = f"{worker.url}: {describe_error(exc)}"
             self._workers.record_failure(worker, reason)
             raise RetryableFailure(reason) from exc
-        except BaseException:
-            self._unload(worker, tokens)
+        except EngineFailed as exc:
+            self._give_up(attempt, upstream, body, "its engine failed")
+            self._metrics.engine_errors.labels(engine=worker.url, kind="engine_failed").inc()
+            raise RetryableFailure(str(exc)) from exc
+        except EngineReadTimeout as exc:  # the engine has the request: resending it elsewhere would double it
+            self._give_up(attempt, upstream, body, "past its deadline")
+            raise DeadlineExceeded(f"{worker.url} did not answer {route} in time ({describe_error(exc)})") from exc
+        except ClientGone:
+            self._give_up(attempt, upstream, body, "its client left")
             raise
-        if upstream.status >= 500:
-            self._metrics.engine_errors.labels(engine=worker.url, kind="http_5xx").inc()
-            if not last_try:
-                self._unload(worker, tokens)
-                upstream.close()
-                raise RetryableFailure(f"{worker.url}: HTTP {upstream.status}")
+        except BaseException:  # a 5xx to retry, or a cancellation
+            self._give_up(attempt, upstream)
+            raise
+        if whole:
+            # Ended before the client has the answer, so a client that sends its next request on receipt
+            # already finds this engine's load decremented.
+            attempt.end()
+            upstream.release()
         # The prompt tokens an engine reports for one text prompt teach the router the engines' tokenizer.
         chars = routing.single_text_chars
         on_usage = None if chars is None else lambda usage: self._chars_per_token.observe(chars, usage.prompt_tokens)
-        return EngineResponse(upstream, worker, self._workers, deadline, tokens, self._metrics, on_answer, on_usage)
+        return EngineResponse(upstream, attempt, first, whole, self._workers, self._metrics, on_answer, on_usage)
 
-    @staticmethod
-    def _unload(worker: Worker, tokens: int) -> None:
-        worker.in_flight -= 1
-        worker.in_flight_tokens -= tokens
+    def _give_up(self, attempt: Attempt, upstream: EngineAnswer | None, body: bytes = b"", why: str = "") -> None:
+        """Ends `attempt` and drops its connection; with `why`, also asks the engine to abort the request by rid."""
+        attempt.end()
+        if upstream is not None:
+            upstream.close()
+        if why and self._client is not None:
+            self._aborts.send(self._client, attempt.worker.url, body, why)

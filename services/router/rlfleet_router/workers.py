@@ -106,6 +106,8 @@ class WorkerRegistry:
         self._workers: dict[str, Worker] = {}
         # Told when a worker fails its way out of routing (the self-healing fleet restarts it).
         self.on_failed: Callable[[Worker], None] | None = None
+        # Told first, for the requests still at it (the proxy moves them to other engines).
+        self.on_failed_requests: Callable[[Worker], None] | None = None
 
     def add(self, url: str) -> tuple[Worker, bool]:
         """Returns the worker for `url` and whether it is new (adding a known URL is a no-op)."""
@@ -178,6 +180,8 @@ class WorkerRegistry:
                 worker.consecutive_failures,
                 reason,
             )
+            if self.on_failed_requests is not None:
+                self.on_failed_requests(worker)
             if self.on_failed is not None:
                 self.on_failed(worker)
 

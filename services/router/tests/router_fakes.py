@@ -11,7 +11,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -60,6 +60,7 @@ class FakeEngine:
     weight_version: str = "0"
     model_path: str = "/models/initial"
     healthy: bool = True
+    hang: bool = False  # /generate (plain or streamed) waits for an /abort_request of its rid (30 s at most)
     generate_status: int = 200
     fail_updates: bool = False
     update_delay: float = 0.0
@@ -72,6 +73,7 @@ class FakeEngine:
     max_in_flight: int = 0
     streams_cut: int = 0  # streams whose reader left before their end
     server: ThreadedServer | None = None
+    _aborted: dict[str, asyncio.Event] = field(default_factory=dict)  # by rid, set by /abort_request
 
     @property
     def url(self) -> str:
@@ -95,9 +97,16 @@ class FakeEngine:
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
             try:
-                await asyncio.sleep(float(body.get("delay", 0)))
+                await self._work(body, float(body.get("delay", 0)))
             finally:
                 self.in_flight -= 1
+            if "trickle" in body:  # a plain answer (with its length) written a few bytes at a time, this far apart
+                whole = json.dumps(self._answer(body)).encode()
+                pieces = (whole[i : i + 8] for i in range(0, len(whole), 8))
+                headers = {"content-length": str(len(whole))}
+                return StreamingResponse(
+                    _spaced(pieces, body["trickle"]), headers=headers, media_type="application/json"
+                )
             return JSONResponse(self._answer(body))
 
         @app.get("/health")
@@ -131,6 +140,8 @@ class FakeEngine:
             self.controls.append((request.url.path, content_type, body))
             if body and content_type != "application/json":
                 return JSONResponse({"detail": "body: not read as JSON"}, status_code=400)
+            if request.url.path == "/abort_request":
+                self._aborted.setdefault(str(json.loads(body).get("rid", "")), asyncio.Event()).set()
             return JSONResponse({"success": True})
 
         for route in ("/abort_request", "/pause_generation", "/continue_generation", "/flush_cache"):
@@ -144,18 +155,42 @@ class FakeEngine:
             "meta_info": {"engine": self.name, "weight_version": self.weight_version},
         }
 
+    def aborted(self) -> list[str]:
+        """The rids this engine was asked to abort, in order."""
+        return [json.loads(body)["rid"] for route, _, body in self.controls if route == "/abort_request"]
+
+    async def _work(self, body: dict[str, object], seconds: float) -> None:
+        """Generation time: `seconds`, or 30 s if the engine hangs; an /abort_request of the body's rid ends it."""
+        aborted = self._aborted.setdefault(str(body.get("rid", "")), asyncio.Event())
+        try:
+            await asyncio.wait_for(aborted.wait(), 30.0 if self.hang else seconds)
+        except TimeoutError:
+            pass
+
     async def _sse(self, body: dict[str, object]) -> AsyncIterator[bytes]:
         chunks, delay = body.get("chunks", 3), body.get("chunk_delay", 0.05)
+        cut_after = body.get("cut_after")  # events sent before the engine dies mid-stream
         assert isinstance(chunks, int) and isinstance(delay, (int, float)), "chunks: int, chunk_delay: seconds"
         finished = False
         try:
+            if self.hang:
+                await self._work(body, 0)
             for i in range(chunks):
+                if i == cut_after:
+                    raise ConnectionAbortedError(f"{self.name} dies mid-stream")  # uvicorn drops the connection
                 yield f"data: {json.dumps({'index': i, 'engine': self.name})}\n\n".encode()
                 await asyncio.sleep(delay)
             yield b"data: [DONE]\n\n"
             finished = True
         finally:
             self.streams_cut += not finished
+
+
+async def _spaced(pieces: Iterator[bytes], seconds: object) -> AsyncIterator[bytes]:
+    assert isinstance(seconds, (int, float)), "trickle: seconds between pieces"
+    for piece in pieces:
+        yield piece
+        await asyncio.sleep(seconds)
 
 
 @dataclass

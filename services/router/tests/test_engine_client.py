@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 
 import pytest
 
 from rlfleet.processes import free_port
-from rlfleet_router.engine_client import EngineClient, EngineConnectionError, EngineReadTimeout, request_head
+from rlfleet_router.engine_client import (
+    EngineClient,
+    EngineConnectionError,
+    EngineReadTimeout,
+    Interrupt,
+    request_head,
+)
 
 # Reads one request (head and content-length body) and writes back whatever the script says.
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, bytes], Awaitable[None]]
@@ -109,6 +116,46 @@ def test_an_engine_silent_past_the_read_bound_is_a_read_timeout() -> None:
     async def scenario(client: EngineClient, url: str, accepted: list[int]) -> None:
         with pytest.raises(EngineReadTimeout):
             await client.request("POST", url, "/generate", b"{}", {}, 5, 0.2)
+
+    run(silent, scenario)
+
+
+def test_an_answer_trickling_past_the_read_bound_is_a_read_timeout() -> None:
+    async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> None:
+        head, body = answer(b'{"text": "' + b"x" * 100 + b'"}').split(b"\r\n\r\n")
+        writer.write(head + b"\r\n\r\n")
+        for i in range(0, len(body), 4):  # a piece every 50 ms: each one well inside the bound, the whole not
+            writer.write(body[i : i + 4])
+            await writer.drain()
+            await asyncio.sleep(0.05)
+
+    async def scenario(client: EngineClient, url: str, accepted: list[int]) -> None:
+        started = time.monotonic()
+        got = await client.request("POST", url, "/generate", b"{}", {}, 5, 0.5)
+        with pytest.raises(EngineReadTimeout):
+            await got.read()
+        got.close()
+        assert time.monotonic() - started < 1.0, "the bound is on the whole answer, not on each wait"
+
+    run(trickle, scenario)
+
+
+def test_an_interrupt_ends_the_wait_with_its_error_and_drops_the_connection() -> None:
+    class Gone(Exception):
+        pass
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> None:
+        await asyncio.sleep(5)
+
+    async def scenario(client: EngineClient, url: str, accepted: list[int]) -> None:
+        interrupt = Interrupt()
+        asyncio.get_running_loop().call_later(0.1, interrupt.fire, Gone("the client left"))
+        with pytest.raises(Gone):
+            await client.request("POST", url, "/generate", b"{}", {}, 5, 5, interrupt)
+        assert interrupt.connection is None
+        with pytest.raises(Gone):  # fired before the request is sent: nothing is sent
+            await client.request("POST", url, "/generate", b"{}", {}, 5, 5, interrupt)
+        assert len(accepted) == 1
 
     run(silent, scenario)
 

@@ -37,3 +37,35 @@ def test_openai_usage_and_answers_without_usage() -> None:
     tap = UsageTap("application/json")
     tap.feed(b'{"error": "engine fault"}')
     assert tap.result() is None
+
+
+def openai_chunk(choices: list[dict[str, object]], usage: dict[str, object] | None) -> bytes:
+    event = {"id": "cmpl-1", "object": "text_completion", "choices": choices, "usage": usage}
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+
+def test_openai_streams_count_their_usage_chunk_once() -> None:
+    # stream_options.include_usage with continuous_usage_stats: a running count on every choice, the total last.
+    running: dict[str, object] = {"prompt_tokens": 9, "completion_tokens": 1}
+    total: dict[str, object] = {
+        "prompt_tokens": 9,
+        "completion_tokens": 2,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
+    raw = (
+        openai_chunk([{"index": 0, "text": "a", "finish_reason": None}], running)
+        + openai_chunk([{"index": 0, "text": "b", "finish_reason": "length"}], {**running, "completion_tokens": 2})
+        + openai_chunk([], total)
+        + b"data: [DONE]\n\n"
+    )
+    tap = UsageTap("text/event-stream")
+    for i in range(0, len(raw), 6):
+        tap.feed(raw[i : i + 6])
+    usage = tap.result()
+    assert usage is not None and (usage.prompt_tokens, usage.cached_tokens) == (9, 4)
+
+
+def test_openai_streams_without_a_usage_chunk_report_nothing() -> None:
+    tap = UsageTap("text/event-stream")
+    tap.feed(openai_chunk([{"index": 0, "text": "a", "finish_reason": "stop"}], None) + b"data: [DONE]\n\n")
+    assert tap.result() is None

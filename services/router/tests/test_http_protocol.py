@@ -167,3 +167,31 @@ def test_a_client_leaving_a_stream_ends_the_engines_stream(
         assert time.monotonic() < deadline, f"engine streams cut: {engine.streams_cut}; the router kept relaying"
         time.sleep(0.05)
     assert served == ["/generate"]
+
+
+@pytest.mark.parametrize("path", ["parser", "uvicorn"])
+def test_a_client_leaving_a_plain_request_aborts_it_at_the_engine(
+    one_engine: tuple[FakeEngine, RunningRouter], served: list[str], path: str
+) -> None:
+    engine, router = one_engine
+    request = post("/generate", {"text": "long", "rid": "left-1", "delay": 20})
+    if path == "uvicorn":  # Expect: 100-continue takes uvicorn's path
+        request = post("/generate", {"text": "long", "rid": "left-1", "delay": 20}, extra="expect: 100-continue\r\n")
+    head, body = request.split(b"\r\n\r\n", 1)
+    with socket.create_connection(("127.0.0.1", router.server.port)) as sock:
+        sock.sendall(head + b"\r\n\r\n")
+        if path == "uvicorn":
+            sock.settimeout(5)
+            assert sock.recv(1024).startswith(b"HTTP/1.1 100 Continue")
+        sock.sendall(body)
+        router.wait_for(lambda: engine.in_flight == 1, what="the request at the engine")
+    # The engine stops generating (asked by rid) and the router's slot frees, long before the 20 s of generation.
+    router.wait_for(lambda: engine.aborted() == ["left-1"] and engine.in_flight == 0, timeout=3, what="the abort")
+    router.wait_for(lambda: router.workers()[0]["in_flight"] == 0, timeout=3, what="the router's slot released")
+    labels = {"route": "/generate", "status": "499"}
+    router.wait_for(
+        lambda: metric_value(router.client.get("/metrics").text, "rlfleet_router_requests_total", labels) == 1,
+        timeout=3,
+        what="the request counted as its client's leaving",
+    )
+    assert served == (["/generate"] if path == "parser" else [])

@@ -197,6 +197,21 @@ def test_requests_time_out(start_engine: Callable[..., FakeEngine], start_router
     assert time.monotonic() - start < 3
 
 
+def test_a_plain_answer_trickling_past_the_deadline_is_cut_off(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    engine = start_engine("slow")
+    router = start_router([engine.url], request_timeout_secs=1.0)
+    router.wait_healthy(1)
+    start = time.monotonic()
+    # About 10 pieces 0.3 s apart: each arrives well inside the deadline, the whole answer does not.
+    answer = router.client.post("/generate", json={"text": "x", "trickle": 0.3})
+    assert answer.status_code == 504, answer.text
+    assert engine.url in answer.json()["error"]["message"]
+    assert time.monotonic() - start < 2
+    router.wait_for(lambda: router.workers()[0]["in_flight"] == 0, what="the engine slot released")
+
+
 def test_get_model_info_passes_through(
     start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
 ) -> None:

@@ -1,0 +1,79 @@
+"""The requests in flight at each engine, one attempt each: their load on the engine, and the way to stop
+waiting for them.
+
+An engine that leaves routing as failed (`WorkerRegistry.record_failure`: probes or connections failed
+in a row) may still hold requests the router sent it, and a hung engine answers none of them. Its
+attempts are interrupted then (`engine_failed`) rather than left to wait out the request timeout: the
+proxy sends a request that had not reached its client yet to another engine, and ends a stream under
+way with an error. A client that leaves interrupts its attempt the same way (`ClientGone`).
+"""
+
+from __future__ import annotations
+
+from rlfleet_router.engine_client import Interrupt
+from rlfleet_router.workers import Worker
+
+
+class EngineFailed(Exception):
+    """The engine left routing as failed while the request was at it."""
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer was ready."""
+
+
+class Attempt:
+    """One request at one engine, from its sending until its answer is read or given up."""
+
+    __slots__ = ("worker", "tokens", "interrupt", "_attempts")
+
+    def __init__(self, worker: Worker, tokens: int, attempts: EngineAttempts) -> None:
+        self.worker = worker
+        self.tokens = tokens
+        self.interrupt = Interrupt()
+        self._attempts: EngineAttempts | None = attempts
+        worker.in_flight += 1
+        worker.in_flight_tokens += tokens
+
+    def end(self) -> None:
+        """Takes the request off the engine's load; later calls do nothing."""
+        if self._attempts is None:
+            return
+        self._attempts.forget(self)
+        self._attempts = None
+        self.worker.in_flight -= 1
+        self.worker.in_flight_tokens -= self.tokens
+
+
+class EngineAttempts:
+    def __init__(self) -> None:
+        # By worker id, the interrupts of its attempts under way; an engine with none has no entry, so engines
+        # that come and go (pods by IP) leave nothing behind.
+        self._waiting: dict[str, set[Interrupt]] = {}
+
+    def start(self, worker: Worker, tokens: int) -> Attempt:
+        """Counts a request of about `tokens` tokens at `worker` until the attempt's `end()`."""
+        attempt = Attempt(worker, tokens, self)
+        waiting = self._waiting.get(worker.id)
+        if waiting is None:
+            self._waiting[worker.id] = {attempt.interrupt}
+        else:
+            waiting.add(attempt.interrupt)
+        return attempt
+
+    def forget(self, attempt: Attempt) -> None:
+        """`attempt` is over (its `end()` calls this)."""
+        waiting = self._waiting.get(attempt.worker.id)
+        if waiting is not None:
+            waiting.discard(attempt.interrupt)
+            if not waiting:
+                del self._waiting[attempt.worker.id]
+
+    def engine_failed(self, worker: Worker) -> None:
+        """Every attempt under way at `worker` stops waiting for it, with `EngineFailed`."""
+        waiting = self._waiting.get(worker.id)
+        if not waiting:
+            return
+        reason = f"{worker.url} was taken out of routing as failed ({worker.last_error})"
+        for interrupt in list(waiting):
+            interrupt.fire(EngineFailed(reason))  # one each: an exception carries the traceback of where it is raised

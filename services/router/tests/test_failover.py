@@ -1,0 +1,112 @@
+"""Requests at an engine that fails: moved to another engine while nothing reached their client, else ended
+with an error; the failed engine is asked to abort them."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import httpx
+import pytest
+from router_fakes import FakeEngine, RunningRouter, metric_value
+
+# Far above what a failover takes: a request still at the hung engine would run into it.
+REQUEST_TIMEOUT_SECS = 8.0
+
+
+def stream_lines(router: RunningRouter, body: dict[str, object]) -> list[str]:
+    with router.client.stream("POST", "/generate", json=body) as response:
+        assert response.status_code == 200
+        return [line for line in response.iter_lines() if line]
+
+
+def fail_over(
+    router: RunningRouter, hung: FakeEngine, spare: FakeEngine, send: Callable[[], object]
+) -> tuple[object, float]:
+    """Runs `send` while its request sits at `hung`, then brings `spare` into routing and fails `hung`'s probes.
+
+    Returns what `send` returned and the seconds from `hung`'s failure to it.
+    """
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending: Future[object] = pool.submit(send)
+        router.wait_for(lambda: len(hung.raw_bodies) == 1, what="the request at the hung engine")
+        spare.healthy = True
+        router.wait_healthy(2)
+        failed_at = time.monotonic()
+        hung.healthy = False  # its probes fail: it leaves routing
+        result = pending.result(timeout=REQUEST_TIMEOUT_SECS + 5)
+        return result, time.monotonic() - failed_at
+
+
+@pytest.fixture
+def hung_and_spare(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> tuple[FakeEngine, FakeEngine, RunningRouter]:
+    """A hung engine in routing and a spare one that is not yet (its probes fail until a test says otherwise)."""
+    hung, spare = start_engine("hung", hang=True), start_engine("spare", healthy=False)
+    router = start_router([hung.url, spare.url], request_timeout_secs=REQUEST_TIMEOUT_SECS)
+    router.wait_healthy(1)
+    return hung, spare, router
+
+
+def test_a_request_at_a_hung_engine_moves_to_another_under_its_rid(
+    hung_and_spare: tuple[FakeEngine, FakeEngine, RunningRouter],
+) -> None:
+    hung, spare, router = hung_and_spare
+    body = {"text": "2+2=", "rid": "req-1"}
+    answer, seconds = fail_over(router, hung, spare, lambda: router.client.post("/generate", json=body))
+    assert isinstance(answer, httpx.Response)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["meta_info"]["engine"] == "spare" and answer.headers["x-rlfleet-engine"] == spare.url
+    assert seconds < 3, "moved once the engine left routing, not at the request's deadline"
+    assert [json.loads(raw)["rid"] for raw in hung.raw_bodies + spare.raw_bodies] == ["req-1", "req-1"]
+    router.wait_for(lambda: hung.aborted() == ["req-1"], what="the hung engine asked to abort the request")
+    router.wait_for(lambda: all(w["in_flight"] == 0 for w in router.workers()), what="both slots released")
+    metrics = router.client.get("/metrics").text
+    failed = {"engine": hung.url, "kind": "engine_failed"}
+    assert metric_value(metrics, "rlfleet_router_engine_errors_total", failed) == 1
+    assert metric_value(metrics, "rlfleet_router_retries_total") == 1
+
+
+def test_a_stream_hung_before_its_first_event_moves_to_another(
+    hung_and_spare: tuple[FakeEngine, FakeEngine, RunningRouter],
+) -> None:
+    hung, spare, router = hung_and_spare
+    body = {"text": "2+2=", "rid": "stream-1", "stream": True, "chunks": 3}
+    lines, seconds = fail_over(router, hung, spare, lambda: stream_lines(router, body))
+    assert isinstance(lines, list) and lines[-1] == "data: [DONE]"
+    assert [json.loads(line.removeprefix("data: "))["engine"] for line in lines[:-1]] == ["spare"] * 3
+    assert seconds < 3
+    router.wait_for(lambda: hung.aborted() == ["stream-1"], what="the hung engine asked to abort the stream")
+
+
+def test_a_stream_under_way_at_an_engine_that_fails_ends_with_an_error(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    engine = start_engine("a")
+    router = start_router([engine.url], request_timeout_secs=REQUEST_TIMEOUT_SECS)
+    router.wait_healthy(1)
+    lines: list[str] = []
+    body = {"text": "long", "stream": True, "chunks": 200, "chunk_delay": 0.05}
+    started = time.monotonic()
+    with pytest.raises(httpx.HTTPError):  # a cut connection, never the stream's false end
+        with router.client.stream("POST", "/generate", json=body) as response:
+            for line in response.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 2:
+                    engine.healthy = False
+    assert time.monotonic() - started < 5, "ended when the engine left routing, not after its 10 s stream"
+    assert "data: [DONE]" not in lines
+    error = json.loads(lines[-1].removeprefix("data: "))["error"]
+    assert error["kind"] == "unavailable" and engine.url in error["message"], error
+    labels = {"route": "/generate", "status": "503"}
+    router.wait_for(
+        lambda: metric_value(router.client.get("/metrics").text, "rlfleet_router_requests_total", labels) == 1,
+        what="the stream counted as the failure it was",
+    )
+    metrics = router.client.get("/metrics").text
+    assert metric_value(metrics, "rlfleet_router_engine_errors_total", {"kind": "engine_failed"}) == 1
+    assert metric_value(metrics, "rlfleet_router_requests_total", {"route": "/generate", "status": "200"}) is None
