@@ -3,7 +3,7 @@
 SGLang's contract is per engine; the router turns it into one fleet-wide group:
   * `init_group`: the healthy engines become the members, engine i of k with rank_offset 1 + i (one
     rank per engine: tensor-parallel engines are not supported here). A world_size other than
-    1 + k, or a member that does not answer /health, is refused before any engine is asked to
+    1 + k, or a member that does not answer (`LIVENESS_ROUTE`), is refused before any engine is asked to
     join (an engine that joins blocks until every rank has, so a refusal after that would leave
     the others waiting out their timeout). Every member gets its init at once; each blocks until
     the trainer (rank 0) has joined too, so the trainer calls this while it opens its own end.
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import httpx
 
 from rlfleet.errors import Conflict, NotFound, Unavailable
+from rlfleet_router.busy_engines import LIVENESS_ROUTE
 from rlfleet_router.weights import (
     DISTRIBUTED_UPDATE_ROUTE,
     EngineUpdateResult,
@@ -126,7 +127,9 @@ class DistributedWeights:
             }
             return json.dumps(fields).encode()
 
-        results, _ = await self._post_all(group.members, "/init_weights_update_group", body)
+        # Each member's scheduler waits in the group's rendezvous, and its generation probes with it.
+        with self._weights.busy.loading(engines):
+            results, _ = await self._post_all(group.members, "/init_weights_update_group", body)
         failed = [r for r in results if not r.success]
         if failed:
             message = f"{len(failed)}/{len(results)} engines could not join weight update group {name!r}"
@@ -146,7 +149,8 @@ class DistributedWeights:
                 f"engines {gone} of weight update group {name!r} are out of routing; "
                 "open the group again with POST /init_weights_update_group"
             )
-        async with self._weights.lock:
+        # Members are busy (their generation probes wait) until what they received is recorded.
+        async with self._weights.lock, self._weights.busy.loading_under_lock([m.worker for m in group.members]):
             if self.groups.get(name) is not group:  # closed (a bucket before this one failed) while this waited
                 raise Conflict(
                     f"weight update group {name!r} was closed while this update waited for the one before it; "
@@ -199,11 +203,14 @@ class DistributedWeights:
         logger.info("weight version %r arrived over group %s", version, group.name)
 
     async def _probe(self, worker: Worker) -> str | None:
+        # Not /health: SGLang's runs a generation, which waits while the trainer has generation paused.
         try:
-            response = await self._client.get(f"{worker.url}/health", timeout=self._probe_timeout)
+            response = await self._client.get(f"{worker.url}{LIVENESS_ROUTE}", timeout=self._probe_timeout)
         except httpx.HTTPError as exc:
             return f"{worker.url}: {describe_error(exc)}"
-        return None if response.status_code == 200 else f"{worker.url}: /health answered {response.status_code}"
+        if response.status_code == 200:
+            return None
+        return f"{worker.url}: {LIVENESS_ROUTE} answered {response.status_code}"
 
     async def _post_all(
         self, members: tuple[Member, ...], route: str, body: Callable[[Member], bytes]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import httpx
 
 from rlfleet.errors import Unavailable
+from rlfleet_router.busy_engines import BusyEngines
 from rlfleet_router.proxy import forwardable_headers
 from rlfleet_router.weights import describe_error
 from rlfleet_router.workers import Worker, WorkerRegistry
@@ -47,12 +48,15 @@ class Fanout:
         workers: WorkerRegistry,
         timeout_secs: float,
         on_caches_emptied: Callable[[list[Worker]], None],
+        busy: BusyEngines,
     ) -> None:
-        """`on_caches_emptied(workers)` runs with the engines that answered a /flush_cache with 2xx."""
+        """`on_caches_emptied(workers)` runs with the engines that answered a /flush_cache with 2xx; `busy` learns
+        which engines are paused (their generation probes wait until /continue_generation)."""
         self._client = client
         self._workers = workers
         self._timeout = timeout_secs
         self._on_caches_emptied = on_caches_emptied
+        self._busy = busy
 
     async def send(self, route: str, body: bytes, headers: Mapping[str, str]) -> tuple[int, dict[str, object]]:
         """Sends `route` to every engine; returns the HTTP status of the whole and the per-engine outcomes."""
@@ -63,9 +67,14 @@ class Fanout:
         forwarded = {k: v for k, v in forwardable_headers(headers).items() if k.lower() != "content-type"}
         if body.strip():
             forwarded["content-type"] = "application/json"
+        if route == "/pause_generation":
+            self._busy.pause(workers)  # before it lands: a probe sent meanwhile would wait behind it
         outcomes = await asyncio.gather(*(self._one(w, route, body, forwarded) for w in workers))
         if route == "/flush_cache":
             self._on_caches_emptied([o.worker for o in outcomes if o.ok])
+        elif route in ("/pause_generation", "/continue_generation"):
+            # Whatever a continue's answer, the pause ends for the router: an engine still paused fails its probes.
+            self._busy.resume([o.worker for o in outcomes if route == "/continue_generation" or not o.ok])
         ok = all(o.ok for o in outcomes)
         done = sum(o.ok for o in outcomes)
         summary = {

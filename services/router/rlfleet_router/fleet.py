@@ -13,7 +13,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 import httpx
 
@@ -57,7 +57,12 @@ class Fleet:
             self.metrics.fleet.tree = self.policy.tree
         # A weight load or a flush empties an engine's prefix cache: the policy must not route by what it held.
         self.weights = FleetWeights(
-            self.client, self.workers, config.weight_update_timeout_secs, self.metrics, self.policy.forget_caches
+            self.client,
+            self.workers,
+            config.weight_update_timeout_secs,
+            self.metrics,
+            self.policy.forget_caches,
+            info_timeout_secs=config.health_check_timeout_secs,
         )
         self.distributed_weights = DistributedWeights(
             self.client, self.workers, self.weights, config.health_check_timeout_secs
@@ -89,7 +94,9 @@ class Fleet:
             connect_timeout_secs=config.connect_timeout_secs,
         )
         self.workers.on_failed_requests = self.proxy.engine_failed
-        self.fanout = Fanout(self.client, self.workers, config.request_timeout_secs, self.policy.forget_caches)
+        self.fanout = Fanout(
+            self.client, self.workers, config.request_timeout_secs, self.policy.forget_caches, self.weights.busy
+        )
         self.trajectories = TrajectoryStore(config.trajectory_max_tokens, config.trajectory_max_update_lag)
         self.metrics.fleet.trajectories = self.trajectories
         self.healer: Healer | None = None
@@ -176,9 +183,16 @@ class Fleet:
             routing, body, headers, arrived_at=started, on_answer=on_answer, client_gone=client_gone
         )
 
-    async def update_weights(self, model_path: str, version: str, request_body: bytes) -> FleetUpdateResult:
-        """Loads new weights fleet-wide, then drops the trajectories that are now too old to train on."""
-        result = await self.weights.update_fleet(model_path, version, request_body)
+    async def update_weights(
+        self,
+        model_path: str,
+        version: str,
+        request_body: bytes,
+        caller_gone: Callable[[], Awaitable[bool]] | None = None,
+    ) -> FleetUpdateResult:
+        """Loads new weights fleet-wide, then drops the trajectories that are now too old to train on; never
+        starts once `caller_gone()` is true."""
+        result = await self.weights.update_fleet(model_path, version, request_body, caller_gone)
         self.trajectories.evict_stale(self.weights.updates)
         return result
 

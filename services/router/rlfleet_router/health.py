@@ -4,6 +4,14 @@ One probe per engine at a time: an engine whose previous check is still running 
 or a weight load before it rejoins) is skipped in that round rather than probed twice. A probe
 that succeeds for an engine out of routing goes through `FleetWeights.admit`, which loads the
 fleet's weights first if the engine serves another version.
+
+An engine in routing that the router keeps busy (loading weights it sent, or paused) is checked with
+`LIVENESS_ROUTE` instead of the probe, which SGLang makes wait behind the load or the pause
+(`rlfleet_router.busy_engines`). Once the fleet has a weight version, an engine that is not busy also
+has its reported weight version compared with the one the router recorded, in the same round: an
+engine that restarted by itself faster than the failure window comes back on its initial weights, and
+must leave routing and load the fleet's version before it serves again. That costs one small GET per
+engine per interval, off the routing path.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import logging
 import httpx
 
 from rlfleet.errors import Unavailable
+from rlfleet_router.busy_engines import LIVENESS_ROUTE
 from rlfleet_router.metrics import RouterMetrics
 from rlfleet_router.weights import FleetWeights, describe_error
 from rlfleet_router.workers import Worker, WorkerRegistry
@@ -68,20 +77,72 @@ class HealthChecker:
 
     async def check(self, worker: Worker) -> None:
         """One probe of `worker` and the state change it implies."""
-        failure = await self._probe(worker)
+        busy = self._weights.busy
+        changes = busy.changes(worker)
+        reason = busy.reason(worker) if worker.healthy else None
+        if reason is None:
+            failure = await self._probe(worker)
+        else:
+            failure = await self._liveness(worker, reason)
         if not self._workers.contains(worker):
             return
+        if reason is None and busy.changes(worker) != changes:
+            return  # a load or pause of the router began or ended meanwhile: the probe may have waited on it
         if failure is not None:
-            if self._metrics is not None:
-                self._metrics.health_check_failures.labels(engine=worker.url).inc()
-            self._workers.record_failure(worker, failure)
+            self._record_failure(worker, failure)
             return
         self._workers.record_success(worker)
         if self._workers.ready_to_admit(worker):
-            try:
-                await self._weights.admit(worker)
-            except Unavailable as exc:
+            await self._admit(worker)
+        elif reason is None and worker.healthy and self._weights.target is not None:
+            await self._check_version(worker, changes)
+
+    async def _check_version(self, worker: Worker, changes: int) -> None:
+        """Takes `worker` out of routing and admits it again (on the fleet's version) if it reports another
+        weight version than the router recorded: it restarted by itself, or was loaded behind the router's back."""
+        try:
+            version = await self._weights.engine_version(worker)
+        except Unavailable as exc:
+            if self._workers.contains(worker) and self._weights.busy.changes(worker) == changes:
+                self._record_failure(worker, str(exc))
+            return
+        if (
+            version is None  # an engine that reports no version cannot be compared
+            or version == worker.weight_version
+            or not (self._workers.contains(worker) and worker.healthy)
+            or self._weights.busy.changes(worker) != changes  # a load of the router changed its version meanwhile
+        ):
+            return
+        if self._metrics is not None:
+            self._metrics.engine_version_drifts.labels(engine=worker.url).inc()
+        self._workers.take_out(
+            worker,
+            f"serves weight version {version!r}, not {worker.weight_version!r} as recorded "
+            "(restarted, or loaded behind the router's back); it rejoins on the fleet's version",
+        )
+        await self._admit(worker)
+
+    async def _admit(self, worker: Worker) -> None:
+        try:
+            await self._weights.admit(worker)
+        except Unavailable as exc:
+            if self._workers.contains(worker):
                 self._workers.record_failure(worker, str(exc))
+
+    def _record_failure(self, worker: Worker, failure: str) -> None:
+        if self._metrics is not None:
+            self._metrics.health_check_failures.labels(engine=worker.url).inc()
+        self._workers.record_failure(worker, failure)
+
+    async def _liveness(self, worker: Worker, reason: str) -> str | None:
+        """None if `worker`, busy for `reason`, answered LIVENESS_ROUTE within the timeout, else why not."""
+        try:
+            response = await self._client.get(f"{worker.url}{LIVENESS_ROUTE}", timeout=self._timeout)
+        except httpx.HTTPError as exc:
+            return f"{LIVENESS_ROUTE} ({reason}): {describe_error(exc)}"
+        if response.status_code != 200:
+            return f"{LIVENESS_ROUTE} ({reason}): HTTP {response.status_code}"
+        return None
 
     async def _probe(self, worker: Worker) -> str | None:
         """None if the engine answered 200 within the timeout, else why not."""
@@ -95,7 +156,9 @@ class HealthChecker:
 
     async def _run(self) -> None:
         while True:
-            for worker in self._workers.all():
+            workers = self._workers.all()
+            self._weights.busy.keep_only(workers)
+            for worker in workers:
                 self.check_soon(worker)
             await asyncio.sleep(self._interval)
 

@@ -89,11 +89,12 @@ def create_app(config: RouterConfig) -> GenerationRelay:
         return await fleet.proxy.forward(RoutingRequest(route="/get_server_info"), b"", request.headers, method="GET")
 
     @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(update: UpdateWeightsRequest) -> JSONResponse:
+    async def update_weights_from_disk(update: UpdateWeightsRequest, request: Request) -> JSONResponse:
         # Every field goes to the engines, so SGLang options the router does not model still apply;
         # re-encoded rather than forwarded as bytes so a numeric weight_version reaches them as text.
         body = json.dumps(update.model_dump()).encode()
-        result = await fleet.update_weights(update.model_path, update.weight_version, body)
+        # A caller that gave up while its update queued must not see that version land later.
+        result = await fleet.update_weights(update.model_path, update.weight_version, body, request.is_disconnected)
         return JSONResponse(result.describe(), status_code=200 if result.success else 502)
 
     app.include_router(weight_group_routes(fleet))

@@ -214,6 +214,13 @@ class RouterMetrics:
             ["engine"],
             registry=self.registry,
         )
+        self.engine_version_drifts = Counter(
+            "rlfleet_router_engine_version_drifts",
+            "Engines in routing found serving another weight version than the router recorded (restarted by "
+            "themselves, or loaded behind its back), by engine; each left routing to load the fleet's version.",
+            ["engine"],
+            registry=self.registry,
+        )
         self.fleet = FleetCollector(workers, weight_version)
         self.registry.register(self.fleet)
         # Children of the metrics every generation request updates, by label values in declaration order.
@@ -232,6 +239,7 @@ class RouterMetrics:
             self.cached_tokens,
             self.restarts,
             self.health_check_failures,
+            self.engine_version_drifts,
         ):
             metric.remove_by_labels({"engine": url})
         self.engine_prompt_tokens.forget(url)

@@ -3,8 +3,18 @@
 The router records the fleet's target (weight version, model path, and the update request as sent)
 once at least one engine has loaded it. Every engine that was not part of that update (pending,
 taken out, restarted) is brought to the target by `FleetWeights.admit` before it enters routing,
-so rollouts never mix weight versions silently. One lock orders fleet updates and admissions: an
-engine either joins on the version current when it joined, or is part of the next fan-out.
+so rollouts never mix weight versions silently. One lock orders fleet updates and the moment an
+engine enters routing: an engine either joins on the version current when it joined, or is part of
+the next fan-out. No slow call to one engine happens under that lock but a fan-out's own: an engine
+reads its version and loads the target to rejoin outside it, then enters routing under it only if
+that is still the fleet's version.
+
+An update waits at most FANOUT_QUEUE_DEADLINE_SECS for the one before it, and not at all once its
+caller has left: it starts in time or never, so versions never land after the trainer gave up on
+them. The engines of a fan-out are busy (`BusyEngines`) until it ends: their generation probes wait
+behind the load, so the health checker checks them for liveness only. An engine that did not answer in
+time may still finish the load; if no engine confirmed that version, the first one found serving it
+makes it the fleet's version (`unconfirmed`), rather than being loaded back to the older one.
 
 A version that arrived over a weight update group (`rlfleet_router.distributed_weights`) has no
 disk path at first: the trainer writes a disk copy after the broadcast and registers it
@@ -18,17 +28,22 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from typing import TypeVar
 
 import httpx
 from prometheus_client import Histogram
 
 from rlfleet.errors import Conflict, Unavailable
+from rlfleet_router.busy_engines import LIVENESS_ROUTE, BusyEngines
+from rlfleet_router.lock_turns import turn
 from rlfleet_router.metrics import RouterMetrics
 from rlfleet_router.workers import Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 JSON_HEADERS = {"content-type": "application/json"}
 DISK_UPDATE_ROUTE = "/update_weights_from_disk"
@@ -38,8 +53,14 @@ FANOUT_ENGINE_DEADLINE_SECS = 100.0
 longer: the trainer waits 120 s for one attempt and 300 s in all (`weight_load_timeout_s`), and the
 fan-out must answer it before then. An engine slower than this is taken out of routing and loads the
 version before it rejoins (`admit`, which is bounded by `weight_update_timeout_secs` alone)."""
+FANOUT_QUEUE_DEADLINE_SECS = 20.0
+"""Longest a fleet update waits for the one before it to end; past it, it is refused (503) and never
+applied. With FANOUT_ENGINE_DEADLINE_SECS it stays within the 120 s the trainer waits for one attempt."""
 ROUTING_CHECK_SECS = 0.2
-"""How often a fan-out looks whether an engine it waits for was taken out of routing meanwhile."""
+"""How often a wait looks whether what it waits for still matters: an engine a fan-out waits for taken out
+of routing, an engine removed from the fleet while it loads to rejoin."""
+ADMIT_ROUNDS = 3
+"""Loads an engine may do to rejoin, when the fleet's version moves on while it loads."""
 # From a small model's disk load to a large model's broadcast.
 SYNC_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -58,6 +79,7 @@ class EngineUpdateResult:
     success: bool
     message: str
     seconds: float
+    answered: bool = True  # False: no answer in time, so the engine may still be loading (SGLang cannot be stopped)
 
     def describe(self) -> dict[str, object]:
         return {
@@ -111,17 +133,24 @@ class FleetWeights:
         timeout_secs: float,
         metrics: RouterMetrics,
         on_caches_emptied: Callable[[list[Worker]], None],
+        info_timeout_secs: float,
     ) -> None:
-        """`on_caches_emptied(workers)` runs with the engines a weight load left with an empty prefix cache."""
+        """`on_caches_emptied(workers)` runs with the engines a weight load left with an empty prefix cache;
+        `info_timeout_secs` bounds reading an engine's weight version (`LIVENESS_ROUTE`, answered from memory)."""
         self._client = client
         self._workers = workers
         self._timeout = timeout_secs
+        self._info_timeout = info_timeout_secs
         self._metrics = metrics
         self._on_caches_emptied = on_caches_emptied
-        # Orders fleet updates (disk loads, versioned distributed updates) and admissions.
+        # Orders fleet updates (disk loads, versioned distributed updates) and admissions into routing.
         self.lock = asyncio.Lock()
         self.target: WeightTarget | None = None
+        # The last fleet update no engine confirmed while some did not answer in time: they may still load it.
+        self.unconfirmed: WeightTarget | None = None
         self.updates = 0  # fleet updates that changed the target: the age unit of cached trajectories
+        # A pause is trusted as long as a weight load may take.
+        self.busy = BusyEngines(timeout_secs, metrics.registry)
         self.sync_seconds = Histogram(
             "rlfleet_router_weight_sync_seconds",
             "Time to bring the fleet to a new weight version, by path (disk: one load fan-out; "
@@ -135,16 +164,25 @@ class FleetWeights:
     def version(self) -> str | None:
         return self.target.version if self.target else None
 
-    async def update_fleet(self, model_path: str, version: str, request_body: bytes) -> FleetUpdateResult:
+    async def update_fleet(
+        self,
+        model_path: str,
+        version: str,
+        request_body: bytes,
+        caller_gone: Callable[[], Awaitable[bool]] | None = None,
+    ) -> FleetUpdateResult:
         """Sends `request_body` to every healthy engine at once; records the target if any engine loaded it.
 
         Engines that fail leave routing (they may serve either version now) and rejoin through
         `admit`. So do engines that do not answer within FANOUT_ENGINE_DEADLINE_SECS, and engines
         their health checks take out of routing while the update runs (a hung engine) are no longer
-        waited for. If every engine fails, nothing changes: they all still serve the old
-        version, which is consistent.
+        waited for. If every engine refuses it, nothing changes: they all still serve the old
+        version, which is consistent; engines that did not answer in time leave routing even then,
+        since they may still finish the load (`unconfirmed`). The update starts only if its turn
+        comes within FANOUT_QUEUE_DEADLINE_SECS and before `caller_gone()` is true; else it raises
+        Unavailable and is never applied.
         """
-        async with self.lock:
+        async with turn(self.lock, f"weight version {version!r}", FANOUT_QUEUE_DEADLINE_SECS, caller_gone):
             started = time.monotonic()
             engines = self._workers.healthy()
             skipped = [w for w in self._workers.all() if not w.healthy]
@@ -154,51 +192,76 @@ class FleetWeights:
                     f"no healthy engine to load weight version {version!r} into; "
                     "GET /workers shows why each engine is out of routing"
                 )
-            answers = await asyncio.gather(*(self._update_while_routed(w, request_body) for w in engines))
-            skipped += [w for w, answer in zip(engines, answers, strict=True) if answer is None]
-            engines = [w for w, answer in zip(engines, answers, strict=True) if answer is not None]
-            results = [answer for answer in answers if answer is not None]
+            target = WeightTarget(version=version, model_path=model_path, request_body=request_body)
+            with self.busy.loading(engines):
+                answers = await asyncio.gather(*(self._update_while_routed(w, request_body) for w in engines))
+                return self._record_update(target, engines, answers, skipped, started)
+
+    def _record_update(
+        self,
+        target: WeightTarget,
+        engines: list[Worker],
+        answers: list[EngineUpdateResult | None],
+        skipped: list[Worker],
+        started: float,
+    ) -> FleetUpdateResult:
+        version = target.version
+        pairs = list(zip(engines, answers, strict=True))
+        # Engines that may still be loading it: SGLang goes on with a load whose caller left.
+        unsure = [w for w, answer in pairs if answer is None or not answer.answered]
+        skipped += [w for w, answer in pairs if answer is None]
+        answered = [(w, answer) for w, answer in pairs if answer is not None]
+        results = [answer for _, answer in answered]
+        failed = [r for r in results if not r.success]
+        if len(failed) == len(results):
+            self.count_update("failure")
+            if unsure:
+                self.unconfirmed = target
+                for worker in unsure:
+                    self._workers.take_out(
+                        worker, f"did not answer in time while loading weight version {version!r}; may still load it"
+                    )
             if not results:
-                self.count_update("failure")
                 raise Unavailable(
                     f"every engine left routing while loading weight version {version!r}; "
                     f"the fleet still serves {self.version!r}; GET /workers shows why"
                 )
-            failed = [r for r in results if not r.success]
-            if len(failed) == len(results):
-                self.count_update("failure")
-                return FleetUpdateResult(
-                    success=False,
-                    message=f"no engine loaded weight version {version!r}; the fleet still serves {self.version!r}",
-                    weight_version=self.version,
-                    engines=tuple(results),
-                    skipped=tuple(skipped),
+            message = f"no engine loaded weight version {version!r}; the fleet still serves {self.version!r}"
+            if unsure:
+                message += (
+                    f"; {len(unsure)} did not answer in time and left routing: the first found serving "
+                    f"{version!r} makes it the fleet's version"
                 )
-            self.set_target(WeightTarget(version=version, model_path=model_path, request_body=request_body))
-            self.sync_seconds.labels(path="disk").observe(time.monotonic() - started)
-            for worker, result in zip(engines, results, strict=True):
-                if result.success:
-                    worker.weight_version = version
-                else:
-                    self._workers.take_out(worker, f"failed to load weight version {version!r}: {result.message}")
-            self.loaded(
-                DISK_UPDATE_ROUTE, request_body, [w for w, r in zip(engines, results, strict=True) if r.success]
-            )
-            self.count_update("partial" if failed else "success")
-            loaded = len(results) - len(failed)
-            message = f"{loaded}/{len(results)} healthy engines serve weight version {version!r}"
-            if failed:
-                message += "; the others were taken out of routing until they load it"
-            if len(skipped) > 0:
-                message += f"; {len(skipped)} out of routing were not waited for and load it before they rejoin"
-            logger.info("weight update: %s", message)
             return FleetUpdateResult(
-                success=not failed,
+                success=False,
                 message=message,
-                weight_version=version,
+                weight_version=self.version,
                 engines=tuple(results),
                 skipped=tuple(skipped),
             )
+        self.set_target(target)
+        self.sync_seconds.labels(path="disk").observe(time.monotonic() - started)
+        for worker, result in answered:
+            if result.success:
+                worker.weight_version = version
+            else:
+                self._workers.take_out(worker, f"failed to load weight version {version!r}: {result.message}")
+        self.loaded(DISK_UPDATE_ROUTE, target.request_body or b"", [w for w, r in answered if r.success])
+        self.count_update("partial" if failed else "success")
+        loaded = len(results) - len(failed)
+        message = f"{loaded}/{len(results)} healthy engines serve weight version {version!r}"
+        if failed:
+            message += "; the others were taken out of routing until they load it"
+        if len(skipped) > 0:
+            message += f"; {len(skipped)} out of routing were not waited for and load it before they rejoin"
+        logger.info("weight update: %s", message)
+        return FleetUpdateResult(
+            success=not failed,
+            message=message,
+            weight_version=version,
+            engines=tuple(results),
+            skipped=tuple(skipped),
+        )
 
     async def _update_while_routed(self, worker: Worker, request_body: bytes) -> EngineUpdateResult | None:
         """`worker`'s answer to a fleet update, or None once its health checks take it out of routing
@@ -232,6 +295,7 @@ class FleetWeights:
     def set_target(self, target: WeightTarget) -> None:
         """Records the version the fleet now serves (call with `lock` held)."""
         self.target = target
+        self.unconfirmed = None
         self.updates += 1
 
     def register_disk_copy(self, version: str, model_path: str, request_body: bytes) -> None:
@@ -247,41 +311,89 @@ class FleetWeights:
     async def admit(self, worker: Worker) -> None:
         """Brings `worker` to the fleet's version (loading it if needed), then into routing.
 
-        Both happen under the lock, so a fleet update cannot slip in between and leave the worker
-        routable on the previous version. Raises Unavailable if the engine cannot load it.
+        The worker enters routing under the lock, and only if it serves the fleet's version at that
+        moment, so a fleet update cannot slip in between and leave it routable on the previous one. Its
+        slow calls (reading its version within `info_timeout_secs`, loading the target) happen outside
+        the lock: one slow engine holds up no fleet update and no other admission; a fleet update that
+        ran meanwhile sends it round again. Raises Unavailable if it cannot get there, or was removed.
         """
-        async with self.lock:
-            worker.weight_version = await self._engine_version(worker)
-            target = self.target
-            if target is not None and worker.weight_version != target.version:
-                if target.request_body is None:
-                    raise Unavailable(
-                        f"the fleet serves weight version {target.version!r}, received over a weight update group; "
-                        "its disk copy is not registered yet, so this engine cannot load it"
-                    )
-                logger.info(
-                    "worker %s serves weight version %r, the fleet %r: loading it before it rejoins",
-                    worker.url,
-                    worker.weight_version,
-                    target.version,
+        version = await self._while_member(worker, self.engine_version(worker))
+        for _ in range(ADMIT_ROUNDS):
+            async with self.lock:
+                unconfirmed = self.unconfirmed
+                if unconfirmed is not None and version == unconfirmed.version:
+                    self._adopt(unconfirmed, worker)
+                target = self.target
+                if target is None or version == target.version:
+                    worker.weight_version = version
+                    if self._workers.contains(worker):
+                        self._workers.admit(worker)
+                    return
+            if target.request_body is None:
+                raise Unavailable(
+                    f"the fleet serves weight version {target.version!r}, received over a weight update group; "
+                    "its disk copy is not registered yet, so this engine cannot load it"
                 )
-                result = await self.post_update(worker, DISK_UPDATE_ROUTE, target.request_body)
-                if not result.success:
-                    raise Unavailable(f"could not load weight version {target.version!r}: {result.message}")
-                self.loaded(DISK_UPDATE_ROUTE, target.request_body, [worker])
-                worker.weight_version = target.version
-            if self._workers.contains(worker):
-                self._workers.admit(worker)
+            logger.info(
+                "worker %s serves weight version %r, the fleet %r: loading it before it rejoins",
+                worker.url,
+                version,
+                target.version,
+            )
+            with self.busy.loading([worker]):
+                load = self.post_update(worker, DISK_UPDATE_ROUTE, target.request_body)
+                result = await self._while_member(worker, load)
+            if not result.success:
+                raise Unavailable(f"could not load weight version {target.version!r}: {result.message}")
+            self.loaded(DISK_UPDATE_ROUTE, target.request_body, [worker])
+            version = worker.weight_version = target.version
+        raise Unavailable(
+            f"the fleet's weight version changed {ADMIT_ROUNDS} times while this engine loaded it; "
+            "it tries again after its next successful probe"
+        )
 
-    async def _engine_version(self, worker: Worker) -> str | None:
+    def _adopt(self, unconfirmed: WeightTarget, worker: Worker) -> None:
+        """`worker` finished loading the version of an update no engine confirmed in time (call with `lock` held):
+        that version becomes the fleet's, rather than the engine being loaded back to the older one. Engines in
+        routing on another version leave it and load this one before they rejoin."""
+        logger.warning(
+            "worker %s serves weight version %r, which the fleet update gave up waiting for: it is the fleet's "
+            "version now (was %r)",
+            worker.url,
+            unconfirmed.version,
+            self.version,
+        )
+        self.set_target(unconfirmed)
+        for other in self._workers.healthy():
+            if other.weight_version != unconfirmed.version:
+                self._workers.take_out(
+                    other, f"serves weight version {other.weight_version!r}; the fleet moved to {unconfirmed.version!r}"
+                )
+
+    async def engine_version(self, worker: Worker) -> str | None:
+        """The weight version `worker` reports (None if it reports none); Unavailable if it does not answer."""
         try:
-            response = await self._client.get(f"{worker.url}/get_model_info", timeout=self._timeout)
+            response = await self._client.get(f"{worker.url}{LIVENESS_ROUTE}", timeout=self._info_timeout)
             response.raise_for_status()
             info = response.json()
         except (httpx.HTTPError, ValueError) as exc:
-            raise Unavailable(f"could not read the weight version of {worker.url}: {describe_error(exc)}") from exc
+            raise Unavailable(
+                f"could not read the weight version of {worker.url}: {LIVENESS_ROUTE}: {describe_error(exc)}"
+            ) from exc
         version = info.get("weight_version") if isinstance(info, dict) else None
         return None if version is None else str(version)
+
+    async def _while_member(self, worker: Worker, call: Coroutine[object, object, T]) -> T:
+        """Awaits `call`, abandoned (Unavailable) once `worker` is removed from the fleet."""
+        task = asyncio.ensure_future(call)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=ROUTING_CHECK_SECS)
+            if done:
+                return task.result()
+            if not self._workers.contains(worker):
+                task.cancel()
+                await asyncio.wait({task})
+                raise Unavailable(f"{worker.url} was removed from the fleet; its admission stopped")
 
     async def post_update(
         self, worker: Worker, route: str, request_body: bytes, timeout: float | None = None
@@ -290,6 +402,7 @@ class FleetWeights:
         None); success needs HTTP 200 and `success: true`."""
         start = time.monotonic()
         success = False
+        answered = True
         try:
             response = await self._client.post(
                 f"{worker.url}{route}",
@@ -299,6 +412,8 @@ class FleetWeights:
             )
         except httpx.HTTPError as exc:
             message = describe_error(exc)
+            # Sent but unanswered: the engine may be loading still. (A connect timeout never reached it.)
+            answered = not isinstance(exc, (httpx.ReadTimeout, httpx.WriteTimeout))
         else:
             # SGLang answers {success, message}; success needs both HTTP 200 and `success: true`.
             body = parse_json_object(response)
@@ -309,7 +424,7 @@ class FleetWeights:
                 message = str(body.get("message") or f"HTTP {response.status_code}")
         if not success:
             logger.warning("worker %s failed %s: %s", worker.url, route, message)
-        return EngineUpdateResult(worker.id, worker.url, success, message, time.monotonic() - start)
+        return EngineUpdateResult(worker.id, worker.url, success, message, time.monotonic() - start, answered)
 
 
 def parse_json_object(response: httpx.Response) -> dict[str, object] | None:

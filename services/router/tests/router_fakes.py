@@ -11,7 +11,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -191,6 +191,48 @@ async def _spaced(pieces: Iterator[bytes], seconds: object) -> AsyncIterator[byt
     for piece in pieces:
         yield piece
         await asyncio.sleep(seconds)
+
+
+class GatedEngine:
+    """A fake engine with SGLang's two gates on generation: while a weight update runs (`model_update_lock`)
+    or generation is paused (`is_pause`), /generate, /health_generate and /health wait, as SGLang's health
+    handler runs a one-token generation; /get_model_info, the weight routes and the control routes do not."""
+
+    GATED = ("/generate", "/health", "/health_generate")
+
+    def __init__(self, name: str, **attrs: object) -> None:
+        self.engine = FakeEngine(name=name, **attrs)  # type: ignore[arg-type]
+        self.loading = 0  # weight updates running
+        self.paused = False
+        self.app = app = self.engine.app()  # routes may be added until start()
+
+        @app.middleware("http")
+        async def gates(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+            path = request.url.path
+            if path in self.GATED:
+                while self.loading or self.paused:
+                    await asyncio.sleep(0.02)
+            if path != "/update_weights_from_disk":
+                response = await call_next(request)
+                if path in ("/pause_generation", "/continue_generation") and response.status_code == 200:
+                    self.paused = path == "/pause_generation"
+                return response
+            self.loading += 1
+            try:
+                return await call_next(request)
+            finally:
+                self.loading -= 1
+
+        self.engine.server = ThreadedServer(app)
+
+    @property
+    def url(self) -> str:
+        return self.engine.url
+
+    def start(self) -> GatedEngine:
+        assert self.engine.server is not None
+        self.engine.server.start()
+        return self
 
 
 @dataclass

@@ -1,0 +1,127 @@
+"""Engines the router keeps busy itself: loading weights it sent them, or paused by a /pause_generation it relayed.
+
+SGLang runs a generation only once no weight update holds its `model_update_lock` and generation is not
+paused (`is_pause`), and its health probe (`/health_generate`, and `/health`, the same handler) is a
+one-token generation: while the router loads weights into an engine or keeps it paused, that probe waits
+and times out however healthy the engine is. Judged by it, every engine loading a large checkpoint would
+fail its way out of routing (and be restarted) before the load ends. The health checker therefore asks
+`reason(worker)` first and checks a busy engine with `LIVENESS_ROUTE`, which SGLang's HTTP process answers
+from memory behind neither gate: an engine that is gone (connection refused) or hung (no answer) still
+fails it, and the weight request itself stays bounded by its own deadline.
+
+A pause counts for at most `pause_bound_secs`: a trainer that died between /pause_generation and
+/continue_generation must not shield an engine from its probes for ever.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from rlfleet_router.workers import Worker
+
+logger = logging.getLogger(__name__)
+
+LIVENESS_ROUTE = "/get_model_info"
+"""Answered by SGLang's HTTP process from memory (no model lock, no scheduler round trip), during loads and pauses."""
+LOADING = "loading"
+PAUSED = "paused"
+
+
+class BusyEngines(Collector):
+    def __init__(self, pause_bound_secs: float, registry: CollectorRegistry) -> None:
+        self._pause_bound = pause_bound_secs
+        self._loads: dict[str, int] = {}  # worker id -> weight requests of the router it is serving now
+        self._paused_until: dict[str, float] = {}  # worker id -> time.monotonic() its pause stops counting
+        self._workers: dict[str, Worker] = {}  # the busy ones, for the metric
+        self._changes: dict[str, int] = {}  # worker id -> times it became busy or stopped being busy
+        registry.register(self)
+
+    @contextmanager
+    def loading(self, workers: Iterable[Worker]) -> Iterator[None]:
+        """`workers` are busy with a weight request of the router while the block runs (nests)."""
+        held = list(workers)
+        for worker in held:
+            self._loads[worker.id] = self._loads.get(worker.id, 0) + 1
+            self._changed(worker)
+        try:
+            yield
+        finally:
+            for worker in held:
+                left = self._loads.pop(worker.id) - 1
+                if left:
+                    self._loads[worker.id] = left
+                self._changed(worker)
+
+    @asynccontextmanager
+    async def loading_under_lock(self, workers: Iterable[Worker]) -> AsyncIterator[None]:
+        """`loading`, for `async with lock, busy.loading_under_lock(...)`: busy once the lock is held."""
+        with self.loading(workers):
+            yield
+
+    def pause(self, workers: Iterable[Worker]) -> None:
+        for worker in workers:
+            self._paused_until[worker.id] = time.monotonic() + self._pause_bound
+            self._changed(worker)
+
+    def resume(self, workers: Iterable[Worker]) -> None:
+        for worker in workers:
+            if self._paused_until.pop(worker.id, None) is not None:
+                self._changed(worker)
+
+    def reason(self, worker: Worker) -> str | None:
+        """Why the router expects `worker`'s generation probe to wait now (LOADING, PAUSED), or None."""
+        if worker.id in self._loads:
+            return LOADING
+        until = self._paused_until.get(worker.id)
+        if until is None:
+            return None
+        if time.monotonic() < until:
+            return PAUSED
+        logger.warning(
+            "engine %s has been paused for over %.0fs without /continue_generation; its probes count again",
+            worker.url,
+            self._pause_bound,
+        )
+        self.resume([worker])
+        return None
+
+    def changes(self, worker: Worker) -> int:
+        """A count that moves whenever `worker` becomes busy or stops being busy: a probe that saw it move
+        may have waited on a load or pause it did not know of."""
+        return self._changes.get(worker.id, 0)
+
+    def keep_only(self, workers: Iterable[Worker]) -> None:
+        """Forgets what it knows of engines no longer in the fleet."""
+        ids = {w.id for w in workers}
+        for known in (self._loads, self._paused_until, self._workers, self._changes):
+            for worker_id in [k for k in known if k not in ids]:
+                del known[worker_id]
+
+    def collect(self) -> Iterator[Metric]:
+        busy = GaugeMetricFamily(
+            "rlfleet_router_engine_busy",
+            "1 while the router keeps an engine busy (reason: loading weights it sent, paused by a "
+            "/pause_generation it relayed); its health is then checked with /get_model_info.",
+            labels=["engine", "reason"],
+        )
+        now = time.monotonic()
+        for worker in list(self._workers.values()):
+            if worker.id in self._loads:
+                busy.add_metric([worker.url, LOADING], 1.0)
+            elif self._paused_until.get(worker.id, 0.0) > now:
+                busy.add_metric([worker.url, PAUSED], 1.0)
+        yield busy
+
+    def _changed(self, worker: Worker) -> None:
+        self._changes[worker.id] = self._changes.get(worker.id, 0) + 1
+        if worker.id in self._loads or worker.id in self._paused_until:
+            self._workers[worker.id] = worker
+        else:
+            self._workers.pop(worker.id, None)

@@ -1,0 +1,40 @@
+"""An engine in routing that serves another weight version than the router recorded (it restarted by itself
+faster than the failure window, on its initial weights) leaves routing and loads the fleet's version before
+it serves again."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from router_fakes import FakeEngine, RunningRouter, ThreadedServer, metric_value
+
+
+def test_an_engine_restarted_within_the_failure_window_reloads_the_fleet_version(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    steady, victim = start_engine("steady"), start_engine("victim")
+    # No probe failure is needed to notice: the restart is quicker than 50 failed probes in a row.
+    router = start_router([steady.url, victim.url], health_failure_threshold=50)
+    router.wait_healthy(2)
+    body = {"model_path": "/ckpt/1", "weight_version": "1"}
+    assert router.client.post("/update_weights_from_disk", json=body).status_code == 200
+
+    assert victim.server is not None
+    victim.server.stop()
+    restarted = FakeEngine(name="victim")  # back on its initial weights, version "0"
+    restarted.server = ThreadedServer(restarted.app(), port=victim.server.port).start()
+    try:
+        router.wait_for(lambda: restarted.weight_version == "1", what="the restarted engine reloaded version 1")
+        router.wait_healthy(2)
+        assert [b["weight_version"] for b in restarted.update_bodies] == ["1"]
+        assert {w["weight_version"] for w in router.workers()} == {"1"}
+        served = {
+            router.client.post("/generate", json={"text": str(i)}).json()["meta_info"]["weight_version"]
+            for i in range(6)
+        }
+        assert served == {"1"}
+        exposition = router.client.get("/metrics").text
+        assert metric_value(exposition, "rlfleet_router_engine_version_drifts_total", {"engine": victim.url}) == 1
+        assert steady.update_bodies == [body], "the engine that stayed on the fleet's version is left alone"
+    finally:
+        restarted.server.stop()
