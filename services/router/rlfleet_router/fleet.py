@@ -19,6 +19,7 @@ import httpx
 
 from rlfleet.errors import InvalidInput
 from rlfleet.http_errors import is_json_media_type
+from rlfleet_router.busy_engines import LOADING
 from rlfleet_router.chars_per_token import CharsPerToken
 from rlfleet_router.config import RouterConfig
 from rlfleet_router.distributed_weights import DistributedWeights
@@ -109,6 +110,7 @@ class Fleet:
                 timeout_secs=config.restart_timeout_secs,
                 initial_backoff_secs=config.restart_initial_backoff_secs,
                 max_backoff_secs=config.restart_max_backoff_secs,
+                loading=lambda worker: self.weights.busy.reason(worker) == LOADING,
             )
             self.workers.on_failed = self.healer.on_failed
         self.discovery: KubernetesDiscovery | None = None

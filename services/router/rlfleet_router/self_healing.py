@@ -4,8 +4,10 @@ When the worker registry takes an engine out after `health_failure_threshold` fa
 connections), it is already drained: no new request goes to it, and requests that were in flight
 there fail over to other engines through the proxy's retries. The healer then asks the restarter to
 bring it back and waits, bounded by `restart_timeout_secs`, for the health checker to admit it again
-(which loads the fleet's current weights first). An attempt that fails or times out is retried with
-exponential backoff for as long as the engine stays in the fleet and out of routing.
+(which loads the fleet's current weights first: the wait goes on while that load runs, bounded by the
+weight update timeout, so a large checkpoint is not cut short by a new restart). An attempt that fails
+or times out is retried with exponential backoff for as long as the engine stays in the fleet and out of
+routing.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from rlfleet.errors import Unavailable
 from rlfleet_router.metrics import RouterMetrics
@@ -33,7 +36,9 @@ class Healer:
         timeout_secs: float,
         initial_backoff_secs: float,
         max_backoff_secs: float,
+        loading: Callable[[Worker], bool] = lambda worker: False,
     ) -> None:
+        """`loading(worker)`: whether the router is loading weights into `worker` right now."""
         self.restarter = restarter
         self._workers = workers
         self._policy = policy
@@ -41,6 +46,7 @@ class Healer:
         self._timeout = timeout_secs
         self._initial_backoff = initial_backoff_secs
         self._max_backoff = max_backoff_secs
+        self._loading = loading
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     def on_failed(self, worker: Worker) -> None:
@@ -91,7 +97,7 @@ class Healer:
 
     async def _back_in_routing(self, worker: Worker) -> bool:
         deadline = time.monotonic() + self._timeout
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline or self._loading(worker):
             if worker.healthy or not self._workers.contains(worker):
                 return True
             await asyncio.sleep(0.05)

@@ -53,3 +53,57 @@ def test_an_unexpected_restart_error_is_retried_after_the_backoff() -> None:
     failures = metrics.restarts.labels(engine=worker.url, result="failure")._value.get()
     assert failures == 1
     assert worker.last_error is None
+
+
+class SlowLoadRestarter:
+    """Restarts at once; the engine then spends longer than the restart timeout loading the fleet's weights."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def start(self) -> list[str]:
+        return []
+
+    async def restart(self, url: str) -> str:
+        self.calls += 1
+        return url
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_restarted_engine_loading_the_fleets_weights_is_not_restarted_again() -> None:
+    """The restart timeout bounds the engine coming back, not the load of a large checkpoint after it."""
+    workers = WorkerRegistry(failure_threshold=1, success_threshold=1)
+    worker, _ = workers.add("http://127.0.0.1:9")
+    workers.admit(worker)
+    restarter = SlowLoadRestarter()
+    loading = False
+    healer = Healer(
+        restarter,
+        workers,
+        LeastLoad(),
+        RouterMetrics(workers, lambda: None),
+        0.2,
+        initial_backoff_secs=0.01,
+        max_backoff_secs=0.05,
+        loading=lambda w: loading,
+    )
+
+    async def scenario() -> None:
+        nonlocal loading
+        workers.on_failed = healer.on_failed
+        workers.record_failure(worker, "connection refused")
+        async with asyncio.timeout(5):
+            while not restarter.calls:
+                await asyncio.sleep(0.01)
+            loading = True  # the admission's load: five restart timeouts long
+            await asyncio.sleep(1.0)
+            loading = False
+            workers.admit(worker)
+            while worker.restarting:
+                await asyncio.sleep(0.01)
+        await healer.stop()
+
+    asyncio.run(scenario())
+    assert restarter.calls == 1
