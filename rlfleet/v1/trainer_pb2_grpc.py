@@ -83,7 +83,11 @@ class TrainerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StopRun(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Stops the run after its step in progress (a run still starting stops once loaded, without
+        training) and answers with its final status: what it did up to the stop. DEADLINE_EXCEEDED,
+        answered before the caller's deadline, while the step goes on: the stop stands, ask again. A run
+        that has stopped answers the same every time; NOT_FOUND for a run this trainer never had.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

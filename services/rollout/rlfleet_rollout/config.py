@@ -49,7 +49,8 @@ class RolloutConfig(BaseSettings):
     trainer_call_timeout_s: float = Field(default=30.0, gt=0)
     """Bound on every other trainer call (Status, StopRun)."""
     step_timeout_s: float = Field(default=3600.0, gt=0)
-    """How long the run may wait for the trainer to reach one weight version before the run fails."""
+    """How long the run may wait for the trainer to reach one weight version before the run fails; also the bound
+    on getting the trainer to let go of a run that ended (StopRun, asked again until it has)."""
     stall_after_s: float = Field(default=600.0, gt=0)
     """No progress for this long makes the step watchdog report the run as stalled (a run event and a metric)."""
     poll_interval_s: float = Field(default=1.0, gt=0)

@@ -13,6 +13,8 @@
 Appending is idempotent per group id, so a restarted orchestrator re-producing a step never
 duplicates a group. Cancellation arrives as asyncio cancellation: if the record says CANCELLED the
 trainer is stopped, otherwise (the orchestrator is shutting down) the run stays RUNNING to be resumed.
+Stopping the trainer is repeated until it lets go of the run (bounded); the run's record then takes the
+trainer's final progress, which includes the step it finished after the cancel (trainer_release.py).
 
 A Redis restart is waited out by the Redis clients' own retries (rlfleet.sample_stream); an outage
 longer than their budget fails the run, and that final state is recorded once Redis answers again.
@@ -47,6 +49,7 @@ from rlfleet_rollout.step_producer import produce_step
 from rlfleet_rollout.step_reports import StepReportFollower
 from rlfleet_rollout.step_watchdog import watch_progress
 from rlfleet_rollout.trainer_client import TrainerClient
+from rlfleet_rollout.trainer_release import TrainerRelease, trainer_progress
 from rlfleet_rollout.trainer_session import TrainerSession
 
 logger = logging.getLogger(__name__)
@@ -70,6 +73,12 @@ class RunDeps:
     filters: FilterRegistry
     rollouts: RolloutRegistry
 
+    @property
+    def release(self) -> TrainerRelease:
+        return TrainerRelease(
+            self.trainer, self.core, within_s=self.config.step_timeout_s, first_pause_s=self.config.poll_interval_s
+        )
+
 
 async def execute_run(run_id: str, deps: RunDeps) -> None:
     """Drives `run_id` to SUCCEEDED or FAILED; returns early if it is cancelled."""
@@ -85,6 +94,7 @@ async def execute_run(run_id: str, deps: RunDeps) -> None:
         step_timeout_s=deps.config.step_timeout_s,
         poll_interval_s=deps.config.poll_interval_s,
         on_status=lambda status: _record_trainer_status(deps, run_id, status),
+        release=deps.release,
     )
     try:
         await _drive(run, session, deps)
@@ -257,13 +267,7 @@ async def _evaluate_once(
 async def _record_trainer_status(deps: RunDeps, run_id: str, status: TrainerStatus) -> None:
     deps.metrics.step.set(status.step)
     deps.metrics.weight_version.set(status.weight_version)
-
-    def record(run: Run) -> None:
-        run.progress.step = status.step
-        run.progress.weight_version = status.weight_version
-        run.progress.groups_trained = status.groups_trained
-
-    await deps.core.update(run_id, record)
+    await deps.core.update(run_id, trainer_progress(status))
 
 
 def _rows_skipped_setter(count: int) -> Callable[[Run], None]:

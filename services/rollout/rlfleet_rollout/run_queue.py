@@ -5,6 +5,9 @@ The queue is the run records in Redis, so nothing is lost when the orchestrator 
 in-process notifier only wakes the queue early and forwards Cancel to the active run's task. While
 Redis is unreachable the queue waits for it (`until_redis_answers`) rather than ending: a run that
 could not even record its start is still RUNNING or QUEUED, and is picked again once Redis is back.
+
+At start-up the queue first frees the trainer of a run that ended without its StopRun getting through
+(e.g. the previous orchestrator died between recording CANCELLED and sending it): trainer_release.py.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from rlfleet.errors import RlfleetError
+from rlfleet.sample_stream import REDIS_RETRY_ERRORS
 from rlfleet.v1.runs_pb2 import Run, RunState
 from rlfleet_rollout.concurrency import cancel_and_wait
 from rlfleet_rollout.redis_outage import until_redis_answers
@@ -23,6 +28,8 @@ logger = logging.getLogger(__name__)
 _IDLE_RECHECK_S = 5.0
 # After a run was interrupted by its records' outage, before the queue looks again (no tight loop).
 _INTERRUPTED_PAUSE_S = 1.0
+# What freeing the trainer at start-up may meet without stopping the queue: the trainer or Redis unreachable.
+_NOT_FATAL_AT_START: tuple[type[Exception], ...] = (RlfleetError, *REDIS_RETRY_ERRORS)
 
 
 class RunQueue:
@@ -35,6 +42,7 @@ class RunQueue:
 
     async def serve(self) -> None:
         """Runs queued runs one after another until cancelled (which leaves the active run RUNNING)."""
+        await self._free_trainer()
         while True:
             self._wake.clear()
             run = await until_redis_answers(self._next_run, "run queue", self.deps.metrics)
@@ -62,6 +70,13 @@ class RunQueue:
                 # the run's records (Redis), and the run is picked again from them.
                 logger.error("run %s interrupted: %r", run.id, task.exception(), extra={"run_id": run.id})
                 await asyncio.sleep(_INTERRUPTED_PAUSE_S)
+
+    async def _free_trainer(self) -> None:
+        try:
+            await self.deps.release.free()
+        except _NOT_FATAL_AT_START as exc:
+            # A run that finds the trainer busy frees it then.
+            logger.warning("could not check which run the trainer holds: %s", exc)
 
     async def _next_run(self) -> Run | None:
         runs = await self.deps.core.store.all_in_order([RunState.RUN_STATE_RUNNING, RunState.RUN_STATE_QUEUED])

@@ -53,13 +53,16 @@ class RunStore:
     ) -> tuple[list[Run], str]:
         """Runs in creation order (oldest first), only those in `state` unless it is unspecified.
 
-        Returns the page and the token of the next one ("" when this page is the last).
+        Returns the page and the token of the next one: the creation number of the page's last run, given
+        only once a run of the same kind is found after it ("" when this page is the last), so a token
+        never leads to an empty page.
         """
         if not 0 <= page_size <= MAX_PAGE_SIZE:
             raise InvalidInput(f"page_size: must be between 0 and {MAX_PAGE_SIZE} (0 means {DEFAULT_PAGE_SIZE})")
         page_size = page_size or DEFAULT_PAGE_SIZE
         cursor = _parse_page_token(page_token)
         runs: list[Run] = []
+        page_end = 0
         batch = max(page_size, 100)
         # Each pass moves the cursor forward over the index, so the scan ends with the index.
         while True:
@@ -79,10 +82,10 @@ class RunStore:
                 run = Run.FromString(raw)
                 if state != RunState.RUN_STATE_UNSPECIFIED and run.state != state:
                     continue
+                if len(runs) == page_size:  # a run for the next page: this one is not the last
+                    return runs, str(page_end)
                 runs.append(run)
-                if len(runs) == page_size:
-                    more = await self.client.zcount(self.index_key, f"({cursor}", "+inf")
-                    return runs, (str(cursor) if more else "")
+                page_end = cursor
             if len(members) < batch:
                 return runs, ""
 

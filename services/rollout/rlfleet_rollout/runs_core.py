@@ -138,11 +138,12 @@ class RunsCore:
 
     # -- used by the run loop -----------------------------------------------------------------
 
-    async def update(self, run_id: str, mutate: Callable[[Run], None]) -> Run:
-        """Applies `mutate` to the stored run and writes it back; RunEnded if the run already finished."""
+    async def update(self, run_id: str, mutate: Callable[[Run], None], *, after_end: bool = False) -> Run:
+        """Applies `mutate` to the stored run and writes it back; RunEnded if the run already finished, unless
+        `after_end` (the trainer's final progress, known only once it has stopped the run: trainer_release.py)."""
         async with self._lock:
             run = await self.store.get(run_id)
-            if is_terminal(run.state):
+            if is_terminal(run.state) and not after_end:
                 raise RunEnded(f"run {run_id} already {state_name(run.state)}")
             before = run.SerializeToString(deterministic=True)
             old_state = run.state

@@ -1,7 +1,8 @@
 """Client of the trainer's gRPC service, with its status codes turned into rlfleet errors.
 
 The run loop decides what each error means for the run: Unavailable and DeadlineExceeded are
-waited out within the step bound, NotFound means the trainer restarted and needs StartRun again.
+waited out within the step bound, NotFound means the trainer restarted and needs StartRun again,
+Conflict from StartRun that the trainer holds another run (trainer_release.py).
 """
 
 from __future__ import annotations
@@ -72,7 +73,16 @@ class TrainerClient:
         except aio.AioRpcError as exc:
             raise to_rlfleet_error(exc, "Status") from exc
 
+    async def held(self) -> TrainerStatus:
+        """The run the trainer is busy with (Status without a run id); state IDLE and no run id when none."""
+        try:
+            return await self._stub.Status(StatusRequest(), timeout=self.call_timeout_s)
+        except aio.AioRpcError as exc:
+            raise to_rlfleet_error(exc, "Status") from exc
+
     async def stop_run(self, run_id: str) -> TrainerStatus:
+        """The run's final status once the trainer has stopped it; DeadlineExceeded while it is still
+        finishing its step (the stop stands: ask again), NotFound from a trainer that never had it."""
         try:
             return await self._stub.StopRun(StopRunRequest(run_id=run_id), timeout=self.call_timeout_s)
         except aio.AioRpcError as exc:

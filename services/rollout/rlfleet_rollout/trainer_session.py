@@ -1,7 +1,8 @@
 """One run's conversation with the trainer: start (or resume) it, and wait, bounded, for weight versions.
 
 An unreachable trainer is waited out within the step bound; a trainer that no longer knows the run
-(it restarted) is sent StartRun again, which resumes the run from its last checkpoint.
+(it restarted) is sent StartRun again, which resumes the run from its last checkpoint. A trainer that
+refuses the run because it still holds one that is over is freed of it first (trainer_release.py).
 
 A StartRun in flight is never abandoned: the trainer goes on starting the run after its caller
 stops waiting, so a run cancelled meanwhile would leave the trainer busy with it, refusing every
@@ -16,10 +17,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from rlfleet.errors import DeadlineExceeded, Internal, NotFound, RlfleetError, Unavailable
+from rlfleet.errors import Conflict, DeadlineExceeded, Internal, NotFound, Unavailable
 from rlfleet.v1.runs_pb2 import RunSpec
 from rlfleet.v1.trainer_pb2 import TrainerState, TrainerStatus
 from rlfleet_rollout.trainer_client import TrainerClient
+from rlfleet_rollout.trainer_release import TrainerRelease
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +40,10 @@ class TrainerSession:
         step_timeout_s: float,
         poll_interval_s: float,
         on_status: StatusObserver,
+        release: TrainerRelease,
     ) -> None:
         self.client = client
+        self.release = release
         self.run_id = run_id
         self.spec = spec
         self.step_timeout_s = step_timeout_s
@@ -47,21 +51,47 @@ class TrainerSession:
         self.on_status = on_status
 
     async def start(self) -> TrainerStatus:
-        """StartRun, retried while the trainer is unreachable, within the step bound."""
+        """StartRun, retried while the trainer is unreachable or still busy with a run that is over (which it is
+        told to stop), within the step bound. A trainer busy with a run that is still live is a Conflict."""
         deadline = time.monotonic() + self.step_timeout_s
         while True:
+            last: Exception
             try:
                 status = await self._start_once()
                 break
+            except Conflict as exc:
+                try:
+                    if await self._free_trainer(exc, deadline):
+                        continue
+                    last = exc
+                except _TRANSIENT as unreachable:
+                    last = unreachable
             except _TRANSIENT as exc:
-                if time.monotonic() + self.poll_interval_s > deadline:
-                    raise Unavailable(
-                        f"the trainer could not start run {self.run_id} within {self.step_timeout_s:.0f}s: {exc}"
-                    ) from exc
-                logger.warning("StartRun failed (%s); retrying", exc, extra={"run_id": self.run_id})
-                await asyncio.sleep(self.poll_interval_s)
+                last = exc
+            if time.monotonic() + self.poll_interval_s > deadline:
+                raise Unavailable(
+                    f"the trainer could not start run {self.run_id} within {self.step_timeout_s:.0f}s: {last}"
+                ) from last
+            logger.warning("StartRun failed (%s); retrying", last, extra={"run_id": self.run_id})
+            await asyncio.sleep(self.poll_interval_s)
         await self._observe(status)
         return status
+
+    async def _free_trainer(self, refused: Conflict, deadline: float) -> bool:
+        """After StartRun was refused: True once the trainer has been freed of a run that is over (start at
+        once), False while it still starts this very run (for an orchestrator that stopped since: wait);
+        raises what makes the refusal final."""
+        held = await self.release.free(keep=self.run_id, deadline=deadline)
+        if held.freed:
+            return True
+        if held.run_id == self.run_id:
+            return False
+        if held.run_id:
+            raise Conflict(
+                f"the trainer is busy with run {held.run_id}, which is {held.record_state}: something else drives it "
+                f"(another orchestrator?), so it is not stopped, and run {self.run_id} cannot start"
+            ) from refused
+        raise refused  # not a busy trainer (e.g. a checkpoint it cannot resume from): retrying will not help
 
     async def _start_once(self) -> TrainerStatus:
         """One StartRun, answered before a cancellation of the caller goes through."""
@@ -108,11 +138,9 @@ class TrainerSession:
             await asyncio.sleep(self.poll_interval_s)
 
     async def stop(self) -> None:
-        """StopRun, best effort: the run's outcome is decided already, so a failure is only logged."""
-        try:
-            await self.client.stop_run(self.run_id)
-        except RlfleetError as exc:
-            logger.warning("StopRun of %s failed: %s", self.run_id, exc, extra={"run_id": self.run_id})
+        """StopRun until the trainer has let go of the run, bounded; one that does not get through is made up
+        when a later run finds the trainer busy (trainer_release.py)."""
+        await self.release.stop(self.run_id)
 
     async def _observe(self, status: TrainerStatus) -> None:
         if status.state == TrainerState.TRAINER_STATE_FAILED:

@@ -135,6 +135,9 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
             return self.status_of(run)
 
     def Status(self, request: Any, context: grpc.ServicerContext) -> TrainerStatus:  # noqa: N802
+        if not request.run_id:  # as the trainer answers: the run it is busy with, or IDLE
+            training = [r for r in self.runs.values() if r.state == TrainerState.TRAINER_STATE_TRAINING]
+            return self.status_of(training[0]) if training else TrainerStatus(state=TrainerState.TRAINER_STATE_IDLE)
         return self.status_of(self.known_run(request.run_id, context, started_only=True))
 
     def StopRun(self, request: Any, context: grpc.ServicerContext) -> TrainerStatus:  # noqa: N802
@@ -324,8 +327,9 @@ class FakeFleet:
         self._stop()
 
 
-def start_fake_fleet(redis_client: redis.Redis, prefix: str) -> FakeFleet:
-    trainer = FakeTrainer(redis_client, prefix)
+def start_fake_fleet(redis_client: redis.Redis, prefix: str, trainer: FakeTrainer | None = None) -> FakeFleet:
+    """`trainer`: a FakeTrainer (or a subclass playing some fault) on `redis_client` and `prefix`."""
+    trainer = trainer or FakeTrainer(redis_client, prefix)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     trainer_pb2_grpc.add_TrainerServicer_to_server(trainer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -357,9 +361,12 @@ class Orchestrator:
     grpc_address: str
 
 
-def start_orchestrator(fleet: FakeFleet, log_path: Path, *, reward_url: str | None = None) -> Orchestrator:
+def start_orchestrator(
+    fleet: FakeFleet, log_path: Path, *, reward_url: str | None = None, env: dict[str, str] | None = None
+) -> Orchestrator:
+    """The orchestrator as a process on `fleet`; `env`: more RLFLEET_ROLLOUT_* settings."""
     port, grpc_port = free_port(), free_port()
-    env = {
+    variables = {
         "RLFLEET_ROLLOUT_REDIS_URL": REDIS_URL,
         "RLFLEET_ROLLOUT_REDIS_PREFIX": fleet.prefix,
         "RLFLEET_ROLLOUT_ROUTER_URL": fleet.router_url,
@@ -370,9 +377,10 @@ def start_orchestrator(fleet: FakeFleet, log_path: Path, *, reward_url: str | No
         "RLFLEET_ROLLOUT_GENERATE_TIMEOUT_S": "2",
         "RLFLEET_ROLLOUT_SHUTDOWN_GRACE_S": "1",
         "RLFLEET_LOG_FORMAT": "text",
+        **(env or {}),
     }
     argv = [sys.executable, "-m", "rlfleet_rollout", "--port", str(port), "--grpc-port", str(grpc_port)]
-    process = ServiceProcess("rollout", argv, log_path, env=env)
+    process = ServiceProcess("rollout", argv, log_path, env=variables)
     url = f"http://127.0.0.1:{port}"
     try:
         process.wait_healthy(f"{url}/health", timeout=30)

@@ -153,8 +153,11 @@ def test_run_queue_outlives_redis_being_unreachable() -> None:
             raise redis.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
         return []
 
+    async def free_trainer() -> None:  # the start-up check of the trainer's run meets the outage first
+        raise redis.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+
     core = SimpleNamespace(store=SimpleNamespace(all_in_order=all_in_order), notifier=RunNotifier())
-    deps = SimpleNamespace(core=core, metrics=RolloutMetrics())
+    deps = SimpleNamespace(core=core, metrics=RolloutMetrics(), release=SimpleNamespace(free=free_trainer))
 
     async def scenario() -> None:
         queue = RunQueue(deps)  # type: ignore[arg-type]

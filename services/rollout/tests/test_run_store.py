@@ -46,3 +46,31 @@ def test_pages_follow_creation_order_and_filter_by_state(redis_prefix: str) -> N
             await client.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_next_page_token_is_given_only_when_a_run_of_the_page_kind_follows(redis_prefix: str) -> None:
+    """The audit's repro: with a state filter, a page that ended on the last matching run still handed
+    out a token (it counted every later run, matching or not), and that token led to an empty page."""
+    succeeded, failed = RunState.RUN_STATE_SUCCEEDED, RunState.RUN_STATE_FAILED
+
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(REDIS_URL, socket_timeout=5)
+        store = RunStore(client, redis_prefix)
+        try:
+            states = [succeeded, QUEUED, succeeded, failed, RUNNING, QUEUED]
+            for i, state in enumerate(states):
+                await store.create(Run(id=f"r{i}", state=state))
+            first, token = await store.page(succeeded, page_size=1)
+            assert [r.id for r in first] == ["r0"] and token
+            second, token2 = await store.page(succeeded, page_size=1, page_token=token)
+            assert [r.id for r in second] == ["r2"] and token2 == ""  # r3..r5 are not SUCCEEDED
+            only, none_after = await store.page(failed, page_size=1)
+            assert [r.id for r in only] == ["r3"] and none_after == ""
+            # A run whose record is gone (deleted behind the store's back) is no "next" run either.
+            await client.delete(store.record_key("r5"))
+            head, rest = await store.page(page_size=5)
+            assert [r.id for r in head] == [f"r{i}" for i in range(5)] and rest == ""
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())

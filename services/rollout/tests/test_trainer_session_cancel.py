@@ -14,13 +14,11 @@ from typing import Any
 
 import grpc
 from grpc import aio
+from trainer_release_support import runs_core, serve_trainer, session
 
 from rlfleet.errors import Conflict
 from rlfleet.v1 import trainer_pb2_grpc
-from rlfleet.v1.runs_pb2 import RunSpec
 from rlfleet.v1.trainer_pb2 import TrainerState, TrainerStatus
-from rlfleet_rollout.trainer_client import TrainerClient
-from rlfleet_rollout.trainer_session import TrainerSession
 
 START_S = 0.6
 
@@ -61,27 +59,12 @@ class StartingTrainer(trainer_pb2_grpc.TrainerServicer):
         return TrainerStatus(run_id=request.run_id, state=TrainerState.TRAINER_STATE_STOPPED)
 
 
-async def _no_status(status: TrainerStatus) -> None:
-    return None
-
-
-def test_run_cancelled_during_start_run_is_stopped_and_the_trainer_takes_the_next_run() -> None:
+def test_run_cancelled_during_start_run_is_stopped_and_the_trainer_takes_the_next_run(redis_prefix: str) -> None:
     trainer = StartingTrainer()
 
     async def scenario() -> TrainerStatus:
-        server = aio.server()
-        trainer_pb2_grpc.add_TrainerServicer_to_server(trainer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        client = TrainerClient(f"127.0.0.1:{port}", call_timeout_s=5, start_timeout_s=10)
-        try:
-
-            def session(run_id: str) -> TrainerSession:
-                return TrainerSession(
-                    client, run_id, RunSpec(), step_timeout_s=10, poll_interval_s=0.1, on_status=_no_status
-                )
-
-            first = session("run-a")
+        async with serve_trainer(trainer) as client, runs_core(redis_prefix) as core:
+            first = session(client, core, "run-a")
             starting = asyncio.create_task(first.start())
             await asyncio.sleep(START_S / 4)
             cancelled_at = time.monotonic()
@@ -93,10 +76,7 @@ def test_run_cancelled_during_start_run_is_stopped_and_the_trainer_takes_the_nex
             )
             await first.stop()  # the run loop's answer to a cancelled run
             assert trainer.stopped_at is not None, "StopRun did not find the run it cancelled"
-            return await session("run-b").start()
-        finally:
-            await client.close()
-            await server.stop(grace=None)
+            return await session(client, core, "run-b").start()
 
     status = asyncio.run(scenario())
     assert status.run_id == "run-b" and trainer.active == "run-b"

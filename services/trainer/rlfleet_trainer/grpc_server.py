@@ -10,7 +10,12 @@ from grpc import aio
 from rlfleet.grpc_errors import ErrorInterceptor
 from rlfleet.grpc_limits import message_size_options
 from rlfleet.v1 import trainer_pb2, trainer_pb2_grpc
-from rlfleet_trainer.trainer_core import TrainerCore
+from rlfleet_trainer.trainer_core import STOP_WAIT_S, TrainerCore
+
+# StopRun answers this long before its caller's deadline when the run has not stopped by then, so the
+# caller hears "ask again" from the trainer, and no handler thread waits on for a caller that has left
+# (a few such threads would take every worker asyncio.to_thread has).
+_STOP_ANSWER_MARGIN_S = 1.0
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
@@ -25,7 +30,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def Status(
         self, request: trainer_pb2.StatusRequest, context: aio.ServicerContext
     ) -> trainer_pb2.TrainerStatus:  # noqa: N802,E501
-        return self.core.status(request.run_id)
+        # Without a run id: the run this trainer is busy with, if any (who else would need stopping).
+        return self.core.status(request.run_id) if request.run_id else self.core.held()
 
     async def Checkpoint(
         self, request: trainer_pb2.CheckpointRequest, context: aio.ServicerContext
@@ -35,7 +41,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def StopRun(
         self, request: trainer_pb2.StopRunRequest, context: aio.ServicerContext
     ) -> trainer_pb2.TrainerStatus:  # noqa: N802,E501
-        return await asyncio.to_thread(self.core.stop_run, request.run_id, request.checkpoint)
+        remaining = context.time_remaining()
+        wait = STOP_WAIT_S if remaining is None else min(STOP_WAIT_S, max(0.0, remaining - _STOP_ANSWER_MARGIN_S))
+        return await asyncio.to_thread(self.core.stop_run, request.run_id, request.checkpoint, wait)
 
     async def WatchSteps(
         self, request: trainer_pb2.WatchStepsRequest, context: aio.ServicerContext

@@ -4,17 +4,25 @@ One run trains at a time. StartRun of a run this process does not know resumes i
 trainer's record in Redis when there is one: the run's last checkpoint (model, optimizer, schedule,
 critic, RNG) and the groups it does not cover, which are still pending on the stream. So a trainer
 restarted after a crash retrains exactly the groups after its last checkpoint.
+
+Until StopRun the trainer holds its run and refuses every other one, so whoever decided a run is over
+must be able to stop it whatever the trainer is doing: `held` names the run it is busy with (the
+orchestrator compares it with its records), StopRun during StartRun ends the run as soon as it is
+loaded, StopRun during a step answers within its caller's bound while the stop stands, and StopRun of a
+run that has stopped answers with its final status every time.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
 
-from rlfleet.errors import Conflict, InvalidInput, NotFound
+from rlfleet.errors import Conflict, DeadlineExceeded, InvalidInput, NotFound
 from rlfleet.run_spec import resolve, validate
 from rlfleet.sample_stream import SampleStream
 from rlfleet.v1.runs_pb2 import RunSpec
@@ -27,11 +35,23 @@ from rlfleet_trainer.metrics import TrainerMetrics
 from rlfleet_trainer.rank_group import RankGroup
 from rlfleet_trainer.rank_ops import RANK_OPS, RankState, ShardingOptions
 from rlfleet_trainer.router_client import RouterClient
-from rlfleet_trainer.run_loop import train_run
+from rlfleet_trainer.run_loop import release_policy, train_run
 from rlfleet_trainer.run_state import RunRecord, RunStateStore
 from rlfleet_trainer.weights import save_version
 
 logger = logging.getLogger(__name__)
+
+# How long StopRun waits for the step in progress when its caller set no deadline.
+STOP_WAIT_S = 300.0
+
+
+@dataclass
+class _Start:
+    """A StartRun in progress (loading the policy, making the fleet serve its version)."""
+
+    stop: threading.Event = field(default_factory=threading.Event)
+    """Set by a StopRun meanwhile: once loaded, the run ends instead of training."""
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 class TrainerCore:
@@ -54,7 +74,7 @@ class TrainerCore:
         self.checkpoints = CheckpointCommitter(self.store, settings.keep_checkpoints, metrics)
         self._runs: dict[str, ActiveRun] = {}
         self._finished: dict[str, TrainerStatus] = {}
-        self._starting: set[str] = set()
+        self._starting: dict[str, _Start] = {}
         self._lock = threading.Lock()
 
     # -- RPCs -------------------------------------------------------------------------------------
@@ -71,17 +91,34 @@ class TrainerCore:
             busy = [r.run_id for r in self._runs.values() if not r.finished] + sorted(self._starting)
             if busy:
                 raise Conflict(f"the trainer is busy with run {busy[0]}; stop it before starting {run_id}")
-            self._starting.add(run_id)
+            start = self._starting[run_id] = _Start()
         try:
             run = self._prepare(run_id, spec)
             # The fleet must serve the version the run continues from before anyone samples from it.
             self.router.load_weights(run.weights_path, run.weight_version)
+            with self._lock:
+                # Checked under the lock StopRun looks the run up with: a stop either finds the run
+                # training (and stops it there) or is seen here.
+                if not start.stop.is_set():
+                    self._train(run)
+                    return run.status()
+            release_policy(run)
+            run.update(state=TrainerState.TRAINER_STATE_STOPPED)
+            with self._lock:
+                self._release_finished()
+                self._runs[run_id] = run
+            logger.info("run %s was stopped while it started; it does not train", run_id, extra={"run_id": run_id})
+            return run.status()
         finally:
             with self._lock:
-                self._starting.discard(run_id)
-        with self._lock:
-            self._release_finished()
-            self._runs[run_id] = run
+                self._starting.pop(run_id, None)
+            start.done.set()
+
+    def _train(self, run: ActiveRun) -> None:
+        """Makes `run` this trainer's run and starts its training thread (under `_lock`)."""
+        self._release_finished()
+        self._starting.pop(run.run_id, None)
+        self._runs[run.run_id] = run
         run.update(state=TrainerState.TRAINER_STATE_TRAINING)
         self.metrics.step.set(run.step)
         self.metrics.weight_version.set(run.weight_version)
@@ -89,12 +126,22 @@ class TrainerCore:
         run.thread = threading.Thread(
             target=train_run,
             args=(run, self.settings, self.router, self.checkpoints, self.metrics),
-            name=f"train-{run_id}",
+            name=f"train-{run.run_id}",
             daemon=True,
         )
         run.thread.start()
-        logger.info("run %s started at step %d (weight version %d)", run_id, run.step, run.weight_version)
-        return run.status()
+        logger.info("run %s started at step %d (weight version %d)", run.run_id, run.step, run.weight_version)
+
+    def held(self) -> TrainerStatus:
+        """The status of the run this trainer is busy with (training or starting it), or state IDLE when
+        it would start any run: what Status without a run id answers."""
+        with self._lock:
+            for run in self._runs.values():
+                if not run.finished:
+                    return run.status()
+            for run_id in self._starting:
+                return TrainerStatus(run_id=run_id, state=TrainerState.TRAINER_STATE_STARTING)
+        return TrainerStatus(state=TrainerState.TRAINER_STATE_IDLE)
 
     def status(self, run_id: str) -> TrainerStatus:
         with self._lock:
@@ -120,19 +167,37 @@ class TrainerCore:
             )
         return run.request_checkpoint(self.settings.checkpoint_timeout_s)
 
-    def stop_run(self, run_id: str, checkpoint: bool = False, timeout_s: float = 300.0) -> TrainerStatus:
-        """Stops after the step in progress; with `checkpoint`, checkpoints first, so the groups it
-        trained since the last checkpoint are acknowledged instead of trained again on resume."""
-        run = self._active(run_id)
+    def stop_run(self, run_id: str, checkpoint: bool = False, timeout_s: float = STOP_WAIT_S) -> TrainerStatus:
+        """Stops after the step in progress (a run still starting stops once loaded, without training);
+        with `checkpoint`, checkpoints first, so the groups it trained since the last checkpoint are
+        acknowledged instead of trained again on resume.
+
+        Waits up to `timeout_s` for the run to stop; DeadlineExceeded if it has not by then (the stop
+        stands: ask again). A run that has stopped answers with its final status, however often asked.
+        """
+        if not run_id:
+            raise InvalidInput("run_id must be set")
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            run, start = self._runs.get(run_id), self._starting.get(run_id)
+        if start is not None:
+            start.stop.set()
+            if not start.done.wait(timeout=max(0.0, deadline - time.monotonic())):
+                raise DeadlineExceeded(
+                    f"run {run_id} is still starting after {timeout_s:.0f}s; it stops once loaded: ask again"
+                )
+            run = self._active(run_id)  # stopped at its start, or it had started before the stop came
         if run is None:
             status = self.status(run_id)
         else:
             run.update(checkpoint_on_stop=checkpoint or run.checkpoint_on_stop)
             run.stop.set()
             if run.thread is not None:
-                run.thread.join(timeout=timeout_s)
+                run.thread.join(timeout=max(0.0, deadline - time.monotonic()))
                 if run.thread.is_alive():
-                    raise Conflict(f"run {run_id} is still finishing its step after {timeout_s:.0f}s; ask again")
+                    raise DeadlineExceeded(
+                        f"run {run_id} is still finishing its step after {timeout_s:.0f}s; it stops after it: ask again"
+                    )
             if not run.finished:
                 run.update(state=TrainerState.TRAINER_STATE_STOPPED)
             status = run.status()

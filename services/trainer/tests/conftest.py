@@ -1,18 +1,26 @@
-"""A recording stand-in for the router's weight endpoint, served over real HTTP in a thread."""
+"""A recording stand-in for the router's weight endpoint, served over real HTTP in a thread, and a
+TrainerCore on it."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
+import redis
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from rlfleet.processes import free_port
+from rlfleet_trainer.config import TrainerSettings
+from rlfleet_trainer.metrics import TrainerMetrics
+from rlfleet_trainer.router_client import RouterClient
+from rlfleet_trainer.trainer_core import TrainerCore
 
 
 @dataclass
@@ -20,6 +28,10 @@ class FakeRouter:
     url: str
     loads: list[dict] = field(default_factory=list)
     fail_next: int = 0
+    delay_s: float = 0.0
+    """How long each load takes (a slow fleet): the step, or the StartRun, that asked waits that long."""
+    loading: threading.Event = field(default_factory=threading.Event)
+    """Set as a load request arrives."""
 
 
 @pytest.fixture
@@ -30,6 +42,8 @@ def fake_router() -> Iterator[FakeRouter]:
 
     @app.post("/update_weights_from_disk")
     async def load(request: Request) -> JSONResponse:
+        router.loading.set()
+        await asyncio.sleep(router.delay_s)
         if router.fail_next > 0:
             router.fail_next -= 1
             return JSONResponse({"success": False, "message": "engine down"}, status_code=503)
@@ -46,3 +60,13 @@ def fake_router() -> Iterator[FakeRouter]:
     yield router
     server.should_exit = True
     thread.join(timeout=10)
+
+
+@pytest.fixture
+def core(
+    tmp_path: Path, redis_client: redis.Redis, redis_prefix: str, fake_router: FakeRouter
+) -> Iterator[TrainerCore]:
+    settings = TrainerSettings(redis_prefix=redis_prefix, work_dir=tmp_path / "trainer", read_block_ms=100)
+    core = TrainerCore(settings, redis_client, RouterClient(fake_router.url, 30.0), TrainerMetrics())
+    yield core
+    core.shutdown()
