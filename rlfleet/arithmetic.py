@@ -2,17 +2,27 @@
 
 A problem belongs to the held-out split by a hash of its text alone, so the train and held-out
 splits never share a problem, whatever the seed or the sizes asked for.
+
+Problems are drawn at random and the ones of the other split or already drawn are rejected. A small
+problem space (1- and 2-digit operands) is counted once per process, so asking one of its splits for
+more than it holds is refused without drawing and a request for all of it stops at the last problem,
+rather than drawing until a budget of 200 draws per problem asked for runs out (seconds, at 2 digits).
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cache
 from typing import Literal
 
 Split = Literal["train", "test"]
 OPERATORS = "+-*/"
+# Problem spaces up to this size are counted by enumeration (about 0.1 s at the limit). Every larger one
+# (3-digit operands, or 5-digit divisions) holds over a million problems.
+COUNTED_SPACE_LIMIT = 100_000
 
 
 @dataclass(frozen=True)
@@ -45,17 +55,26 @@ class ArithmeticTask:
     def problems(self, split: Split, count: int, *, epoch: int = 0) -> list[Problem]:
         """`count` distinct problems of `split`; train problems are drawn anew for each epoch.
 
-        Raises ValueError when the split holds fewer than `count` distinct problems.
+        Raises ValueError when the split holds fewer than `count` distinct problems (at once, for a counted
+        space), or when its draws find fewer within their budget of 200 per problem asked for.
         """
         if split not in ("train", "test"):
             raise ValueError(f"split must be 'train' or 'test', got {split!r}")
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
+        size = self.split_size(split)
+        if size is not None and count > size:
+            raise ValueError(
+                f"the {split} split of {self.digits}-digit {self.ops!r} problems holds {size} distinct problems, "
+                f"fewer than {count}; ask for fewer or use more digits or operators"
+            )
         out = self._collect(split, count, epoch)
         if len(out) < count:
+            # Only a split the draw nearly exhausts: uncounted, or with rare problems (small divisors).
+            found = f"{len(out)}" if size is None else f"{len(out)} of its {size}"
             raise ValueError(
-                f"the {split} split of {self.digits}-digit {self.ops!r} problems holds fewer than {count} "
-                f"distinct problems (found {len(out)}); ask for fewer or use more digits or operators"
+                f"could not draw {count} distinct problems from the {split} split of {self.digits}-digit "
+                f"{self.ops!r} problems (found {found}); ask for fewer or use more digits or operators"
             )
         return out
 
@@ -66,7 +85,15 @@ class ArithmeticTask:
         """
         if at_most < 1:
             raise ValueError(f"at_most must be >= 1, got {at_most}")
-        return self._collect("train", at_most, 0)
+        size = self.split_size("train")
+        return self._collect("train", at_most if size is None else min(at_most, size), 0)
+
+    def split_size(self, split: Split) -> int | None:
+        """How many distinct problems `split` holds, or None for a space too large to count (see above)."""
+        sizes = _split_sizes(self.digits, "".join(sorted(set(self.ops))), self.heldout_per_mille)
+        if sizes is None:
+            return None
+        return sizes[1] if split == "test" else sizes[0]
 
     def _collect(self, split: Split, count: int, epoch: int) -> list[Problem]:
         rng = random.Random(f"{self.seed}/{split}/{epoch if split == 'train' else 0}")
@@ -99,3 +126,30 @@ class ArithmeticTask:
         a, b = rng.randrange(bound), rng.randrange(bound)
         result = {"+": a + b, "-": a - b, "*": a * b}[op]
         return Problem(f"{a}{op}{b}=", str(result))
+
+
+@cache
+def _split_sizes(digits: int, ops: str, heldout_per_mille: int) -> tuple[int, int] | None:
+    """(train, test) problem counts of a space of at most COUNTED_SPACE_LIMIT problems; None for a larger one."""
+    bound = 10**digits
+    if bound - 1 > COUNTED_SPACE_LIMIT:  # a division alone has a problem per divisor
+        return None
+    space = sum(_division_count(bound) if op == "/" else bound * bound for op in ops)
+    if space > COUNTED_SPACE_LIMIT:
+        return None
+    task = ArithmeticTask(digits=digits, ops=ops, heldout_per_mille=heldout_per_mille)
+    heldout = sum(task.is_heldout(prompt) for prompt in _all_prompts(bound, ops))
+    return space - heldout, heldout
+
+
+def _division_count(bound: int) -> int:
+    return sum(bound // b for b in range(1, bound))
+
+
+def _all_prompts(bound: int, ops: str) -> Iterator[str]:
+    """Every prompt `ArithmeticTask._draw` can make, once each."""
+    for op in ops:
+        if op == "/":
+            yield from (f"{b * q}/{b}=" for b in range(1, bound) for q in range(bound // b))
+        else:
+            yield from (f"{a}{op}{b}=" for a in range(bound) for b in range(bound))

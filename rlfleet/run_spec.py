@@ -9,7 +9,10 @@ are the caller's.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+from google.protobuf.struct_pb2 import ListValue, Struct, Value
 
 from rlfleet.arithmetic import OPERATORS
 from rlfleet.errors import InvalidInput
@@ -53,6 +56,9 @@ TRUNCATED = ("keep", "zero_reward", "mask")
 STALE_GROUPS = ("drop", "downweight")
 ON_WEIGHT_UPDATE = ("finish", "abort_resume")
 MAX_EVAL_SAMPLES = 64
+# Every evaluation generates eval_size x eval_samples answers, and submit draws the held-out rows: past
+# this many, evaluation would dwarf training, and submit would hold a worker thread for seconds.
+MAX_EVAL_SIZE = 10_000
 
 
 def resolve(spec: RunSpec) -> RunSpec:
@@ -151,6 +157,22 @@ def _finite(value: float) -> bool:
     return math.isfinite(value)
 
 
+def _non_finite_numbers(value: Struct | ListValue | Value, path: str) -> Iterator[str]:
+    """The paths of the NaN and infinite numbers in a Struct (a reward term's params)."""
+    if isinstance(value, Struct):
+        for key, item in value.fields.items():
+            yield from _non_finite_numbers(item, f"{path}.{key}")
+    elif isinstance(value, ListValue):
+        for index, item in enumerate(value.values):
+            yield from _non_finite_numbers(item, f"{path}[{index}]")
+    elif value.HasField("struct_value"):
+        yield from _non_finite_numbers(value.struct_value, path)
+    elif value.HasField("list_value"):
+        yield from _non_finite_numbers(value.list_value, path)
+    elif value.HasField("number_value") and not math.isfinite(value.number_value):
+        yield path
+
+
 def validate(spec: RunSpec) -> None:
     """Raises InvalidInput for the first wrong field of a resolved spec."""
     _require(bool(spec.model.path), "model.path", "must name the policy's Hugging Face model directory")
@@ -167,7 +189,7 @@ def validate(spec: RunSpec) -> None:
         )
     else:
         _require(bool(getattr(ds, source).path), f"dataset.{source}.path", "must name the dataset file or directory")
-    _require(ds.eval_size >= 1, "dataset.eval_size", "must be >= 1")
+    _require(1 <= ds.eval_size <= MAX_EVAL_SIZE, "dataset.eval_size", f"must be in [1, {MAX_EVAL_SIZE}]")
     _require(ds.bad_rows in BAD_ROWS, "dataset.bad_rows", f"must be one of {list(BAD_ROWS)}, got {ds.bad_rows!r}")
 
     ro = spec.rollout
@@ -215,10 +237,46 @@ def validate(spec: RunSpec) -> None:
     _require(sp.top_k == -1 or sp.top_k >= 1, "rollout.sampling.top_k", "must be -1 (off) or >= 1")
     _require(1 <= sp.max_new_tokens <= 32768, "rollout.sampling.max_new_tokens", "must be in [1, 32768]")
 
+    # Which functions exist, their params, and the time limit's upper bound (a hub setting) are the
+    # reward hub's to check (at submit, through its /validate).
     _require(len(spec.reward.terms) >= 1, "reward.terms", "must name at least one reward function")
+    first_term: dict[str, int] = {}
     for i, term in enumerate(spec.reward.terms):
         _require(bool(term.function), f"reward.terms[{i}].function", "must name a reward function")
+        first = first_term.setdefault(term.function, i)
+        _require(
+            first == i,
+            f"reward.terms[{i}].function",
+            f"{term.function!r} is already reward.terms[{first}]; each function may appear once (its score is "
+            "reported under its name)",
+        )
         _require(_finite(term.weight), f"reward.terms[{i}].weight", "must be a finite number")
+        not_finite = next(_non_finite_numbers(term.params, f"reward.terms[{i}].params"), None)
+        if not_finite is not None:
+            raise InvalidInput(f"{not_finite}: must be a finite number (params reach the reward hub as JSON)")
+    if spec.reward.HasField("timeout_seconds"):
+        _require(
+            _finite(spec.reward.timeout_seconds) and spec.reward.timeout_seconds > 0,
+            "reward.timeout_seconds",
+            "must be > 0 (seconds per item and function; unset means the reward hub's default)",
+        )
+
+    # Before the algorithm: its critic_learning_rate defaults to 10 x learning_rate, so a bad learning_rate
+    # must be reported under its own name, not under the critic's that the user never set.
+    tr = spec.trainer
+    _require(_finite(tr.learning_rate) and 0 < tr.learning_rate < 1, "trainer.learning_rate", "must be in (0, 1)")
+    _require(_finite(tr.weight_decay) and tr.weight_decay >= 0, "trainer.weight_decay", "must be >= 0")
+    _require(_finite(tr.grad_clip) and tr.grad_clip >= 0, "trainer.grad_clip", "must be >= 0 (0 disables)")
+    _require(tr.micro_batch_tokens >= 64, "trainer.micro_batch_tokens", "must be >= 64")
+    _require(tr.warmup_steps >= 0, "trainer.warmup_steps", "must be >= 0")
+    _require(tr.checkpoint_every >= 0, "trainer.checkpoint_every", "must be >= 0")
+    _require(
+        tr.lr_schedule in LR_SCHEDULES,
+        "trainer.lr_schedule",
+        f"must be one of {list(LR_SCHEDULES)}, got {tr.lr_schedule!r}",
+    )
+    _require(_finite(tr.min_lr_ratio) and 0 <= tr.min_lr_ratio <= 1, "trainer.min_lr_ratio", "must be in [0, 1]")
+    _require(tr.pack_row_tokens >= 0, "trainer.pack_row_tokens", "must be >= 0 (0: the longest sequence)")
 
     al = spec.algorithm
     _require(al.name in ALGORITHMS, "algorithm.name", f"must be one of {list(ALGORITHMS)}, got {al.name!r}")
@@ -252,21 +310,6 @@ def validate(spec: RunSpec) -> None:
         "algorithm.critic_learning_rate",
         "must be in (0, 1)",
     )
-
-    tr = spec.trainer
-    _require(_finite(tr.learning_rate) and 0 < tr.learning_rate < 1, "trainer.learning_rate", "must be in (0, 1)")
-    _require(_finite(tr.weight_decay) and tr.weight_decay >= 0, "trainer.weight_decay", "must be >= 0")
-    _require(_finite(tr.grad_clip) and tr.grad_clip >= 0, "trainer.grad_clip", "must be >= 0 (0 disables)")
-    _require(tr.micro_batch_tokens >= 64, "trainer.micro_batch_tokens", "must be >= 64")
-    _require(tr.warmup_steps >= 0, "trainer.warmup_steps", "must be >= 0")
-    _require(tr.checkpoint_every >= 0, "trainer.checkpoint_every", "must be >= 0")
-    _require(
-        tr.lr_schedule in LR_SCHEDULES,
-        "trainer.lr_schedule",
-        f"must be one of {list(LR_SCHEDULES)}, got {tr.lr_schedule!r}",
-    )
-    _require(_finite(tr.min_lr_ratio) and 0 <= tr.min_lr_ratio <= 1, "trainer.min_lr_ratio", "must be in [0, 1]")
-    _require(tr.pack_row_tokens >= 0, "trainer.pack_row_tokens", "must be >= 0 (0: the longest sequence)")
 
     _require(spec.schedule.steps >= 1, "schedule.steps", "must be >= 1")
     _require(spec.schedule.eval_every >= 0, "schedule.eval_every", "must be >= 0 (0: only before and after)")

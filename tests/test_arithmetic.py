@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from rlfleet.arithmetic import ArithmeticTask
+from rlfleet.arithmetic import ArithmeticTask, Problem
 
 
 def test_answers_are_correct_for_every_operator() -> None:
@@ -42,5 +44,53 @@ def test_bad_configs_are_refused(kwargs: dict, message: str) -> None:
 
 
 def test_asking_for_more_than_the_split_holds_fails_clearly() -> None:
-    with pytest.raises(ValueError, match="fewer than 50 distinct"):
+    with pytest.raises(ValueError, match="holds 12 distinct problems, fewer than 50"):
         ArithmeticTask(digits=1, ops="+").problems("test", 50)
+
+
+def counted_draws(monkeypatch: pytest.MonkeyPatch, at_most: int) -> list[int]:
+    """Counts ArithmeticTask's draws (in the returned list's only element), failing past `at_most`."""
+    drawn = [0]
+    draw = ArithmeticTask._draw
+
+    def counting(task: ArithmeticTask, rng: random.Random) -> Problem:
+        drawn[0] += 1
+        if drawn[0] > at_most:
+            raise AssertionError(f"drew more than {at_most} problems")
+        return draw(task, rng)
+
+    monkeypatch.setattr(ArithmeticTask, "_draw", counting)
+    return drawn
+
+
+def test_a_small_space_is_counted_so_too_large_a_request_draws_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    task = ArithmeticTask(digits=2, ops="+")
+    prompts = [f"{a}+{b}=" for a in range(100) for b in range(100)]
+    heldout = sum(task.is_heldout(p) for p in prompts)
+    assert (task.split_size("test"), task.split_size("train")) == (heldout, len(prompts) - heldout)
+    drawn = counted_draws(monkeypatch, at_most=0)
+    # Before: 200 draws per problem asked for (20 million, 38 s) to find that 100000 is too many.
+    with pytest.raises(ValueError, match=f"holds {heldout} distinct problems, fewer than 100000"):
+        task.problems("test", 100_000)
+    assert drawn == [0]
+
+
+def test_every_operator_is_counted_exactly() -> None:
+    task = ArithmeticTask(digits=1, ops="+-*/", seed=5)
+    rng = random.Random(0)
+    seen = {task._draw(rng).prompt for _ in range(50_000)}  # far more draws than the 326 problems need
+    held = sum(task.is_heldout(p) for p in seen)
+    assert (task.split_size("train"), task.split_size("test")) == (len(seen) - held, held)
+    assert ArithmeticTask(digits=3, ops="+").split_size("test") is None  # a million problems: not counted
+
+
+def test_a_pool_larger_than_the_train_split_stops_at_its_last_problem(monkeypatch: pytest.MonkeyPatch) -> None:
+    task = ArithmeticTask(digits=2, ops="+")
+    smaller = task.train_pool(5000)
+    # Before: 200 draws per problem asked for (4 million for 20000) since the split holds only 9001.
+    drawn = counted_draws(monkeypatch, at_most=200_000)
+    pool = task.train_pool(20_000)
+    assert len(pool) == len({p.prompt for p in pool}) == task.split_size("train")
+    assert not any(task.is_heldout(p.prompt) for p in pool)
+    assert pool[:5000] == smaller  # the same draw order whatever the size asked for
+    assert drawn[0] < 200_000

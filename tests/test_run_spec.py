@@ -6,7 +6,7 @@ import pytest
 from google.protobuf import json_format
 
 from rlfleet.errors import InvalidInput
-from rlfleet.run_spec import resolve, validate
+from rlfleet.run_spec import MAX_EVAL_SIZE, resolve, validate
 from rlfleet.v1.runs_pb2 import RunSpec
 
 MINIMAL = {
@@ -110,11 +110,61 @@ def test_each_algorithm_fills_its_own_defaults() -> None:
         ({"rollout": {"stale_weight": 0}}, "rollout.stale_weight"),
         ({"rollout": {"on_weight_update": "drop"}}, "rollout.on_weight_update"),
         ({"schedule": {"eval_samples": 0}}, "schedule.eval_samples"),
+        ({"dataset": {"eval_size": 0}}, "dataset.eval_size"),
+        ({"dataset": {"eval_size": MAX_EVAL_SIZE + 1}}, "dataset.eval_size"),
+        (
+            {"reward": {"terms": [{"function": "math"}, {"function": "f1"}, {"function": "math"}]}},
+            "reward.terms[2].function",
+        ),
+        (
+            {"reward": {"terms": [{"function": "numeric", "params": {"abs_tol": float("nan")}}]}},
+            "reward.terms[0].params.abs_tol",
+        ),
+        ({"reward": {"timeout_seconds": -1}}, "reward.timeout_seconds"),
+        ({"reward": {"timeout_seconds": 0}}, "reward.timeout_seconds"),
+        ({"reward": {"timeout_seconds": "NaN"}}, "reward.timeout_seconds"),
+        ({"reward": {"timeout_seconds": "Infinity"}}, "reward.timeout_seconds"),
     ],
 )
 def test_bad_fields_are_named(overrides: dict, field: str) -> None:
     with pytest.raises(InvalidInput, match="^" + re.escape(field) + ":"):
         validate(resolve(spec_from(overrides)))
+
+
+def test_a_function_listed_twice_names_the_first_listing() -> None:
+    twice = {"reward": {"terms": [{"function": "math"}, {"function": "math", "weight": 2}]}}
+    with pytest.raises(InvalidInput, match=re.escape("reward.terms[1].function: 'math' is already reward.terms[0]")):
+        validate(resolve(spec_from(twice)))
+
+
+def test_a_non_finite_number_anywhere_in_params_is_named() -> None:
+    spec = spec_from({})
+    params = spec.reward.terms[0].params
+    params.update({"ok": 1.5, "nested": {"list": [1, "x", {"deep": 2}]}})
+    validate(resolve(spec))
+    params["nested"]["list"][2]["deep"] = float("-inf")
+    with pytest.raises(InvalidInput, match=re.escape("reward.terms[0].params.nested.list[2].deep: must be a finite")):
+        validate(resolve(spec))
+
+
+def test_the_largest_eval_size_and_any_positive_reward_time_limit_pass() -> None:
+    # The time limit's upper bound is a reward hub setting (max_timeout_seconds): the hub checks it at submit.
+    validate(resolve(spec_from({"dataset": {"eval_size": MAX_EVAL_SIZE}, "reward": {"timeout_seconds": 1e9}})))
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+@pytest.mark.parametrize("learning_rate", [0, -1e-4, 5, "NaN"])
+def test_a_bad_learning_rate_is_named_not_the_critic_rate_derived_from_it(
+    algorithm: str, learning_rate: object
+) -> None:
+    # The critic's rate defaults to 10 x trainer.learning_rate: the error names the field the user set.
+    spec = spec_from({"algorithm": {"name": algorithm}, "trainer": {"learning_rate": learning_rate}})
+    with pytest.raises(InvalidInput, match="^trainer.learning_rate:"):
+        validate(resolve(spec))
+    spec.algorithm.critic_learning_rate = 2.0  # set by the user, and wrong: named once the learning rate is right
+    spec.trainer.learning_rate = 1e-4
+    with pytest.raises(InvalidInput, match="^algorithm.critic_learning_rate:"):
+        validate(resolve(spec))
 
 
 def test_missing_dataset_is_named() -> None:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlfleet/v1/reward.proto\x12\nrlfleet.v1\x1a\x1cgoogle/protobuf/struct.proto\"g\n\nRewardTerm\x12\x10\n\x08\x66unction\x18\x01 \x01(\t\x12\x13\n\x06weight\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\'\n\x06params\x18\x03 \x01(\x0b\x32\x17.google.protobuf.StructB\t\n\x07_weight\"e\n\nRewardSpec\x12%\n\x05terms\x18\x01 \x03(\x0b\x32\x16.rlfleet.v1.RewardTerm\x12\x1c\n\x0ftimeout_seconds\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x12\n\x10_timeout_seconds\"\xb0\x01\n\tScoreItem\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x10\n\x08response\x18\x03 \x01(\t\x12\r\n\x05label\x18\x04 \x01(\t\x12\x35\n\x08metadata\x18\x05 \x03(\x0b\x32#.rlfleet.v1.ScoreItem.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xe1\x01\n\x0bScoreResult\x12\n\n\x02id\x18\x01 \x01(\t\x12\'\n\x06status\x18\x02 \x01(\x0e\x32\x17.rlfleet.v1.ScoreStatus\x12\r\n\x05score\x18\x03 \x01(\x01\x12;\n\ncomponents\x18\x04 \x03(\x0b\x32\'.rlfleet.v1.ScoreResult.ComponentsEntry\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"Z\n\x0cScoreRequest\x12$\n\x04spec\x18\x01 \x01(\x0b\x32\x16.rlfleet.v1.RewardSpec\x12$\n\x05items\x18\x02 \x03(\x0b\x32\x15.rlfleet.v1.ScoreItem\"9\n\rScoreResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.rlfleet.v1.ScoreResult\"\x16\n\x14ListFunctionsRequest\"G\n\x12RewardFunctionInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x0e\n\x06inputs\x18\x03 \x03(\t\"J\n\x15ListFunctionsResponse\x12\x31\n\tfunctions\x18\x01 \x03(\x0b\x32\x1e.rlfleet.v1.RewardFunctionInfo*r\n\x0bScoreStatus\x12\x1c\n\x18SCORE_STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0fSCORE_STATUS_OK\x10\x01\x12\x16\n\x12SCORE_STATUS_ERROR\x10\x02\x12\x18\n\x14SCORE_STATUS_TIMEOUT\x10\x03\x32\x9c\x01\n\x06Reward\x12<\n\x05Score\x12\x18.rlfleet.v1.ScoreRequest\x1a\x19.rlfleet.v1.ScoreResponse\x12T\n\rListFunctions\x12 .rlfleet.v1.ListFunctionsRequest\x1a!.rlfleet.v1.ListFunctionsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlfleet/v1/reward.proto\x12\nrlfleet.v1\x1a\x1cgoogle/protobuf/struct.proto\"g\n\nRewardTerm\x12\x10\n\x08\x66unction\x18\x01 \x01(\t\x12\x13\n\x06weight\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\'\n\x06params\x18\x03 \x01(\x0b\x32\x17.google.protobuf.StructB\t\n\x07_weight\"e\n\nRewardSpec\x12%\n\x05terms\x18\x01 \x03(\x0b\x32\x16.rlfleet.v1.RewardTerm\x12\x1c\n\x0ftimeout_seconds\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x12\n\x10_timeout_seconds\"\xb0\x01\n\tScoreItem\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x10\n\x08response\x18\x03 \x01(\t\x12\r\n\x05label\x18\x04 \x01(\t\x12\x35\n\x08metadata\x18\x05 \x03(\x0b\x32#.rlfleet.v1.ScoreItem.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xe1\x01\n\x0bScoreResult\x12\n\n\x02id\x18\x01 \x01(\t\x12\'\n\x06status\x18\x02 \x01(\x0e\x32\x17.rlfleet.v1.ScoreStatus\x12\r\n\x05score\x18\x03 \x01(\x01\x12;\n\ncomponents\x18\x04 \x03(\x0b\x32\'.rlfleet.v1.ScoreResult.ComponentsEntry\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"Z\n\x0cScoreRequest\x12$\n\x04spec\x18\x01 \x01(\x0b\x32\x16.rlfleet.v1.RewardSpec\x12$\n\x05items\x18\x02 \x03(\x0b\x32\x15.rlfleet.v1.ScoreItem\"9\n\rScoreResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.rlfleet.v1.ScoreResult\"\x16\n\x14ListFunctionsRequest\"G\n\x12RewardFunctionInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x0e\n\x06inputs\x18\x03 \x03(\t\"J\n\x15ListFunctionsResponse\x12\x31\n\tfunctions\x18\x01 \x03(\x0b\x32\x1e.rlfleet.v1.RewardFunctionInfo\";\n\x13ValidateSpecRequest\x12$\n\x04spec\x18\x01 \x01(\x0b\x32\x16.rlfleet.v1.RewardSpec\"-\n\x0bSpecProblem\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"A\n\x14ValidateSpecResponse\x12)\n\x08problems\x18\x01 \x03(\x0b\x32\x17.rlfleet.v1.SpecProblem*r\n\x0bScoreStatus\x12\x1c\n\x18SCORE_STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0fSCORE_STATUS_OK\x10\x01\x12\x16\n\x12SCORE_STATUS_ERROR\x10\x02\x12\x18\n\x14SCORE_STATUS_TIMEOUT\x10\x03\x32\xef\x01\n\x06Reward\x12<\n\x05Score\x12\x18.rlfleet.v1.ScoreRequest\x1a\x19.rlfleet.v1.ScoreResponse\x12T\n\rListFunctions\x12 .rlfleet.v1.ListFunctionsRequest\x1a!.rlfleet.v1.ListFunctionsResponse\x12Q\n\x0cValidateSpec\x12\x1f.rlfleet.v1.ValidateSpecRequest\x1a .rlfleet.v1.ValidateSpecResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,8 +36,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCOREITEM_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_SCORERESULT_COMPONENTSENTRY']._loaded_options = None
   _globals['_SCORERESULT_COMPONENTSENTRY']._serialized_options = b'8\001'
-  _globals['_SCORESTATUS']._serialized_start=1008
-  _globals['_SCORESTATUS']._serialized_end=1122
+  _globals['_SCORESTATUS']._serialized_start=1183
+  _globals['_SCORESTATUS']._serialized_end=1297
   _globals['_REWARDTERM']._serialized_start=69
   _globals['_REWARDTERM']._serialized_end=172
   _globals['_REWARDSPEC']._serialized_start=174
@@ -60,6 +60,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REWARDFUNCTIONINFO']._serialized_end=930
   _globals['_LISTFUNCTIONSRESPONSE']._serialized_start=932
   _globals['_LISTFUNCTIONSRESPONSE']._serialized_end=1006
-  _globals['_REWARD']._serialized_start=1125
-  _globals['_REWARD']._serialized_end=1281
+  _globals['_VALIDATESPECREQUEST']._serialized_start=1008
+  _globals['_VALIDATESPECREQUEST']._serialized_end=1067
+  _globals['_SPECPROBLEM']._serialized_start=1069
+  _globals['_SPECPROBLEM']._serialized_end=1114
+  _globals['_VALIDATESPECRESPONSE']._serialized_start=1116
+  _globals['_VALIDATESPECRESPONSE']._serialized_end=1181
+  _globals['_REWARD']._serialized_start=1300
+  _globals['_REWARD']._serialized_end=1539
 # @@protoc_insertion_point(module_scope)

@@ -114,3 +114,23 @@ class ListFunctionsResponse(_message.Message):
     FUNCTIONS_FIELD_NUMBER: _ClassVar[int]
     functions: _containers.RepeatedCompositeFieldContainer[RewardFunctionInfo]
     def __init__(self, functions: _Optional[_Iterable[_Union[RewardFunctionInfo, _Mapping]]] = ...) -> None: ...
+
+class ValidateSpecRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: RewardSpec
+    def __init__(self, spec: _Optional[_Union[RewardSpec, _Mapping]] = ...) -> None: ...
+
+class SpecProblem(_message.Message):
+    __slots__ = ("field", "message")
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    field: str
+    message: str
+    def __init__(self, field: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ValidateSpecResponse(_message.Message):
+    __slots__ = ("problems",)
+    PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    problems: _containers.RepeatedCompositeFieldContainer[SpecProblem]
+    def __init__(self, problems: _Optional[_Iterable[_Union[SpecProblem, _Mapping]]] = ...) -> None: ...

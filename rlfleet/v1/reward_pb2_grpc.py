@@ -44,6 +44,11 @@ class RewardStub:
                 request_serializer=rlfleet_dot_v1_dot_reward__pb2.ListFunctionsRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_reward__pb2.ListFunctionsResponse.FromString,
                 _registered_method=True)
+        self.ValidateSpec = channel.unary_unary(
+                '/rlfleet.v1.Reward/ValidateSpec',
+                request_serializer=rlfleet_dot_v1_dot_reward__pb2.ValidateSpecRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_reward__pb2.ValidateSpecResponse.FromString,
+                _registered_method=True)
 
 
 class RewardServicer:
@@ -57,7 +62,15 @@ class RewardServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListFunctions(self, request, context):
-        """The registered reward functions, for validating a RunSpec at submit.
+        """The registered reward functions: name, description, inputs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ValidateSpec(self, request, context):
+        """Checks a spec as Score would, without scoring anything: how the orchestrator validates a
+        RunSpec's reward at submit.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -75,6 +88,11 @@ def add_RewardServicer_to_server(servicer, server):
                     servicer.ListFunctions,
                     request_deserializer=rlfleet_dot_v1_dot_reward__pb2.ListFunctionsRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_reward__pb2.ListFunctionsResponse.SerializeToString,
+            ),
+            'ValidateSpec': grpc.unary_unary_rpc_method_handler(
+                    servicer.ValidateSpec,
+                    request_deserializer=rlfleet_dot_v1_dot_reward__pb2.ValidateSpecRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_reward__pb2.ValidateSpecResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +149,33 @@ class Reward:
             '/rlfleet.v1.Reward/ListFunctions',
             rlfleet_dot_v1_dot_reward__pb2.ListFunctionsRequest.SerializeToString,
             rlfleet_dot_v1_dot_reward__pb2.ListFunctionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ValidateSpec(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.Reward/ValidateSpec',
+            rlfleet_dot_v1_dot_reward__pb2.ValidateSpecRequest.SerializeToString,
+            rlfleet_dot_v1_dot_reward__pb2.ValidateSpecResponse.FromString,
             options,
             channel_credentials,
             insecure,

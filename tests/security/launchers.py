@@ -19,7 +19,7 @@ from pathlib import Path
 
 import redis
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
 from rlfleet.char_tokenizer import SPECIAL_TOKENS, UNK, vocabulary
 from rlfleet.processes import ServiceProcess, free_port
@@ -47,13 +47,15 @@ def write_token(directory: Path) -> tuple[str, Path]:
 
 
 def write_char_tokenizer(out: Path) -> Path:
-    """The tiny model's character tokenizer (tokenizer.json only: all a submit reads) in `out`."""
+    """A model directory as submit reads it, in `out`: the tiny model's character tokenizer (tokenizer.json)
+    and a config.json (submit checks only that it is there)."""
     from tokenizers import Tokenizer, decoders, models
 
     core = Tokenizer(models.BPE(vocab=vocabulary(), merges=[], unk_token=UNK))
     core.add_special_tokens(list(SPECIAL_TOKENS))
     core.decoder = decoders.Fuse()
     core.save(str(out / "tokenizer.json"))
+    (out / "config.json").write_text("{}")
     return out
 
 
@@ -112,14 +114,17 @@ def start_orchestrator(
 
 
 class StandInRewardHub:
-    """The reward hub's `/functions` (all a submit asks it), served in a thread."""
+    """The reward hub's `/validate` (all a submit asks it) for a hub that knows only arith_exact, in a thread."""
 
     def __init__(self) -> None:
         app = FastAPI()
 
-        @app.get("/functions")
-        async def functions() -> dict[str, object]:
-            return {"functions": [{"name": "arith_exact", "description": "exact integer answer"}]}
+        @app.post("/validate")
+        async def validate(request: Request) -> dict[str, object]:
+            terms = (await request.json())["spec"].get("terms", [])
+            unknown = [(i, t.get("function")) for i, t in enumerate(terms) if t.get("function") != "arith_exact"]
+            message = "unknown reward function {!r}; known: arith_exact"
+            return {"problems": [{"field": f"terms[{i}].function", "message": message.format(f)} for i, f in unknown]}
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -24,6 +24,11 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
     ) -> reward_pb2.ListFunctionsResponse:
         return self.scorer.list_functions()
 
+    async def ValidateSpec(  # noqa: N802 - the generated servicer's method name
+        self, request: reward_pb2.ValidateSpecRequest, context: aio.ServicerContext
+    ) -> reward_pb2.ValidateSpecResponse:
+        return self.scorer.validate_spec(request)
+
 
 def create_grpc_server(scorer: Scorer, address: str, max_message_bytes: int) -> tuple[aio.Server, int]:
     """A server bound to `address` (port 0 picks one); returns it, not yet started, with its port."""

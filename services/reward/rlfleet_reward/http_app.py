@@ -1,8 +1,10 @@
-"""The hub's REST face: POST /score and GET /functions in the protobuf JSON mapping, /health, /metrics."""
+"""The hub's REST face: POST /score, POST /validate and GET /functions in the protobuf JSON mapping, /health,
+/metrics."""
 
 from __future__ import annotations
 
 import json
+from typing import TypeVar
 
 from fastapi import FastAPI, Request, Response
 from google.protobuf import json_format
@@ -14,6 +16,8 @@ from rlfleet.http_errors import install_error_handlers
 from rlfleet.v1 import reward_pb2
 from rlfleet_reward.metrics import RewardMetrics
 from rlfleet_reward.scoring import Scorer
+
+M = TypeVar("M", bound=Message)
 
 
 def _json_response(message: Message) -> Response:
@@ -39,18 +43,19 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def parse_score_request(body: bytes) -> reward_pb2.ScoreRequest:
-    """The JSON mapping of a ScoreRequest; unknown fields and wrong types are InvalidInput naming them."""
+def parse_request(body: bytes, message: M) -> M:
+    """`message` filled from the JSON mapping in `body`; unknown fields and wrong types are InvalidInput naming them."""
+    kind = type(message).__name__
     try:
         document = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidInput(f"request body is not valid JSON: {exc}") from None
     if not isinstance(document, dict):
-        raise InvalidInput(f"request body must be a JSON object (a ScoreRequest), got {type(document).__name__}")
+        raise InvalidInput(f"request body must be a JSON object (a {kind}), got {type(document).__name__}")
     try:
-        return json_format.ParseDict(document, reward_pb2.ScoreRequest())
+        return json_format.ParseDict(document, message)
     except json_format.ParseError as exc:
-        raise InvalidInput(f"invalid ScoreRequest: {exc}") from None
+        raise InvalidInput(f"invalid {kind}: {exc}") from None
 
 
 def create_app(scorer: Scorer, metrics: RewardMetrics, max_request_bytes: int) -> FastAPI:
@@ -59,8 +64,13 @@ def create_app(scorer: Scorer, metrics: RewardMetrics, max_request_bytes: int) -
 
     @app.post("/score")
     async def score(request: Request) -> Response:
-        message = parse_score_request(await _read_body(request, max_request_bytes))
+        message = parse_request(await _read_body(request, max_request_bytes), reward_pb2.ScoreRequest())
         return _json_response(await scorer.score(message))
+
+    @app.post("/validate")
+    async def validate(request: Request) -> Response:
+        message = parse_request(await _read_body(request, max_request_bytes), reward_pb2.ValidateSpecRequest())
+        return _json_response(scorer.validate_spec(message))
 
     @app.get("/functions")
     async def functions() -> Response:

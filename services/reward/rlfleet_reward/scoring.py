@@ -8,6 +8,9 @@ terms are: then `score` is the weighted sum and `components` holds each term's u
 (some term failed), with score 0, no components, and `error` naming the function and the reason. One
 bad item never fails the batch; only a malformed request does. An item's `seconds` is the time its
 function calls took, summed.
+
+`validate_spec` runs the same checks on a spec alone, without items: the orchestrator asks it at
+submit, so a spec `score` would refuse fails then rather than at the run's first step.
 """
 
 from __future__ import annotations
@@ -81,6 +84,11 @@ class Scorer:
             ]
         )
 
+    def validate_spec(self, request: reward_pb2.ValidateSpecRequest) -> reward_pb2.ValidateSpecResponse:
+        """Everything `score` would refuse `request.spec` for, without scoring: how a RunSpec is checked at submit."""
+        _, _, problems = self._check_spec(request.spec)
+        return reward_pb2.ValidateSpecResponse(problems=problems)
+
     def _validate(self, request: reward_pb2.ScoreRequest) -> tuple[list[_Term], float]:
         if not request.items:
             raise InvalidInput("items is empty; send at least one item to score")
@@ -89,44 +97,64 @@ class Scorer:
                 f"items has {len(request.items)} entries; the limit is {self.limits.max_batch_size} per request, "
                 "split the batch"
             )
-        spec = request.spec
-        if not spec.terms:
-            raise InvalidInput(f"spec.terms is empty; name at least one reward function ({', '.join(self.registry)})")
-        terms: list[_Term] = []
-        for i, term in enumerate(spec.terms):
-            where = f"spec.terms[{i}]"
-            if term.function not in self.registry:
-                raise InvalidInput(
-                    f"{where}.function: unknown reward function {term.function!r}; known: {', '.join(self.registry)}"
-                )
-            if any(t.name == term.function for t in terms):
-                raise InvalidInput(f"{where}.function: {term.function!r} appears twice; components are keyed by name")
-            weight = term.weight if term.HasField("weight") else 1.0
-            if not math.isfinite(weight):
-                raise InvalidInput(f"{where}.weight is {weight}; it must be a finite number")
-            function = self.registry.get(term.function)
-            terms.append(_Term(term.function, function, weight, self._params(where, term, function)))
-        timeout = spec.timeout_seconds if spec.HasField("timeout_seconds") else self.limits.default_timeout_seconds
-        if not (math.isfinite(timeout) and 0 < timeout <= self.limits.max_timeout_seconds):
-            raise InvalidInput(
-                f"spec.timeout_seconds is {timeout}; it must be > 0 and <= {self.limits.max_timeout_seconds:g}"
-            )
+        terms, timeout, problems = self._check_spec(request.spec)
+        if problems:
+            raise InvalidInput("; ".join(f"spec.{p.field}: {p.message}" for p in problems))
         return terms, timeout
 
+    def _check_spec(self, spec: reward_pb2.RewardSpec) -> tuple[list[_Term], float, list[reward_pb2.SpecProblem]]:
+        """The spec's terms and time limit, and every problem found (field paths relative to the spec)."""
+        problems: list[reward_pb2.SpecProblem] = []
+
+        def problem(field: str, message: str) -> None:
+            problems.append(reward_pb2.SpecProblem(field=field, message=message))
+
+        if not spec.terms:
+            problem("terms", f"name at least one reward function (known: {', '.join(self.registry)})")
+        terms: list[_Term] = []
+        for i, term in enumerate(spec.terms):
+            where = f"terms[{i}]"
+            if term.function not in self.registry:
+                problem(
+                    f"{where}.function",
+                    f"unknown reward function {term.function!r}; known: {', '.join(self.registry)}",
+                )
+                continue
+            if any(t.name == term.function for t in terms):
+                problem(f"{where}.function", f"{term.function!r} appears twice; components are keyed by name")
+                continue
+            weight = term.weight if term.HasField("weight") else 1.0
+            if not math.isfinite(weight):
+                problem(f"{where}.weight", f"must be a finite number, got {weight}")
+            function = self.registry.get(term.function)
+            params, params_problems = self._params(where, term, function)
+            problems += params_problems
+            terms.append(_Term(term.function, function, weight, params))
+        timeout = spec.timeout_seconds if spec.HasField("timeout_seconds") else self.limits.default_timeout_seconds
+        if not (math.isfinite(timeout) and 0 < timeout <= self.limits.max_timeout_seconds):
+            problem("timeout_seconds", f"must be > 0 and <= {self.limits.max_timeout_seconds:g}, got {timeout}")
+        return terms, timeout, problems
+
     @staticmethod
-    def _params(where: str, term: reward_pb2.RewardTerm, function: RewardFunction) -> Mapping[str, Any]:
+    def _params(
+        where: str, term: reward_pb2.RewardTerm, function: RewardFunction
+    ) -> tuple[Mapping[str, Any], list[reward_pb2.SpecProblem]]:
+        """The term's params validated against the function's model (defaults filled in), or what is wrong."""
         raw = json_format.MessageToDict(term.params)
         if function.params is None:
             if raw:
-                raise InvalidInput(f"{where}.params: {term.function!r} takes no params, got {sorted(raw)}")
-            return {}
+                message = f"{term.function!r} takes no params, got {sorted(raw)}"
+                return {}, [reward_pb2.SpecProblem(field=f"{where}.params", message=message)]
+            return {}, []
         try:
-            return function.params.model_validate(raw).model_dump()
+            return function.params.model_validate(raw).model_dump(), []
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{where}.params.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
-            )
-            raise InvalidInput(problems) from None
+            return {}, [
+                reward_pb2.SpecProblem(
+                    field=".".join([f"{where}.params", *(str(p) for p in err["loc"])]), message=err["msg"]
+                )
+                for err in exc.errors()
+            ]
 
     async def _score_term(self, items: Sequence[reward_pb2.ScoreItem], term: _Term, timeout: float) -> list[JobResult]:
         """Every item scored by one term; metrics counted once per status rather than once per item."""

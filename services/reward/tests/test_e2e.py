@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+from google.protobuf import json_format
 
 from rlfleet.processes import ServiceProcess, free_port
 from rlfleet.v1 import reward_pb2, reward_pb2_grpc
@@ -91,6 +92,27 @@ def test_score_over_grpc(stub: reward_pb2_grpc.RewardStub) -> None:
     assert all(r.status == reward_pb2.SCORE_STATUS_OK for r in response.results)
     names = [f.name for f in stub.ListFunctions(reward_pb2.ListFunctionsRequest(), timeout=10).functions]
     assert "math" in names
+
+
+def test_validate_names_what_score_would_refuse_over_both_transports(
+    hub: Hub, stub: reward_pb2_grpc.RewardStub
+) -> None:
+    spec = {
+        "terms": [{"function": "exact", "params": {"bogus": 1}}, {"function": "arith_exact"}],
+        "timeout_seconds": 1e9,
+    }
+    response = httpx.post(f"{hub.url}/validate", json={"spec": spec}, timeout=10)
+    assert response.status_code == 200, response.text
+    problems = response.json()["problems"]
+    assert [p["field"] for p in problems] == ["terms[0].params.bogus", "timeout_seconds"]
+    assert problems[1]["message"] == "must be > 0 and <= 300, got 1000000000.0"
+    good = {"spec": {"terms": [{"function": "exact", "params": {"strip": False}}]}}
+    assert httpx.post(f"{hub.url}/validate", json=good, timeout=10).json() == {"problems": []}
+    refused = httpx.post(f"{hub.url}/validate", json={"spec": {"terms": "exact"}}, timeout=10)
+    assert refused.status_code == 400 and "invalid ValidateSpecRequest" in refused.json()["error"]["message"]
+    request = json_format.ParseDict({"spec": spec}, reward_pb2.ValidateSpecRequest())
+    over_grpc = stub.ValidateSpec(request, timeout=10)
+    assert [(p.field, p.message) for p in over_grpc.problems] == [(p["field"], p["message"]) for p in problems]
 
 
 def test_a_hang_comes_back_timeout_within_its_limit_and_the_hub_keeps_serving(

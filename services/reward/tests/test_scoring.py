@@ -130,7 +130,7 @@ ITEM = {"response": "1", "label": "1"}
     ("req", "error", "message"),
     [
         (request([{"function": "arith_exact"}], []), InvalidInput, "items is empty"),
-        (request([], [ITEM]), InvalidInput, "spec.terms is empty"),
+        (request([], [ITEM]), InvalidInput, "spec.terms: name at least one reward function (known: arith_exact, "),
         (
             request([{"function": "arith_exat"}], [ITEM]),
             InvalidInput,
@@ -141,7 +141,11 @@ ITEM = {"response": "1", "label": "1"}
             InvalidInput,
             "spec.terms[1].function: 'math' appears twice",
         ),
-        (request([{"function": "math", "weight": "Infinity"}], [ITEM]), InvalidInput, "spec.terms[0].weight is inf"),
+        (
+            request([{"function": "math", "weight": "Infinity"}], [ITEM]),
+            InvalidInput,
+            "spec.terms[0].weight: must be a finite number, got inf",
+        ),
         (
             request([{"function": "math", "params": {"strictly": True}}], [ITEM]),
             InvalidInput,
@@ -157,7 +161,11 @@ ITEM = {"response": "1", "label": "1"}
             InvalidInput,
             "spec.terms[0].params: 'arith_exact' takes no params",
         ),
-        (request([{"function": "math"}], [ITEM], timeout=0), InvalidInput, "spec.timeout_seconds is 0.0"),
+        (
+            request([{"function": "math"}], [ITEM], timeout=0),
+            InvalidInput,
+            "spec.timeout_seconds: must be > 0 and <= 30, got 0.0",
+        ),
         (request([{"function": "math"}], [ITEM], timeout=31), InvalidInput, "must be > 0 and <= 30"),
         (request([{"function": "math"}], [ITEM] * 65), ResourceExhausted, "items has 65 entries; the limit is 64"),
     ],
@@ -171,6 +179,44 @@ def test_bad_requests_are_rejected_naming_the_field(
         assert message in str(raised.value)
 
     with_scorer(body, workers=1)
+
+
+def test_validate_spec_reports_every_problem_score_would_refuse_by_field(with_scorer: WithScorer) -> None:
+    spec = {
+        "terms": [
+            {"function": "exact", "params": {"bogus": 1, "strip": "maybe"}},
+            {"function": "arith_exact", "params": {"x": 1}},
+            {"function": "exact"},
+            {"function": "nope"},
+            {"function": "math", "weight": "NaN"},
+        ],
+        "timeout_seconds": 1000,
+    }
+    bad = json_format.ParseDict({"spec": spec}, reward_pb2.ValidateSpecRequest())
+    good = json_format.ParseDict(
+        {"spec": {"terms": [{"function": "exact", "params": {"strip": False}}, {"function": "arith_exact"}]}},
+        reward_pb2.ValidateSpecRequest(),
+    )
+
+    async def body(scorer: Scorer) -> tuple[reward_pb2.ValidateSpecResponse, reward_pb2.ValidateSpecResponse, str]:
+        with pytest.raises(InvalidInput) as raised:
+            await scorer.score(reward_pb2.ScoreRequest(spec=bad.spec, items=[reward_pb2.ScoreItem(response="1")]))
+        return scorer.validate_spec(bad), scorer.validate_spec(good), str(raised.value)
+
+    found, clean, refusal = with_scorer(body, workers=1)
+    problems = {(p.field, p.message.split(";")[0].split(",")[0]) for p in found.problems}
+    assert problems == {
+        ("terms[0].params.bogus", "Extra inputs are not permitted"),
+        ("terms[0].params.strip", "Input should be a valid boolean"),
+        ("terms[1].params", "'arith_exact' takes no params"),
+        ("terms[2].function", "'exact' appears twice"),
+        ("terms[3].function", "unknown reward function 'nope'"),
+        ("terms[4].weight", "must be a finite number"),
+        ("timeout_seconds", "must be > 0 and <= 30"),
+    }
+    assert list(clean.problems) == []
+    # Score refuses the same spec for the same reasons, each field under `spec.`.
+    assert refusal == "; ".join(f"spec.{p.field}: {p.message}" for p in found.problems)
 
 
 def test_params_reach_the_function_validated(with_scorer: WithScorer) -> None:

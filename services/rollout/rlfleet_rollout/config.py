@@ -35,7 +35,7 @@ class RolloutConfig(BaseSettings):
     router_url: str = "http://127.0.0.1:30000"
     """Router in front of the engines (SGLang's /generate)."""
     reward_url: str = "http://127.0.0.1:8001"
-    """Reward hub (/score, /functions)."""
+    """Reward hub (/score, and /validate at every submit)."""
     trainer_address: str = "127.0.0.1:50052"
     """host:port of the trainer's gRPC service."""
     generate_timeout_s: float = Field(default=300.0, gt=0)
@@ -43,7 +43,7 @@ class RolloutConfig(BaseSettings):
     score_timeout_s: float = Field(default=120.0, gt=0)
     """Bound on one /score request, retries included."""
     reward_list_timeout_s: float = Field(default=10.0, gt=0)
-    """Bound on the reward hub's /functions, asked at every submit."""
+    """Bound on the reward hub's /validate, asked at every submit to check the run's reward terms."""
     trainer_start_timeout_s: float = Field(default=600.0, gt=0)
     """Bound on Trainer.StartRun (it loads the policy and makes the fleet serve version 0)."""
     trainer_call_timeout_s: float = Field(default=30.0, gt=0)

@@ -66,7 +66,10 @@ async def serve(config: RolloutConfig) -> None:
         start_timeout_s=config.trainer_start_timeout_s,
     )
     reward = RewardClient(
-        http, config.reward_url, score_timeout_s=config.score_timeout_s, list_timeout_s=config.reward_list_timeout_s
+        http,
+        config.reward_url,
+        score_timeout_s=config.score_timeout_s,
+        validate_timeout_s=config.reward_list_timeout_s,
     )
     core = RunsCore(
         RunStore(redis_async, config.redis_prefix),

@@ -1,4 +1,4 @@
-"""Client of the reward hub: which functions exist, and scores for a batch of responses."""
+"""Client of the reward hub: whether it takes a run's reward spec, and scores for a batch of responses."""
 
 from __future__ import annotations
 
@@ -6,26 +6,42 @@ import httpx
 from google.protobuf import json_format
 
 from rlfleet.errors import Unavailable
-from rlfleet.v1.reward_pb2 import ListFunctionsResponse, RewardSpec, ScoreItem, ScoreRequest, ScoreResponse, ScoreResult
+from rlfleet.v1.reward_pb2 import (
+    RewardSpec,
+    ScoreItem,
+    ScoreRequest,
+    ScoreResponse,
+    ScoreResult,
+    SpecProblem,
+    ValidateSpecRequest,
+    ValidateSpecResponse,
+)
 from rlfleet_rollout.http_retry import request_json
 
 
 class RewardClient:
     def __init__(
-        self, client: httpx.AsyncClient, base_url: str, *, score_timeout_s: float, list_timeout_s: float
+        self, client: httpx.AsyncClient, base_url: str, *, score_timeout_s: float, validate_timeout_s: float
     ) -> None:
         self.client = client
         self.base_url = base_url
         self.score_timeout_s = score_timeout_s
-        self.list_timeout_s = list_timeout_s
+        self.validate_timeout_s = validate_timeout_s
 
-    async def function_names(self) -> list[str]:
-        body = await request_json(self.client, "GET", f"{self.base_url}/functions", deadline_s=self.list_timeout_s)
+    async def spec_problems(self, spec: RewardSpec) -> list[SpecProblem]:
+        """What the hub would refuse `spec` for (unknown functions, bad params, time limit), by field; [] when good."""
+        body = await request_json(
+            self.client,
+            "POST",
+            f"{self.base_url}/validate",
+            deadline_s=self.validate_timeout_s,
+            body=json_format.MessageToDict(ValidateSpecRequest(spec=spec), preserving_proto_field_name=True),
+        )
         try:
-            listing = json_format.ParseDict(body, ListFunctionsResponse(), ignore_unknown_fields=True)
+            answer = json_format.ParseDict(body, ValidateSpecResponse(), ignore_unknown_fields=True)
         except json_format.ParseError as exc:
-            raise Unavailable(f"reward hub answered /functions with an unexpected body: {exc}") from exc
-        return [f.name for f in listing.functions]
+            raise Unavailable(f"reward hub answered /validate with an unexpected body: {exc}") from exc
+        return list(answer.problems)
 
     async def score(self, spec: RewardSpec, items: list[ScoreItem]) -> list[ScoreResult]:
         """One result per item, in order."""

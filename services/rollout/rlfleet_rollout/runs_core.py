@@ -14,11 +14,12 @@ from collections.abc import AsyncIterator, Callable
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from rlfleet.errors import Conflict, InvalidInput
+from rlfleet.errors import Conflict, DeadlineExceeded, InvalidInput, Unavailable
 from rlfleet.run_spec import resolve, validate
 from rlfleet.v1.runs_pb2 import ListRunsResponse, Run, RunEvent, RunProgress, RunSpec, RunState
 from rlfleet_rollout.group_filters import FilterRegistry
 from rlfleet_rollout.metrics import RolloutMetrics
+from rlfleet_rollout.model_directory import require_model_config
 from rlfleet_rollout.prompt_tokenizer import load_chat_template, tokenizer_file
 from rlfleet_rollout.reward_client import RewardClient
 from rlfleet_rollout.rollout_function import RolloutRegistry
@@ -72,13 +73,14 @@ class RunsCore:
         """Resolves and validates `spec` in full, then stores the run QUEUED; nothing is stored if it is bad."""
         resolved = resolve(spec)
         validate(resolved)
+        require_model_config(resolved.model.path)
         tokenizer_file(resolved.model.tokenizer_path)
         self.filters.check(resolved.rollout.filters)
         self.rollouts.check(resolved.rollout)
         if resolved.dataset.chat_template:
             await asyncio.to_thread(load_chat_template, resolved.model.tokenizer_path)
         await asyncio.to_thread(RunData.from_spec, resolved)
-        await self._check_reward_functions(resolved)
+        await self._check_reward(resolved)
         run = Run(
             id=f"run-{uuid.uuid4().hex[:12]}",
             spec=resolved,
@@ -157,11 +159,18 @@ class RunsCore:
         self.notifier.publish(run)
         return run
 
-    async def _check_reward_functions(self, spec: RunSpec) -> None:
-        known = await self.reward.function_names()
-        for i, term in enumerate(spec.reward.terms):
-            if term.function not in known:
-                raise InvalidInput(
-                    f"reward.terms[{i}].function: unknown reward function {term.function!r}; "
-                    f"the reward hub knows: {', '.join(sorted(known)) or 'none'}"
-                )
+    async def _check_reward(self, spec: RunSpec) -> None:
+        """The reward hub checks the spec's reward (functions, params, time limit) as its /score will.
+
+        A hub that cannot be asked refuses the submit (Unavailable): accepting the run unchecked would break
+        the promise that a stored spec was validated in full, and leave a bad term to fail the run later.
+        """
+        try:
+            problems = await self.reward.spec_problems(spec.reward)
+        except (Unavailable, DeadlineExceeded) as exc:
+            raise Unavailable(
+                f"the reward hub could not check the spec's reward ({exc}); nothing was stored: submit again once "
+                "it answers"
+            ) from exc
+        if problems:
+            raise InvalidInput("; ".join(f"reward.{p.field}: {p.message}" for p in problems))

@@ -33,12 +33,14 @@ from rlfleet.char_tokenizer import SPECIAL_TOKENS, UNK, vocabulary  # noqa: E402
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A directory with the tiny model's tokenizer.json (written with `tokenizers`, no transformers)."""
+    """A model directory as submit reads it: the tiny model's tokenizer.json (written with `tokenizers`, no
+    transformers) and a config.json (only its presence is checked; the fake trainer loads nothing)."""
     out = tmp_path_factory.mktemp("tokenizer")
     core = Tokenizer(models.BPE(vocab=vocabulary(), merges=[], unk_token=UNK))
     core.add_special_tokens(list(SPECIAL_TOKENS))
     core.decoder = decoders.Fuse()
     core.save(str(out / "tokenizer.json"))
+    (out / "config.json").write_text("{}")
     return out
 
 

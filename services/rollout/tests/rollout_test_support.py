@@ -2,7 +2,7 @@
 
 The fake fleet lives in the test process: a trainer (gRPC) that reads the run's stream through the
 consumer group and publishes a new weight version per `groups_per_step` groups, a router whose
-greedy answers are right once the fleet serves version >= 1, and a reward hub scoring exact answers.
+greedy answers are right once the fleet serves version >= 1, and a reward hub that knows arith_exact.
 """
 
 from __future__ import annotations
@@ -273,9 +273,12 @@ def build_fake_router(
 def build_fake_reward_hub() -> FastAPI:
     app = FastAPI()
 
-    @app.get("/functions")
-    async def functions() -> dict[str, Any]:
-        return {"functions": [{"name": "arith_exact", "description": "exact integer answer"}]}
+    @app.post("/validate")
+    async def validate(request: Request) -> dict[str, Any]:
+        terms = (await request.json())["spec"].get("terms", [])
+        unknown = [(i, t.get("function")) for i, t in enumerate(terms) if t.get("function") != "arith_exact"]
+        message = "unknown reward function {!r}; known: arith_exact"
+        return {"problems": [{"field": f"terms[{i}].function", "message": message.format(f)} for i, f in unknown]}
 
     @app.post("/score")
     async def score(request: Request) -> dict[str, Any]:

@@ -35,7 +35,28 @@ def test_bad_specs_get_400_naming_the_field_and_nothing_is_stored(
             "reward.terms[1].function",
         ),
         ("group of one", json.dumps({**good, "rollout": {"group_size": 1}}).encode(), "rollout.group_size"),
-        ("no tokenizer", json.dumps({**good, "model": {"path": "/nonexistent"}}).encode(), "model.tokenizer_path"),
+        ("no model", json.dumps({**good, "model": {"path": "/nonexistent"}}).encode(), "model.path"),
+        (
+            "no tokenizer",
+            json.dumps({**good, "model": {**good["model"], "tokenizer_path": "/nonexistent"}}).encode(),
+            "model.tokenizer_path",
+        ),
+        (
+            "reward function twice",
+            json.dumps({**good, "reward": {"terms": [{"function": "arith_exact"}] * 2}}).encode(),
+            "reward.terms[1].function",
+        ),
+        (
+            "negative reward time limit",
+            json.dumps({**good, "reward": {**good["reward"], "timeout_seconds": -1}}).encode(),
+            "reward.timeout_seconds",
+        ),
+        (
+            "huge held-out split",
+            json.dumps({**good, "dataset": {**good["dataset"], "eval_size": 100_000}}).encode(),
+            "dataset.eval_size",
+        ),
+        ("zero learning rate", json.dumps({**good, "trainer": {"learning_rate": 0}}).encode(), "trainer.learning_rate"),
         (
             "too few held-out prompts",
             json.dumps({**good, "dataset": {**good["dataset"], "eval_size": 500}}).encode(),

@@ -51,7 +51,7 @@ async def runs_core(prefix: str) -> AsyncIterator[RunsCore]:
         async with httpx.AsyncClient() as http:
             yield RunsCore(
                 RunStore(client, prefix),
-                RewardClient(http, "http://127.0.0.1:9", score_timeout_s=1, list_timeout_s=1),
+                RewardClient(http, "http://127.0.0.1:9", score_timeout_s=1, validate_timeout_s=1),
                 RunNotifier(),
                 RolloutMetrics(),
                 filters=FilterRegistry({}),
