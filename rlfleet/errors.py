@@ -30,6 +30,14 @@ class NotFound(RlfleetError):
     kind = "not_found"
 
 
+class MethodNotAllowed(RlfleetError):
+    """The path exists, but not for this HTTP method (the response's Allow header names those it has)."""
+
+    http_status = 405
+    grpc_code = "UNIMPLEMENTED"
+    kind = "method_not_allowed"
+
+
 class Unauthenticated(RlfleetError):
     """The request lacks the API token the service requires, or carries a wrong one."""
 

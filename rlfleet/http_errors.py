@@ -1,4 +1,5 @@
-"""Maps rlfleet errors (and request-validation failures) to HTTP responses, once for every app.
+"""Maps rlfleet errors (and request-validation failures, and the routing errors of the framework: no such
+path, method not allowed) to HTTP responses, once for every app.
 
 Body shape: `{"error": {"kind": "invalid_input", "message": "...", "code": 400}}`. Internal faults
 are logged with their stack trace and answered with a generic 500 body.
@@ -11,8 +12,19 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
-from rlfleet.errors import Internal, InvalidInput, RlfleetError
+from rlfleet.errors import (
+    Conflict,
+    Internal,
+    InvalidInput,
+    MethodNotAllowed,
+    NotFound,
+    ResourceExhausted,
+    RlfleetError,
+    Unauthenticated,
+    Unavailable,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +78,37 @@ def describe_validation_error(exc: RequestValidationError, content_type: str | N
     return "; ".join(parts) or "invalid request"
 
 
+_BY_STATUS: dict[int, type[RlfleetError]] = {
+    cls.http_status: cls
+    for cls in (InvalidInput, Unauthenticated, NotFound, MethodNotAllowed, Conflict, ResourceExhausted, Unavailable)
+}
+
+
+def framework_error_body(request: Request, exc: HTTPException) -> dict[str, dict[str, object]]:
+    """The framework's own HTTP errors (no such path, method not allowed: raised before any handler of
+    ours runs) in the API's error format, with their status code."""
+    where = f"{request.method} {request.url.path}"
+    if exc.status_code == 404:
+        message = f"{where}: no such path"
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "none")
+        message = f"{where}: method not allowed; this path takes {allowed}"
+    else:
+        message = f"{where}: {exc.detail}"
+    kind = _BY_STATUS.get(exc.status_code, InvalidInput if exc.status_code < 500 else Internal).kind
+    return {"error": {"kind": kind, "message": message, "code": exc.status_code}}
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RlfleetError)
     async def _rlfleet_error(request: Request, exc: RlfleetError) -> JSONResponse:
         if isinstance(exc, Internal) or exc.http_status >= 500:
             logger.error("%s %s failed: %s", request.method, request.url.path, exc)
         return error_response(exc)
+
+    @app.exception_handler(HTTPException)
+    async def _routing_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse(framework_error_body(request, exc), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

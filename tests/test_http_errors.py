@@ -71,3 +71,22 @@ def test_a_json_body_that_is_not_an_object_says_what_it_is(client: TestClient, b
     response = client.post("/runs", content=body, headers={"content-type": "application/json"})
     assert response.status_code == 400
     assert response.json()["error"]["message"] == f"body: must be a JSON object, got {got}"
+
+
+def test_a_method_the_path_does_not_take_is_a_405_in_the_api_error_format(client: TestClient) -> None:
+    response = client.get("/runs")
+    assert response.status_code == 405
+    assert response.headers["allow"] == "POST"
+    assert response.json() == {
+        "error": {
+            "kind": "method_not_allowed",
+            "message": "GET /runs: method not allowed; this path takes POST",
+            "code": 405,
+        }
+    }
+
+
+def test_a_path_no_route_serves_is_a_404_in_the_api_error_format(client: TestClient) -> None:
+    response = client.post("/nowhere", json={})
+    assert response.status_code == 404
+    assert response.json() == {"error": {"kind": "not_found", "message": "POST /nowhere: no such path", "code": 404}}
