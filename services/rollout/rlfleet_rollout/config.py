@@ -59,6 +59,12 @@ class RolloutConfig(BaseSettings):
     """Generate requests in flight at once (one request is one prompt's group)."""
     eval_batch_size: int = Field(default=32, gt=0)
     """Held-out prompts per greedy /generate request during evaluation."""
+    watch_keepalive_s: float = Field(default=15.0, gt=0)
+    """A REST watch stream (`GET /v1/runs/{id}:watch`) sends a `: keep-alive` comment after this long without a
+    change, so proxies and clients keep a quiet run's stream open (`rlfleet watch` gives up after 60 s of silence)."""
+    grpc_keepalive_s: float = Field(default=30.0, ge=1)
+    """The gRPC server pings a connection idle this long (dropping it when 10 s pass without the answer), and
+    lets clients send their own keepalive pings as often as every third of it."""
     shutdown_grace_s: float = Field(default=5.0, ge=0)
     """How long open requests and streams get to finish on SIGTERM."""
     log_level: str = "info"

@@ -9,6 +9,7 @@ from grpc import aio
 from rlfleet.api_token import ApiTokenGuard
 from rlfleet.grpc_auth import BearerTokenInterceptor
 from rlfleet.grpc_errors import ErrorInterceptor
+from rlfleet.grpc_keepalive import server_keepalive_options
 from rlfleet.grpc_limits import message_size_options
 from rlfleet.v1 import runs_pb2_grpc
 from rlfleet.v1.runs_pb2 import (
@@ -47,10 +48,14 @@ class RunsServicer(runs_pb2_grpc.RunsServicer):
             yield event
 
 
-def build_grpc_server(core: RunsCore, host: str, port: int, guard: ApiTokenGuard) -> tuple[aio.Server, int]:
-    """The server (not started) and the port it bound (useful when `port` is 0)."""
+def build_grpc_server(
+    core: RunsCore, host: str, port: int, guard: ApiTokenGuard, *, keepalive_s: float
+) -> tuple[aio.Server, int]:
+    """The server (not started) and the port it bound (useful when `port` is 0). Watch streams stay open
+    while a run is quiet: see rlfleet.grpc_keepalive."""
     server = aio.server(
-        interceptors=[BearerTokenInterceptor(guard), ErrorInterceptor()], options=message_size_options()
+        interceptors=[BearerTokenInterceptor(guard), ErrorInterceptor()],
+        options=message_size_options() + server_keepalive_options(keepalive_s),
     )
     runs_pb2_grpc.add_RunsServicer_to_server(RunsServicer(core), server)
     bound = server.add_insecure_port(f"{host}:{port}")

@@ -4,7 +4,8 @@ POST /v1/runs               body: RunSpec JSON            -> Run
 GET  /v1/runs               ?state=&page_size=&page_token= -> ListRunsResponse
 GET  /v1/runs/{id}                                         -> Run
 POST /v1/runs/{id}:cancel                                  -> Run
-GET  /v1/runs/{id}:watch    server-sent events, one `data: <Run JSON>` per change, until the run ends
+GET  /v1/runs/{id}:watch    server-sent events, one `data: <Run JSON>` per change, until the run ends, and a
+                           `: keep-alive` comment after each `watch_keepalive_s` without a change
 GET  /liveness                                             -> 200 while the process serves (Redis or not)
 GET  /health                                               -> 200 once Redis answers, else 503 (readiness)
 GET  /metrics
@@ -32,6 +33,7 @@ from rlfleet.http_limits import limit_request_body
 from rlfleet.v1.runs_pb2 import RunSpec, RunState
 from rlfleet_rollout.metrics import RolloutMetrics
 from rlfleet_rollout.runs_core import RunsCore
+from rlfleet_rollout.sse_keepalive import with_keepalive
 
 
 def to_json(message: Message) -> dict[str, Any]:
@@ -85,7 +87,14 @@ def parse_state(value: str) -> RunState:
     return RunState.Value(name)
 
 
-def build_app(core: RunsCore, metrics: RolloutMetrics, redis_client: aioredis.Redis, guard: ApiTokenGuard) -> FastAPI:
+def build_app(
+    core: RunsCore,
+    metrics: RolloutMetrics,
+    redis_client: aioredis.Redis,
+    guard: ApiTokenGuard,
+    *,
+    watch_keepalive_s: float,
+) -> FastAPI:
     app = FastAPI(title="rlfleet rollout orchestrator", version="1")
     install_error_handlers(app)
     limit_request_body(app)
@@ -109,7 +118,11 @@ def build_app(core: RunsCore, metrics: RolloutMetrics, redis_client: aioredis.Re
             async for event in core.watch(run_id):
                 yield f"data: {json.dumps(to_json(event.run))}\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            with_keepalive(events(), watch_keepalive_s),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
 
     @app.get("/v1/runs/{run_id}")
     async def get(run_id: str) -> JSONResponse:

@@ -93,10 +93,12 @@ async def serve(config: RolloutConfig) -> None:
     )
     await core.count_existing_runs()
 
-    grpc_server, grpc_port = build_grpc_server(core, config.host, config.grpc_port, guard)
+    grpc_server, grpc_port = build_grpc_server(
+        core, config.host, config.grpc_port, guard, keepalive_s=config.grpc_keepalive_s
+    )
     web = _EmbeddedUvicorn(
         uvicorn.Config(
-            build_app(core, metrics, redis_async, guard),
+            build_app(core, metrics, redis_async, guard, watch_keepalive_s=config.watch_keepalive_s),
             host=config.host,
             port=config.port,
             log_config=None,

@@ -21,7 +21,8 @@ def test_liveness_answers_while_redis_is_down_and_health_does_not() -> None:
     guard = ApiTokenGuard("a-token", metrics.registry, "rollout")
     # Nothing listens there, and this client does not retry: Redis is down for as long as the test runs.
     down = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=1, retry_on_error=[])
-    app = build_app(cast(RunsCore, object()), metrics, down, guard)  # the probes never touch the core
+    # The probes never touch the core.
+    app = build_app(cast(RunsCore, object()), metrics, down, guard, watch_keepalive_s=15.0)
     with TestClient(app) as client:
         health = client.get("/health")
         assert health.status_code == 503 and "redis unreachable" in health.json()["error"]["message"]
