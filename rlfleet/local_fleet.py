@@ -2,8 +2,11 @@
 
 Start order follows the dependencies (Redis, engines, router, reward hub, trainer, orchestrator);
 each service must answer its health check within a bound before the next starts, and a failure
-names the service and shows the end of its log. Stopping goes in reverse order. The fleet's pids
-and addresses are written to `<state_dir>/fleet.json` so `rlfleet down` can stop it from elsewhere.
+names the service and shows the end of its log. Every port is checked before anything starts (a
+port in use is an error naming it and its service), and a health check counts only when the child
+itself listens on the port. Stopping goes in reverse order. The fleet's pids and addresses are
+written to `<state_dir>/fleet.json` from the first process on, so `rlfleet down` can stop it from
+elsewhere while it is still starting, and `rlfleet submit|runs|watch|cancel` find its Runs API.
 
 Any one service, Redis included when the fleet started it, can be started again with the same
 command (`restart`), which is how the fault tests bring back what they killed.
@@ -17,13 +20,25 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 
-from rlfleet.processes import ServiceProcess, command_line, free_port, free_port_block
+from rlfleet.process_identity import is_another_process, pid_alive, start_time
+from rlfleet.processes import (
+    ServiceProcess,
+    ServiceStartError,
+    StartInterrupted,
+    command_line,
+    free_port,
+    free_port_block,
+    port_is_free,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +61,24 @@ class FleetPorts:
         """Ports free right now for every service (Redis keeps its default)."""
         ports = {name: free_port() for name in cls.__dataclass_fields__ if name not in ("redis", "engine_base")}
         return cls(**ports, engine_base=free_port_block(engines))
+
+    @classmethod
+    def from_base(cls, base: int, engines: int) -> FleetPorts:
+        """`base` and the ports after it, in the order of the defaults' first three (Runs API, reward hub,
+        trainer HTTP: 8000-8002), then the gRPC ports, the router and the engines (Redis keeps its default)."""
+        last = base + 7 + engines - 1
+        if base < 1024 or last > 65535:
+            raise ValueError(f"--base-port {base}: the fleet needs ports {base}-{last}, which must lie in 1024-65535")
+        return cls(
+            rollout=base,
+            reward=base + 1,
+            trainer_http=base + 2,
+            rollout_grpc=base + 3,
+            trainer_grpc=base + 4,
+            reward_grpc=base + 5,
+            router=base + 6,
+            engine_base=base + 7,
+        )
 
 
 @dataclass(frozen=True)
@@ -76,6 +109,15 @@ class FleetConfig:
         return self.redis_url or f"redis://{self.host}:{self.ports.redis}/0"
 
 
+@dataclass(frozen=True)
+class _Command:
+    argv: list[str]
+    health_url: str
+    """HTTP URL answering 200 once the service is up, or the Redis URL of the fleet's Redis."""
+    ports: dict[int, str]
+    """Every port the service binds, with what listens there (for errors)."""
+
+
 class LocalFleet:
     def __init__(self, config: FleetConfig) -> None:
         if config.engines < 1:
@@ -85,7 +127,13 @@ class LocalFleet:
         self.config = config
         self.processes: dict[str, ServiceProcess] = {}
         self.log_dir = Path(config.state_dir) / "logs"
-        self._commands: dict[str, tuple[list[str], str]] = {}  # name -> (argv, health URL or Redis URL)
+        self.state_path = Path(config.state_dir) / "fleet.json"
+        self.stopping = threading.Event()
+        """Set by `request_stop` (from a signal handler): start and restart give up waiting and raise
+        StartInterrupted."""
+        self._commands: dict[str, _Command] = {}
+        self._started: dict[str, float | None] = {}
+        self._up = False
 
     # -- addresses ------------------------------------------------------------------------------
 
@@ -107,6 +155,28 @@ class LocalFleet:
     def engine_urls(self) -> list[str]:
         return [self.url(self.config.ports.engine_base + i) for i in range(self.config.engines)]
 
+    @property
+    def owns_redis(self) -> bool:
+        """Whether the fleet started its Redis (none answered), rather than using one that runs anyway."""
+        return "redis" in self._commands
+
+    def named_ports(self) -> dict[int, str]:
+        """Every port the fleet's services bind (Redis apart), with what listens there."""
+        p = self.config.ports
+        named = {
+            p.rollout: "orchestrator REST",
+            p.rollout_grpc: "orchestrator gRPC",
+            p.reward: "reward hub HTTP",
+            p.reward_grpc: "reward hub gRPC",
+            p.trainer_grpc: "trainer gRPC",
+            p.trainer_http: "trainer HTTP",
+            p.router: "router",
+        }
+        named.update({p.engine_base + i: f"engine-{i}" for i in range(self.config.engines)})
+        if len(named) < 7 + self.config.engines:
+            raise ValueError(f"two services of the fleet are given the same port: {self.config.ports}")
+        return named
+
     # -- lifecycle ------------------------------------------------------------------------------
 
     def __enter__(self) -> LocalFleet:
@@ -117,21 +187,53 @@ class LocalFleet:
         self.stop()
 
     def start(self) -> None:
+        """Starts every service, or none: on any failure (or `request_stop`) what started is stopped again."""
+        self._refuse_running_fleet()
         try:
+            self._write_state()
+            self._check_ports(self.named_ports())
             self._start_all()
+            self._up = True
+            self._write_state()
         except BaseException:
             self.stop()
             raise
-        self._write_state()
+
+    def request_stop(self) -> None:
+        """Makes a start or restart in progress give up (safe to call from a signal handler)."""
+        self.stopping.set()
 
     def stop(self) -> None:
         for name in reversed(list(self.processes)):
             process = self.processes.pop(name)
             code = process.stop(timeout=20)
             logger.info("stopped %s (exit code %s)", name, code)
-        state = Path(self.config.state_dir) / "fleet.json"
-        if state.exists():
-            state.unlink()
+        self.state_path.unlink(missing_ok=True)
+
+    def _refuse_running_fleet(self) -> None:
+        """One fleet per state directory: a second would overwrite the first one's fleet.json and leave it
+        running where `rlfleet down` cannot find it."""
+        state = read_state(self.config.state_dir)
+        if state is None:
+            return
+        owner = int(state.get("pid", 0))
+        if owner and owner != os.getpid() and _owner_runs(state):
+            raise ServiceStartError(
+                f"a fleet started from {self.config.state_dir} is {state.get('state', 'running')} (`rlfleet up`, "
+                f"pid {owner}); stop it with `rlfleet down --state-dir {self.config.state_dir}`, or give this one "
+                "another --state-dir"
+            )
+
+    def _check_ports(self, ports: dict[int, str]) -> None:
+        host = self.config.host
+        busy = [f"{port} ({what})" for port, what in sorted(ports.items()) if not port_is_free(port, host)]
+        if busy:
+            raise ServiceStartError(
+                f"port{'s' if len(busy) > 1 else ''} already in use on {host}: {', '.join(busy)}. Another fleet "
+                "may be running (`rlfleet down --state-dir DIR` stops the one started from DIR), or choose other "
+                "ports: `rlfleet up --base-port 9000` (9000 and the ports after it) or `rlfleet up --free-ports`, "
+                "each with its own --state-dir; `rlfleet submit|runs|watch|cancel --state-dir DIR` then find it"
+            )
 
     def _start_all(self) -> None:
         c, p, py = self.config, self.config.ports, sys.executable
@@ -152,6 +254,7 @@ class LocalFleet:
                     backend=c.engine_backend,
                 ),
                 f"{url}/health",
+                {p.engine_base + i: f"engine-{i}"},
             )
         for i in range(c.engines):
             self._wait(f"engine-{i}")
@@ -167,12 +270,14 @@ class LocalFleet:
                 policy="least_load",
             ),
             f"{self.router_url}/health",
+            {p.router: "router"},
         )
         self._wait("router")
         self._spawn(
             "reward",
             command_line(py, "-m", "rlfleet_reward", host=c.host, port=p.reward, grpc_port=p.reward_grpc),
             f"{self.reward_url}/health",
+            {p.reward: "reward hub HTTP", p.reward_grpc: "reward hub gRPC"},
         )
         self._spawn(
             "trainer",
@@ -195,6 +300,7 @@ class LocalFleet:
                 torch_threads=c.trainer_threads,
             ),
             f"{self.url(p.trainer_http)}/health",
+            {p.trainer_http: "trainer HTTP", p.trainer_grpc: "trainer gRPC"},
         )
         self._wait("reward")
         self._wait("trainer")
@@ -214,6 +320,7 @@ class LocalFleet:
                 trainer_address=f"{c.host}:{p.trainer_grpc}",
             ),
             f"{self.api_url}/health",
+            {p.rollout: "orchestrator REST", p.rollout_grpc: "orchestrator gRPC"},
         )
         self._wait("rollout")
 
@@ -222,24 +329,33 @@ class LocalFleet:
         waits until it is healthy. It keeps its place in the stop order."""
         if name not in self._commands:
             raise KeyError(f"{name!r} is not a service this fleet started; it has {sorted(self._commands)}")
-        argv, health_url = self._commands[name]
+        command = self._commands[name]
         self.processes[name].stop(timeout=10)
-        self._spawn(name, argv, health_url)
+        self._spawn(name, command.argv, command.health_url, command.ports)
         self._wait(name)
         self._write_state()
 
-    def _spawn(self, name: str, argv: list[str], health_url: str) -> None:
+    def _spawn(self, name: str, argv: list[str], health_url: str, ports: dict[int, str]) -> None:
+        """Starts `name` once its ports are free (another process may have taken one since the check at the
+        start), and records it in fleet.json at once, so `rlfleet down` can stop it even mid-start."""
+        if self.stopping.is_set():
+            raise StartInterrupted(f"stopped before {name} started")
+        self._check_ports(ports)
         env = {"RLFLEET_LOG_FORMAT": "text", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.config.env}
-        self._commands[name] = (argv, health_url)
+        self._commands[name] = _Command(argv, health_url, ports)
         self.processes[name] = ServiceProcess(name, argv, self.log_dir / f"{name}.log", env=env)
+        self._started[name] = start_time(self.processes[name].pid)
+        self._write_state()
 
     def _wait(self, name: str) -> None:
-        health_url = self._commands[name][1]
+        health_url = self._commands[name].health_url
         started = time.monotonic()
         if health_url.startswith("redis://"):
             self._wait_redis(name, health_url)
         else:
-            self.processes[name].wait_healthy(health_url, timeout=self.config.startup_timeout_s)
+            self.processes[name].wait_healthy(
+                health_url, timeout=self.config.startup_timeout_s, port=urlsplit(health_url).port, stop=self.stopping
+            )
         logger.info("%s healthy after %.1fs", name, time.monotonic() - started)
 
     def _ensure_redis(self) -> None:
@@ -247,10 +363,10 @@ class LocalFleet:
         if _redis_answers(url):
             return
         if self.config.redis_url is not None:
-            raise RuntimeError(f"Redis at {url} does not answer; start it or drop --redis-url to have one started")
+            raise ServiceStartError(f"Redis at {url} does not answer; start it or drop --redis-url to have one started")
         server = shutil.which("redis-server")
         if server is None:
-            raise RuntimeError("no Redis answers and redis-server is not installed (apt-get install redis-server)")
+            raise ServiceStartError("no Redis answers and redis-server is not installed (apt-get install redis-server)")
         data_dir = Path(self.config.state_dir) / "redis"
         data_dir.mkdir(parents=True, exist_ok=True)
         self._spawn(
@@ -264,6 +380,7 @@ class LocalFleet:
                 save="",
             ),
             url,
+            {self.config.ports.redis: "Redis"},
         )
         self._wait("redis")
 
@@ -271,23 +388,49 @@ class LocalFleet:
         """Redis started from its AOF answers once the file is loaded: bounded by the startup timeout."""
         deadline = time.monotonic() + self.config.startup_timeout_s
         while not _redis_answers(url):
+            if self.stopping.is_set():
+                raise StartInterrupted("stopped while waiting for Redis")
             if time.monotonic() > deadline or not self.processes[name].alive():
-                raise RuntimeError(f"redis-server did not answer at {url}; see {self.processes[name].log_path}")
+                raise ServiceStartError(f"redis-server did not answer at {url}; see {self.processes[name].log_path}")
             time.sleep(0.1)
 
     def _write_state(self) -> None:
+        """fleet.json, replaced whole (readers never see half a file): `state` is `starting` until every
+        service is healthy, then `up`; `started` holds the start time of this process (`up`) and of each
+        service, which tells a recorded pid from a later process given the same one."""
         state = {
             "pid": os.getpid(),
+            "state": "up" if self._up else "starting",
             "processes": {name: proc.pid for name, proc in self.processes.items()},
+            "started": {"up": start_time(os.getpid()), **self._started},
             "api_url": self.api_url,
+            "grpc_address": f"{self.config.host}:{self.config.ports.rollout_grpc}",
             "router_url": self.router_url,
             "reward_url": self.reward_url,
             "engines": self.engine_urls(),
             "config": json.loads(json.dumps(asdict(self.config), default=str)),
         }
-        path = Path(self.config.state_dir) / "fleet.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(state, indent=2) + "\n")
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.state_path.with_name(f".{self.state_path.name}.{os.getpid()}")
+        partial.write_text(json.dumps(state, indent=2) + "\n")
+        partial.replace(self.state_path)
+
+
+def read_state(state_dir: Path) -> dict[str, Any] | None:
+    """The fleet recorded in `<state_dir>/fleet.json`, or None when there is none."""
+    try:
+        state = json.loads((Path(state_dir) / "fleet.json").read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {Path(state_dir) / 'fleet.json'}: {exc}; delete it if no fleet runs") from exc
+    return state if isinstance(state, dict) else None
+
+
+def _owner_runs(state: dict[str, Any]) -> bool:
+    """Whether the `rlfleet up` that wrote `state` still runs (its pid not reused by another process since)."""
+    owner = int(state["pid"])
+    return pid_alive(owner) and not is_another_process(owner, state.get("started", {}).get("up"))
 
 
 def _redis_answers(url: str) -> bool:
@@ -302,23 +445,29 @@ def _redis_answers(url: str) -> bool:
 
 
 def stop_from_state(state_dir: Path, timeout_s: float = 60.0) -> bool:
-    """Stops the fleet recorded in `<state_dir>/fleet.json`: asks its `rlfleet up` to shut down,
-    and kills the children directly if that process is gone. Returns False when no fleet is recorded."""
-    path = Path(state_dir) / "fleet.json"
-    if not path.exists():
+    """Stops the fleet recorded in `<state_dir>/fleet.json`, started or still starting: asks its `rlfleet up`
+    to shut down, and kills the children directly if that process is gone or does not finish within
+    `timeout_s`. A recorded pid that now names another process is left alone. Returns False when no fleet
+    is recorded."""
+    state = read_state(state_dir)
+    if state is None:
         return False
-    state = json.loads(path.read_text())
-    owner = int(state["pid"])
+    path = Path(state_dir) / "fleet.json"
     try:
-        os.kill(owner, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and path.exists():
-            time.sleep(0.2)
-        if not path.exists():
-            return True
-    except ProcessLookupError:
+        if _owner_runs(state):
+            os.kill(int(state["pid"]), signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline and path.exists():
+                time.sleep(0.2)
+            if not path.exists():
+                return True
+    except ProcessLookupError:  # it ended on its own meanwhile
         pass
-    for pid in reversed(list(state["processes"].values())):
+    state = read_state(state_dir) or state  # a starting fleet may have recorded more processes meanwhile
+    started = state.get("started", {})
+    for name, pid in reversed(list(state["processes"].items())):
+        if is_another_process(int(pid), started.get(name)):
+            continue
         try:
             os.killpg(int(pid), signal.SIGKILL)
         except ProcessLookupError:

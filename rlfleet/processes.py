@@ -13,13 +13,24 @@ import random
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
 
+from rlfleet.port_owner import descends_from, listening_pids
+
 logger = logging.getLogger(__name__)
+
+
+class ServiceStartError(RuntimeError):
+    """A service did not start: it exited, never became healthy, or its port belongs to another process."""
+
+
+class StartInterrupted(RuntimeError):
+    """Waiting for a service was given up because a stop was requested (Ctrl-C, `rlfleet down`)."""
 
 
 _PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -48,7 +59,11 @@ def _candidate_ports() -> range:
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could bind `port` now. The probe sets SO_REUSEADDR as the servers do (uvicorn, gRPC,
+    Redis), so connections of a stopped server lingering in TIME_WAIT do not make its port look taken; a
+    listening socket does."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:
@@ -130,28 +145,52 @@ class ServiceProcess:
         except OSError:
             return ""
 
-    def wait_healthy(self, url: str, timeout: float) -> None:
-        """Polls `url` until it answers 200; raises RuntimeError (with the log tail) otherwise."""
+    def wait_healthy(
+        self, url: str, timeout: float, port: int | None = None, stop: threading.Event | None = None
+    ) -> None:
+        """Polls `url` until it answers 200 from this process; ServiceStartError (with the log tail) otherwise.
+
+        An answer counts only while this process is alive and, given its `port`, only when this process (or a
+        descendant) holds the socket listening there: another server on the port would otherwise pass for it.
+        StartInterrupted as soon as `stop` is set.
+        """
         deadline = time.monotonic() + timeout
         last = "no answer yet"
         while time.monotonic() < deadline:
+            if stop is not None and stop.is_set():
+                raise StartInterrupted(f"stopped while waiting for {self.name} to be healthy")
             if not self.alive():
-                raise RuntimeError(
+                raise ServiceStartError(
                     f"{self.name} exited with code {self.proc.returncode} before it was healthy; "
                     f"last lines of {self.log_path}:\n{self.log_tail()}"
                 )
             try:
                 response = httpx.get(url, timeout=2.0)
-                if response.status_code == 200:
+                if response.status_code == 200 and self.alive():
+                    if port is not None:
+                        self._check_listener(port)
                     return
                 last = f"HTTP {response.status_code}"
             except httpx.HTTPError as exc:
                 last = type(exc).__name__
             time.sleep(0.2)
-        raise RuntimeError(
+        raise ServiceStartError(
             f"{self.name} was not healthy at {url} within {timeout:.0f}s ({last}); "
             f"last lines of {self.log_path}:\n{self.log_tail()}"
         )
+
+    def _check_listener(self, port: int) -> None:
+        """ServiceStartError unless this process or a descendant holds the socket listening on `port` (where
+        /proc tells; elsewhere the port checks made before the start stand alone)."""
+        pids = listening_pids(port)
+        if pids is None:
+            return
+        if not any(descends_from(pid, self.pid) for pid in pids):
+            owners = ", ".join(str(pid) for pid in sorted(pids)) or "a process of another user"
+            raise ServiceStartError(
+                f"port {port} answers, but not from {self.name} (pid {self.pid}): {owners} listens there; "
+                f"stop it or choose other ports. Last lines of {self.log_path}:\n{self.log_tail()}"
+            )
 
     def kill(self) -> None:
         """SIGKILL, as a crash would."""

@@ -6,6 +6,7 @@ get typed values (int64 fields arrive as JSON strings).
 
 from __future__ import annotations
 
+import builtins  # `list` names a method in RunsClient's scope
 import json
 import time
 from collections.abc import Iterator
@@ -29,6 +30,12 @@ from rlfleet.v1.runs_pb2 import Run, RunSpec, RunState
 
 STATUS_ERRORS: dict[int, type[RlfleetError]] = {400: InvalidInput, 401: Unauthenticated, 404: NotFound, 409: Conflict}
 FINAL_STATES = (RunState.RUN_STATE_SUCCEEDED, RunState.RUN_STATE_FAILED, RunState.RUN_STATE_CANCELLED)
+WATCH_READ_TIMEOUT_S = 60.0
+"""How long a watch waits for its next line. The orchestrator sends an event per change and a keep-alive
+comment when the run is quiet (every 15 s by default, RLFLEET_ROLLOUT_WATCH_KEEPALIVE_S), so silence this
+long means the orchestrator or the connection is gone, not that the run is queued or slow."""
+LIST_PAGE_SIZE = 1000
+"""The orchestrator's largest page: listing every run takes the fewest requests."""
 
 
 def load_spec_file(path: Path) -> RunSpec:
@@ -64,9 +71,23 @@ class RunsClient:
         return self._run(self._request("GET", f"/v1/runs/{run_id}"))
 
     def list(self, state: str | None = None) -> list[Run]:
-        params = {"state": state} if state else None
+        """Every run (in `state`, if given), oldest first, page after page."""
+        runs, token = self.page(state, LIST_PAGE_SIZE)
+        while token:
+            more, token = self.page(state, LIST_PAGE_SIZE, token)
+            runs.extend(more)
+        return runs
+
+    def page(
+        self, state: str | None = None, page_size: int = 0, page_token: str = ""
+    ) -> tuple[builtins.list[Run], str]:
+        """One page of runs, oldest first, and the token of the next page ("" after the last)."""
+        params: dict[str, str | int] = {"page_size": page_size, "page_token": page_token}
+        if state:
+            params["state"] = state
         body = self._request("GET", "/v1/runs", params=params)
-        return [json_format.ParseDict(r, Run(), ignore_unknown_fields=True) for r in body.get("runs", [])]
+        runs = [json_format.ParseDict(r, Run(), ignore_unknown_fields=True) for r in body.get("runs", [])]
+        return runs, str(body.get("next_page_token", ""))
 
     def wait_final(self, run_id: str, timeout_s: float, poll_s: float = 0.5) -> Run:
         """The run once it has ended (succeeded, failed or cancelled); DeadlineExceeded after `timeout_s`."""
@@ -83,8 +104,9 @@ class RunsClient:
     def cancel(self, run_id: str) -> Run:
         return self._run(self._request("POST", f"/v1/runs/{run_id}:cancel"))
 
-    def watch(self, run_id: str, timeout_s: float) -> Iterator[Run]:
-        """The run now, then every change, until it ends; each read waits at most `timeout_s`."""
+    def watch(self, run_id: str, timeout_s: float = WATCH_READ_TIMEOUT_S) -> Iterator[Run]:
+        """The run now, then every change, until it ends; each read waits at most `timeout_s` (keep-alive
+        comments count: a quiet run is not a lost watch)."""
         try:
             with self.http.stream("GET", f"/v1/runs/{run_id}:watch", timeout=timeout_s) as response:
                 if response.status_code != 200:
@@ -93,6 +115,11 @@ class RunsClient:
                 for line in response.iter_lines():
                     if line.startswith("data:"):
                         yield json_format.Parse(line[5:].strip(), Run(), ignore_unknown_fields=True)
+        except httpx.ReadTimeout as exc:
+            raise Unavailable(
+                f"lost the watch of run {run_id} at {self.base_url}: nothing arrived for {timeout_s:g} s, not even "
+                "the keep-alive the orchestrator sends while a run is quiet"
+            ) from exc
         except httpx.TransportError as exc:
             raise Unavailable(f"lost the watch of run {run_id} at {self.base_url}: {exc}") from exc
 

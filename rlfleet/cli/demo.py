@@ -1,8 +1,12 @@
 """`rlfleet demo`: from nothing to a model that got better at arithmetic through GRPO.
 
-Steps: make the tiny model, SFT warm start, bring the fleet up (on free ports, so it never collides
-with a running `rlfleet up`), submit examples/runs/arith-grpo.yaml on the warm-started model, watch
-it to the end, write the summary to <out>/summary.json, and take the fleet down.
+Steps: make the tiny model, SFT warm start, bring the fleet up (on free ports and under a Redis key
+prefix of its own, so it never collides with a running `rlfleet up` or another demo), submit
+examples/runs/arith-grpo.yaml on the warm-started model, watch it to the end, write the summary to
+<out>/summary.json, and take the fleet down.
+
+<out> is recreated: it must be empty, absent, or a previous demo's (which holds the marker file the
+demo writes first); anything else is deleted only with --overwrite.
 """
 
 from __future__ import annotations
@@ -14,7 +18,10 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
+
+import redis
 
 from rlfleet.cli.runs import progress_line
 from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet
@@ -24,14 +31,30 @@ from rlfleet.tiny_model import create_tiny_model
 from rlfleet.v1.runs_pb2 import Run, RunState
 
 REPO = Path(__file__).resolve().parents[2]
+MARKER = ".rlfleet-demo"
+"""Written first into the demo directory: only a directory holding it is deleted without --overwrite."""
+DEMO_OUTPUTS = frozenset({MARKER, "base", "sft", "fleet", "summary.json"})
 
 
 def register(areas: argparse._SubParsersAction) -> None:
     demo = areas.add_parser("demo", help="SFT warm start, then GRPO through the whole fleet, with a summary")
-    demo.add_argument("--out", type=Path, default=Path(".rlfleet/demo"), help="demo directory (recreated)")
+    demo.add_argument(
+        "--out",
+        type=Path,
+        default=Path(".rlfleet/demo"),
+        help="demo directory, recreated: it must be empty, absent or a previous demo's",
+    )
+    demo.add_argument("--overwrite", action="store_true", help="delete --out even when it is not a previous demo's")
     demo.add_argument("--spec", type=Path, default=REPO / "examples/runs/arith-grpo.yaml", help="run spec to train")
     demo.add_argument("--sft-steps", type=int, default=400, help="SFT warm-start steps")
     demo.add_argument("--engines", type=int, default=2, help="engines to start")
+    demo.add_argument("--redis-url", default=None, help="use this Redis instead of 127.0.0.1:6379 / a started one")
+    demo.add_argument(
+        "--redis-prefix",
+        default=None,
+        help="prefix of the demo's Redis keys (default: rlfleet-demo-<random>: for each demo, its keys deleted at "
+        "the end)",
+    )
     demo.set_defaults(func=run_demo)
 
 
@@ -43,8 +66,7 @@ def run_demo(args: argparse.Namespace) -> int:
     started = time.monotonic()
     out: Path = args.out.resolve()
     spec = load_spec_file(args.spec)  # fail on a bad spec before any long work
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    recreate(out, args.overwrite)
 
     say("1/5 creating the tiny model")
     params = create_tiny_model(out / "base")
@@ -71,23 +93,23 @@ def run_demo(args: argparse.Namespace) -> int:
     )
 
     say("3/5 bringing the fleet up (engines, router, reward hub, trainer, orchestrator)")
-    ports = FleetPorts.free(args.engines)
-    # Its own Redis prefix: an orchestrator of `rlfleet up` on the same Redis never sees the demo's runs.
-    config = FleetConfig(
-        model_path=out / "sft",
-        engines=args.engines,
-        state_dir=out / "fleet",
-        ports=ports,
-        redis_prefix="rlfleet-demo:",
-    )
-    with LocalFleet(config) as fleet:
-        say(f"    Runs API {fleet.api_url}, router {fleet.router_url}, logs in {fleet.log_dir}")
-        spec.model.path = str(out / "sft")
-        spec.model.tokenizer_path = str(out / "sft")
-        client = RunsClient(fleet.api_url)
-        run = client.submit(spec)
-        say(f"4/5 GRPO run {run.id}: {spec.schedule.steps} steps")
-        final, rewards, diffs = watch(client, run.id)
+    config = fleet_config(args, out)
+    prefix = config.redis_prefix
+    fleet = LocalFleet(config)
+    try:
+        with fleet:
+            say(f"    Runs API {fleet.api_url}, router {fleet.router_url}, logs in {fleet.log_dir}")
+            say(f"    Redis keys {prefix}* at {config.resolved_redis_url()}")
+            spec.model.path = str(out / "sft")
+            spec.model.tokenizer_path = str(out / "sft")
+            client = RunsClient(fleet.api_url)
+            run = client.submit(spec)
+            say(f"4/5 GRPO run {run.id}: {spec.schedule.steps} steps")
+            final, rewards, diffs = watch(client, run.id)
+    finally:
+        # A Redis the fleet started keeps its data under <out>, which the next demo deletes.
+        if args.redis_prefix is None and not fleet.owns_redis:
+            delete_keys(config.resolved_redis_url(), prefix)
     say("5/5 fleet stopped")
     summary = summarize(final, rewards, diffs, time.monotonic() - started, args.engines)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -96,12 +118,64 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0 if final.state == RunState.RUN_STATE_SUCCEEDED else 1
 
 
+def fleet_config(args: argparse.Namespace, out: Path) -> FleetConfig:
+    """The demo's fleet: free ports, and a Redis prefix of its own unless --redis-prefix names one, so
+    neither an orchestrator of `rlfleet up` on the same Redis nor another demo sees this demo's runs, and
+    a run an interrupted demo left behind is never resumed by the next one."""
+    return FleetConfig(
+        model_path=out / "sft",
+        engines=args.engines,
+        state_dir=out / "fleet",
+        ports=FleetPorts.free(args.engines),
+        redis_url=args.redis_url,
+        redis_prefix=args.redis_prefix or f"rlfleet-demo-{uuid.uuid4().hex[:8]}:",
+    )
+
+
+def is_previous_demo(out: Path) -> bool:
+    """Holds the marker, or (written before there was one) a finished demo's summary and nothing but what a
+    demo writes."""
+    if (out / MARKER).exists():
+        return True
+    names = {entry.name for entry in out.iterdir()}
+    return "summary.json" in names and names <= DEMO_OUTPUTS
+
+
+def recreate(out: Path, overwrite: bool) -> None:
+    """Empties `out` for a new demo; FileExistsError (saying what to do) for a directory that holds files
+    and is not a previous demo's, unless `overwrite`."""
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file; choose a directory")
+    if out.exists() and any(out.iterdir()) and not is_previous_demo(out) and not overwrite:
+        raise FileExistsError(
+            f"--out {out} is not empty and is not a previous demo's directory (it has no {MARKER}); choose another "
+            "--out, or add --overwrite to delete everything in it"
+        )
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    (out / MARKER).write_text("written by `rlfleet demo`: a later `rlfleet demo --out` here deletes this directory\n")
+
+
+def delete_keys(redis_url: str, prefix: str) -> None:
+    """Removes the demo's run records and streams (only its own: the prefix is the demo's). A Redis that
+    does not answer (the fleet never reached it) leaves nothing to remove."""
+    client = redis.Redis.from_url(redis_url, socket_timeout=5.0, socket_connect_timeout=5.0)
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}*", count=500))
+        if keys:
+            client.delete(*keys)
+    except redis.RedisError as exc:
+        say(f"    could not delete the demo's Redis keys {prefix}* at {redis_url}: {exc}")
+    finally:
+        client.close()
+
+
 def watch(client: RunsClient, run_id: str) -> tuple[Run, dict[int, float], list[float]]:
     """Follows the run; returns it as it ended, the mean reward per step and the logprob diffs seen."""
     rewards: dict[int, float] = {}
     diffs: list[float] = []
     last = client.get(run_id)
-    for run in client.watch(run_id, timeout_s=900.0):
+    for run in client.watch(run_id):
         last = run
         if run.progress.groups_produced:
             rewards[int(run.progress.step)] = run.progress.mean_reward

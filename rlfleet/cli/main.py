@@ -33,3 +33,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("rlfleet").debug("command failed", exc_info=True)
         print(f"rlfleet: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C ends a watch (the run goes on); `up` handles it itself, to stop the fleet
+        print("\ninterrupted", file=sys.stderr)
+        return 130

@@ -1,4 +1,8 @@
-"""`rlfleet submit|runs|watch|cancel`: the Runs API from the command line."""
+"""`rlfleet submit|runs|watch|cancel`: the Runs API from the command line.
+
+The orchestrator is the one named by --api, else by $RLFLEET_API_URL, else the fleet `rlfleet up` recorded
+in <state-dir>/fleet.json (so a fleet on other ports is found), else http://127.0.0.1:8000.
+"""
 
 from __future__ import annotations
 
@@ -9,19 +13,30 @@ from pathlib import Path
 from typing import TextIO
 
 from rlfleet.api_token import TOKEN_ENV, TOKEN_FILE_ENV, client_token, read_token_file
+from rlfleet.cli.fleet import DEFAULT_STATE_DIR
+from rlfleet.local_fleet import read_state
 from rlfleet.runs_client import FINAL_STATES, RunsClient, load_spec_file
 from rlfleet.v1.runs_pb2 import Run, RunState
 
-DEFAULT_URL = os.environ.get("RLFLEET_API_URL", "http://127.0.0.1:8000")
+API_URL_ENV = "RLFLEET_API_URL"
+FALLBACK_URL = "http://127.0.0.1:8000"
 
 
 def register(areas: argparse._SubParsersAction) -> None:
     submit = areas.add_parser("submit", help="submit a run spec (JSON or YAML) and print its id")
     submit.add_argument("spec", type=Path, help="RunSpec file (.json, .yaml or .yml)")
     submit.add_argument("--watch", action="store_true", help="watch the run until it ends")
+    submit.add_argument(
+        "--model-path",
+        help="train this model instead of the spec's model.path; passed as given, so a relative path is resolved "
+        "by the orchestrator and the trainer, against their working directory (for `rlfleet up`, the directory "
+        "it was started in)",
+    )
     submit.set_defaults(func=run_submit)
-    runs = areas.add_parser("runs", help="list runs")
-    runs.add_argument("--state", help="only runs in this state (e.g. RUN_STATE_RUNNING)")
+    runs = areas.add_parser("runs", help="list runs, newest first")
+    runs.add_argument("--state", help="only runs in this state (e.g. running, queued, RUN_STATE_FAILED)")
+    runs.add_argument("--limit", type=int, default=20, help="show at most this many runs, the newest")
+    runs.add_argument("--all", action="store_true", help="show every run")
     runs.set_defaults(func=run_list)
     watch = areas.add_parser("watch", help="show a run's progress live until it ends")
     watch.add_argument("run_id")
@@ -30,7 +45,14 @@ def register(areas: argparse._SubParsersAction) -> None:
     cancel.add_argument("run_id")
     cancel.set_defaults(func=run_cancel)
     for parser in (submit, runs, watch, cancel):
-        parser.add_argument("--api", default=DEFAULT_URL, help=f"orchestrator URL (default {DEFAULT_URL})")
+        parser.add_argument(
+            "--api",
+            help=f"orchestrator URL (default: ${API_URL_ENV}, else the Runs API of the fleet recorded in "
+            f"<state-dir>/fleet.json, else {FALLBACK_URL})",
+        )
+        parser.add_argument(
+            "--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="the state directory `rlfleet up` used"
+        )
         parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for an answer")
         parser.add_argument(
             "--api-token-file",
@@ -39,13 +61,25 @@ def register(areas: argparse._SubParsersAction) -> None:
         )
 
 
+def api_url(args: argparse.Namespace) -> str:
+    if args.api:
+        return str(args.api)
+    if os.environ.get(API_URL_ENV):
+        return os.environ[API_URL_ENV]
+    state = read_state(args.state_dir)
+    return str(state["api_url"]) if state and state.get("api_url") else FALLBACK_URL
+
+
 def client_for(args: argparse.Namespace) -> RunsClient:
     token = read_token_file(args.api_token_file) if args.api_token_file else client_token()
-    return RunsClient(args.api, timeout_s=args.timeout, token=token)
+    return RunsClient(api_url(args), timeout_s=args.timeout, token=token)
 
 
-def state_name(state: int) -> str:
-    return RunState.Name(state).removeprefix("RUN_STATE_").lower()
+def state_name(run: Run) -> str:
+    """The run's state, `stalled` for a running run the orchestrator reports as making no progress."""
+    if run.stalled and run.state == RunState.RUN_STATE_RUNNING:
+        return "stalled"
+    return RunState.Name(run.state).removeprefix("RUN_STATE_").lower()
 
 
 def progress_line(run: Run) -> str:
@@ -56,15 +90,19 @@ def progress_line(run: Run) -> str:
     bar = "#" * done + "." * (width - done)
     return (
         f"{run.id} [{bar}] step {p.step}/{p.total_steps}  reward {p.mean_reward:.3f}  "
-        f"eval acc {accuracy}  weights v{p.weight_version}  {state_name(run.state)}"
+        f"eval acc {accuracy}  weights v{p.weight_version}  {state_name(run)}"
     )
 
 
 def watch_until_done(client: RunsClient, run_id: str, out: TextIO) -> Run:
-    """Prints the run's progress (rewriting one line on a terminal) and returns the final run."""
+    """Prints the run's progress (rewriting one line on a terminal) and returns the final run. A stall, and
+    the run moving again, get lines of their own: the progress line alone would look the same."""
     live = out.isatty()
     last: Run | None = None
-    for run in client.watch(run_id, timeout_s=600.0):
+    for run in client.watch(run_id):
+        if run.stalled != (last.stalled if last else ""):
+            note = f"stalled: {run.stalled}" if run.stalled else "moving again"
+            out.write(f"\r\033[K{run.id} {note}\n" if live else f"{run.id} {note}\n")
         line = progress_line(run)
         out.write(f"\r{line}\033[K" if live else line + "\n")
         out.flush()
@@ -82,7 +120,10 @@ def watch_until_done(client: RunsClient, run_id: str, out: TextIO) -> Run:
 
 def run_submit(args: argparse.Namespace) -> int:
     client = client_for(args)
-    run = client.submit(load_spec_file(args.spec))
+    spec = load_spec_file(args.spec)
+    if args.model_path:
+        spec.model.path = args.model_path
+    run = client.submit(spec)
     print(run.id)
     if args.watch:
         final = watch_until_done(client, run.id, sys.stdout)
@@ -91,15 +132,23 @@ def run_submit(args: argparse.Namespace) -> int:
 
 
 def run_list(args: argparse.Namespace) -> int:
-    runs = client_for(args).list(args.state)
+    if args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    runs = client_for(args).list(args.state)[::-1]  # the API lists oldest first
+    shown = runs if args.all else runs[: args.limit]
     print(f"{'ID':<20} {'STATE':<10} {'STEP':>9} {'REWARD':>7} {'EVAL ACC':>8}  NAME")
-    for run in runs:
+    for run in shown:
         accuracy = f"{run.evals[-1].accuracy:.3f}" if run.evals else "-"
         step = f"{run.progress.step}/{run.progress.total_steps}"
         print(
-            f"{run.id:<20} {state_name(run.state):<10} {step:>9} {run.progress.mean_reward:>7.3f} "
+            f"{run.id:<20} {state_name(run):<10} {step:>9} {run.progress.mean_reward:>7.3f} "
             f"{accuracy:>8}  {run.spec.name}"
         )
+    for run in shown:
+        if state_name(run) == "stalled":
+            print(f"{run.id} stalled: {run.stalled}")
+    if len(shown) < len(runs):
+        print(f"(the newest {len(shown)} of {len(runs)} runs; --limit N or --all shows more)")
     return 0
 
 
@@ -110,5 +159,5 @@ def run_watch(args: argparse.Namespace) -> int:
 
 def run_cancel(args: argparse.Namespace) -> int:
     run = client_for(args).cancel(args.run_id)
-    print(f"{run.id} {state_name(run.state)}")
+    print(f"{run.id} {state_name(run)}")
     return 0

@@ -16,12 +16,18 @@ from rlfleet.errors import InvalidInput
 
 
 def tokenizer_file(tokenizer_path: str) -> Path:
-    """The tokenizer.json of a model or tokenizer directory; InvalidInput naming the field when absent."""
+    """The tokenizer.json of a model or tokenizer directory; InvalidInput naming the field when absent.
+
+    The message names model.path too, because the field is most often unset and so model.path (run_spec's
+    `resolve`), and it spells out a relative path: it is this process's, resolved against its working
+    directory, which a client on another machine (or in another directory) cannot guess."""
     path = Path(tokenizer_path) / "tokenizer.json"
     if not path.is_file():
+        where = "" if Path(tokenizer_path).is_absolute() else f" (here {Path(tokenizer_path).resolve()})"
         raise InvalidInput(
-            f"model.tokenizer_path: {tokenizer_path!r} has no tokenizer.json (the orchestrator tokenizes prompts "
-            "with it; point model.tokenizer_path at a directory that has one)"
+            f"model.tokenizer_path: no tokenizer.json in {tokenizer_path!r}{where}; the orchestrator tokenizes "
+            "prompts with it. Unset, model.tokenizer_path is model.path: point model.path at a Hugging Face model "
+            "directory that has one, or model.tokenizer_path at a tokenizer's directory"
         )
     return path
 

@@ -1,0 +1,165 @@
+"""`rlfleet runs` and `rlfleet watch` against a scripted Runs API: every page is read and the newest runs are
+shown first, a stalled run is shown as such, a watch outlives a quiet run through keep-alives but not a
+silent server, and the fleet `rlfleet up` recorded is found without --api."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from rlfleet.cli.main import main
+from rlfleet.errors import Unavailable
+from rlfleet.processes import free_port
+from rlfleet.runs_client import RunsClient
+
+STALL = "no progress for 15 s at step 2 of 6: waiting for the trainer (at weight version 2)"
+PAGE_CAP = 50
+"""The fake serves at most this many runs per page, whatever the client asks: paging must be followed."""
+
+
+def run_json(i: int, state: str = "RUN_STATE_SUCCEEDED", stalled: str = "", step: int = 6) -> dict[str, Any]:
+    return {
+        "id": f"run-{i:04d}",
+        "spec": {"name": f"n{i}"},
+        "state": state,
+        "progress": {"step": step, "total_steps": 6, "mean_reward": 0.5},
+        "stalled": stalled,
+    }
+
+
+RUNS = [run_json(i) for i in range(119)] + [run_json(119, "RUN_STATE_RUNNING", STALL, step=2)]
+WATCH_SCRIPT: list[tuple[float, str]] = [
+    (0.0, "data: " + json.dumps(run_json(7, "RUN_STATE_RUNNING", step=2))),
+    *[(0.1, ": keep-alive")] * 5,
+    (0.0, "data: " + json.dumps(run_json(7, "RUN_STATE_RUNNING", STALL, step=2))),
+    (0.1, ": keep-alive"),
+    (0.0, "data: " + json.dumps(run_json(7, "RUN_STATE_RUNNING", step=3))),
+    (0.0, "data: " + json.dumps(run_json(7, "RUN_STATE_SUCCEEDED", step=6))),
+]
+
+
+SUBMITTED: list[dict[str, Any]] = []
+"""The specs the fake was sent, as JSON."""
+
+
+def build_api() -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/v1/runs")
+    async def list_runs(page_size: int = 0, page_token: str = "") -> JSONResponse:
+        start = int(page_token or 0)
+        end = min(start + min(page_size or PAGE_CAP, PAGE_CAP), len(RUNS))
+        return JSONResponse({"runs": RUNS[start:end], "next_page_token": str(end) if end < len(RUNS) else ""})
+
+    @app.post("/v1/runs")
+    async def submit(request: Request) -> JSONResponse:
+        SUBMITTED.append(await request.json())
+        return JSONResponse({**run_json(500, "RUN_STATE_QUEUED", step=0), "spec": SUBMITTED[-1]})
+
+    @app.get("/v1/runs/{run_id}:watch")
+    async def watch(run_id: str) -> StreamingResponse:
+        script = WATCH_SCRIPT if run_id == "run-0007" else [(0.0, WATCH_SCRIPT[0][1]), (30.0, ": keep-alive")]
+
+        async def lines() -> AsyncIterator[str]:
+            for delay, line in script:
+                await asyncio.sleep(delay)
+                yield line + "\n\n"
+
+        return StreamingResponse(lines(), media_type="text/event-stream")
+
+    @app.get("/v1/runs/{run_id}")
+    async def get(run_id: str) -> JSONResponse:
+        return JSONResponse(run_json(int(run_id.removeprefix("run-")), step=6))
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def api() -> Iterator[str]:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_api(), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "the fake Runs API did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture(autouse=True)
+def no_api_url_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RLFLEET_API_URL", raising=False)
+
+
+def listed_ids(out: str) -> list[str]:
+    return [line.split()[0] for line in out.splitlines()[1:] if line.startswith("run-") and " stalled: " not in line]
+
+
+def test_runs_shows_the_newest_first_and_says_how_many_it_left_out(api: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(["runs", "--api", api]) == 0
+    out = capsys.readouterr().out
+    assert listed_ids(out) == [f"run-{i:04d}" for i in range(119, 99, -1)]
+    assert "(the newest 20 of 120 runs; --limit N or --all shows more)" in out
+
+
+def test_runs_limit_and_all(api: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(["runs", "--api", api, "--limit", "3"]) == 0
+    assert listed_ids(capsys.readouterr().out) == ["run-0119", "run-0118", "run-0117"]
+    assert main(["runs", "--api", api, "--all"]) == 0
+    out = capsys.readouterr().out
+    assert listed_ids(out) == [f"run-{i:04d}" for i in range(119, -1, -1)]
+    assert "newest" not in out
+
+
+def test_runs_shows_a_stalled_run_and_why(api: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(["runs", "--api", api, "--limit", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split()[:2] == ["run-0119", "stalled"]
+    assert out[2].split()[:2] == ["run-0118", "succeeded"]
+    assert f"run-0119 stalled: {STALL}" in out
+
+
+def test_watch_shows_a_stall_and_the_run_moving_again(api: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(["watch", "run-0007", "--api", api]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert f"run-0007 stalled: {STALL}" in out and "run-0007 moving again" in out
+    stalled_at = out.index(f"run-0007 stalled: {STALL}")
+    assert out[stalled_at + 1].endswith("stalled") and "step 2/6" in out[stalled_at + 1]
+    assert out[-1].endswith("succeeded")
+
+
+def test_a_watch_outlives_a_quiet_run_through_keepalives_but_not_a_silent_server(api: str) -> None:
+    client = RunsClient(api)
+    # 0.5 s of keep-alives only, each read waiting at most 0.3 s: the watch goes on to the run's end.
+    assert [run.progress.step for run in client.watch("run-0007", timeout_s=0.3)] == [2, 2, 3, 6]
+    with pytest.raises(Unavailable, match=r"nothing arrived for 0\.3 s, not even the keep-alive"):
+        list(client.watch("run-0001", timeout_s=0.3))
+
+
+def test_commands_find_the_fleet_recorded_in_the_state_dir(
+    api: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    (tmp_path / "fleet.json").write_text(json.dumps({"pid": 1, "state": "up", "api_url": api, "processes": {}}))
+    assert main(["runs", "--state-dir", str(tmp_path), "--limit", "1"]) == 0
+    assert listed_ids(capsys.readouterr().out) == ["run-0119"]
+
+
+def test_submit_can_train_another_model_than_the_specs(api: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("model: {path: .rlfleet/demo/sft}\nschedule: {steps: 6}\n")
+    assert main(["submit", str(spec), "--api", api, "--model-path", "/models/tiny"]) == 0
+    assert capsys.readouterr().out.strip() == "run-0500"
+    assert SUBMITTED[-1] == {"model": {"path": "/models/tiny"}, "schedule": {"steps": 6}}
