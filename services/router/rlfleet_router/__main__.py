@@ -29,6 +29,11 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("--max-tree-tokens", "cache_aware: global token budget of the prefix tree (default 2**24)"),
     Flag("--request-timeout-secs", "bound on one proxied request, retries included (default 600)"),
+    Flag(
+        "--control-timeout-secs",
+        "bound on one engine's answer to /abort_request, /pause_generation, /continue_generation, /flush_cache "
+        "(default 60)",
+    ),
     Flag("--connect-timeout-secs", "bound on connecting to an engine (default 5)"),
     Flag("--retry-max-retries", "other engines tried after a connection error or 5xx (default 3)"),
     Flag("--retry-initial-backoff-ms", "wait before the first retry (default 50)"),

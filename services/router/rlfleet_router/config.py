@@ -69,6 +69,11 @@ class RouterConfig(BaseSettings):
         600.0, gt=0, description="Upper bound on one proxied request, retries included, until its last byte."
     )
     connect_timeout_secs: float = Field(5.0, gt=0, description="Bound on opening a connection to an engine.")
+    control_timeout_secs: float = Field(
+        60.0,
+        gt=0,
+        description="Bound on one engine's answer to an abort, pause, continue or flush sent to every engine.",
+    )
     max_request_bytes: int = Field(
         64 * 2**20, ge=1024, description="Largest request body accepted (413 beyond); the router buffers each one."
     )

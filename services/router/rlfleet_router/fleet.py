@@ -96,7 +96,7 @@ class Fleet:
         )
         self.workers.on_failed_requests = self.proxy.engine_failed
         self.fanout = Fanout(
-            self.client, self.workers, config.request_timeout_secs, self.policy.forget_caches, self.weights.busy
+            self.client, self.workers, config.control_timeout_secs, self.policy.forget_caches, self.weights.busy
         )
         self.trajectories = TrajectoryStore(config.trajectory_max_tokens, config.trajectory_max_update_lag)
         self.metrics.fleet.trajectories = self.trajectories

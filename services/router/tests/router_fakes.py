@@ -64,6 +64,7 @@ class FakeEngine:
     generate_status: int = 200
     fail_updates: bool = False
     update_delay: float = 0.0
+    control_delay: float = 0.0  # before answering /abort_request, /pause_generation, ...
     raw_bodies: list[bytes] = field(default_factory=list)
     content_types: list[str | None] = field(default_factory=list)  # of each /generate request
     update_bodies: list[dict[str, object]] = field(default_factory=list)
@@ -138,6 +139,7 @@ class FakeEngine:
             """Like SGLang's: a body is read as JSON only under a JSON Content-Type."""
             body, content_type = await request.body(), request.headers.get("content-type")
             self.controls.append((request.url.path, content_type, body))
+            await asyncio.sleep(self.control_delay)
             if body and content_type != "application/json":
                 return JSONResponse({"detail": "body: not read as JSON"}, status_code=400)
             if request.url.path == "/abort_request":

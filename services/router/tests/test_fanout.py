@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from router_fakes import FakeEngine, RunningRouter
@@ -39,6 +40,22 @@ def test_a_control_body_that_is_not_a_json_object_is_refused_before_any_engine(
         assert answer.status_code == 400, answer.text
         assert problem in answer.text
     assert engine.controls == []
+
+
+def test_an_engine_that_does_not_answer_a_control_request_is_reported_within_its_bound(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """Bounded by --control-timeout-secs, not the 600 s bound of a generation: a pause must not hang the trainer."""
+    slow, quick = start_engine("slow", control_delay=30.0), start_engine("quick")
+    router = start_router([slow.url, quick.url], control_timeout_secs=0.5)
+    router.wait_healthy(2)
+    started = time.monotonic()
+    answer = router.client.post("/pause_generation", json={})
+    assert time.monotonic() - started < 5
+    assert answer.status_code == 502, answer.text
+    by_engine = {e["url"]: e for e in answer.json()["engines"]}
+    assert by_engine[quick.url]["status"] == 200
+    assert by_engine[slow.url]["status"] is None and "Timeout" in by_engine[slow.url]["message"]
 
 
 def test_a_control_request_to_an_empty_fleet_is_unavailable(start_router: Callable[..., RunningRouter]) -> None:
