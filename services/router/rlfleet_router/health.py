@@ -136,22 +136,19 @@ class HealthChecker:
 
     async def _liveness(self, worker: Worker, reason: str) -> str | None:
         """None if `worker`, busy for `reason`, answered LIVENESS_ROUTE within the timeout, else why not."""
-        try:
-            response = await self._client.get(f"{worker.url}{LIVENESS_ROUTE}", timeout=self._timeout)
-        except httpx.HTTPError as exc:
-            return f"{LIVENESS_ROUTE} ({reason}): {describe_error(exc)}"
-        if response.status_code != 200:
-            return f"{LIVENESS_ROUTE} ({reason}): HTTP {response.status_code}"
-        return None
+        return await self._answers(worker, LIVENESS_ROUTE, f"{LIVENESS_ROUTE} ({reason})")
 
     async def _probe(self, worker: Worker) -> str | None:
-        """None if the engine answered 200 within the timeout, else why not."""
+        """None if the engine answered its health probe with 200 within the timeout, else why not."""
+        return await self._answers(worker, self._endpoint, self._endpoint)
+
+    async def _answers(self, worker: Worker, route: str, what: str) -> str | None:
         try:
-            response = await self._client.get(f"{worker.url}{self._endpoint}", timeout=self._timeout)
+            response = await self._client.get(f"{worker.url}{route}", timeout=self._timeout)
         except httpx.HTTPError as exc:
-            return f"{self._endpoint}: {describe_error(exc)}"
+            return f"{what}: {describe_error(exc)}"
         if response.status_code != 200:
-            return f"{self._endpoint}: HTTP {response.status_code}"
+            return f"{what}: HTTP {response.status_code}"
         return None
 
     async def _run(self) -> None:
