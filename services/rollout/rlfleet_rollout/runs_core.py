@@ -160,7 +160,8 @@ class RunsCore:
         return run
 
     async def _check_reward(self, spec: RunSpec) -> None:
-        """The reward hub checks the spec's reward (functions, params, time limit) as its /score will.
+        """The reward hub checks the spec's reward (functions, params, time limit) as its /score will, and the
+        time limit must leave room inside this orchestrator's own bound on a /score call.
 
         A hub that cannot be asked refuses the submit (Unavailable): accepting the run unchecked would break
         the promise that a stored spec was validated in full, and leave a bad term to fail the run later.
@@ -174,3 +175,10 @@ class RunsCore:
             ) from exc
         if problems:
             raise InvalidInput("; ".join(f"reward.{p.field}: {p.message}" for p in problems))
+        limit = self.reward.score_timeout_s
+        if spec.reward.HasField("timeout_seconds") and spec.reward.timeout_seconds >= limit:
+            raise InvalidInput(
+                f"reward.timeout_seconds: {spec.reward.timeout_seconds:g} s is not below this orchestrator's limit on "
+                f"one /score call ({limit:g} s, --score-timeout): one item that runs to its own limit would fail its "
+                "whole group; lower it, or raise the orchestrator's --score-timeout"
+            )

@@ -28,6 +28,9 @@ from rlfleet_rollout.run_events import RunNotifier
 from rlfleet_rollout.run_store import RunStore
 from rlfleet_rollout.runs_core import RunsCore
 
+SCORE_TIMEOUT_S = 120.0
+"""The orchestrator's bound on one /score call (its default)."""
+
 
 @pytest.fixture(scope="module")
 def reward_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
@@ -53,7 +56,9 @@ def submit(redis_prefix: str, hub_url: str, spec: dict[str, Any], validate_timeo
         store = RunStore(client, redis_prefix)
         try:
             async with httpx.AsyncClient() as http:
-                hub = RewardClient(http, hub_url, score_timeout_s=10, validate_timeout_s=validate_timeout_s)
+                hub = RewardClient(
+                    http, hub_url, score_timeout_s=SCORE_TIMEOUT_S, validate_timeout_s=validate_timeout_s
+                )
                 core = RunsCore(
                     store,
                     hub,
@@ -112,6 +117,11 @@ def with_reward(tokenizer_dir: Path, **reward: Any) -> dict[str, Any]:
         ),
         ({"terms": [{"function": "arith_exact"}], "timeout_seconds": -1}, "reward.timeout_seconds: must be > 0"),
         ({"terms": [{"function": "math"}, {"function": "math"}]}, "reward.terms[1].function: 'math' is already"),
+        # The hub takes it (<= 300 s), but one item running to its limit would outlast the orchestrator's /score.
+        (
+            {"terms": [{"function": "arith_exact"}], "timeout_seconds": 120},
+            "reward.timeout_seconds: 120 s is not below this orchestrator's limit on one /score call (120 s",
+        ),
     ],
 )
 def test_a_reward_the_hub_would_refuse_is_refused_at_submit_naming_the_field(
@@ -125,10 +135,10 @@ def test_a_reward_the_hub_would_refuse_is_refused_at_submit_naming_the_field(
 @pytest.mark.e2e
 def test_a_reward_the_hub_takes_is_stored_as_given(reward_hub: str, redis_prefix: str, tokenizer_dir: Path) -> None:
     terms = [{"function": "exact", "params": {"strip": False}, "weight": 0.5}, {"function": "arith_exact"}]
-    run, stored = submit(redis_prefix, reward_hub, with_reward(tokenizer_dir, terms=terms, timeout_seconds=300))
+    run, stored = submit(redis_prefix, reward_hub, with_reward(tokenizer_dir, terms=terms, timeout_seconds=100))
     assert (run.state, stored) == (RunState.RUN_STATE_QUEUED, 1)
     assert json_format.MessageToDict(run.spec.reward.terms[0].params) == {"strip": False}
-    assert run.spec.reward.timeout_seconds == 300
+    assert run.spec.reward.timeout_seconds == 100
 
 
 @pytest.mark.e2e
