@@ -39,7 +39,8 @@ class OpenAISampling(BaseModel):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0)
+    """Seeds the request's own sampling (SGLang's `sampling_seed`): the same seed draws the same tokens."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     rid: str | list[str] | None = None
@@ -64,6 +65,8 @@ class OpenAISampling(BaseModel):
         }
         if self.max_tokens is not None:
             params["max_new_tokens"] = self.max_tokens
+        if self.seed is not None:
+            params["sampling_seed"] = self.seed
         return params
 
     @property

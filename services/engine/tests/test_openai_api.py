@@ -6,6 +6,7 @@ import json
 from collections.abc import Iterator
 
 import pytest
+from engine_test_support import RunningEngine
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
@@ -83,3 +84,27 @@ def test_every_prompt_form_reaches_the_engine_as_token_ids(
 def test_an_empty_prompt_list_is_refused(client: TestClient) -> None:
     answer = client.post("/v1/completions", json={"prompt": [], "max_tokens": 1})
     assert answer.status_code == 400 and "prompt: must not be empty" in answer.text
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/v1/completions", {"prompt": "2+2="}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "2+2="}]}),
+    ],
+)
+def test_a_seed_draws_the_same_answer_again(engine: RunningEngine, route: str, body: dict[str, object]) -> None:
+    def answer(seed: int) -> str:
+        sampled = engine.post(route, {**body, "max_tokens": 12, "temperature": 1.0, "seed": seed})
+        assert sampled.status_code == 200, sampled.text
+        choice = sampled.json()["choices"][0]
+        return str(choice["text"] if "text" in choice else choice["message"]["content"])
+
+    first = answer(7)
+    assert answer(7) == first
+    assert {answer(seed) for seed in range(8, 12)} != {first}  # other seeds draw otherwise
+
+
+def test_a_negative_seed_is_refused(client: TestClient) -> None:
+    answer = client.post("/v1/completions", json={"prompt": "x", "seed": -1})
+    assert answer.status_code == 400 and "seed" in answer.json()["message"]
