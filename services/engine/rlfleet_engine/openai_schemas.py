@@ -3,14 +3,16 @@
 Unknown fields are ignored (clients send many); the SGLang extensions that matter for RL rollouts are
 read: `rid`, `return_token_ids` (prompt and completion token ids in every choice), `top_k`, `min_p`,
 `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim`. Penalties and the other
-sampling knobs go on to `SamplingParams`, which refuses any value it cannot honour.
+sampling knobs go on to `SamplingParams`, which refuses any value it cannot honour. So are the fields that
+constrain the answer and this engine cannot honour (`logit_bias`, a `response_format` other than text,
+`tools`): refused, naming the field, rather than answered without the constraint.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class StreamOptions(BaseModel):
@@ -45,6 +47,25 @@ class OpenAISampling(BaseModel):
     stream_options: StreamOptions | None = None
     rid: str | list[str] | None = None
     return_token_ids: bool = False
+    # Read only to be refused: each changes what may be sampled, and ignoring it would hand back an answer
+    # that silently breaks the constraint (SGLang honours both).
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias:
+            raise ValueError("logit_bias is not supported by rlfleet-engine")
+        return bias
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+        kind = (response_format or {}).get("type", "text")
+        if kind != "text":
+            raise ValueError(f"response_format of type {kind!r} is not supported by rlfleet-engine (only 'text')")
+        return response_format
 
     def sampling_params(self) -> dict[str, Any]:
         """The /generate `sampling_params` these fields ask for (max_new_tokens only when given)."""
@@ -115,6 +136,15 @@ class ChatCompletionRequest(OpenAISampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: int | None = Field(default=None, gt=0)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _no_tools(self) -> ChatCompletionRequest:
+        # The model would never see them (the prompt is rendered without them) and no tool call is parsed.
+        if self.tools and self.tool_choice != "none":
+            raise ValueError("tools are not supported by rlfleet-engine: leave them out, or set tool_choice 'none'")
+        return self
 
     def sampling_params(self) -> dict[str, Any]:
         params = super().sampling_params()

@@ -108,3 +108,29 @@ def test_a_seed_draws_the_same_answer_again(engine: RunningEngine, route: str, b
 def test_a_negative_seed_is_refused(client: TestClient) -> None:
     answer = client.post("/v1/completions", json={"prompt": "x", "seed": -1})
     assert answer.status_code == 400 and "seed" in answer.json()["message"]
+
+
+@pytest.mark.parametrize(
+    ("route", "extra", "field"),
+    [
+        ("/v1/completions", {"logit_bias": {"5": 100}}, "logit_bias"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ],
+)
+def test_a_constraint_the_engine_cannot_honour_is_refused_not_ignored(
+    client: TestClient, route: str, extra: dict[str, object], field: str
+) -> None:
+    body = {"prompt": "x"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    answer = client.post(route, json={**body, "max_tokens": 2, **extra})
+    assert answer.status_code == 400, answer.text
+    assert field in answer.json()["message"] and "not supported" in answer.json()["message"]
+
+
+def test_neutral_values_of_those_fields_pass(client: TestClient) -> None:
+    messages = [{"role": "user", "content": "x"}]
+    neutral = {"logit_bias": {}, "response_format": {"type": "text"}, "tools": [{"type": "function"}]}
+    answer = client.post(
+        "/v1/chat/completions", json={"messages": messages, "max_tokens": 2, **neutral, "tool_choice": "none"}
+    )
+    assert answer.status_code == 200, answer.text
