@@ -24,7 +24,7 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -m 'not faults'
 
-# Every fault-injection case (tests/faults, about 10 minutes); `make test` runs only the fast ones.
+# Every fault-injection case (tests/faults, about 3 minutes on 2 cores); `make test` runs only the fast ones.
 test-faults: $(STAMP)
 	$(PY) -m pytest tests/faults
 
