@@ -5,12 +5,14 @@ Delivery is at least once and nothing is lost: an entry stays pending in the con
 the trainer acknowledges it, and entries left pending by a dead consumer are claimed again
 (`claim_stale`). Writing is idempotent per `group_id`: a group the stream has already seen is not
 appended twice, so a producer that retries or restarts cannot duplicate a group. An entry that
-cannot be decoded is moved to the run's dead-letter stream with the reason, never silently dropped.
+cannot be decoded, or whose group cannot be trained on (`check_trainable`), is moved to the run's
+dead-letter stream with the reason, never silently dropped and never handed to the trainer.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -107,13 +109,17 @@ def connect_redis_async(url: str, timeout_s: float = 10.0) -> aioredis.Redis:
 
 
 def validate_group(group: SampleGroup) -> None:
-    """Raises InvalidInput naming the first field that would make the group untrainable."""
+    """Raises InvalidInput naming the first field that would make the group untrainable: one that would fail
+    every step holding it (lengths that disagree, a response with no prompt token to score it from) or
+    silently turn the policy's weights into NaN (a number that is not finite)."""
     if not group.group_id:
         raise InvalidInput("SampleGroup.group_id must be set")
     if not group.run_id:
         raise InvalidInput(f"SampleGroup {group.group_id}: run_id must be set")
     if not group.samples:
         raise InvalidInput(f"SampleGroup {group.group_id}: samples must not be empty")
+    if not (math.isfinite(group.weight) and group.weight >= 0):
+        raise InvalidInput(f"SampleGroup {group.group_id}: weight must be a finite number >= 0, got {group.weight}")
     for i, sample in enumerate(group.samples):
         n = len(sample.response_token_ids)
         for name in ("rollout_logprobs", "loss_mask"):
@@ -123,6 +129,26 @@ def validate_group(group: SampleGroup) -> None:
                     f"SampleGroup {group.group_id}: samples[{i}].{name} has {got} entries "
                     f"but response_token_ids has {n}"
                 )
+        if n and not sample.prompt_token_ids:
+            raise InvalidInput(
+                f"SampleGroup {group.group_id}: samples[{i}] has response tokens but no prompt token "
+                "(the first response token is scored from the token before it)"
+            )
+        if not math.isfinite(sample.reward):
+            raise InvalidInput(f"SampleGroup {group.group_id}: samples[{i}].reward is {sample.reward}")
+        bad = next((j for j, logprob in enumerate(sample.rollout_logprobs) if not math.isfinite(logprob)), None)
+        if bad is not None:
+            raise InvalidInput(
+                f"SampleGroup {group.group_id}: samples[{i}].rollout_logprobs[{bad}] is {sample.rollout_logprobs[bad]}"
+            )
+
+
+def check_trainable(group: SampleGroup, run_id: str) -> None:
+    """Raises InvalidInput naming what makes a group read from the stream of run `run_id` untrainable: what
+    `validate_group` refuses (`append` applies it, a writer that bypasses it does not), or another run's group."""
+    validate_group(group)
+    if group.run_id != run_id:
+        raise InvalidInput(f"SampleGroup {group.group_id} belongs to run {group.run_id}, not {run_id}")
 
 
 class SampleStream:
@@ -270,6 +296,11 @@ class SampleStream:
                 group = SampleGroup.FromString(fields[_GROUP_FIELD])
             except (KeyError, DecodeError) as exc:
                 self._move_to_dead_letters(entry_id, fields.get(_GROUP_FIELD, b""), f"undecodable: {exc!r}")
+                continue
+            try:
+                check_trainable(group, self.run_id)
+            except InvalidInput as exc:
+                self._move_to_dead_letters(entry_id, fields[_GROUP_FIELD], f"untrainable: {exc}")
                 continue
             entries.append(StreamEntry(entry_id, group))
         return entries

@@ -109,6 +109,10 @@ def test_undecodable_entry_goes_to_dead_letters(stream: SampleStream, redis_clie
         (lambda g: g.samples[0].rollout_logprobs.append(0.0), "rollout_logprobs"),
         (lambda g: g.samples[1].loss_mask.pop(), "loss_mask"),
         (lambda g: setattr(g, "run_id", "other"), "belongs to run other"),
+        (lambda g: g.samples[1].rollout_logprobs.__setitem__(0, float("-inf")), r"rollout_logprobs\[0\] is -inf"),
+        (lambda g: setattr(g.samples[0], "reward", float("nan")), "reward is nan"),
+        (lambda g: g.samples[0].ClearField("prompt_token_ids"), "no prompt token"),
+        (lambda g: setattr(g, "weight", -1.0), "weight must be a finite number >= 0"),
     ],
 )
 def test_malformed_groups_are_refused_and_nothing_is_written(stream: SampleStream, mutate, message: str) -> None:
@@ -117,3 +121,28 @@ def test_malformed_groups_are_refused_and_nothing_is_written(stream: SampleStrea
     with pytest.raises(InvalidInput, match=message):
         stream.append(group)
     assert stream.length() == 0
+
+
+@pytest.mark.parametrize(
+    ("mutate", "reason"),
+    [
+        (lambda g: g.samples[0].loss_mask.pop(), "samples[0].loss_mask has 1 entries"),
+        (lambda g: g.samples[1].rollout_logprobs.__setitem__(0, float("nan")), "samples[1].rollout_logprobs[0] is nan"),
+        (lambda g: setattr(g.samples[0], "reward", float("inf")), "samples[0].reward is inf"),
+        (lambda g: g.samples[1].ClearField("prompt_token_ids"), "samples[1] has response tokens but no prompt token"),
+        (lambda g: setattr(g, "weight", float("nan")), "weight must be a finite number"),
+        (lambda g: setattr(g, "run_id", "other"), "belongs to run other"),
+    ],
+)
+def test_a_group_written_past_the_producers_checks_goes_to_dead_letters(
+    stream: SampleStream, redis_client: redis.Redis, mutate, reason: str
+) -> None:
+    """Handed to the trainer, it would fail every step that holds it, or make the policy's weights NaN."""
+    bad = make_group("run1", 0)
+    mutate(bad)
+    redis_client.xadd(stream.key, {"group_id": bad.group_id, "group": bad.SerializeToString()})
+    stream.append(make_group("run1", 1))
+    assert [e.group.prompt_id for e in stream.read("c", count=10)] == ["1"]
+    [(_, why)] = stream.dead_letters()
+    assert why.startswith("untrainable: ") and reason in why, why
+    assert stream.pending_count() == 1

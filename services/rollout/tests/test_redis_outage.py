@@ -81,7 +81,7 @@ def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
 
 
 def _group(run_id: str, group_id: str) -> SampleGroup:
-    sample = Sample(response_token_ids=[1], rollout_logprobs=[0.0], loss_mask=[1])
+    sample = Sample(prompt_token_ids=[1], response_token_ids=[1], rollout_logprobs=[0.0], loss_mask=[1])
     return SampleGroup(run_id=run_id, group_id=group_id, samples=[sample])
 
 
