@@ -92,7 +92,7 @@ def reinforce_pp(
 def gae(
     token_rewards: torch.Tensor,  # (S, T)
     values: torch.Tensor,  # (S, T) critic's V(s_t) at the position predicting token t
-    present: torch.Tensor,  # (S, T)
+    mask: torch.Tensor,  # (S, T) tokens the policy sampled and is trained on
     gamma: float,
     lam: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,15 +102,19 @@ def gae(
         A_t     = delta_t + gamma * lam * A_{t+1}
         R_t     = A_t + V_t            (the value target)
 
-    Returns (advantages, returns), both (S, T) and 0 off the response.
+    where t + 1 is the next token in the mask: tokens off it (a tool's reply between turns) are no
+    action of the policy, and the critic is never trained on their positions, so they are stepped over
+    (as verl does), not bootstrapped from. Returns (advantages, returns), both (S, T) and 0 off the mask.
     """
-    values = values * present
+    values = values * mask
     advantages = torch.zeros_like(values)
-    next_value = torch.zeros_like(values[:, 0])  # (S,)
+    next_value = torch.zeros_like(values[:, 0])  # (S,) V of the next token in the mask
     next_adv = torch.zeros_like(values[:, 0])
     for t in range(values.shape[1] - 1, -1, -1):
+        keep = mask[:, t]
         delta = token_rewards[:, t] + gamma * next_value - values[:, t]
-        next_adv = (delta + gamma * lam * next_adv) * present[:, t]
-        next_value = values[:, t]
-        advantages[:, t] = next_adv
-    return advantages, (advantages + values) * present
+        adv = delta + gamma * lam * next_adv
+        next_value = torch.where(keep > 0, values[:, t], next_value)
+        next_adv = torch.where(keep > 0, adv, next_adv)
+        advantages[:, t] = adv * keep
+    return advantages, (advantages + values) * mask

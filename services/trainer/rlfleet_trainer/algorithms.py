@@ -35,7 +35,7 @@ class AdvantageInputs:
     groups: torch.Tensor  # (S,) index of each sequence's group (prompt)
     mask: torch.Tensor  # (S, T) trained response tokens
     present: torch.Tensor  # (S, T) response tokens
-    kl: torch.Tensor  # (S, T) per-token KL(rollout || reference) when the KL goes into the reward, else 0
+    kl: torch.Tensor  # (S, T) KL(rollout || reference) of each trained token when the KL goes into the reward, else 0
     kl_coef: float
     values: torch.Tensor | None = None  # (S, T) critic values, for GAE
     gamma: float = 1.0
@@ -87,7 +87,7 @@ def gae_advantages(x: AdvantageInputs) -> Advantages:
     the critic's values; advantages whitened over the batch, returns kept raw as value targets."""
     assert x.values is not None, "GAE needs the critic's values"
     token_rewards = outcome_token_rewards(x.rewards, x.present) - x.kl_coef * x.kl * x.present  # (S, T)
-    adv, returns = gae(token_rewards, x.values, x.present, x.gamma, x.gae_lambda)
+    adv, returns = gae(token_rewards, x.values, x.mask, x.gamma, x.gae_lambda)
     return Advantages(whiten(adv, x.mask), returns)
 
 

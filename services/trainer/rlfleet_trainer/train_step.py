@@ -150,7 +150,9 @@ def train_step(
                     assert ref_model is not None, "a KL in the reward needs a reference model"
                     reference = token_logprobs(ref_model, batch, config.temperature).logp
                     if rows is not None:
-                        kl[ids, :width] = kl_penalty(batch.old_logp, reference, config.kl_estimator) * batch.present
+                        # Only tokens the policy sampled: others (a tool's reply) carry a placeholder rollout
+                        # log-prob, whose "KL" would penalise the response for text it did not write.
+                        kl[ids, :width] = kl_penalty(batch.old_logp, reference, config.kl_estimator) * batch.mask
                 if values is not None and config.critic is not None:
                     hidden = token_logprobs(model, batch, config.temperature, with_hidden=True).hidden
                     assert hidden is not None

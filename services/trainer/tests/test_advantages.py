@@ -85,3 +85,15 @@ def test_clipped_value_loss_by_hand() -> None:
     assert clipped_value_loss(torch.tensor([0.5]), torch.tensor([1.0]), torch.tensor([1.2]), 0.2).item() == (
         pytest.approx(0.245)
     )
+
+
+def test_gae_steps_over_tokens_the_policy_did_not_sample() -> None:
+    """A tool's reply inside a response (loss mask 0) is no action of the policy, and the critic is never
+    trained on its positions: the model tokens around it are one another's neighbours, as in verl."""
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.5, 9.0, -4.0, 0.8]])  # whatever the untrained values at the tool's tokens are
+    mask = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
+    adv, returns = gae(rewards, values, mask, gamma=1.0, lam=0.5)
+    # The same as the response without the tool's reply, [0.0, 1.0] with values [0.5, 0.8] above.
+    assert adv[0].tolist() == pytest.approx([0.4, 0.0, 0.0, 0.2])
+    assert returns[0].tolist() == pytest.approx([0.9, 0.0, 0.0, 1.0])

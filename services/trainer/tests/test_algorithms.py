@@ -131,3 +131,33 @@ def test_the_critic_is_kept_across_steps(small_model_dir: Path) -> None:
     first = train_step(model, optimizer, scheduler, groups, config)
     second = train_step(model, optimizer, scheduler, groups, config)
     assert second["value_loss"] < first["value_loss"]  # the head learned the returns of the same batch
+
+
+def with_tool_output(model_dir: Path, placeholder_logprob: float) -> list[SampleGroup]:
+    """Multi-turn-like groups: two tokens of a tool's reply inside each response, with loss mask 0 and
+    the rollout log-prob the router writes for tokens no engine sampled (a placeholder)."""
+    groups = groups_from(load_policy(model_dir))
+    for group in groups:
+        for sample in group.samples:
+            sample.response_token_ids[1:1] = [30, 31]
+            sample.rollout_logprobs[1:1] = [placeholder_logprob] * 2
+            sample.loss_mask[1:1] = [0, 0]
+    return groups
+
+
+@pytest.mark.parametrize("name", ["rloo", "reinforce_pp", "ppo"])
+def test_the_kl_in_the_reward_counts_only_the_tokens_the_policy_sampled(small_model_dir: Path, name: str) -> None:
+    """A tool's output was not sampled from the policy, and its rollout log-prob says nothing about it:
+    whatever that placeholder is, it must not become a KL penalty on the response."""
+    resolved = spec({"name": name, "kl_coef": 0.5})
+    assert resolved.algorithm.kl_mode == "reward"
+    advantages = []
+    for placeholder in (0.0, -7.0):
+        torch.manual_seed(0)
+        model = load_policy(small_model_dir)
+        optimizer, scheduler = optimizer_from_spec(model, resolved)
+        config = step_config_from_spec(resolved, model, pad_id=0)
+        ref = load_policy(small_model_dir).requires_grad_(False)
+        groups = with_tool_output(small_model_dir, placeholder)
+        advantages.append(train_step(model, optimizer, scheduler, groups, config, ref)["advantage_abs_mean"])
+    assert advantages[0] == pytest.approx(advantages[1], rel=1e-6)
