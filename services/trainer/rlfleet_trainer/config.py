@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -44,3 +44,10 @@ class TrainerSettings(BaseSettings):
     )
     consumer: str = Field("trainer-0", description="consumer name in the stream's consumer group")
     api_token_file: str | None = Field(None, description="file holding the API token the router's admin calls need")
+
+    @field_validator("work_dir")
+    @classmethod
+    def _absolute_work_dir(cls, path: Path) -> Path:
+        # Paths under it go to the router (which engines load) and into the run's record in Redis (which
+        # a restarted trainer resumes from): neither need share this process's working directory.
+        return path.expanduser().absolute()

@@ -15,6 +15,7 @@ run that has stopped answers with its final status every time.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -43,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 # How long StopRun waits for the step in progress when its caller set no deadline.
 STOP_WAIT_S = 300.0
+# A run id names the run's directory under the work dir, so it must be one plain name: no separator
+# or leading dot could then write outside it or into another run's.
+RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 
 
 @dataclass
@@ -80,8 +84,12 @@ class TrainerCore:
     # -- RPCs -------------------------------------------------------------------------------------
 
     def start_run(self, run_id: str, spec: RunSpec) -> TrainerStatus:
-        if not run_id:
-            raise InvalidInput("run_id must be set")
+        if not RUN_ID.fullmatch(run_id):
+            raise InvalidInput(
+                f"run_id {run_id!r} must be 1 to 128 letters, digits, '.', '_' or '-', not starting with '.'"
+                if run_id
+                else "run_id must be set"
+            )
         spec = resolve(spec)
         validate(spec)
         with self._lock:
@@ -144,6 +152,9 @@ class TrainerCore:
         return TrainerStatus(state=TrainerState.TRAINER_STATE_IDLE)
 
     def status(self, run_id: str) -> TrainerStatus:
+        """The run's status; Checkpoint and WatchSteps look their run up here too."""
+        if not run_id:
+            raise InvalidInput("run_id must be set")
         with self._lock:
             if run_id in self._runs:
                 return self._runs[run_id].status()

@@ -17,7 +17,14 @@ import redis
 
 from rlfleet.sample_stream import SampleStream
 from rlfleet.v1 import trainer_pb2_grpc
-from rlfleet.v1.trainer_pb2 import StatusRequest, StopRunRequest, TrainerState, TrainerStatus
+from rlfleet.v1.trainer_pb2 import (
+    CheckpointRequest,
+    StatusRequest,
+    StopRunRequest,
+    TrainerState,
+    TrainerStatus,
+    WatchStepsRequest,
+)
 from rlfleet_trainer.policy import load_policy
 from rlfleet_trainer.trainer_core import TrainerCore
 
@@ -101,3 +108,21 @@ def test_a_stop_during_start_run_ends_the_run_once_it_is_loaded(
     wait_for(lambda: core.status("late").state == STOPPED, timeout=5)
     fake_router.delay_s = 0.0
     assert core.start_run("after", spec_for(small_model_dir, steps=1, groups_per_step=1)).state == TRAINING
+
+
+def test_checkpoint_and_watch_steps_without_a_run_id_name_the_missing_field(core: TrainerCore) -> None:
+    port, done = serve_grpc(core)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = trainer_pb2_grpc.TrainerStub(channel)
+            calls = {
+                "Checkpoint": lambda: stub.Checkpoint(CheckpointRequest(), timeout=10),
+                "WatchSteps": lambda: next(stub.WatchSteps(WatchStepsRequest(), timeout=10)),
+            }
+            for name, call in calls.items():
+                with pytest.raises(grpc.RpcError) as refused:
+                    call()
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+                assert refused.value.details() == "run_id must be set", name
+    finally:
+        done.set()

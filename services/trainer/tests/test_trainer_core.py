@@ -173,3 +173,56 @@ def test_grpc_resume_checkpoint_and_stop_with_checkpoint(
             assert sorted(p.name for p in Path(taken.path).parent.iterdir()) == ["step_2", "step_3"]  # keep 2
     finally:
         done.set()
+
+
+def test_an_untrainable_group_on_the_stream_is_set_aside_and_the_run_goes_on(
+    core, small_model_dir, redis_client, redis_prefix
+) -> None:
+    """A group another writer put on the stream without the producer's checks (per-token lists of the
+    wrong length, a NaN log-prob) would fail every step that holds it, after every resume too."""
+    core.start_run("m", spec_for(small_model_dir, steps=1, groups_per_step=2))
+    stream = SampleStream(redis_client, "m", prefix=redis_prefix)
+    model = load_policy(small_model_dir)
+    short_mask, nan_logprob = rollout_group(model, "m", 0, 0), rollout_group(model, "m", 0, 1)
+    short_mask.samples[0].loss_mask.pop()
+    nan_logprob.samples[1].rollout_logprobs[0] = float("nan")
+    for bad in (short_mask, nan_logprob):
+        redis_client.xadd(stream.key, {"group_id": bad.group_id, "group": bad.SerializeToString()})
+    for i in (2, 3):
+        stream.append(rollout_group(model, "m", 0, i))
+    wait_for(lambda: core.status("m").state != TrainerState.TRAINER_STATE_TRAINING)
+    final = core.status("m")
+    assert (final.state, final.step, final.groups_trained) == (TrainerState.TRAINER_STATE_STOPPED, 1, 2), final.error
+    reasons = [reason for _, reason in stream.dead_letters()]
+    assert len(reasons) == 2 and "loss_mask" in reasons[0] and "rollout_logprobs" in reasons[1], reasons
+    assert stream.pending_count() == 0
+    assert all(torch.isfinite(t).all() for t in load_policy(final.weights_path).state_dict().values())
+
+
+@pytest.mark.parametrize("run_id", ["../escape", "a/b", "..", ".hidden", "run 1"])
+def test_a_run_id_that_is_not_one_plain_name_is_refused(core, small_model_dir, tmp_path, run_id) -> None:
+    """The run id names the run's directory under the work dir: "../escape" would write outside it, "a/../b"
+    into another run's."""
+    with pytest.raises(InvalidInput, match="run_id"):
+        core.start_run(run_id, spec_for(small_model_dir, steps=1, groups_per_step=1))
+    assert core.held().state == TrainerState.TRAINER_STATE_IDLE
+    assert not (tmp_path / "escape").exists()
+
+
+def test_a_relative_work_dir_gives_the_router_and_the_record_absolute_paths(
+    tmp_path, monkeypatch, small_model_dir, redis_client, redis_prefix, fake_router
+) -> None:
+    """The engines and a restarted trainer need not share this process's working directory."""
+    monkeypatch.chdir(tmp_path)
+    settings = TrainerSettings(redis_prefix=redis_prefix, work_dir=Path("trainer"), read_block_ms=100)
+    core = TrainerCore(settings, redis_client, RouterClient(fake_router.url, 30.0), TrainerMetrics())
+    try:
+        core.start_run("rel", spec_for(small_model_dir, steps=1, groups_per_step=1))
+        stream = SampleStream(redis_client, "rel", prefix=redis_prefix)
+        stream.append(rollout_group(load_policy(small_model_dir), "rel", 0, 0))
+        wait_for(lambda: core.status("rel").state == TrainerState.TRAINER_STATE_STOPPED)
+    finally:
+        core.shutdown()
+    assert fake_router.loads[-1]["model_path"] == str(tmp_path / "trainer" / "runs" / "rel" / "weights" / "v1")
+    record = core.store.load("rel")
+    assert record is not None and record.checkpoint_path == str(tmp_path / "trainer/runs/rel/checkpoints/step_1")
