@@ -16,24 +16,37 @@ from rlfleet_reward.reward_function import RewardFunction, RewardInput, Scored
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
 _DROPPED = re.compile(r"\\[!,;: ]|\\left|\\right|\^\{?\\circ\}?|\s+|\$")
+_BRACE = re.compile(r"[{}]")
+_TOKEN = re.compile(r"[^\s$]+")  # `\boxed 7`: up to a space or the closing `$`
 _TEXT = re.compile(r"\\(?:text|textbf|mathrm)\{([^{}]*)\}")
 
 
 def last_boxed(text: str) -> str | None:
     """The content of the last `\\boxed{...}` (or `\\boxed x`), braces matched; None without one."""
+    closing = _closing_braces(text)
     for match in reversed(list(_BOXED.finditer(text))):
-        rest = text[match.end() :]
-        if not rest.startswith("{"):
-            token = rest.split("$", 1)[0].split()
+        start = match.end()
+        if not text.startswith("{", start):
+            token = _TOKEN.match(text, start)
             if token:
-                return token[0]
+                return token.group()
             continue
-        depth = 0
-        for i, char in enumerate(rest):
-            depth += {"{": 1, "}": -1}.get(char, 0)
-            if depth == 0:
-                return rest[1:i]
+        if start in closing:
+            return text[start + 1 : closing[start]]
     return None
+
+
+def _closing_braces(text: str) -> dict[int, int]:
+    """Position of each `{` -> position of the `}` that closes it, in one pass: a response that repeats
+    `\\boxed{` thousands of times without closing it must not cost a scan per box."""
+    closing: dict[int, int] = {}
+    opened: list[int] = []
+    for brace in _BRACE.finditer(text):
+        if brace.group() == "{":
+            opened.append(brace.start())
+        elif opened:
+            closing[opened.pop()] = brace.start()
+    return closing
 
 
 def normalize(answer: str) -> str:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,6 +36,15 @@ def scored(value: float | Scored) -> tuple[float, dict[str, float]]:
 )
 def test_last_boxed_matches_braces(text: str, expected: str | None) -> None:
     assert last_boxed(text) == expected
+
+
+def test_last_boxed_is_linear_in_a_degenerate_response() -> None:
+    # A policy that repeats itself writes thousands of unclosed boxes; each one used to rescan the rest.
+    text = "\\boxed{" * 3_000 + "\\boxed{7}"
+    started = time.monotonic()
+    assert last_boxed(text) == "7"
+    assert last_boxed(text[: -len("\\boxed{7}")]) is None
+    assert time.monotonic() - started < 1.0
 
 
 @pytest.mark.parametrize(
