@@ -3,7 +3,8 @@
 Always: a new session (its own process group) that the program cannot leave, killed as a whole on a
 wall-clock timeout and after the program ends; CPU, memory (address space), file-size, process
 and open-file limits; a scrubbed environment (PATH, LANG, HOME and TMPDIR only) and `python -I`;
-a fresh working directory, deleted afterwards; seccomp refusing every socket but AF_UNIX.
+a fresh working directory, deleted afterwards (or, when the hub killed the worker mid-run, by the next
+run of another worker); seccomp refusing every socket but AF_UNIX.
 When the hub runs as root, the program runs as `nobody` instead: root ignores RLIMIT_NPROC, and an
 unprivileged user cannot read root's files or processes.
 Where the platform allows (probed once per process, see `probe_isolation`):
@@ -47,6 +48,9 @@ _PROBE_SECONDS = 10.0
 _GROUP_KILL_SECONDS = 5.0
 _PR_SET_PDEATHSIG = 1
 _MAX_OUTPUT_CHARS = 1 << 20
+# A run's directory and streams are named `rlfleet-sandbox-<worker pid>-...`, so a run can tell a dead
+# worker's leftovers from a live one's.
+_PREFIX = "rlfleet-sandbox-"
 
 
 @dataclass(frozen=True)
@@ -175,7 +179,8 @@ def run_python(
     source: str, stdin: str, limits: SandboxLimits, isolation: Isolation, files: Mapping[str, str] | None = None
 ) -> RunResult:
     """Runs `source` as `main.py` in a fresh directory under `limits`; the directory is deleted afterwards."""
-    with tempfile.TemporaryDirectory(prefix="rlfleet-sandbox-") as workdir:
+    _remove_leftovers()
+    with tempfile.TemporaryDirectory(prefix=f"{_PREFIX}{os.getpid()}-") as workdir:
         work = Path(workdir)
         for name, text in {"main.py": source, **(files or {})}.items():
             (work / name).write_text(text)
@@ -201,6 +206,29 @@ def run_python(
             argv = [shutil.which("unshare") or "unshare", *_NAMESPACE_FLAGS, *argv]
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
         return _run(argv, work, env, stdin, limits.wall_seconds, _popen_ids(isolation.run_as))
+
+
+def _remove_leftovers() -> None:
+    """Deletes the directories and streams of runs whose worker is gone: the hub SIGKILLs a worker whose item
+    overran, and its `TemporaryDirectory` never cleans up, so without this every such kill would leave up to
+    `file_size_mb` per file the program wrote in the temporary directory, for good."""
+    for entry in os.scandir(tempfile.gettempdir()):
+        owner = entry.name.removeprefix(_PREFIX).split("-", 1)[0]
+        if entry.name.startswith(_PREFIX) and owner.isdigit() and not _alive(int(owner)):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                Path(entry.path).unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def _run(

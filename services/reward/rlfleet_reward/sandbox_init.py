@@ -10,7 +10,10 @@ before, and outside, any site-packages). In order, it
 4. installs a seccomp filter (x86_64, aarch64): `socket()` for anything but AF_UNIX, `io_uring`
    (which can open sockets too) and leaving the process group (`setsid`, `setpgid`) fail with
    EPERM, so the parent's group kill reaches every descendant; syscalls of another ABI kill the process,
-5. forks PROGRAM and waits for it, reaping orphans meanwhile (it is PID 1 of a fresh PID namespace
+5. turns its parent's death into the death of its whole process group: the hub SIGKILLs a worker whose
+   item overran, mid-run, and where no PID namespace ends the program with this process, nothing else
+   would (the program and its children would live on under init),
+6. forks PROGRAM and waits for it, reaping orphans meanwhile (it is PID 1 of a fresh PID namespace
    when the platform gives one), then exits with the program's code, or 128 + N when signal N
    ended it.
 Any step the kernel refuses is fatal (exit 125): a sandbox that is weaker than asked never runs code.
@@ -23,11 +26,13 @@ import json
 import os
 import platform
 import resource
+import signal
 import struct
 import sys
 
 SETUP_FAILED = 125
 
+_PR_SET_PDEATHSIG = 1
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_SECCOMP = 22
 _SECCOMP_MODE_FILTER = 2
@@ -172,10 +177,24 @@ def lock_down(config: dict) -> None:
         apply_seccomp(libc, program)
 
 
+def _kill_group(signum: int, frame: object) -> None:
+    os.killpg(0, signal.SIGKILL)
+    os._exit(128 + signal.SIGKILL)  # the first process of a PID namespace does not get its own SIGKILL
+
+
+def die_with_group_on_parent_death(libc: ctypes.CDLL) -> None:
+    """The parent's death signal, SIGKILL until now (set before exec), becomes a SIGTERM that kills the group.
+
+    The switch is one prctl, so a parent that dies at any moment still ends this process."""
+    signal.signal(signal.SIGTERM, _kill_group)
+    _check(libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0), "parent death signal")
+
+
 def main(argv: list[str]) -> None:
     config = json.loads(argv[1])
     try:
         lock_down(config)
+        die_with_group_on_parent_death(ctypes.CDLL(None, use_errno=True))
     except OSError as exc:
         sys.stderr.write(f"sandbox setup failed: {exc}\n")
         os._exit(SETUP_FAILED)

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+import os
 import socket
+import tempfile
+import time
+import uuid
+from pathlib import Path
 
 import pytest
 
@@ -64,3 +70,48 @@ def test_the_wall_clock_limit_kills_the_whole_group(isolation: Isolation) -> Non
     program = "import os, time\nif os.fork() == 0:\n    time.sleep(60)\ntime.sleep(60)\n"
     result = run_python(program, "", dataclasses.replace(LIMITS, wall_seconds=0.5), isolation)
     assert result.timed_out and result.seconds < 3
+
+
+def test_a_worker_killed_mid_run_leaves_no_process_and_its_directory_goes_next_run(isolation: Isolation) -> None:
+    """The hub SIGKILLs a worker whose item overran: nothing of that run may survive it."""
+    marker = f"rlfleet-orphan-{uuid.uuid4().hex}"
+    program = (
+        "import subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', '{marker}'])\n"
+        "time.sleep(60)\n"
+    )
+    runner = multiprocessing.get_context("fork").Process(
+        target=run_python, args=(program, "", dataclasses.replace(LIMITS, wall_seconds=60), isolation)
+    )
+    runner.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not _processes_naming(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _processes_naming(marker), "the program did not start"
+        left = {
+            path
+            for path in Path(tempfile.gettempdir()).iterdir()
+            if path.name.startswith(f"rlfleet-sandbox-{runner.pid}-")
+        }
+        assert left, "the run's directory is named for the worker"
+    finally:
+        runner.kill()
+        runner.join(5)
+    deadline = time.monotonic() + 5
+    while _processes_naming(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _processes_naming(marker)
+    run_python("pass", "", LIMITS, isolation)
+    assert not any(path.exists() for path in left)
+
+
+def _processes_naming(marker: str) -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        try:
+            if entry.name.isdigit() and marker.encode() in Path(entry.path, "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
