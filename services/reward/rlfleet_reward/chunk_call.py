@@ -22,13 +22,15 @@ class ChunkEnd(enum.Enum):
     DONE = "done"  # every item answered
     TIMEOUT = "timeout"  # the culprit ran past its limit; the worker must be killed
     DIED = "died"  # the pipe closed: the worker died while running the culprit
+    LOST = "lost"  # the worker was gone before the chunk reached it: no item ran
 
 
 @dataclass(frozen=True)
 class ChunkOutcome:
-    """`replies` answer the chunk's first items in order. After TIMEOUT or DIED, `culprit` is the item
-    to blame, which ran from `started`; the items between the replies and the culprit were scored but
-    their replies died with the worker, and they and the items after the culprit need scoring again."""
+    """`replies` answer the chunk's first items in order (none after LOST). After TIMEOUT or DIED,
+    `culprit` is the item to blame, which ran from `started`; the items between the replies and the
+    culprit were scored but their replies died with the worker, and they and the items after the
+    culprit need scoring again."""
 
     end: ChunkEnd
     replies: list[Reply]
@@ -60,8 +62,7 @@ class ChunkCall:
             # A large chunk drains as fast as it is written.
             self._conn.send(self._chunk)
         except OSError:
-            self._end(ChunkEnd.DIED)
-            return self._outcome(ChunkEnd.DIED)
+            return ChunkOutcome(ChunkEnd.LOST, [])
         fd = self._conn.fileno()
         self._loop.add_reader(fd, self._read)
         self._arm(self._sent + self._timeout)

@@ -65,7 +65,11 @@ class Scorer:
         except RlfleetError as exc:
             self.metrics.requests.labels(exc.kind).inc()
             raise
-        by_term = await asyncio.gather(*(self._score_term(request.items, term, timeout) for term in terms))
+        try:
+            by_term = await asyncio.gather(*(self._score_term(request.items, term, timeout) for term in terms))
+        except asyncio.CancelledError:
+            self.metrics.requests.labels("cancelled").inc()  # the client left (or the hub is stopping)
+            raise
         results = [
             self._combine(item, terms, [outcomes[i] for outcomes in by_term]) for i, item in enumerate(request.items)
         ]

@@ -108,7 +108,8 @@ class WorkerPool:
         return len(self._workers)
 
     def start(self) -> None:
-        """Starts the fork server (importing the functions' modules once) and every worker."""
+        """Starts the fork server (importing the functions' modules once) and every worker; call it on the
+        event loop that will use the pool, which watches the idle workers."""
         for _ in range(self.size):
             worker = self._start_worker()
             try:
@@ -116,7 +117,7 @@ class WorkerPool:
             except (EOFError, OSError):
                 ready = False
             self._check_ready(worker, ready)
-            self._idle.put_nowait(worker)
+            self._release(worker)
         logger.info("reward worker pool started: %d workers", self.size)
 
     async def run(
@@ -166,17 +167,27 @@ class WorkerPool:
 
     async def _acquire(self) -> _Worker:
         asked = time.monotonic()
-        worker = await self._idle.get()
-        if worker is None:
-            self._idle.put_nowait(None)  # wakes the next waiter too
-            raise Unavailable("the reward worker pool is shut down")
+        while True:
+            worker = await self._idle.get()
+            if worker is None:
+                self._idle.put_nowait(None)  # wakes the next waiter too
+                raise Unavailable("the reward worker pool is shut down")
+            if worker not in self._workers:
+                continue  # died while idle and already replaced
+            asyncio.get_running_loop().remove_reader(worker.conn.fileno())
+            if worker.conn.poll():
+                # An idle worker sends nothing: a readable pipe is its EOF, a death not noticed yet.
+                self._lost_while_idle(worker)
+                continue
+            break
         if self.on_wait is not None:
             self.on_wait(time.monotonic() - asked)
         return worker
 
     async def _run_chunk(self, worker: _Worker, chunk: Chunk, timeout: float) -> dict[int, JobResult]:
         """Results by position in the chunk: every item's, or, when an item timed out or killed its
-        worker, that item's and those of the items answered before it."""
+        worker, that item's and those of the items answered before it; none when the worker was gone
+        before the chunk reached it."""
         self._busy += 1
         outcome = None
         try:
@@ -187,7 +198,7 @@ class WorkerPool:
         finally:
             self._busy -= 1
             if outcome is not None and outcome.end is ChunkEnd.DONE:
-                self._idle.put_nowait(worker)
+                self._release(worker)
             else:
                 # Timed out, died, or the caller went away mid-chunk: the worker's state is unknown.
                 self._replace(worker)
@@ -203,6 +214,8 @@ class WorkerPool:
             error = f"the worker process running it died (exit code {worker.process.exitcode})"
             seconds = time.monotonic() - outcome.started
             results[outcome.culprit] = JobResult(JobStatus.ERROR, error=error, seconds=seconds)
+        elif outcome.end is ChunkEnd.LOST:
+            logger.warning("reward worker %d was gone before it got a chunk; replaced it", worker.process.pid)
         return results
 
     async def close(self) -> None:
@@ -212,7 +225,10 @@ class WorkerPool:
         self._closed = True
         idle = set()
         while not self._idle.empty():
-            idle.add(self._idle.get_nowait())
+            worker = self._idle.get_nowait()
+            if worker in self._workers:
+                asyncio.get_running_loop().remove_reader(worker.conn.fileno())
+                idle.add(worker)
         self._idle.put_nowait(None)
         for task in self._tasks:
             task.cancel()
@@ -251,6 +267,19 @@ class WorkerPool:
         worker.conn.close()
         raise RuntimeError(f"a reward worker failed to start (exit code {worker.process.exitcode}); see the log")
 
+    def _release(self, worker: _Worker) -> None:
+        """Makes `worker` idle, watching its pipe: a worker killed while idle (the OOM killer, an operator) is
+        replaced at once, so /health counts only live workers and no item is sent to a dead one."""
+        asyncio.get_running_loop().add_reader(worker.conn.fileno(), self._lost_while_idle, worker)
+        self._idle.put_nowait(worker)
+
+    def _lost_while_idle(self, worker: _Worker) -> None:
+        if worker not in self._workers:
+            return
+        asyncio.get_running_loop().remove_reader(worker.conn.fileno())
+        logger.warning("reward worker %d died while idle; replacing it", worker.process.pid)
+        self._replace(worker)
+
     def _replace(self, worker: _Worker) -> None:
         self._workers.discard(worker)
         if worker.process.exitcode is None:
@@ -277,7 +306,7 @@ class WorkerPool:
                 logger.exception("could not start a reward worker; retrying in %g s", _RESPAWN_BACKOFF_SECONDS)
                 await asyncio.sleep(_RESPAWN_BACKOFF_SECONDS)
                 continue
-            self._idle.put_nowait(fresh)
+            self._release(fresh)
             return
 
     async def _reap(self, worker: _Worker) -> None:

@@ -207,6 +207,22 @@ def test_metrics_are_exported_after_scoring(hub: Hub) -> None:
     assert "rlfleet_reward_pool_busy_workers" in samples
 
 
+def test_a_client_that_leaves_frees_the_workers_over_http_as_over_grpc(hub: Hub) -> None:
+    # Eight items of 1 s on two workers: 4 s of work nobody will read once the client gives up.
+    body = {"spec": {"terms": [{"function": "sleep", "params": {"seconds": 1.0}}]}, "items": [{}] * 8}
+    with pytest.raises(httpx.ReadTimeout):
+        hub.score(body, timeout=0.5)
+    deadline = time.monotonic() + 2.5
+    while httpx.get(f"{hub.url}/health", timeout=10).json()["busy_workers"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert httpx.get(f"{hub.url}/health", timeout=10).json()["busy_workers"] == 0
+    assert time.monotonic() < deadline
+    again = hub.score(arith_request([{"response": "1", "label": "1"}] * 4))
+    assert [r["score"] for r in again.json()["results"]] == [1.0] * 4
+    text = httpx.get(f"{hub.url}/metrics", timeout=10).text
+    assert 'rlfleet_reward_requests_total{outcome="cancelled"} 1.0' in text
+
+
 def test_sigterm_lets_requests_finish_then_stops_the_hub_and_its_workers(tmp_path: Path) -> None:
     hub = Hub(tmp_path, "reward-hub-shutdown")
     try:

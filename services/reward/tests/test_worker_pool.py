@@ -84,6 +84,27 @@ def test_a_worker_that_dies_is_an_error_and_is_replaced() -> None:
     with_pool(body, size=1)
 
 
+@pytest.mark.parametrize("noticed", [True, False], ids=["noticed", "not-yet-noticed"])
+def test_workers_killed_while_idle_cost_no_item_and_are_replaced(noticed: bool) -> None:
+    """The OOM killer or an operator may kill an idle worker: the items sent next must not pay for it."""
+
+    async def body(pool: WorkerPool) -> None:
+        killed = {w.process.pid for w in pool._workers}
+        for worker in list(pool._workers):
+            worker.process.kill()
+            worker.process.join(5)  # dead, while the event loop has not run since
+        if noticed:
+            deadline = time.monotonic() + 10
+            while (pool.live < 2 or killed & {w.process.pid for w in pool._workers}) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert pool.live == 2 and not killed & {w.process.pid for w in pool._workers}
+        results = await pool.run("sleep", {"seconds": 0.0}, labelled(*"abcd"), timeout=5)
+        assert [r.status for r in results] == [OK] * 4, [r.error for r in results]
+        assert pool.live == 2
+
+    with_pool(body)
+
+
 def test_at_most_size_jobs_run_at_once() -> None:
     async def body(pool: WorkerPool) -> float:
         started = time.monotonic()
