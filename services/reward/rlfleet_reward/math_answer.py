@@ -1,11 +1,17 @@
 """`math`: symbolic answer checking with the math-verify library (parse label and response, verify).
 
+The label is the reference answer itself. math-verify reads a text by searching it for its answer, which
+misreads a bare expression: `2\\pi` reads as 2, `[0, 1)` as 1, and `(x+1)^2` or `\\frac12` as nothing.
+So a label without `$`, `\\(`, `\\[` or `\\boxed` is read as `\\boxed{label}`, whole (as verl does); one that
+has them, or is a sentence, is read the way a response is.
+
 math-verify bounds its own parsing and comparison with `signal.alarm`, which works only in a
 process's main thread: the hub calls reward functions in the main thread of its worker processes.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,8 +29,19 @@ class MathParams(BaseModel):
     strict: bool = Field(default=True, description="Variables must match by name, sets never equal tuples.")
 
 
+_DELIMITED = re.compile(r"\$|\\\(|\\\[|\\boxed")
+# Two words in a row, neither a LaTeX command: a sentence ("The answer is 72", a worked GSM8K solution ending
+# in "#### 72"), whose answer is searched for, as in a response; boxed whole it would read as a product of
+# letters and match nothing.
+_SENTENCE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}\s+[A-Za-z]{2,}")
+
+
+def _gold_text(label: str) -> str:
+    return label if _DELIMITED.search(label) or _SENTENCE.search(label) else f"\\boxed{{{label}}}"
+
+
 def score_math(sample: RewardInput, params: Mapping[str, Any]) -> float:
-    gold = parse(sample.label)
+    gold = parse(_gold_text(sample.label))
     if not gold:
         raise ValueError(f"math-verify found no answer in the label {sample.label[:60]!r}")
     answer = parse(sample.response)

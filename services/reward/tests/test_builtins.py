@@ -50,6 +50,17 @@ def test_arith_exact_rejects_a_label_that_is_not_an_integer() -> None:
         ("so x = 2 + 2 = $4$", "4", 1.0),
         ("$\\boxed{3}$", "$4$", 0.0),
         ("no idea", "4", 0.0),
+        # A label is the answer itself, bare LaTeX included: read whole, not as a text to search.
+        ("$2$", "2\\pi", 0.0),
+        ("$2\\pi$", "2\\pi", 1.0),
+        ("$1$", "[0, 1)", 0.0),
+        ("\\boxed{[0, 1)}", "[0, 1)", 1.0),
+        ("$x^2 + 2x + 1$", "(x+1)^2", 1.0),
+        ("$\\frac{1}{2}$", "\\frac12", 1.0),
+        ("$\\frac{1}{2}$", "$\\boxed{\\frac{1}{2}}$", 1.0),
+        # ... but a sentence is searched for its answer, as before.
+        ("so it is $72$", "The answer is 72", 1.0),
+        ("so it is $72$", "She sold 48 clips in May. #### 72", 1.0),
     ],
 )
 def test_math(response: str, label: str, expected: float) -> None:
