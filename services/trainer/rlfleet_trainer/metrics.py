@@ -58,6 +58,11 @@ class TrainerMetrics:
         self.samples_consumed = Counter(
             "rlfleet_trainer_samples_consumed_total", "samples trained on", registry=self.registry
         )
+        self.skipped_updates = Counter(
+            "rlfleet_trainer_skipped_updates_total",
+            "optimizer updates skipped because the gradient norm was not finite (the weights were kept)",
+            registry=self.registry,
+        )
         self.stream_lag = Gauge(
             "rlfleet_trainer_stream_lag_groups",
             "groups on the stream not yet trained on (undelivered + pending)",
@@ -72,6 +77,8 @@ class TrainerMetrics:
         for name, gauge in self.gauges.items():
             if name in metrics:
                 gauge.set(metrics[name])
+        if metrics.get("update_skipped"):
+            self.skipped_updates.inc()
         if "step_seconds" in metrics:
             self.step_seconds.observe(metrics["step_seconds"])
         if "weight_sync_seconds" in metrics:

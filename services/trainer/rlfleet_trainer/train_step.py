@@ -17,6 +17,7 @@ values. One rank (or none) computes exactly what it always did.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import defaultdict
@@ -44,6 +45,8 @@ from rlfleet_trainer.data_parallel import (
 from rlfleet_trainer.kl import kl_penalty
 from rlfleet_trainer.policy import token_logprobs
 from rlfleet_trainer.policy_loss import PolicyLossConfig, policy_loss
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -222,13 +225,26 @@ def train_step(
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     if isinstance(grad_norm, DTensor):  # a sharded model's norm: each rank holds a part of the sum
         grad_norm = grad_norm.full_tensor()
-    optimizer.step()
-    scheduler.step()
+    # A gradient that is not finite (an overflow in the model's own numerics) would make every weight and the
+    # optimizer's moments NaN for good, and the NaN weights would reach the fleet: the update is skipped, as
+    # Megatron and verl do; the learning-rate schedule waits for the next update taken, as in Megatron. The norm
+    # is the whole model's on every rank, so all ranks skip together.
+    skipped = not math.isfinite(float(grad_norm))
+    if skipped:
+        logger.warning("gradient norm is %s: this step's optimizer update is skipped", float(grad_norm))
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        optimizer.step()
+        scheduler.step()
     if critic is not None:
         sum_gradients_over_ranks(critic.head, ranks)
-        torch.nn.utils.clip_grad_norm_(critic.head.parameters(), clip)
-        critic.optimizer.step()
+        critic_norm = torch.nn.utils.clip_grad_norm_(critic.head.parameters(), clip)
+        if skipped or not math.isfinite(float(critic_norm)):
+            critic.optimizer.zero_grad(set_to_none=True)
+        else:
+            critic.optimizer.step()
         metrics["value_loss"] = value_loss_total
+    metrics["update_skipped"] = float(skipped)
     elapsed = time.perf_counter() - started
     metrics.update({name: value / len(sequences) for name, value in zip(names, stat_totals, strict=True)})
     metrics.update(

@@ -14,6 +14,7 @@ from rlfleet import run_spec
 from rlfleet.v1.runs_pb2 import RunSpec
 from rlfleet.v1.samples_pb2 import Sample, SampleGroup, SampleStatus
 from rlfleet_trainer.algorithms import ALGORITHMS
+from rlfleet_trainer.metrics import TrainerMetrics
 from rlfleet_trainer.optim import optimizer_from_spec
 from rlfleet_trainer.policy import load_policy
 from rlfleet_trainer.train_step import StepConfig, step_config_from_spec, train_step
@@ -161,3 +162,35 @@ def test_the_kl_in_the_reward_counts_only_the_tokens_the_policy_sampled(small_mo
         groups = with_tool_output(small_model_dir, placeholder)
         advantages.append(train_step(model, optimizer, scheduler, groups, config, ref)["advantage_abs_mean"])
     assert advantages[0] == pytest.approx(advantages[1], rel=1e-6)
+
+
+def test_a_step_whose_gradient_is_not_finite_leaves_the_weights_and_the_optimizer_as_they_were(
+    small_model_dir: Path,
+) -> None:
+    """An overflow in the model's numerics (one NaN gradient) would make every weight and Adam's moments NaN
+    for good, and the NaN weights would reach the fleet: the update is skipped, the next one is taken."""
+    resolved = spec({"name": "grpo"})
+    model = load_policy(small_model_dir)
+    optimizer, scheduler = optimizer_from_spec(model, resolved)
+    config = step_config_from_spec(resolved, model, pad_id=0)
+    groups = groups_from(copy.deepcopy(model))
+    before = copy.deepcopy(model.state_dict())
+    first = next(p for p in model.parameters() if p.requires_grad)
+    poison = first.register_hook(lambda grad: grad * float("nan"))
+    skipped = train_step(model, optimizer, scheduler, groups, config)
+    poison.remove()
+    assert skipped["update_skipped"] == 1.0 and not torch.isfinite(torch.tensor(skipped["grad_norm"]))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not optimizer.state  # no moment was taken from the NaN gradient
+    assert scheduler.last_epoch == 0  # nor a step of the learning-rate schedule
+    taken = train_step(model, optimizer, scheduler, groups, config)
+    assert taken["update_skipped"] == 0.0
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values())
+
+
+def test_a_skipped_update_is_counted() -> None:
+    metrics = TrainerMetrics()
+    metrics.observe_step({"update_skipped": 0.0})
+    metrics.observe_step({"update_skipped": 1.0})
+    assert metrics.registry.get_sample_value("rlfleet_trainer_skipped_updates_total") == 1.0
