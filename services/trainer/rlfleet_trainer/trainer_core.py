@@ -23,7 +23,7 @@ from pathlib import Path
 
 import redis
 
-from rlfleet.errors import Conflict, DeadlineExceeded, InvalidInput, NotFound
+from rlfleet.errors import Conflict, DeadlineExceeded, InvalidInput, NotFound, Unavailable
 from rlfleet.run_spec import resolve, validate
 from rlfleet.sample_stream import SampleStream
 from rlfleet.v1.runs_pb2 import RunSpec
@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 # How long StopRun waits for the step in progress when its caller set no deadline.
 STOP_WAIT_S = 300.0
+# How long a StartRun of a run already starting waits for that start before it answers "ask again".
+START_JOIN_WAIT_S = 60.0
 # A run id names the run's directory under the work dir, so it must be one plain name: no separator
 # or leading dot could then write outside it or into another run's.
 RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
@@ -92,14 +94,22 @@ class TrainerCore:
             )
         spec = resolve(spec)
         validate(spec)
-        with self._lock:
-            current = self._runs.get(run_id)
-            if current is not None and not current.finished:
-                return current.status()
-            busy = [r.run_id for r in self._runs.values() if not r.finished] + sorted(self._starting)
-            if busy:
-                raise Conflict(f"the trainer is busy with run {busy[0]}; stop it before starting {run_id}")
-            start = self._starting[run_id] = _Start()
+        while True:
+            with self._lock:
+                current = self._runs.get(run_id)
+                if current is not None and not current.finished:
+                    return current.status()
+                under_way = self._starting.get(run_id)
+                if under_way is None:
+                    busy = [r.run_id for r in self._runs.values() if not r.finished] + sorted(self._starting)
+                    if busy:
+                        raise Conflict(f"the trainer is busy with run {busy[0]}; stop it before starting {run_id}")
+                    start = self._starting[run_id] = _Start()
+                    break
+            # The same run asked again while it starts (a caller that restarted or timed out): the answer is
+            # that start's outcome, not "busy with" the run itself.
+            if not under_way.done.wait(START_JOIN_WAIT_S):
+                raise Unavailable(f"run {run_id} is still starting (loading its policy, loading the fleet); ask again")
         try:
             run = self._prepare(run_id, spec)
             # The fleet must serve the version the run continues from before anyone samples from it.

@@ -4,6 +4,7 @@ its gRPC servicer."""
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 
 import grpc
@@ -226,3 +227,23 @@ def test_a_relative_work_dir_gives_the_router_and_the_record_absolute_paths(
     assert fake_router.loads[-1]["model_path"] == str(tmp_path / "trainer" / "runs" / "rel" / "weights" / "v1")
     record = core.store.load("rel")
     assert record is not None and record.checkpoint_path == str(tmp_path / "trainer/runs/rel/checkpoints/step_1")
+
+
+def test_start_run_asked_again_while_the_run_starts_answers_with_that_start(core, small_model_dir, fake_router) -> None:
+    """An orchestrator that restarted, or timed out, during a long StartRun (a large policy to load) asks
+    again: the trainer is not "busy with" the very run it is starting."""
+    fake_router.delay_s = 1.5  # StartRun makes the fleet serve version 0 first
+    spec = spec_for(small_model_dir, steps=5, groups_per_step=1)
+    first: list[trainer_pb2.TrainerStatus] = []
+    starting = threading.Thread(target=lambda: first.append(core.start_run("slow", spec)))
+    starting.start()
+    try:
+        assert fake_router.loading.wait(30), "StartRun did not reach its weight load"
+        again = core.start_run("slow", spec)
+    finally:
+        starting.join(timeout=30)
+    assert again.run_id == "slow" and again.state == TrainerState.TRAINER_STATE_TRAINING
+    assert [s.state for s in first] == [TrainerState.TRAINER_STATE_TRAINING]
+    assert fake_router.loads.count(fake_router.loads[0]) == 1  # one start, not two
+    with pytest.raises(Conflict, match="busy with run slow"):
+        core.start_run("other", spec)
