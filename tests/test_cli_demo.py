@@ -1,18 +1,24 @@
 """`rlfleet demo`: it deletes only a previous demo's directory (or one the user says it may), and each demo
-has Redis options like `rlfleet up` and a key prefix of its own, removed afterwards."""
+has Redis options like `rlfleet up` and a key prefix of its own, removed afterwards; its watch prints a
+progress line only when it changes."""
 
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 import redis
 
-from rlfleet.cli.demo import MARKER, delete_keys, fleet_config, recreate
+from rlfleet.cli.demo import MARKER, delete_keys, fleet_config, recreate, watch
 from rlfleet.cli.main import build_parser
+from rlfleet.runs_client import RunsClient
+from rlfleet.v1.runs_pb2 import Run, RunProgress, RunState
 
 
 def demo_args(*argv: str) -> argparse.Namespace:
@@ -85,3 +91,33 @@ def test_the_demos_keys_and_only_they_are_deleted(redis_client: redis.Redis, red
     delete_keys(redis_url, f"{redis_prefix}demo:")
     assert redis_client.get(f"{redis_prefix}demo:run:1") is None
     assert redis_client.get(f"{redis_prefix}other") == b"y"
+
+
+class ScriptedRuns:
+    """The two calls the demo's watch makes, answered from a list of run events."""
+
+    def __init__(self, events: list[Run]) -> None:
+        self.events = events
+
+    def get(self, run_id: str) -> Run:
+        return self.events[0]
+
+    def watch(self, run_id: str) -> Iterator[Run]:
+        yield from self.events
+
+
+def test_the_demo_prints_a_progress_line_only_when_it_changes(capsys: pytest.CaptureFixture) -> None:
+    running, done = RunState.RUN_STATE_RUNNING, RunState.RUN_STATE_SUCCEEDED
+    events = [
+        Run(id="run-1", state=state, progress=RunProgress(step=step, total_steps=2, groups_produced=4 * step))
+        for step, state in [(0, running), (1, running), (1, running), (1, running), (2, running), (2, done)]
+    ]
+    final, _, _ = watch(cast(RunsClient, ScriptedRuns(events)), "run-1")
+    assert final.state == done
+    lines = capsys.readouterr().out.splitlines()
+    assert [re.findall(r"step (\S+) .* (\w+)$", line)[0] for line in lines] == [
+        ("0/2", "running"),
+        ("1/2", "running"),
+        ("2/2", "running"),
+        ("2/2", "succeeded"),
+    ]

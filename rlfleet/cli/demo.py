@@ -171,17 +171,21 @@ def delete_keys(redis_url: str, prefix: str) -> None:
 
 
 def watch(client: RunsClient, run_id: str) -> tuple[Run, dict[int, float], list[float]]:
-    """Follows the run; returns it as it ended, the mean reward per step and the logprob diffs seen."""
+    """Follows the run, printing its progress line when it changes; returns the run as it ended, the mean
+    reward per step and the logprob diffs seen."""
     rewards: dict[int, float] = {}
     diffs: list[float] = []
     last = client.get(run_id)
+    shown = ""
     for run in client.watch(run_id):
         last = run
         if run.progress.groups_produced:
             rewards[int(run.progress.step)] = run.progress.mean_reward
         if "logprob_diff" in run.metrics:
             diffs.append(run.metrics["logprob_diff"])
-        say("    " + progress_line(run))
+        if (line := progress_line(run)) != shown:
+            say("    " + line)
+            shown = line
         if run.state in FINAL_STATES:
             break
     if last.state not in FINAL_STATES:
