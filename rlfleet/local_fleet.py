@@ -145,6 +145,11 @@ class LocalFleet:
         return self.url(self.config.ports.rollout)
 
     @property
+    def grpc_address(self) -> str:
+        """The Runs API over gRPC (`rlfleet.v1.Runs`), host:port."""
+        return f"{self.config.host}:{self.config.ports.rollout_grpc}"
+
+    @property
     def router_url(self) -> str:
         return self.url(self.config.ports.router)
 
@@ -404,7 +409,7 @@ class LocalFleet:
             "processes": {name: proc.pid for name, proc in self.processes.items()},
             "started": {"up": start_time(os.getpid()), **self._started},
             "api_url": self.api_url,
-            "grpc_address": f"{self.config.host}:{self.config.ports.rollout_grpc}",
+            "grpc_address": self.grpc_address,
             "router_url": self.router_url,
             "reward_url": self.reward_url,
             "engines": self.engine_urls(),

@@ -1,5 +1,6 @@
 """`rlfleet up` while it is still starting: `rlfleet down` stops it (fleet.json records each process as it
-starts), and Ctrl-C ends it cleanly (a message, no traceback, status 130). Both stop every child."""
+starts), and Ctrl-C ends it cleanly (a message, no traceback, status 130). Both stop every child. Once up, it
+says where the Runs API listens on both transports; a bad --base-port is refused before anything is written."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from rlfleet.cli.fleet import EXAMPLE_SPEC, up_message
-from rlfleet.local_fleet import FleetConfig, LocalFleet
+from rlfleet.cli.main import main
+from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet
 
 REDIS_URL = os.environ.get("RLFLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -125,3 +127,21 @@ def test_the_first_run_up_suggests_works_on_a_fresh_fleet(tmp_path: Path, monkey
     assert up_message(fleet).splitlines()[1] == (
         f"submit a run: rlfleet submit {EXAMPLE_SPEC} --state-dir {tmp_path / 'state'} --watch"
     )
+
+
+def test_up_names_the_runs_api_on_both_transports(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    ports = FleetPorts.from_base(9400, engines=1)
+    fleet = LocalFleet(FleetConfig(model_path=model, engines=1, state_dir=tmp_path / "state", ports=ports))
+    assert up_message(fleet).splitlines()[0] == (
+        "fleet is up: Runs API http://127.0.0.1:9400 (gRPC 127.0.0.1:9403), router http://127.0.0.1:9406, "
+        "engines http://127.0.0.1:9407"
+    )
+
+
+def test_a_bad_base_port_is_refused_before_the_model_is_written(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    assert main(["up", "--base-port", "65530", "--state-dir", str(state_dir)]) == 2
+    assert not state_dir.exists()

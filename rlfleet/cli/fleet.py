@@ -119,13 +119,14 @@ def stop_on_signals(fleet: LocalFleet) -> Iterator[list[int]]:
 
 
 def run_up(args: argparse.Namespace) -> int:
+    ports = fleet_ports(args)  # a bad --base-port is refused before the model is written
     model_path = args.model_path or default_model(args.state_dir)
     fleet = LocalFleet(
         FleetConfig(
             model_path=model_path,
             engines=args.engines,
             state_dir=args.state_dir,
-            ports=fleet_ports(args),
+            ports=ports,
             redis_url=args.redis_url,
             redis_prefix=args.redis_prefix,
             engine_backend=args.engine,
@@ -165,7 +166,10 @@ def up_message(fleet: LocalFleet) -> str:
     state_dir = fleet.config.state_dir
     where = "" if Path(state_dir) == DEFAULT_STATE_DIR else f" --state-dir {state_dir}"
     example = _shown(EXAMPLE_SPEC)
-    lines = [f"fleet is up: Runs API {fleet.api_url}, router {fleet.router_url}, engines {engines}"]
+    lines = [
+        f"fleet is up: Runs API {fleet.api_url} (gRPC {fleet.grpc_address}), router {fleet.router_url}, "
+        f"engines {engines}"
+    ]
     if not EXAMPLE_SPEC.is_file():  # installed without the repository's examples
         return "\n".join([*lines, f"submit a run: rlfleet submit SPEC.yaml{where} --watch"])
     model_path = load_spec_file(EXAMPLE_SPEC).model.path
