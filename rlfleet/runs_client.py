@@ -26,6 +26,7 @@ from rlfleet.errors import (
     Unauthenticated,
     Unavailable,
 )
+from rlfleet.proto_parse_errors import describe_parse_error
 from rlfleet.v1.runs_pb2 import Run, RunSpec, RunState
 
 STATUS_ERRORS: dict[int, type[RlfleetError]] = {400: InvalidInput, 401: Unauthenticated, 404: NotFound, 409: Conflict}
@@ -53,12 +54,16 @@ def load_spec_file(path: Path) -> RunSpec:
     try:
         return json_format.ParseDict(data, RunSpec())
     except json_format.ParseError as exc:
-        raise InvalidInput(f"{path}: {exc}") from exc
+        raise InvalidInput(f"{path}: {describe_parse_error(str(exc), 'spec')}") from exc
 
 
 class RunsClient:
-    def __init__(self, base_url: str, timeout_s: float = 30.0, token: str | None = None) -> None:
+    def __init__(
+        self, base_url: str, timeout_s: float = 30.0, token: str | None = None, unreachable_hint: str = ""
+    ) -> None:
+        """`unreachable_hint` ends the error raised when nothing answers at `base_url` (e.g. how it was chosen)."""
         self.base_url = base_url.rstrip("/")
+        self.unreachable_hint = unreachable_hint
         self.http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=bearer_headers(token))
 
     def close(self) -> None:
@@ -121,7 +126,8 @@ class RunsClient:
                 "the keep-alive the orchestrator sends while a run is quiet"
             ) from exc
         except httpx.TransportError as exc:
-            raise Unavailable(f"lost the watch of run {run_id} at {self.base_url}: {exc}") from exc
+            lost = f"lost the watch of run {run_id} at {self.base_url}: {exc}"
+            raise Unavailable(lost + self.unreachable_hint) from exc
 
     def _run(self, body: dict) -> Run:
         return json_format.ParseDict(body, Run(), ignore_unknown_fields=True)
@@ -130,7 +136,8 @@ class RunsClient:
         try:
             response = self.http.request(method, path, **kwargs)  # type: ignore[arg-type]
         except httpx.TransportError as exc:
-            raise Unavailable(f"the orchestrator at {self.base_url} did not answer: {exc}") from exc
+            silent = f"the orchestrator at {self.base_url} did not answer: {exc}"
+            raise Unavailable(silent + self.unreachable_hint) from exc
         self._raise_for(response)
         return response.json()
 

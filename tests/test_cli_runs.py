@@ -1,6 +1,7 @@
 """`rlfleet runs` and `rlfleet watch` against a scripted Runs API: every page is read and the newest runs are
 shown first, a stalled run is shown as such, a watch outlives a quiet run through keep-alives but not a
-silent server, and the fleet `rlfleet up` recorded is found without --api."""
+silent server (and off a terminal prints a progress line only when it changes), the fleet `rlfleet up` recorded
+is found without --api, and with none recorded an unanswered default address says where it was looked for."""
 
 from __future__ import annotations
 
@@ -46,6 +47,10 @@ WATCH_SCRIPT: list[tuple[float, str]] = [
     (0.0, "data: " + json.dumps(run_json(7, "RUN_STATE_RUNNING", step=3))),
     (0.0, "data: " + json.dumps(run_json(7, "RUN_STATE_SUCCEEDED", step=6))),
 ]
+REPEATS_SCRIPT: list[tuple[float, str]] = [
+    (0.0, "data: " + json.dumps(run_json(8, "RUN_STATE_RUNNING", step=step))) for step in (1, 1, 1, 2, 2, 2, 2)
+] + [(0.0, "data: " + json.dumps(run_json(8, "RUN_STATE_SUCCEEDED", step=6)))]
+"""A step brings several events (groups produced, trained) that look the same on a progress line."""
 
 
 SUBMITTED: list[dict[str, Any]] = []
@@ -68,7 +73,8 @@ def build_api() -> FastAPI:
 
     @app.get("/v1/runs/{run_id}:watch")
     async def watch(run_id: str) -> StreamingResponse:
-        script = WATCH_SCRIPT if run_id == "run-0007" else [(0.0, WATCH_SCRIPT[0][1]), (30.0, ": keep-alive")]
+        scripts = {"run-0007": WATCH_SCRIPT, "run-0008": REPEATS_SCRIPT}
+        script = scripts.get(run_id, [(0.0, WATCH_SCRIPT[0][1]), (30.0, ": keep-alive")])
 
         async def lines() -> AsyncIterator[str]:
             for delay, line in script:
@@ -141,6 +147,14 @@ def test_watch_shows_a_stall_and_the_run_moving_again(api: str, capsys: pytest.C
     assert out[-1].endswith("succeeded")
 
 
+def test_watch_off_a_terminal_prints_a_progress_line_only_when_it_changes(
+    api: str, capsys: pytest.CaptureFixture
+) -> None:
+    assert main(["watch", "run-0008", "--api", api]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split("  ")[0].split()[-1] for line in out] == ["1/6", "2/6", "6/6"]
+
+
 def test_a_watch_outlives_a_quiet_run_through_keepalives_but_not_a_silent_server(api: str) -> None:
     client = RunsClient(api)
     # 0.5 s of keep-alives only, each read waiting at most 0.3 s: the watch goes on to the run's end.
@@ -163,3 +177,17 @@ def test_submit_can_train_another_model_than_the_specs(api: str, tmp_path: Path,
     assert main(["submit", str(spec), "--api", api, "--model-path", "/models/tiny"]) == 0
     assert capsys.readouterr().out.strip() == "run-0500"
     assert SUBMITTED[-1] == {"model": {"path": "/models/tiny"}, "schedule": {"steps": 6}}
+
+
+def test_without_a_recorded_fleet_an_unanswered_default_says_where_it_looked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    nothing_there = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setattr("rlfleet.cli.runs.FALLBACK_URL", nothing_there)
+    assert main(["runs", "--state-dir", str(tmp_path), "--timeout", "5"]) == 2
+    error = capsys.readouterr().err
+    assert f"the orchestrator at {nothing_there} did not answer" in error
+    assert f"No fleet is recorded in {tmp_path / 'fleet.json'}, so the default address was tried" in error
+    assert f"`rlfleet up --state-dir {tmp_path}`" in error
+    assert main(["runs", "--api", nothing_there, "--state-dir", str(tmp_path), "--timeout", "5"]) == 2
+    assert "No fleet is recorded" not in capsys.readouterr().err  # the address was the user's own choice

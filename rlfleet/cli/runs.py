@@ -61,18 +61,29 @@ def register(areas: argparse._SubParsersAction) -> None:
         )
 
 
-def api_url(args: argparse.Namespace) -> str:
+def api_url(args: argparse.Namespace) -> str | None:
+    """The Runs API that --api, $RLFLEET_API_URL or the fleet recorded in the state dir names, if any."""
     if args.api:
         return str(args.api)
     if os.environ.get(API_URL_ENV):
         return os.environ[API_URL_ENV]
     state = read_state(args.state_dir)
-    return str(state["api_url"]) if state and state.get("api_url") else FALLBACK_URL
+    return str(state["api_url"]) if state and state.get("api_url") else None
 
 
 def client_for(args: argparse.Namespace) -> RunsClient:
     token = read_token_file(args.api_token_file) if args.api_token_file else client_token()
-    return RunsClient(api_url(args), timeout_s=args.timeout, token=token)
+    url = api_url(args)
+    hint = ""
+    if url is None:
+        url = FALLBACK_URL
+        where = "" if Path(args.state_dir) == DEFAULT_STATE_DIR else f" --state-dir {args.state_dir}"
+        hint = (
+            f". No fleet is recorded in {Path(args.state_dir) / 'fleet.json'}, so the default address was tried: "
+            f"start a fleet with `rlfleet up{where}`, give the --state-dir the running fleet was started with, or "
+            f"name its Runs API with --api or ${API_URL_ENV}"
+        )
+    return RunsClient(url, timeout_s=args.timeout, token=token, unreachable_hint=hint)
 
 
 def state_name(run: Run) -> str:
@@ -96,15 +107,23 @@ def progress_line(run: Run) -> str:
 
 def watch_until_done(client: RunsClient, run_id: str, out: TextIO) -> Run:
     """Prints the run's progress (rewriting one line on a terminal) and returns the final run. A stall, and
-    the run moving again, get lines of their own: the progress line alone would look the same."""
+    the run moving again, get lines of their own: the progress line alone would look the same. Off a
+    terminal a line is printed only when it differs from the one before: a step brings several events
+    (groups produced, scored, trained) that the progress line does not tell apart."""
     live = out.isatty()
     last: Run | None = None
+    shown = ""
     for run in client.watch(run_id):
         if run.stalled != (last.stalled if last else ""):
             note = f"stalled: {run.stalled}" if run.stalled else "moving again"
             out.write(f"\r\033[K{run.id} {note}\n" if live else f"{run.id} {note}\n")
+            shown = ""
         line = progress_line(run)
-        out.write(f"\r{line}\033[K" if live else line + "\n")
+        if live:
+            out.write(f"\r{line}\033[K")
+        elif line != shown:
+            out.write(line + "\n")
+        shown = line
         out.flush()
         last = run
         if run.state in FINAL_STATES:

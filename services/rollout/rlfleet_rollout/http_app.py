@@ -14,7 +14,6 @@ GET  /metrics
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,6 +29,7 @@ from rlfleet.errors import InvalidInput, Unavailable
 from rlfleet.http_auth import require_api_token
 from rlfleet.http_errors import install_error_handlers
 from rlfleet.http_limits import limit_request_body
+from rlfleet.proto_parse_errors import describe_parse_error
 from rlfleet.v1.runs_pb2 import RunSpec, RunState
 from rlfleet_rollout.metrics import RolloutMetrics
 from rlfleet_rollout.runs_core import RunsCore
@@ -53,26 +53,7 @@ def parse_run_spec(body: bytes) -> RunSpec:
     try:
         return json_format.ParseDict(data, RunSpec())
     except json_format.ParseError as exc:
-        raise InvalidInput(describe_parse_error(str(exc))) from None
-
-
-_NESTED = re.compile(r"Failed to parse (\w+) field: ")
-_UNKNOWN = re.compile(r'Message type "([\w.]+)" has no field named "([^"]+)"')
-_AVAILABLE = re.compile(r"Available Fields\(except extensions\): \"\[(.*)\]\"")
-
-
-def describe_parse_error(message: str) -> str:
-    """protobuf's nested "Failed to parse a field: Failed to parse b field: ..." as `a.b: ...`."""
-    path = []
-    while match := _NESTED.match(message):
-        path.append(match.group(1))
-        message = message[match.end() :]
-    if unknown := _UNKNOWN.match(message):
-        path.append(unknown.group(2))
-        available = _AVAILABLE.search(message)
-        known = available.group(1).replace("'", "") if available else ""
-        message = f"unknown field of {unknown.group(1)}" + (f" (its fields: {known})" if known else "")
-    return f"{'.'.join(path) or 'body'}: {message.strip().rstrip('.')}"
+        raise InvalidInput(describe_parse_error(str(exc), "body")) from None
 
 
 def parse_state(value: str) -> RunState:

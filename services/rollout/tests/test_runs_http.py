@@ -26,6 +26,12 @@ def test_bad_specs_get_400_naming_the_field_and_nothing_is_stored(
     good = spec_json(tokenizer_dir)
     cases: list[tuple[str, bytes, str]] = [
         ("unknown field", json.dumps({**good, "bogus": 1}).encode(), "bogus"),
+        (
+            "misspelt nested field",
+            json.dumps({**good, "rollout": {"group_sise": 4}}).encode(),
+            "rollout.group_sise: unknown field of rlfleet.v1.RolloutSpec (its fields: function, group_size, "
+            "groups_per_step,",
+        ),
         ("wrong type", json.dumps({**good, "rollout": {"group_size": "many"}}).encode(), "rollout.group_size"),
         ("malformed JSON", b'{"name": "x",', "malformed JSON"),
         ("not an object", b"[1, 2]", "JSON object"),
