@@ -113,7 +113,7 @@ class RunsCore:
         try:
             return await self.update(run_id, mark)
         except RunEnded as exc:
-            raise Conflict(f"run {run_id} cannot be cancelled: {exc}") from None
+            raise Conflict(f"{exc}: it cannot be cancelled") from None
 
     async def watch(self, run_id: str) -> AsyncIterator[RunEvent]:
         """The run now, then every change until it ends (or the orchestrator shuts down)."""

@@ -230,3 +230,4 @@ def test_a_run_fails_with_the_reason_when_no_engine_answers(
     wait_until(lambda: run_id in fleet.trainer.stop_calls, 10, "StopRun of the failed run")
     cancel = httpx.post(f"{orchestrator.url}/v1/runs/{run_id}:cancel", timeout=5)
     assert cancel.status_code == 409 and cancel.json()["error"]["kind"] == "conflict"
+    assert cancel.json()["error"]["message"] == f"run {run_id} already FAILED: it cannot be cancelled"
