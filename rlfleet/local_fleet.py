@@ -118,6 +118,12 @@ class _Command:
     """Every port the service binds, with what listens there (for errors)."""
 
 
+def router_policy(engine_backend: str) -> str:
+    """The router's policy in front of engines of `engine_backend`: cache_aware follows the engines' prefix
+    caches, which SGLang keeps and the CPU engine does not (there the least-loaded engine is the best pick)."""
+    return "cache_aware" if engine_backend == "sglang" else "least_load"
+
+
 class LocalFleet:
     def __init__(self, config: FleetConfig) -> None:
         if config.engines < 1:
@@ -272,7 +278,7 @@ class LocalFleet:
                 worker_urls=self.engine_urls(),
                 host=c.host,
                 port=p.router,
-                policy="least_load",
+                policy=router_policy(c.engine_backend),
             ),
             f"{self.router_url}/health",
             {p.router: "router"},

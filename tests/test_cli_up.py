@@ -18,7 +18,7 @@ import pytest
 
 from rlfleet.cli.fleet import EXAMPLE_SPEC, up_message
 from rlfleet.cli.main import main
-from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet
+from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet, router_policy
 
 REDIS_URL = os.environ.get("RLFLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -145,3 +145,8 @@ def test_a_bad_base_port_is_refused_before_the_model_is_written(tmp_path: Path) 
     state_dir = tmp_path / "state"
     assert main(["up", "--base-port", "65530", "--state-dir", str(state_dir)]) == 2
     assert not state_dir.exists()
+
+
+def test_the_router_follows_prefix_caches_only_where_the_engines_keep_them() -> None:
+    assert router_policy("sglang") == "cache_aware"
+    assert router_policy("transformers") == "least_load"
