@@ -217,8 +217,13 @@ class LocalFleet:
     def stop(self) -> None:
         for name in reversed(list(self.processes)):
             process = self.processes.pop(name)
+            running = process.alive()
             code = process.stop(timeout=20)
-            logger.info("stopped %s (exit code %s)", name, code)
+            # The code a stopped process exits with says nothing of how it ran (torchrun exits 1 on SIGTERM).
+            if running:
+                logger.info("stopped %s", name)
+            else:
+                logger.warning("%s had already exited (exit code %s)", name, code)
         self.state_path.unlink(missing_ok=True)
 
     def _refuse_running_fleet(self) -> None:

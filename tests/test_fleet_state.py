@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -79,3 +80,29 @@ def test_up_refuses_a_state_dir_whose_fleet_runs_and_takes_over_a_stale_one(
     with pytest.raises(ServiceStartError, match="does not answer"):
         fleet.start()
     assert not (tmp_path / "state" / "fleet.json").exists()
+
+
+def test_stop_reports_a_service_that_had_exited_and_not_the_exit_codes_of_those_it_stopped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """torchrun exits 1 when SIGTERM stops it: `stopped trainer (exit code 1)` read like a failure."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    fleet = LocalFleet(FleetConfig(model_path=model, state_dir=tmp_path / "state"))
+    exits_one_on_sigterm = (
+        "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(1)); time.sleep(60)"
+    )
+    fleet.processes["trainer"] = ServiceProcess(
+        "trainer", [sys.executable, "-c", exits_one_on_sigterm], tmp_path / "t.log"
+    )
+    crashed = fleet.processes["reward"] = ServiceProcess(
+        "reward", [sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "r.log"
+    )
+    crashed.proc.wait(timeout=30)
+    time.sleep(0.5)  # the trainer's handler is installed
+    with caplog.at_level("INFO", logger="rlfleet.local_fleet"):
+        fleet.stop()
+    messages = [r.getMessage() for r in caplog.records]
+    assert "reward had already exited (exit code 3)" in messages
+    assert "stopped trainer" in messages and not any("exit code 1" in m for m in messages)
