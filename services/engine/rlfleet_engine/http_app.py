@@ -22,9 +22,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from rlfleet.client_gone import ClientGone, unless_client_leaves
 from rlfleet.errors import InvalidInput, RlfleetError
 from rlfleet.http_errors import install_error_handlers, whole_body_problem
-from rlfleet_engine.client_gone import ClientGone, unless_client_leaves
 from rlfleet_engine.openai_api import OpenAIServer
 from rlfleet_engine.openai_schemas import ChatCompletionRequest, CompletionRequest
 from rlfleet_engine.schemas import (

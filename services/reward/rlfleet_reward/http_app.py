@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import Awaitable
 from typing import TypeVar
 
 from fastapi import FastAPI, Request, Response
@@ -13,6 +11,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from rlfleet.client_gone import ClientGone, unless_client_leaves
 from rlfleet.errors import InvalidInput, ResourceExhausted, Unavailable
 from rlfleet.http_errors import install_error_handlers
 from rlfleet.v1 import reward_pb2
@@ -60,30 +59,6 @@ def parse_request(body: bytes, message: M) -> M:
         raise InvalidInput(f"invalid {kind}: {exc}") from None
 
 
-async def _client_left(request: Request) -> None:
-    """Returns when the client disconnects: with the body read, the server's next message is the disconnect."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_client_leaves(request: Request, work: Awaitable[M]) -> M | None:
-    """`work`'s result, or None once the client has gone, with `work` cancelled: gRPC cancels a call whose
-    client leaves, and HTTP must too, or a client that times out and retries leaves the workers scoring
-    batches nobody will read."""
-    working = asyncio.ensure_future(work)
-    watching = asyncio.ensure_future(_client_left(request))
-    try:
-        await asyncio.wait({working, watching}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watching.cancel()
-        if not working.done():
-            working.cancel()
-    if not working.done():
-        await asyncio.wait({working})  # the pool takes back the workers it held before the handler ends
-        return None
-    return working.result()
-
-
 def create_app(scorer: Scorer, metrics: RewardMetrics, max_request_bytes: int) -> FastAPI:
     app = FastAPI(title="rlfleet reward hub")
     install_error_handlers(app)
@@ -91,9 +66,11 @@ def create_app(scorer: Scorer, metrics: RewardMetrics, max_request_bytes: int) -
     @app.post("/score")
     async def score(request: Request) -> Response:
         message = parse_request(await _read_body(request, max_request_bytes), reward_pb2.ScoreRequest())
-        scored = await _unless_client_leaves(request, scorer.score(message))
-        # Nobody reads the answer to a client that left; 499 is what proxies log for it.
-        return Response(status_code=499) if scored is None else _json_response(scored)
+        try:
+            scored = await unless_client_leaves(request, scorer.score(message))
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it; 499 is what proxies log for a client that left
+        return _json_response(scored)
 
     @app.post("/validate")
     async def validate(request: Request) -> Response:
