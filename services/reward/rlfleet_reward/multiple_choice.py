@@ -1,6 +1,7 @@
 """`multiple_choice`: the option letter the response chose equals the label's.
 
-The choice is read, in order of preference, from the last "answer is (B)" / "Answer: B", the last
+The choice is read, in order of preference, from the last "answer is (B)" / "Answer: B" (markdown
+emphasis around them allowed: "**Answer:** B"), the last
 `\\boxed{B}`, a response that is only a letter ("B", "(B)", "B."), or the last parenthesized letter.
 Only letters among `choices` count.
 """
@@ -25,7 +26,8 @@ class ChoiceParams(BaseModel):
 def chosen(response: str, choices: str) -> str | None:
     letter = f"[{choices}]"
     patterns = (
-        rf"(?i:answer)\s*(?:(?i:is)|:)?\s*:?\s*\(?({letter})\)?(?![A-Za-z])",
+        # Markdown emphasis may wrap the word, the colon or the letter: "**Answer:** B", "answer is **(C)**".
+        rf"(?i:answer)[*_]*\s*(?:(?i:is)|:)?[*_]*\s*:?\s*[*_]*\(?({letter})\)?[*_]*(?![A-Za-z])",
         rf"\\boxed\{{\s*\(?({letter})\)?\s*\}}",
         rf"^\s*\(?({letter})[).:]?\s*$",
         rf"\(({letter})\)",

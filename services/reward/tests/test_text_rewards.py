@@ -114,6 +114,10 @@ def test_f1_overlap_and_several_references() -> None:
         ("  B.  ", "B", 1.0),
         ("I pick (A) over (B)... final (B)", "B", 1.0),
         ("A cat sat.", "A", 0.0),  # an article is not a choice
+        ("Answer: **B**", "B", 1.0),  # markdown emphasis, as chat models write it
+        ("**Answer:** B", "B", 1.0),
+        ("So the answer is **(C)**.", "C", 1.0),
+        ("__Answer__: D", "D", 1.0),
     ],
 )
 def test_multiple_choice(response: str, label: str, expected: float) -> None:
