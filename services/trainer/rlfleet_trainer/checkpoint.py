@@ -5,6 +5,10 @@ an uninterrupted run would: the policy, its optimizer and LR schedule, PPO's cri
 optimizer, the RNG state of every rank, and the trainer's position (step, weight version, groups
 trained, last stream entry covered).
 
+DCP reshards the model and optimizer, so a run can resume on a different number of ranks. The RNG
+states are per rank: a rank that had none saved (the run resumes on more ranks) keeps the state the
+run's seed gave it, and the states of ranks that are gone are not read.
+
 The state dicts come from `torch.distributed.checkpoint.state_dict`, so the same code saves a plain
 module (one process, no process group) and an FSDP2-sharded one (every rank calls `save_checkpoint`
 and writes its own shards). A checkpoint is written under a temporary name and renamed into place,
@@ -13,6 +17,7 @@ so `step_<N>` exists only once it is complete.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -34,6 +39,8 @@ from torch.distributed.checkpoint.state_dict import (
 from rlfleet_trainer.critic import Critic
 
 STEP_PREFIX = "step_"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,8 @@ def load_checkpoint(path: Path, parts: TrainingState) -> CheckpointMeta:
     if not (path / ".metadata").exists():
         raise FileNotFoundError(f"no checkpoint at {path} (its .metadata file is missing)")
     state = _state_dict(parts, CheckpointMeta())
+    saved = _saved_rng_keys(path)
+    state["rng"] = {key: value for key, value in state["rng"].items() if key in saved}
     with _single_process_quietly():
         dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
     set_state_dict(parts.model, parts.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
@@ -146,11 +155,29 @@ def load_checkpoint(path: Path, parts: TrainingState) -> CheckpointMeta:
             model_state_dict=critic["head"],
             optim_state_dict=critic["optimizer"],
         )
-    rank = _rank()
-    torch.set_rng_state(state["rng"][f"torch_rank{rank}"])
-    if torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["rng"][f"cuda_rank{rank}"])
+    _restore_rng(state["rng"], path)
     return CheckpointMeta(**state["trainer"])
+
+
+def _saved_rng_keys(path: Path) -> set[str]:
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    return {key.removeprefix("rng.") for key in metadata.state_dict_metadata if key.startswith("rng.")}
+
+
+def _restore_rng(saved: dict[str, torch.Tensor], path: Path) -> None:
+    rank = _rank()
+    wanted = [f"torch_rank{rank}"] + ([f"cuda_rank{rank}"] if torch.cuda.is_available() else [])
+    missing = [key for key in wanted if key not in saved]
+    if missing:
+        logger.warning(
+            "checkpoint %s holds no RNG state %s (saved by fewer ranks, or without CUDA): keeping the seeded one",
+            path,
+            ", ".join(missing),
+        )
+    if f"torch_rank{rank}" in saved:
+        torch.set_rng_state(saved[f"torch_rank{rank}"])
+    if f"cuda_rank{rank}" in saved and torch.cuda.is_available():
+        torch.cuda.set_rng_state(saved[f"cuda_rank{rank}"])
 
 
 def load_model_weights(path: Path, model: torch.nn.Module) -> None:

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,31 +17,13 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from rlfleet.processes import ServiceProcess
 from rlfleet_trainer.policy import load_policy
 
-SCRIPTS = Path(__file__).parent / "torchrun"
+sys.path.insert(0, str(Path(__file__).parent))
+
+from torchrun_jobs import SCRIPTS, finish, torchrun  # noqa: E402
+
 TOLERANCE = 1e-5
-
-
-def torchrun(nproc: int, args: list[str], log: Path) -> ServiceProcess:
-    return ServiceProcess(
-        f"torchrun-{nproc}",
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args],
-        log,
-        env={"OMP_NUM_THREADS": "1"},
-    )
-
-
-def finish(job: ServiceProcess, timeout_s: float) -> None:
-    """Waits for `job` to exit 0 within `timeout_s`; kills it (by process group) otherwise."""
-    try:
-        code = job.proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        code = None
-    finally:
-        job.stop(timeout=5)
-    assert code == 0, f"{job.name} exited with {code}; last lines of its log:\n{job.log_tail(40)}"
 
 
 @pytest.mark.e2e
