@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_PREFIX = "rlfleet:"
 DEFAULT_CONSUMER_GROUP = "trainer"
 _GROUP_FIELD = b"group"
+_DELETED = "entry was deleted while pending"
 _ID_FIELD = b"group_id"
 
 # Append unless the group id was seen before, atomically (a crash between the two steps would
@@ -262,9 +263,27 @@ class SampleStream:
         return [StreamEntry(raw_id.decode(), SampleGroup.FromString(fields[_GROUP_FIELD])) for raw_id, fields in rows]
 
     def dead_letters(self) -> list[tuple[str, str]]:
-        """(entry id, reason) of every entry moved aside as undecodable."""
+        """(entry id, reason) of every entry moved aside: undecodable, untrainable, or deleted while pending."""
         entries = cast(list[tuple[bytes, dict[bytes, bytes]]], self.client.xrange(self.dead_key))
         return [(fields[b"entry_id"].decode(), fields[b"reason"].decode()) for _, fields in entries]
+
+    def dead_letter_count(self) -> int:
+        return int(cast(int, self.client.xlen(self.dead_key)))
+
+    def lost_groups(self) -> list[tuple[str, str]]:
+        """(entry id, reason) of the dead letters that were groups this stream's producer appended (their
+        group id is in its id set) or entries deleted while pending: groups the run is now short of.
+        Another writer's entries (another run's groups, ones without a group id) are not among them."""
+        if not self.dead_letter_count():
+            return []
+        lost = []
+        entries = cast(list[tuple[bytes, dict[bytes, bytes]]], self.client.xrange(self.dead_key))
+        for _, fields in entries:
+            group_id = fields.get(b"group_id", b"").decode(errors="replace")
+            deleted = fields[b"reason"].decode() == _DELETED
+            if deleted or (group_id and self.client.sismember(self.ids_key, group_id)):
+                lost.append((fields[b"entry_id"].decode(), fields[b"reason"].decode()))
+        return lost
 
     def delete(self) -> None:
         """Removes the stream, its id set and its dead letters (the run is over and archived)."""
@@ -290,24 +309,34 @@ class SampleStream:
         for raw_id, fields in messages:
             entry_id = raw_id.decode()
             if not fields:  # deleted from the stream while pending (XDEL / trimming)
-                self._move_to_dead_letters(entry_id, b"", "entry was deleted while pending")
+                self._move_to_dead_letters(entry_id, fields, _DELETED)
                 continue
             try:
                 group = SampleGroup.FromString(fields[_GROUP_FIELD])
             except (KeyError, DecodeError) as exc:
-                self._move_to_dead_letters(entry_id, fields.get(_GROUP_FIELD, b""), f"undecodable: {exc!r}")
+                self._move_to_dead_letters(entry_id, fields, f"undecodable: {exc!r}")
                 continue
             try:
                 check_trainable(group, self.run_id)
             except InvalidInput as exc:
-                self._move_to_dead_letters(entry_id, fields[_GROUP_FIELD], f"untrainable: {exc}")
+                self._move_to_dead_letters(entry_id, fields, f"untrainable: {exc}")
                 continue
             entries.append(StreamEntry(entry_id, group))
         return entries
 
-    def _move_to_dead_letters(self, entry_id: str, payload: bytes, reason: str) -> None:
+    def _move_to_dead_letters(self, entry_id: str, fields: dict[bytes, bytes], reason: str) -> None:
+        """Copies the entry (its group id and payload, empty when it was deleted) to the dead letters with
+        `reason`, and acknowledges it."""
         logger.error("stream %s entry %s moved to %s: %s", self.key, entry_id, self.dead_key, reason)
         pipe = self.client.pipeline(transaction=True)
-        pipe.xadd(self.dead_key, {"entry_id": entry_id, "reason": reason, "payload": payload})
+        pipe.xadd(
+            self.dead_key,
+            {
+                "entry_id": entry_id,
+                "reason": reason,
+                "group_id": fields.get(b"group_id", b""),
+                "payload": fields.get(_GROUP_FIELD, b""),
+            },
+        )
         pipe.xack(self.key, self.consumer_group, entry_id)
         pipe.execute()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import cast
 
 import pytest
 import redis
@@ -146,3 +147,29 @@ def test_a_group_written_past_the_producers_checks_goes_to_dead_letters(
     [(_, why)] = stream.dead_letters()
     assert why.startswith("untrainable: ") and reason in why, why
     assert stream.pending_count() == 1
+
+
+def test_lost_groups_are_the_producers_own_dead_letters(stream: SampleStream, redis_client: redis.Redis) -> None:
+    """A group of the run that turned out untrainable, or an entry deleted while pending, leaves the run
+    short of groups; another writer's entry (undecodable, another run's group) does not."""
+    assert stream.lost_groups() == []
+    redis_client.xadd(stream.key, {"group_id": "stray", "group": b"\xff not protobuf"})
+    other = make_group("other", 9)
+    redis_client.xadd(stream.key, {"group_id": other.group_id, "group": other.SerializeToString()})
+    own_bad = make_group("run1", 0)
+    own_bad.samples[0].reward = float("nan")  # written by an older producer, past today's checks
+    redis_client.sadd(stream.ids_key, own_bad.group_id)
+    bad_id = stream.client.xadd(stream.key, {"group_id": own_bad.group_id, "group": own_bad.SerializeToString()})
+    assert [e.group.prompt_id for e in stream.read("c", count=10)] == []
+    stream.append(make_group("run1", 1))
+    stream.append(make_group("run1", 2))
+    delivered = stream.read("c", count=1)[0].entry_id
+    redis_client.xdel(stream.key, delivered)  # deleted while pending
+    assert [e.group.prompt_id for e in stream.read_own_pending("c", count=10)] == []
+    assert [e.group.prompt_id for e in stream.read("c", count=10)] == ["2"]
+
+    assert stream.dead_letter_count() == 4
+    assert [(entry, reason.split(":")[0]) for entry, reason in stream.lost_groups()] == [
+        (cast(bytes, bad_id).decode(), "untrainable"),
+        (delivered, "entry was deleted while pending"),
+    ]

@@ -3,7 +3,8 @@
     start the trainer (or resume: its Status says which step it is at)
     evaluate the initial weights (step 0)
     for step s from the trainer's step to schedule.steps:
-        wait until the trainer serves weight version >= s - max_staleness (bounded)
+        wait until the trainer serves weight version >= s - max_staleness (bounded; failing at once if the
+        trainer set aside one of the run's groups, which leaves it a group short for good)
         (every eval_every steps: evaluate once the trainer serves version s)
         produce groups_per_step SampleGroups that pass the filters, from the step's saved data
         position on (step_producer), record where the step ended, append them to the stream
@@ -158,6 +159,10 @@ async def _drive(run: Run, session: TrainerSession, deps: RunDeps) -> None:
     stream = SampleStream(deps.redis, run_id, prefix=deps.config.redis_prefix)
     position = DataPosition(deps.redis, run_id, prefix=deps.config.redis_prefix)
     steps, eval_every = spec.schedule.steps, spec.schedule.eval_every
+
+    async def stream_complete() -> None:
+        await _check_no_group_lost(stream)
+
     status = await session.start()
     first = min(int(status.step), steps)
     logger.info("run %s starts at step %d of %d", run_id, first, steps, extra={"run_id": run_id})
@@ -169,11 +174,11 @@ async def _drive(run: Run, session: TrainerSession, deps: RunDeps) -> None:
             await _evaluate_once(ctx, deps, data, run_id, 0, status)
         for step in range(first, steps):
             if step > 0 and eval_every > 0 and step % eval_every == 0:
-                status = await session.wait_for_version(step)
+                status = await session.wait_for_version(step, stream_complete)
                 await _evaluate_once(ctx, deps, data, run_id, step, status)
-            status = await session.wait_for_version(step - spec.rollout.max_staleness)
+            status = await session.wait_for_version(step - spec.rollout.max_staleness, stream_complete)
             await _produce_step(ctx, deps, data, stream, position, run_id, step, int(status.weight_version))
-        status = await session.wait_for_version(steps)
+        status = await session.wait_for_version(steps, stream_complete)
         await _evaluate_once(ctx, deps, data, run_id, steps, status)
         if not await reports.caught_up(steps, LAST_REPORT_WAIT_S):
             logger.warning(
@@ -187,6 +192,18 @@ async def _drive(run: Run, session: TrainerSession, deps: RunDeps) -> None:
     finally:
         follower.cancel()
         watchdog.cancel()
+
+
+async def _check_no_group_lost(stream: SampleStream) -> None:
+    """Internal when the trainer set aside one of the run's groups (untrainable, or deleted from the stream
+    while pending): every step takes exactly groups_per_step groups, so the run could never finish."""
+    lost = await asyncio.to_thread(stream.lost_groups)
+    if lost:
+        entry_id, reason = lost[0]
+        raise Internal(
+            f"the trainer set aside {len(lost)} of the run's groups (stream entry {entry_id}: {reason}); without "
+            f"them the run cannot complete its steps (the entries are kept in {stream.dead_key})"
+        )
 
 
 async def _produce_step(

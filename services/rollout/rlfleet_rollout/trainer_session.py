@@ -110,8 +110,9 @@ class TrainerSession:
                 logger.warning("StartRun of %s failed: %s", self.run_id, call.exception(), extra=log)
             raise
 
-    async def wait_for_version(self, target: int) -> TrainerStatus:
-        """The trainer's status once it serves weight version `target` or later; DeadlineExceeded after the bound."""
+    async def wait_for_version(self, target: int, can_go_on: Callable[[], Awaitable[None]]) -> TrainerStatus:
+        """The trainer's status once it serves weight version `target` or later; DeadlineExceeded after the bound.
+        `can_go_on` is awaited on every poll and raises when the run can no longer reach `target`."""
         deadline = time.monotonic() + self.step_timeout_s
         last = "no answer yet"
         while True:
@@ -130,6 +131,7 @@ class TrainerSession:
                 if status.weight_version >= target:
                     return status
                 last = f"at weight version {status.weight_version}, step {status.step}"
+            await can_go_on()
             if time.monotonic() + self.poll_interval_s > deadline:
                 raise DeadlineExceeded(
                     f"the trainer did not reach weight version {target} within {self.step_timeout_s:.0f}s "

@@ -158,7 +158,8 @@ def report(run: ActiveRun, version: int, groups: int, step_metrics: dict[str, fl
     metrics.weight_version.set(version)
     metrics.groups_consumed.inc(groups)
     metrics.samples_consumed.inc(step_metrics.get("samples", 0))
-    metrics.stream_lag.set(max(0, run.stream.length() - run.groups_trained))
+    set_aside = run.stream.dead_letter_count()
+    metrics.stream_lag.set(max(0, run.stream.length() - run.groups_trained - set_aside))
     logger.info(
         "run %s step %d/%d: loss %.4f reward %.3f logprob_diff %.2e (%.2fs + sync %.2fs)",
         run.run_id,

@@ -197,6 +197,7 @@ def test_an_untrainable_group_on_the_stream_is_set_aside_and_the_run_goes_on(
     reasons = [reason for _, reason in stream.dead_letters()]
     assert len(reasons) == 2 and "loss_mask" in reasons[0] and "rollout_logprobs" in reasons[1], reasons
     assert stream.pending_count() == 0
+    assert core.metrics.stream_lag._value.get() == 0  # the groups set aside are no backlog
     assert all(torch.isfinite(t).all() for t in load_policy(final.weights_path).state_dict().values())
 
 
