@@ -12,7 +12,7 @@ from google.protobuf.message import Message
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from rlfleet.client_gone import ClientGone, unless_client_leaves
-from rlfleet.errors import InvalidInput, ResourceExhausted, Unavailable
+from rlfleet.errors import InvalidInput, ResourceExhausted, RlfleetError, Unavailable
 from rlfleet.http_errors import install_error_handlers
 from rlfleet.v1 import reward_pb2
 from rlfleet_reward.metrics import RewardMetrics
@@ -65,7 +65,11 @@ def create_app(scorer: Scorer, metrics: RewardMetrics, max_request_bytes: int) -
 
     @app.post("/score")
     async def score(request: Request) -> Response:
-        message = parse_request(await _read_body(request, max_request_bytes), reward_pb2.ScoreRequest())
+        try:
+            message = parse_request(await _read_body(request, max_request_bytes), reward_pb2.ScoreRequest())
+        except RlfleetError as exc:  # refused before scoring: counted as the scorer counts its refusals
+            metrics.requests.labels(exc.kind).inc()
+            raise
         try:
             scored = await unless_client_leaves(request, scorer.score(message))
         except ClientGone:

@@ -164,11 +164,20 @@ def test_a_hang_comes_back_timeout_within_its_limit_and_the_hub_keeps_serving(
     ],
 )
 def test_bad_http_input_is_a_4xx_naming_the_problem(hub: Hub, content: bytes, status: int, message: str) -> None:
+    outcome = "invalid_input" if status == 400 else "resource_exhausted"
+    before = refused(hub, outcome)
     response = httpx.post(f"{hub.url}/score", content=content, timeout=10)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert message in error["message"], error
     assert error["code"] == status
+    assert refused(hub, outcome) == before + 1  # counted, whether refused while reading or while checking
+
+
+def refused(hub: Hub, outcome: str) -> float:
+    text = httpx.get(f"{hub.url}/metrics", timeout=10).text
+    line = f'rlfleet_reward_requests_total{{outcome="{outcome}"}} '
+    return next((float(row.removeprefix(line)) for row in text.splitlines() if row.startswith(line)), 0.0)
 
 
 @pytest.mark.parametrize(
