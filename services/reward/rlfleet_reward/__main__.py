@@ -59,6 +59,7 @@ async def serve(settings: RewardSettings, registry: Registry) -> None:
     from rlfleet_reward.grpc_server import create_grpc_server
     from rlfleet_reward.http_app import create_app
     from rlfleet_reward.http_listener import tcp_listener
+    from rlfleet_reward.http_retry import close_clients
     from rlfleet_reward.metrics import RewardMetrics
     from rlfleet_reward.scoring import Scorer, ScoringLimits
     from rlfleet_reward.worker_pool import WorkerPool
@@ -116,6 +117,7 @@ async def serve(settings: RewardSettings, registry: Registry) -> None:
         await asyncio.gather(grpc_server.stop(grace), asyncio.wait_for(http_task, grace + 5))
     finally:
         await pool.close()
+        await close_clients()
         http_socket.close()
     logger.info("reward hub stopped")
 

@@ -20,6 +20,7 @@ if str(TESTS_DIR) not in sys.path:
 
 from reward_test_functions import TEST_FUNCTIONS  # noqa: E402
 
+from rlfleet_reward.http_retry import close_clients  # noqa: E402
 from rlfleet_reward.metrics import RewardMetrics  # noqa: E402
 from rlfleet_reward.registry import Registry  # noqa: E402
 from rlfleet_reward.scoring import Scorer, ScoringLimits  # noqa: E402
@@ -50,6 +51,7 @@ def _with_scorer(
             return await body(Scorer(registry, pool, limits, metrics))
         finally:
             await pool.close()
+            await close_clients()
 
     return asyncio.run(main())
 

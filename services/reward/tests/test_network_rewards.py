@@ -25,6 +25,7 @@ class FakeModels:
     def __init__(self) -> None:
         self.failures = 0
         self.calls: list[tuple[str, dict]] = []
+        self.client_ports: list[int] = []
         self.judge_text = "The answer is right.\nScore: 7"
 
 
@@ -33,9 +34,12 @@ def models() -> Iterator[tuple[FakeModels, str]]:
     state = FakeModels()
 
     class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as a model server behind HTTP/1.1 offers
+
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             state.calls.append((self.path, body))
+            state.client_ports.append(self.client_address[1])
             if self.path == "/slow":
                 time.sleep(3)
             if self.path == "/score" and state.failures > 0:
@@ -89,6 +93,28 @@ def test_remote_retries_a_failing_model_then_reports_its_components(
     assert dict(result.components) == {"remote": pytest.approx(0.4), "remote/length": 1.0}
     assert len(state.calls) == 3
     assert state.calls[-1][1] == {"prompt": "p", "response": "abcd", "label": "l", "metadata": {"k": "v"}}
+
+
+def test_remote_items_reuse_the_connections_of_earlier_ones(
+    with_scorer: WithScorer, models: tuple[FakeModels, str]
+) -> None:
+    """Opening (for HTTPS, handshaking) one connection per item made every item pay for it."""
+    state, url = models
+    request = json_format.ParseDict(
+        {
+            "spec": {"terms": [{"function": "remote", "params": {"url": f"{url}/score"}}]},
+            "items": [{"response": "ab"}] * 4,
+        },
+        reward_pb2.ScoreRequest(),
+    )
+
+    async def twice(scorer: Scorer) -> list[reward_pb2.ScoreResponse]:
+        return [await scorer.score(request), await scorer.score(request)]
+
+    answers = with_scorer(twice, workers=1)
+    assert [r.status for answer in answers for r in answer.results] == [OK] * 8
+    assert len(state.client_ports) == 8
+    assert len(set(state.client_ports)) <= 4, state.client_ports  # the second batch used the first's
 
 
 def test_remote_gives_up_at_its_deadline_and_the_item_limit_still_holds(
