@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import torch
 
+from rlfleet_trainer.ratios import ratio_from_log
+
 
 def tis_weights(logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -> torch.Tensor:
     """w_t = min(exp(logp_t - logp_rollout_t), C). logp, rollout_logp: (B, T) -> (B, T), no gradient."""
-    return torch.exp(logp.detach() - rollout_logp).clamp(max=cap)
+    return ratio_from_log(logp.detach() - rollout_logp).clamp(max=cap)
 
 
 def ratio_band_mask(logp: torch.Tensor, rollout_logp: torch.Tensor, low: float, high: float) -> torch.Tensor:
     """1.0 where low <= rho_t <= high, else 0.0; a bound of 0 is off. (B, T) -> (B, T)."""
-    ratio = torch.exp(logp.detach() - rollout_logp)  # (B, T)
+    ratio = ratio_from_log(logp.detach() - rollout_logp)  # (B, T)
     keep = torch.ones_like(ratio, dtype=torch.bool)
     if low > 0:
         keep &= ratio >= low

@@ -3,7 +3,7 @@ reference, minus the entropy bonus, with off-policy correction, aggregated over 
 
 For response token t of sample i, with old log-probability logp_old and advantage A_it:
 
-    ratio_t = exp(logp_t - logp_old_t)
+    ratio_t = exp(logp_t - logp_old_t)   (the log-ratio bounded to [-20, 20]: ratios.py)
     pg_t    = -min(ratio_t * A_t, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_t)
     loss_t  = w_t * pg_t + beta * KL_t(pi || pi_ref) - entropy_coef * H_t
 
@@ -22,6 +22,7 @@ import torch
 from rlfleet_trainer.aggregation import masked_mean_per_row, numerator
 from rlfleet_trainer.kl import kl_penalty
 from rlfleet_trainer.off_policy import ratio_band_mask, tis_weights
+from rlfleet_trainer.ratios import ratio_from_log
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def clipped_token_surrogate(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate per token: pg_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t),
     r_t = exp(logp_t - logp_old_t). Returns (pg (B, T), clipped (B, T) bool: the clipped branch won)."""
-    ratio = torch.exp(logp - old_logp)  # (B, T)
+    ratio = ratio_from_log(logp - old_logp)  # (B, T)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
     return -torch.minimum(unclipped, clipped), (clipped < unclipped).detach()
@@ -76,7 +77,7 @@ def clipped_sequence_surrogate(
     """GSPO's sequence-level surrogate: s_i = exp(mean_t(logp_it - logp_old_it)) (the geometric
     mean of the token ratios), pg_i = -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i),
     given to every token of sequence i. Returns (pg (B, T), clipped (B, T) bool)."""
-    seq_ratio = torch.exp(masked_mean_per_row(logp - old_logp, mask)).unsqueeze(1)  # (B, 1)
+    seq_ratio = ratio_from_log(masked_mean_per_row(logp - old_logp, mask)).unsqueeze(1)  # (B, 1)
     adv = masked_mean_per_row(advantages, mask).unsqueeze(1)  # (B, 1)
     unclipped = seq_ratio * adv
     clipped = torch.clamp(seq_ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
@@ -127,7 +128,7 @@ def policy_loss(
         log_ratio = logp - rollout_logp
         stats["pg_clipfrac"] = masked_mean_per_row(clipped.to(logp.dtype), trained).sum()
         # Schulman's k3 estimate of KL(rollout || current) with r = current/rollout: (r - 1) - log r >= 0.
-        stats["approx_kl"] = masked_mean_per_row(torch.exp(log_ratio) - 1 - log_ratio, mask).sum()
+        stats["approx_kl"] = masked_mean_per_row(ratio_from_log(log_ratio) - 1 - log_ratio, mask).sum()
         if entropy is not None:
             stats["entropy"] = masked_mean_per_row(entropy.detach(), mask).sum()
     return loss, stats
