@@ -4,7 +4,9 @@
     token_mean:              (1/N) sum_i sum_t l_it               every token counts the same (DAPO)
     seq_mean_token_sum_norm: (1/S) sum_i (1/L_max) sum_t l_it     token sums over a constant (Dr.GRPO)
 
-with S the sequences, N the trained tokens of the whole step and L_max the generation budget.
+with S the sequences with at least one trained token (as in verl: a fully masked response, such as a
+truncated one under rollout.truncated "mask", would shrink every other one's share), N the trained
+tokens of the whole step and L_max the generation budget.
 A micro-batch adds its `numerator` to the gradient as numerator / `denominator` of the global
 batch, so gradient accumulation over micro-batches equals one pass over the whole batch.
 """

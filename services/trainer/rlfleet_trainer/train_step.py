@@ -179,7 +179,10 @@ def train_step(
     )
     advantages = estimate.advantages * torch.tensor([s.weight for s in sequences]).unsqueeze(1)  # (S, T)
     trained_tokens = float(mask.sum())
-    norm = denominator(config.loss.aggregation, len(sequences), trained_tokens)
+    # A response with no trained token (truncated under rollout.truncated "mask") adds nothing and, as in verl,
+    # does not count among the sequences either: it would shrink every other response's share.
+    trained_sequences = int((mask.sum(dim=1) > 0).sum())
+    norm = denominator(config.loss.aggregation, trained_sequences, trained_tokens)
 
     model.train()
     optimizer.zero_grad(set_to_none=True)

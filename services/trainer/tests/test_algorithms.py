@@ -113,6 +113,27 @@ def test_micro_batches_accumulate_to_one_pass(small_model_dir: Path, name: str) 
         assert torch.allclose(a, b, atol=LEARNING_RATE / 20), key
 
 
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo"])
+def test_responses_without_a_trained_token_do_not_count_among_the_sequences(small_model_dir: Path, name: str) -> None:
+    """A group whose responses were all masked (truncated under rollout.truncated "mask") leaves the step as
+    if it were not there: counted among the sequences, it halved the other group's loss and gradient."""
+    resolved = spec({"name": name})
+    policy = load_policy(small_model_dir)
+    kept, masked = groups_from(policy, 2)
+    for sample in masked.samples:
+        sample.loss_mask[:] = [0] * len(sample.loss_mask)
+    runs = []
+    for groups in ([kept], [kept, masked]):
+        torch.manual_seed(0)
+        model = load_policy(small_model_dir)
+        optimizer, scheduler = optimizer_from_spec(model, resolved)
+        runs.append(train_step(model, optimizer, scheduler, groups, step_config_from_spec(resolved, model, pad_id=0)))
+    alone, with_masked = runs
+    assert with_masked["samples"] == 8
+    assert with_masked["loss"] == pytest.approx(alone["loss"], abs=1e-6)
+    assert with_masked["grad_norm"] == pytest.approx(alone["grad_norm"], rel=1e-4)
+
+
 def test_kl_in_the_reward_changes_the_advantages_not_the_loss_terms(small_model_dir: Path) -> None:
     in_loss = spec({"name": "rloo", "kl_coef": 0.5, "kl_mode": "loss"})
     in_reward = spec({"name": "rloo", "kl_coef": 0.5})
