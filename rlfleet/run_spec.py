@@ -145,6 +145,8 @@ def resolve(spec: RunSpec) -> RunSpec:
         al.value_clip = 0.2
     if not al.HasField("critic_learning_rate"):
         al.critic_learning_rate = min(0.5, 10 * tr.learning_rate)
+    if not al.HasField("clip_ratio_c"):
+        al.clip_ratio_c = 3.0
     return out
 
 
@@ -282,6 +284,11 @@ def validate(spec: RunSpec) -> None:
     _require(al.name in ALGORITHMS, "algorithm.name", f"must be one of {list(ALGORITHMS)}, got {al.name!r}")
     _require(0 <= al.clip_low < 1, "algorithm.clip_low", "must be in [0, 1)")
     _require(0 <= al.clip_high <= 10, "algorithm.clip_high", "must be in [0, 10]")
+    _require(
+        _finite(al.clip_ratio_c) and (al.clip_ratio_c == 0 or al.clip_ratio_c > 1),
+        "algorithm.clip_ratio_c",
+        "must be 0 (off) or > 1 (dual clip bounds a negative advantage's loss at clip_ratio_c x |A|)",
+    )
     _require(_finite(al.kl_coef) and al.kl_coef >= 0, "algorithm.kl_coef", "must be >= 0")
     _require(al.kl_estimator in KL_ESTIMATORS, "algorithm.kl_estimator", f"must be one of {list(KL_ESTIMATORS)}")
     _require(_finite(al.entropy_coef), "algorithm.entropy_coef", "must be a finite number")

@@ -62,6 +62,7 @@ def test_each_algorithm_fills_its_own_defaults() -> None:
 
     grpo = algorithm("grpo")
     assert (grpo.loss_aggregation, grpo.kl_mode, grpo.tis_cap) == ("seq_mean_token_mean", "loss", 0.0)
+    assert grpo.clip_ratio_c == 3.0 and algorithm("grpo", clip_ratio_c=0).clip_ratio_c == 0.0  # verl's dual clip
     dapo = algorithm("dapo")
     assert (dapo.clip_low, dapo.clip_high, dapo.loss_aggregation) == (0.2, 0.28, "token_mean")
     gspo = algorithm("gspo")
@@ -87,6 +88,7 @@ def test_each_algorithm_fills_its_own_defaults() -> None:
         ({"algorithm": {"name": "ppo", "gamma": 0}}, "algorithm.gamma"),
         ({"algorithm": {"name": "ppo", "gae_lambda": 1.5}}, "algorithm.gae_lambda"),
         ({"algorithm": {"name": "ppo", "value_clip": 0}}, "algorithm.value_clip"),
+        ({"algorithm": {"clip_ratio_c": 0.9}}, "algorithm.clip_ratio_c"),
         ({"trainer": {"lr_schedule": "step"}}, "trainer.lr_schedule"),
         ({"trainer": {"min_lr_ratio": 2}}, "trainer.min_lr_ratio"),
         ({"trainer": {"pack_row_tokens": -1}}, "trainer.pack_row_tokens"),

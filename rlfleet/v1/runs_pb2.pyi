@@ -131,7 +131,7 @@ class RolloutSpec(_message.Message):
     def __init__(self, function: _Optional[str] = ..., group_size: _Optional[int] = ..., groups_per_step: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_staleness: _Optional[int] = ..., filters: _Optional[_Iterable[str]] = ..., oversample: _Optional[float] = ..., max_prompts_per_step: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., truncated: _Optional[str] = ..., stale_groups: _Optional[str] = ..., stale_weight: _Optional[float] = ..., multi_turn: _Optional[_Union[MultiTurnSpec, _Mapping]] = ..., on_weight_update: _Optional[str] = ...) -> None: ...
 
 class AlgorithmSpec(_message.Message):
-    __slots__ = ("name", "clip_low", "clip_high", "kl_coef", "kl_estimator", "entropy_coef", "loss_aggregation", "kl_mode", "tis_cap", "ratio_mask_low", "ratio_mask_high", "gamma", "gae_lambda", "value_clip", "critic_learning_rate")
+    __slots__ = ("name", "clip_low", "clip_high", "kl_coef", "kl_estimator", "entropy_coef", "loss_aggregation", "kl_mode", "tis_cap", "ratio_mask_low", "ratio_mask_high", "gamma", "gae_lambda", "value_clip", "critic_learning_rate", "clip_ratio_c")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CLIP_LOW_FIELD_NUMBER: _ClassVar[int]
     CLIP_HIGH_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +147,7 @@ class AlgorithmSpec(_message.Message):
     GAE_LAMBDA_FIELD_NUMBER: _ClassVar[int]
     VALUE_CLIP_FIELD_NUMBER: _ClassVar[int]
     CRITIC_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    CLIP_RATIO_C_FIELD_NUMBER: _ClassVar[int]
     name: str
     clip_low: float
     clip_high: float
@@ -162,7 +163,8 @@ class AlgorithmSpec(_message.Message):
     gae_lambda: float
     value_clip: float
     critic_learning_rate: float
-    def __init__(self, name: _Optional[str] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[str] = ..., entropy_coef: _Optional[float] = ..., loss_aggregation: _Optional[str] = ..., kl_mode: _Optional[str] = ..., tis_cap: _Optional[float] = ..., ratio_mask_low: _Optional[float] = ..., ratio_mask_high: _Optional[float] = ..., gamma: _Optional[float] = ..., gae_lambda: _Optional[float] = ..., value_clip: _Optional[float] = ..., critic_learning_rate: _Optional[float] = ...) -> None: ...
+    clip_ratio_c: float
+    def __init__(self, name: _Optional[str] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[str] = ..., entropy_coef: _Optional[float] = ..., loss_aggregation: _Optional[str] = ..., kl_mode: _Optional[str] = ..., tis_cap: _Optional[float] = ..., ratio_mask_low: _Optional[float] = ..., ratio_mask_high: _Optional[float] = ..., gamma: _Optional[float] = ..., gae_lambda: _Optional[float] = ..., value_clip: _Optional[float] = ..., critic_learning_rate: _Optional[float] = ..., clip_ratio_c: _Optional[float] = ...) -> None: ...
 
 class TrainerSpec(_message.Message):
     __slots__ = ("learning_rate", "weight_decay", "grad_clip", "micro_batch_tokens", "warmup_steps", "checkpoint_every", "seed", "lr_schedule", "min_lr_ratio", "pack_row_tokens")

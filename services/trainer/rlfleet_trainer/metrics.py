@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 STEP_GAUGES = {
     "loss": "policy loss of the last step",
     "pg_clipfrac": "fraction of trained tokens whose ratio was clipped",
+    "pg_dual_clipfrac": "fraction of trained tokens whose loss the dual clip bounded (negative advantage)",
     "approx_kl": "estimated KL(rollout policy || updated policy) of the last step",
     "entropy": "mean per-token entropy of the policy on trained tokens",
     "kl": "mean KL estimate to the reference policy",

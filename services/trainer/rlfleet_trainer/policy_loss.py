@@ -5,6 +5,7 @@ For response token t of sample i, with old log-probability logp_old and advantag
 
     ratio_t = exp(logp_t - logp_old_t)   (the log-ratio bounded to [-20, 20]: ratios.py)
     pg_t    = -min(ratio_t * A_t, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_t)
+    pg_t    = min(pg_t, -c * A_t)  where A_t < 0   (dual clip, c = clip_ratio_c; off at 0)
     loss_t  = w_t * pg_t + beta * KL_t(pi || pi_ref) - entropy_coef * H_t
 
 where w_t is the TIS weight (1 without TIS) and tokens outside the ratio band are masked out.
@@ -31,6 +32,8 @@ class PolicyLossConfig:
     """Lower clip range: ratios below 1 - clip_low stop contributing gradient for A < 0."""
     clip_high: float = 0.2
     """Upper clip range: ratios above 1 + clip_high stop contributing gradient for A > 0."""
+    clip_ratio_c: float = 0.0
+    """Dual clip: for A < 0 the loss is at most c |A| (ratios above c stop contributing gradient); 0 is off."""
     sequence_ratio: bool = False
     """GSPO: clip the geometric mean of a sequence's token ratios instead of each token's ratio."""
     aggregation: str = "seq_mean_token_mean"
@@ -57,13 +60,21 @@ def clipped_token_surrogate(
     advantages: torch.Tensor,  # (B, T)
     clip_low: float,
     clip_high: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    clip_ratio_c: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate per token: pg_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t),
-    r_t = exp(logp_t - logp_old_t). Returns (pg (B, T), clipped (B, T) bool: the clipped branch won)."""
+    r_t = exp(logp_t - logp_old_t), then, with dual clip (c > 0), pg_t = min(pg_t, -c A_t) where A_t < 0.
+    Returns (pg (B, T), clipped (B, T) bool: the clipped branch won, dual_clipped (B, T) bool)."""
     ratio = ratio_from_log(logp - old_logp)  # (B, T)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
-    return -torch.minimum(unclipped, clipped), (clipped < unclipped).detach()
+    pg = -torch.minimum(unclipped, clipped)
+    dual_clipped = torch.zeros_like(pg, dtype=torch.bool)
+    if clip_ratio_c > 0:
+        bound = -clip_ratio_c * advantages
+        dual_clipped = ((advantages < 0) & (pg > bound)).detach()
+        pg = torch.where(dual_clipped, bound, pg)
+    return pg, (clipped < unclipped).detach(), dual_clipped
 
 
 def clipped_sequence_surrogate(
@@ -100,8 +111,11 @@ def policy_loss(
     old_logp = logp.detach() if config.tis_cap > 0 else rollout_logp
     if config.sequence_ratio:
         pg, clipped = clipped_sequence_surrogate(logp, old_logp, advantages, mask, config.clip_low, config.clip_high)
+        dual_clipped = None
     else:
-        pg, clipped = clipped_token_surrogate(logp, old_logp, advantages, config.clip_low, config.clip_high)
+        pg, clipped, dual_clipped = clipped_token_surrogate(
+            logp, old_logp, advantages, config.clip_low, config.clip_high, config.clip_ratio_c
+        )
     stats: dict[str, torch.Tensor] = {}
     trained = mask
     if config.tis_cap > 0:
@@ -127,6 +141,8 @@ def policy_loss(
     with torch.no_grad():
         log_ratio = logp - rollout_logp
         stats["pg_clipfrac"] = masked_mean_per_row(clipped.to(logp.dtype), trained).sum()
+        if dual_clipped is not None and config.clip_ratio_c > 0:
+            stats["pg_dual_clipfrac"] = masked_mean_per_row(dual_clipped.to(logp.dtype), trained).sum()
         # Schulman's k3 estimate of KL(rollout || current) with r = current/rollout: (r - 1) - log r >= 0.
         stats["approx_kl"] = masked_mean_per_row(ratio_from_log(log_ratio) - 1 - log_ratio, mask).sum()
         if entropy is not None:

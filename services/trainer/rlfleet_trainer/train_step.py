@@ -83,6 +83,7 @@ def step_config_from_spec(spec: RunSpec, model: PreTrainedModel, pad_id: int) ->
         loss=PolicyLossConfig(
             clip_low=al.clip_low,
             clip_high=al.clip_high,
+            clip_ratio_c=al.clip_ratio_c,
             sequence_ratio=algorithm.sequence_ratio,
             aggregation=al.loss_aggregation,
             max_tokens=spec.rollout.sampling.max_new_tokens,

@@ -153,3 +153,22 @@ def test_far_apart_log_probs_give_a_finite_loss_and_gradient(estimator: str, gap
             (grad,) = torch.autograd.grad(loss, logp)
             assert math.isfinite(loss.item()) and bool(torch.isfinite(grad).all()), (loss, grad)
             assert all(math.isfinite(v.item()) for v in stats.values()), stats
+
+
+def test_dual_clip_bounds_a_negative_advantages_loss() -> None:
+    """verl's dual clip (clip_ratio_c 3): ratio 5 with A = -1 gives loss 3 and no gradient, not 5 and 5;
+    a positive advantage and a ratio below c are untouched."""
+    rollout = log([[0.1, 0.1, 0.1]])
+    logp = log([[0.5, 0.5, 0.2]]).requires_grad_(True)  # ratios 5, 5, 2
+    advantages = torch.tensor([[-1.0, 1.0, -1.0]])
+    cfg = PolicyLossConfig(aggregation="token_mean", clip_ratio_c=3.0)
+    loss, stats = policy_loss(logp, rollout, advantages, torch.ones(1, 3), cfg)
+    (grad,) = torch.autograd.grad(loss, logp)
+    # token 0: min(5, 3) = 3, no gradient; token 1: -min(5, 1.2) = -1.2 (upper clip); token 2: max(2, 0.8) = 2
+    assert loss.item() == pytest.approx(3.0 - 1.2 + 2.0)
+    assert grad[0, 0].item() == 0.0 and grad[0, 1].item() == 0.0 and grad[0, 2].item() == pytest.approx(2.0)
+    assert stats["pg_dual_clipfrac"].item() == pytest.approx(1 / 3)
+    off, off_stats = policy_loss(
+        logp, rollout, advantages, torch.ones(1, 3), PolicyLossConfig(aggregation="token_mean")
+    )
+    assert off.item() == pytest.approx(5.0 - 1.2 + 2.0) and "pg_dual_clipfrac" not in off_stats
