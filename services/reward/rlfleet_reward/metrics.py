@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from rlfleet_reward.worker_pool import WorkerPool
+from rlfleet_reward.worker_pool import JobStatus, WorkerPool
 
 # Reward functions range from microseconds (string match) to seconds (symbolic math).
 _SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -60,6 +62,18 @@ class RewardMetrics:
             "Network-bound function calls (remote, judge) running on the event loop now.",
             registry=self.registry,
         )
+
+    def add_functions(self, names: Iterable[str]) -> None:
+        """Creates each function's series, and the common request outcomes', at 0: a counter series that appears
+        only at its first increment hides that increment from rate() and increase(), so a first timeout or
+        error would never show on a dashboard."""
+        for outcome in ("ok", "cancelled", "invalid_input", "resource_exhausted"):
+            self.requests.labels(outcome)
+        for name in names:
+            for status in JobStatus:
+                self.items.labels(name, status.value)
+            self.timeouts.labels(name)
+            self.item_seconds.labels(name)
 
     def watch_pool(self, pool: WorkerPool) -> None:
         """Reads the pool's gauges at scrape time and times its waits, so the pool knows nothing of metrics."""

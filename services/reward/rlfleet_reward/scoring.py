@@ -58,6 +58,7 @@ class Scorer:
         self.limits = limits
         self.metrics = metrics
         self._io_slots = asyncio.Semaphore(limits.max_concurrent_io_calls)
+        metrics.add_functions(registry)
 
     async def score(self, request: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
         try:

@@ -203,6 +203,17 @@ def test_bad_grpc_input_is_invalid_argument(
     assert message in raised.value.details()
 
 
+def test_every_functions_counters_exist_at_zero_before_its_first_item(hub: Hub) -> None:
+    """A counter series that appears only at its first increment hides that increment from rate() and
+    increase(): the first timeout of a function would never show on the dashboard."""
+    text = httpx.get(f"{hub.url}/metrics", timeout=10).text
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    for status in ("ok", "error", "timeout"):
+        assert f'rlfleet_reward_items_total{{function="code",status="{status}"}}' in samples
+    assert 'rlfleet_reward_timeouts_total{function="remote"}' in samples
+    assert 'rlfleet_reward_requests_total{outcome="invalid_input"}' in samples
+
+
 def test_metrics_are_exported_after_scoring(hub: Hub) -> None:
     body = {"spec": {"terms": [{"function": "arith_exact"}, {"function": "raise"}]}, "items": [{"label": "1"}] * 3}
     assert hub.score(body).status_code == 200

@@ -125,7 +125,8 @@ class Fleet:
                 self.remove_worker,
             )
         for url in config.worker_urls:
-            self.workers.add(url)
+            worker, _ = self.workers.add(url)
+            self.metrics.add_engine(worker.url)
 
     async def start(self) -> None:
         await self.proxy.start()
@@ -205,6 +206,7 @@ class Fleet:
         """
         worker, created = self.workers.add(url)
         if created:
+            self.metrics.add_engine(worker.url)
             self.health.check_soon(worker)
         return worker, created
 

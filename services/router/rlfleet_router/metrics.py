@@ -23,6 +23,9 @@ from rlfleet_router.trajectory_store import TrajectoryStore
 from rlfleet_router.workers import WorkerRegistry, WorkerState
 
 ENGINE_STATES = (*(s.value for s in WorkerState), "restarting")
+ENGINE_ERROR_KINDS = ("connection", "http_5xx", "engine_failed")
+RESTART_RESULTS = ("success", "failure")
+WEIGHT_UPDATE_RESULTS = ("success", "partial", "failure")
 
 MetricT = TypeVar("MetricT", Counter, Histogram)
 
@@ -221,6 +224,8 @@ class RouterMetrics:
             ["engine"],
             registry=self.registry,
         )
+        for result in WEIGHT_UPDATE_RESULTS:  # at 0 from the start, for the reason add_engine gives
+            self.weight_updates.labels(result=result)
         self.fleet = FleetCollector(workers, weight_version)
         self.registry.register(self.fleet)
         # Children of the metrics every generation request updates, by label values in declaration order.
@@ -229,6 +234,19 @@ class RouterMetrics:
         self.routing_decision = Children(self.routing_decisions)
         self.engine_prompt_tokens = Children(self.prompt_tokens)
         self.engine_cached_tokens = Children(self.cached_tokens)
+
+    def add_engine(self, url: str) -> None:
+        """Creates an engine's labelled series at 0 as it joins: a counter's series that appears only at its
+        first increment hides that increment from rate() and increase(), so a first restart or error would
+        never show on a dashboard."""
+        for kind in ENGINE_ERROR_KINDS:
+            self.engine_errors.labels(engine=url, kind=kind)
+        for result in RESTART_RESULTS:
+            self.restarts.labels(engine=url, result=result)
+        self.health_check_failures.labels(engine=url)
+        self.engine_version_drifts.labels(engine=url)
+        self.engine_prompt_tokens(url)
+        self.engine_cached_tokens(url)
 
     def forget_engine(self, url: str) -> None:
         """Drops the series of an engine that left the fleet: engines that come and go (pods by IP) would

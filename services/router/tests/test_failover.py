@@ -108,5 +108,8 @@ def test_a_stream_under_way_at_an_engine_that_fails_ends_with_an_error(
         what="the stream counted as the failure it was",
     )
     metrics = router.client.get("/metrics").text
-    assert metric_value(metrics, "rlfleet_router_engine_errors_total", {"kind": "engine_failed"}) == 1
+    assert (
+        metric_value(metrics, "rlfleet_router_engine_errors_total", {"engine": engine.url, "kind": "engine_failed"})
+        == 1
+    )
     assert metric_value(metrics, "rlfleet_router_requests_total", {"route": "/generate", "status": "200"}) is None

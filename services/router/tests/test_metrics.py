@@ -42,3 +42,24 @@ def test_metrics_follow_requests_health_and_weight_updates(
     # Its counters go too: engines that come and go (pods by IP) would otherwise add series without end.
     assert metric_value(after, "rlfleet_router_health_check_failures_total", failures) is None
     assert metric_value(after, "rlfleet_router_engine_healthy", {"engine": up.url}) == 1
+
+
+def test_an_engines_counters_exist_at_zero_from_the_moment_it_joins(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """A counter series that appears only at its first increment hides that increment from rate() and
+    increase(): a first restart, error or failed weight update would never show on a dashboard."""
+    first, second = start_engine("first"), start_engine("second")
+    router = start_router([first.url])
+    router.wait_healthy(1)
+    assert router.client.post("/workers", json={"url": second.url}).status_code in (200, 201, 202)
+    text = router.client.get("/metrics").text
+    for engine in (first.url, second.url):
+        for result in ("success", "failure"):
+            assert metric_value(text, "rlfleet_router_engine_restarts_total", {"engine": engine, "result": result}) == 0
+        for kind in ("connection", "http_5xx", "engine_failed"):
+            assert metric_value(text, "rlfleet_router_engine_errors_total", {"engine": engine, "kind": kind}) == 0
+        for name in ("health_check_failures", "engine_version_drifts", "prompt_tokens", "cached_tokens"):
+            assert metric_value(text, f"rlfleet_router_{name}_total", {"engine": engine}) == 0, name
+    for result in ("success", "partial", "failure"):
+        assert metric_value(text, "rlfleet_router_weight_updates_total", {"result": result}) == 0

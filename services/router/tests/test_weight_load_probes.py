@@ -61,7 +61,12 @@ def test_a_load_longer_than_the_failure_window_succeeds_and_is_never_rolled_back
         assert gated.engine.weight_version == "2"
         assert [b["weight_version"] for b in gated.engine.update_bodies] == ["1", "2"]
     assert {w["weight_version"] for w in router.workers()} == {"2"}
-    assert metric_value(router.client.get("/metrics").text, "rlfleet_router_health_check_failures_total") is None
+    text = router.client.get("/metrics").text
+    failures = [
+        metric_value(text, "rlfleet_router_health_check_failures_total", {"engine": str(w["url"])})
+        for w in router.workers()
+    ]
+    assert failures == [0] * len(failures) and failures
 
 
 def test_a_paused_fleet_stays_in_routing_and_a_dead_engine_still_leaves_it(
