@@ -35,13 +35,15 @@ class TrainerMetrics:
         self.step_seconds = Histogram(
             "rlfleet_trainer_step_seconds",
             "time of one optimizer step",
-            buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+            buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1200, 3600),
             registry=self.registry,
         )
         self.weight_sync_seconds = Histogram(
             "rlfleet_trainer_weight_sync_seconds",
             "time from optimizer step end to the fleet serving the new version",
-            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+            # Up to the weight load's bound (--weight-load-timeout-s, 300 s) and past it: a quantile can only
+            # show values up to the largest finite bucket.
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
             registry=self.registry,
         )
         self.checkpoint_seconds = Histogram(
