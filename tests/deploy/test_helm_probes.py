@@ -54,6 +54,20 @@ def test_liveness_is_liveness_and_readiness_is_health(values_file: Path | None) 
     trainer = rendered["trainer"]
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert probe_path(trainer, probe) == "/health", probe
+    # SGLang's /health generates a token, which waits behind a weight load: a long load would get the engine
+    # killed. Its liveness is /get_model_info; the CPU engine's /health answers during a load.
+    engine = rendered["engine"]
+    expected = "/get_model_info" if engine_backend(values_file) == "sglang" else "/health"
+    assert probe_path(engine, "livenessProbe") == expected
+    assert probe_path(engine, "startupProbe") == probe_path(engine, "readinessProbe") == "/health"
+
+
+def engine_backend(values_file: Path | None) -> str:
+    values = yaml.safe_load(values_file.read_text()) if values_file else {}
+    backend: str = (values.get("engine") or {}).get("backend") or yaml.safe_load((CHART / "values.yaml").read_text())[
+        "engine"
+    ]["backend"]
+    return backend
 
 
 def test_probes_need_no_api_token() -> None:
