@@ -1,6 +1,6 @@
-"""deploy/grafana: well-formed dashboards whose every query names only metrics some service exports,
-and a Prometheus config that Prometheus's own checker accepts. (test_dashboards_e2e.py evaluates
-every query against a running fleet.)"""
+"""deploy/grafana: well-formed dashboards whose every query charts series some service exports (rates over
+counters only), scoped to the chosen namespace, and a Prometheus config that Prometheus's own checker
+accepts. (test_dashboards_e2e.py evaluates every query against a running fleet.)"""
 
 from __future__ import annotations
 
@@ -12,12 +12,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
+
+from rlfleet_engine.metrics import EngineMetrics
+from rlfleet_reward.metrics import RewardMetrics
+from rlfleet_rollout.metrics import RolloutMetrics
+from rlfleet_router.metrics import RouterMetrics
+from rlfleet_router.workers import WorkerRegistry
+from rlfleet_trainer.metrics import TrainerMetrics
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((REPO / "deploy" / "grafana").glob("*.json"))
-METRIC = re.compile(r"\b(rlfleet_[a-z_]+|sglang:[a-z_]+)")
-# Suffixes Prometheus client libraries add to counters and histograms.
-SUFFIXES = ("_total", "_bucket", "_count", "_sum")
+METRIC = re.compile(r"\b(rlfleet_[a-z0-9_]+|sglang:[a-z0-9_:]+)")
+SELECTOR = re.compile(r"\b(?:rlfleet_[a-z0-9_]+|sglang:[a-z0-9_:]+)(\{[^}]*\})?")
+RATE_OF = re.compile(r"\b(?:rate|irate|increase)\(\s*([a-zA-Z_:][a-zA-Z0-9_:]*)")
+# Series names prometheus_client exports per metric type.
+TYPE_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
 REQUIRED_PANELS = {
     "rlfleet-run.json": [
         "reward",
@@ -36,13 +46,22 @@ REQUIRED_PANELS = {
 }
 
 
-def exported_metric_names() -> set[str]:
-    """Names declared in the services' metrics modules (the engine's SGLang-named ones included)."""
-    names: set[str] = set()
-    for path in REPO.glob("services/*/rlfleet_*/metrics.py"):
-        names |= set(re.findall(r'"(rlfleet_[a-z_]+|sglang:[a-z_]+)"', path.read_text()))
-        # The trainer names its step gauges from a table: rlfleet_trainer_<name>.
-        names |= {f"rlfleet_trainer_{n}" for n in re.findall(r'^\s+"([a-z_]+)": "', path.read_text(), re.M)}
+def exported() -> dict[str, str]:
+    """Every series name the services export (with its type's suffixes: _total, _bucket, ...) -> its type."""
+    engine_registry = CollectorRegistry()
+    EngineMetrics(engine_registry, "model")
+    registries = [
+        RouterMetrics(WorkerRegistry(failure_threshold=3, success_threshold=1), lambda: "1").registry,
+        RewardMetrics().registry,
+        TrainerMetrics().registry,
+        RolloutMetrics().registry,
+        engine_registry,
+    ]
+    names: dict[str, str] = {}
+    for registry in registries:
+        for family in registry.collect():
+            for suffix in TYPE_SUFFIXES.get(family.type, ("",)):
+                names[family.name + suffix] = family.type
     return names
 
 
@@ -73,16 +92,29 @@ def test_dashboard_is_well_formed(path: Path) -> None:
 
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.stem)
-def test_every_query_names_exported_metrics(path: Path) -> None:
-    exported = exported_metric_names()
-    assert "sglang:num_queue_reqs" in exported and "rlfleet_trainer_entropy" in exported
+def test_every_query_charts_exported_series_and_rates_only_counters(path: Path) -> None:
+    """A renamed metric, or a rate() over a gauge, would leave a panel empty or wrong without a word."""
+    names = exported()
+    assert "sglang:num_queue_reqs" in names and "rlfleet_trainer_entropy" in names
     for title, target in targets(json.loads(path.read_text())):
-        names = METRIC.findall(target["expr"])
-        assert names, f"{title}: {target['expr']}"
-        for name in names:
-            base = next((name.removesuffix(s) for s in SUFFIXES if name.endswith(s)), name)
-            # Counters may be declared with their _total suffix (the trainer's are).
-            assert base in exported or name in exported, f"{path.name} / {title}: {name} is not exported"
+        expr = target["expr"]
+        assert METRIC.findall(expr), f"{title}: {expr}"
+        for series in METRIC.findall(expr):
+            assert series in names, f"{path.name} / {title}: {series} is not exported by any service ({expr})"
+        for series in RATE_OF.findall(expr):
+            kind = names.get(series, "missing series")
+            assert kind in ("counter", "histogram"), f"{path.name} / {title}: rate over {series}, a {kind} ({expr})"
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.stem)
+def test_every_series_is_scoped_to_the_chosen_namespace(path: Path) -> None:
+    """Prometheus in a cluster scrapes every release: unscoped sums would add up other namespaces' fleets."""
+    dashboard = json.loads(path.read_text())
+    [variable] = [v for v in dashboard["templating"]["list"] if v["name"] == "namespace"]
+    assert variable["includeAll"] and variable["allValue"] == ".*"  # compose's series have no namespace label
+    for title, target in targets(dashboard):
+        for match in SELECTOR.finditer(target["expr"]):
+            assert match.group(1) and 'namespace=~"$namespace"' in match.group(1), f"{path.name} / {title}"
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")

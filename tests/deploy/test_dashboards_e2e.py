@@ -28,8 +28,9 @@ pytestmark = [
 ]
 
 REPO = Path(__file__).resolve().parents[2]
-# What Grafana substitutes for its interval variables; the run is short, so one minute covers it.
-GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__range": "1h", "$__interval": "15s"}
+# What Grafana substitutes for its variables: the run is short, so one minute covers it; every namespace
+# (the local fleet's series have none, as in docker compose).
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__range": "1h", "$__interval": "15s", "$namespace": ".*"}
 
 
 def scrape_config(fleet: LocalFleet) -> dict[str, Any]:

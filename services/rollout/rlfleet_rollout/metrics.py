@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from rlfleet.v1.runs_pb2 import RunState
@@ -96,6 +98,12 @@ class RolloutMetrics:
         if old is not None:
             self.runs.labels(state=_label(RunState.Name(old))).dec()
         self.runs.labels(state=_label(RunState.Name(new))).inc()
+
+    def add_filter_reasons(self, reasons: Iterable[str]) -> None:
+        """Creates every reason's series at 0: a counter series that appears only at its first increment hides
+        that increment from rate() and increase(), so a first filtered group would never show."""
+        for reason in reasons:
+            self.groups_filtered.labels(reason=reason)
 
     def count_sample(self, status: SampleStatus) -> None:
         self.samples.labels(status=SampleStatus.Name(status).removeprefix("SAMPLE_STATUS_").lower()).inc()

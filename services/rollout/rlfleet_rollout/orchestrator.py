@@ -32,6 +32,7 @@ from rlfleet_rollout.run_loop import RunDeps
 from rlfleet_rollout.run_queue import RunQueue
 from rlfleet_rollout.run_store import RunStore
 from rlfleet_rollout.runs_core import RunsCore
+from rlfleet_rollout.step_producer import STEP_REASONS
 from rlfleet_rollout.trainer_client import TrainerClient
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ async def serve(config: RolloutConfig) -> None:
     token = read_token_file(config.api_token_file)
     guard = ApiTokenGuard(token, metrics.registry, "rollout")
     filters = FilterRegistry.from_entry_points()
+    metrics.add_filter_reasons([*STEP_REASONS, *filters.names()])
     rollouts = RolloutRegistry.from_entry_points()
     redis_async = connect_redis_async(config.redis_url, timeout_s=_REDIS_TIMEOUT_S)
     redis_sync = connect_redis(config.redis_url, timeout_s=_REDIS_TIMEOUT_S)

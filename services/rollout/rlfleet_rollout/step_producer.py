@@ -25,6 +25,8 @@ from rlfleet_rollout.group_producer import GroupRequest, RolloutContext, rename_
 from rlfleet_rollout.run_data import RunData
 
 _UNUSABLE = (SampleStatus.SAMPLE_STATUS_FAILED, SampleStatus.SAMPLE_STATUS_ABORTED)
+# Why a group is dropped besides the run's filters (each filter's name is its reason).
+STEP_REASONS = ("prompt_too_long", "stale", "surplus")
 
 
 @dataclass

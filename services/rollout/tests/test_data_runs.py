@@ -103,7 +103,9 @@ def test_zero_variance_groups_are_refilled_and_counted(
     assert int(progress["prompts_consumed"]) == 6 + filtered
     assert all(e["k"] == 4 and e["pass_at_k"] >= e["accuracy"] for e in final["evals"])
     metrics = httpx.get(f"{orchestrator.url}/metrics", timeout=5).text
-    assert 'rlfleet_rollout_groups_filtered_total{reason="zero_variance"}' in metrics
+    assert f'rlfleet_rollout_groups_filtered_total{{reason="zero_variance"}} {float(filtered)}' in metrics
+    # Every reason's series exists from the start, so a first filtered group shows in rate() and increase().
+    assert 'rlfleet_rollout_groups_filtered_total{reason="stale"} 0.0' in metrics
     assert "rlfleet_rollout_eval_pass_at_k " in metrics and "rlfleet_rollout_eval_truncation_rate " in metrics
 
 
