@@ -283,3 +283,28 @@ def test_router_discovers_and_restarts_engines_through_the_api_it_may_use(
         assert (
             float(env["RLFLEET_ROUTER_RESTART_TIMEOUT_SECS"]) > startup["periodSeconds"] * startup["failureThreshold"]
         )
+
+
+def test_each_service_monitor_scrapes_every_pod_of_its_component_once(
+    rendered: tuple[dict, list[dict[str, Any]]],
+) -> None:
+    """Every trainer node's first rank serves /metrics (its rank ops); the trainer's Service selects pod 0
+    only, so the trainer is scraped through its headless Service, and pod 0 not a second time."""
+    values, docs = rendered
+    monitors = by_kind(docs, "ServiceMonitor")
+    if not values["serviceMonitor"]["enabled"]:
+        assert not monitors
+        return
+    services = list(by_kind(docs, "Service").values())
+    for monitor in monitors.values():
+        [endpoint] = monitor["spec"]["endpoints"]
+        wanted = monitor["spec"]["selector"]["matchLabels"]
+        matched = [
+            s
+            for s in services
+            if wanted.items() <= s["metadata"]["labels"].items()
+            and any(p["name"] == endpoint["port"] for p in s["spec"]["ports"])
+        ]
+        assert len(matched) == 1, (monitor["metadata"]["name"], [s["metadata"]["name"] for s in matched])
+        selector = matched[0]["spec"]["selector"]
+        assert "statefulset.kubernetes.io/pod-name" not in selector, monitor["metadata"]["name"]
