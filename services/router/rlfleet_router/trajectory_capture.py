@@ -80,12 +80,16 @@ def turn_from_answer(
     """The turn an engine's 200 answer to `request` holds; ValueError if the answer lacks a part."""
     parsed = json.loads(answer)
     rid = request.get("rid") if isinstance(request.get("rid"), str) else None
+    sampled_by: tuple[str, ...] = ()
     if route == "/generate":
         meta = parsed["meta_info"]
         outputs = _ids(parsed.get("output_ids"), "output_ids")
         logprobs = tuple(float(entry[0]) for entry in meta["output_token_logprobs"])
         prompt = _ids(request.get("input_ids"), "input_ids")
         version = meta.get("weight_version")
+        versions = meta.get("weight_versions")  # rlfleet's CPU engine: every version that sampled a token
+        if isinstance(versions, list) and all(isinstance(v, (str, int)) for v in versions):
+            sampled_by = tuple(str(v) for v in versions)
         rid = rid or meta.get("id")
     else:
         choice = parsed["choices"][0]
@@ -107,4 +111,5 @@ def turn_from_answer(
         output_logprobs=logprobs,
         weight_version=str(version) if version is not None else engine_version,
         engine=engine,
+        weight_versions=sampled_by,
     )

@@ -40,7 +40,11 @@ class Turn:
     output_ids: tuple[int, ...]
     output_logprobs: tuple[float, ...]
     weight_version: str | None
+    """The version the answer went out on."""
     engine: str
+    weight_versions: tuple[str | None, ...] = ()
+    """Every version that sampled one of the turn's tokens, oldest first (an update during the turn under
+    on_weight_update "finish"); empty: only `weight_version`."""
 
 
 @dataclass
@@ -108,8 +112,9 @@ class TrajectoryStore:
                 "output_tokens": len(turn.output_ids),
             }
         )
-        if turn.weight_version not in trajectory.weight_versions:
-            trajectory.weight_versions.append(turn.weight_version)
+        for version in turn.weight_versions or (turn.weight_version,):
+            if version not in trajectory.weight_versions:
+                trajectory.weight_versions.append(version)
         trajectory.fleet_update = fleet_update
         trajectory.updated_at = time.time()
         self._entries[trajectory_id] = trajectory

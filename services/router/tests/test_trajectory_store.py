@@ -1,10 +1,13 @@
-"""The trajectory cache alone: layout of turns, divergence, token budget and staleness."""
+"""The trajectory cache alone: layout of turns, versions, divergence, token budget and staleness."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from rlfleet.errors import Conflict, NotFound
+from rlfleet_router.trajectory_capture import turn_from_answer
 from rlfleet_router.trajectory_store import TrajectoryStore, Turn
 
 
@@ -22,6 +25,16 @@ def test_turns_are_laid_out_with_generated_tokens_masked_in() -> None:
     assert got.loss_mask == [1, 1, 0, 1]
     assert got.logprobs == [-0.5, -1.0, 0.0, -0.5]
     assert got.weight_versions == ["1", "2"]
+
+
+def test_every_version_that_sampled_a_turn_is_kept_oldest_first() -> None:
+    """A weight update during a turn (on_weight_update "finish"): the turn's tokens came from versions 1 and
+    2, and the staleness rule reads the oldest; keeping only the version the answer went out on (2) made old
+    tokens look fresh."""
+    store = TrajectoryStore(max_tokens=1000, max_update_lag=1)
+    store.record("t", Turn("r", (1, 2), (3, 4), (-0.5, -1.0), "2", "e", ("1", "2")), fleet_update=0)
+    store.record("t", turn([1, 2, 3, 4, 9], [5], version="3"), fleet_update=1)
+    assert store.get("t").weight_versions == ["1", "2", "3"]
 
 
 def test_a_prompt_that_rewrites_history_makes_the_trajectory_a_conflict() -> None:
@@ -57,3 +70,13 @@ def test_budget_evicts_least_recently_used_and_updates_evict_stale() -> None:
     assert store.tokens == 7 and store.evictions == 1
     assert store.evict_stale(fleet_update=2) == 0
     assert store.evict_stale(fleet_update=3) == 2 and len(store) == 0 and store.tokens == 0
+
+
+def test_an_answer_lists_the_versions_that_sampled_it() -> None:
+    """rlfleet's CPU engine reports meta_info.weight_versions; SGLang only weight_version."""
+    request = {"input_ids": [1, 2], "rid": "r"}
+    meta = {"weight_version": "2", "output_token_logprobs": [[-0.5, 3, None], [-1.0, 4, None]]}
+    both = json.dumps({"output_ids": [3, 4], "meta_info": {**meta, "weight_versions": ["1", "2"]}}).encode()
+    one = json.dumps({"output_ids": [3, 4], "meta_info": meta}).encode()
+    assert turn_from_answer("/generate", request, both, "e", None).weight_versions == ("1", "2")
+    assert turn_from_answer("/generate", request, one, "e", None).weight_versions == ()
