@@ -133,6 +133,15 @@ async def run_episode(
         trajectory = await ctx.router.trajectory(trajectory_id)
     except RlfleetError as exc:
         return Episode(Completion(error=f"reading trajectory {trajectory_id} from the router failed: {exc}"))
+    if tuple(trajectory.prompt_ids) != tuple(prompt_ids):
+        # The router dropped the trajectory between turns (evicted as stale or over its budget, or restarted):
+        # a later turn began a new one, whose prompt holds the earlier turns with nothing to tell them apart.
+        return Episode(
+            Completion(
+                error=f"the router's trajectory {trajectory_id} does not start at the episode's prompt "
+                f"({len(trajectory.prompt_ids)} prompt tokens, not {len(prompt_ids)}): it lost the earlier turns"
+            )
+        )
     if trajectory.prompt_ids + trajectory.response_ids != (*ids, *last.output_ids):
         return Episode(Completion(error=f"the router's trajectory {trajectory_id} differs from the episode's tokens"))
     versions = tuple(v for v in trajectory.weight_versions if v is not None)

@@ -210,6 +210,24 @@ def test_a_failed_turn_fails_its_sample_not_the_group(tokenizer_dir: Path) -> No
     assert "turn 2: generation failed" in group.samples[0].error
 
 
+class ForgetsBetweenTurns(FakeRouter):
+    """Drops each trajectory before its second turn, as the router evicts one (two weight updates while a tool
+    ran, its token budget) or restarts: the second turn starts a new trajectory on the whole conversation."""
+
+    async def generate_turn(self, prompt: list[int], sampling: dict[str, Any], rid: str, tid: str) -> Completion:
+        if len(self.turns.get(tid, [])) == 1:
+            del self.turns[tid]
+        return await super().generate_turn(prompt, sampling, rid, tid)
+
+
+def test_a_trajectory_that_lost_its_earlier_turns_fails_its_sample(tokenizer_dir: Path) -> None:
+    """Its tokens line up with the episode's end to end, but paired with the episode's prompt it would train
+    the last turn's answer as the answer to the first prompt."""
+    group = asyncio.run(multi_turn(_context(tokenizer_dir, ForgetsBetweenTurns(), max_turns=3), _request()))
+    assert [s.status for s in group.samples] == [SampleStatus.SAMPLE_STATUS_FAILED] * 2
+    assert "does not start at the episode's prompt" in group.samples[0].error
+
+
 def test_a_multi_turn_run_is_evaluated_in_episodes(tokenizer_dir: Path) -> None:
     router = FakeRouter()
     ctx = _context(tokenizer_dir, router, max_turns=3)
