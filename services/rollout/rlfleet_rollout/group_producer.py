@@ -61,7 +61,10 @@ class RolloutContext:
     """The run's rollout.multi_turn.environment, when it names one."""
 
     def encode(self, prompt: str) -> list[int]:
-        return list(self.tokenizer.encode(prompt).ids)
+        """The ids of a prompt as `render` gave it. A chat template writes its own special tokens
+        ({{ bos_token }}), so a rendered prompt is encoded without the tokenizer's (as transformers'
+        apply_chat_template does: a BOS post-processor would add a second one); a raw prompt gets them."""
+        return list(self.tokenizer.encode(prompt, add_special_tokens=self.render is str).ids)
 
     def response_text(self, completion: Completion) -> str:
         return completion.text or self.tokenizer.decode(list(completion.output_ids), skip_special_tokens=True)

@@ -33,15 +33,21 @@ def tokenizer_file(tokenizer_path: str) -> Path:
 
 
 def load_tokenizer(tokenizer_path: str) -> Tokenizer:
+    """The tokenizer, without the truncation or padding a tokenizer.json may carry: a prompt cut to a saved
+    max_length would lose its end (the generation prompt with it) where max_prompt_tokens cannot see it."""
     path = tokenizer_file(tokenizer_path)
     try:
-        return Tokenizer.from_file(str(path))
+        tokenizer = Tokenizer.from_file(str(path))
     except Exception as exc:  # noqa: BLE001 - the library raises a bare Exception for unreadable files
         raise InvalidInput(f"model.tokenizer_path: cannot read {path}: {exc}") from exc
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
 
 
 def load_chat_template(tokenizer_path: str) -> Callable[[str], str]:
-    """The tokenizer's chat template (tokenizer_config.json `chat_template`) as prompt -> rendered user turn.
+    """The tokenizer's chat template as prompt -> rendered user turn: tokenizer_config.json `chat_template`, or
+    chat_template.jinja beside it (where transformers saves it since 4.43).
 
     InvalidInput naming dataset.chat_template when the tokenizer has none: the run asked for one.
     """
@@ -53,12 +59,19 @@ def load_chat_template(tokenizer_path: str) -> Callable[[str], str]:
         except (OSError, ValueError) as exc:
             raise InvalidInput(f"model.tokenizer_path: cannot read {config_path}: {exc}") from exc
     source = config.get("chat_template")
+    jinja = Path(tokenizer_path) / "chat_template.jinja"
+    if not source and jinja.is_file():
+        try:
+            source = jinja.read_text(encoding="utf-8")
+        except (OSError, ValueError) as exc:
+            raise InvalidInput(f"model.tokenizer_path: cannot read {jinja}: {exc}") from exc
     if isinstance(source, list):  # named templates: the "default" one serves plain chat
         source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
     if not isinstance(source, str) or not source:
         raise InvalidInput(
             f"dataset.chat_template: the tokenizer at {tokenizer_path!r} has no chat template "
-            "(tokenizer_config.json `chat_template`); unset dataset.chat_template to send prompts as they are"
+            "(tokenizer_config.json `chat_template`, or chat_template.jinja); unset dataset.chat_template to send "
+            "prompts as they are"
         )
     try:
         template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(source)

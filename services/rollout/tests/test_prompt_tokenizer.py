@@ -1,0 +1,70 @@
+"""The policy's tokenizer as the orchestrator reads it: a run spec whose tokenizer cannot be found is refused
+with a message that names model.path (the field the user most often set: model.tokenizer_path defaults to
+it) and where a relative path led; prompts are encoded as the engine's own chat template path would."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+from tokenizers.processors import TemplateProcessing
+
+from rlfleet.errors import InvalidInput
+from rlfleet_rollout.group_producer import RolloutContext
+from rlfleet_rollout.prompt_tokenizer import load_chat_template, load_tokenizer, tokenizer_file
+
+
+def test_a_missing_tokenizer_names_model_path_and_where_a_relative_path_led(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the orchestrator's working directory
+    with pytest.raises(InvalidInput) as refused:
+        tokenizer_file(".rlfleet/demo/sft")
+    message = str(refused.value)
+    assert message.startswith("model.tokenizer_path: no tokenizer.json in '.rlfleet/demo/sft'")
+    assert f"(here {tmp_path / '.rlfleet/demo/sft'})" in message
+    assert "Unset, model.tokenizer_path is model.path: point model.path at" in message
+
+
+def test_an_absolute_path_is_shown_as_given() -> None:
+    with pytest.raises(InvalidInput, match=r"no tokenizer\.json in '/nonexistent'; the orchestrator"):
+        tokenizer_file("/nonexistent")
+
+
+def _bos_tokenizer(directory: Path, template: str | None = None, truncate_at: int = 0) -> Path:
+    """A word-level tokenizer whose post-processor adds <s>, as Llama's and Gemma's do, saved to `directory`."""
+    vocab = {"<s>": 0, "<unk>": 1, "user:": 2, "assistant:": 3, "1+2=": 4, "x": 5}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = WhitespaceSplit()
+    tokenizer.add_special_tokens(["<s>"])  # found in text, as a template's {{ bos_token }} writes it
+    tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    if truncate_at:
+        tokenizer.enable_truncation(max_length=truncate_at)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    if template is not None:
+        (directory / "chat_template.jinja").write_text(template)
+        (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
+    return directory
+
+
+def test_a_rendered_prompt_has_one_bos_and_a_raw_one_gets_the_tokenizers(tmp_path: Path) -> None:
+    """The template writes {{ bos_token }}; encoding its text with the tokenizer's special tokens gave two, where
+    transformers' apply_chat_template (and slime) give one. The template is read from chat_template.jinja, where
+    transformers saves it."""
+    template = "{{ bos_token }}{% for m in messages %}user: {{ m.content }} {% endfor %}assistant:"
+    path = str(_bos_tokenizer(tmp_path / "tok", template))
+    tokenizer, render = load_tokenizer(path), load_chat_template(path)
+    assert render("1+2=") == "<s>user: 1+2= assistant:"
+    assert RolloutContext.encode(SimpleNamespace(tokenizer=tokenizer, render=render), render("1+2=")) == [0, 2, 4, 3]  # type: ignore[arg-type]
+    assert RolloutContext.encode(SimpleNamespace(tokenizer=tokenizer, render=str), "1+2=") == [0, 4]  # type: ignore[arg-type]
+
+
+def test_a_truncation_saved_in_tokenizer_json_does_not_cut_prompts(tmp_path: Path) -> None:
+    tokenizer = load_tokenizer(str(_bos_tokenizer(tmp_path / "tok", truncate_at=3)))
+    assert len(tokenizer.encode("x x x x x x").ids) == 7
