@@ -59,12 +59,28 @@ class RolloutContext:
     """Prompt -> text the model sees (the tokenizer's chat template when the dataset asks for it)."""
     environment: Environment | None = None
     """The run's rollout.multi_turn.environment, when it names one."""
+    context_tokens: int = 0
+    """The model's context length (config.json); 0: unknown, max_new_tokens is sent as the spec says."""
 
     def encode(self, prompt: str) -> list[int]:
         """The ids of a prompt as `render` gave it. A chat template writes its own special tokens
         ({{ bos_token }}), so a rendered prompt is encoded without the tokenizer's (as transformers'
         apply_chat_template does: a BOS post-processor would add a second one); a raw prompt gets them."""
         return list(self.tokenizer.encode(prompt, add_special_tokens=self.render is str).ids)
+
+    def within_context(self, sampling: dict[str, Any], prompt_tokens: int) -> dict[str, Any]:
+        """`sampling` with max_new_tokens cut to what the context leaves after `prompt_tokens`: an engine refuses
+        a request whose prompt and max_new_tokens together exceed it (SGLang answers 400), which failed the whole
+        sample; cut, the generation stops at the context with finish reason length. InvalidInput when the
+        prompt alone fills the context."""
+        if not self.context_tokens:
+            return sampling
+        room = self.context_tokens - prompt_tokens
+        if room < 1:
+            raise InvalidInput(
+                f"a prompt of {prompt_tokens} tokens leaves no room in the model's context of {self.context_tokens}"
+            )
+        return {**sampling, "max_new_tokens": min(int(sampling["max_new_tokens"]), room)}
 
     def response_text(self, completion: Completion) -> str:
         return completion.text or self.tokenizer.decode(list(completion.output_ids), skip_special_tokens=True)

@@ -3,15 +3,19 @@
     ids = the rendered prompt's tokens
     for turn in 1..max_turns:
         generate from ids through the router, under the sample's trajectory id (a turn a weight
-        update aborts is resumed on the new weights under rollout.on_weight_update abort_resume)
+        update aborts is resumed on the new weights under rollout.on_weight_update abort_resume),
+        max_new_tokens cut to what the model's context leaves
         ask the environment for a reply to the turns so far; stop if it has none (or the turn was cut)
+        stop, cut (finish reason length), when the reply would leave no room for another turn
         ids = ids + the tokens the engine generated + the reply's tokens
     read the trajectory back from the router's cache: the Sample's prompt ids, response ids,
     rollout logprobs, loss mask (0 on the environment's tokens) and weight versions
 
 Each turn's prompt extends the previous one by exactly the generated ids, so the router lays the
 turns out as one sequence of the tokens the engines produced: nothing is re-tokenised. The last
-model turn is what the reward functions score.
+model turn is what the reward functions score. The environment's reply is appended as its text's tokens,
+right after the model's: with a chat model, an environment writes the chat template's turn markers into
+its reply itself.
 """
 
 from __future__ import annotations
@@ -112,9 +116,11 @@ async def run_episode(
     ids = list(prompt_ids)
     texts: list[str] = []
     last = first = Completion()
+    out_of_context = False
     for turn in range(max_turns):
         params = sampling if seed is None else {**sampling, "sampling_seed": turn_seed(seed, turn)}
         try:
+            params = ctx.within_context(params, len(ids))
             last = await generate_turn_resuming(ctx, ids, params, f"{trajectory_id}/{turn}", trajectory_id)
         except RlfleetError as exc:
             return Episode(Completion(error=f"turn {turn + 1}: generation failed: {exc}"), turns=turn + 1)
@@ -128,7 +134,12 @@ async def run_episode(
         reply = env.reply(prompt, texts)
         if reply is None:
             break
-        ids += list(last.output_ids) + list(ctx.tokenizer.encode(reply, add_special_tokens=False).ids)
+        reply_ids = list(ctx.tokenizer.encode(reply, add_special_tokens=False).ids)
+        if ctx.context_tokens and len(ids) + len(last.output_ids) + len(reply_ids) >= ctx.context_tokens:
+            # No room for another turn: the episode ends here, cut as a generation cut at max_new_tokens is.
+            out_of_context = True
+            break
+        ids += list(last.output_ids) + reply_ids
     try:
         trajectory = await ctx.router.trajectory(trajectory_id)
     except RlfleetError as exc:
@@ -148,7 +159,7 @@ async def run_episode(
     whole = Completion(
         output_ids=trajectory.response_ids,
         logprobs=trajectory.logprobs,
-        finish_reason=last.finish_reason,
+        finish_reason=FinishReason.FINISH_REASON_LENGTH if out_of_context else last.finish_reason,
         weight_version=versions[-1] if versions else None,
         cached_tokens=first.cached_tokens,
     )

@@ -39,6 +39,7 @@ from rlfleet_rollout.evaluation import evaluate
 from rlfleet_rollout.group_filters import FilterRegistry
 from rlfleet_rollout.group_producer import RolloutContext
 from rlfleet_rollout.metrics import RolloutMetrics
+from rlfleet_rollout.model_directory import context_length
 from rlfleet_rollout.prompt_tokenizer import load_chat_template, load_tokenizer
 from rlfleet_rollout.redis_outage import until_redis_answers
 from rlfleet_rollout.reward_client import RewardClient
@@ -155,6 +156,7 @@ async def _drive(run: Run, session: TrainerSession, deps: RunDeps) -> None:
         environment=deps.rollouts.environment(spec.rollout.multi_turn.environment)
         if spec.rollout.HasField("multi_turn")
         else None,
+        context_tokens=await asyncio.to_thread(context_length, spec.model.path),
     )
     stream = SampleStream(deps.redis, run_id, prefix=deps.config.redis_prefix)
     position = DataPosition(deps.redis, run_id, prefix=deps.config.redis_prefix)

@@ -39,7 +39,7 @@ async def single_turn(ctx: RolloutContext, request: GroupRequest) -> SampleGroup
     attempt = uuid.uuid4().hex[:8]
     rids = [f"{sample_id}@{attempt}" for sample_id in sample_ids]
     try:
-        sampling = seeded_sampling(sampling_body(ro.sampling), seeds)
+        sampling = seeded_sampling(ctx.within_context(sampling_body(ro.sampling), len(prompt_ids)), seeds)
         completions = await generate_resuming(ctx, [prompt_ids] * n, sampling, rids)
     except RlfleetError as exc:
         logger.warning("generation of group %s failed: %s", request.group_id, exc, extra={"run_id": request.run_id})

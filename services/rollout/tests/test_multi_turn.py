@@ -4,6 +4,7 @@ trajectories the way the real one lays them out, a fake reward hub that scores t
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from rlfleet.errors import Unavailable
 from rlfleet.run_spec import resolve
 from rlfleet.v1.reward_pb2 import RewardSpec, ScoreItem, ScoreResult, ScoreStatus
 from rlfleet.v1.runs_pb2 import RunSpec
-from rlfleet.v1.samples_pb2 import FinishReason, SampleStatus
+from rlfleet.v1.samples_pb2 import FinishReason, Sample, SampleStatus
 from rlfleet_rollout.calculator import calculator, evaluate
 from rlfleet_rollout.datasets import Prompt
 from rlfleet_rollout.evaluation import evaluate as evaluate_run
@@ -226,6 +227,26 @@ def test_a_trajectory_that_lost_its_earlier_turns_fails_its_sample(tokenizer_dir
     group = asyncio.run(multi_turn(_context(tokenizer_dir, ForgetsBetweenTurns(), max_turns=3), _request()))
     assert [s.status for s in group.samples] == [SampleStatus.SAMPLE_STATUS_FAILED] * 2
     assert "does not start at the episode's prompt" in group.samples[0].error
+
+
+def test_an_episode_ends_cut_where_the_models_context_does(tokenizer_dir: Path) -> None:
+    """Sending every turn the full max_new_tokens past the context got a 400 from the engine and failed the
+    whole episode; each turn is now cut to the room left, and an episode with no room for another turn ends
+    as a truncated one (rollout.truncated applies)."""
+    prompt, call, reply = _ids("12+7="), _ids("[12+7]") + [EOS_ID], _ids("=19\n")
+
+    def run(context_tokens: int) -> Sample:
+        ctx = replace(_context(tokenizer_dir, FakeRouter(), max_turns=3), context_tokens=context_tokens)
+        return asyncio.run(multi_turn(ctx, _request())).samples[0]
+
+    full = run(len(prompt) + len(call) + len(reply))  # the reply fills the context: no room for turn 2
+    assert full.status == SampleStatus.SAMPLE_STATUS_TRUNCATED and full.metadata["turns"] == "1"
+    assert list(full.response_token_ids) == call
+    cut = run(len(prompt) + 4)  # the first turn itself is cut to 4 tokens
+    assert len(cut.response_token_ids) == 4 and cut.status == SampleStatus.SAMPLE_STATUS_TRUNCATED
+    assert run(len(prompt) + 64).metadata["turns"] == "2"  # room enough: as without a bound
+    failed = run(len(prompt))  # the prompt fills the context: no sample, a named reason
+    assert failed.status == SampleStatus.SAMPLE_STATUS_FAILED and "leaves no room" in failed.error
 
 
 def test_a_multi_turn_run_is_evaluated_in_episodes(tokenizer_dir: Path) -> None:
