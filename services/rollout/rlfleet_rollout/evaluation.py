@@ -40,16 +40,32 @@ async def _evaluate_batch(
     attempt = uuid.uuid4().hex[:8]  # unique among requests in flight, as for training groups
     rids = [f"{run_id}/eval/{step}/{index}/{j}@{attempt}" for index, _, j in cells]
     if k == 1:
-        sampling: dict | list = sampling_body(ctx.spec.rollout.sampling, greedy=True)
+        sampling = [sampling_body(ctx.spec.rollout.sampling, greedy=True)] * len(cells)
     else:
         # Seeds of their own (negative positions never name a train prompt), the same at every evaluation.
         seeds = [sample_seed(ctx.spec.dataset.seed, -1 - index, j) for index, _, j in cells]
         sampling = seeded_sampling(sampling_body(ctx.spec.rollout.sampling), seeds)
-    try:
-        completions = await ctx.generate(encoded, sampling, rids)
-    except RlfleetError as exc:
-        completions = [Completion(error=f"generation failed: {exc}")] * len(cells)
-    return await _judge(ctx, cells, completions, [ctx.response_text(c) for c in completions])
+    # A prompt the model's context cannot hold is wrong on its own: sent, the engine's refusal (a 400) would
+    # fail every prompt of the batch.
+    completions: list[Completion | None] = [None] * len(cells)
+    sent = []
+    for i, ids in enumerate(encoded):
+        try:
+            sampling[i] = ctx.within_context(sampling[i], len(ids))
+            sent.append(i)
+        except RlfleetError as exc:
+            completions[i] = Completion(error=f"not generated: {exc}")
+    if sent:
+        try:
+            answers = await ctx.generate(
+                [encoded[i] for i in sent], [sampling[i] for i in sent], [rids[i] for i in sent]
+            )
+        except RlfleetError as exc:
+            answers = [Completion(error=f"generation failed: {exc}")] * len(sent)
+        for i, answer in zip(sent, answers, strict=True):
+            completions[i] = answer
+    done = [c if c is not None else Completion(error="not generated") for c in completions]
+    return await _judge(ctx, cells, done, [ctx.response_text(c) for c in done])
 
 
 async def _evaluate_episodes(

@@ -104,10 +104,12 @@ async def produce_step(
 async def _candidate(
     ctx: RolloutContext, run_id: str, step: int, position: int, data: RunData, fallback_version: int
 ) -> SampleGroup | None:
-    """The scored group of the prompt at `position`, or None when the prompt is longer than max_prompt_tokens."""
+    """The scored group of the prompt at `position`, or None when the prompt is longer than max_prompt_tokens or
+    leaves no room in the model's context (every sample of it would fail, and alone in a wave fail the run)."""
     prompt = data.prompt_at(position)
     limit = ctx.spec.rollout.max_prompt_tokens
-    if limit and len(ctx.encode(ctx.render(prompt.prompt))) > limit:
+    tokens = len(ctx.encode(ctx.render(prompt.prompt)))
+    if (limit and tokens > limit) or (ctx.context_tokens and tokens >= ctx.context_tokens):
         return None
     request = GroupRequest(run_id, f"{run_id}/{step}/p{position}", position, prompt, fallback_version)
     return await ctx.rollout(ctx, request)

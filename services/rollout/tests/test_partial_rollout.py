@@ -8,7 +8,6 @@ import asyncio
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,6 @@ import pytest
 from google.protobuf import json_format
 from rollout_test_support import spec_json
 
-from rlfleet.errors import InvalidInput
 from rlfleet.processes import ServiceProcess, free_port
 from rlfleet.run_spec import resolve
 from rlfleet.v1.reward_pb2 import RewardSpec, ScoreItem, ScoreResult, ScoreStatus
@@ -26,7 +24,6 @@ from rlfleet.v1.samples_pb2 import FinishReason, SampleGroup, SampleStatus
 from rlfleet_rollout.datasets import Prompt
 from rlfleet_rollout.group_producer import GroupRequest, RolloutContext
 from rlfleet_rollout.metrics import RolloutMetrics
-from rlfleet_rollout.model_directory import context_length
 from rlfleet_rollout.partial_rollout import MAX_RESUMES, generate_resuming, join, stop_across_the_cut
 from rlfleet_rollout.prompt_tokenizer import load_tokenizer
 from rlfleet_rollout.rollout_function import RolloutRegistry
@@ -273,26 +270,3 @@ def test_a_multi_turn_turn_aborted_by_a_weight_update_is_resumed_in_its_trajecto
         assert sample.status == SampleStatus.SAMPLE_STATUS_TRUNCATED, sample.error
         assert len(sample.response_token_ids) == MAX_NEW_TOKENS == len(sample.loss_mask) == sum(sample.loss_mask)
         assert list(sample.weight_versions) == [0, 1] and sample.metadata["turns"] == "1"
-
-
-def test_max_new_tokens_is_cut_to_the_room_the_context_leaves(tokenizer_dir: Path) -> None:
-    """An engine refuses prompt + max_new_tokens past its context (SGLang: 400), which failed every sample of
-    a long prompt; single_turn and each multi_turn turn send what fits."""
-    ctx = _context(tokenizer_dir, router=None, on_weight_update="finish")
-    assert ctx.within_context({"max_new_tokens": MAX_NEW_TOKENS}, 100) == {"max_new_tokens": MAX_NEW_TOKENS}
-    bounded = replace(ctx, context_tokens=128)
-    assert bounded.within_context({"max_new_tokens": MAX_NEW_TOKENS, "top_p": 1.0}, 100) == {
-        "max_new_tokens": 28,
-        "top_p": 1.0,
-    }
-    assert bounded.within_context({"max_new_tokens": MAX_NEW_TOKENS}, 10) == {"max_new_tokens": MAX_NEW_TOKENS}
-    with pytest.raises(InvalidInput, match="128"):
-        bounded.within_context({"max_new_tokens": MAX_NEW_TOKENS}, 128)
-
-
-def test_the_context_length_is_read_from_the_models_config(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "n_positions": 1024}')
-    assert context_length(str(tmp_path)) == 1024
-    (tmp_path / "config.json").write_text('{"max_position_embeddings": 32768, "n_positions": 1024}')
-    assert context_length(str(tmp_path)) == 32768
-    assert context_length(str(tmp_path / "missing")) == 0
