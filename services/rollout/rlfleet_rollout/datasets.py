@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 # A run cycles through at most this many arithmetic problems (epoch after epoch).
 MAX_ARITHMETIC_POOL = 20_000
+# The split of a DatasetDict that held-out rows come from, by preference (training rows: "train").
+HELD_OUT_SPLITS = ("test", "validation")
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,13 @@ def _read_rows(
     if not path.exists():
         raise InvalidInput(f"{field_name}: {str(path)!r} does not exist")
     try:
-        records = {"jsonl": _jsonl_records, "parquet": _parquet_records, "hf_disk": _arrow_dir_records}[source]
+        splits = HELD_OUT_SPLITS if field_name.endswith(".eval_path") else ("train",)
+        readers: dict[str, Callable[[Path, FileDataset], Iterator[tuple[str, Any]]]] = {
+            "jsonl": _jsonl_records,
+            "parquet": _parquet_records,
+            "hf_disk": partial(_arrow_dir_records, splits=splits, field_name=field_name),
+        }
+        records = readers[source]
         out: list[Prompt] = []
         for where, record in records(path, spec):
             try:
@@ -126,7 +135,7 @@ def _to_prompt(record: Any, spec: FileDataset) -> Prompt:
     if not isinstance(record, dict):
         raise _BadRow(f"expected an object, got {type(record).__name__}")
     prompt = record.get(spec.prompt_column)
-    if not isinstance(prompt, str) or not prompt:
+    if not isinstance(prompt, str) or not prompt.strip():
         raise _BadRow(f"column {spec.prompt_column!r} must be a non-empty string, got {prompt!r}"[:200])
     if spec.answer_column not in record or record[spec.answer_column] is None:
         raise _BadRow(f"column {spec.answer_column!r} is missing")
@@ -174,13 +183,24 @@ def _parquet_records(path: Path, spec: FileDataset) -> Iterator[tuple[str, Any]]
     yield from _table_records(pq.read_table(path), spec, path)
 
 
-def _arrow_dir_records(path: Path, spec: FileDataset) -> Iterator[tuple[str, Any]]:
-    """A `Dataset.save_to_disk` directory (state.json lists its Arrow stream files), or a DatasetDict's "train"."""
-    if (path / "dataset_dict.json").is_file():
-        path = path / "train"
+def _arrow_dir_records(
+    path: Path, spec: FileDataset, splits: tuple[str, ...], field_name: str
+) -> Iterator[tuple[str, Any]]:
+    """A `Dataset.save_to_disk` directory (state.json lists its Arrow stream files), or the first of `splits` a
+    DatasetDict's directory holds ("train" for training rows; "test", else "validation", for held-out ones)."""
+    dict_file = path / "dataset_dict.json"
+    if dict_file.is_file():
+        present = json.loads(dict_file.read_text()).get("splits", [])
+        split = next((name for name in splits if name in present), None)
+        if split is None:
+            raise InvalidInput(
+                f"{field_name}: {str(path)!r} is a DatasetDict without a {' or '.join(repr(n) for n in splits)} "
+                f"split (it has {present}); point {field_name} at the split's directory"
+            )
+        path = path / split
     state_file = path / "state.json"
     if not state_file.is_file():
-        raise InvalidInput(f"dataset.hf_disk.path: {str(path)!r} is not a `save_to_disk` directory (no state.json)")
+        raise InvalidInput(f"{field_name}: {str(path)!r} is not a `save_to_disk` directory (no state.json)")
     files = [entry["filename"] for entry in json.loads(state_file.read_text())["_data_files"]]
     tables = []
     for name in files:

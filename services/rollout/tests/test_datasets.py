@@ -53,6 +53,22 @@ def test_every_file_format_yields_the_same_split(kind: str, tmp_path: Path) -> N
     assert [p.prompt for p in jsonl.eval] == [p.prompt for p in loaded.eval]  # the held-out rows depend on the seed
 
 
+def test_a_dataset_dicts_held_out_rows_come_from_its_test_split(tmp_path: Path) -> None:
+    """Pointed at a train/test DatasetDict, eval_path read its train split: the run was evaluated on the rows
+    it trained on."""
+    splits = {"train": hf_datasets.Dataset.from_list(ROWS[:7]), "test": hf_datasets.Dataset.from_list(ROWS[7:])}
+    hf_datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "dd"))
+    spec = _spec("hf_disk", tmp_path / "dd")
+    spec.hf_disk.eval_path = str(tmp_path / "dd")
+    loaded = load_dataset(spec, 100)
+    assert [p.prompt for p in loaded.train] == [r["prompt"] for r in ROWS[:7]]
+    assert [p.prompt for p in loaded.eval] == [r["prompt"] for r in ROWS[7:]]
+    hf_datasets.DatasetDict({"train": splits["train"]}).save_to_disk(str(tmp_path / "only_train"))
+    spec.hf_disk.eval_path = str(tmp_path / "only_train")
+    with pytest.raises(InvalidInput, match=r"dataset\.hf_disk\.eval_path: .* without a 'test' or 'validation' split"):
+        load_dataset(spec, 100)
+
+
 def test_a_malformed_row_is_named_and_rejected_or_skipped(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
     lines = [json.dumps(r) for r in ROWS[:4]] + ["{not json", json.dumps({"answer": "1", "level": 0})]
@@ -62,7 +78,7 @@ def test_a_malformed_row_is_named_and_rejected_or_skipped(tmp_path: Path) -> Non
     loaded = load_dataset(_spec("jsonl", path, bad_rows="skip"), 100)
     assert len(loaded.train) + len(loaded.eval) == 10
     assert [m.split(" ", 1)[1].split(":")[0] for m in loaded.skipped] == ["line 5", "line 6"]
-    rows = [*ROWS[:2], {"prompt": "", "answer": "0", "level": 1}, *ROWS[2:]]
+    rows = [*ROWS[:2], {"prompt": " \n", "answer": "0", "level": 1}, *ROWS[2:]]  # blank: nothing to ask
     parquet = _write("parquet", rows, tmp_path / "bad.parquet")
     with pytest.raises(InvalidInput, match=r"row 2: column 'prompt' must be a non-empty string"):
         load_dataset(_spec("parquet", parquet), 100)
