@@ -186,6 +186,10 @@ class SampleStream:
             return None
         return entry_id.decode()
 
+    def holds(self, group_id: str) -> bool:
+        """Whether a group of this id was appended (trained or not)."""
+        return bool(self.client.sismember(self.ids_key, group_id))
+
     # -- consumer -------------------------------------------------------------------------------
 
     def ensure_consumer_group(self) -> None:

@@ -53,10 +53,13 @@ class RunData:
 class DataPosition:
     """The position each step of a run starts at, in Redis (`run:<id>:data_position`, a hash step -> position).
 
-    Step 0 starts at 0; step s + 1 starts where step s ended, recorded once step s's groups are on
-    the stream. A restarted orchestrator that re-produces step s reads the same start. Each record
-    carries the token of the producer that wrote it (one per instance), so a producer whose write
-    went through but whose reply was lost (the client retried it) still knows the record is its own.
+    Step 0 starts at 0; step s + 1 starts where step s ended, recorded once step s's groups are chosen and
+    before they go on the stream, with the position of the prompt in each of its slots. A restarted
+    orchestrator that re-produces step s reads the same start, and fills the slots the stream lacks with
+    the recorded prompts (a new pass through the filters could choose others, training a prompt twice in
+    the epoch and another never). Each record carries the token of the producer that wrote it (one per
+    instance), so a producer whose write went through but whose reply was lost (the client retried it)
+    still knows the record is its own. Record value: "<end> <token> <slot positions, comma-separated>".
     """
 
     def __init__(self, client: redis.Redis, run_id: str, *, prefix: str) -> None:
@@ -72,10 +75,19 @@ class DataPosition:
             raise LookupError(f"no data position recorded for step {step}")
         return int(raw.split()[0])
 
-    def record_end(self, step: int, position: int) -> bool:
-        """Records where step `step` ended; False if another producer recorded it first (the step was
-        re-produced after a restart)."""
-        value = f"{position} {self.token}"
+    def record_end(self, step: int, position: int, slots: list[int]) -> bool:
+        """Records where step `step` ended and the prompt position of each of its slots; False if another
+        producer recorded it first (the step was re-produced after a restart)."""
+        value = f"{position} {self.token} {','.join(str(p) for p in slots)}"
         if self.client.hsetnx(self.key, str(step + 1), value):
             return True
         return self.client.hget(self.key, str(step + 1)) == value.encode()
+
+    def slots_of(self, step: int) -> list[int] | None:
+        """The prompt positions recorded for step `step`'s slots; None when the step has no record yet (or one
+        written before slots were recorded)."""
+        raw = self.client.hget(self.key, str(step + 1))
+        fields = raw.decode().split() if isinstance(raw, bytes) else []
+        if len(fields) < 3:
+            return None
+        return [int(p) for p in fields[2].split(",")]

@@ -47,7 +47,7 @@ from rlfleet_rollout.rollout_function import RolloutRegistry
 from rlfleet_rollout.router_client import RouterClient
 from rlfleet_rollout.run_data import DataPosition, RunData
 from rlfleet_rollout.runs_core import RunEnded, RunsCore, now
-from rlfleet_rollout.step_producer import produce_step
+from rlfleet_rollout.step_producer import StepOutcome, produce_step, refill_step
 from rlfleet_rollout.step_reports import StepReportFollower
 from rlfleet_rollout.step_watchdog import watch_progress
 from rlfleet_rollout.trainer_client import TrainerClient
@@ -222,39 +222,65 @@ async def _produce_step(
         start = await asyncio.to_thread(position.start_of, step)
     except LookupError as exc:
         raise Internal(f"step {step}: the data position of the run is missing from Redis ({exc})") from exc
-    outcome = await produce_step(ctx, data, deps.filters, run_id, step, start, version)
-    # Recorded before the groups go out: a re-produced step then starts the next one at the same place.
-    first_time = await asyncio.to_thread(position.record_end, step, outcome.end)
-    for group in outcome.groups:
+    slots = await asyncio.to_thread(position.slots_of, step)
+    outcome: StepOutcome | None = None
+    first_time = False
+    if slots is None:
+        outcome = await produce_step(ctx, data, deps.filters, run_id, step, start, version)
+        # Recorded before the groups go out: a re-produced step then starts the next one at the same place,
+        # and fills its slots with the same prompts.
+        first_time = await asyncio.to_thread(position.record_end, step, outcome.end, outcome.slots)
+        if not first_time:  # another producer recorded the step first: its prompts are the step's
+            slots = await asyncio.to_thread(position.slots_of, step)
+    if first_time or slots is None:
+        assert outcome is not None  # ours, or (a record written before slots were recorded) as it was then
+        groups = outcome.groups
+    else:
+        missing = [i for i in range(len(slots)) if not await asyncio.to_thread(stream.holds, f"{run_id}/{step}/{i}")]
+        have = dict(zip(outcome.slots, outcome.groups, strict=True)) if outcome is not None else {}
+        groups = await refill_step(ctx, data, run_id, step, slots, missing, version, have)
+        logger.info(
+            "run %s step %d was produced before: %d of its %d groups were missing from the stream",
+            run_id,
+            step,
+            len(missing),
+            len(slots),
+            extra={"run_id": run_id, "step": step},
+        )
+    for group in groups:
         if await asyncio.to_thread(stream.append, group) is not None:
             deps.metrics.groups_produced.inc()
-    samples = [s for g in outcome.groups for s in g.samples]
+    samples = [s for g in groups for s in g.samples]
     mean_reward = sum(s.reward for s in samples) / len(samples) if samples else 0.0
-    deps.metrics.reward_mean.set(mean_reward)
-    if first_time:  # a re-produced step was counted by its first producer
-        for reason, count in outcome.filtered.items():
+    if samples:
+        deps.metrics.reward_mean.set(mean_reward)
+    counted = outcome if first_time else None  # a re-produced step was counted by its first producer
+    if counted is not None:
+        for reason, count in counted.filtered.items():
             deps.metrics.groups_filtered.labels(reason=reason).inc(count)
     produced = (step + 1) * ctx.spec.rollout.groups_per_step
+    end = await asyncio.to_thread(position.start_of, step + 1)
 
     def record(run: Run) -> None:
         progress = run.progress
         progress.groups_produced = max(progress.groups_produced, produced)
-        progress.mean_reward = mean_reward
-        progress.prompts_consumed = max(progress.prompts_consumed, outcome.end)
-        progress.epoch = max(progress.epoch, data.epoch_of(max(0, outcome.end - 1)))
-        if first_time:
-            progress.groups_filtered += sum(outcome.filtered.values())
-            for reason, count in outcome.filtered.items():
+        if samples:
+            progress.mean_reward = mean_reward
+        progress.prompts_consumed = max(progress.prompts_consumed, end)
+        progress.epoch = max(progress.epoch, data.epoch_of(max(0, end - 1)))
+        if counted is not None:
+            progress.groups_filtered += sum(counted.filtered.values())
+            for reason, count in counted.filtered.items():
                 progress.filtered_by_reason[reason] += count
-            progress.groups_downweighted += outcome.downweighted
+            progress.groups_downweighted += counted.downweighted
 
     await deps.core.update(run_id, record)
     logger.info(
         "run %s step %d: %d groups on the stream (%d filtered), mean reward %.3f",
         run_id,
         step,
-        len(outcome.groups),
-        sum(outcome.filtered.values()),
+        len(groups),
+        sum(counted.filtered.values()) if counted is not None else 0,
         mean_reward,
         extra={"run_id": run_id, "step": step},
     )

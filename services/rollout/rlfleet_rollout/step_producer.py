@@ -8,13 +8,16 @@
     (bounded by max_prompts_per_step: past it the run fails, naming the field)
 
 Slot i of step s is the group `<run>/<s>/<i>`, so the stream holds at most groups_per_step groups
-per step even when a restarted orchestrator re-produces a step.
+per step even when a restarted orchestrator re-produces a step; a re-produced step whose slots were
+recorded (run_data.DataPosition) fills only the slots the stream lacks, each with its recorded prompt
+(refill_step).
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from rlfleet.errors import ResourceExhausted, Unavailable
@@ -34,6 +37,8 @@ class StepOutcome:
     groups: list[SampleGroup]
     end: int
     """Position of the first prompt the step did not take."""
+    slots: list[int] = field(default_factory=list)
+    """Position of the prompt of each group, slot by slot."""
     filtered: Counter[str] = field(default_factory=Counter)
     downweighted: int = 0
 
@@ -97,8 +102,44 @@ async def produce_step(
                 outcome.downweighted += 1
             rename_group(group, f"{run_id}/{step}/{len(outcome.groups)}")
             outcome.groups.append(group)
+            outcome.slots.append(_position_of(group))
         batch = want - len(outcome.groups)
     return outcome
+
+
+async def refill_step(
+    ctx: RolloutContext,
+    data: RunData,
+    run_id: str,
+    step: int,
+    slots: list[int],
+    missing: list[int],
+    fallback_version: int,
+    have: Mapping[int, SampleGroup],
+) -> list[SampleGroup]:
+    """The groups of the `missing` slots of a step whose slots were recorded (`slots`: the prompt position of
+    each), each of its recorded prompt: taken from `have` (groups by position) or generated anew, through no
+    filter (the prompt passed them; choosing another would train one prompt twice in the epoch)."""
+
+    async def fill(slot: int) -> SampleGroup:
+        position = slots[slot]
+        group = have.get(position)
+        if group is None:
+            request = GroupRequest(
+                run_id, f"{run_id}/{step}/p{position}", position, data.prompt_at(position), fallback_version
+            )
+            group = await ctx.rollout(ctx, request)
+        if group.samples and all(s.status in _UNUSABLE for s in group.samples):
+            first = group.samples[0].error
+            raise Unavailable(f"step {step}: slot {slot}'s prompt could not be generated again (first error: {first})")
+        rename_group(group, f"{run_id}/{step}/{slot}")
+        return group
+
+    return await gather_cancelling([fill(slot) for slot in missing])
+
+
+def _position_of(group: SampleGroup) -> int:
+    return int(group.prompt_id.removeprefix("train/"))
 
 
 async def _candidate(

@@ -10,7 +10,7 @@ from rlfleet_rollout.run_data import DataPosition
 def test_each_step_starts_where_the_previous_one_ended(redis_client: redis.Redis, redis_prefix: str) -> None:
     position = DataPosition(redis_client, "run1", prefix=redis_prefix)
     assert position.start_of(0) == 0
-    assert position.record_end(0, 12)
+    assert position.record_end(0, 12, [0, 3])
     assert position.start_of(1) == 12
 
 
@@ -18,12 +18,12 @@ def test_a_retried_record_is_still_its_producers_and_a_re_produced_step_is_not(
     redis_client: redis.Redis, redis_prefix: str
 ) -> None:
     first = DataPosition(redis_client, "run1", prefix=redis_prefix)
-    assert first.record_end(3, 40)
+    assert first.record_end(3, 40, [30, 31])
     # The same write sent again (the client retried after its reply was lost): still the first record.
-    assert first.record_end(3, 40)
+    assert first.record_end(3, 40, [30, 31])
     # An orchestrator restarted after the write re-produces the step: its record is not the first.
     restarted = DataPosition(redis_client, "run1", prefix=redis_prefix)
-    assert not restarted.record_end(3, 40)
+    assert not restarted.record_end(3, 40, [30, 32])
     assert restarted.start_of(4) == 40
 
 
@@ -31,3 +31,15 @@ def test_positions_recorded_before_producer_tokens_still_read(redis_client: redi
     position = DataPosition(redis_client, "run1", prefix=redis_prefix)
     redis_client.hset(position.key, "5", 77)
     assert position.start_of(5) == 77
+
+
+def test_a_steps_slots_are_the_first_producers(redis_client: redis.Redis, redis_prefix: str) -> None:
+    """A re-produced step fills its missing slots with the prompts its first producer chose."""
+    first = DataPosition(redis_client, "run1", prefix=redis_prefix)
+    assert first.slots_of(2) is None
+    assert first.record_end(2, 30, [20, 22, 27])
+    restarted = DataPosition(redis_client, "run1", prefix=redis_prefix)
+    assert not restarted.record_end(2, 31, [20, 21, 30])
+    assert restarted.slots_of(2) == [20, 22, 27] and restarted.start_of(3) == 30
+    redis_client.hset(first.key, "9", "50 oldtoken")  # written before slots were recorded
+    assert first.slots_of(8) is None and first.start_of(9) == 50
