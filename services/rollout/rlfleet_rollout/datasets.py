@@ -91,6 +91,17 @@ def load_dataset(ds: DatasetSpec, train_prompts_wanted: int) -> LoadedDataset:
         held_idx = set(order[: ds.eval_size])
         held = [rows[i] for i in sorted(held_idx)]
         train = [row for i, row in enumerate(rows) if i not in held_idx]
+    # A training row that repeats a held-out prompt would let the run train on its own evaluation.
+    held_prompts = {p.prompt for p in held}
+    leaked = sum(p.prompt in held_prompts for p in train)
+    if leaked:
+        train = [p for p in train if p.prompt not in held_prompts]
+        logger.warning("left out %d training row(s) whose prompt is a held-out one", leaked)
+        if not train:
+            raise InvalidInput(
+                f"{field_name}.path: every training prompt of {spec.path!r} is also a held-out one; point "
+                f"{field_name}.eval_path at other rows, or unset it to hold out dataset.eval_size rows of path"
+            )
     if not train:
         raise InvalidInput(f"{field_name}.path: {spec.path!r} holds no usable row")
     for message in skipped:

@@ -27,7 +27,7 @@ from rollout_test_support import (
 from rlfleet.v1.samples_pb2 import SampleGroup
 
 TRAIN = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "level": a} for a, b in [(1, 2), (3, 4), (5, 1), (2, 2), (6, 3)]]
-HELD_OUT = [{"prompt": f"{a}+{a}=", "answer": str(2 * a), "level": a} for a in (1, 2, 3)]
+HELD_OUT = [{"prompt": f"{a}+{a}=", "answer": str(2 * a), "level": a} for a in (1, 3, 4)]  # none a training prompt
 
 
 def _write(kind: str, rows: list[dict], path: Path) -> str:

@@ -53,6 +53,23 @@ def test_every_file_format_yields_the_same_split(kind: str, tmp_path: Path) -> N
     assert [p.prompt for p in jsonl.eval] == [p.prompt for p in loaded.eval]  # the held-out rows depend on the seed
 
 
+def test_no_training_row_repeats_a_held_out_prompt(tmp_path: Path) -> None:
+    """Rows were held out by index: a prompt the file holds twice could land on both sides, and an eval_path
+    that repeats training prompts (or is the training file) evaluated the run on what it trained on."""
+    doubled = _write("jsonl", ROWS + ROWS, tmp_path / "doubled.jsonl")
+    loaded = load_dataset(_spec("jsonl", doubled), 100)
+    assert len(loaded.eval) == 3 and not {p.prompt for p in loaded.eval} & {p.prompt for p in loaded.train}
+    assert len(loaded.train) == 20 - 3 - 3  # each held-out prompt's other row left out too
+    spec = _spec("jsonl", _write("jsonl", ROWS, tmp_path / "train.jsonl"))
+    spec.jsonl.eval_path = str(_write("jsonl", ROWS[:2], tmp_path / "eval.jsonl"))
+    assert {p.prompt for p in load_dataset(spec, 100).train} == {r["prompt"] for r in ROWS[2:]}
+    spec.jsonl.eval_path = spec.jsonl.path  # the training file itself: its first eval_size rows are held out
+    assert {p.prompt for p in load_dataset(spec, 100).train} == {r["prompt"] for r in ROWS[3:]}
+    spec.eval_size = 10
+    with pytest.raises(InvalidInput, match=r"dataset\.jsonl\.path: every training prompt .* is also a held-out one"):
+        load_dataset(spec, 100)
+
+
 def test_a_dataset_dicts_held_out_rows_come_from_its_test_split(tmp_path: Path) -> None:
     """Pointed at a train/test DatasetDict, eval_path read its train split: the run was evaluated on the rows
     it trained on."""
