@@ -9,6 +9,8 @@ saved position (`DataPosition`) neither repeats nor skips a prompt of an epoch.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import random
 import uuid
@@ -34,6 +36,16 @@ class RunData:
         ro = spec.rollout
         wanted = spec.schedule.steps * math.ceil(ro.oversample * ro.groups_per_step)
         return cls(load_dataset(spec.dataset, wanted), seed=spec.dataset.seed)
+
+    def fingerprint(self) -> str:
+        """A digest of the train and held-out rows in order: positions name the same prompts, and the held-out
+        set is the same, exactly when two reads of the dataset give the same fingerprint."""
+        digest = hashlib.sha256()
+        for part, prompts in (("train", self.train), ("eval", self.eval_prompts)):
+            digest.update(f"{part}:{len(prompts)}\n".encode())
+            for p in prompts:
+                digest.update(json.dumps([p.prompt, p.answer, sorted(p.metadata.items())]).encode() + b"\n")
+        return digest.hexdigest()[:16]
 
     def epoch_of(self, position: int) -> int:
         return position // len(self.train)
@@ -66,6 +78,12 @@ class DataPosition:
         self.client = client
         self.key = f"{prefix}run:{run_id}:data_position"
         self.token = uuid.uuid4().hex
+
+    def pin_dataset(self, fingerprint: str) -> str:
+        """Records the run's dataset fingerprint (RunData.fingerprint) the first time; returns the recorded one."""
+        self.client.hsetnx(self.key, "dataset", fingerprint)
+        raw = self.client.hget(self.key, "dataset")
+        return raw.decode() if isinstance(raw, bytes) else fingerprint
 
     def start_of(self, step: int) -> int:
         if step == 0:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import redis
 
-from rlfleet.errors import Internal, RlfleetError
+from rlfleet.errors import Internal, InvalidInput, RlfleetError
 from rlfleet.sample_stream import REDIS_RETRY_BUDGET_S, REDIS_RETRY_ERRORS, SampleStream
 from rlfleet.v1.runs_pb2 import Run, RunState
 from rlfleet.v1.trainer_pb2 import TrainerStatus
@@ -160,6 +160,7 @@ async def _drive(run: Run, session: TrainerSession, deps: RunDeps) -> None:
     )
     stream = SampleStream(deps.redis, run_id, prefix=deps.config.redis_prefix)
     position = DataPosition(deps.redis, run_id, prefix=deps.config.redis_prefix)
+    await _check_same_dataset(data, position)
     steps, eval_every = spec.schedule.steps, spec.schedule.eval_every
 
     async def stream_complete() -> None:
@@ -194,6 +195,18 @@ async def _drive(run: Run, session: TrainerSession, deps: RunDeps) -> None:
     finally:
         follower.cancel()
         watchdog.cancel()
+
+
+async def _check_same_dataset(data: RunData, position: DataPosition) -> None:
+    """InvalidInput when the dataset's rows differ from those the run started on (a file edited or replaced
+    while the run was stopped): its saved positions would name other prompts, and held-out ones be trained."""
+    current = await asyncio.to_thread(data.fingerprint)
+    recorded = await asyncio.to_thread(position.pin_dataset, current)
+    if recorded != current:
+        raise InvalidInput(
+            f"dataset: the rows differ from those the run started on (fingerprint {current}, recorded "
+            f"{recorded}): the file changed while the run was stopped; restore it, or submit a new run"
+        )
 
 
 async def _check_no_group_lost(stream: SampleStream) -> None:

@@ -1,10 +1,17 @@
-"""Where each step of a run starts, in the real Redis: recorded once, and known as its own by its writer."""
+"""Where each step of a run starts, in the real Redis: recorded once, known as its own by its writer, with
+its slots' prompts, on the dataset the run started on."""
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
 import redis
 
-from rlfleet_rollout.run_data import DataPosition
+from rlfleet.errors import InvalidInput
+from rlfleet_rollout.datasets import LoadedDataset, Prompt
+from rlfleet_rollout.run_data import DataPosition, RunData
+from rlfleet_rollout.run_loop import _check_same_dataset
 
 
 def test_each_step_starts_where_the_previous_one_ended(redis_client: redis.Redis, redis_prefix: str) -> None:
@@ -43,3 +50,20 @@ def test_a_steps_slots_are_the_first_producers(redis_client: redis.Redis, redis_
     assert restarted.slots_of(2) == [20, 22, 27] and restarted.start_of(3) == 30
     redis_client.hset(first.key, "9", "50 oldtoken")  # written before slots were recorded
     assert first.slots_of(8) is None and first.start_of(9) == 50
+
+
+def test_a_run_resumed_on_changed_rows_is_refused(redis_client: redis.Redis, redis_prefix: str) -> None:
+    """One row appended to the file while the run was stopped moved most held-out rows and renamed every
+    saved position's prompt: the run would train some held-out prompts and repeat others."""
+    rows = [Prompt(f"{i}+1=", str(i + 1)) for i in range(10)]
+    data, same = (
+        RunData(LoadedDataset(rows[:8], rows[8:], []), seed=1),
+        RunData(LoadedDataset(rows[:8], rows[8:], []), seed=1),
+    )
+    grown = RunData(LoadedDataset([*rows[:8], Prompt("x", "y")], rows[8:], []), seed=1)
+    assert data.fingerprint() == same.fingerprint() != grown.fingerprint()
+    position = DataPosition(redis_client, "run1", prefix=redis_prefix)
+    asyncio.run(_check_same_dataset(data, position))
+    asyncio.run(_check_same_dataset(same, DataPosition(redis_client, "run1", prefix=redis_prefix)))
+    with pytest.raises(InvalidInput, match="the rows differ from those the run started on"):
+        asyncio.run(_check_same_dataset(grown, DataPosition(redis_client, "run1", prefix=redis_prefix)))
