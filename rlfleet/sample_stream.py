@@ -186,9 +186,9 @@ class SampleStream:
             return None
         return entry_id.decode()
 
-    def holds(self, group_id: str) -> bool:
-        """Whether a group of this id was appended (trained or not)."""
-        return bool(self.client.sismember(self.ids_key, group_id))
+    def holds(self, group_ids: list[str]) -> list[bool]:
+        """Whether a group of each id was appended (trained or not), in one round trip."""
+        return [bool(found) for found in cast(list[int], self.client.smismember(self.ids_key, group_ids))]
 
     # -- consumer -------------------------------------------------------------------------------
 

@@ -47,7 +47,7 @@ async def _evaluate_batch(
         sampling = seeded_sampling(sampling_body(ctx.spec.rollout.sampling), seeds)
     # A prompt the model's context cannot hold is wrong on its own: sent, the engine's refusal (a 400) would
     # fail every prompt of the batch.
-    completions: list[Completion | None] = [None] * len(cells)
+    completions = [Completion() for _ in cells]
     sent = []
     for i, ids in enumerate(encoded):
         try:
@@ -64,8 +64,7 @@ async def _evaluate_batch(
             answers = [Completion(error=f"generation failed: {exc}")] * len(sent)
         for i, answer in zip(sent, answers, strict=True):
             completions[i] = answer
-    done = [c if c is not None else Completion(error="not generated") for c in completions]
-    return await _judge(ctx, cells, done, [ctx.response_text(c) for c in done])
+    return await _judge(ctx, cells, completions, [ctx.response_text(c) for c in completions])
 
 
 async def _evaluate_episodes(

@@ -27,6 +27,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import redis
 
@@ -162,9 +163,7 @@ async def _drive(run: Run, session: TrainerSession, deps: RunDeps) -> None:
     position = DataPosition(deps.redis, run_id, prefix=deps.config.redis_prefix)
     await _check_same_dataset(data, position)
     steps, eval_every = spec.schedule.steps, spec.schedule.eval_every
-
-    async def stream_complete() -> None:
-        await _check_no_group_lost(stream)
+    stream_complete = partial(_check_no_group_lost, stream)
 
     status = await session.start()
     first = min(int(status.step), steps)
@@ -249,7 +248,8 @@ async def _produce_step(
         assert outcome is not None  # ours, or (a record written before slots were recorded) as it was then
         groups = outcome.groups
     else:
-        missing = [i for i in range(len(slots)) if not await asyncio.to_thread(stream.holds, f"{run_id}/{step}/{i}")]
+        held = await asyncio.to_thread(stream.holds, [f"{run_id}/{step}/{i}" for i in range(len(slots))])
+        missing = [i for i, there in enumerate(held) if not there]
         have = dict(zip(outcome.slots, outcome.groups, strict=True)) if outcome is not None else {}
         groups = await refill_step(ctx, data, run_id, step, slots, missing, version, have)
         logger.info(
