@@ -5,13 +5,19 @@ Train prompts are addressed by a position that counts on over every epoch: posit
 seed and the epoch. A run that needs more prompts than one pass holds goes on to the next epoch,
 and the same position always names the same prompt, so a restarted orchestrator that resumes at a
 saved position (`DataPosition`) neither repeats nor skips a prompt of an epoch.
+
+A step takes at most `window` consecutive positions (rollout.max_prompts_per_step), and one that
+crosses into the next epoch must not take a prompt twice: each epoch's order after the first moves
+the rows that ended the previous epoch out of its first `window` positions (swapping them with rows
+from the middle of the epoch, so its own last `window` positions stay those of its shuffle). With
+fewer than 3 x window rows the guard covers a third of the rows; a step that spans more positions
+than the dataset holds repeats prompts by necessity.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import random
 import uuid
 from functools import lru_cache
@@ -23,19 +29,22 @@ from rlfleet_rollout.datasets import LoadedDataset, Prompt, load_dataset
 
 
 class RunData:
-    def __init__(self, loaded: LoadedDataset, *, seed: int) -> None:
+    def __init__(self, loaded: LoadedDataset, *, seed: int, window: int = 0) -> None:
         self.train = loaded.train
         self.eval_prompts = loaded.eval
         self.skipped_rows = len(loaded.skipped)
         self.seed = seed
+        self.window = min(max(0, window), len(self.train) // 3)
         self._order = lru_cache(maxsize=4)(self._permutation)
 
     @classmethod
     def from_spec(cls, spec: RunSpec) -> RunData:
         """Reads the dataset of a resolved, validated spec; InvalidInput naming the field when it cannot serve it."""
         ro = spec.rollout
-        wanted = spec.schedule.steps * math.ceil(ro.oversample * ro.groups_per_step)
-        return cls(load_dataset(spec.dataset, wanted), seed=spec.dataset.seed)
+        # The most train prompts the run can take (every step at max_prompts_per_step): a generated pool of
+        # that size lets a heavily filtered run meet new problems instead of cycling the same ones sooner.
+        wanted = spec.schedule.steps * ro.max_prompts_per_step
+        return cls(load_dataset(spec.dataset, wanted), seed=spec.dataset.seed, window=ro.max_prompts_per_step)
 
     def fingerprint(self) -> str:
         """A digest of the train and held-out rows in order: positions name the same prompts, and the held-out
@@ -57,6 +66,21 @@ class RunData:
         return self.train[self._order(epoch)[offset]]
 
     def _permutation(self, epoch: int) -> list[int]:
+        order = self._shuffle(epoch)
+        w = self.window
+        if epoch == 0 or w == 0:
+            return order
+        previous_tail = set(self._shuffle(epoch - 1)[-w:])
+        # Rows of the middle that did not end the previous epoch; with len >= 3w there are at least as many as
+        # rows of the previous tail in this epoch's head.
+        spare = [i for i in range(w, len(order) - w) if order[i] not in previous_tail]
+        for i in range(w):
+            if order[i] in previous_tail:
+                j = spare.pop()
+                order[i], order[j] = order[j], order[i]
+        return order
+
+    def _shuffle(self, epoch: int) -> list[int]:
         order = list(range(len(self.train)))
         random.Random(f"{self.seed}/epoch/{epoch}").shuffle(order)
         return order

@@ -14,7 +14,7 @@ from rlfleet.errors import InvalidInput
 from rlfleet.run_spec import resolve
 from rlfleet.v1.runs_pb2 import DatasetSpec, RunSpec
 from rlfleet.v1.samples_pb2 import Sample, SampleGroup, SampleStatus
-from rlfleet_rollout.datasets import load_dataset
+from rlfleet_rollout.datasets import LoadedDataset, Prompt, load_dataset
 from rlfleet_rollout.group_filters import FilterRegistry
 from rlfleet_rollout.group_producer import apply_truncation_rule, sample_seed
 from rlfleet_rollout.prompt_tokenizer import load_chat_template
@@ -123,6 +123,36 @@ def test_arithmetic_runs_longer_than_its_problems_cycle_through_epochs() -> None
     data = RunData.from_spec(spec)
     n = len(data.train)
     assert n < 100 and sorted(data.prompt_at(n + i).prompt for i in range(n)) == sorted(p.prompt for p in data.train)
+
+
+def test_a_step_across_an_epoch_boundary_takes_no_prompt_twice() -> None:
+    """The next epoch's shuffle could start with a row that ended the previous one: a step taking positions on
+    both sides of the boundary then trained that prompt twice in one batch."""
+    rows = [Prompt(f"q{i}", str(i)) for i in range(30)]
+    window = 10  # rollout.max_prompts_per_step: the most positions one step spans
+    for seed in range(40):
+        data = RunData(LoadedDataset(rows, [], []), seed=seed, window=window)
+        names = [data.prompt_at(p).prompt for p in range(5 * 30)]
+        for epoch in range(5):
+            assert sorted(names[epoch * 30 : (epoch + 1) * 30]) == sorted(p.prompt for p in rows)
+        for start in range(len(names) - window + 1):
+            span = names[start : start + window]
+            assert len(set(span)) == window, (seed, start, span)
+    # The first epoch is the plain seeded shuffle: positions already recorded by runs keep their prompts.
+    plain = RunData(LoadedDataset(rows, [], []), seed=3)
+    guarded = RunData(LoadedDataset(rows, [], []), seed=3, window=window)
+    assert [plain.prompt_at(p) for p in range(30)] == [guarded.prompt_at(p) for p in range(30)]
+
+
+def test_a_filtered_arithmetic_run_gets_problems_for_every_prompt_it_may_take() -> None:
+    """The pool is sized for max_prompts_per_step per step, not the fewest a step takes: a run whose filters
+    drop most groups would otherwise cycle the same problems epoch after epoch."""
+    spec = RunSpec(dataset=DatasetSpec(eval_size=5))
+    spec.dataset.arithmetic.digits = 3
+    spec.rollout.groups_per_step, spec.schedule.steps = 4, 10
+    spec = resolve(spec)
+    data = RunData.from_spec(spec)
+    assert len(data.train) == 10 * spec.rollout.max_prompts_per_step > 10 * 4
 
 
 def _group(
