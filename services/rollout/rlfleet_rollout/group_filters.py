@@ -19,31 +19,32 @@ from rlfleet.errors import InvalidInput
 from rlfleet.v1.samples_pb2 import SampleGroup, SampleStatus
 
 ENTRY_POINT_GROUP = "rlfleet.rollout.group_filters"
-_UNUSABLE = (SampleStatus.SAMPLE_STATUS_FAILED, SampleStatus.SAMPLE_STATUS_ABORTED)
+# Samples with no response to train or reward to count: generation or scoring failed, or was cut off.
+UNUSABLE = (SampleStatus.SAMPLE_STATUS_FAILED, SampleStatus.SAMPLE_STATUS_ABORTED)
 
 
 class GroupFilter(Protocol):
     def __call__(self, group: SampleGroup) -> bool: ...
 
 
-def _usable_rewards(group: SampleGroup) -> list[float]:
-    return [s.reward for s in group.samples if s.status not in _UNUSABLE]
+def usable_rewards(group: SampleGroup) -> list[float]:
+    return [s.reward for s in group.samples if s.status not in UNUSABLE]
 
 
 def zero_variance(group: SampleGroup) -> bool:
     """Every usable sample earned the same reward: group-relative advantages are all zero."""
-    rewards = _usable_rewards(group)
+    rewards = usable_rewards(group)
     return len(rewards) < 2 or max(rewards) == min(rewards)
 
 
 def all_failed(group: SampleGroup) -> bool:
     """No sample could be generated and scored."""
-    return not _usable_rewards(group)
+    return not usable_rewards(group)
 
 
 def any_failed(group: SampleGroup) -> bool:
     """At least one sample could not be generated or scored."""
-    return any(s.status in _UNUSABLE for s in group.samples)
+    return any(s.status in UNUSABLE for s in group.samples)
 
 
 def all_truncated(group: SampleGroup) -> bool:

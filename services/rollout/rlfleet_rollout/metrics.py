@@ -27,7 +27,9 @@ class RolloutMetrics:
             registry=self.registry,
         )
         self.reward_mean = Gauge(
-            "rlfleet_rollout_reward_mean", "Mean reward of the last step's samples.", registry=self.registry
+            "rlfleet_rollout_reward_mean",
+            "Mean reward of the last step's scored samples (failed and aborted ones have none).",
+            registry=self.registry,
         )
         self.eval_accuracy = Gauge(
             "rlfleet_rollout_eval_accuracy", "Held-out accuracy of the latest evaluation.", registry=self.registry

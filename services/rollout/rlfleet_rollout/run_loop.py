@@ -37,7 +37,7 @@ from rlfleet.v1.runs_pb2 import Run, RunState
 from rlfleet.v1.trainer_pb2 import TrainerStatus
 from rlfleet_rollout.config import RolloutConfig
 from rlfleet_rollout.evaluation import evaluate
-from rlfleet_rollout.group_filters import FilterRegistry
+from rlfleet_rollout.group_filters import FilterRegistry, usable_rewards
 from rlfleet_rollout.group_producer import RolloutContext
 from rlfleet_rollout.metrics import RolloutMetrics
 from rlfleet_rollout.model_directory import context_length
@@ -263,9 +263,11 @@ async def _produce_step(
     for group in groups:
         if await asyncio.to_thread(stream.append, group) is not None:
             deps.metrics.groups_produced.inc()
-    samples = [s for g in groups for s in g.samples]
-    mean_reward = sum(s.reward for s in samples) / len(samples) if samples else 0.0
-    if samples:
+    # Failed and aborted samples have no reward (0 on the wire): counting them would read an engine fault as a
+    # worse policy.
+    rewards = [r for g in groups for r in usable_rewards(g)]
+    mean_reward = sum(rewards) / len(rewards) if rewards else 0.0
+    if rewards:
         deps.metrics.reward_mean.set(mean_reward)
     counted = outcome if first_time else None  # a re-produced step was counted by its first producer
     if counted is not None:
@@ -277,7 +279,7 @@ async def _produce_step(
     def record(run: Run) -> None:
         progress = run.progress
         progress.groups_produced = max(progress.groups_produced, produced)
-        if samples:
+        if rewards:
             progress.mean_reward = mean_reward
         progress.prompts_consumed = max(progress.prompts_consumed, end)
         progress.epoch = max(progress.epoch, data.epoch_of(max(0, end - 1)))

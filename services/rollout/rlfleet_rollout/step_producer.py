@@ -21,13 +21,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from rlfleet.errors import ResourceExhausted, Unavailable
-from rlfleet.v1.samples_pb2 import SampleGroup, SampleStatus
+from rlfleet.v1.samples_pb2 import SampleGroup
 from rlfleet_rollout.concurrency import gather_cancelling
-from rlfleet_rollout.group_filters import FilterRegistry
+from rlfleet_rollout.group_filters import UNUSABLE, FilterRegistry
 from rlfleet_rollout.group_producer import GroupRequest, RolloutContext, rename_group
 from rlfleet_rollout.run_data import RunData
 
-_UNUSABLE = (SampleStatus.SAMPLE_STATUS_FAILED, SampleStatus.SAMPLE_STATUS_ABORTED)
 # Why a group is dropped besides the run's filters (each filter's name is its reason).
 STEP_REASONS = ("prompt_too_long", "stale", "surplus")
 
@@ -45,7 +44,7 @@ class StepOutcome:
 
 def staleness(group: SampleGroup, step: int) -> int:
     """How many versions the oldest usable sample of `group` lags behind `step` (0 if none is usable)."""
-    versions = [min(s.weight_versions) for s in group.samples if s.status not in _UNUSABLE and s.weight_versions]
+    versions = [min(s.weight_versions) for s in group.samples if s.status not in UNUSABLE and s.weight_versions]
     return max(0, step - min(versions)) if versions else 0
 
 
@@ -88,7 +87,7 @@ async def produce_step(
             [_candidate(ctx, run_id, step, p, data, fallback_version) for p in positions]
         )
         wave = [s for g in candidates if g is not None for s in g.samples]
-        if wave and all(s.status in _UNUSABLE for s in wave):
+        if wave and all(s.status in UNUSABLE for s in wave):
             raise Unavailable(f"step {step}: no sample could be generated and scored (first error: {wave[0].error})")
         for group in candidates:
             reason = "prompt_too_long" if group is None else _reason(filters, group, step, ctx)
@@ -129,7 +128,7 @@ async def refill_step(
                 run_id, f"{run_id}/{step}/p{position}", position, data.prompt_at(position), fallback_version
             )
             group = await ctx.rollout(ctx, request)
-        if group.samples and all(s.status in _UNUSABLE for s in group.samples):
+        if group.samples and all(s.status in UNUSABLE for s in group.samples):
             first = group.samples[0].error
             raise Unavailable(f"step {step}: slot {slot}'s prompt could not be generated again (first error: {first})")
         rename_group(group, f"{run_id}/{step}/{slot}")

@@ -115,3 +115,25 @@ def test_a_step_reproduced_after_a_crash_keeps_its_prompts(redis_client: redis.R
     trained = Counter(entries.values())
     assert all(count == 1 for count in trained.values()), trained  # no prompt twice in the epoch
     assert len(entries) == 3 * GROUPS_PER_STEP
+
+
+def test_a_steps_mean_reward_leaves_out_samples_that_failed(redis_client: redis.Redis, redis_prefix: str) -> None:
+    """A failed sample carries reward 0 for want of a score: counted, an engine fault read as a worse policy."""
+    spec = resolve(json_format.ParseDict({"rollout": {"group_size": 2, "groups_per_step": 2}}, RunSpec()))
+    data = RunData(LoadedDataset([Prompt(f"p{i}", str(i)) for i in range(10)], [], []), seed=1)
+    policy = Policy()
+
+    async def half_failed(ctx: Any, request: GroupRequest) -> SampleGroup:
+        group = await policy(ctx, request)
+        group.samples[0].status, group.samples[0].reward = SampleStatus.SAMPLE_STATUS_FAILED, 0.0
+        group.samples[1].reward = 1.0
+        return group
+
+    ctx = type("Ctx", (), {"spec": spec, "rollout": staticmethod(half_failed), "encode": staticmethod(list),
+                           "render": str, "context_tokens": 0})()  # fmt: skip
+    core, metrics = Core(), RolloutMetrics()
+    deps = RunDeps(core, None, None, None, redis_client, None, metrics, FilterRegistry({}), None)  # type: ignore[arg-type]
+    stream = SampleStream(redis_client, RUN, prefix=redis_prefix)
+    position = DataPosition(redis_client, RUN, prefix=redis_prefix)
+    asyncio.run(_produce_step(ctx, deps, data, stream, position, RUN, 0, 0))  # type: ignore[arg-type]
+    assert core.run.progress.mean_reward == 1.0 and metrics.reward_mean._value.get() == 1.0

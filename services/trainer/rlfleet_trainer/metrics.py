@@ -15,7 +15,7 @@ STEP_GAUGES = {
     "grad_norm": "gradient norm before clipping",
     "lr": "learning rate of the last step",
     "logprob_diff": "mean |trainer - rollout| log-prob of trained tokens",
-    "reward_mean": "mean reward of the samples of the last step",
+    "reward_mean": "mean reward of the last step's scored samples (failed and aborted ones have none)",
     "tokens_per_second": "tokens processed per second in the last step",
     "value_loss": "value-head loss of the last step (ppo)",
     "tis_weight": "mean truncated importance-sampling weight of trained tokens",

@@ -32,7 +32,7 @@ from rlfleet.v1.runs_pb2 import RunSpec
 from rlfleet.v1.samples_pb2 import SampleGroup
 from rlfleet_trainer.aggregation import denominator, numerator
 from rlfleet_trainer.algorithms import ALGORITHMS, AdvantageInputs, Algorithm
-from rlfleet_trainer.batch import TrainSequence, sequences_from_groups
+from rlfleet_trainer.batch import TRAINABLE, TrainSequence, sequences_from_groups
 from rlfleet_trainer.critic import Critic, clipped_value_loss
 from rlfleet_trainer.data_parallel import (
     current_ranks,
@@ -130,7 +130,7 @@ def train_step(
     grad_norm, lr, logprob_diff = mean |trainer - rollout| log-prob over trained tokens, ...)."""
     started = time.perf_counter()
     sequences = sequences_from_groups(groups)
-    rewards = [s.reward for g in groups for s in g.samples]
+    rewards = [s.reward for g in groups for s in g.samples if s.status in TRAINABLE]  # failed ones have none
     metrics: dict[str, float] = {
         "reward_mean": sum(rewards) / max(1, len(rewards)),
         "samples": float(len(sequences)),

@@ -134,6 +134,21 @@ def test_responses_without_a_trained_token_do_not_count_among_the_sequences(smal
     assert with_masked["grad_norm"] == pytest.approx(alone["grad_norm"], rel=1e-4)
 
 
+def test_failed_samples_do_not_count_in_the_mean_reward(small_model_dir: Path) -> None:
+    """A failed sample carries reward 0 for want of a score: counted, an engine fault read as a worse policy."""
+    resolved = spec({"name": "grpo"})
+    groups = groups_from(load_policy(small_model_dir), 2)
+    for sample in groups[0].samples:
+        sample.reward = 1.0
+    groups[1].samples[0].status = SampleStatus.SAMPLE_STATUS_FAILED
+    groups[1].samples[1].status = SampleStatus.SAMPLE_STATUS_ABORTED
+    model = load_policy(small_model_dir)
+    optimizer, scheduler = optimizer_from_spec(model, resolved)
+    metrics = train_step(model, optimizer, scheduler, groups, step_config_from_spec(resolved, model, pad_id=0))
+    scored = [s.reward for s in groups[0].samples] + [s.reward for s in groups[1].samples[2:]]
+    assert metrics["samples"] == 6 and metrics["reward_mean"] == pytest.approx(sum(scored) / 6)
+
+
 def test_kl_in_the_reward_changes_the_advantages_not_the_loss_terms(small_model_dir: Path) -> None:
     in_loss = spec({"name": "rloo", "kl_coef": 0.5, "kl_mode": "loss"})
     in_reward = spec({"name": "rloo", "kl_coef": 0.5})
