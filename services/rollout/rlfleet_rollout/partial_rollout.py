@@ -36,23 +36,36 @@ logger = logging.getLogger(__name__)
 MAX_RESUMES = 4
 
 
-def join(head: Completion, tail: Completion) -> Completion:
+def join(head: Completion, tail: Completion, decode: Callable[[list[int]], str]) -> Completion:
     """`head` (aborted) followed by `tail` (its continuation): the tail decides how the whole ended.
 
-    The text is the engines' own texts end to end, so each half keeps the engine's stop-string trimming.
+    The text is the engine's text of `head`, then the tail's tokens decoded after the head's (`decode`), less
+    what the engine cut from the tail's end (a stop string): decoded alone, a SentencePiece tail loses the
+    space its first token begins with, and "is 42" would follow "the answer" as "the answeris 42".
     """
     versions = list(head.weight_versions)
     versions += [v for v in tail.weight_versions if not versions or v != versions[-1]]
     return Completion(
         output_ids=head.output_ids + tail.output_ids,
         logprobs=head.logprobs + tail.logprobs,
-        text=head.text + tail.text,
+        text=head.text + _tail_text(head, tail, decode),
         finish_reason=tail.finish_reason,
         weight_version=tail.weight_version,
         weight_versions=tuple(versions),
         cached_tokens=head.cached_tokens,
         error=tail.error,
     )
+
+
+def _tail_text(head: Completion, tail: Completion, decode: Callable[[list[int]], str]) -> str:
+    alone = decode(list(tail.output_ids))
+    before = decode(list(head.output_ids))
+    together = decode(list(head.output_ids + tail.output_ids))
+    in_context = together[len(before) :]
+    trimmed = alone[len(tail.text) :]  # what the engine cut from the end (a matched stop string)
+    if not (alone.startswith(tail.text) and together.startswith(before) and in_context.endswith(trimmed)):
+        return tail.text  # the engine's text is not this tokenizer's decode of its tokens: keep it as it is
+    return in_context[: len(in_context) - len(trimmed)]
 
 
 def stop_across_the_cut(
@@ -86,10 +99,15 @@ def stop_across_the_cut(
 def resumed(head: Completion, tail: Completion, sampling: dict[str, Any], ctx: RolloutContext) -> Completion:
     """`head` joined with its continuation `tail`, ended at a stop string the cut split, if any."""
     stops = sampling.get("stop") or ()
-    whole = join(head, tail)
+    whole = join(head, tail, _decoder(ctx))
     if not stops:
         return whole
-    return stop_across_the_cut(whole, head, stops, lambda ids: ctx.tokenizer.decode(ids, skip_special_tokens=True))
+    return stop_across_the_cut(whole, head, stops, _decoder(ctx))
+
+
+def _decoder(ctx: RolloutContext) -> Callable[[list[int]], str]:
+    """Token ids to text as the engines write it (special tokens left out)."""
+    return lambda ids: ctx.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def _remaining_tokens(completion: Completion, sampling: dict[str, Any]) -> int:
@@ -114,7 +132,7 @@ async def generate_turn_resuming(
             f"{rid}+resume{attempt}",
             trajectory_id,
         )
-        completion = join(completion, tail)
+        completion = join(completion, tail, _decoder(ctx))
     return completion
 
 

@@ -80,11 +80,37 @@ def test_an_aborted_answer_keeps_its_tokens_and_versions_are_read_oldest_first()
 def test_join_concatenates_tokens_logprobs_text_and_versions() -> None:
     head = Completion((1, 2), (-0.1, -0.2), "ab", ABORT, 4, (4,), cached_tokens=3, error="generation aborted")
     tail = Completion((3,), (-0.3,), "c", LENGTH, 5, (5,), cached_tokens=0)
-    whole = join(head, tail)
+    whole = join(head, tail, _letters)
     assert whole.output_ids == (1, 2, 3) and whole.logprobs == (-0.1, -0.2, -0.3) and whole.text == "abc"
     assert whole.weight_versions == (4, 5) and whole.weight_version == 5
     assert whole.finish_reason == LENGTH and not whole.error and whole.cached_tokens == 3
-    assert join(Completion(finish_reason=ABORT, error="x"), tail).weight_versions == (5,)
+    assert join(Completion(finish_reason=ABORT, error="x"), tail, _letters).weight_versions == (5,)
+
+
+def _letters(ids: list[int]) -> str:
+    return "".join("_abc"[i] for i in ids)
+
+
+PIECES = ["</s>", "\u2581the", "\u2581answer", "\u2581is", "\u258142", "END"]
+
+
+def _sentencepiece(ids: list[int]) -> str:
+    """Decodes as SentencePiece does: "\u2581" is a space, and the one that starts the text is dropped."""
+    return "".join(PIECES[i] for i in ids if i).replace("\u2581", " ").removeprefix(" ")
+
+
+def test_the_continuations_text_is_decoded_after_the_aborted_tokens() -> None:
+    """Decoded alone, a SentencePiece continuation loses the space its first token begins with: the reward
+    read "the answeris 42"."""
+    head = Completion((1, 2), (-0.1,) * 2, "the answer", ABORT, 4, (4,), error="generation aborted")
+    tail = Completion((3, 4, 0), (-0.2,) * 3, "is 42", LENGTH, 5, (5,))
+    assert join(head, tail, _sentencepiece).text == "the answer is 42"
+    # The engine cut a matched stop string from the continuation's end: so does the join.
+    stopped = Completion((3, 4, 5), (-0.2,) * 3, "is 42", FinishReason.FINISH_REASON_STOP, 5, (5,))
+    assert join(head, stopped, _sentencepiece).text == "the answer is 42"
+    # Text that is not this tokenizer's decode of the tokens is the engine's, kept as it came.
+    other = Completion((3, 4), (-0.2,) * 2, "IS 42", LENGTH, 5, (5,))
+    assert join(head, other, _sentencepiece).text == "the answerIS 42"
 
 
 class AlwaysAborts:
@@ -123,13 +149,13 @@ def _decode(ids: list[int]) -> str:
 def test_a_stop_string_the_cut_splits_ends_the_joined_generation_where_the_engine_would_have() -> None:
     head = Completion(_chars("abc EN"), (-0.1,) * 6, "abc EN", ABORT, 4, (4,), error="generation aborted")
     tail = Completion(_chars("D! more"), (-0.2,) * 7, "D! more", LENGTH, 5, (5,))
-    cut = stop_across_the_cut(join(head, tail), head, ["END"], _decode)
+    cut = stop_across_the_cut(join(head, tail, _decode), head, ["END"], _decode)
     assert cut.output_ids == _chars("abc END") and cut.logprobs == (-0.1,) * 6 + (-0.2,)
     assert cut.text == "abc " and cut.finish_reason == FinishReason.FINISH_REASON_STOP and not cut.error
     assert cut.weight_versions == (4, 5)
     # A stop string wholly in one half was the engine's to match; none at all leaves the join as it is.
     for stops in (["more"], ["abc"], ["zz"], []):
-        assert stop_across_the_cut(join(head, tail), head, stops, _decode) == join(head, tail)
+        assert stop_across_the_cut(join(head, tail, _decode), head, stops, _decode) == join(head, tail, _decode)
 
 
 class AbortsThenFinishesTheStop:
