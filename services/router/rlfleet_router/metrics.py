@@ -143,9 +143,17 @@ class Children(Generic[MetricT]):
         self._children.pop(values, None)
 
 
+# How long the series of an engine's former URL (it restarted at a new one) stay: long enough for Prometheus to
+# scrape the restart counted under that URL, bounded so engines that come back by new pod IPs do not add series
+# for as long as the router runs.
+MOVED_ENGINE_SERIES_SECS = 600.0
+
+
 class RouterMetrics:
     def __init__(self, workers: WorkerRegistry, weight_version: Callable[[], str | None]) -> None:
         self.registry = CollectorRegistry()
+        self._moved_away: dict[str, float] = {}
+        """Former engine URLs by when their series are dropped."""
         self.requests = Counter(
             "rlfleet_router_requests",
             "Requests answered by the router, by route template and HTTP status.",
@@ -239,6 +247,7 @@ class RouterMetrics:
         """Creates an engine's labelled series at 0 as it joins: a counter's series that appears only at its
         first increment hides that increment from rate() and increase(), so a first restart or error would
         never show on a dashboard."""
+        self._moved_away.pop(url, None)
         for kind in ENGINE_ERROR_KINDS:
             self.engine_errors.labels(engine=url, kind=kind)
         for result in RESTART_RESULTS:
@@ -263,11 +272,25 @@ class RouterMetrics:
         self.engine_prompt_tokens.forget(url)
         self.engine_cached_tokens.forget(url)
 
+    def engine_moved(self, old_url: str, new_url: str) -> None:
+        """An engine restarted at `new_url`: its series start there, and those of `old_url` go after
+        MOVED_ENGINE_SERIES_SECS (dropped at once, the restart just counted there would never be scraped)."""
+        self.add_engine(new_url)
+        self._moved_away[old_url] = time.monotonic() + MOVED_ENGINE_SERIES_SECS
+
+    def _forget_moved_away(self) -> None:
+        now = time.monotonic()
+        for url, due in list(self._moved_away.items()):
+            if due <= now:
+                del self._moved_away[url]
+                self.forget_engine(url)
+
     def observe_request(self, route: str, status: int, seconds: float) -> None:
         self.request_count(route, str(status)).inc()
         self.request_timing(route).observe(seconds)
 
     def exposition(self) -> bytes:
+        self._forget_moved_away()
         return generate_latest(self.registry)
 
 

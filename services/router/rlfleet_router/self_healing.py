@@ -84,7 +84,7 @@ class Healer:
                 self._metrics.restarts.labels(engine=old_url, result="success").inc()
                 if url != old_url:
                     self._workers.move(worker, url)
-                    self._metrics.add_engine(worker.url)
+                    self._metrics.engine_moved(old_url, worker.url)
                 self._policy.forget_caches([worker])  # a restarted engine's prefix cache is empty
                 worker.consecutive_successes = 0
                 if await self._back_in_routing(worker):

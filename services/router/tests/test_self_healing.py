@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from rlfleet_router import metrics as router_metrics
 from rlfleet_router.metrics import RouterMetrics
 from rlfleet_router.policies import LeastLoad
 from rlfleet_router.self_healing import Healer
@@ -107,3 +110,55 @@ def test_a_restarted_engine_loading_the_fleets_weights_is_not_restarted_again() 
 
     asyncio.run(scenario())
     assert restarter.calls == 1
+
+
+class MovingRestarter:
+    """Restarts the engine at a new URL (a replacement pod) and lets it be admitted there."""
+
+    def __init__(self, workers: WorkerRegistry) -> None:
+        self._workers = workers
+
+    async def start(self) -> list[str]:
+        return []
+
+    async def restart(self, url: str) -> str:
+        worker = self._workers.get(url)
+        asyncio.get_running_loop().call_later(0.05, self._workers.admit, worker)
+        return "http://127.0.0.1:10"
+
+    async def close(self) -> None:
+        pass
+
+
+def test_an_engine_that_moved_keeps_its_former_series_only_until_they_can_be_scraped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every restart at a new pod IP used to leave the old URL's series for as long as the router ran; dropped at
+    once, the restart counted under the old URL would never be scraped."""
+    workers = WorkerRegistry(failure_threshold=1, success_threshold=1)
+    worker, _ = workers.add("http://127.0.0.1:9")
+    metrics = RouterMetrics(workers, lambda: None)
+    metrics.add_engine(worker.url)
+    workers.admit(worker)
+    healer = Healer(
+        MovingRestarter(workers), workers, LeastLoad(), metrics, 5.0, initial_backoff_secs=0.01, max_backoff_secs=0.05
+    )
+
+    async def scenario() -> None:
+        workers.on_failed = healer.on_failed
+        workers.record_failure(worker, "connection refused")
+        async with asyncio.timeout(5):
+            while not worker.healthy:
+                await asyncio.sleep(0.01)
+        await healer.stop()
+
+    asyncio.run(scenario())
+    assert worker.url == "http://127.0.0.1:10"
+    old = 'rlfleet_router_engine_restarts_total{engine="http://127.0.0.1:9",result="success"} 1.0'
+    new = 'rlfleet_router_engine_restarts_total{engine="http://127.0.0.1:10",result="success"} 0.0'
+    text = metrics.exposition().decode()
+    assert old in text and new in text
+    monkeypatch.setattr(router_metrics, "MOVED_ENGINE_SERIES_SECS", 0.0)
+    metrics.engine_moved("http://127.0.0.1:9", worker.url)
+    text = metrics.exposition().decode()
+    assert 'engine="http://127.0.0.1:9"' not in text and new in text
