@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 import uuid
 from functools import lru_cache
@@ -41,9 +42,7 @@ class RunData:
     def from_spec(cls, spec: RunSpec) -> RunData:
         """Reads the dataset of a resolved, validated spec; InvalidInput naming the field when it cannot serve it."""
         ro = spec.rollout
-        # The most train prompts the run can take (every step at max_prompts_per_step): a generated pool of
-        # that size lets a heavily filtered run meet new problems instead of cycling the same ones sooner.
-        wanted = spec.schedule.steps * ro.max_prompts_per_step
+        wanted = spec.schedule.steps * math.ceil(ro.oversample * ro.groups_per_step)
         return cls(load_dataset(spec.dataset, wanted), seed=spec.dataset.seed, window=ro.max_prompts_per_step)
 
     def fingerprint(self) -> str:

@@ -144,17 +144,6 @@ def test_a_step_across_an_epoch_boundary_takes_no_prompt_twice() -> None:
     assert [plain.prompt_at(p) for p in range(30)] == [guarded.prompt_at(p) for p in range(30)]
 
 
-def test_a_filtered_arithmetic_run_gets_problems_for_every_prompt_it_may_take() -> None:
-    """The pool is sized for max_prompts_per_step per step, not the fewest a step takes: a run whose filters
-    drop most groups would otherwise cycle the same problems epoch after epoch."""
-    spec = RunSpec(dataset=DatasetSpec(eval_size=5))
-    spec.dataset.arithmetic.digits = 3
-    spec.rollout.groups_per_step, spec.schedule.steps = 4, 10
-    spec = resolve(spec)
-    data = RunData.from_spec(spec)
-    assert len(data.train) == 10 * spec.rollout.max_prompts_per_step > 10 * 4
-
-
 def _group(
     rewards: list[float], versions: list[int] | None = None, status: SampleStatus = SampleStatus.SAMPLE_STATUS_OK
 ) -> SampleGroup:
