@@ -7,6 +7,9 @@ the trainer acknowledges it, and entries left pending by a dead consumer are cla
 appended twice, so a producer that retries or restarts cannot duplicate a group. An entry that
 cannot be decoded, or whose group cannot be trained on (`check_trainable`), is moved to the run's
 dead-letter stream with the reason, never silently dropped and never handed to the trainer.
+Acknowledged entries are trimmed (`trim_acknowledged`, at each checkpoint commit), so a long run's
+stream holds the groups not yet trained rather than every group of the run; the id set keeps every
+group id appended (and so the count of groups produced).
 """
 
 from __future__ import annotations
@@ -42,6 +45,46 @@ if redis.call('SADD', KEYS[2], ARGV[1]) == 1 then
   return redis.call('XADD', KEYS[1], '*', 'group_id', ARGV[1], 'group', ARGV[2])
 end
 return false
+"""
+
+
+# Trims the entries of stream KEYS[1] that every consumer group has had delivered and acknowledged: those
+# older than each group's oldest pending entry, or up to its last delivered one when none is pending.
+_TRIM_ACKNOWLEDGED = """
+local function parse(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return tonumber(ms), tonumber(seq)
+end
+local function older(a, b)
+  local am, as = parse(a)
+  local bm, bs = parse(b)
+  return am < bm or (am == bm and as < bs)
+end
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return 0
+end
+local bound = false
+for _, info in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+  local name, last
+  for i = 1, #info, 2 do
+    if info[i] == 'name' then name = info[i + 1] elseif info[i] == 'last-delivered-id' then last = info[i + 1] end
+  end
+  local pending = redis.call('XPENDING', KEYS[1], name)
+  local keep
+  if pending[1] > 0 then
+    keep = pending[2]
+  else
+    local ms, seq = parse(last)
+    keep = string.format('%d-%d', ms, seq + 1)
+  end
+  if not bound or older(keep, bound) then
+    bound = keep
+  end
+end
+if not bound then
+  return 0
+end
+return redis.call('XTRIM', KEYS[1], 'MINID', bound)
 """
 
 
@@ -152,6 +195,11 @@ def check_trainable(group: SampleGroup, run_id: str) -> None:
         raise InvalidInput(f"SampleGroup {group.group_id} belongs to run {group.run_id}, not {run_id}")
 
 
+def stream_keys(run_id: str, prefix: str = DEFAULT_PREFIX) -> tuple[str, str, str]:
+    """The keys of run `run_id`'s stream: the stream, the set of group ids appended, the dead letters."""
+    return f"{prefix}run:{run_id}:groups", f"{prefix}run:{run_id}:group_ids", f"{prefix}run:{run_id}:dead"
+
+
 class SampleStream:
     """The stream `<prefix>run:<run_id>:groups` and its consumer group."""
 
@@ -168,10 +216,9 @@ class SampleStream:
         self.client = client
         self.run_id = run_id
         self.consumer_group = consumer_group
-        self.key = f"{prefix}run:{run_id}:groups"
-        self.ids_key = f"{prefix}run:{run_id}:group_ids"
-        self.dead_key = f"{prefix}run:{run_id}:dead"
+        self.key, self.ids_key, self.dead_key = stream_keys(run_id, prefix)
         self._append_once = client.register_script(_APPEND_ONCE)
+        self._trim_acknowledged = client.register_script(_TRIM_ACKNOWLEDGED)
 
     # -- producer -------------------------------------------------------------------------------
 
@@ -220,13 +267,10 @@ class SampleStream:
     def claim_stale(self, consumer: str, min_idle_ms: int, count: int = 100) -> list[StreamEntry]:
         """Takes over up to `count` entries pending on other consumers for at least `min_idle_ms`
         (a consumer that died), oldest first. Entries pending on `consumer` itself are left alone: it
-        may hold them on purpose (the trainer acknowledges only what a checkpoint covers)."""
-        consumers = cast(list[dict[str, Any]], self.client.xinfo_consumers(self.key, self.consumer_group))
+        may hold them on purpose (the trainer acknowledges only what a checkpoint covers). An entry
+        deleted from the stream while pending goes to the dead letters, as on the consumer's own list."""
         stale: list[bytes] = []
-        for info in consumers:
-            name = info["name"].decode() if isinstance(info["name"], bytes) else str(info["name"])
-            if name == consumer or not info["pending"]:
-                continue
+        for name in self._others_with_pending(consumer):
             rows = cast(
                 list[dict[str, Any]],
                 self.client.xpending_range(
@@ -242,16 +286,50 @@ class SampleStream:
             list[tuple[bytes | None, dict[bytes, bytes] | None]],
             self.client.xclaim(self.key, self.consumer_group, consumer, min_idle_time=min_idle_ms, message_ids=oldest),
         )
-        return self._decode([(raw_id, fields) for raw_id, fields in claimed if raw_id is not None and fields])
+        # Redis before 7 claims a deleted entry without fields (_decode moves it aside); Redis 7 drops it from
+        # the pending list and leaves it out of the reply.
+        returned = {raw_id for raw_id, _ in claimed if raw_id is not None}
+        for raw_id in oldest:
+            if raw_id not in returned and self._deleted_while_pending(raw_id):
+                self._move_to_dead_letters(raw_id.decode(), {}, _DELETED)
+        return self._decode([(raw_id, fields or {}) for raw_id, fields in claimed if raw_id is not None])
+
+    def pending_elsewhere(self, consumer: str) -> bool:
+        """Whether consumers other than `consumer` hold pending entries (a trainer that ran under another name)."""
+        return bool(self._others_with_pending(consumer))
+
+    def _others_with_pending(self, consumer: str) -> list[str]:
+        consumers = cast(list[dict[str, Any]], self.client.xinfo_consumers(self.key, self.consumer_group))
+        names = [
+            (info["name"].decode() if isinstance(info["name"], bytes) else str(info["name"]), info)
+            for info in consumers
+        ]
+        return [name for name, info in names if name != consumer and info["pending"]]
+
+    def _deleted_while_pending(self, raw_id: bytes) -> bool:
+        """An entry no consumer holds any more and the stream no longer has: XCLAIM dropped it as deleted."""
+        entry_id = raw_id.decode()
+        held = self.client.xpending_range(self.key, self.consumer_group, min=entry_id, max=entry_id, count=1)
+        return not held and not self.client.xrange(self.key, min=entry_id, max=entry_id, count=1)
 
     def ack(self, entry_ids: Iterable[str]) -> int:
         ids = list(entry_ids)
         return int(self.client.xack(self.key, self.consumer_group, *ids)) if ids else 0
 
+    def trim_acknowledged(self) -> int:
+        """Removes the entries every consumer group has acknowledged (none pending or undelivered); returns how
+        many."""
+        return int(self._trim_acknowledged(keys=[self.key]))
+
     # -- inspection -----------------------------------------------------------------------------
 
     def length(self) -> int:
+        """Entries on the stream now: the groups not yet acknowledged, and acknowledged ones not yet trimmed."""
         return int(self.client.xlen(self.key))
+
+    def appended_count(self) -> int:
+        """Groups ever appended (trimmed or not)."""
+        return int(cast(int, self.client.scard(self.ids_key)))
 
     def pending_count(self) -> int:
         try:
@@ -262,7 +340,8 @@ class SampleStream:
             raise
 
     def entries(self) -> list[StreamEntry]:
-        """Every group in the stream, oldest first, trained or not (reading for training goes through read())."""
+        """Every group on the stream, oldest first, trained or not, trimmed ones excepted (reading for training
+        goes through read())."""
         rows = cast(list[tuple[bytes, dict[bytes, bytes]]], self.client.xrange(self.key))
         return [StreamEntry(raw_id.decode(), SampleGroup.FromString(fields[_GROUP_FIELD])) for raw_id, fields in rows]
 
@@ -288,10 +367,6 @@ class SampleStream:
             if deleted or (group_id and self.client.sismember(self.ids_key, group_id)):
                 lost.append((fields[b"entry_id"].decode(), fields[b"reason"].decode()))
         return lost
-
-    def delete(self) -> None:
-        """Removes the stream, its id set and its dead letters (the run is over and archived)."""
-        self.client.delete(self.key, self.ids_key, self.dead_key)
 
     # -- internals ------------------------------------------------------------------------------
 

@@ -71,6 +71,32 @@ def test_read_ack_and_pending(stream: SampleStream) -> None:
     assert stream.pending_count() == 2
 
 
+def test_trimming_removes_only_what_was_delivered_and_acknowledged(stream: SampleStream) -> None:
+    """A run kept every group it ever trained on the stream, about 66 kB each, until Redis ran out of memory."""
+    for i in range(6):
+        stream.append(make_group("run1", i))
+    delivered = stream.read("c", count=4)
+    stream.ack([delivered[0].entry_id, delivered[2].entry_id])  # 1 and 3 stay pending, 4 and 5 undelivered
+    stream.trim_acknowledged()
+    assert [e.group.prompt_id for e in stream.entries()] == ["1", "2", "3", "4", "5"]
+    stream.ack([delivered[1].entry_id, delivered[3].entry_id])
+    stream.trim_acknowledged()
+    assert [e.group.prompt_id for e in stream.entries()] == ["4", "5"]  # never delivered: kept
+    assert [e.group.prompt_id for e in stream.read("c", count=10)] == ["4", "5"]
+    stream.ack(e.entry_id for e in stream.read_own_pending("c", count=10))
+    stream.trim_acknowledged()
+    assert stream.length() == 0 and stream.appended_count() == 6
+    assert stream.append(make_group("run1", 0)) is None  # still known: a retried append adds nothing
+
+
+def test_a_stream_nobody_reads_is_not_trimmed(redis_client: redis.Redis, redis_prefix: str) -> None:
+    unread = SampleStream(redis_client, "run2", prefix=redis_prefix)
+    unread.trim_acknowledged()  # no stream yet
+    unread.append(make_group("run2", 0))
+    unread.trim_acknowledged()  # no consumer group yet
+    assert unread.length() == 1
+
+
 def test_restarted_consumer_sees_its_own_pending(stream: SampleStream) -> None:
     for i in range(3):
         stream.append(make_group("run1", i))
@@ -90,6 +116,22 @@ def test_dead_consumer_entries_are_claimed(stream: SampleStream) -> None:
     assert sorted(e.group.prompt_id for e in claimed) == ["0", "1", "2", "3"]
     stream.ack(e.entry_id for e in claimed)
     assert stream.pending_count() == 0
+
+
+def test_an_entry_deleted_while_a_dead_consumer_held_it_goes_to_dead_letters(
+    stream: SampleStream, redis_client: redis.Redis
+) -> None:
+    """Claiming from a dead consumer dropped an entry deleted meanwhile without a trace: the run waited one
+    group short until its step timeout instead of failing at once."""
+    ids = [stream.append(make_group("run1", i)) for i in range(4)]
+    stream.read("dead", count=4)
+    assert ids[1] is not None
+    redis_client.xdel(stream.key, ids[1])
+    claimed = stream.claim_stale("alive", min_idle_ms=0)
+    assert [e.entry_id for e in claimed] == [ids[0], ids[2], ids[3]]
+    assert stream.dead_letters() == [(ids[1], "entry was deleted while pending")]
+    assert stream.lost_groups() == [(ids[1], "entry was deleted while pending")]
+    assert not stream.pending_elsewhere("alive") and stream.pending_count() == 3
 
 
 def test_undecodable_entry_goes_to_dead_letters(stream: SampleStream, redis_client: redis.Redis) -> None:

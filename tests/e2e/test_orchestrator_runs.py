@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import grpc
@@ -24,6 +26,16 @@ from rlfleet.v1.samples_pb2 import SampleGroup
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 GROUPS_PER_STEP = 2
+
+
+@pytest.fixture(scope="module")
+def fleet(
+    fleet_factory: Callable[..., AbstractContextManager[LocalFleet]], small_model_dir: Path
+) -> Iterator[LocalFleet]:
+    """This module's fleet keeps trained groups on the stream (a checkpoint trims them by default): the tests
+    read them back."""
+    with fleet_factory(small_model_dir, env={"RLFLEET_TRAINER_KEEP_TRAINED_GROUPS": "true"}) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -79,11 +91,11 @@ def test_an_orchestrator_killed_mid_run_resumes_with_every_prompt_once(
     client = connect_redis(fleet.config.resolved_redis_url())
     stream = SampleStream(client, run.id, prefix=fleet.config.redis_prefix)
     deadline = time.monotonic() + 120
-    while stream.length() < 3:  # inside step 1, or just past it
+    while stream.appended_count() < 3:  # inside step 1, or just past it
         assert time.monotonic() < deadline, f"the run produced no groups: {api.get(run.id)}"
         time.sleep(0.02)
     fleet.processes["rollout"].kill()
-    killed_at = stream.length()
+    killed_at = stream.appended_count()
     client.close()
     fleet.restart("rollout")
 

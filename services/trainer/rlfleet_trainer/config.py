@@ -43,6 +43,11 @@ class TrainerSettings(BaseSettings):
         120.0, gt=0, description="distributed: bound on engines joining the group and on each broadcast"
     )
     consumer: str = Field("trainer-0", description="consumer name in the stream's consumer group")
+    keep_trained_groups: bool = Field(
+        False,
+        description="keep the groups a checkpoint acknowledged on the run's stream, to inspect them; by default "
+        "each checkpoint trims them, so a long run's stream holds only the groups not yet acknowledged",
+    )
     api_token_file: str | None = Field(None, description="file holding the API token the router's admin calls need")
 
     @field_validator("work_dir")

@@ -68,7 +68,7 @@ class TrainerMetrics:
         )
         self.stream_lag = Gauge(
             "rlfleet_trainer_stream_lag_groups",
-            "groups on the stream not yet trained on (undelivered + pending), without the ones set aside",
+            "groups appended to the stream and not yet trained on (undelivered + pending), without the ones set aside",
             registry=self.registry,
         )
         self.gauges = {

@@ -1,7 +1,7 @@
 """The training loop of one run, as a plain function over the objects that hold state.
 
 Per step: collect `groups_per_step` groups from the stream (this consumer's pending entries in id
-order after the last one taken, then entries a dead consumer left, then new ones), take one step of
+order after the last one taken, then entries a dead consumer left, once idle, then new ones), take one step of
 the run's algorithm, write the weights as version step + 1 and make the fleet serve them. A step
 acknowledges nothing: a checkpoint does (checkpoint_commit.py), every `trainer.checkpoint_every`
 steps, at the schedule's end, at a stop that asks for one, and when a Checkpoint call asks. The
@@ -46,12 +46,18 @@ def collect_groups(
     entries = stream.read_own_pending(settings.consumer, needed, after=run.cursor)
     if entries:
         logger.info("run %s: %d group(s) were delivered before", run.run_id, len(entries))
-    if len(entries) < needed:
-        entries += stream.claim_stale(settings.consumer, settings.claim_idle_ms, needed - len(entries))
     while len(entries) < needed and not run.stop.is_set():
         if run.checkpoint_wanted:
             checkpoints.commit(run, run.step, run.groups_trained)
-        entries += stream.read(settings.consumer, needed - len(entries), block_ms=settings.read_block_ms)
+        claimed = stream.claim_stale(settings.consumer, settings.claim_idle_ms, needed - len(entries))
+        if claimed:
+            entries += claimed
+        elif stream.pending_elsewhere(settings.consumer):
+            # Another consumer (this trainer under an earlier name) holds older groups: new ones wait until
+            # those can be claimed, or they would be trained first, in other steps than before the restart.
+            run.stop.wait(settings.read_block_ms / 1000)
+        else:
+            entries += stream.read(settings.consumer, needed - len(entries), block_ms=settings.read_block_ms)
     entries = _with_undelivered_replies(stream, settings.consumer, run.cursor, entries, needed)
     # Every entry taken is now pending on this consumer; the next step reads its pending ones after
     # them. (When own pending ones ran short, all of them were taken, and new ones come after all.)
@@ -159,7 +165,7 @@ def report(run: ActiveRun, version: int, groups: int, step_metrics: dict[str, fl
     metrics.groups_consumed.inc(groups)
     metrics.samples_consumed.inc(step_metrics.get("samples", 0))
     set_aside = run.stream.dead_letter_count()
-    metrics.stream_lag.set(max(0, run.stream.length() - run.groups_trained - set_aside))
+    metrics.stream_lag.set(max(0, run.stream.appended_count() - run.groups_trained - set_aside))
     logger.info(
         "run %s step %d/%d: loss %.4f reward %.3f logprob_diff %.2e (%.2fs + sync %.2fs)",
         run.run_id,

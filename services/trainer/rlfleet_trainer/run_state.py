@@ -4,11 +4,13 @@ A step acknowledges nothing. A checkpoint commit writes the record (pointing at 
 acknowledges every group trained since the previous checkpoint in one Redis transaction, so after
 a crash the record and the stream's pending list always agree: every group the checkpoint covers
 is acknowledged, every group it does not cover is still pending and is trained on again after the
-trainer resumes from that checkpoint.
+trainer resumes from that checkpoint. What is acknowledged is then trimmed from the stream (unless the
+trainer keeps trained groups), so Redis holds a run's untrained groups, not all of them.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -17,6 +19,8 @@ import redis
 
 from rlfleet.errors import Conflict
 from rlfleet.sample_stream import SampleStream
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -30,9 +34,10 @@ class RunRecord:
 
 
 class RunStateStore:
-    def __init__(self, client: redis.Redis, prefix: str) -> None:
+    def __init__(self, client: redis.Redis, prefix: str, *, keep_trained_groups: bool = False) -> None:
         self.client = client
         self.prefix = prefix
+        self.keep_trained_groups = keep_trained_groups
 
     def key(self, run_id: str) -> str:
         return f"{self.prefix}run:{run_id}:trainer"
@@ -56,7 +61,7 @@ class RunStateStore:
         )
 
     def commit(self, run_id: str, record: RunRecord, stream: SampleStream, entry_ids: Sequence[str]) -> None:
-        """Saves `record` and acknowledges `entry_ids` atomically (MULTI/EXEC)."""
+        """Saves `record` and acknowledges `entry_ids` atomically (MULTI/EXEC), then trims what is acknowledged."""
         pipe = self.client.pipeline(transaction=True)
         pipe.hset(
             self.key(run_id),
@@ -71,3 +76,9 @@ class RunStateStore:
         if entry_ids:
             pipe.xack(stream.key, stream.consumer_group, *entry_ids)
         pipe.execute()
+        if self.keep_trained_groups:
+            return
+        try:
+            stream.trim_acknowledged()
+        except redis.RedisError as exc:  # the record is committed; the next commit trims what this one left
+            logger.warning("run %s: acknowledged groups not trimmed from %s: %s", run_id, stream.key, exc)

@@ -76,7 +76,7 @@ class TrainerCore:
         self.client = client
         self.router = router
         self.metrics = metrics
-        self.store = RunStateStore(client, settings.redis_prefix)
+        self.store = RunStateStore(client, settings.redis_prefix, keep_trained_groups=settings.keep_trained_groups)
         self.checkpoints = CheckpointCommitter(self.store, settings.keep_checkpoints, metrics)
         self._runs: dict[str, ActiveRun] = {}
         self._finished: dict[str, TrainerStatus] = {}

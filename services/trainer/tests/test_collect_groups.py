@@ -1,4 +1,5 @@
-"""Collecting a step's groups from the real stream when Redis delivered a read whose reply was lost."""
+"""The trainer's side of the real stream: collecting a step's groups (when Redis delivered a read whose reply
+was lost, or another consumer left groups behind), and the checkpoint commit that acknowledges and trims them."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import threading
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import redis
 
 from rlfleet.sample_stream import SampleStream, StreamEntry
 from rlfleet.v1.samples_pb2 import Sample, SampleGroup
 from rlfleet_trainer.run_loop import collect_groups
+from rlfleet_trainer.run_state import RunRecord, RunStateStore
 
 CONSUMER = "trainer-0"
 
@@ -63,3 +66,38 @@ def test_a_step_without_lost_replies_reads_as_before(redis_client: redis.Redis, 
     assert [e.entry_id for e in collect_groups(run, settings, 2, checkpoints=None)] == ids[:2]  # type: ignore[arg-type]
     assert [e.entry_id for e in collect_groups(run, settings, 2, checkpoints=None)] == ids[2:]  # type: ignore[arg-type]
     assert run.cursor == ids[3]
+
+
+def test_groups_another_consumer_left_are_trained_before_new_ones(redis_client: redis.Redis, redis_prefix: str) -> None:
+    """A trainer resumed under a new consumer name read new groups while the old name's were not yet idle
+    enough to claim: later steps' groups were trained first, and the earlier ones in other steps."""
+    stream = SampleStream(redis_client, "run3", prefix=redis_prefix)
+    stream.ensure_consumer_group()
+    ids = [stream.append(group("run3", i)) for i in range(6)]
+    stream.read("trainer-old", 2)  # the trainer before its restart took steps 0's groups and died
+    settings = SimpleNamespace(consumer=CONSUMER, claim_idle_ms=300, read_block_ms=50)
+    run = run_on(stream)
+    assert [e.entry_id for e in collect_groups(run, settings, 2, checkpoints=None)] == ids[:2]  # type: ignore[arg-type]
+    assert [e.entry_id for e in collect_groups(run, settings, 2, checkpoints=None)] == ids[2:4]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_commit_acknowledges_and_trims_what_its_checkpoint_covers(
+    redis_client: redis.Redis, redis_prefix: str, keep: bool
+) -> None:
+    stream = SampleStream(redis_client, "run1", prefix=redis_prefix)
+    stream.ensure_consumer_group()
+    for i in range(5):
+        stream.append(group("run1", i))
+    taken = stream.read("trainer-0", 3)
+    store = RunStateStore(redis_client, redis_prefix, keep_trained_groups=keep)
+    store.commit("run1", RunRecord(step=1, checkpoint_path="/c/1", groups_trained=2), stream, [taken[0].entry_id])
+    assert store.load("run1") == RunRecord(step=1, checkpoint_path="/c/1", groups_trained=2)
+    assert stream.pending_count() == 2
+    assert stream.length() == (5 if keep else 4)  # trained but not yet covered by a checkpoint: kept
+    store.commit(
+        "run1", RunRecord(step=2, checkpoint_path="/c/2", groups_trained=3), stream, [e.entry_id for e in taken]
+    )
+    assert stream.pending_count() == 0
+    assert [e.group.group_id for e in stream.entries()] == [f"run1/0/{i}" for i in (range(5) if keep else (3, 4))]
+    assert stream.appended_count() == 5
