@@ -65,6 +65,9 @@ class RolloutConfig(BaseSettings):
     grpc_keepalive_s: float = Field(default=30.0, ge=1)
     """The gRPC server pings a connection idle this long (dropping it when 10 s pass without the answer), and
     lets clients send their own keepalive pings as often as every third of it."""
+    run_data_retention_s: float = Field(default=7 * 24 * 3600.0, gt=0)
+    """How long a run's sample stream, its dead letters and its data position stay in Redis after the run ends
+    (its record stays): time to inspect them, and Redis does not fill up with runs that are over."""
     shutdown_grace_s: float = Field(default=5.0, ge=0)
     """How long open requests and streams get to finish on SIGTERM."""
     log_level: str = "info"

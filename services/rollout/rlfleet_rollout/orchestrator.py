@@ -81,6 +81,7 @@ async def serve(config: RolloutConfig) -> None:
         filters=filters,
         rollouts=rollouts,
         poll_interval_s=config.poll_interval_s,
+        run_data_retention_s=config.run_data_retention_s,
     )
     deps = RunDeps(
         core=core,

@@ -85,6 +85,10 @@ class RunData:
         return order
 
 
+def data_position_key(run_id: str, prefix: str) -> str:
+    return f"{prefix}run:{run_id}:data_position"
+
+
 class DataPosition:
     """The position each step of a run starts at, in Redis (`run:<id>:data_position`, a hash step -> position).
 
@@ -99,7 +103,7 @@ class DataPosition:
 
     def __init__(self, client: redis.Redis, run_id: str, *, prefix: str) -> None:
         self.client = client
-        self.key = f"{prefix}run:{run_id}:data_position"
+        self.key = data_position_key(run_id, prefix)
         self.token = uuid.uuid4().hex
 
     def pin_dataset(self, fingerprint: str) -> str:

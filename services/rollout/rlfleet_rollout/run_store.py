@@ -4,17 +4,23 @@ Keys (under the configured prefix):
 - `run:<id>:record`: the serialized `Run`;
 - `runs:index`: sorted set of run ids scored by a creation sequence number (`runs:seq`), which
   orders List and the run queue and doubles as the page cursor.
+
+A run's working data (its sample stream, the stream's id set and dead letters, its data position) is given
+an expiry in the same transaction as the record that ends the run; the record stays.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import cast
 
 import redis.asyncio as aioredis
 
 from rlfleet.errors import InvalidInput, NotFound
+from rlfleet.sample_stream import stream_keys
 from rlfleet.v1.runs_pb2 import Run, RunState
+from rlfleet_rollout.run_data import data_position_key
 
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000
@@ -44,9 +50,15 @@ class RunStore:
             raise NotFound(f"run {run_id!r} not found")
         return Run.FromString(raw)
 
-    async def put(self, run: Run) -> None:
-        """Overwrites the record of an existing run."""
-        await self.client.set(self.record_key(run.id), run.SerializeToString())
+    async def put(self, run: Run, *, expire_data_after_s: float | None = None) -> None:
+        """Overwrites the record of an existing run; with `expire_data_after_s`, the run's working data expires
+        that long after, in the same transaction."""
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.set(self.record_key(run.id), run.SerializeToString())
+            if expire_data_after_s is not None:
+                for key in (*stream_keys(run.id, self.prefix), data_position_key(run.id, self.prefix)):
+                    pipe.expire(key, math.ceil(expire_data_after_s))
+            await pipe.execute()
 
     async def page(
         self, state: RunState = RunState.RUN_STATE_UNSPECIFIED, page_size: int = 0, page_token: str = ""

@@ -51,6 +51,7 @@ class RunsCore:
         filters: FilterRegistry,
         rollouts: RolloutRegistry,
         poll_interval_s: float,
+        run_data_retention_s: float,
     ) -> None:
         self.filters = filters
         self.rollouts = rollouts
@@ -59,6 +60,7 @@ class RunsCore:
         self.notifier = notifier
         self.metrics = metrics
         self.poll_interval_s = poll_interval_s
+        self.run_data_retention_s = run_data_retention_s
         self._lock = asyncio.Lock()
         self._closing = False
 
@@ -152,7 +154,8 @@ class RunsCore:
             mutate(run)
             if run.SerializeToString(deterministic=True) == before:
                 return run
-            await self.store.put(run)
+            ended = is_terminal(run.state) and not is_terminal(old_state)
+            await self.store.put(run, expire_data_after_s=self.run_data_retention_s if ended else None)
         self.metrics.count_run_state(old_state, run.state)
         if run.state != old_state:
             logger.info("run %s is %s", run_id, state_name(run.state), extra={"run_id": run_id})

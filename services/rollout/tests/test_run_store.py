@@ -1,15 +1,20 @@
-"""The run store against the real Redis: creation order, state filter, pagination, bad tokens."""
+"""The run store against the real Redis: creation order, state filter, pagination, bad tokens, and what a run
+that ends leaves behind."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 from rollout_test_support import REDIS_URL
+from trainer_release_support import runs_core
 
 from rlfleet.errors import InvalidInput, NotFound
+from rlfleet.sample_stream import SampleStream
 from rlfleet.v1.runs_pb2 import Run, RunState
+from rlfleet_rollout.run_data import DataPosition, data_position_key
 from rlfleet_rollout.run_store import RunStore
 
 QUEUED, RUNNING = RunState.RUN_STATE_QUEUED, RunState.RUN_STATE_RUNNING
@@ -72,5 +77,26 @@ def test_a_next_page_token_is_given_only_when_a_run_of_the_page_kind_follows(red
             assert [r.id for r in head] == [f"r{i}" for i in range(5)] and rest == ""
         finally:
             await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_run_that_ends_leaves_its_working_data_to_expire_and_keeps_its_record(
+    redis_prefix: str, redis_client: redis.Redis
+) -> None:
+    """Every run's stream, dead letters and data position stayed in Redis for ever after the run ended."""
+    stream = SampleStream(redis_client, "r1", prefix=redis_prefix)
+    stream.ensure_consumer_group()
+    DataPosition(redis_client, "r1", prefix=redis_prefix).record_end(0, 4, [0, 1])
+    working = [stream.key, data_position_key("r1", redis_prefix)]
+
+    async def scenario() -> None:
+        async with runs_core(redis_prefix) as core:
+            await core.store.create(Run(id="r1", state=RUNNING))
+            await core.update("r1", lambda run: run.progress.SetInParent())
+            assert [redis_client.ttl(key) for key in working] == [-1, -1]  # running: kept
+            await core.cancel("r1")
+            assert all(0 < redis_client.ttl(key) <= 60 for key in working)
+            assert redis_client.ttl(core.store.record_key("r1")) == -1
 
     asyncio.run(scenario())

@@ -67,6 +67,7 @@ def submit(redis_prefix: str, hub_url: str, spec: dict[str, Any], validate_timeo
                     filters=FilterRegistry({}),
                     rollouts=RolloutRegistry.from_entry_points(),
                     poll_interval_s=0.1,
+                    run_data_retention_s=60,
                 )
                 try:
                     run = await core.submit(json_format.ParseDict(spec, RunSpec()))

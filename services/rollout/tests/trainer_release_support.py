@@ -57,6 +57,7 @@ async def runs_core(prefix: str) -> AsyncIterator[RunsCore]:
                 filters=FilterRegistry({}),
                 rollouts=RolloutRegistry.from_entry_points(),
                 poll_interval_s=0.1,
+                run_data_retention_s=60,
             )
     finally:
         await client.aclose()
