@@ -227,6 +227,8 @@ def test_redis_appends_to_a_persistent_volume_unless_external(rendered: tuple[di
     assert redis is not None
     args = redis["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--appendonly") + 1] == "yes"
+    assert args[args.index("--maxmemory") + 1] == values["redis"]["maxmemory"]
+    assert args[args.index("--maxmemory-policy") + 1] == "noeviction"  # run data is never evicted
     assert redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "redis-data"
 
 
