@@ -23,6 +23,7 @@ from rlfleet_engine.distributed_weights import WeightReceiver
 from rlfleet_engine.generation_job import GenerationJob
 from rlfleet_engine.metrics import EngineMetrics
 from rlfleet_engine.request_expansion import expand
+from rlfleet_engine.sampler import seeded_generator
 from rlfleet_engine.sampling_params import SamplingParams
 from rlfleet_engine.scheduled_generation import Outputs, ScheduledGeneration
 from rlfleet_engine.scheduler import Scheduler
@@ -55,6 +56,7 @@ class EngineCore(ScheduledGeneration):
         self.tokenizer = tokenizer
         self.model_path = config.model_path
         self.metrics = EngineMetrics(registry, config.served_model_name or config.model_path)
+        self.in_flight = {}
         self.scheduler = Scheduler(
             backend,
             tokenizer,
@@ -100,9 +102,11 @@ class EngineCore(ScheduledGeneration):
                 return_text_in_logprobs=req.return_text_in_logprobs,
                 stream=req.stream,
                 log_metrics=req.log_metrics,
+                generator=seeded_generator(spec.params.sampling_seed, spec.sample_index),
             )
             for k, spec in enumerate(specs)
         ]
+        self._claim_rids(jobs)
         self.scheduler.submit(jobs)
         return jobs, queue
 

@@ -14,10 +14,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rlfleet_engine.sampling_params import SamplingParams
-from rlfleet_engine.stop_conditions import FinishReason, find_stop_string
+from rlfleet_engine.stop_conditions import FinishReason, find_stop_string, partial_stop_length
+
+if TYPE_CHECKING:  # the sim backend runs jobs without torch
+    import torch
 
 
 class Detokenizer(Protocol):
@@ -36,6 +39,8 @@ class GenerationJob:
     return_text_in_logprobs: bool = False
     stream: bool = False
     log_metrics: bool = True
+    generator: torch.Generator | None = None
+    """The job's own random generator (a seeded request); None draws from the engine's."""
     created_at: float = field(default_factory=time.monotonic)
 
     output_ids: list[int] = field(default_factory=list)
@@ -46,7 +51,7 @@ class GenerationJob:
     finish: FinishReason | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
-    _stop_at: int | None = None  # where a matched stop string starts in the decoded text
+    _stop_at: int | None = None  # where a matched stop string starts in the text decoded with special tokens
     _checked_chars: int = 0  # decoded length at the previous stop-string check
 
     def append(self, token_id: int, logprob: float, top: list[tuple[float, int]], weight_version: str) -> None:
@@ -65,10 +70,11 @@ class GenerationJob:
         self.finished_at = time.monotonic()
 
     def check_stop_strings(self, tokenizer: Detokenizer) -> FinishReason | None:
-        """Looks for a stop string in the decoded output (only its tail can hold a new match)."""
+        """Looks for a stop string in the output decoded with its special tokens, as SGLang does (so a stop string
+        such as "<|im_end|>" matches whatever `skip_special_tokens` says); only its tail can hold a new match."""
         if not self.params.stop:
             return None
-        text = tokenizer.decode(self.output_ids, skip_special_tokens=self.params.skip_special_tokens)
+        text = tokenizer.decode(self.output_ids, skip_special_tokens=False)
         longest = max(len(s) for s in self.params.stop)
         # A new match must end in the newly decoded characters; re-decoding may also rewrite a few.
         hit = find_stop_string(text, self.params.stop, search_from=self._checked_chars - longest - 4)
@@ -79,14 +85,36 @@ class GenerationJob:
         return FinishReason("stop", matched=hit[1])
 
     def text(self, tokenizer: Detokenizer) -> str:
-        """The output text, without the matched stop token or string unless no_stop_trim."""
+        """The output text, without the matched stop token or string unless no_stop_trim.
+
+        While the job runs, the tail that may yet become a stop string is held back (as SGLang does), so the
+        text only grows from one streamed output to the next and is always a prefix of the final text.
+        """
         ids = self.output_ids
-        trim = not self.params.no_stop_trim and self.finish is not None
+        trim = not self.params.no_stop_trim
         if trim and self.finish is not None and self.finish.matched_token:
             ids = ids[:-1]
-        text = tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
-        if trim and self._stop_at is not None:
-            text = text[: self._stop_at]
+        if not trim or not self.params.stop or (self.finish is not None and self._stop_at is None):
+            return tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+        return self._text_before_stop(tokenizer)
+
+    def _text_before_stop(self, tokenizer: Detokenizer) -> str:
+        """The output text before the matched stop string, or (still running) before what may become one."""
+        # Stop strings are found in the output decoded with its special tokens: positions are in that text.
+        full = tokenizer.decode(self.output_ids, skip_special_tokens=False)
+        end = self._stop_at if self._stop_at is not None else len(full) - partial_stop_length(full, self.params.stop)
+        if not self.params.skip_special_tokens:
+            return full[:end]
+        # The text without special tokens has other positions: decode the whole tokens before `end`, then add
+        # the part of the token `end` splits, unless that token is special (skipped whole).
+        cut = len(self.output_ids)
+        head = full
+        while len(head) > end:
+            cut -= 1
+            head = tokenizer.decode(self.output_ids[:cut], skip_special_tokens=False)
+        text = tokenizer.decode(self.output_ids[:cut], skip_special_tokens=True)
+        if len(head) < end and tokenizer.decode(self.output_ids[cut : cut + 1], skip_special_tokens=True):
+            text += full[len(head) : end]
         return text
 
     def output(self, tokenizer: Detokenizer, weight_version: str) -> dict[str, Any]:

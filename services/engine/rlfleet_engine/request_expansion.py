@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from rlfleet.errors import InvalidInput, ResourceExhausted
-from rlfleet_engine.sampling_params import SamplingParams
+from rlfleet_engine.sampling_params import UNTIL_CONTEXT, SamplingParams
 from rlfleet_engine.schemas import GenerateRequest
 
 T = TypeVar("T")
@@ -30,6 +30,8 @@ class JobSpec:
     rid: str
     input_ids: list[int]
     params: SamplingParams
+    sample_index: int
+    """Which of its prompt's n samples this job is."""
     return_logprob: bool
     top_logprobs_num: int
 
@@ -63,13 +65,18 @@ def expand(req: GenerateRequest, tokenizer: Encoder, vocab_size: int, context_le
         bad = next((t for t in ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise InvalidInput(f"{where} holds token id {bad}, outside the vocabulary [0, {vocab_size})")
+        bad = next((t for t in params[i].stop_token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidInput(
+                f"sampling_params.stop_token_ids holds token id {bad}, outside the vocabulary [0, {vocab_size})"
+            )
         room = context_length - len(ids)
         if room <= 0:
             raise InvalidInput(
                 f"The input ({len(ids)} tokens) is longer than the model's context length ({context_length} tokens)."
             )
-        if "max_new_tokens" not in params[i].model_fields_set:
-            # SGLang clamps the default budget to what the context leaves; only an explicit one is an error.
+        if "max_new_tokens" not in params[i].model_fields_set or params[i].max_new_tokens == UNTIL_CONTEXT:
+            # SGLang clamps a default or null budget to what the context leaves; a number over it is an error.
             params[i] = params[i].model_copy(update={"max_new_tokens": min(params[i].max_new_tokens, room)})
         elif params[i].max_new_tokens > room:
             raise InvalidInput(
@@ -81,6 +88,7 @@ def expand(req: GenerateRequest, tokenizer: Encoder, vocab_size: int, context_le
             rid=rids[i * n + j],
             input_ids=list(prompts[i]),
             params=params[i],
+            sample_index=j,
             return_logprob=bool(logprob[i]),
             top_logprobs_num=int(tops[i] or 0) if logprob[i] else 0,
         )

@@ -1,6 +1,6 @@
 """Next-token sampling for a batch of rows, each with its own temperature, top-p, top-k, min-p and
-(optionally) `sampling_seed`: a seeded row draws from its request's own generator, so its tokens do
-not depend on which other requests share the batch.
+(optionally) `sampling_seed`: a seeded row draws from its job's own generator (`seeded_generator`), so
+its tokens do not depend on which other requests share the batch.
 
 Logprob convention (the same as SGLang's default, i.e. without SGLANG_RETURN_ORIGINAL_LOGPROB):
 the reported logprob of a token is its log-probability under the temperature-scaled distribution
@@ -14,6 +14,7 @@ so a trainer recomputing log_softmax(logits / T) over the full vocabulary gets t
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,8 +38,10 @@ def sample(
     params: Sequence[SamplingParams],
     generator: torch.Generator | None = None,
     top_logprobs_nums: Sequence[int] | None = None,
+    row_generators: Sequence[torch.Generator | None] | None = None,
 ) -> SampledTokens:
-    """Samples one token per row of `logits` (B, V) under that row's parameters."""
+    """Samples one token per row of `logits` (B, V) under that row's parameters, from the row's own generator
+    where `row_generators` gives one (a seeded job), else from the shared `generator`."""
     assert logits.dim() == 2 and logits.shape[0] == len(params), "one row of logits per SamplingParams"
     logits = logits.float()
     rows, vocab = logits.shape
@@ -52,13 +55,13 @@ def sample(
     if sampled_rows.numel() > 0:
         sub = [params[i] for i in sampled_rows.tolist()]
         probs = truncated_probs(logprobs[sampled_rows].exp(), sub, vocab)  # (S, V)
-        own = [p.seeded_generator() for p in sub]
+        own = [row_generators[i] if row_generators else None for i in sampled_rows.tolist()]
         shared = [k for k, g in enumerate(own) if g is None]
         if shared:
             draws = torch.multinomial(probs[shared], num_samples=1, generator=generator).flatten()
             chosen[sampled_rows[shared]] = draws
         for k, row_generator in enumerate(own):
-            if row_generator is not None:  # a seeded request draws from its own generator, whatever its batch
+            if row_generator is not None:  # a seeded job draws from its own generator, whatever its batch
                 chosen[sampled_rows[k]] = torch.multinomial(probs[k], num_samples=1, generator=row_generator)[0]
 
     token_logprobs = logprobs.gather(1, chosen.unsqueeze(1)).flatten()
@@ -70,6 +73,22 @@ def sample(
         for i, k in enumerate(nums):
             tops[i] = list(zip(values[i, :k].tolist(), indices[i, :k].tolist(), strict=True))
     return SampledTokens(token_ids=chosen.tolist(), logprobs=token_logprobs.tolist(), top_logprobs=tops)
+
+
+def seeded_generator(seed: int | None, sample_index: int) -> torch.Generator | None:
+    """The generator of sample `sample_index` (of n) of a prompt sampled with `sampling_seed` = `seed`; None
+    without a seed (the row draws from the engine's generator).
+
+    Each sample gets its own stream, a function of (seed, sample_index) alone: samples sharing one
+    generator would draw in whatever order the scheduler happened to admit them. The first sample's is
+    seeded with `seed` itself, so a request of one sample draws what a seeded request always drew.
+    """
+    if seed is None:
+        return None
+    if sample_index == 0:
+        return torch.Generator().manual_seed(seed)
+    digest = hashlib.blake2b(f"{seed}:{sample_index}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
 
 
 def truncated_probs(probs: torch.Tensor, params: Sequence[SamplingParams], vocab: int) -> torch.Tensor:

@@ -7,15 +7,16 @@ different distribution than it asked for.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import sys
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
-
-if TYPE_CHECKING:
-    import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Below this a temperature means greedy decoding, as in SGLang.
 GREEDY_TEMPERATURE = 1e-6
+# `max_new_tokens: null` asks, as in SGLang, for as many tokens as the context leaves; the request's expansion
+# clamps this to the room its prompt leaves.
+UNTIL_CONTEXT = sys.maxsize
 
 # SGLang parameter -> its neutral value; anything else is refused with a message naming it.
 _UNSUPPORTED_AT_NEUTRAL: dict[str, Any] = {
@@ -49,8 +50,12 @@ class SamplingParams(BaseModel):
     no_stop_trim: bool = False
     n: int = Field(default=1, ge=1)
     sampling_seed: int | None = Field(default=None, ge=0)
-    """Seeds this request's own random generator, so the same request samples the same tokens."""
-    _generator: torch.Generator | None = PrivateAttr(default=None)
+    """Seeds the request's own random generators (one per sample), so the same request samples the same tokens."""
+
+    @field_validator("max_new_tokens", mode="before")
+    @classmethod
+    def _null_budget_until_context(cls, value: object) -> object:
+        return UNTIL_CONTEXT if value is None else value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -80,17 +85,6 @@ class SamplingParams(BaseModel):
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         return self
-
-    def seeded_generator(self) -> torch.Generator | None:
-        """The request's generator (seeded with `sampling_seed` at its first draw, then advancing with each
-        token); None without a seed. Sequences sharing one SamplingParams (n > 1) draw from one generator."""
-        if self.sampling_seed is None:
-            return None
-        if self._generator is None:
-            import torch  # the parameters themselves are parsed without torch
-
-            self._generator = torch.Generator().manual_seed(self.sampling_seed)
-        return self._generator
 
     @property
     def is_greedy(self) -> bool:

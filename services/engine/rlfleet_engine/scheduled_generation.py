@@ -1,7 +1,7 @@
 """What both engine cores (the model's `EngineCore` and the `sim` backend's `SimEngineCore`) do alike over
-their schedulers: answer a generate request whole or as a stream from the outputs its jobs deliver, abort
-the jobs a caller leaves, pass abort, pause and resume on to the scheduler, and describe the engine
-(SGLang's /get_model_info and /get_server_info).
+their schedulers: refuse a request whose rid is already in flight, answer a generate request whole or as a
+stream from the outputs its jobs deliver, abort the jobs a caller leaves, pass abort, pause and resume on
+to the scheduler, and describe the engine (SGLang's /get_model_info and /get_server_info).
 
 Outputs arrive on one queue per request as (index of the job in the request, SGLang-shaped output).
 """
@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
+from rlfleet.errors import InvalidInput
 from rlfleet_engine import __version__
 from rlfleet_engine.config import EngineConfig
 from rlfleet_engine.generation_job import GenerationJob
@@ -59,10 +60,21 @@ class ScheduledGeneration(ABC):
     backend: ModelFacts
     metrics: EngineMetrics
     scheduler: JobScheduler
+    in_flight: dict[str, GenerationJob]
+    """Submitted jobs by rid; a finished one leaves at the next submission."""
 
     @abstractmethod
     def _submit(self, req: GenerateRequest) -> tuple[Sequence[GenerationJob], Outputs]:
         """Checks `req`, hands its jobs (one per prompt and sample) to the scheduler, returns them and their queue."""
+
+    def _claim_rids(self, jobs: Sequence[GenerationJob]) -> None:
+        """Records `jobs` as in flight; refuses them all if one's rid already is, as SGLang does: aborts go by
+        rid, so a client leaving would otherwise abort another client's request too."""
+        self.in_flight = {rid: job for rid, job in self.in_flight.items() if job.finish is None}
+        taken = next((job.rid for job in jobs if job.rid in self.in_flight), None)
+        if taken is not None:
+            raise InvalidInput(f"Duplicate request ID detected: {taken}")
+        self.in_flight.update((job.rid, job) for job in jobs)
 
     @property
     def weight_version(self) -> str:

@@ -205,6 +205,7 @@ class Scheduler:
             [job.params for job in jobs],
             generator=self.generator,
             top_logprobs_nums=[job.top_logprobs_num for job in jobs],
+            row_generators=[job.generator for job in jobs],
         )
         for i, job in enumerate(jobs):
             job.append(drawn.token_ids[i], drawn.logprobs[i], drawn.top_logprobs[i], self.weight_version)

@@ -54,6 +54,13 @@ class GenerateRequest(BaseModel):
         return isinstance(self.text, list) or (self.input_ids is not None and isinstance(self.input_ids[0], list))
 
 
+def _version_as_text(value: object) -> object:
+    # Trainers count steps; SGLang's weight_version is a string. Accept both, keep the string.
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return value
+
+
 class UpdateWeightsFromDiskRequest(BaseModel):
     """POST /update_weights_from_disk."""
 
@@ -65,12 +72,7 @@ class UpdateWeightsFromDiskRequest(BaseModel):
     abort_all_requests: bool = False
     flush_cache: bool = True
 
-
-def _version_as_text(value: object) -> object:
-    # Trainers count steps; SGLang's weight_version is a string. Accept both, keep the string.
-    if isinstance(value, int) and not isinstance(value, bool):
-        return str(value)
-    return value
+    _weight_version_text = field_validator("weight_version", mode="before")(_version_as_text)
 
 
 class InitWeightsUpdateGroupRequest(BaseModel):

@@ -44,7 +44,7 @@ from rlfleet_engine.request_expansion import expand
 from rlfleet_engine.scheduled_generation import Outputs, ScheduledGeneration
 from rlfleet_engine.schemas import GenerateRequest, UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest
 from rlfleet_engine.sim_prefix_cache import Lease, PrefixCache
-from rlfleet_engine.stop_conditions import FinishReason
+from rlfleet_engine.stop_conditions import FinishReason, token_finish
 
 if TYPE_CHECKING:  # torch is imported only once a trainer opens a weight update group
     from rlfleet_engine.distributed_weights import WeightReceiver
@@ -207,14 +207,10 @@ class SimScheduler:
         for job in self._running:
             token = job.rng.choice(_OUTPUT_ALPHABET)
             job.append(token, -2.0 * job.rng.random(), [], self.weight_version)
-            if len(job.output_ids) >= job.params.max_new_tokens:
-                job.finish_with(FinishReason("length", length=job.params.max_new_tokens))
-            elif token in job.params.stop_token_ids:
-                job.finish_with(FinishReason("stop", matched=token))
-            else:
-                reason = job.check_stop_strings(self.tokenizer)
-                if reason is not None:
-                    job.finish_with(reason)
+            # The simulated model has no eos token.
+            reason = token_finish(job.output_ids, job.params, ()) or job.check_stop_strings(self.tokenizer)
+            if reason is not None:
+                job.finish_with(reason)
             if job.finish is not None or job.stream:
                 self._publish(job)
         self.metrics.observe_generated(len(self._running))
@@ -260,6 +256,7 @@ class SimEngineCore(ScheduledGeneration):
         self.backend = SimModel(context_length=config.context_length or 32768)
         self.tokenizer = SimTokenizer()
         self.metrics = EngineMetrics(registry, config.served_model_name or config.model_path)
+        self.in_flight = {}
         latency = LatencyModel(
             prefill_secs_per_token=config.sim_prefill_us_per_token / 1e6,
             decode_secs_per_step=config.sim_decode_ms_per_step / 1e3,
@@ -280,7 +277,6 @@ class SimEngineCore(ScheduledGeneration):
                     "tokens (--sim-cache-tokens); it could never run."
                 )
         queue: Outputs = asyncio.Queue()
-        samples = specs[0].params.n if specs else 1
         jobs = [
             SimJob(
                 rid=spec.rid,
@@ -291,11 +287,12 @@ class SimEngineCore(ScheduledGeneration):
                 return_text_in_logprobs=req.return_text_in_logprobs,
                 stream=req.stream,
                 log_metrics=req.log_metrics,
-                sample_index=k % samples,
-                rng=output_rng(self.config.random_seed, spec.input_ids, k % samples),
+                sample_index=spec.sample_index,
+                rng=output_rng(self.config.random_seed, spec.input_ids, spec.sample_index),
             )
             for k, spec in enumerate(specs)
         ]
+        self._claim_rids(jobs)
         for job in jobs:
             if job.params.max_new_tokens == 0:
                 job.finish_with(FinishReason("length", length=0))

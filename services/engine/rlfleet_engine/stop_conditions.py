@@ -37,13 +37,17 @@ class FinishReason:
 def token_finish(
     output_ids: Sequence[int], params: SamplingParams, eos_token_ids: Collection[int]
 ) -> FinishReason | None:
-    """Checks the newest token: length first, then eos and stop_token_ids (SGLang's order)."""
+    """Checks the newest token: length first, then eos and stop_token_ids (SGLang's order).
+
+    `ignore_eos` turns off every token-based stop, stop_token_ids included, as in SGLang's
+    `Req._check_token_based_finish`; stop strings still apply.
+    """
     if not output_ids:
         return None
     if len(output_ids) >= params.max_new_tokens:
         return FinishReason("length", length=params.max_new_tokens)
     last = output_ids[-1]
-    if last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids):
+    if not params.ignore_eos and (last in params.stop_token_ids or last in eos_token_ids):
         return FinishReason("stop", matched=last)
     return None
 
@@ -56,3 +60,14 @@ def find_stop_string(text: str, stops: Sequence[str], search_from: int = 0) -> t
         if pos >= 0 and (best is None or pos < best[0]):
             best = (pos, stop)
     return best
+
+
+def partial_stop_length(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of a stop string: what may yet become a stop."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest

@@ -164,6 +164,33 @@ def test_abort_finishes_a_running_request(engine: RunningEngine) -> None:
     assert last["meta_info"]["completion_tokens"] < 450
 
 
+def test_a_rid_in_flight_is_refused_and_its_request_runs_on(engine: RunningEngine) -> None:
+    body = {
+        "text": ["1+1=", "2+2="],
+        "rid": "taken",  # its prompts run as taken_0 and taken_1
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 200, "ignore_eos": True},
+    }
+    duplicates: list[tuple[dict[str, Any], str]] = [
+        ({"text": "3+3=", "rid": "taken_1"}, "taken_1"),
+        ({"text": ["3+3=", "4+4="], "rid": ["fresh", "taken_0"]}, "taken_0"),
+        ({"text": ["3+3=", "4+4="], "rid": "taken"}, "taken_0"),
+    ]
+    with httpx.stream("POST", engine.url + "/generate", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first.removeprefix("data: "))["meta_info"]["finish_reason"] is None
+        for duplicate, rid in duplicates:
+            refused = engine.post("/generate", {**duplicate, "sampling_params": {"max_new_tokens": 1}})
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["message"] == f"Duplicate request ID detected: {rid}"
+        chunks = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
+    finals = {c["index"]: c["meta_info"]["finish_reason"] for c in chunks if c["meta_info"]["finish_reason"]}
+    assert finals == {0: {"type": "length", "length": 200}, 1: {"type": "length", "length": 200}}
+    # Once finished, a rid may be used again.
+    assert engine.generate({"text": "1+1=", "rid": "taken_0", "sampling_params": {"max_new_tokens": 1}})
+
+
 def test_pause_holds_requests_until_continue(engine: RunningEngine) -> None:
     assert engine.post("/pause_generation", {}).status_code == 200
     result: dict[str, Any] = {}

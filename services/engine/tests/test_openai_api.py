@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from engine_test_support import RunningEngine
@@ -52,6 +54,29 @@ def test_chat_with_n_samples_and_a_stream(client: TestClient) -> None:
     chunks = [json.loads(e) for e in events[:-1]]
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert len(text) == 3 and chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+def _events(answer: Any) -> list[dict[str, Any]]:
+    lines = [line.removeprefix("data: ") for line in answer.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_a_stream_never_sends_text_a_stop_string_takes_back(client: TestClient) -> None:
+    plain = client.post("/generate", json={"text": "hello", "sampling_params": {"max_new_tokens": 16}}).json()["text"]
+    stop = plain[6:9]
+    expected = plain[: plain.index(stop)]
+    body = {"prompt": "hello", "max_tokens": 16, "stop": stop}
+    assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == expected
+
+    deltas = _events(client.post("/v1/completions", json={**body, "stream": True}))
+    assert "".join(c["choices"][0]["text"] for c in deltas) == expected
+    streamed = client.post(
+        "/generate", json={"text": "hello", "stream": True, "sampling_params": {"max_new_tokens": 16, "stop": stop}}
+    )
+    texts = [chunk["text"] for chunk in _events(streamed)]  # cumulative
+    assert texts[-1] == expected
+    assert all(later.startswith(text) for text, later in itertools.pairwise(texts)), texts
 
 
 def test_bad_requests_name_the_field(client: TestClient) -> None:

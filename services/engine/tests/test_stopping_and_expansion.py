@@ -11,7 +11,7 @@ from rlfleet_engine.generation_job import GenerationJob
 from rlfleet_engine.request_expansion import expand
 from rlfleet_engine.sampling_params import SamplingParams
 from rlfleet_engine.schemas import GenerateRequest
-from rlfleet_engine.stop_conditions import FinishReason, find_stop_string, token_finish
+from rlfleet_engine.stop_conditions import FinishReason, find_stop_string, partial_stop_length, token_finish
 
 EOS = 1
 
@@ -58,6 +58,14 @@ def test_eos_stops_unless_ignored() -> None:
     assert token_finish([5, EOS], SamplingParams(ignore_eos=True), {EOS}) is None
 
 
+def test_ignore_eos_turns_off_stop_token_ids_too() -> None:
+    params = SamplingParams(ignore_eos=True, stop_token_ids=[7])
+    assert token_finish([5, 7], params, {EOS}) is None
+    assert token_finish([5, 7], SamplingParams(stop_token_ids=[7]), {EOS}) == FinishReason("stop", matched=7)
+    job = run(new_job(ignore_eos=True, stop=["bc"], stop_token_ids=ids("b")), ids("abcd"))
+    assert job.finish == FinishReason("stop", matched="bc"), "stop strings still apply"
+
+
 def test_stop_token_ids_stop_and_are_trimmed_from_text_but_not_ids() -> None:
     job = run(new_job(stop_token_ids=[ids("c")[0]]), ids("abcd"))
     assert job.finish == FinishReason("stop", matched=ids("c")[0])
@@ -77,6 +85,29 @@ def test_stop_string_is_found_across_tokens_and_trimmed() -> None:
 def test_no_stop_trim_keeps_the_stop_string() -> None:
     job = run(new_job(stop=["cd"], no_stop_trim=True), ids("abcdef"))
     assert job.text(CharTokenizer()) == "abcd"
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_a_special_token_stop_string_matches_and_is_trimmed(skip_special_tokens: bool) -> None:
+    tokens = [*ids("ab"), EOS, *ids("cd")]
+    job = run(new_job(stop=["<eos>"], ignore_eos=True, skip_special_tokens=skip_special_tokens), tokens)
+    assert job.finish == FinishReason("stop", matched="<eos>")
+    assert job.output_ids == [*ids("ab"), EOS] and job.text(CharTokenizer()) == "ab"
+    # A stop string that starts before the special token is cut where it starts.
+    job = run(new_job(stop=["b<eos>"], ignore_eos=True, skip_special_tokens=skip_special_tokens), tokens)
+    assert job.finish == FinishReason("stop", matched="b<eos>") and job.text(CharTokenizer()) == "a"
+
+
+def test_a_running_job_holds_back_what_may_become_a_stop_string() -> None:
+    job = new_job(stop=["cde", "xy"])
+    texts = []
+    for token in ids("abcdxcdy"):
+        run(job, [token])
+        texts.append(job.text(CharTokenizer()))
+    assert texts == ["a", "ab", "ab", "ab", "abcd", "abcdx", "abcdx", "abcdxcdy"]
+    job = run(new_job(stop=["b<eos>"], ignore_eos=True), ids("ab"))
+    assert job.text(CharTokenizer()) == "a"
+    assert partial_stop_length("xxab", ["abc", "bcd"]) == 2 and partial_stop_length("xxab", ["ab"]) == 0
 
 
 def test_earliest_stop_string_wins() -> None:
@@ -120,6 +151,9 @@ def test_per_prompt_sampling_params_and_logprob_flags() -> None:
 
 def test_default_budget_is_clamped_to_the_context_but_an_explicit_one_is_not() -> None:
     assert expand_request({"input_ids": [3] * 60})[0].params.max_new_tokens == 4
+    # A null budget asks for everything the context leaves, as in SGLang.
+    specs = expand_request({"input_ids": [3] * 10, "sampling_params": {"max_new_tokens": None}})
+    assert specs[0].params.max_new_tokens == 54
     with pytest.raises(InvalidInput, match="maximum context length"):
         expand_request({"input_ids": [3] * 60, "sampling_params": {"max_new_tokens": 5}})
 
@@ -134,6 +168,8 @@ def test_default_budget_is_clamped_to_the_context_but_an_explicit_one_is_not() -
         ({"input_ids": [[3], [4]], "rid": ["a", "a"]}, "duplicates"),
         ({"input_ids": [[3], [4]], "sampling_params": [{"n": 1}, {"n": 2}]}, "n must be the same"),
         ({"input_ids": [3], "logprob_start_len": 0}, "logprob_start_len"),
+        ({"input_ids": [3], "sampling_params": {"stop_token_ids": [-5]}}, "stop_token_ids holds token id -5"),
+        ({"input_ids": [3], "sampling_params": {"stop_token_ids": [4, 40]}}, "stop_token_ids holds token id 40"),
     ],
 )
 def test_requests_the_engine_cannot_run_name_the_problem(body: dict[str, object], fragment: str) -> None:

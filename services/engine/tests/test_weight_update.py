@@ -134,3 +134,10 @@ def test_a_load_with_abort_all_requests_answers_the_partial_output_with_the_old_
     assert len(meta["output_token_logprobs"]) == len(result["out"]["output_ids"])
     assert meta["weight_version"] == old and meta["weight_versions"] == [old]
     assert own_engine.get("/get_weight_version").json() == {"weight_version": "10"}
+
+
+def test_an_integer_weight_version_is_read_as_text(own_engine: RunningEngine, tiny_model_dir: Path) -> None:
+    # Trainers count steps; the distributed path already takes an integer version.
+    response = own_engine.post("/update_weights_from_disk", {"model_path": str(tiny_model_dir), "weight_version": 11})
+    assert response.status_code == 200, response.text
+    assert own_engine.get("/get_weight_version").json() == {"weight_version": "11"}
