@@ -18,8 +18,9 @@ What it models, per engine:
     `decode_step + per_sequence * batch + per_kv_token * (running sequences' tokens) + prefill_per_token
     * (uncached tokens admitted)`: decoding reads every sequence's whole KV (a shared prefix once per
     sequence), and a prefill stalls the whole batch, as it does in SGLang without chunked prefill.
-Output token j of sample i of a prompt is a function of (random_seed, prompt ids, i, j) only: the
-same request gets the same tokens on every engine, whatever routed it there. Every figure measured
+Output token j of sample i of a prompt is a function of (random_seed, prompt ids, i, j, and the request's
+sampling_seed if it has one) only: the same request gets the same tokens on every engine, whatever routed
+it there. Every figure measured
 on this backend is a simulation and must say so.
 """
 
@@ -95,8 +96,11 @@ class SimJob(GenerationJob):
         return out
 
 
-def output_rng(seed: int, prompt: Sequence[int], sample_index: int) -> random.Random:
-    digest = hashlib.blake2b(f"{seed}:{sample_index}:{','.join(map(str, prompt))}".encode(), digest_size=8)
+def output_rng(seed: int, prompt: Sequence[int], sample_index: int, sampling_seed: int | None = None) -> random.Random:
+    """The draws of sample `sample_index` of `prompt`; a request's `sampling_seed` takes part when it has one, so
+    the samples of a group sent as n requests of one sample, each with its own seed, differ as on a real engine."""
+    salt = "" if sampling_seed is None else f"seed{sampling_seed}:"
+    digest = hashlib.blake2b(f"{seed}:{sample_index}:{salt}{','.join(map(str, prompt))}".encode(), digest_size=8)
     return random.Random(int.from_bytes(digest.digest(), "little"))
 
 
@@ -288,7 +292,7 @@ class SimEngineCore(ScheduledGeneration):
                 stream=req.stream,
                 log_metrics=req.log_metrics,
                 sample_index=spec.sample_index,
-                rng=output_rng(self.config.random_seed, spec.input_ids, spec.sample_index),
+                rng=output_rng(self.config.random_seed, spec.input_ids, spec.sample_index, spec.params.sampling_seed),
             )
             for k, spec in enumerate(specs)
         ]

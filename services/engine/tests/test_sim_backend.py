@@ -75,6 +75,13 @@ def test_tokens_depend_only_on_seed_prompt_and_sample(start_sim: Callable[..., s
     assert len(a[0]["meta_info"]["output_token_logprobs"]) == 6
     info = httpx.get(first + "/get_model_info", timeout=10).json()
     assert info["model_type"] == "sim"
+    # A group sent as one-sample requests with their own seeds (as the orchestrator sends it): every sample of
+    # it was the same, so its rewards had no variance on this backend.
+    seeded = [
+        generate(first, {**body, "sampling_params": {"max_new_tokens": 6, "sampling_seed": seed}})["output_ids"]
+        for seed in (1, 2, 1)
+    ]
+    assert seeded[0] != seeded[1] and seeded[0] == seeded[2]
 
 
 def test_prefix_cache_matches_whole_blocks_and_evicts_the_least_recent() -> None:
