@@ -1,14 +1,17 @@
 """The policy's tokenizer (`tokenizer.json`, read with the `tokenizers` library: no transformers, no torch)
-and its chat template (rendered with Jinja2 in a sandbox, as transformers does)."""
+and its chat template (rendered with Jinja2 in a sandbox set up as transformers' apply_chat_template sets it up)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -74,7 +77,7 @@ def load_chat_template(tokenizer_path: str) -> Callable[[str], str]:
             "prompts as they are"
         )
     try:
-        template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(source)
+        template = _jinja_environment().from_string(source)
     except TemplateError as exc:
         raise InvalidInput(f"dataset.chat_template: the tokenizer's chat template does not parse: {exc}") from exc
     specials = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token")}
@@ -84,11 +87,54 @@ def load_chat_template(tokenizer_path: str) -> Callable[[str], str]:
             return template.render(
                 messages=[{"role": "user", "content": prompt}], add_generation_prompt=True, **specials
             )
-        except TemplateError as exc:
+        except TemplateError as exc:  # raise_exception's message included: the template says what it refused
             raise InvalidInput(f"dataset.chat_template: rendering the tokenizer's chat template failed: {exc}") from exc
 
     render("check")  # a template that cannot render fails at submit, not hours into the run
     return render
+
+
+def _jinja_environment() -> ImmutableSandboxedEnvironment:
+    """The Jinja environment transformers compiles chat templates in (`_compile_jinja_template`): Hub templates
+    use {% break %}, raise_exception, strftime_now (Llama 3.x dates its system turn with it) and a tojson that
+    does not escape HTML, and some mark assistant turns with {% generation %}. Without them a template fails to
+    parse or renders differently from the prompts the model was trained on."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+class _GenerationBlock(Extension):
+    """{% generation %}...{% endgeneration %}: transformers tracks where assistant text is (for its assistant
+    mask) and renders the body as it is; only prompts are rendered here, so only the rendering is kept."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Parser) -> list[nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
 
 
 def _token_text(value: object) -> str:

@@ -68,3 +68,39 @@ def test_a_rendered_prompt_has_one_bos_and_a_raw_one_gets_the_tokenizers(tmp_pat
 def test_a_truncation_saved_in_tokenizer_json_does_not_cut_prompts(tmp_path: Path) -> None:
     tokenizer = load_tokenizer(str(_bos_tokenizer(tmp_path / "tok", truncate_at=3)))
     assert len(tokenizer.encode("x x x x x x").ids) == 7
+
+
+HUB_TEMPLATE = (
+    "{{ bos_token }}{% if messages[-1].content == '' %}{{ raise_exception('the prompt is empty') }}{% endif %}"
+    "{% for m in messages[::-1] %}{% if m.role == 'user' %}{% set last = m %}{% break %}{% endif %}{% endfor %}"
+    "Today: {{ strftime_now('%d %b %Y') }}\n"
+    "{{ {'content': messages[-1].content, 'note': '<é & \"x\">'} | tojson(indent=1) }}\n"
+    "{% for m in messages %}user: {{ m.content }} {% endfor %}"
+    "{% generation %}{% if add_generation_prompt %}assistant:{% endif %}{% endgeneration %}"
+)
+"""What Hub templates use beyond plain Jinja (Qwen3: break; Llama 3.x: strftime_now; Gemma: raise_exception;
+tool templates: tojson; assistant masks: generation)."""
+
+
+def test_a_chat_template_renders_as_transformers_renders_it(tmp_path: Path) -> None:
+    """The plain sandbox lacked loopcontrols and transformers' globals: {% break %} failed at submit and a
+    template that dates its prompt fell back on a fixed date."""
+    transformers = pytest.importorskip("transformers")
+    path = _bos_tokenizer(tmp_path / "tok", HUB_TEMPLATE)
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), bos_token="<s>")
+    reference.chat_template = HUB_TEMPLATE
+    render = load_chat_template(str(path))
+    for prompt in ("1+2=", "x <b>"):
+        messages = [{"role": "user", "content": prompt}]
+        expected = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert render(prompt) == expected
+    assert '"note": "<é & \\"x\\">"' in render("1+2=")  # not HTML-escaped, not ASCII-escaped
+
+
+def test_a_template_that_raises_is_refused_with_its_message(tmp_path: Path) -> None:
+    render = load_chat_template(str(_bos_tokenizer(tmp_path / "tok", HUB_TEMPLATE)))
+    with pytest.raises(InvalidInput, match="rendering the tokenizer's chat template failed: the prompt is empty"):
+        render("")
+    refusing = "{{ raise_exception('System role not supported') }}"
+    with pytest.raises(InvalidInput, match="dataset.chat_template: .* failed: System role not supported"):
+        load_chat_template(str(_bos_tokenizer(tmp_path / "refusing", refusing)))
