@@ -17,6 +17,10 @@ After every model turn, `reply` gets the episode's prompt and the text of every 
 and returns the text that enters the conversation next (a tool's output, a user's follow-up) or
 None to end the episode. The returned text is tokenized and appended to the model's own tokens; it
 is trained with loss mask 0. The last model turn is what the reward functions score.
+
+`reply` is called in a worker thread, so a slow tool does not hold up generation, and several
+episodes may call it at once: an environment that keeps state guards it. An exception from it
+fails that episode's sample (its error names the turn and the exception), not the run.
 """
 
 from __future__ import annotations

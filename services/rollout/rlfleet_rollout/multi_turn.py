@@ -5,7 +5,8 @@
         generate from ids through the router, under the sample's trajectory id (a turn a weight
         update aborts is resumed on the new weights under rollout.on_weight_update abort_resume),
         max_new_tokens cut to what the model's context leaves
-        ask the environment for a reply to the turns so far; stop if it has none (or the turn was cut)
+        ask the environment for a reply to the turns so far (in a thread); stop if it has none (or the turn
+        was cut); an environment that raises ends the episode as a failed sample
         stop, cut (finish reason length), when the reply would leave no room for another turn
         ids = ids + the tokens the engine generated + the reply's tokens
     read the trajectory back from the router's cache: the Sample's prompt ids, response ids,
@@ -20,6 +21,7 @@ its reply itself.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -131,7 +133,14 @@ async def run_episode(
         texts.append(ctx.response_text(last))
         if last.finish_reason == FinishReason.FINISH_REASON_LENGTH or turn + 1 == max_turns:
             break
-        reply = env.reply(prompt, texts)
+        try:
+            # In a thread: a slow tool would otherwise hold up every other generation of the orchestrator.
+            reply = await asyncio.to_thread(env.reply, prompt, texts)
+            if reply is not None and not isinstance(reply, str):
+                raise TypeError(f"reply returned a {type(reply).__name__}, not a str or None")
+        except Exception as exc:  # noqa: BLE001 - an environment's fault ends its episode, not the run
+            error = f"turn {turn + 1}: environment failed: {type(exc).__name__}: {exc}"
+            return Episode(Completion(error=error), turns=turn + 1)
         if reply is None:
             break
         reply_ids = list(ctx.tokenizer.encode(reply, add_special_tokens=False).ids)

@@ -4,6 +4,8 @@ trajectories the way the real one lays them out, a fake reward hub that scores t
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections.abc import Sequence
 from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
@@ -262,3 +264,83 @@ def test_a_multi_turn_run_is_evaluated_in_episodes(tokenizer_dir: Path) -> None:
 def test_an_environment_without_a_reply_method_is_refused_at_start_up() -> None:
     with pytest.raises(TypeError, match="'broken' is a object without a reply"):
         RolloutRegistry({}, {"broken": object()})
+
+
+class LosesItsSession:
+    """The calculator, except that its first reply raises, as a tool backend that lost its session would."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.calls = 0
+
+    def reply(self, prompt: Prompt, turns: Sequence[str]) -> str | None:
+        with self.lock:  # replies run in worker threads
+            self.calls += 1
+            if self.calls == 1:
+                raise KeyError("tool backend lost its session")
+        return calculator.reply(prompt, turns)
+
+
+def test_an_environment_that_raises_fails_its_sample_not_the_run(tokenizer_dir: Path) -> None:
+    """The exception went up through the group to the run loop, which failed the run."""
+    ctx = replace(_context(tokenizer_dir, FakeRouter(), max_turns=3), environment=LosesItsSession())
+    group = asyncio.run(multi_turn(ctx, _request()))
+    failed, ok = sorted(group.samples, key=lambda s: s.status != SampleStatus.SAMPLE_STATUS_FAILED)
+    assert failed.status == SampleStatus.SAMPLE_STATUS_FAILED and ok.status == SampleStatus.SAMPLE_STATUS_OK
+    assert failed.error == "turn 1: environment failed: KeyError: 'tool backend lost its session'"
+    assert ok.reward == 1.0 and ok.metadata["turns"] == "2"
+
+
+class WaitsForTheLoop:
+    """A slow tool: its reply waits until a coroutine of the event loop has seen it start, which a reply that
+    runs on the loop itself would wait for in vain."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.go = threading.Event()
+
+    def reply(self, prompt: Prompt, turns: Sequence[str]) -> str | None:
+        self.started.set()
+        if not self.go.wait(timeout=5):
+            raise TimeoutError("the event loop did not run while the tool worked")
+        return calculator.reply(prompt, turns)
+
+
+def test_a_slow_environment_does_not_block_the_event_loop(tokenizer_dir: Path) -> None:
+    env = WaitsForTheLoop()
+    ctx = replace(_context(tokenizer_dir, FakeRouter(), max_turns=3), environment=env)
+
+    async def release_the_tool() -> None:
+        async with asyncio.timeout(10):
+            while not env.started.is_set():
+                await asyncio.sleep(0.01)
+        env.go.set()
+
+    async def main() -> list[Sample]:
+        releasing = asyncio.create_task(release_the_tool())
+        group = await multi_turn(ctx, _request())
+        await releasing
+        return list(group.samples)
+
+    samples = asyncio.run(main())
+    assert [s.status for s in samples] == [SampleStatus.SAMPLE_STATUS_OK] * 2, [s.error for s in samples]
+
+
+def test_an_episode_waiting_for_its_environment_can_be_cancelled(tokenizer_dir: Path) -> None:
+    env = WaitsForTheLoop()
+    ctx = replace(_context(tokenizer_dir, FakeRouter(), max_turns=3), environment=env)
+
+    async def main() -> None:
+        producing = asyncio.create_task(multi_turn(ctx, _request()))
+        async with asyncio.timeout(10):
+            while not env.started.is_set():
+                await asyncio.sleep(0.01)
+        producing.cancel()
+        try:
+            async with asyncio.timeout(2):
+                with pytest.raises(asyncio.CancelledError):
+                    await producing
+        finally:
+            env.go.set()  # the worker thread ends too, and asyncio.run's executor shutdown does not wait on it
+
+    asyncio.run(main())
