@@ -19,9 +19,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from rlfleet.cli.main import main
+from rlfleet.cli.runs import progress_line
 from rlfleet.errors import Unavailable
 from rlfleet.processes import free_port
 from rlfleet.runs_client import RunsClient
+from rlfleet.v1.runs_pb2 import EvalResult, Run, RunProgress
 
 STALL = "no progress for 15 s at step 2 of 6: waiting for the trainer (at weight version 2)"
 PAGE_CAP = 50
@@ -153,6 +155,15 @@ def test_watch_off_a_terminal_prints_a_progress_line_only_when_it_changes(
     assert main(["watch", "run-0008", "--api", api]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [line.split("  ")[0].split()[-1] for line in out] == ["1/6", "2/6", "6/6"]
+
+
+def test_the_progress_line_says_how_many_eval_samples_failed() -> None:
+    """Failed samples count as wrong answers: without the count, a failing fleet read as a worse model."""
+    run = Run(id="run-1", progress=RunProgress(step=2, total_steps=6))
+    run.evals.append(EvalResult(step=2, size=8, k=2, accuracy=0.25, failed=6))
+    assert "eval acc 0.250 (6 of 16 eval samples failed)  weights" in progress_line(run)
+    run.evals.append(EvalResult(step=4, size=8, k=2, accuracy=0.5))
+    assert "eval acc 0.500  weights" in progress_line(run)
 
 
 def test_a_watch_outlives_a_quiet_run_through_keepalives_but_not_a_silent_server(api: str) -> None:

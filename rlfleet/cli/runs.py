@@ -93,9 +93,18 @@ def state_name(run: Run) -> str:
     return RunState.Name(run.state).removeprefix("RUN_STATE_").lower()
 
 
+def eval_failures(run: Run) -> str:
+    """How many samples the run's last evaluation lost to failures ("" when none): its accuracy counts them as
+    wrong answers, and without the count a failing fleet reads as a model that got worse."""
+    last = run.evals[-1] if run.evals else None
+    return f"{last.failed} of {last.size * last.k} eval samples failed" if last and last.failed else ""
+
+
 def progress_line(run: Run) -> str:
     p = run.progress
     accuracy = f"{run.evals[-1].accuracy:.3f}" if run.evals else "-"
+    if failures := eval_failures(run):
+        accuracy += f" ({failures})"
     width = 24
     done = int(width * p.step / p.total_steps) if p.total_steps else 0
     bar = "#" * done + "." * (width - done)
@@ -166,6 +175,8 @@ def run_list(args: argparse.Namespace) -> int:
     for run in shown:
         if state_name(run) == "stalled":
             print(f"{run.id} stalled: {run.stalled}")
+        if failures := eval_failures(run):
+            print(f"{run.id} {failures}")
     if len(shown) < len(runs):
         print(f"(the newest {len(shown)} of {len(runs)} runs; --limit N or --all shows more)")
     return 0

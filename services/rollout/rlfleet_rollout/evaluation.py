@@ -3,13 +3,16 @@
 k = 1 is one greedy answer per prompt; k > 1 samples with the run's sampling parameters and
 per-sample seeds. A run with an environment (multi_turn) is evaluated in whole episodes, its last
 model turn scored, as in training. accuracy: share of samples that earn full marks (every reward
-term at 1, weighted); pass_at_k: share of prompts with at least one such sample. A sample whose
-generation or scoring failed counts as wrong. mean_length and truncation_rate are over the
-responses the engines returned (every turn and environment token of an episode).
+term of positive weight at 1, every penalty, a term of negative weight, at 0); pass_at_k: share of
+prompts with at least one such sample. A sample whose generation or scoring failed counts as wrong,
+and in `failed`: a fleet that fails requests would otherwise pass for a model that answers worse.
+mean_length and truncation_rate are over the responses the engines returned (every turn and
+environment token of an episode).
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass
 
@@ -23,12 +26,16 @@ from rlfleet_rollout.group_producer import RolloutContext, full_marks, sample_se
 from rlfleet_rollout.multi_turn import run_episode
 from rlfleet_rollout.router_client import Completion, sampling_body
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class _Outcome:
     prompt_index: int
     correct: bool
     completion: Completion
+    error: str = ""
+    """Why the sample was not generated or not scored; empty when it was."""
 
 
 async def _evaluate_batch(
@@ -106,8 +113,11 @@ async def _judge(
     outcomes = []
     for i, ((index, _, _), c) in enumerate(zip(cells, completions, strict=True)):
         result = results.get(str(i))
-        ok = result is not None and result.status == ScoreStatus.SCORE_STATUS_OK and result.score >= threshold
-        outcomes.append(_Outcome(prompt_index=index, correct=ok, completion=c))
+        if result is not None and result.status == ScoreStatus.SCORE_STATUS_OK:
+            outcomes.append(_Outcome(prompt_index=index, correct=result.score >= threshold, completion=c))
+        else:
+            error = c.error or (result.error if result is not None else "") or "scoring failed"
+            outcomes.append(_Outcome(prompt_index=index, correct=False, completion=c, error=error))
     return outcomes
 
 
@@ -129,6 +139,17 @@ async def evaluate(
         raise Unavailable(f"evaluation at step {step} got no response: {'; '.join(sorted(errors))[:500]}")
     versions = [c.weight_version for c in answered if c.weight_version is not None]
     solved = {o.prompt_index for o in outcomes if o.correct}
+    failed = [o.error for o in outcomes if o.error]
+    if failed:
+        logger.warning(
+            "run %s eval at step %d: %d of %d samples failed and count as wrong: %s",
+            run_id,
+            step,
+            len(failed),
+            len(outcomes),
+            "; ".join(sorted(set(failed)))[:500],
+            extra={"run_id": run_id, "step": step},
+        )
     return EvalResult(
         step=step,
         # The engines' own report wins: it is the version that actually answered.
@@ -139,4 +160,5 @@ async def evaluate(
         mean_length=sum(len(c.output_ids) for c in answered) / len(answered),
         truncation_rate=sum(c.finish_reason == FinishReason.FINISH_REASON_LENGTH for c in answered) / len(answered),
         k=k,
+        failed=len(failed),
     )

@@ -83,7 +83,9 @@ class RolloutContext:
         return {**sampling, "max_new_tokens": min(int(sampling["max_new_tokens"]), room)}
 
     def response_text(self, completion: Completion) -> str:
-        return completion.text or self.tokenizer.decode(list(completion.output_ids), skip_special_tokens=True)
+        """What the engine wrote; its tokens decoded only when it sent no text (an empty text stands: decoded,
+        a response that was only a stop string would be scored as that stop string)."""
+        return completion.response_text(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
 
     async def generate(
         self, prompts: list[list[int]], sampling: dict[str, Any] | list[dict[str, Any]], rids: list[str]
@@ -119,8 +121,10 @@ class RolloutContext:
 
 
 def full_marks(reward: RewardSpec) -> float:
-    """The score of a fully correct response: every term scoring 1, weighted."""
-    return sum(term.weight for term in reward.terms) - 1e-6
+    """The least score of a fully correct response, as the hub weighs terms (the weighted sum of their scores):
+    every positive-weight term at 1 and every penalty (a negative weight) at 0. Summing every weight would put a
+    penalty's weight below the bar, and a wrong answer that earned no penalty would pass."""
+    return sum(max(term.weight, 0.0) for term in reward.terms) - 1e-6
 
 
 def build_sample(

@@ -48,7 +48,7 @@ def join(head: Completion, tail: Completion, decode: Callable[[list[int]], str])
     return Completion(
         output_ids=head.output_ids + tail.output_ids,
         logprobs=head.logprobs + tail.logprobs,
-        text=head.text + _tail_text(head, tail, decode),
+        text=head.response_text(decode) + _tail_text(head, tail, decode),
         finish_reason=tail.finish_reason,
         weight_version=tail.weight_version,
         weight_versions=tuple(versions),
@@ -59,12 +59,13 @@ def join(head: Completion, tail: Completion, decode: Callable[[list[int]], str])
 
 def _tail_text(head: Completion, tail: Completion, decode: Callable[[list[int]], str]) -> str:
     alone = decode(list(tail.output_ids))
+    text = tail.response_text(decode)
     before = decode(list(head.output_ids))
     together = decode(list(head.output_ids + tail.output_ids))
     in_context = together[len(before) :]
-    trimmed = alone[len(tail.text) :]  # what the engine cut from the end (a matched stop string)
-    if not (alone.startswith(tail.text) and together.startswith(before) and in_context.endswith(trimmed)):
-        return tail.text  # the engine's text is not this tokenizer's decode of its tokens: keep it as it is
+    trimmed = alone[len(text) :]  # what the engine cut from the end (a matched stop string)
+    if not (alone.startswith(text) and together.startswith(before) and in_context.endswith(trimmed)):
+        return text  # the engine's text is not this tokenizer's decode of its tokens: keep it as it is
     return in_context[: len(in_context) - len(trimmed)]
 
 
@@ -74,10 +75,11 @@ def stop_across_the_cut(
     """`whole` (`head` joined with its continuation) cut at the earliest stop string that begins in
     `head`'s text and ends after it, as the engine cuts a generation: the tokens up to the one that
     completes the match, the text up to where the match begins, finish reason stop. Unchanged if none."""
-    cut = len(head.text)
+    cut = len(head.response_text(decode))
+    text = whole.response_text(decode)
     hits = []
     for stop in stops:
-        start = whole.text.find(stop, max(0, cut - len(stop) + 1))
+        start = text.find(stop, max(0, cut - len(stop) + 1))
         if 0 <= start < cut < start + len(stop):
             hits.append((start, start + len(stop)))
     if not hits:
@@ -88,7 +90,7 @@ def stop_across_the_cut(
     return Completion(
         output_ids=tuple(ids[:count]),
         logprobs=whole.logprobs[:count],
-        text=whole.text[:start],
+        text=text[:start],
         finish_reason=FinishReason.FINISH_REASON_STOP,
         weight_version=whole.weight_version,
         weight_versions=whole.weight_versions,

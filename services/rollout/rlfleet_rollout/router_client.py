@@ -9,6 +9,7 @@ every response token needs its rollout logprob, or that completion is reported a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -33,13 +34,19 @@ class Completion:
 
     output_ids: tuple[int, ...] = ()
     logprobs: tuple[float, ...] = ()
-    text: str = ""
+    text: str | None = None
+    """The engine's text of `output_ids`; None when it sent none. "" is a text: a response that was only a
+    stop string, which the engine cut."""
     finish_reason: FinishReason = FinishReason.FINISH_REASON_UNSPECIFIED
     weight_version: int | None = None
     weight_versions: tuple[int, ...] = ()
     """Every version that produced `output_ids`, oldest first (empty when no tokens or none reported)."""
     cached_tokens: int = 0
     error: str = ""
+
+    def response_text(self, decode: Callable[[list[int]], str]) -> str:
+        """The engine's text, else `output_ids` decoded."""
+        return self.text if self.text is not None else decode(list(self.output_ids))
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,11 @@ def _parse_tokens(item: dict[str, Any], meta: dict[str, Any]) -> tuple[tuple[int
     return ids, logprobs
 
 
+def _text(item: dict[str, Any]) -> str | None:
+    text = item.get("text")
+    return None if text is None else str(text)
+
+
 def parse_completion(item: Any) -> Completion:
     """One element of SGLang's batch answer. An aborted completion keeps the tokens it produced before
     the abort (when they are well-formed), so a partial rollout can be resumed from them."""
@@ -129,7 +141,7 @@ def parse_completion(item: Any) -> Completion:
         return Completion(
             output_ids=ids,
             logprobs=logprobs,
-            text=str(item.get("text") or "") if ids else "",
+            text=_text(item) if ids else "",
             finish_reason=reason,
             weight_version=version,
             weight_versions=versions if ids else (),
@@ -142,7 +154,7 @@ def parse_completion(item: Any) -> Completion:
     return Completion(
         output_ids=ids,
         logprobs=logprobs,
-        text=str(item.get("text") or ""),
+        text=_text(item),
         finish_reason=reason,
         weight_version=version,
         weight_versions=versions,

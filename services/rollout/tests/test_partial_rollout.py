@@ -8,6 +8,7 @@ import asyncio
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,10 @@ def test_the_continuations_text_is_decoded_after_the_aborted_tokens() -> None:
     # Text that is not this tokenizer's decode of the tokens is the engine's, kept as it came.
     other = Completion((3, 4), (-0.2,) * 2, "IS 42", LENGTH, 5, (5,))
     assert join(head, other, _sentencepiece).text == "the answerIS 42"
+    # Halves the engine sent no text for are decoded; an empty text is kept (the tail was only a stop string).
+    untold = Completion((1, 2), (-0.1,) * 2, None, ABORT, 4, (4,), error="generation aborted")
+    assert join(untold, replace(tail, text=None), _sentencepiece).text == "the answer is 42"
+    assert join(head, replace(stopped, output_ids=(5,), logprobs=(-0.2,), text=""), _sentencepiece).text == "the answer"
 
 
 class AlwaysAborts:

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
-from rlfleet.v1.reward_pb2 import ScoreResult, ScoreStatus
+import asyncio
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from test_partial_rollout import _context
+
+from rlfleet.char_tokenizer import vocabulary
+from rlfleet.v1.reward_pb2 import RewardSpec, ScoreItem, ScoreResult, ScoreStatus
 from rlfleet.v1.samples_pb2 import FinishReason, SampleStatus
-from rlfleet_rollout.group_producer import build_sample
+from rlfleet_rollout.datasets import Prompt
+from rlfleet_rollout.group_producer import GroupRequest, build_sample
 from rlfleet_rollout.router_client import Completion, parse_completion, parse_weight_version
+from rlfleet_rollout.single_turn import single_turn
 
 
 def _answer(output_ids: list[int], logprobs: list[float], finish: str = "stop", version: object = "3") -> dict:
@@ -56,3 +66,39 @@ def test_sample_status_follows_finish_reason_and_score() -> None:
     broken = build_sample("g/3", 3, [5], "", Completion(error="generation failed: down"), "", None, 0)
     assert broken.status == SampleStatus.SAMPLE_STATUS_FAILED and broken.error == "generation failed: down"
     assert len(broken.response_token_ids) == len(broken.rollout_logprobs) == len(broken.loss_mask) == 0
+
+
+class Answers:
+    """Answers every request with `answers`, SGLang's JSON, as the router would."""
+
+    def __init__(self, *answers: dict[str, Any]) -> None:
+        self.answers = answers
+
+    async def generate(self, prompts: list[list[int]], sampling: Any, rids: list[str]) -> list[Completion]:
+        return [parse_completion(answer) for answer in self.answers]
+
+
+class SeesResponses:
+    def __init__(self) -> None:
+        self.responses: list[str] = []
+
+    async def score(self, spec: RewardSpec, items: list[ScoreItem]) -> list[ScoreResult]:
+        self.responses += [item.response for item in items]
+        return [ScoreResult(id=i.id, status=ScoreStatus.SCORE_STATUS_OK, score=0.0) for i in items]
+
+
+def test_an_empty_text_is_the_response_and_only_a_missing_one_is_decoded(tokenizer_dir: Path) -> None:
+    """A response that was only a stop string comes back with its tokens and the text "" (the engine cut the
+    stop string from it): "" was taken for no text, and the hub scored the stop string decoded."""
+    vocab = vocabulary()
+    stop_only = {**_answer([vocab["="]], [-0.5]), "text": ""}
+    without_text = {
+        key: value for key, value in _answer([vocab["1"], vocab["2"]], [-0.5, -0.25]).items() if key != "text"
+    }
+    assert parse_completion(stop_only).text == "" and parse_completion(without_text).text is None
+    hub = SeesResponses()
+    ctx = replace(_context(tokenizer_dir, Answers(stop_only, without_text), "finish"), reward=hub)
+    request = GroupRequest("run-1", "run-1/0/p0", 0, Prompt(prompt="1+2=", answer="3"), 0)
+    group = asyncio.run(single_turn(ctx, request))
+    assert hub.responses == ["", "12"]
+    assert [s.response_text for s in group.samples] == ["", "12"]
