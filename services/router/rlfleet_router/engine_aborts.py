@@ -6,6 +6,10 @@ request's connection, which SGLang takes as an abort too, but only when it next 
 seconds for a plain request) and rlfleet-engine not at all for a plain request; the abort by rid stops
 the generation at once. A request without a rid is stopped by the closed connection alone.
 
+SGLang aborts every request whose rid starts with the one named, so an abort of "run/1" would also stop
+"run/10" of another client at that engine. A rid that another request under way there starts with is
+not sent: the closed connection stops its request. Clients get targeted aborts with prefix-free rids.
+
 Best effort, off the request's path: the aborts run in the background, each bounded, and the first that
 fails (a hung or dead engine) ends the others to that engine.
 """
@@ -15,9 +19,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Mapping
 
+from rlfleet_router.engine_attempts import Attempt, EngineAttempts
 from rlfleet_router.engine_client import EngineClient, EngineConnectionError, EngineReadTimeout
 from rlfleet_router.weights import describe_error
+from rlfleet_router.workers import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -26,30 +33,27 @@ ABORT_TIMEOUT_SECS = 2.0
 JSON_HEADERS = {"content-type": "application/json"}
 
 
-def request_rids(body: bytes) -> list[str]:
+def request_rids(body: Mapping[str, object]) -> tuple[str, ...]:
     """The rids a generation request's body names (`rid`: a string or a list of them); none if it names none."""
-    try:
-        rid = json.loads(body).get("rid") if body else None
-    except (ValueError, AttributeError):  # not JSON, or not an object
-        return []
+    rid = body.get("rid")
     if isinstance(rid, str):
-        return [rid] if rid else []
+        return (rid,) if rid else ()
     if isinstance(rid, list):
-        return [r for r in rid if isinstance(r, str) and r]
-    return []
+        return tuple(r for r in rid if isinstance(r, str) and r)
+    return ()
 
 
 class EngineAborts:
-    def __init__(self, timeout_secs: float = ABORT_TIMEOUT_SECS) -> None:
+    def __init__(self, attempts: EngineAttempts, timeout_secs: float = ABORT_TIMEOUT_SECS) -> None:
+        self._attempts = attempts
         self._timeout = timeout_secs
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def send(self, client: EngineClient, engine_url: str, body: bytes, why: str) -> None:
-        """Asks `engine_url` to abort the request whose body is `body`, if it names its rid; returns at once."""
-        rids = request_rids(body)
-        if not rids:
+    def send(self, client: EngineClient, attempt: Attempt, why: str) -> None:
+        """Asks the engine of `attempt`, ended, to abort its request by the rids it names, if any; returns at once."""
+        if not attempt.rids:
             return
-        task = asyncio.get_running_loop().create_task(self._abort(client, engine_url, rids, why))
+        task = asyncio.get_running_loop().create_task(self._abort(client, attempt.worker, attempt.rids, why))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -61,8 +65,22 @@ class EngineAborts:
         if tasks:
             await asyncio.wait(tasks, timeout=timeout_secs)
 
-    async def _abort(self, client: EngineClient, engine_url: str, rids: list[str], why: str) -> None:
+    async def _abort(self, client: EngineClient, worker: Worker, rids: tuple[str, ...], why: str) -> None:
+        engine_url = worker.url
         for rid in rids:
+            # Looked up as each abort goes out: a retry of this request at the same engine, under the same rid, is
+            # one of the requests it must spare.
+            spared = [other for other in self._attempts.rids_at(worker) if other.startswith(rid)]
+            if spared:
+                logger.debug(
+                    "not asking %s to abort %s (%s): SGLang would abort %s under way there too, as their rids start "
+                    "with it; the closed connection stops the request",
+                    engine_url,
+                    rid,
+                    why,
+                    ", ".join(spared),
+                )
+                continue
             body = json.dumps({"rid": rid}).encode()
             try:
                 answer = await client.request(

@@ -1,5 +1,5 @@
-"""The requests in flight at each engine, one attempt each: their load on the engine, and the way to stop
-waiting for them.
+"""The requests in flight at each engine, one attempt each: their load on the engine, the rids they go by
+there (which an abort by rid must spare: `engine_aborts`), and the way to stop waiting for them.
 
 An engine that leaves routing as failed (`WorkerRegistry.record_failure`: probes or connections failed
 in a row) may still hold requests the router sent it, and a hung engine answers none of them. Its
@@ -23,13 +23,15 @@ class ClientGone(Exception):
 
 
 class Attempt:
-    """One request at one engine, from its sending until its answer is read or given up."""
+    """One request at one engine, from its sending until its answer is read or given up; `rids`: those its body
+    names (one, or one per prompt of a batch; none if it names none)."""
 
-    __slots__ = ("worker", "tokens", "interrupt", "_attempts")
+    __slots__ = ("worker", "tokens", "rids", "interrupt", "_attempts")
 
-    def __init__(self, worker: Worker, tokens: int, attempts: EngineAttempts) -> None:
+    def __init__(self, worker: Worker, tokens: int, rids: tuple[str, ...], attempts: EngineAttempts) -> None:
         self.worker = worker
         self.tokens = tokens
+        self.rids = rids
         self.interrupt = Interrupt()
         self._attempts: EngineAttempts | None = attempts
         worker.in_flight += 1
@@ -47,25 +49,29 @@ class Attempt:
 
 class EngineAttempts:
     def __init__(self) -> None:
-        # By worker id, the interrupts of its attempts under way; an engine with none has no entry, so engines
-        # that come and go (pods by IP) leave nothing behind.
-        self._waiting: dict[str, set[Interrupt]] = {}
+        # By worker id, its attempts under way; an engine with none has no entry, so engines that come and go
+        # (pods by IP) leave nothing behind.
+        self._waiting: dict[str, set[Attempt]] = {}
 
-    def start(self, worker: Worker, tokens: int) -> Attempt:
-        """Counts a request of about `tokens` tokens at `worker` until the attempt's `end()`."""
-        attempt = Attempt(worker, tokens, self)
+    def start(self, worker: Worker, tokens: int, rids: tuple[str, ...] = ()) -> Attempt:
+        """Counts a request of about `tokens` tokens, named by `rids`, at `worker` until the attempt's `end()`."""
+        attempt = Attempt(worker, tokens, rids, self)
         waiting = self._waiting.get(worker.id)
         if waiting is None:
-            self._waiting[worker.id] = {attempt.interrupt}
+            self._waiting[worker.id] = {attempt}
         else:
-            waiting.add(attempt.interrupt)
+            waiting.add(attempt)
         return attempt
+
+    def rids_at(self, worker: Worker) -> list[str]:
+        """The rids of the requests under way at `worker`."""
+        return [rid for attempt in self._waiting.get(worker.id, ()) for rid in attempt.rids]
 
     def forget(self, attempt: Attempt) -> None:
         """`attempt` is over (its `end()` calls this)."""
         waiting = self._waiting.get(attempt.worker.id)
         if waiting is not None:
-            waiting.discard(attempt.interrupt)
+            waiting.discard(attempt)
             if not waiting:
                 del self._waiting[attempt.worker.id]
 
@@ -75,5 +81,6 @@ class EngineAttempts:
         if not waiting:
             return
         reason = f"{worker.url} was taken out of routing as failed ({worker.last_error})"
-        for interrupt in list(waiting):
-            interrupt.fire(EngineFailed(reason))  # one each: an exception carries the traceback of where it is raised
+        for attempt in list(waiting):
+            # One error each: an exception carries the traceback of where it is raised.
+            attempt.interrupt.fire(EngineFailed(reason))

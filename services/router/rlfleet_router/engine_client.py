@@ -18,6 +18,7 @@ error of the caller's choosing, and drops its connection, without a task watchin
 from __future__ import annotations
 
 import asyncio
+import math
 import ssl
 import time
 from collections import deque
@@ -30,10 +31,19 @@ import httptools
 # A streamed answer buffered beyond this (its client reads slower than the engine writes) stops reading
 # from the engine until half of it is relayed.
 MAX_BUFFERED_BYTES = 1 << 20
+# A kept-alive connection that closes this soon after a request was written on it, before any byte of an answer,
+# was closed by the engine while idle (its close crossed the request): the engine never started on the request.
+# One that closes later may have held the request for any time: sending it again is the proxy's decision. The
+# margin covers a busy event loop noticing the close late (misjudged, a healthy engine is charged a failure).
+IDLE_CLOSE_SECS = 0.05
 
 
 class EngineConnectionError(ConnectionError):
     """No answer over this connection: refused, connect timed out, reset, closed early or malformed."""
+
+
+class EngineConnectionLost(EngineConnectionError):
+    """The connection broke, or the answer was malformed, after the request was written: the engine may have it."""
 
 
 class EngineReadTimeout(TimeoutError):
@@ -121,6 +131,8 @@ class _Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.idle_since = 0.0
+        self._sent_at = 0.0
+        self._lost_at = math.inf
         self._read_timeout = 0.0
         self._read_deadline = 0.0  # time.monotonic() by which the answer must be whole
         self._interrupt: Interrupt | None = None
@@ -148,10 +160,11 @@ class _Connection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(EngineConnectionError(f"malformed answer from the engine: {exc}"))
+            self._fail(EngineConnectionLost(f"malformed answer from the engine: {exc}"))
             self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._lost_at = time.monotonic()
         self.closed = True
         self._client.forget(self)
         if self._until_close and self._error is None:
@@ -159,9 +172,7 @@ class _Connection(asyncio.Protocol):
             self._wake()
         elif not self._complete:
             reason = f": {exc}" if exc else ""
-            self._fail(
-                EngineConnectionError(f"the engine closed the connection before its answer was complete{reason}")
-            )
+            self._fail(EngineConnectionLost(f"the engine closed the connection before its answer was complete{reason}"))
 
     # httptools
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -193,8 +204,9 @@ class _Connection(asyncio.Protocol):
             self._wake()
 
     # the request
-    def send(self, head: bytes, body: bytes, read_timeout: float, interrupt: Interrupt | None) -> None:
-        """Writes the request, unless `interrupt` has fired already (its error is raised: nothing is sent)."""
+    def send(self, head: bytes, body: bytes, deadline: float, read_timeout: float, interrupt: Interrupt | None) -> None:
+        """Writes the request, its answer due whole by `deadline` (time.monotonic(); `read_timeout` names the bound
+        in the error), unless `interrupt` has fired already (its error is raised: nothing is sent)."""
         assert self._transport is not None
         if interrupt is not None:
             if interrupt.error is not None:
@@ -203,8 +215,14 @@ class _Connection(asyncio.Protocol):
             self._interrupt = interrupt
         self._reset()
         self._read_timeout = read_timeout
-        self._read_deadline = time.monotonic() + read_timeout
+        self._read_deadline = deadline
+        self._sent_at = time.monotonic()
         self._transport.write(head + body if body else head)
+
+    def closed_while_idle(self) -> bool:
+        """Whether the engine closed the connection at once after the request was written, with no byte of an
+        answer (a failed write ends it at once too): it closed the connection idle and never saw the request."""
+        return not self.answered and self._lost_at - self._sent_at < IDLE_CLOSE_SECS
 
     async def answer(self) -> EngineAnswer:
         while self._status is None:
@@ -311,8 +329,10 @@ class EngineClient:
         `read_timeout` bounds the whole answer, from the request's sending to its body's last byte;
         `interrupt`, once fired, ends this wait or the body's with its error.
 
-        A connection taken from the pool that turns out closed before any byte of the answer came back
-        (the engine ended it while idle) is replaced by a new one once, since the engine never saw the request.
+        A connection taken from the pool that the engine turns out to have closed while idle (it closes at once,
+        unanswered: `closed_while_idle`) is replaced by a new one once, within the same bound, since the engine
+        never saw the request. One that closes later raises EngineConnectionLost: the engine may have held the
+        request all that time, and only the caller knows whether to send it again.
         """
         if interrupt is not None and interrupt.error is not None:
             raise interrupt.error
@@ -320,21 +340,22 @@ class EngineClient:
         if origin is None:
             origin = self._origins[base_url] = Origin.of(base_url)
         head = request_head(method, path, origin.host_header, headers, len(body))
+        deadline = time.monotonic() + read_timeout
         connection = self._take(origin)
         if connection is not None:
             try:
-                connection.send(head, body, read_timeout, interrupt)
+                connection.send(head, body, deadline, read_timeout, interrupt)
                 return await connection.answer()
             except EngineConnectionError:
                 connection.close()
-                if connection.answered:
+                if not connection.closed_while_idle():
                     raise
             except BaseException:
                 connection.close()
                 raise
         connection = await self._connect(origin, connect_timeout)
         try:
-            connection.send(head, body, read_timeout, interrupt)
+            connection.send(head, body, deadline, read_timeout, interrupt)
             return await connection.answer()
         except BaseException:
             connection.close()

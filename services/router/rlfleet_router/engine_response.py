@@ -5,7 +5,8 @@ stream whose first piece has arrived. The bytes going by are copied for the prom
 the engine reports (`engine_usage`) and, for a trajectory, the whole answer. A stream that breaks after
 its first piece cannot move to another engine (part of it was delivered): it ends with an error, an
 SSE error event in the router's error shape when the stream stands between two events, then a cut
-connection rather than a false end.
+connection rather than a false end. A stream given up at the request's deadline (its engine too slow, or
+its client not reading) is also aborted at its engine by rid.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ SSE_EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
 AnswerReader = Callable[[bytes, Worker], None]
 # Receives the prompt tokens and cached tokens a complete 200 answer reports.
 UsageReader = Callable[[PromptUsage], None]
+# Asks the engine of an ended attempt to abort its request, saying why.
+Abort = Callable[[Attempt, str], None]
 
 
 class EngineResponse(StreamingResponse):
@@ -63,6 +66,7 @@ class EngineResponse(StreamingResponse):
         whole: bool,
         workers: WorkerRegistry,
         metrics: RouterMetrics,
+        abort: Abort,
         on_answer: AnswerReader | None = None,
         on_usage: UsageReader | None = None,
     ) -> None:
@@ -83,6 +87,7 @@ class EngineResponse(StreamingResponse):
         self._worker = worker
         self._workers = workers
         self._metrics = metrics
+        self._abort = abort
         self._tap = UsageTap(upstream.content_type) if upstream.status == 200 else None
         self._on_answer = on_answer if upstream.status == 200 else None
         self._on_usage = on_usage
@@ -98,6 +103,11 @@ class EngineResponse(StreamingResponse):
             return
         try:
             await super().__call__(scope, receive, send)
+        except DeadlineExceeded:
+            # Given up, not finished: the engine may still be generating the rest.
+            self.release()
+            self._abort(self._attempt, "past its deadline")
+            raise
         finally:
             self.release()
 

@@ -23,6 +23,7 @@ from rlfleet_router.busy_engines import LOADING
 from rlfleet_router.chars_per_token import CharsPerToken
 from rlfleet_router.config import RouterConfig
 from rlfleet_router.distributed_weights import DistributedWeights
+from rlfleet_router.engine_aborts import request_rids
 from rlfleet_router.fanout import Fanout
 from rlfleet_router.health import HealthChecker
 from rlfleet_router.kubernetes_api import KubernetesAPI
@@ -183,7 +184,13 @@ class Fleet:
 
         started = arrived_at if arrived_at is not None else time.perf_counter()
         return await self.proxy.forward(
-            routing, body, headers, arrived_at=started, on_answer=on_answer, client_gone=client_gone
+            routing,
+            body,
+            headers,
+            arrived_at=started,
+            on_answer=on_answer,
+            client_gone=client_gone,
+            rids=request_rids(parsed),
         )
 
     async def update_weights(
@@ -235,6 +242,8 @@ def parse_json_object(body: bytes) -> dict[str, object]:
         parsed = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidInput(f"body: not valid JSON ({exc})") from exc
+    except RecursionError:  # Python's parser recurses once per level, within the interpreter's stack bound
+        raise InvalidInput("body: nested too deeply to read (arrays or objects over about 1000 levels)") from None
     if not isinstance(parsed, dict):
         raise InvalidInput(f"body: must be a JSON object, got {type(parsed).__name__}")
     return parsed

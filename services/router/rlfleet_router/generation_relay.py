@@ -5,27 +5,33 @@ middleware stack (body bound included), which together cost about as much router
 itself. It bounds the body itself, answers errors in the same body shape as the app
 (`rlfleet.http_errors`), gives a request up when its client leaves, and counts each request in the same
 metrics as `RequestMetricsMiddleware` (an answer cut short at its error's status, a client gone as 499);
-every other request goes on to the app.
+every other request goes on to the app. A generation path asked with a method it does not take is
+answered 405 here, as the app has no route for it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
+from collections.abc import Awaitable
 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rlfleet.errors import Internal, ResourceExhausted, RlfleetError
+from rlfleet.errors import DeadlineExceeded, Internal, MethodNotAllowed, ResourceExhausted, RlfleetError
 from rlfleet.http_errors import error_response
+from rlfleet_router.config import RouterConfig
 from rlfleet_router.engine_attempts import ClientGone
 from rlfleet_router.fleet import Fleet
-from rlfleet_router.openai_routing import GENERATION_ROUTES
+from rlfleet_router.workers import NoHealthyEngine
 
 logger = logging.getLogger(__name__)
 # Counted (as nginx does) for a client that closed its connection before its request was whole.
 CLIENT_CLOSED_REQUEST = 499
+# The methods each generation path takes, as SGLang's: /generate also PUT, which reaches the engine as a POST.
+GENERATION_METHODS = {"/generate": ("POST", "PUT"), "/v1/completions": ("POST",), "/v1/chat/completions": ("POST",)}
 
 
 class GenerationRelay:
@@ -33,13 +39,14 @@ class GenerationRelay:
         self.app = app
         self.fleet = fleet
         self.max_bytes = max_bytes
-        self.routes = frozenset(GENERATION_ROUTES)
+        self.methods = GENERATION_METHODS
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.routes:
+        if scope["type"] != "http" or scope["path"] not in self.methods:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
+        deadline = time.monotonic() + self.fleet.config.request_timeout_secs
         route = scope["path"]
         status: int | None = None  # until the answer starts
 
@@ -47,9 +54,14 @@ class GenerationRelay:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = int(message["status"])
-            await send(message)
+            # Bounded on this path (the rare one) for every piece: uvicorn waits for a client that stops reading.
+            await within_deadline(send(message), deadline, route)
 
         try:
+            allowed = self.methods[route]
+            if scope["method"] not in allowed:
+                await method_not_allowed(scope["method"], route, allowed)(scope, receive, send_and_watch)
+                return
             headers = header_dict(scope)
             try:
                 body = await read_body(receive, headers.get("content-length"), self.max_bytes)
@@ -96,14 +108,14 @@ class GenerationRelay:
                 route, body, headers, arrived_at=time.perf_counter(), client_gone=client_gone
             )
         except ClientGone as exc:
-            logger.info("POST %s given up: %s", route, exc)
+            logger.info("%s %s given up: %s", scope["method"], route, exc)
             return
         except RlfleetError as exc:
             if exc.http_status >= 500:
-                logger.error("POST %s failed: %s", route, exc)
-            response = error_response(exc)
+                logger.error("%s %s failed: %s", scope["method"], route, exc)
+            response = error_answer(exc, self.fleet.config)
         except Exception:
-            logger.exception("POST %s failed", route)
+            logger.exception("%s %s failed", scope["method"], route)
             response = error_response(Internal("internal error; see the service log"))
         await response(scope, receive, send)
 
@@ -114,6 +126,35 @@ async def watch_disconnect(receive: Receive, gone: asyncio.Future[None]) -> None
         pass
     if not gone.done():
         gone.set_result(None)
+
+
+def error_answer(error: RlfleetError, config: RouterConfig) -> Response:
+    """`error` in the API's error shape. A 503 for want of a healthy engine says when to ask again: after the next
+    round of health checks, which may bring an engine back."""
+    response = error_response(error)
+    if isinstance(error, NoHealthyEngine):
+        response.headers["retry-after"] = str(max(1, math.ceil(config.health_check_interval_secs)))
+    return response
+
+
+def method_not_allowed(method: str, route: str, allowed: tuple[str, ...]) -> Response:
+    """405 in the API's error shape (as the app answers one), its Allow header naming the methods `route` takes."""
+    takes = ", ".join(allowed)
+    response = error_response(MethodNotAllowed(f"{method} {route}: method not allowed; this path takes {takes}"))
+    response.headers["allow"] = takes
+    return response
+
+
+async def within_deadline(write: Awaitable[None], deadline: float, route: str) -> None:
+    """Awaits `write` (of an answer to its client) until `deadline` (time.monotonic()): a client that stops reading
+    must not hold its engine's answer, and the engine's slot, past the request's deadline. DeadlineExceeded then."""
+    try:
+        async with asyncio.timeout(deadline - time.monotonic()):
+            await write
+    except TimeoutError:
+        error = DeadlineExceeded(f"{route}: answer cut short: its client did not read it within the request's deadline")
+        logger.warning("%s", error)
+        raise error from None
 
 
 def header_dict(scope: Scope) -> dict[str, str]:

@@ -10,6 +10,7 @@ membership follows sglang-router's `/workers` API; the fleet's own state is at `
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -17,7 +18,6 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from rlfleet.api_token import ApiTokenGuard
-from rlfleet.errors import Unavailable
 from rlfleet.http_auth import require_api_token
 from rlfleet.http_errors import install_error_handlers
 from rlfleet.http_limits import BodySizeLimitMiddleware
@@ -25,13 +25,16 @@ from rlfleet_router.api_models import AddWorkerRequest, UpdateWeightsRequest
 from rlfleet_router.config import RouterConfig
 from rlfleet_router.fanout import FANOUT_ROUTES
 from rlfleet_router.fleet import Fleet, parse_json_object
-from rlfleet_router.generation_relay import GenerationRelay
+from rlfleet_router.generation_relay import GenerationRelay, error_answer
 from rlfleet_router.metrics import RequestMetricsMiddleware
 from rlfleet_router.policies import RoutingRequest
 from rlfleet_router.proxy import EngineResponse
 from rlfleet_router.weight_group_routes import weight_group_routes
+from rlfleet_router.workers import NoHealthyEngine
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+logger = logging.getLogger(__name__)
 
 
 def create_app(config: RouterConfig) -> GenerationRelay:
@@ -48,6 +51,12 @@ def create_app(config: RouterConfig) -> GenerationRelay:
     app = FastAPI(title="rlfleet router", lifespan=lifespan)
     app.state.fleet = fleet
     install_error_handlers(app)
+
+    @app.exception_handler(NoHealthyEngine)  # before RlfleetError's: the most specific handler is the one used
+    async def no_healthy_engine(request: Request, exc: NoHealthyEngine) -> Response:
+        logger.error("%s %s failed: %s", request.method, request.url.path, exc)
+        return error_answer(exc, config)
+
     app.add_middleware(RequestMetricsMiddleware, metrics=fleet.metrics)
     # Admin requests (workers, weight loads, aborts, pause/continue, flush) need the token; reads stay open.
     guard = ApiTokenGuard.from_file(config.api_token_file, fleet.metrics.registry, "router")
@@ -146,7 +155,7 @@ def create_app(config: RouterConfig) -> GenerationRelay:
         healthy = len(fleet.workers.healthy())
         total = len(fleet.workers.all())
         if not healthy:
-            raise Unavailable(f"no healthy engine: 0 of {total} engines are in routing; GET /workers shows why")
+            raise NoHealthyEngine(total)
         return {"status": "ok", "healthy": healthy, "total": total}
 
     @app.api_route("/liveness", methods=["GET", "HEAD"])

@@ -1,14 +1,15 @@
 """The router's HTTP/1.1 server protocol: uvicorn's httptools protocol, with generation requests served
 from the parser.
 
-A generation POST (`/generate` and the OpenAI routes) is most of a router's traffic, and uvicorn's
-per-request ASGI machinery (scope, request-response cycle, event, message dicts, header checks on
-every send) costs about as much of the router's added latency as the routing itself. Here such a
-request is read into a `GenerationExchange` that takes the place of uvicorn's cycle while its body
+A generation request (POST `/generate` and the OpenAI routes, PUT `/generate`) is most of a router's
+traffic, and uvicorn's per-request ASGI machinery (scope, request-response cycle, event, message dicts,
+header checks on every send) costs about as much of the router's added latency as the routing itself.
+Here such a request is read into a `GenerationExchange` that takes the place of uvicorn's cycle while its body
 arrives, so uvicorn's own parser callbacks, keep-alive timer, pipelining, flow control and shutdown
 work on it unchanged; once the body is whole it goes to `GenerationRelay.answer` in one task, and
 the answer is written back with its head in one write. Every other request, and a generation
-request pipelined behind one in progress, takes uvicorn's path to the app.
+request pipelined behind one in progress, takes uvicorn's path to the app. Writes to a client that
+stops reading wait until the request's deadline at most.
 
 Selected with `uvicorn.run(..., http=RouterHttpProtocol)`; without a `GenerationRelay` in the app it
 behaves as uvicorn's protocol. Middleware uvicorn puts around the app does not see generation requests.
@@ -27,7 +28,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from rlfleet.errors import Internal, RlfleetError
 from rlfleet.http_errors import error_response
-from rlfleet_router.generation_relay import CLIENT_CLOSED_REQUEST, GenerationRelay, too_large
+from rlfleet_router.generation_relay import CLIENT_CLOSED_REQUEST, GenerationRelay, too_large, within_deadline
 
 # The ASGI version uvicorn announces: streamed answers keep watching for the client's disconnect.
 ASGI = {"version": "3.0", "spec_version": "2.3"}
@@ -40,9 +41,10 @@ class RouterHttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         relay = self.relay
+        method = self.parser.get_method()
         if (
             relay is None
-            or self.parser.get_method() != b"POST"
+            or method not in (b"POST", b"PUT")
             or self.parser.should_upgrade()
             or self.expect_100_continue  # uvicorn's cycle sends the interim answer when the body is read
             or (self.cycle is not None and not self.cycle.response_complete)  # pipelined: uvicorn queues it
@@ -50,11 +52,12 @@ class RouterHttpProtocol(HttpToolsProtocol):
             super().on_headers_complete()
             return
         path = httptools.parse_url(self.url).path.decode("latin-1")
-        if path not in relay.routes:
+        name = method.decode("latin-1")
+        if name not in relay.methods.get(path, ()):  # a method the path does not take gets the relay's 405 there
             super().on_headers_complete()
             return
         keep_alive = self.parser.get_http_version() == "1.1" and self.parser.should_keep_alive()
-        self.cycle = GenerationExchange(self, relay, path, keep_alive)  # type: ignore[assignment]
+        self.cycle = GenerationExchange(self, relay, name, path, keep_alive)  # type: ignore[assignment]
 
 
 def find_relay(app: object) -> GenerationRelay | None:
@@ -79,9 +82,12 @@ class GenerationExchange:
     """One generation request and its answer on a connection; carries the attributes uvicorn's protocol
     reads and writes on its cycle (body, more_body, keep_alive, disconnected, response_complete, message_event)."""
 
-    def __init__(self, protocol: RouterHttpProtocol, relay: GenerationRelay, route: str, keep_alive: bool) -> None:
+    def __init__(
+        self, protocol: RouterHttpProtocol, relay: GenerationRelay, method: str, route: str, keep_alive: bool
+    ) -> None:
         self.protocol = protocol
         self.relay = relay
+        self.method = method
         self.route = route
         self.keep_alive = keep_alive
         self.body = bytearray()
@@ -91,6 +97,7 @@ class GenerationExchange:
         self.message_event = Wakeup(self)
         self.started = time.perf_counter()
         self.status = 500
+        self._deadline = 0.0  # time.monotonic() by which the request is answered, from its body's end
         self._task: asyncio.Task[None] | None = None
         self._head: bytes | None = None  # the answer's status line and headers, until its first body piece
         self._chunked = False
@@ -132,22 +139,32 @@ class GenerationExchange:
         self._start(lambda scope: response(scope, self._receive, self._send))
 
     def _start(self, answer: Callable[[Scope], Awaitable[None]]) -> None:
+        self._deadline = time.monotonic() + self.relay.fleet.config.request_timeout_secs
         self._task = self.protocol.loop.create_task(self._serve(answer))
         self.protocol.tasks.add(self._task)
         self._task.add_done_callback(self.protocol.tasks.discard)
 
     async def _serve(self, answer: Callable[[Scope], Awaitable[None]]) -> None:
-        scope: Scope = {"type": "http", "asgi": ASGI, "method": "POST", "path": self.route, "headers": self.raw_headers}
+        scope: Scope = {
+            "type": "http",
+            "asgi": ASGI,
+            "method": self.method,
+            "path": self.route,
+            "headers": self.raw_headers,
+        }
         try:
             await answer(scope)
         except Exception as exc:
             # An RlfleetError here is an engine's answer cut short mid-relay, logged where it broke.
             error = exc if isinstance(exc, RlfleetError) else Internal("internal error; see the service log")
             if error is not exc:
-                self.protocol.logger.exception("POST %s failed", self.route)
+                self.protocol.logger.exception("%s %s failed", self.method, self.route)
             if self._written:  # as uvicorn does: an answer cut short cannot be completed, so the connection ends
                 self.status = error.http_status  # counted as what it is, not as the status its head announced
-                self.protocol.transport.close()
+                if self.protocol.flow.write_paused:  # a client that stopped reading: closing would wait for it
+                    self.protocol.transport.abort()
+                else:
+                    self.protocol.transport.close()
             else:  # nothing reached the client: an error in the router's shape
                 self.keep_alive, self._head, self._chunked = False, None, False
                 await error_response(error)(scope, self._receive, self._send)
@@ -185,7 +202,7 @@ class GenerationExchange:
             transport.write(body)
             self._written = True
         if self.protocol.flow.write_paused:
-            await self.protocol.flow.drain()
+            await within_deadline(self.protocol.flow.drain(), self._deadline, self.route)
         if not more:
             self.response_complete = True
             if self.keep_alive:

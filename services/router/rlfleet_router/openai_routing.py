@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
-
 
 def _message_text(message: object) -> str:
     if not isinstance(message, Mapping):

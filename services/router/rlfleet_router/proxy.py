@@ -29,12 +29,18 @@ from rlfleet.errors import DeadlineExceeded, Unavailable
 from rlfleet_router.chars_per_token import CharsPerToken
 from rlfleet_router.engine_aborts import EngineAborts
 from rlfleet_router.engine_attempts import Attempt, ClientGone, EngineAttempts, EngineFailed
-from rlfleet_router.engine_client import EngineAnswer, EngineClient, EngineConnectionError, EngineReadTimeout
+from rlfleet_router.engine_client import (
+    EngineAnswer,
+    EngineClient,
+    EngineConnectionError,
+    EngineConnectionLost,
+    EngineReadTimeout,
+)
 from rlfleet_router.engine_response import HOP_HEADERS, AnswerReader, EngineResponse
 from rlfleet_router.metrics import RouterMetrics
 from rlfleet_router.policies import Policy, RoutingRequest
 from rlfleet_router.weights import describe_error
-from rlfleet_router.workers import Worker, WorkerRegistry
+from rlfleet_router.workers import NoHealthyEngine, Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +95,7 @@ class Proxy:
         self._request_timeout = request_timeout_secs
         self._connect_timeout = connect_timeout_secs
         self._attempts = EngineAttempts()
-        self._aborts = EngineAborts()
+        self._aborts = EngineAborts(self._attempts)
 
     async def start(self) -> None:
         # No cap on connections (streams stay open for a whole generation: a cap would queue requests behind
@@ -115,9 +121,11 @@ class Proxy:
         arrived_at: float | None = None,
         on_answer: AnswerReader | None = None,
         client_gone: asyncio.Future[None] | None = None,
+        rids: tuple[str, ...] = (),
     ) -> EngineResponse:
         """Sends `body` to `routing.route` on an engine the policy picks; returns its answer, to be relayed.
 
+        `rids`, those the body names, abort the request at an engine that may still run it when it is given up;
         `arrived_at` (time.perf_counter() when the body was read) times the router's own part;
         `on_answer` reads the complete answer of the one attempt whose answer reached the client;
         `client_gone`, done once the client has left, ends the request with ClientGone and aborts it at its engine.
@@ -146,7 +154,7 @@ class Proxy:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise DeadlineExceeded(f"{routing.route} ran out of time before an engine answered")
-                attempt = self._attempts.start(worker, tokens)
+                attempt = self._attempts.start(worker, tokens, rids)
                 last_try = retries >= self._retry.max_retries
                 try:
                     return await self._send(attempt, method, routing, body, forwarded, remaining, last_try, on_answer)
@@ -172,8 +180,7 @@ class Proxy:
     def _choose(self, routing: RoutingRequest, tried: set[str]) -> Worker:
         healthy = self._workers.healthy()
         if not healthy:
-            total = len(self._workers.all())
-            raise Unavailable(f"no healthy engine: 0 of {total} engines are in routing; GET /workers shows why")
+            raise NoHealthyEngine(len(self._workers.all()))
         # Prefer engines not tried yet; with all of them tried, any healthy one may have recovered.
         untried = [w for w in healthy if w.id not in tried]
         choice = self._policy.select(untried or healthy, routing)
@@ -217,20 +224,21 @@ class Proxy:
             whole = length is not None and length <= MAX_WHOLE_ANSWER_BYTES
             first = await upstream.read() if whole else await upstream.read_chunk()
         except EngineConnectionError as exc:
-            self._give_up(attempt, upstream)
+            # A connection lost once the request was written may leave the request running at the engine.
+            self._give_up(attempt, upstream, "its connection was lost" if isinstance(exc, EngineConnectionLost) else "")
             self._metrics.engine_errors.labels(engine=worker.url, kind="connection").inc()
             reason = f"{worker.url}: {describe_error(exc)}"
             self._workers.record_failure(worker, reason)
             raise RetryableFailure(reason) from exc
         except EngineFailed as exc:
-            self._give_up(attempt, upstream, body, "its engine failed")
+            self._give_up(attempt, upstream, "its engine failed")
             self._metrics.engine_errors.labels(engine=worker.url, kind="engine_failed").inc()
             raise RetryableFailure(str(exc)) from exc
         except EngineReadTimeout as exc:  # the engine has the request: resending it elsewhere would double it
-            self._give_up(attempt, upstream, body, "past its deadline")
+            self._give_up(attempt, upstream, "past its deadline")
             raise DeadlineExceeded(f"{worker.url} did not answer {route} in time ({describe_error(exc)})") from exc
         except ClientGone:
-            self._give_up(attempt, upstream, body, "its client left")
+            self._give_up(attempt, upstream, "its client left")
             raise
         except BaseException:  # a 5xx to retry, or a cancellation
             self._give_up(attempt, upstream)
@@ -243,12 +251,19 @@ class Proxy:
         # The prompt tokens an engine reports for one text prompt teach the router the engines' tokenizer.
         chars = routing.single_text_chars
         on_usage = None if chars is None else lambda usage: self._chars_per_token.observe(chars, usage.prompt_tokens)
-        return EngineResponse(upstream, attempt, first, whole, self._workers, self._metrics, on_answer, on_usage)
+        return EngineResponse(
+            upstream, attempt, first, whole, self._workers, self._metrics, self._abort, on_answer, on_usage
+        )
 
-    def _give_up(self, attempt: Attempt, upstream: EngineAnswer | None, body: bytes = b"", why: str = "") -> None:
+    def _give_up(self, attempt: Attempt, upstream: EngineAnswer | None, why: str = "") -> None:
         """Ends `attempt` and drops its connection; with `why`, also asks the engine to abort the request by rid."""
         attempt.end()
         if upstream is not None:
             upstream.close()
-        if why and self._client is not None:
-            self._aborts.send(self._client, attempt.worker.url, body, why)
+        if why:
+            self._abort(attempt, why)
+
+    def _abort(self, attempt: Attempt, why: str) -> None:
+        """Asks the engine of `attempt`, ended, to abort its request by rid (in the background)."""
+        if self._client is not None:
+            self._aborts.send(self._client, attempt, why)

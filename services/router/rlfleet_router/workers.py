@@ -19,9 +19,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from rlfleet.errors import InvalidInput, NotFound
+from rlfleet.errors import InvalidInput, NotFound, Unavailable
 
 logger = logging.getLogger(__name__)
+
+
+class NoHealthyEngine(Unavailable):
+    """No engine is in routing; the HTTP layer tells the client when to try again (`Retry-After`)."""
+
+    def __init__(self, total: int) -> None:
+        super().__init__(f"no healthy engine: 0 of {total} engines are in routing; GET /workers shows why")
 
 
 class WorkerState(enum.StrEnum):

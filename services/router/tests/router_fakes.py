@@ -172,7 +172,9 @@ class FakeEngine:
     async def _sse(self, body: dict[str, object]) -> AsyncIterator[bytes]:
         chunks, delay = body.get("chunks", 3), body.get("chunk_delay", 0.05)
         cut_after = body.get("cut_after")  # events sent before the engine dies mid-stream
+        pad = body.get("pad", 0)  # characters of filler in each event
         assert isinstance(chunks, int) and isinstance(delay, (int, float)), "chunks: int, chunk_delay: seconds"
+        assert isinstance(pad, int), "pad: int"
         finished = False
         try:
             if self.hang:
@@ -180,7 +182,8 @@ class FakeEngine:
             for i in range(chunks):
                 if i == cut_after:
                     raise ConnectionAbortedError(f"{self.name} dies mid-stream")  # uvicorn drops the connection
-                yield f"data: {json.dumps({'index': i, 'engine': self.name})}\n\n".encode()
+                event = {"index": i, "engine": self.name, **({"pad": "x" * pad} if pad else {})}
+                yield f"data: {json.dumps(event)}\n\n".encode()
                 await asyncio.sleep(delay)
             yield b"data: [DONE]\n\n"
             finished = True

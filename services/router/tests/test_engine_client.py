@@ -9,9 +9,11 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from rlfleet.processes import free_port
+from rlfleet_router import engine_client
 from rlfleet_router.engine_client import (
     EngineClient,
     EngineConnectionError,
+    EngineConnectionLost,
     EngineReadTimeout,
     Interrupt,
     request_head,
@@ -199,3 +201,73 @@ def test_a_pooled_connection_the_engine_closed_is_replaced_without_an_error() ->
             await asyncio.sleep(0.05)
 
     assert len(run(once, scenario)) == 2
+
+
+def closing_the_second_request(wait: float, then: Script = echo) -> tuple[Script, list[int]]:
+    """A script that answers the first request, closes the connection `wait` seconds after reading the second
+    without answering it, and serves every later one with `then`; and the count of requests it read."""
+    read = [0]
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> None:
+        read[0] += 1
+        if read[0] == 2:
+            await asyncio.sleep(wait)
+            raise ConnectionError("the engine closes the connection")
+        await (echo if read[0] == 1 else then)(reader, writer, request)
+
+    return script, read
+
+
+async def first_request(client: EngineClient, url: str) -> None:
+    """One request answered, its connection back in the pool."""
+    got = await client.request("POST", url, "/generate", b"{}", {}, 5, 5)
+    assert await got.read() == b"{}"
+    got.release()
+
+
+def test_a_pooled_connection_closed_as_the_request_arrives_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_client, "IDLE_CLOSE_SECS", 0.2)  # "at once", with room for a loaded machine
+    script, read = closing_the_second_request(0)
+
+    async def scenario(client: EngineClient, url: str, accepted: list[int]) -> None:
+        await first_request(client, url)
+        got = await client.request("POST", url, "/generate", b'{"n": 2}', {}, 5, 5)
+        assert await got.read() == b'{"n": 2}'
+        got.release()
+
+    assert len(run(script, scenario)) == 2
+    assert read == [3]
+
+
+def test_a_pooled_connection_closed_after_the_engine_held_the_request_is_not_resent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(engine_client, "IDLE_CLOSE_SECS", 0.2)
+    script, read = closing_the_second_request(0.5)  # the engine may have worked on it all that time
+
+    async def scenario(client: EngineClient, url: str, accepted: list[int]) -> None:
+        await first_request(client, url)
+        with pytest.raises(EngineConnectionLost, match="before its answer was complete"):
+            await client.request("POST", url, "/generate", b"{}", {}, 5, 5)
+
+    assert len(run(script, scenario)) == 1
+    assert read == [2], "sent once: whether to send it again is the caller's decision"
+
+
+def test_a_request_sent_again_has_only_the_time_its_bound_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_client, "IDLE_CLOSE_SECS", 1.0)  # here a close 0.5 s after the request is "at once"
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> None:
+        await asyncio.sleep(5)
+
+    script, read = closing_the_second_request(0.5, then=silent)
+
+    async def scenario(client: EngineClient, url: str, accepted: list[int]) -> None:
+        await first_request(client, url)
+        started = time.monotonic()
+        with pytest.raises(EngineReadTimeout):
+            await client.request("POST", url, "/generate", b"{}", {}, 5, 1.0)
+        assert time.monotonic() - started < 1.3, "the bound is on the request, not on each sending of it"
+
+    run(script, scenario)
+    assert read == [3]

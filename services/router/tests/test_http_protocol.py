@@ -6,6 +6,7 @@ import json
 import socket
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from router_fakes import FakeEngine, RunningRouter, metric_value
@@ -195,3 +196,89 @@ def test_a_client_leaving_a_plain_request_aborts_it_at_the_engine(
         what="the request counted as its client's leaving",
     )
     assert served == (["/generate"] if path == "parser" else [])
+
+
+def test_put_generate_is_served_as_post_and_other_methods_are_405(
+    one_engine: tuple[FakeEngine, RunningRouter], served: list[str]
+) -> None:
+    engine, router = one_engine
+    with socket.create_connection(("127.0.0.1", router.server.port)) as sock:
+        sock.sendall(post("/generate", {"text": "put"}).replace(b"POST", b"PUT", 1))
+        [(status, _, body)] = read_answers(sock, 1)
+    assert status == 200 and json.loads(body)["meta_info"]["engine"] == "a"  # the fake engine takes POST only
+    assert served == ["/generate"]
+    for method, path, allowed in [
+        ("GET", "/generate", "POST, PUT"),
+        ("DELETE", "/generate", "POST, PUT"),
+        ("PUT", "/v1/chat/completions", "POST"),
+        ("GET", "/v1/completions", "POST"),
+    ]:
+        answer = router.client.request(method, path, json={"text": "x"})
+        assert answer.status_code == 405, (method, path, answer.text)
+        assert answer.headers["allow"] == allowed and answer.json()["error"]["kind"] == "method_not_allowed"
+    assert [json.loads(raw)["text"] for raw in engine.raw_bodies] == ["put"]
+
+
+@pytest.mark.parametrize("path", ["parser", "uvicorn"])
+def test_a_client_that_stops_reading_a_stream_is_cut_off_at_the_deadline(
+    start_engine: Callable[..., FakeEngine],
+    start_router: Callable[..., RunningRouter],
+    served: list[str],
+    path: str,
+) -> None:
+    engine = start_engine("a")
+    router = start_router([engine.url], request_timeout_secs=2.0)
+    router.wait_healthy(1)
+    # ~6 MB/s for 4 s: by the deadline, more than the buffers between the engine and a client that reads nothing
+    # hold, and the engine still streaming.
+    body = {"text": "long", "rid": "stalled-1", "stream": True, "chunks": 400, "pad": 65536, "chunk_delay": 0.01}
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", router.server.port))
+        extra = "expect: 100-continue\r\n" if path == "uvicorn" else ""
+        head, raw = post("/generate", body, extra).split(b"\r\n\r\n", 1)
+        sock.sendall(head + b"\r\n\r\n")
+        if path == "uvicorn":
+            sock.settimeout(5)
+            assert sock.recv(1024).startswith(b"HTTP/1.1 100 Continue")
+        sock.sendall(raw)
+        router.wait_for(lambda: router.workers()[0]["in_flight"] == 1, what="the stream under way")
+        # The client reads nothing: at the deadline the router gives the stream up, its engine's slot freed.
+        router.wait_for(lambda: router.workers()[0]["in_flight"] == 0, timeout=6, what="the engine slot released")
+        router.wait_for(lambda: engine.aborted() == ["stalled-1"], timeout=3, what="the abort at the engine")
+        sock.settimeout(10)
+        received = b""
+        try:
+            while chunk := sock.recv(1 << 20):
+                received += chunk
+        except ConnectionResetError:
+            pass  # cut: what the router still held for the client is dropped
+    assert received.startswith(b"HTTP/1.1 200") and not received.endswith(b"0\r\n\r\n"), "cut, not ended"
+    assert engine.streams_cut == 1
+    labels = {"route": "/generate", "status": "504"}
+    router.wait_for(
+        lambda: metric_value(router.client.get("/metrics").text, "rlfleet_router_requests_total", labels) == 1,
+        timeout=3,
+        what="the stream counted as past its deadline",
+    )
+    assert served == (["/generate"] if path == "parser" else [])
+
+
+def test_an_abort_by_rid_that_would_stop_other_requests_is_not_sent(
+    one_engine: tuple[FakeEngine, RunningRouter],
+) -> None:
+    engine, router = one_engine
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        # Another client's request, its rid starting with the leaving one's: SGLang's abort of "run/1" stops it too.
+        other = pool.submit(router.client.post, "/generate", json={"text": "other", "rid": "run/10", "delay": 2})
+        with socket.create_connection(("127.0.0.1", router.server.port)) as sock:
+            sock.sendall(post("/generate", {"text": "leaving", "rid": "run/1", "delay": 20}))
+            router.wait_for(lambda: engine.in_flight == 2, what="both requests at the engine")
+        router.wait_for(lambda: router.workers()[0]["in_flight"] == 1, timeout=3, what="the left request given up")
+        assert other.result(timeout=10).status_code == 200
+    assert engine.aborted() == []
+    # With no other request of the router's there that it would stop, a leaving client's request is aborted by rid.
+    with socket.create_connection(("127.0.0.1", router.server.port)) as sock:
+        sock.sendall(post("/generate", {"text": "leaving again", "rid": "run/1", "delay": 20}))
+        router.wait_for(lambda: router.workers()[0]["in_flight"] == 1, what="the request at the engine")
+    router.wait_for(lambda: engine.aborted() == ["run/1"], timeout=3, what="the abort")

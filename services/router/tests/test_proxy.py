@@ -145,11 +145,27 @@ def test_engine_5xx_is_retried_and_passed_through_when_every_engine_fails(
     assert answer.status_code in (500, 503) and answer.json() == {"error": "engine fault"}
 
 
-def test_no_healthy_engine_is_503_with_the_reason(start_router: Callable[..., RunningRouter]) -> None:
-    router = start_router([f"http://127.0.0.1:{free_port()}"])
+def test_no_healthy_engine_is_503_with_the_reason_and_when_to_retry(start_router: Callable[..., RunningRouter]) -> None:
+    router = start_router([f"http://127.0.0.1:{free_port()}"], health_check_interval_secs=2.5)
     answer = router.client.post("/generate", json={"text": "x"})
     assert answer.status_code == 503
     assert "no healthy engine: 0 of 1" in answer.json()["error"]["message"]
+    # After the next round of health checks, which may bring an engine back: whole seconds.
+    assert answer.headers["retry-after"] == "3"
+    for other in (router.client.get("/v1/models"), router.client.get("/health")):
+        assert (other.status_code, other.headers.get("retry-after")) == (503, "3")
+
+
+def test_a_connection_lost_after_the_request_was_sent_aborts_it_at_the_engine(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    engine = start_engine("a")
+    router = start_router([engine.url], retry_max_retries=0)
+    router.wait_healthy(1)
+    # The engine sends the answer's head, then drops the connection: it had the request.
+    answer = router.client.post("/generate", json={"text": "x", "rid": "lost-1", "stream": True, "cut_after": 0})
+    assert answer.status_code == 503, answer.text
+    router.wait_for(lambda: engine.aborted() == ["lost-1"], what="the engine asked to abort the request")
 
 
 def test_bad_generate_bodies_are_400(
@@ -162,7 +178,12 @@ def test_bad_generate_bodies_are_400(
     assert not_json.status_code == 400 and "not valid JSON" in not_json.json()["error"]["message"]
     a_list = router.client.post("/generate", json=[1, 2])
     assert a_list.status_code == 400 and "JSON object" in a_list.json()["error"]["message"]
-    assert engine.raw_bodies == []
+    deep = b'{"text": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+    for route in ("/generate", "/v1/chat/completions", "/abort_request"):
+        nested = router.client.post(route, content=deep, headers={"content-type": "application/json"})
+        assert nested.status_code == 400, (route, nested.text)
+        assert nested.json()["error"]["message"].startswith("body: nested too deeply"), route
+    assert engine.raw_bodies == [] and engine.controls == []
 
 
 def test_bodies_over_the_bound_are_413_and_never_reach_an_engine(
