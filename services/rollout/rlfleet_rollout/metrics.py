@@ -28,7 +28,8 @@ class RolloutMetrics:
         )
         self.reward_mean = Gauge(
             "rlfleet_rollout_reward_mean",
-            "Mean reward of the last step's scored samples (failed and aborted ones have none).",
+            "Mean reward of the samples generated and scored for the last step, filtered groups' included "
+            "(failed and aborted ones have none).",
             registry=self.registry,
         )
         self.eval_accuracy = Gauge(

@@ -263,13 +263,14 @@ async def _produce_step(
     for group in groups:
         if await asyncio.to_thread(stream.append, group) is not None:
             deps.metrics.groups_produced.inc()
-    # Failed and aborted samples have no reward (0 on the wire): counting them would read an engine fault as a
-    # worse policy.
-    rewards = [r for g in groups for r in usable_rewards(g)]
+    # Over every sample generated for the step, filtered groups' too: zero_variance drops the groups all right and
+    # all wrong, and the trained ones alone would stay near the middle however the policy does. Failed and aborted
+    # samples have no reward (0 on the wire): counted, an engine fault would read as a worse policy.
+    counted = outcome if first_time else None  # a re-produced step was counted by its first producer
+    rewards = counted.rewards if counted is not None else [r for g in groups for r in usable_rewards(g)]
     mean_reward = sum(rewards) / len(rewards) if rewards else 0.0
     if rewards:
         deps.metrics.reward_mean.set(mean_reward)
-    counted = outcome if first_time else None  # a re-produced step was counted by its first producer
     if counted is not None:
         for reason, count in counted.filtered.items():
             deps.metrics.groups_filtered.labels(reason=reason).inc(count)

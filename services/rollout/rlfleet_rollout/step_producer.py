@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from rlfleet.errors import ResourceExhausted, Unavailable
 from rlfleet.v1.samples_pb2 import SampleGroup
 from rlfleet_rollout.concurrency import gather_cancelling
-from rlfleet_rollout.group_filters import UNUSABLE, FilterRegistry
+from rlfleet_rollout.group_filters import UNUSABLE, FilterRegistry, usable_rewards
 from rlfleet_rollout.group_producer import GroupRequest, RolloutContext, rename_group
 from rlfleet_rollout.run_data import RunData
 
@@ -40,6 +40,8 @@ class StepOutcome:
     """Position of the prompt of each group, slot by slot."""
     filtered: Counter[str] = field(default_factory=Counter)
     downweighted: int = 0
+    rewards: list[float] = field(default_factory=list)
+    """Reward of every sample generated and scored for the step, filtered groups' too."""
 
 
 def staleness(group: SampleGroup, step: int) -> int:
@@ -89,6 +91,7 @@ async def produce_step(
         wave = [s for g in candidates if g is not None for s in g.samples]
         if wave and all(s.status in UNUSABLE for s in wave):
             raise Unavailable(f"step {step}: no sample could be generated and scored (first error: {wave[0].error})")
+        outcome.rewards += [r for g in candidates if g is not None for r in usable_rewards(g)]
         for group in candidates:
             reason = "prompt_too_long" if group is None else _reason(filters, group, step, ctx)
             if reason is None and len(outcome.groups) == want:

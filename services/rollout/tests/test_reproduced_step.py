@@ -137,3 +137,24 @@ def test_a_steps_mean_reward_leaves_out_samples_that_failed(redis_client: redis.
     position = DataPosition(redis_client, RUN, prefix=redis_prefix)
     asyncio.run(_produce_step(ctx, deps, data, stream, position, RUN, 0, 0))  # type: ignore[arg-type]
     assert core.run.progress.mean_reward == 1.0 and metrics.reward_mean._value.get() == 1.0
+
+
+def test_a_steps_mean_reward_counts_the_groups_its_filters_dropped(
+    redis_client: redis.Redis, redis_prefix: str
+) -> None:
+    """zero_variance keeps only mixed groups: over the trained groups alone the mean stayed near the middle
+    however the policy did."""
+    raw = {"rollout": {"group_size": 2, "groups_per_step": 2, "oversample": 2, "filters": ["zero_variance"]}}
+    spec = resolve(json_format.ParseDict(raw, RunSpec()))
+    data = RunData(LoadedDataset([Prompt(f"p{i}", str(i)) for i in range(10)], [], []), seed=1)
+    ctx = type("Ctx", (), {"spec": spec, "rollout": Policy(), "encode": staticmethod(list), "render": str,
+                           "context_tokens": 0})()  # fmt: skip
+    core, metrics = Core(), RolloutMetrics()
+    filters = FilterRegistry({"zero_variance": zero_variance})
+    deps = RunDeps(core, None, None, None, redis_client, None, metrics, filters, None)  # type: ignore[arg-type]
+    stream = SampleStream(redis_client, RUN, prefix=redis_prefix)
+    position = DataPosition(redis_client, RUN, prefix=redis_prefix)
+    asyncio.run(_produce_step(ctx, deps, data, stream, position, RUN, 0, 0))  # type: ignore[arg-type]
+    # Four prompts, two solved ([0, 1]) and trained, two unsolved ([0, 0]) and filtered.
+    assert core.run.progress.groups_filtered == 2
+    assert core.run.progress.mean_reward == 0.25 and metrics.reward_mean._value.get() == 0.25
