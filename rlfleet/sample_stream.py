@@ -356,17 +356,18 @@ class SampleStream:
     def lost_groups(self) -> list[tuple[str, str]]:
         """(entry id, reason) of the dead letters that were groups this stream's producer appended (their
         group id is in its id set) or entries deleted while pending: groups the run is now short of.
-        Another writer's entries (another run's groups, ones without a group id) are not among them."""
+        Another writer's entries (another run's groups, ones without a group id) are not among them. Each entry
+        once: a move whose reply was lost and that the client sent again wrote its dead letter twice."""
         if not self.dead_letter_count():
             return []
-        lost = []
+        lost: dict[str, str] = {}
         entries = cast(list[tuple[bytes, dict[bytes, bytes]]], self.client.xrange(self.dead_key))
         for _, fields in entries:
             group_id = fields.get(b"group_id", b"").decode(errors="replace")
             deleted = fields[b"reason"].decode() == _DELETED
             if deleted or (group_id and self.client.sismember(self.ids_key, group_id)):
-                lost.append((fields[b"entry_id"].decode(), fields[b"reason"].decode()))
-        return lost
+                lost.setdefault(fields[b"entry_id"].decode(), fields[b"reason"].decode())
+        return list(lost.items())
 
     # -- internals ------------------------------------------------------------------------------
 

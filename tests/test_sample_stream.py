@@ -132,6 +132,9 @@ def test_an_entry_deleted_while_a_dead_consumer_held_it_goes_to_dead_letters(
     assert stream.dead_letters() == [(ids[1], "entry was deleted while pending")]
     assert stream.lost_groups() == [(ids[1], "entry was deleted while pending")]
     assert not stream.pending_elsewhere("alive") and stream.pending_count() == 3
+    # A move sent again after its reply was lost writes a second dead letter: still one lost group.
+    stream._move_to_dead_letters(ids[1], {}, "entry was deleted while pending")
+    assert stream.lost_groups() == [(ids[1], "entry was deleted while pending")]
 
 
 def test_undecodable_entry_goes_to_dead_letters(stream: SampleStream, redis_client: redis.Redis) -> None:
