@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -13,8 +13,8 @@ class TrainerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RLFLEET_TRAINER_")
 
     host: str = Field("127.0.0.1", description="address the gRPC and HTTP servers bind to")
-    grpc_port: int = Field(50052, description="gRPC Trainer service port")
-    http_port: int = Field(8002, description="HTTP port for /health and /metrics")
+    grpc_port: int = Field(50052, ge=0, le=65535, description="gRPC Trainer service port")
+    http_port: int = Field(8002, ge=0, le=65535, description="HTTP port for /health and /metrics")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding the sample streams")
     redis_prefix: str = Field("rlfleet:", description="key prefix of every rlfleet key in Redis")
     router_url: str = Field("http://127.0.0.1:30000", description="router that loads weights into the engines")
@@ -56,3 +56,12 @@ class TrainerSettings(BaseSettings):
         # Paths under it go to the router (which engines load) and into the run's record in Redis (which
         # a restarted trainer resumes from): neither need share this process's working directory.
         return path.expanduser().absolute()
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> TrainerSettings:
+        # Caught here rather than when the HTTP server fails to bind, after gRPC is already serving.
+        if self.grpc_port == self.http_port != 0:
+            raise ValueError(
+                f"grpc_port and http_port are both {self.grpc_port}; give --grpc-port and --http-port different ports"
+            )
+        return self
