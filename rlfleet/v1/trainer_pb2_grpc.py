@@ -65,19 +65,28 @@ class TrainerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def StartRun(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Starts the run, or resumes it from its last checkpoint. Asked again while that run starts: its
+        outcome, or UNAVAILABLE (ask again) before the caller's deadline. FAILED_PRECONDITION while the
+        trainer holds another run, or when the run's checkpoint does not fit the spec's model; UNAVAILABLE
+        when the router or the checkpoint's storage fails.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Status(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A run that is starting is STARTING; NOT_FOUND for a run this trainer never had.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Checkpoint(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A checkpoint covering every step taken so far, taken at the next step boundary. DEADLINE_EXCEEDED,
+        answered before the caller's deadline, while the step in progress goes on: the checkpoint is still
+        taken after it, ask again. UNAVAILABLE while the run is starting (ask again once it trains);
+        FAILED_PRECONDITION for a run that stopped without a checkpoint of its last step.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -93,7 +102,9 @@ class TrainerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchSteps(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Streams the run's step reports until it stops or fails; a run that is starting streams once it
+        trains.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

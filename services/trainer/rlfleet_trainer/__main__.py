@@ -92,8 +92,9 @@ def run_sft_command(args: argparse.Namespace) -> int:
     from rlfleet_trainer.sft import SftConfig, run_sft
 
     torch.set_num_threads(args.torch_threads)
-    if args.out.exists() and any(args.out.iterdir()):
-        print(f"rlfleet_trainer sft: error: {args.out} is not empty; choose another --out", file=sys.stderr)
+    if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
+        error = f"{args.out} is not an empty directory; choose another --out"
+        print(f"rlfleet_trainer sft: error: {error}", file=sys.stderr)
         return 2
     config = SftConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate, seed=args.seed)
     path = run_sft(args.model_path, args.out, ArithmeticTask(digits=args.digits, ops=args.ops, seed=args.seed), config)
@@ -102,8 +103,9 @@ def run_sft_command(args: argparse.Namespace) -> int:
 
 
 def run_export_command(args: argparse.Namespace) -> int:
-    if args.out.exists() and any(args.out.iterdir()):
-        print(f"rlfleet_trainer export: error: {args.out} is not empty; choose another --out", file=sys.stderr)
+    if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
+        error = f"{args.out} is not an empty directory; choose another --out"
+        print(f"rlfleet_trainer export: error: {error}", file=sys.stderr)
         return 2
     from rlfleet_trainer.export import export_checkpoint
 

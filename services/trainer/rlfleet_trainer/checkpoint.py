@@ -13,6 +13,11 @@ The state dicts come from `torch.distributed.checkpoint.state_dict`, so the same
 module (one process, no process group) and an FSDP2-sharded one (every rank calls `save_checkpoint`
 and writes its own shards). A checkpoint is written under a temporary name and renamed into place,
 so `step_<N>` exists only once it is complete.
+
+DCP reports a failure (a full disk, an I/O error, tensors that do not fit the model) as its
+CheckpointException, which is a BaseException: it would pass every `except Exception` between here
+and the caller (the training thread, the rank protocol, the gRPC layer), killing the thread while
+the run still says it trains. Both directions raise `CheckpointFailed`, an ordinary exception, instead.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -41,6 +47,19 @@ from rlfleet_trainer.critic import Critic
 STEP_PREFIX = "step_"
 
 logger = logging.getLogger(__name__)
+
+
+class CheckpointFailed(RuntimeError):
+    """A DCP save or load failed on some rank; `causes` are the ranks' own errors."""
+
+    def __init__(self, message: str, causes: list[BaseException]) -> None:
+        super().__init__(message)
+        self.causes = causes
+
+    @property
+    def storage(self) -> bool:
+        """The storage failed (disk full, EIO) rather than the checkpoint not fitting the state."""
+        return any(isinstance(cause, OSError) for cause in self.causes)
 
 
 @dataclass(frozen=True)
@@ -78,11 +97,17 @@ def _rank() -> int:
 
 
 @contextmanager
-def _single_process_quietly() -> Iterator[None]:
-    """DCP warns on every call without a process group; one process is an intended mode here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
+def _dcp_call(action: str) -> Iterator[None]:
+    """Runs a DCP save or load: its failure raised as CheckpointFailed, and without the warning DCP
+    gives on every call without a process group (one process is an intended mode here)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            yield
+    except CheckpointException as exc:
+        failures = [(rank, error) for rank, (error, _trace) in sorted(exc.failures.items())]
+        detail = "; ".join(f"rank {rank}: {type(error).__name__}: {error}" for rank, error in failures)
+        raise CheckpointFailed(f"{action} failed: {detail}", [error for _, error in failures]) from exc
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -125,7 +150,7 @@ def save_checkpoint(root: Path, parts: TrainingState, meta: CheckpointMeta) -> P
     if distributed:
         dist.barrier()  # nobody writes into the temporary directory before rank 0 has emptied it
     state = _state_dict(parts, meta if _rank() == 0 else None)
-    with _single_process_quietly():
+    with _dcp_call(f"writing checkpoint {dest}"):
         dcp.save(state, checkpoint_id=str(tmp), no_dist=not distributed)
     # dcp.save returns on rank 0 after every rank's shards and the metadata are written.
     if _rank() == 0:
@@ -143,7 +168,7 @@ def load_checkpoint(path: Path, parts: TrainingState) -> CheckpointMeta:
     state = _state_dict(parts, CheckpointMeta())
     saved = _saved_rng_keys(path)
     state["rng"] = {key: value for key, value in state["rng"].items() if key in saved}
-    with _single_process_quietly():
+    with _dcp_call(f"reading checkpoint {path}"):
         dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
     set_state_dict(parts.model, parts.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     parts.scheduler.load_state_dict(state["scheduler"])
@@ -185,7 +210,7 @@ def load_model_weights(path: Path, model: torch.nn.Module) -> None:
     if not (path / ".metadata").exists():
         raise FileNotFoundError(f"no checkpoint at {path} (its .metadata file is missing)")
     state = {"model": get_model_state_dict(model)}
-    with _single_process_quietly():
+    with _dcp_call(f"reading checkpoint {path}"):
         dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
     set_model_state_dict(model, state["model"])
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import CheckpointException
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlfleet_trainer.checkpoint import load_model_weights
@@ -28,7 +27,7 @@ def export_checkpoint(checkpoint: Path, base_model: Path, out: Path) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     try:
         load_model_weights(checkpoint, model)
-    except (CheckpointException, RuntimeError) as exc:
+    except RuntimeError as exc:  # CheckpointFailed among them
         raise ValueError(
             f"{checkpoint} does not hold the weights of the {config.model_type} model at {base_model}: {exc}"
         ) from exc

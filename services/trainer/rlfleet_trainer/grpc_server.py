@@ -10,12 +10,19 @@ from grpc import aio
 from rlfleet.grpc_errors import ErrorInterceptor
 from rlfleet.grpc_limits import message_size_options
 from rlfleet.v1 import trainer_pb2, trainer_pb2_grpc
-from rlfleet_trainer.trainer_core import STOP_WAIT_S, TrainerCore
+from rlfleet_trainer.trainer_core import START_JOIN_WAIT_S, STOP_WAIT_S, TrainerCore
 
-# StopRun answers this long before its caller's deadline when the run has not stopped by then, so the
-# caller hears "ask again" from the trainer, and no handler thread waits on for a caller that has left
-# (a few such threads would take every worker asyncio.to_thread has).
-_STOP_ANSWER_MARGIN_S = 1.0
+# A call that waits (StopRun for the step in progress, Checkpoint for the next step boundary, StartRun for
+# the same run's start) answers this long before its caller's deadline when the wait has not ended by then,
+# so the caller hears "ask again" from the trainer, and no handler thread waits on for a caller that has
+# left (a few such threads would take every worker asyncio.to_thread has).
+_ANSWER_MARGIN_S = 1.0
+
+
+def _wait_s(context: aio.ServicerContext, bound_s: float) -> float:
+    """How long a handler may wait: `bound_s`, cut to end `_ANSWER_MARGIN_S` before the caller's deadline."""
+    remaining = context.time_remaining()
+    return bound_s if remaining is None else min(bound_s, max(0.0, remaining - _ANSWER_MARGIN_S))
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
@@ -25,7 +32,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def StartRun(
         self, request: trainer_pb2.StartRunRequest, context: aio.ServicerContext
     ) -> trainer_pb2.TrainerStatus:  # noqa: N802,E501
-        return await asyncio.to_thread(self.core.start_run, request.run_id, request.spec)
+        join_wait = _wait_s(context, START_JOIN_WAIT_S)
+        return await asyncio.to_thread(self.core.start_run, request.run_id, request.spec, join_wait)
 
     async def Status(
         self, request: trainer_pb2.StatusRequest, context: aio.ServicerContext
@@ -36,13 +44,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def Checkpoint(
         self, request: trainer_pb2.CheckpointRequest, context: aio.ServicerContext
     ) -> trainer_pb2.CheckpointResponse:  # noqa: N802,E501
-        return await asyncio.to_thread(self.core.checkpoint, request.run_id)
+        wait = _wait_s(context, self.core.settings.checkpoint_timeout_s)
+        return await asyncio.to_thread(self.core.checkpoint, request.run_id, wait)
 
     async def StopRun(
         self, request: trainer_pb2.StopRunRequest, context: aio.ServicerContext
     ) -> trainer_pb2.TrainerStatus:  # noqa: N802,E501
-        remaining = context.time_remaining()
-        wait = STOP_WAIT_S if remaining is None else min(STOP_WAIT_S, max(0.0, remaining - _STOP_ANSWER_MARGIN_S))
+        wait = _wait_s(context, STOP_WAIT_S)
         return await asyncio.to_thread(self.core.stop_run, request.run_id, request.checkpoint, wait)
 
     async def WatchSteps(

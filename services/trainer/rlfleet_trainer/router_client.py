@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import httpx
 
 from rlfleet.api_token import bearer_headers
-from rlfleet.errors import Unavailable
+from rlfleet.errors import Conflict, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -20,8 +21,7 @@ class RouterClient:
         self.headers = bearer_headers(token)
 
     def load_weights(self, model_path: str, version: int, *, abort_all_requests: bool = False) -> None:
-        """POST /update_weights_from_disk; retries connection errors and 5xx with backoff until the
-        overall deadline, fails at once on a 4xx or an explicit `success: false`.
+        """POST /update_weights_from_disk (see `post` for retries and failures).
 
         `abort_all_requests` (SGLang's field, passed through by the router's fan-out) has every engine
         abort its generations first, answering them with the old version: rollout.on_weight_update
@@ -29,32 +29,48 @@ class RouterClient:
         body: dict[str, object] = {"model_path": model_path, "weight_version": str(version)}
         if abort_all_requests:
             body["abort_all_requests"] = True
+        self.post("/update_weights_from_disk", body, f"load weight version {version} from {model_path}")
+
+    def post(self, path: str, body: dict[str, object], what: str) -> dict[str, Any]:
+        """POSTs `body` to the router's `path` and returns its JSON answer; `what` says what the call does,
+        for errors ("load weight version 3 from ...").
+
+        Retries connection errors and 5xx with backoff until `timeout_s` has passed, then raises
+        Unavailable; fails at once with Unavailable on a 4xx or an explicit `success: false`, and with
+        Conflict on an answer that is not a JSON object (not the router: a proxy's page, a wrong URL)."""
+        url = f"{self.base_url}{path}"
         deadline = time.monotonic() + self.timeout_s
         delay = 0.5
         last = "no attempt"
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise Unavailable(f"router at {self.base_url} did not load weight version {version}: {last}")
+                raise Unavailable(f"router at {self.base_url} did not {what}: {last}")
             try:
-                response = httpx.post(
-                    f"{self.base_url}/update_weights_from_disk",
-                    json=body,
-                    headers=self.headers,
-                    timeout=min(remaining, 120.0),
-                )
+                response = httpx.post(url, json=body, headers=self.headers, timeout=min(remaining, 120.0))
             except httpx.HTTPError as exc:
                 last = f"{type(exc).__name__}: {exc}"
             else:
                 if response.status_code < 500:
-                    payload = response.json() if response.content else {}
-                    if response.status_code == 200 and payload.get("success", True):
-                        return
-                    raise Unavailable(
-                        f"router refused weight version {version} from {model_path}: "
-                        f"HTTP {response.status_code} {payload.get('message') or response.text[:500]}"
-                    )
+                    return _answer(url, response, what)
                 last = f"HTTP {response.status_code} {response.text[:300]}"
-            logger.warning("loading weight version %d through the router failed (%s); retrying", version, last)
+            logger.warning("router call to %s failed (%s); retrying", what, last)
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 5.0)
+
+
+def _answer(url: str, response: httpx.Response, what: str) -> dict[str, Any]:
+    try:
+        payload = response.json() if response.content else {}
+    except ValueError:
+        payload = None
+    if not isinstance(payload, dict):
+        raise Conflict(
+            f"POST {url} answered HTTP {response.status_code} with no JSON object, so it is not the router "
+            f"(check the trainer's router_url): {response.text[:200]!r}"
+        )
+    if response.status_code == 200 and payload.get("success", True):
+        return payload
+    raise Unavailable(
+        f"router refused to {what}: HTTP {response.status_code} {payload.get('message') or response.text[:500]}"
+    )

@@ -30,6 +30,7 @@ from rlfleet_trainer.active_run import ActiveRun
 from rlfleet_trainer.checkpoint_commit import CheckpointCommitter
 from rlfleet_trainer.config import TrainerSettings
 from rlfleet_trainer.metrics import TrainerMetrics
+from rlfleet_trainer.rank_group import RankGroup
 from rlfleet_trainer.router_client import RouterClient
 from rlfleet_trainer.weight_publisher import make_publisher
 from rlfleet_trainer.weights import prune_versions
@@ -140,15 +141,15 @@ def train_run(
         run.update(state=TrainerState.TRAINER_STATE_FAILED, error=f"{type(exc).__name__}: {exc}")
     finally:
         publisher.close()
-        release_policy(run)
+        release_policy(run.ranks, run.run_id)
 
 
-def release_policy(run: ActiveRun) -> None:
-    """Frees the run's model and optimizer on every rank; the run's state lives on in its checkpoints."""
+def release_policy(ranks: RankGroup, run_id: str) -> None:
+    """Frees run `run_id`'s model and optimizer on every rank; the run's state lives on in its checkpoints."""
     try:
-        run.ranks.call("unload_run")
+        ranks.call("unload_run")
     except Exception:  # noqa: BLE001 - a rank that failed is reported by the run's error already
-        logger.exception("run %s: releasing the policy on the ranks failed", run.run_id)
+        logger.exception("run %s: releasing the policy on the ranks failed", run_id)
 
 
 def report(run: ActiveRun, version: int, groups: int, step_metrics: dict[str, float], metrics: TrainerMetrics) -> None:

@@ -9,7 +9,8 @@ Until StopRun the trainer holds its run and refuses every other one, so whoever 
 must be able to stop it whatever the trainer is doing: `held` names the run it is busy with (the
 orchestrator compares it with its records), StopRun during StartRun ends the run as soon as it is
 loaded, StopRun during a step answers within its caller's bound while the stop stands, and StopRun of a
-run that has stopped answers with its final status every time.
+run that has stopped answers with its final status every time. A run that is starting is known by name
+(Status answers STARTING), and a start that fails leaves nothing loaded on any rank.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from rlfleet.sample_stream import SampleStream
 from rlfleet.v1.runs_pb2 import RunSpec
 from rlfleet.v1.trainer_pb2 import CheckpointResponse, StepReport, TrainerState, TrainerStatus
 from rlfleet_trainer.active_run import ActiveRun
-from rlfleet_trainer.checkpoint import prune_checkpoints
+from rlfleet_trainer.checkpoint import CheckpointFailed, prune_checkpoints
 from rlfleet_trainer.checkpoint_commit import CheckpointCommitter
 from rlfleet_trainer.config import TrainerSettings
 from rlfleet_trainer.metrics import TrainerMetrics
@@ -81,11 +82,15 @@ class TrainerCore:
         self._runs: dict[str, ActiveRun] = {}
         self._finished: dict[str, TrainerStatus] = {}
         self._starting: dict[str, _Start] = {}
+        self._closing = False
+        """Set by shutdown: no run starts after it."""
         self._lock = threading.Lock()
 
     # -- RPCs -------------------------------------------------------------------------------------
 
-    def start_run(self, run_id: str, spec: RunSpec) -> TrainerStatus:
+    def start_run(self, run_id: str, spec: RunSpec, join_wait_s: float = START_JOIN_WAIT_S) -> TrainerStatus:
+        """Starts (or resumes) the run; asked again while that run starts, waits up to `join_wait_s` for
+        the start's outcome, then answers Unavailable (ask again)."""
         if not RUN_ID.fullmatch(run_id):
             raise InvalidInput(
                 f"run_id {run_id!r} must be 1 to 128 letters, digits, '.', '_' or '-', not starting with '.'"
@@ -96,6 +101,8 @@ class TrainerCore:
         validate(spec)
         while True:
             with self._lock:
+                if self._closing:
+                    raise Unavailable(f"the trainer is shutting down; run {run_id} cannot start here")
                 current = self._runs.get(run_id)
                 if current is not None and not current.finished:
                     return current.status()
@@ -108,19 +115,17 @@ class TrainerCore:
                     break
             # The same run asked again while it starts (a caller that restarted or timed out): the answer is
             # that start's outcome, not "busy with" the run itself.
-            if not under_way.done.wait(START_JOIN_WAIT_S):
+            if not under_way.done.wait(join_wait_s):
                 raise Unavailable(f"run {run_id} is still starting (loading its policy, loading the fleet); ask again")
         try:
             run = self._prepare(run_id, spec)
-            # The fleet must serve the version the run continues from before anyone samples from it.
-            self.router.load_weights(run.weights_path, run.weight_version)
             with self._lock:
                 # Checked under the lock StopRun looks the run up with: a stop either finds the run
                 # training (and stops it there) or is seen here.
                 if not start.stop.is_set():
                     self._train(run)
                     return run.status()
-            release_policy(run)
+            release_policy(self.ranks, run_id)
             run.update(state=TrainerState.TRAINER_STATE_STOPPED)
             with self._lock:
                 self._release_finished()
@@ -158,24 +163,34 @@ class TrainerCore:
                 if not run.finished:
                     return run.status()
             for run_id in self._starting:
-                return TrainerStatus(run_id=run_id, state=TrainerState.TRAINER_STATE_STARTING)
+                return _starting_status(run_id)
         return TrainerStatus(state=TrainerState.TRAINER_STATE_IDLE)
 
     def status(self, run_id: str) -> TrainerStatus:
-        """The run's status; Checkpoint and WatchSteps look their run up here too."""
+        """The run's status (STARTING while StartRun loads it); Checkpoint and WatchSteps look their run up
+        here too."""
         if not run_id:
             raise InvalidInput("run_id must be set")
         with self._lock:
+            # Before `_runs`: a stopped run of the same id may be there while StartRun resumes it.
+            if run_id in self._starting:
+                return _starting_status(run_id)
             if run_id in self._runs:
                 return self._runs[run_id].status()
             if run_id in self._finished:
                 return self._finished[run_id]
         raise NotFound(f"this trainer has no run {run_id!r}; StartRun resumes it")
 
-    def checkpoint(self, run_id: str) -> CheckpointResponse:
+    def checkpoint(self, run_id: str, timeout_s: float | None = None) -> CheckpointResponse:
         """A checkpoint covering every step taken so far, taken at the next step boundary (the
-        latest one when it does already)."""
-        run = self._active(run_id)
+        latest one when it does already).
+
+        Waits up to `timeout_s` (by default `checkpoint_timeout_s`) for the step in progress to end;
+        DeadlineExceeded if it has not by then (the checkpoint is still taken at its end: ask again).
+        Unavailable while the run is starting: it has taken no step to cover yet."""
+        start, run = self._lookup(run_id)
+        if start is not None:
+            raise Unavailable(f"run {run_id} is still starting (loading its policy and the fleet); ask again")
         if run is None:
             status = self.status(run_id)  # raises NotFound for unknown runs
             if not status.checkpoint_path or status.checkpoint_step != status.step:
@@ -186,7 +201,7 @@ class TrainerCore:
             return CheckpointResponse(
                 path=status.checkpoint_path, step=status.checkpoint_step, weight_version=status.checkpoint_step
             )
-        return run.request_checkpoint(self.settings.checkpoint_timeout_s)
+        return run.request_checkpoint(self.settings.checkpoint_timeout_s if timeout_s is None else timeout_s)
 
     def stop_run(self, run_id: str, checkpoint: bool = False, timeout_s: float = STOP_WAIT_S) -> TrainerStatus:
         """Stops after the step in progress (a run still starting stops once loaded, without training);
@@ -230,8 +245,11 @@ class TrainerCore:
         return status
 
     def reports(self, run_id: str, from_step: int) -> tuple[list[StepReport], bool]:
-        """Step reports with step >= from_step, and whether the run has finished."""
-        run = self._active(run_id)
+        """Step reports with step >= from_step, and whether the run has finished (a run that is starting
+        has none yet, and goes on)."""
+        start, run = self._lookup(run_id)
+        if start is not None:
+            return [], False
         if run is None:
             self.status(run_id)  # raises NotFound for unknown runs
             return [], True
@@ -239,28 +257,44 @@ class TrainerCore:
         return run.reports_from(from_step), finished
 
     def wait_for_change(self, run_id: str, timeout_s: float) -> None:
-        run = self._active(run_id)
-        if run is not None:
+        start, run = self._lookup(run_id)
+        if start is not None:
+            start.done.wait(timeout=timeout_s)
+        elif run is not None:
             with run.changed:
                 run.changed.wait(timeout=timeout_s)
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stops every run after its step in progress, checkpointing it (a graceful termination,
-        e.g. SIGTERM, loses no training)."""
+        e.g. SIGTERM, loses no training); a run still starting stops once loaded, without training,
+        and no run starts afterwards. Waits up to `timeout_s` in all."""
+        deadline = time.monotonic() + timeout_s
         with self._lock:
-            runs = list(self._runs.values())
+            self._closing = True
+            starts = list(self._starting.values())
+        for start in starts:
+            start.stop.set()
+        for start in starts:
+            start.done.wait(timeout=max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            runs = list(self._runs.values())  # with any that had started before its stop came
         for run in runs:
             run.update(checkpoint_on_stop=True)
             run.stop.set()
         for run in runs:
             if run.thread is not None:
-                run.thread.join(timeout=timeout_s)
+                run.thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     # -- internals --------------------------------------------------------------------------------
 
     def _active(self, run_id: str) -> ActiveRun | None:
         with self._lock:
             return self._runs.get(run_id)
+
+    def _lookup(self, run_id: str) -> tuple[_Start | None, ActiveRun | None]:
+        """The run's start in progress, if any, and its run object (a stopped one while it starts again)."""
+        with self._lock:
+            return self._starting.get(run_id), self._runs.get(run_id)
 
     def _release_finished(self) -> None:
         """Keeps only the status of finished runs, freeing their models."""
@@ -270,26 +304,35 @@ class TrainerCore:
                 del self._runs[run_id]
 
     def _prepare(self, run_id: str, spec: RunSpec) -> ActiveRun:
+        """The run loaded on every rank (resumed from its record when it has one), its version served by
+        the fleet."""
         base = Path(spec.model.path)
         if not (base / "config.json").exists():
             raise InvalidInput(f"model.path: no Hugging Face model at {base} (config.json missing)")
         record = self.store.load(run_id)
         run_dir = self.settings.work_dir / "runs" / run_id
         weights_root, checkpoints_root = run_dir / "weights", run_dir / "checkpoints"
-        self.ranks.call("load_run", spec)
-        run = ActiveRun(
-            run_id=run_id,
-            spec=spec,
-            ranks=self.ranks,
-            stream=SampleStream(self.client, run_id, prefix=self.settings.redis_prefix),
-            weights_root=weights_root,
-            checkpoints_root=checkpoints_root,
-            tokenizer_dir=Path(spec.model.tokenizer_path),
-            weights_path=str(base),
-        )
-        if record is not None:  # last: restoring the RNG state must be the final use of the RNG
-            self._resume(run, record)
-        run.stream.ensure_consumer_group()
+        try:
+            self.ranks.call("load_run", spec)
+            run = ActiveRun(
+                run_id=run_id,
+                spec=spec,
+                ranks=self.ranks,
+                stream=SampleStream(self.client, run_id, prefix=self.settings.redis_prefix),
+                weights_root=weights_root,
+                checkpoints_root=checkpoints_root,
+                tokenizer_dir=Path(spec.model.tokenizer_path),
+                weights_path=str(base),
+            )
+            if record is not None:  # last: restoring the RNG state must be the final use of the RNG
+                self._resume(run, record)
+            run.stream.ensure_consumer_group()
+            # The fleet must serve the version the run continues from before anyone samples from it.
+            self.router.load_weights(run.weights_path, run.weight_version)
+        except Exception:
+            # A failed start holds nothing: on a GPU the model, optimizer and reference would stay pinned.
+            release_policy(self.ranks, run_id)
+            raise
         return run
 
     def _resume(self, run: ActiveRun, record: RunRecord) -> None:
@@ -299,6 +342,13 @@ class TrainerCore:
             meta = self.ranks.call("checkpoint_load", str(path))
         except FileNotFoundError as exc:
             raise Conflict(f"run {run.run_id} cannot be resumed: {exc}") from exc
+        except CheckpointFailed as exc:
+            if exc.storage:
+                raise Unavailable(f"run {run.run_id} cannot be resumed now: {exc}") from exc
+            raise Conflict(
+                f"run {run.run_id} cannot be resumed with model.path {run.spec.model.path}: its checkpoint does "
+                f"not fit that model (the run was trained from another one): {exc}"
+            ) from exc
         if meta.step != record.step:
             raise Conflict(
                 f"run {run.run_id}: the checkpoint at {path} is of step {meta.step} but the run's record says "
@@ -320,3 +370,7 @@ class TrainerCore:
             meta.last_entry_id or "-",
             extra={"run_id": run.run_id},
         )
+
+
+def _starting_status(run_id: str) -> TrainerStatus:
+    return TrainerStatus(run_id=run_id, state=TrainerState.TRAINER_STATE_STARTING)

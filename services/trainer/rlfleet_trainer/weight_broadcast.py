@@ -175,8 +175,14 @@ class WeightBroadcaster:
             self._post_best_effort("/continue_generation")
 
     def register_disk_copy(self, model_path: str, version: int) -> None:
-        """Tells the router where engines that rejoin load `version` (which arrived over the group) from."""
-        self._post("/weight_version/disk_copy", {"model_path": model_path, "weight_version": str(version)})
+        """Tells the router where engines that rejoin load `version` (which arrived over the group) from;
+        retried like a load from disk, within the same bound (the version is served already: a router
+        restarting for a moment must not fail the run)."""
+        self._router.post(
+            "/weight_version/disk_copy",
+            {"model_path": model_path, "weight_version": str(version)},
+            f"register the disk copy of weight version {version} at {model_path}",
+        )
 
     def close(self) -> None:
         """Closes the group on the engines (best effort) and here."""

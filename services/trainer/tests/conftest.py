@@ -1,4 +1,4 @@
-"""A recording stand-in for the router's weight endpoint, served over real HTTP in a thread, and a
+"""A recording stand-in for the router's weight endpoints, served over real HTTP in a thread, and a
 TrainerCore on it."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import redis
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from rlfleet.processes import free_port
 from rlfleet_trainer.config import TrainerSettings
@@ -27,7 +27,11 @@ from rlfleet_trainer.trainer_core import TrainerCore
 class FakeRouter:
     url: str
     loads: list[dict] = field(default_factory=list)
+    disk_copies: list[dict] = field(default_factory=list)
     fail_next: int = 0
+    """How many of the next weight calls (loads and disk copies alike) answer 503."""
+    page_status: int | None = None
+    """Answer loads with an HTML page of this HTTP status instead, as a proxy or a wrong URL would."""
     delay_s: float = 0.0
     """How long each load takes (a slow fleet): the step, or the StartRun, that asked waits that long."""
     loading: threading.Event = field(default_factory=threading.Event)
@@ -41,14 +45,24 @@ def fake_router() -> Iterator[FakeRouter]:
     app = FastAPI()
 
     @app.post("/update_weights_from_disk")
-    async def load(request: Request) -> JSONResponse:
+    async def load(request: Request) -> Response:
         router.loading.set()
         await asyncio.sleep(router.delay_s)
+        if router.page_status is not None:
+            return HTMLResponse("<html><body>nginx</body></html>", status_code=router.page_status)
         if router.fail_next > 0:
             router.fail_next -= 1
             return JSONResponse({"success": False, "message": "engine down"}, status_code=503)
         router.loads.append(await request.json())
         return JSONResponse({"success": True, "message": "ok"})
+
+    @app.post("/weight_version/disk_copy")
+    async def disk_copy(request: Request) -> JSONResponse:
+        if router.fail_next > 0:
+            router.fail_next -= 1
+            return JSONResponse({"error": "router restarting"}, status_code=503)
+        router.disk_copies.append(await request.json())
+        return JSONResponse({"weight_version": router.disk_copies[-1]["weight_version"]})
 
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import errno
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemWriter
 from transformers import AutoModelForCausalLM
 
+from rlfleet.tiny_model import TinyModelConfig, create_tiny_model
+from rlfleet_trainer.__main__ import main
 from rlfleet_trainer.checkpoint import (
+    CheckpointFailed,
     CheckpointMeta,
     TrainingState,
     checkpoint_steps,
@@ -95,6 +101,30 @@ def test_load_names_a_missing_checkpoint(small_model_dir: Path, tmp_path: Path) 
         load_checkpoint(tmp_path / "step_9", fresh_state(small_model_dir))
 
 
+def test_dcp_failures_arrive_as_ordinary_exceptions_naming_the_cause(
+    small_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DCP wraps every failure in its CheckpointException, a BaseException that `except Exception` (the
+    training thread, the rank protocol, the gRPC layer) lets through."""
+    parts = fresh_state(small_model_dir)
+    saved = save_checkpoint(tmp_path / "checkpoints", parts, CheckpointMeta(step=1, weight_version=1))
+
+    def disk_full(*args: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(FileSystemWriter, "write_data", disk_full)
+        with pytest.raises(CheckpointFailed, match="No space left on device") as full:
+            save_checkpoint(tmp_path / "checkpoints", parts, CheckpointMeta(step=2, weight_version=2))
+    assert full.value.storage
+    assert checkpoint_steps(tmp_path / "checkpoints") == [1]  # no partial step_2
+
+    create_tiny_model(tmp_path / "narrower", TinyModelConfig(hidden_size=32, layers=2, heads=4, kv_heads=2))
+    with pytest.raises(CheckpointFailed, match="Size mismatch") as mismatch:
+        load_checkpoint(saved, fresh_state(tmp_path / "narrower"))
+    assert not mismatch.value.storage
+
+
 def test_prune_keeps_the_latest_up_to_the_recorded_one(tmp_path: Path) -> None:
     for step in (2, 4, 6, 8, 10):
         (tmp_path / f"step_{step}").mkdir()
@@ -149,4 +179,12 @@ def test_export_command(small_model_dir: Path, tmp_path: Path) -> None:
         torch.testing.assert_close(exported.state_dict()[name], tensor, rtol=0, atol=0)
 
     again = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert again.returncode == 2 and "is not empty" in again.stderr
+    assert again.returncode == 2 and "is not an empty directory" in again.stderr
+
+
+def test_export_refuses_an_out_that_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    taken = tmp_path / "model.safetensors"
+    taken.write_text("")
+    args = ["export", "--checkpoint", str(tmp_path), "--base-model", str(tmp_path), "--out", str(taken)]
+    assert main(args) == 2
+    assert f"{taken} is not an empty directory; choose another --out" in capsys.readouterr().err

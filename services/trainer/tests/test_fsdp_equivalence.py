@@ -79,5 +79,6 @@ def test_followers_run_ops_in_order_and_stop(tmp_path: Path) -> None:
     assert seen["record"] == [0, "a"] and seen["summed"] == 3.0  # rank 0's result, after a collective
     assert seen["follower_failure"] == "op 'fail_on' failed on rank 1: ValueError: rank 1 was asked to fail"
     assert seen["own_failure"] == "rank 0 was asked to fail"
+    assert "rank 1: OSError: [Errno 28] No space left on device" in seen["checkpoint_failure"]
     assert seen["after_idle"] == [0, "b"]  # idle longer than the timeout: the heartbeat kept rank 1 waiting
     assert seen["failures_metric"] == 2.0

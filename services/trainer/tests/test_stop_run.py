@@ -87,6 +87,32 @@ def test_a_stop_mid_step_answers_before_the_callers_deadline_and_the_run_stops_a
     assert core.start_run("next", spec_for(small_model_dir, steps=1, groups_per_step=1)).state == TRAINING
 
 
+def test_a_checkpoint_mid_step_answers_before_the_callers_deadline_and_is_taken_after_the_step(
+    core: TrainerCore, small_model_dir: Path, redis_client: redis.Redis, redis_prefix: str, fake_router: Any
+) -> None:
+    """Checkpoint calls whose callers left must not keep handler threads for checkpoint_timeout_s: a few of
+    them would take every worker asyncio.to_thread has, and a StopRun could not answer."""
+    core.start_run("c", spec_for(small_model_dir, steps=5, groups_per_step=1))
+    fake_router.loading.clear()
+    fake_router.delay_s = 3.0  # the step's weight load outlasts the Checkpoint's deadline
+    SampleStream(redis_client, "c", prefix=redis_prefix).append(rollout_group(load_policy(small_model_dir), "c", 0, 0))
+    assert fake_router.loading.wait(30), "the step did not reach its weight load"
+    port, done = serve_grpc(core)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = trainer_pb2_grpc.TrainerStub(channel)
+            asked = time.monotonic()
+            with pytest.raises(grpc.RpcError) as early:
+                stub.Checkpoint(CheckpointRequest(run_id="c"), timeout=2)
+            assert early.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "ask again" in (early.value.details() or ""), early.value.details()  # the trainer's own answer
+            assert time.monotonic() - asked < 2
+    finally:
+        done.set()
+    wait_for(lambda: core.status("c").checkpoint_step == 1, timeout=30)  # the request stood
+    fake_router.delay_s = 0.0
+
+
 def test_a_stop_during_start_run_ends_the_run_once_it_is_loaded(
     core: TrainerCore, small_model_dir: Path, fake_router: Any
 ) -> None:

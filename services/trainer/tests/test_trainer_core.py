@@ -3,17 +3,22 @@ its gRPC servicer."""
 
 from __future__ import annotations
 
+import errno
 import sys
 import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 import torch
 from prometheus_client import generate_latest
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from rlfleet.errors import Conflict, InvalidInput, NotFound
+from rlfleet.errors import Conflict, InvalidInput, NotFound, Unavailable
 from rlfleet.sample_stream import SampleStream
+from rlfleet.tiny_model import TinyModelConfig, create_tiny_model
 from rlfleet.v1 import trainer_pb2, trainer_pb2_grpc
 from rlfleet.v1.trainer_pb2 import TrainerState
 from rlfleet_trainer.config import TrainerSettings
@@ -106,6 +111,75 @@ def test_router_refusal_fails_the_start(core, small_model_dir, fake_router) -> N
     core.router.timeout_s = 1.0
     with pytest.raises(Exception, match="did not load weight version 0"):
         core.start_run("r3", spec_for(small_model_dir, steps=1, groups_per_step=1))
+
+
+def test_a_failed_start_leaves_no_policy_loaded(core, small_model_dir, fake_router) -> None:
+    """On a GPU the model, its optimizer and the reference would stay pinned until the next start."""
+    fake_router.page_status = 404  # router_url names something else: not a JSON decoding error
+    with pytest.raises(Conflict, match="router_url"):
+        core.start_run("r4", spec_for(small_model_dir, steps=1, groups_per_step=1))
+    assert core.ranks.state.policy is None
+    assert core.held().state == TrainerState.TRAINER_STATE_IDLE
+
+
+def disk_full(*args: Any) -> Any:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_checkpoint_that_cannot_be_written_fails_the_run(
+    core, small_model_dir, redis_client, redis_prefix, monkeypatch
+) -> None:
+    """DCP wraps a full disk in its CheckpointException, a BaseException: the run must fail naming the
+    cause, not lose its training thread while it says it trains and holds the trainer for good."""
+    monkeypatch.setattr(FileSystemWriter, "write_data", disk_full)
+    spec = spec_for(small_model_dir, steps=3, groups_per_step=1)
+    spec.trainer.checkpoint_every = 1
+    core.start_run("full", spec)
+    SampleStream(redis_client, "full", prefix=redis_prefix).append(
+        rollout_group(load_policy(small_model_dir), "full", 0, 0)
+    )
+    wait_for(lambda: core.status("full").state != TrainerState.TRAINER_STATE_TRAINING)
+    failed = core.status("full")
+    assert failed.state == TrainerState.TRAINER_STATE_FAILED and failed.checkpoint_step == 0
+    assert "No space left on device" in failed.error, failed.error
+    assert core.reports("full", 1) == ([], True)  # WatchSteps ends
+    assert core.ranks.state.policy is None
+    monkeypatch.undo()
+    assert (
+        core.start_run("next", spec_for(small_model_dir, steps=1, groups_per_step=1)).state
+        == TrainerState.TRAINER_STATE_TRAINING
+    )
+
+
+def test_a_resume_whose_checkpoint_does_not_fit_or_cannot_be_read_is_refused_with_the_cause(
+    core, small_model_dir, redis_client, redis_prefix, monkeypatch, tmp_path
+) -> None:
+    spec = spec_for(small_model_dir, steps=1, groups_per_step=1)
+    core.start_run("o", spec)
+    SampleStream(redis_client, "o", prefix=redis_prefix).append(rollout_group(load_policy(small_model_dir), "o", 0, 0))
+    wait_for(lambda: core.status("o").state == TrainerState.TRAINER_STATE_STOPPED)
+    assert core.status("o").checkpoint_step == 1
+    other = tmp_path / "other"
+    create_tiny_model(other, TinyModelConfig(hidden_size=32, layers=2, heads=4, kv_heads=2))
+    port, done = serve_grpc(core)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = trainer_pb2_grpc.TrainerStub(channel)
+            with pytest.raises(grpc.RpcError) as mismatch:
+                stub.StartRun(trainer_pb2.StartRunRequest(run_id="o", spec=spec_for(other, 2, 1)), timeout=60)
+            assert mismatch.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert f"model.path {other}" in (mismatch.value.details() or "")
+            assert "Size mismatch" in (mismatch.value.details() or "")
+            assert core.ranks.state.policy is None and core.held().state == TrainerState.TRAINER_STATE_IDLE
+
+            monkeypatch.setattr(FileSystemReader, "read_data", lambda *args: disk_full())
+            with pytest.raises(grpc.RpcError) as unreadable:
+                stub.StartRun(trainer_pb2.StartRunRequest(run_id="o", spec=spec), timeout=60)
+            assert unreadable.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "No space left on device" in (unreadable.value.details() or "")
+            assert core.ranks.state.policy is None and core.held().state == TrainerState.TRAINER_STATE_IDLE
+    finally:
+        done.set()
 
 
 def test_checkpoint_call_commits_the_groups_and_a_stop_without_one_keeps_them_pending(
@@ -248,3 +322,60 @@ def test_start_run_asked_again_while_the_run_starts_answers_with_that_start(core
     assert fake_router.loads.count(fake_router.loads[0]) == 1  # one start, not two
     with pytest.raises(Conflict, match="busy with run slow"):
         core.start_run("other", spec)
+
+
+def test_a_starting_run_is_known_by_name(core, small_model_dir, fake_router, redis_client, redis_prefix) -> None:
+    """Status() names the run STARTING, so the calls that name it must find it too (not "StartRun resumes it")."""
+    fake_router.delay_s = 4.0  # StartRun makes the fleet serve version 0 first
+    spec = spec_for(small_model_dir, steps=1, groups_per_step=1)
+    starting = threading.Thread(target=lambda: core.start_run("s", spec))
+    starting.start()
+    port, done = serve_grpc(core)
+    watched: list[int] = []
+    try:
+        assert fake_router.loading.wait(30), "StartRun did not reach its weight load"
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = trainer_pb2_grpc.TrainerStub(channel)
+            status = stub.Status(trainer_pb2.StatusRequest(run_id="s"), timeout=10)
+            assert (status.run_id, status.state) == ("s", TrainerState.TRAINER_STATE_STARTING)
+            with pytest.raises(grpc.RpcError) as checkpoint:
+                stub.Checkpoint(trainer_pb2.CheckpointRequest(run_id="s"), timeout=10)
+            assert checkpoint.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "starting" in (checkpoint.value.details() or "")
+            asked = time.monotonic()
+            with pytest.raises(grpc.RpcError) as again:  # the join waits for the start within the caller's deadline
+                stub.StartRun(trainer_pb2.StartRunRequest(run_id="s", spec=spec), timeout=2)
+            assert again.value.code() == grpc.StatusCode.UNAVAILABLE and "ask again" in (again.value.details() or "")
+            assert time.monotonic() - asked < 2
+            stream = stub.WatchSteps(trainer_pb2.WatchStepsRequest(run_id="s"), timeout=60)
+            watcher = threading.Thread(target=lambda: watched.extend(report.step for report in stream))
+            watcher.start()
+            starting.join(timeout=30)
+            assert core.status("s").state == TrainerState.TRAINER_STATE_TRAINING
+            stream_of_s = SampleStream(redis_client, "s", prefix=redis_prefix)
+            stream_of_s.append(rollout_group(load_policy(small_model_dir), "s", 0, 0))
+            watcher.join(timeout=30)
+            assert not watcher.is_alive() and watched == [1]  # its step, then the end of the run
+    finally:
+        done.set()
+        starting.join(timeout=30)
+
+
+def test_shutdown_during_a_start_stops_the_run_before_it_trains(core, small_model_dir, fake_router) -> None:
+    """SIGTERM while StartRun loads: no training thread may outlive the shutdown (the ranks stop after it)."""
+    fake_router.delay_s = 1.5
+    answers: list[trainer_pb2.TrainerStatus] = []
+    spec = spec_for(small_model_dir, steps=3, groups_per_step=1)
+    starting = threading.Thread(target=lambda: answers.append(core.start_run("q", spec)))
+    starting.start()
+    try:
+        assert fake_router.loading.wait(30), "StartRun did not reach its weight load"
+        core.shutdown(timeout_s=30)
+        # Once shutdown returns, the start has ended without training.
+        assert core.status("q").state == TrainerState.TRAINER_STATE_STOPPED and core.ranks.state.policy is None
+        assert not [t for t in threading.enumerate() if t.name == "train-q"]
+    finally:
+        starting.join(timeout=30)
+    assert [a.state for a in answers] == [TrainerState.TRAINER_STATE_STOPPED]
+    with pytest.raises(Unavailable, match="shutting down"):
+        core.start_run("r", spec)

@@ -82,6 +82,17 @@ def test_a_failed_broadcast_brings_the_version_by_disk(fake_router: Any, small_m
     assert (path / "config.json").exists() and broadcaster.closed == 1
 
 
+def test_registering_the_disk_copy_is_retried_like_a_load(fake_router: Any) -> None:
+    """The version arrived over the group already: a router restarting for a moment must not fail the run."""
+    fake_router.fail_next = 2
+    WeightBroadcaster(RouterClient(fake_router.url, 10.0), "127.0.0.1", "gloo", 1.0, 1.0).register_disk_copy("/w/v2", 2)
+    assert fake_router.disk_copies == [{"model_path": "/w/v2", "weight_version": "2"}]
+    fake_router.fail_next = 100
+    broadcaster = WeightBroadcaster(RouterClient(fake_router.url, 1.0), "127.0.0.1", "gloo", 1.0, 1.0)
+    with pytest.raises(Unavailable, match="did not register the disk copy of weight version 3 .*HTTP 503"):
+        broadcaster.register_disk_copy("/w/v3", 3)  # within the router client's bound
+
+
 @pytest.mark.parametrize("abort", [False, True])
 def test_only_a_versions_first_bucket_asks_engines_to_abort(abort: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     broadcaster = WeightBroadcaster(
