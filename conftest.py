@@ -88,7 +88,10 @@ def fleet_factory(tmp_path_factory: pytest.TempPathFactory) -> FleetFactory:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory, small_model_dir: Path) -> Iterator[LocalFleet]:
-    """One real fleet of two engines per test module."""
-    with running_fleet(tmp_path_factory, small_model_dir) as running:
+def fleet(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, small_model_dir: Path
+) -> Iterator[LocalFleet]:
+    """One real fleet of two engines per test module; a module's FLEET_ENV adds to its services' environment."""
+    env = getattr(request.module, "FLEET_ENV", {})
+    with running_fleet(tmp_path_factory, small_model_dir, env=env) as running:
         yield running

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import random
 import shutil
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
 from pathlib import Path
 
 import grpc
@@ -29,18 +27,8 @@ from rlfleet_rollout.calculator import calculator
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 STEPS, GROUPS_PER_STEP, GROUP_SIZE = 2, 2, 4
-
-
-@pytest.fixture(scope="module")
-def fleet(
-    fleet_factory: Callable[..., AbstractContextManager[LocalFleet]], small_model_dir: Path
-) -> Iterator[LocalFleet]:
-    """This module's fleet keeps trained groups on the stream (a checkpoint trims them by default): the tests
-    read them back."""
-    with fleet_factory(small_model_dir, env={"RLFLEET_TRAINER_KEEP_TRAINED_GROUPS": "true"}) as running:
-        yield running
-
-
+# A checkpoint trims the groups it trained from the stream; these tests read them back.
+FLEET_ENV = {"RLFLEET_TRAINER_KEEP_TRAINED_GROUPS": "true"}
 VOCAB = vocabulary()
 EOS_ID = VOCAB[EOS]
 CHARS = {i: tok for tok, i in VOCAB.items()}

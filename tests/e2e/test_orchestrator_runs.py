@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
 from pathlib import Path
 
 import grpc
@@ -26,16 +24,8 @@ from rlfleet.v1.samples_pb2 import SampleGroup
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 GROUPS_PER_STEP = 2
-
-
-@pytest.fixture(scope="module")
-def fleet(
-    fleet_factory: Callable[..., AbstractContextManager[LocalFleet]], small_model_dir: Path
-) -> Iterator[LocalFleet]:
-    """This module's fleet keeps trained groups on the stream (a checkpoint trims them by default): the tests
-    read them back."""
-    with fleet_factory(small_model_dir, env={"RLFLEET_TRAINER_KEEP_TRAINED_GROUPS": "true"}) as running:
-        yield running
+# A checkpoint trims the groups it trained from the stream; these tests read them back.
+FLEET_ENV = {"RLFLEET_TRAINER_KEEP_TRAINED_GROUPS": "true"}
 
 
 @pytest.fixture(scope="module")

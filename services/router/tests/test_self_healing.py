@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -10,7 +11,7 @@ from rlfleet_router import metrics as router_metrics
 from rlfleet_router.metrics import RouterMetrics
 from rlfleet_router.policies import LeastLoad
 from rlfleet_router.self_healing import Healer
-from rlfleet_router.workers import WorkerRegistry
+from rlfleet_router.workers import Worker, WorkerRegistry
 
 
 class FlakyRestarter:
@@ -34,12 +35,8 @@ class FlakyRestarter:
         pass
 
 
-def test_an_unexpected_restart_error_is_retried_after_the_backoff() -> None:
-    workers = WorkerRegistry(failure_threshold=1, success_threshold=1)
-    worker, _ = workers.add("http://127.0.0.1:9")
-    workers.admit(worker)
-    restarter = FlakyRestarter(workers)
-    metrics = RouterMetrics(workers, lambda: None)
+def fail_and_heal(workers: WorkerRegistry, worker: Worker, restarter: Any, metrics: RouterMetrics) -> None:
+    """Fails `worker` once and lets a healer with `restarter` bring it back into routing (within 5 s)."""
     healer = Healer(restarter, workers, LeastLoad(), metrics, 5.0, initial_backoff_secs=0.01, max_backoff_secs=0.05)
 
     async def scenario() -> None:
@@ -51,6 +48,15 @@ def test_an_unexpected_restart_error_is_retried_after_the_backoff() -> None:
         await healer.stop()
 
     asyncio.run(scenario())
+
+
+def test_an_unexpected_restart_error_is_retried_after_the_backoff() -> None:
+    workers = WorkerRegistry(failure_threshold=1, success_threshold=1)
+    worker, _ = workers.add("http://127.0.0.1:9")
+    workers.admit(worker)
+    restarter = FlakyRestarter(workers)
+    metrics = RouterMetrics(workers, lambda: None)
+    fail_and_heal(workers, worker, restarter, metrics)
     assert restarter.calls == 2
     assert not worker.restarting and worker.restarts == 2
     failures = metrics.restarts.labels(engine=worker.url, result="failure")._value.get()
@@ -140,19 +146,7 @@ def test_an_engine_that_moved_keeps_its_former_series_only_until_they_can_be_scr
     metrics = RouterMetrics(workers, lambda: None)
     metrics.add_engine(worker.url)
     workers.admit(worker)
-    healer = Healer(
-        MovingRestarter(workers), workers, LeastLoad(), metrics, 5.0, initial_backoff_secs=0.01, max_backoff_secs=0.05
-    )
-
-    async def scenario() -> None:
-        workers.on_failed = healer.on_failed
-        workers.record_failure(worker, "connection refused")
-        async with asyncio.timeout(5):
-            while not worker.healthy:
-                await asyncio.sleep(0.01)
-        await healer.stop()
-
-    asyncio.run(scenario())
+    fail_and_heal(workers, worker, MovingRestarter(workers), metrics)
     assert worker.url == "http://127.0.0.1:10"
     old = 'rlfleet_router_engine_restarts_total{engine="http://127.0.0.1:9",result="success"} 1.0'
     new = 'rlfleet_router_engine_restarts_total{engine="http://127.0.0.1:10",result="success"} 0.0'

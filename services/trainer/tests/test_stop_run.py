@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,25 +57,37 @@ def test_status_without_a_run_id_names_the_run_the_trainer_is_busy_with(
         done.set()
 
 
+def in_weight_load(core: TrainerCore, model_dir: Path, stream: SampleStream, fake_router: Any) -> None:
+    """Starts run `stream.run_id` and gives it a group: its first step then waits in a 3 s weight load, longer
+    than the 2 s deadlines the tests call with."""
+    run_id = stream.run_id
+    core.start_run(run_id, spec_for(model_dir, steps=5, groups_per_step=1))
+    fake_router.loading.clear()
+    fake_router.delay_s = 3.0
+    stream.append(rollout_group(load_policy(model_dir), run_id, 0, 0))
+    assert fake_router.loading.wait(30), "the step did not reach its weight load"
+
+
+def answers_ask_again_in_time(call: Callable[[], object]) -> None:
+    """`call` (2 s deadline) gets the trainer's own 'ask again' before its deadline: no handler thread waits on
+    for a caller that left."""
+    asked = time.monotonic()
+    with pytest.raises(grpc.RpcError) as early:
+        call()
+    assert early.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "ask again" in (early.value.details() or ""), early.value.details()
+    assert time.monotonic() - asked < 2
+
+
 def test_a_stop_mid_step_answers_before_the_callers_deadline_and_the_run_stops_after_the_step(
     core: TrainerCore, small_model_dir: Path, redis_client: redis.Redis, redis_prefix: str, fake_router: Any
 ) -> None:
-    core.start_run("s", spec_for(small_model_dir, steps=5, groups_per_step=1))
-    fake_router.loading.clear()
-    fake_router.delay_s = 3.0  # the step's weight load outlasts the first StopRun's deadline
-    SampleStream(redis_client, "s", prefix=redis_prefix).append(rollout_group(load_policy(small_model_dir), "s", 0, 0))
-    assert fake_router.loading.wait(30), "the step did not reach its weight load"
+    in_weight_load(core, small_model_dir, SampleStream(redis_client, "s", prefix=redis_prefix), fake_router)
     port, done = serve_grpc(core)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = trainer_pb2_grpc.TrainerStub(channel)
-            asked = time.monotonic()
-            with pytest.raises(grpc.RpcError) as early:
-                stub.StopRun(StopRunRequest(run_id="s"), timeout=2)
-            # The trainer's own answer, before the deadline: no handler thread waits on for a caller that left.
-            assert early.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert "ask again" in (early.value.details() or ""), early.value.details()
-            assert time.monotonic() - asked < 2
+            answers_ask_again_in_time(lambda: stub.StopRun(StopRunRequest(run_id="s"), timeout=2))
             stopped = stub.StopRun(StopRunRequest(run_id="s"), timeout=30)
             assert (stopped.state, stopped.step, stopped.groups_trained) == (STOPPED, 1, 1)  # the step was finished
             assert stub.StopRun(StopRunRequest(run_id="s"), timeout=10) == stopped  # asking again is harmless
@@ -92,21 +105,12 @@ def test_a_checkpoint_mid_step_answers_before_the_callers_deadline_and_is_taken_
 ) -> None:
     """Checkpoint calls whose callers left must not keep handler threads for checkpoint_timeout_s: a few of
     them would take every worker asyncio.to_thread has, and a StopRun could not answer."""
-    core.start_run("c", spec_for(small_model_dir, steps=5, groups_per_step=1))
-    fake_router.loading.clear()
-    fake_router.delay_s = 3.0  # the step's weight load outlasts the Checkpoint's deadline
-    SampleStream(redis_client, "c", prefix=redis_prefix).append(rollout_group(load_policy(small_model_dir), "c", 0, 0))
-    assert fake_router.loading.wait(30), "the step did not reach its weight load"
+    in_weight_load(core, small_model_dir, SampleStream(redis_client, "c", prefix=redis_prefix), fake_router)
     port, done = serve_grpc(core)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = trainer_pb2_grpc.TrainerStub(channel)
-            asked = time.monotonic()
-            with pytest.raises(grpc.RpcError) as early:
-                stub.Checkpoint(CheckpointRequest(run_id="c"), timeout=2)
-            assert early.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert "ask again" in (early.value.details() or ""), early.value.details()  # the trainer's own answer
-            assert time.monotonic() - asked < 2
+            answers_ask_again_in_time(lambda: stub.Checkpoint(CheckpointRequest(run_id="c"), timeout=2))
     finally:
         done.set()
     wait_for(lambda: core.status("c").checkpoint_step == 1, timeout=30)  # the request stood
