@@ -50,15 +50,15 @@ def collect_groups(
     while len(entries) < needed and not run.stop.is_set():
         if run.checkpoint_wanted:
             checkpoints.commit(run, run.step, run.groups_trained)
-        claimed = stream.claim_stale(settings.consumer, settings.claim_idle_ms, needed - len(entries))
-        if claimed:
-            entries += claimed
-        elif stream.pending_elsewhere(settings.consumer):
-            # Another consumer (this trainer under an earlier name) holds older groups: new ones wait until
-            # those can be claimed, or they would be trained first, in other steps than before the restart.
-            run.stop.wait(settings.read_block_ms / 1000)
-        else:
+        if not stream.pending_elsewhere(settings.consumer):  # the usual case: one round trip, then read
             entries += stream.read(settings.consumer, needed - len(entries), block_ms=settings.read_block_ms)
+            continue
+        # Another consumer (a dead one, or this trainer under an earlier name) holds older groups: new ones wait
+        # until those can be claimed, or they would be trained first, in other steps than before the restart.
+        claimed = stream.claim_stale(settings.consumer, settings.claim_idle_ms, needed - len(entries))
+        entries += claimed
+        if not claimed:
+            run.stop.wait(settings.read_block_ms / 1000)
     entries = _with_undelivered_replies(stream, settings.consumer, run.cursor, entries, needed)
     # Every entry taken is now pending on this consumer; the next step reads its pending ones after
     # them. (When own pending ones ran short, all of them were taken, and new ones come after all.)
