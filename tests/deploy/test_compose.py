@@ -1,8 +1,10 @@
-"""deploy/compose: valid against the Compose Specification, every reference resolves, and every
-service's variables, ports and health checks are the ones the services really read and serve."""
+"""deploy/compose: valid against the Compose Specification, every reference resolves, every service's
+variables, ports and health checks are the ones the services really read and serve, and long-running services
+restart, get the shutdown time they need and reap their children."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import subprocess
@@ -24,7 +26,11 @@ RLFLEET_SERVICES = {
     "trainer-gpu": "trainer",
     "rollout": "rollout",
 }
+# Services that do their work and exit: they must not be restarted.
+ONE_SHOT = {"api-token", "model-init", "demo"}
 HEALTH_URL = re.compile(r"http://127\.0\.0\.1:(\d+)(/[\w/]*)")
+# ${NAME:-default}, as Compose interpolates it.
+VARIABLE = re.compile(r"\$\{(\w+):-([^}]*)\}")
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +43,21 @@ def compose(compose_dir: Path) -> dict[str, Any]:
     return yaml.safe_load((compose_dir / "docker-compose.yml").read_text())
 
 
-def env_of(service: dict[str, Any]) -> dict[str, str]:
-    return {key: str(value) for key, value in (service.get("environment") or {}).items()}
+def env_of(service: dict[str, Any], shell: dict[str, str] | None = None) -> dict[str, str]:
+    """The service's variables as Compose sets them, ${NAME:-default} taken from `shell` (none set by default)."""
+    shell = shell or {}
+    return {
+        key: VARIABLE.sub(lambda m: shell.get(m.group(1)) or m.group(2), str(value))
+        for key, value in (service.get("environment") or {}).items()
+    }
+
+
+def seconds(duration: str) -> float:
+    """A Compose duration such as 1m30s or 300s."""
+    parts = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", duration)
+    assert parts and duration, f"not a duration: {duration!r}"
+    hours, minutes, secs = (int(part or 0) for part in parts.groups())
+    return hours * 3600 + minutes * 60 + secs
 
 
 def settings_from(cls: type[BaseSettings], env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> BaseSettings:
@@ -155,6 +174,79 @@ def test_gpu_engines_serve_where_the_router_looks(compose: dict[str, Any]) -> No
         assert gpu["networks"]["default"]["aliases"] == [alias]
         assert health_port_and_path(gpu) == (cpu_port, "/health")
         assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+
+
+def test_the_router_follows_no_prefix_cache_the_cpu_engines_do_not_keep(
+    compose: dict[str, Any], compose_dir: Path, repo: Path
+) -> None:
+    """As the chart and `rlfleet up`: least_load in front of the CPU engines (the default profile), which keep no
+    prefix cache; the gpu profile's documented command line exports cache_aware, which follows SGLang's."""
+    router = compose["services"]["router"]
+    assert env_of(router)["RLFLEET_ROUTER_POLICY"] == "least_load"
+    assert env_of(router, {"RLFLEET_ROUTER_POLICY": "cache_aware"})["RLFLEET_ROUTER_POLICY"] == "cache_aware"
+    gpu_up = "COMPOSE_PROFILES=gpu RLFLEET_ROUTER_POLICY=cache_aware docker compose up"
+    for doc in (compose_dir / "docker-compose.yml", repo / "deploy" / "README.md"):
+        assert gpu_up in doc.read_text(), f"{doc} does not show how to start the gpu profile"
+
+
+def test_long_running_services_restart_and_one_shot_services_do_not(compose: dict[str, Any]) -> None:
+    for name, service in compose["services"].items():
+        if name in ONE_SHOT:
+            assert service.get("restart", "no") == "no", name
+        else:
+            assert service.get("restart") == "unless-stopped", name
+
+
+def test_services_that_start_subprocesses_reap_them(compose: dict[str, Any]) -> None:
+    """PID 1 inherits every orphaned process: the reward hub's killed scorer workers leave sandboxed children,
+    torchrun's ranks and the engines start processes of their own."""
+    for name in ("reward", "trainer", "trainer-gpu", "engine-0", "engine-1", "engine-gpu-0", "engine-gpu-1"):
+        assert compose["services"][name].get("init") is True, name
+
+
+def torchrun_shutdown_timeout(repo: Path) -> int:
+    """The trainer image's torchrun --shutdown-timeout, as torchrun's own parser reads its ENTRYPOINT."""
+    dockerfile = pytest.importorskip("dockerfile", reason="needs the dockerfile package (the dev extra)")
+    from torch.distributed.run import get_args_parser
+
+    parsed = list(dockerfile.parse_file(str(repo / "services" / "trainer" / "Dockerfile")))
+    [entrypoint] = [list(ins.value) for ins in parsed if ins.cmd == "ENTRYPOINT"]
+    [command] = [list(ins.value) for ins in parsed if ins.cmd == "CMD"]
+    args = get_args_parser().parse_args(entrypoint[entrypoint.index("torchrun") + 1 :] + command)
+    assert args.shutdown_timeout is not None, "torchrun would SIGKILL the ranks after its default 30 s"
+    return int(args.shutdown_timeout)
+
+
+def test_services_get_the_time_their_shutdown_takes(compose: dict[str, Any], repo: Path) -> None:
+    """Docker kills a container 10 s after SIGTERM unless told otherwise."""
+    from rlfleet_reward.config import RewardSettings
+    from rlfleet_rollout.config import RolloutConfig
+    from rlfleet_trainer.trainer_core import TrainerCore
+
+    services = compose["services"]
+
+    def grace(name: str) -> float:
+        return seconds(services[name].get("stop_grace_period", "10s"))
+
+    # The trainer: gRPC stops (5 s), then its runs stop and checkpoint; torchrun gives its ranks that long.
+    core_shutdown_s = inspect.signature(TrainerCore.shutdown).parameters["timeout_s"].default
+    torchrun_s = torchrun_shutdown_timeout(repo)
+    assert 5 + core_shutdown_s < torchrun_s
+    for name in ("trainer", "trainer-gpu"):
+        assert grace(name) >= torchrun_s + 10, name
+    rollout = RolloutConfig.model_fields
+    trainer_call, drain = rollout["trainer_call_timeout_s"].default, rollout["shutdown_grace_s"].default
+    assert grace("rollout") > trainer_call + 3 * drain + 5
+    assert grace("reward") > RewardSettings.model_fields["shutdown_grace_seconds"].default + 5
+    assert grace("router") > 5  # its HTTP server's graceful shutdown
+
+
+def test_the_gpu_trainer_has_room_in_dev_shm(compose: dict[str, Any]) -> None:
+    """NCCL passes data through /dev/shm, 64 MB in a container unless shm_size says more."""
+    size = re.fullmatch(r"(\d+)([kmg]?)b?", str(compose["services"]["trainer-gpu"].get("shm_size", "64m")).lower())
+    assert size, "shm_size is not a byte size"
+    scale = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}[size.group(2)]
+    assert int(size.group(1)) * scale >= 2**30
 
 
 def test_prometheus_scrapes_every_service_where_it_listens(compose: dict[str, Any], compose_dir: Path) -> None:

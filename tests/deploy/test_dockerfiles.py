@@ -1,5 +1,6 @@
 """services/<svc>/Dockerfile, parsed with Docker's own parser (building needs a Docker engine): multi-stage,
-pinned bases, a non-root user, no torch in the slim images, and an entrypoint module that starts."""
+pinned bases, a non-root user, no torch in the slim images, an entrypoint module that starts, and an init
+process as PID 1 where the service starts subprocesses."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ SLIM = ["reward", "rollout", "router"]
 # A tag with a full X.Y.Z version (and optionally a variant), or a digest: never "latest" or a floating major.
 PINNED = re.compile(r"^[\w./-]+(:\d+\.\d+\.\d+[\w.-]*)?(@sha256:[0-9a-f]{64})?$")
 HEAVY = {"torch", "transformers", "nvidia-cuda-runtime-cu12", "triton"}
+# Services whose processes start others that can outlive them: the reward hub's scorer workers (their
+# sandboxed children), torchrun's ranks. PID 1 inherits the orphans and must reap them.
+SPAWNING = ["reward", "trainer"]
 
 
 def instructions(svc: str) -> list:
@@ -110,3 +114,15 @@ def test_entrypoint_module_exists_and_starts(svc: str) -> None:
 def test_build_context_leaves_out_the_local_environment() -> None:
     ignored = (REPO / ".dockerignore").read_text().split()
     assert {"**/.venv", "**/.git", ".rlfleet"} <= set(ignored)
+
+
+@pytest.mark.parametrize("svc", SPAWNING)
+def test_services_that_start_subprocesses_run_under_tini(svc: str) -> None:
+    stage = final_stage(svc)
+    [entrypoint] = [list(ins.value) for ins in stage if ins.cmd == "ENTRYPOINT"]
+    # -s: tini reaps as a subreaper also when it is not PID 1 (compose's `init: true` puts docker-init there).
+    assert entrypoint[:3] == ["tini", "-s", "--"], entrypoint
+    installs = [ins.value[0] for ins in stage if ins.cmd == "RUN" and "apt-get install" in ins.value[0]]
+    assert any(re.search(r"\btini\b", run) for run in installs), "the runtime stage does not install tini"
+    # apt's lists stay out of the image.
+    assert all("rm -rf /var/lib/apt/lists/*" in run for run in installs)
