@@ -27,6 +27,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-timeout-seconds", "largest limit a spec may ask for (default 300)"),
     Flag("--max-batch-size", "most items per request (default 4096)"),
     Flag("--max-concurrent-io-calls", "remote/judge calls in flight at once (default 64)"),
+    Flag("--max-pending-jobs", "most (item, term) jobs held at once; more is refused with 429 (default 16384)"),
     Flag("--max-request-bytes", "largest request body or message (default 64 MiB)"),
     Flag("--shutdown-grace-seconds", "time in-flight requests get on SIGTERM (default 10)"),
     Flag("--log-level", "root log level (default INFO)"),
@@ -78,6 +79,7 @@ async def serve(settings: RewardSettings, registry: Registry) -> None:
         settings.max_timeout_seconds,
         settings.max_batch_size,
         settings.max_concurrent_io_calls,
+        settings.max_pending_jobs,
     )
     scorer = Scorer(registry, pool, limits, metrics)
     # Both ports are bound before any worker starts, so a taken port fails fast with nothing to undo.

@@ -1,9 +1,11 @@
 """`boxed`: the response's last `\\boxed{...}` answer compared with the label, after light LaTeX normalization.
 
 Braces are matched, so `\\boxed{\\frac{1}{2}}` yields `\\frac{1}{2}`. The label may be boxed itself or
-plain. Normalization drops `$`, spacing commands (`\\!`, `\\,`, `\\;`, `\\ `), `\\left`/`\\right`,
-`^\\circ`, `\\text{...}` wrappers, whitespace and a trailing period, and reads `\\dfrac`/`\\tfrac` as
-`\\frac`; it is string equality after that, not symbolic equivalence (that is the `math` function).
+plain. Normalization drops `$` and `\\$`, spacing commands (`\\!`, `\\,`, `\\;`, `\\ `), `\\left`/`\\right`,
+`^\\circ`, `\\text{...}` wrappers, thousands separators (`1,000`, `1{,}000`: a comma between digits and
+followed by exactly three, so the lists `1,2` and `2, 345` keep theirs), whitespace and a trailing period, and
+reads `\\dfrac`/`\\tfrac` as `\\frac`; it is string equality after that, not symbolic equivalence (that is
+the `math` function).
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ from typing import Any
 from rlfleet_reward.reward_function import RewardFunction, RewardInput, Scored
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
-_DROPPED = re.compile(r"\\[!,;: ]|\\left|\\right|\^\{?\\circ\}?|\s+|\$")
+_DROPPED = re.compile(r"\\[!,;: $]|\\left|\\right|\^\{?\\circ\}?|\$")
+# Before whitespace is dropped, so that the list `2, 345` does not read as 2345.
+_THOUSANDS = re.compile(r"(?<=\d)(?:,|\{,\})(?=\d{3}(?!\d))")
+_SPACE = re.compile(r"\s+")
 _BRACE = re.compile(r"[{}]")
 _TOKEN = re.compile(r"[^\s$]+")  # `\boxed 7`: up to a space or the closing `$`
 _TEXT = re.compile(r"\\(?:text|textbf|mathrm)\{([^{}]*)\}")
@@ -50,8 +55,8 @@ def _closing_braces(text: str) -> dict[int, int]:
 
 
 def normalize(answer: str) -> str:
-    answer = _TEXT.sub(r"\1", answer)
-    answer = _DROPPED.sub("", answer).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    answer = _THOUSANDS.sub("", _DROPPED.sub("", _TEXT.sub(r"\1", answer)))
+    answer = _SPACE.sub("", answer).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     return answer.rstrip(".")
 
 

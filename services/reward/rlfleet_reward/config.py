@@ -34,6 +34,12 @@ class RewardSettings(BaseSettings):
     max_concurrent_io_calls: int = Field(
         default=64, ge=1, description="Network-bound calls (remote, judge) in flight at once, across requests."
     )
+    max_pending_jobs: int = Field(
+        default=16384,
+        ge=1,
+        description="Most (item, term) jobs held at once across requests, waiting or running; a request that would "
+        "pass it is refused (HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED) unless the hub holds none.",
+    )
     max_request_bytes: int = Field(
         default=64 * 1024 * 1024, ge=1024, description="Largest request body (HTTP) or message (gRPC) accepted."
     )

@@ -7,14 +7,16 @@ import json
 from typing import TypeVar
 
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
 from google.protobuf import json_format
 from google.protobuf.message import Message
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from rlfleet.client_gone import ClientGone, unless_client_leaves
 from rlfleet.errors import InvalidInput, ResourceExhausted, RlfleetError, Unavailable
-from rlfleet.http_errors import install_error_handlers
+from rlfleet.http_errors import error_body, install_error_handlers
 from rlfleet.v1 import reward_pb2
+from rlfleet_reward.admission import RETRY_AFTER_SECONDS, Overloaded
 from rlfleet_reward.metrics import RewardMetrics
 from rlfleet_reward.scoring import Scorer
 
@@ -51,6 +53,9 @@ def parse_request(body: bytes, message: M) -> M:
         document = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidInput(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        # The decoder recurses once per level; protobuf refuses far shallower nesting anyway ("too deep").
+        raise InvalidInput("request body nests arrays or objects too deeply to read") from None
     if not isinstance(document, dict):
         raise InvalidInput(f"request body must be a JSON object (a {kind}), got {type(document).__name__}")
     try:
@@ -63,12 +68,17 @@ def create_app(scorer: Scorer, metrics: RewardMetrics, max_request_bytes: int) -
     app = FastAPI(title="rlfleet reward hub")
     install_error_handlers(app)
 
+    @app.exception_handler(Overloaded)
+    async def _overloaded(request: Request, exc: Overloaded) -> JSONResponse:
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
+        return JSONResponse(error_body(exc), status_code=exc.http_status, headers=headers)
+
     @app.post("/score")
     async def score(request: Request) -> Response:
         try:
             message = parse_request(await _read_body(request, max_request_bytes), reward_pb2.ScoreRequest())
-        except RlfleetError as exc:  # refused before scoring: counted as the scorer counts its refusals
-            metrics.requests.labels(exc.kind).inc()
+        except Exception as exc:  # refused before scoring: counted as the scorer counts its refusals
+            metrics.requests.labels(exc.kind if isinstance(exc, RlfleetError) else "internal").inc()
             raise
         try:
             scored = await unless_client_leaves(request, scorer.score(message))

@@ -5,6 +5,11 @@ The prompt is `template` with `{prompt}`, `{response}` and `{label}` replaced by
 first group is the verdict: with `verdicts` set, it is looked up there (case-insensitively),
 otherwise it is a number divided by `scale`. A judge that gives no verdict makes the item an ERROR.
 Calls are retried on connection errors and 5xx until `deadline_seconds`, within the item's time limit.
+
+The call waits on the event loop; the verdict is parsed in a worker process (`finish`), within what is
+left of the item's time limit. `verdict_pattern` is the caller's regex over the model's text, and one that
+backtracks for minutes (`(a+)+b` on a run of `a`s) would hold the event loop, where no time limit can stop
+it; in a worker it is an item TIMEOUT like any other function that runs too long.
 """
 
 from __future__ import annotations
@@ -75,7 +80,8 @@ def parse_verdict(text: str, params: Mapping[str, Any]) -> float:
     return float(verdict) / params["scale"]
 
 
-async def score_judge(sample: RewardInput, params: Mapping[str, Any]) -> float:
+async def ask_judge(sample: RewardInput, params: Mapping[str, Any]) -> RewardInput:
+    """The judge's text, as the response `score_verdict` reads."""
     body = {
         "text": render(params["template"], sample),
         "sampling_params": {"max_new_tokens": params["max_new_tokens"], "temperature": params["temperature"]},
@@ -86,11 +92,17 @@ async def score_judge(sample: RewardInput, params: Mapping[str, Any]) -> float:
     )
     if not isinstance(answer, dict) or not isinstance(answer.get("text"), str):
         raise ValueError(f"/generate answered without a text: {str(answer)[:200]}")
-    return parse_verdict(answer["text"], params)
+    return RewardInput(response=answer["text"])
+
+
+def score_verdict(sample: RewardInput, params: Mapping[str, Any]) -> float:
+    """The verdict in the judge's text, which `ask_judge` put in `response`."""
+    return parse_verdict(sample.response, params)
 
 
 JUDGE = RewardFunction(
-    fn=score_judge,
+    fn=ask_judge,
+    finish=score_verdict,
     inputs=frozenset({"prompt", "response", "label"}),
     description="an LLM judge's verdict on the response, through the router's /generate",
     params=JudgeParams,

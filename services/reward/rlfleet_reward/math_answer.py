@@ -3,7 +3,12 @@
 The label is the reference answer itself. math-verify reads a text by searching it for its answer, which
 misreads a bare expression: `2\\pi` reads as 2, `[0, 1)` as 1, and `(x+1)^2` or `\\frac12` as nothing.
 So a label without `$`, `\\(`, `\\[` or `\\boxed` is read as `\\boxed{label}`, whole (as verl does); one that
-has them, or is a sentence, is read the way a response is.
+has them, or is a sentence, is read the way a response is. An escaped `\\$` is a dollar sign, not math
+mode (`\\$1.17`), and words inside `\\text{...}` are not a sentence (`\\text{no solution}`).
+
+A response's answer is its last `\\boxed{...}`, as for `boxed`: math-verify would read every box in it as
+one set, so a response that tries 3 and then settles on 4 would match neither. A period closing the box
+(`\\boxed{12.}`: the sentence's, not the number's) is dropped. A response without a box is searched whole.
 
 math-verify bounds its own parsing and comparison with `signal.alarm`, which works only in a
 process's main thread: the hub calls reward functions in the main thread of its worker processes.
@@ -18,6 +23,7 @@ from typing import Any
 from math_verify import parse, verify
 from pydantic import BaseModel, ConfigDict, Field
 
+from rlfleet_reward.boxed_answer import last_boxed
 from rlfleet_reward.reward_function import RewardFunction, RewardInput
 
 
@@ -29,22 +35,31 @@ class MathParams(BaseModel):
     strict: bool = Field(default=True, description="Variables must match by name, sets never equal tuples.")
 
 
-_DELIMITED = re.compile(r"\$|\\\(|\\\[|\\boxed")
+_DELIMITED = re.compile(r"(?<!\\)\$|\\\(|\\\[|\\boxed")
 # Two words in a row, neither a LaTeX command: a sentence ("The answer is 72", a worked GSM8K solution ending
 # in "#### 72"), whose answer is searched for, as in a response; boxed whole it would read as a product of
-# letters and match nothing.
+# letters and match nothing. Words in `\text{...}` are part of the answer, so they are left out of the test.
 _SENTENCE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}\s+[A-Za-z]{2,}")
+_TEXT = re.compile(r"\\(?:text|textbf|textit|mathrm|mbox)\{[^{}]*\}")
 
 
 def _gold_text(label: str) -> str:
-    return label if _DELIMITED.search(label) or _SENTENCE.search(label) else f"\\boxed{{{label}}}"
+    if _DELIMITED.search(label) or _SENTENCE.search(_TEXT.sub(" ", label)):
+        return label
+    return f"\\boxed{{{label}}}"
+
+
+def _answer_text(response: str) -> str:
+    """The response's last box alone, without a closing period, or the whole response when it has none."""
+    boxed = last_boxed(response)
+    return response if boxed is None else f"\\boxed{{{boxed.strip().removesuffix('.')}}}"
 
 
 def score_math(sample: RewardInput, params: Mapping[str, Any]) -> float:
     gold = parse(_gold_text(sample.label))
     if not gold:
         raise ValueError(f"math-verify found no answer in the label {sample.label[:60]!r}")
-    answer = parse(sample.response)
+    answer = parse(_answer_text(sample.response))
     correct = verify(
         gold,
         answer,

@@ -17,7 +17,7 @@ class RewardMetrics:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "rlfleet_reward_requests",
-            "Score requests by outcome (ok, or the error kind that rejected the request).",
+            "Score requests by outcome (ok, cancelled, internal, or the error kind that refused the request).",
             ["outcome"],
             registry=self.registry,
         )
@@ -67,7 +67,7 @@ class RewardMetrics:
         """Creates each function's series, and the common request outcomes', at 0: a counter series that appears
         only at its first increment hides that increment from rate() and increase(), so a first timeout or
         error would never show on a dashboard."""
-        for outcome in ("ok", "cancelled", "invalid_input", "resource_exhausted"):
+        for outcome in ("ok", "cancelled", "internal", "invalid_input", "resource_exhausted", "overloaded"):
             self.requests.labels(outcome)
         for name in names:
             for status in JobStatus:

@@ -1,9 +1,12 @@
 """`multiple_choice`: the option letter the response chose equals the label's.
 
-The choice is read, in order of preference, from the last "answer is (B)" / "Answer: B" (markdown
-emphasis around them allowed: "**Answer:** B"), the last
-`\\boxed{B}`, a response that is only a letter ("B", "(B)", "B."), or the last parenthesized letter.
-Only letters among `choices` count.
+The choice is read, in order of preference, from the last `\\boxed{B}`, the last "answer is (B)" /
+"Answer: B" (markdown emphasis around them allowed: "**Answer:** B"), a response that is only a letter
+("B", "(B)", "B."), the last parenthesized letter, or a letter that ends the response ("... so it is B.").
+Only letters among `choices` count. `A` and `I` are also words: after "Answer:", one followed on its line
+by a lower-case word ("Answer: I think it is B", "Answer: A careful reading gives C") starts a sentence and
+is not the choice, nor is a letter opening a contraction ("I'm"). Other letters are not words, so
+"Answer: B because ..." is B.
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ class ChoiceParams(BaseModel):
 def chosen(response: str, choices: str) -> str | None:
     letter = f"[{choices}]"
     patterns = (
-        # Markdown emphasis may wrap the word, the colon or the letter: "**Answer:** B", "answer is **(C)**".
-        rf"(?i:answer)[*_]*\s*(?:(?i:is)|:)?[*_]*\s*:?\s*[*_]*\(?({letter})\)?[*_]*(?![A-Za-z])",
         rf"\\boxed\{{\s*\(?({letter})\)?\s*\}}",
+        # Markdown emphasis may wrap the word, the colon or the letter: "**Answer:** B", "answer is **(C)**".
+        rf"(?i:answer)[*_]*\s*(?:(?i:is)|:)?[*_]*\s*:?\s*[*_]*\(?({letter})\)?[*_]*(?![A-Za-z'’])"
+        r"(?!(?<=[AI])[ \t]+[a-z])",
         rf"^\s*\(?({letter})[).:]?\s*$",
         rf"\(({letter})\)",
+        rf"(?<![A-Za-z'’])({letter})[*_]*[).]?\s*$",
     )
     for pattern in patterns:
         found = re.findall(pattern, response)

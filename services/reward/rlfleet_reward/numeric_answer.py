@@ -1,7 +1,8 @@
 """`numeric`: the response's last number (or the whole response) within a tolerance of the label's.
 
-Numbers may carry a sign, thousands separators (`1,234`), decimals, an exponent, or be a fraction
-`3/4`. The comparison is `math.isclose(answer, label, rel_tol, abs_tol)`.
+Numbers may carry a sign (the ASCII `-` or the Unicode minus `−` that typeset text uses), thousands
+separators (`1,234`), decimals, an exponent, or be a fraction `3/4`. The comparison is
+`math.isclose(answer, label, rel_tol, abs_tol)`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rlfleet_reward.reward_function import RewardFunction, RewardInput, Scored
 
-_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?(?:[eE][-+]?\d+)?(?:/\d+)?|[-+]?\.\d+(?:[eE][-+]?\d+)?")
+_MINUS = "\u2212"
+_NUMBER = re.compile(
+    r"[-+\u2212]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?(?:[eE][-+]?\d+)?(?:/\d+)?|[-+\u2212]?\.\d+(?:[eE][-+]?\d+)?"
+)
 
 
 class NumericParams(BaseModel):
@@ -30,7 +34,7 @@ class NumericParams(BaseModel):
 
 
 def to_number(text: str) -> float | None:
-    text = text.replace(",", "")
+    text = text.replace(",", "").replace(_MINUS, "-")
     try:
         return float(Fraction(text)) if "/" in text else float(text)
     except (ValueError, ZeroDivisionError, OverflowError):

@@ -70,5 +70,12 @@ class Registry:
         return iter(self._functions.items())
 
     def pool_functions(self) -> dict[str, ScoreFn]:
-        """The functions that run in worker processes (every one but the `async def` ones)."""
-        return {name: f.fn for name, f in self._functions.items() if not f.waits_on_io}  # type: ignore[misc]
+        """What runs in worker processes, by function name: each plain function, and each `async def`
+        function's `finish`."""
+        pooled: dict[str, ScoreFn] = {}
+        for name, function in self._functions.items():
+            if not function.waits_on_io:
+                pooled[name] = function.fn  # type: ignore[assignment]  # a plain function
+            elif function.finish is not None:
+                pooled[name] = function.finish
+        return pooled

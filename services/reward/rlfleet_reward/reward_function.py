@@ -7,7 +7,10 @@ and passes the validated values (defaults filled in) as a plain mapping.
 
 A plain function computes: it runs in a worker process, where a time limit can kill it. An `async def`
 function waits on the network (a reward model, an LLM judge): it runs on the hub's event loop,
-many at once, cancelled at its time limit, and must not block.
+many at once, cancelled at its time limit, and must not block. Work after the wait that could run long
+on what came back (the judge's caller-given regex over a model's text) goes in `finish`, a plain
+function that runs in a worker like any other: cancelling a coroutine cannot stop a regex, which holds
+the event loop, and with it every request and /health, until it is done.
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ class ScoreFn(Protocol):
 
 
 class AsyncScoreFn(Protocol):
-    def __call__(self, sample: RewardInput, params: Mapping[str, Any]) -> Awaitable[float | Scored]: ...
+    """Returns the score, or, when the function has a `finish`, the RewardInput that `finish` scores."""
+
+    def __call__(self, sample: RewardInput, params: Mapping[str, Any]) -> Awaitable[float | Scored | RewardInput]: ...
 
 
 @dataclass(frozen=True)
@@ -53,13 +58,16 @@ class RewardFunction:
     """A scoring callable with its declaration; an entry point in `rlfleet.reward_functions` names one.
 
     `fn` must be a module-level function: it runs in worker processes, which import it by name
-    (or, for an `async def`, on the hub's event loop).
+    (or, for an `async def`, on the hub's event loop). `finish`, only beside an `async def` fn, is
+    a module-level plain function that scores what `fn` returned, a `RewardInput` (the judge's:
+    the model's text as `response`), in a worker, within what is left of the item's time limit.
     """
 
     fn: ScoreFn | AsyncScoreFn
     inputs: frozenset[str]
     description: str
     params: type[BaseModel] | None = None
+    finish: ScoreFn | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.inputs) - set(INPUT_FIELDS)
@@ -69,6 +77,8 @@ class RewardFunction:
             raise ValueError(f"declare at least one input from {list(INPUT_FIELDS)}")
         if not self.description.strip():
             raise ValueError("a reward function needs a one-line description")
+        if self.finish is not None and not (self.waits_on_io and not inspect.iscoroutinefunction(self.finish)):
+            raise ValueError("finish is a plain function that follows an async def fn; a plain fn scores by itself")
         object.__setattr__(self, "inputs", frozenset(self.inputs))
 
     @property

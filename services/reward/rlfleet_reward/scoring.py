@@ -2,12 +2,13 @@
 
 Every term scores all the items at once, the terms side by side: on the worker pool, which hands the
 items to its workers in chunks, or, for `async def` functions (network calls), on the event loop, one
-call per item, at most `max_concurrent_io_calls` at a time. An item's result is OK only when all its
-terms are: then `score` is the weighted sum and `components` holds each term's unweighted score (plus
-`<function>/<part>` sub-scores). Otherwise the item is TIMEOUT (some term exceeded the limit) or ERROR
-(some term failed), with score 0, no components, and `error` naming the function and the reason. One
-bad item never fails the batch; only a malformed request does. An item's `seconds` is the time its
-function calls took, summed.
+call per item, at most `max_concurrent_io_calls` at a time, each followed by the function's `finish`, if
+it has one, in the pool. An item's result is OK only when all its terms are: then `score` is the
+weighted sum and `components` holds each term's unweighted score (plus `<function>/<part>` sub-scores).
+Otherwise the item is TIMEOUT (some term exceeded the limit) or ERROR (some term failed, or the weighted
+sum overflowed), with score 0, no components, and `error` naming the function and the reason. One bad
+item never fails the batch; only a malformed request does, or one the hub has no room for
+(`admission`). An item's `seconds` is the time its function calls took, summed.
 
 `validate_spec` runs the same checks on a spec alone, without items: the orchestrator asks it at
 submit, so a spec `score` would refuse fails then rather than at the run's first step.
@@ -16,6 +17,7 @@ submit, so a spec `score` would refuse fails then rather than at the run's first
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from collections import Counter
@@ -23,11 +25,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from google.protobuf import json_format
+from google.protobuf import json_format, struct_pb2
 from pydantic import ValidationError
 
 from rlfleet.errors import InvalidInput, ResourceExhausted, RlfleetError
 from rlfleet.v1 import reward_pb2
+from rlfleet_reward.admission import Admission
 from rlfleet_reward.metrics import RewardMetrics
 from rlfleet_reward.registry import Registry
 from rlfleet_reward.reward_function import INPUT_FIELDS, RewardFunction, RewardInput
@@ -41,6 +44,7 @@ class ScoringLimits:
     max_timeout_seconds: float
     max_batch_size: int
     max_concurrent_io_calls: int = 64
+    max_pending_jobs: int = 16384
 
 
 @dataclass(frozen=True)
@@ -58,24 +62,31 @@ class Scorer:
         self.limits = limits
         self.metrics = metrics
         self._io_slots = asyncio.Semaphore(limits.max_concurrent_io_calls)
+        self.admission = Admission(limits.max_pending_jobs)
         metrics.add_functions(registry)
 
     async def score(self, request: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
+        """Every item scored by every term; each request is counted once by its outcome: ok, cancelled (the
+        client left, or the hub is stopping), the kind of error that refused it, or internal (a fault of ours)."""
+        outcome = "internal"
         try:
             terms, timeout = self._validate(request)
+            with self.admission.admit(len(request.items) * len(terms)):
+                by_term = await asyncio.gather(*(self._score_term(request.items, term, timeout) for term in terms))
+            results = [
+                self._combine(item, terms, [outcomes[i] for outcomes in by_term])
+                for i, item in enumerate(request.items)
+            ]
+            outcome = "ok"
+            return reward_pb2.ScoreResponse(results=results)
         except RlfleetError as exc:
-            self.metrics.requests.labels(exc.kind).inc()
+            outcome = exc.kind
             raise
-        try:
-            by_term = await asyncio.gather(*(self._score_term(request.items, term, timeout) for term in terms))
         except asyncio.CancelledError:
-            self.metrics.requests.labels("cancelled").inc()  # the client left (or the hub is stopping)
+            outcome = "cancelled"
             raise
-        results = [
-            self._combine(item, terms, [outcomes[i] for outcomes in by_term]) for i, item in enumerate(request.items)
-        ]
-        self.metrics.requests.labels("ok").inc()
-        return reward_pb2.ScoreResponse(results=results)
+        finally:
+            self.metrics.requests.labels(outcome).inc()
 
     def list_functions(self) -> reward_pb2.ListFunctionsResponse:
         return reward_pb2.ListFunctionsResponse(
@@ -145,6 +156,13 @@ class Scorer:
         where: str, term: reward_pb2.RewardTerm, function: RewardFunction
     ) -> tuple[Mapping[str, Any], list[reward_pb2.SpecProblem]]:
         """The term's params validated against the function's model (defaults filled in), or what is wrong."""
+        non_finite = _non_finite_numbers(term.params)
+        if non_finite:
+            # JSON has no NaN or infinity, so neither does the params model (nor MessageToDict, which raises).
+            return {}, [
+                reward_pb2.SpecProblem(field=f"{where}.params{path}", message=f"must be a finite number, got {number}")
+                for path, number in non_finite
+            ]
         raw = json_format.MessageToDict(term.params)
         if function.params is None:
             if raw:
@@ -178,20 +196,36 @@ class Scorer:
         return outcomes
 
     async def _run_on_loop(self, term: _Term, sample: RewardInput, timeout: float) -> JobResult:
+        finish = term.function.finish
         async with self._io_slots:
             self.metrics.io_calls_in_flight.inc()
             started = time.monotonic()
             try:
                 async with asyncio.timeout(timeout):
                     value = await term.function.fn(sample, term.params)  # type: ignore[misc]  # async here
-                reply = checked_reply(value)
+                reply = None if finish is not None else checked_reply(value)
             except TimeoutError:
-                return JobResult(JobStatus.TIMEOUT, error=f"exceeded its {timeout:g} s time limit", seconds=timeout)
+                return _timed_out(timeout)
             except Exception as exc:  # noqa: BLE001 - a function's failure is the item's ERROR
                 reply = failure_reply(exc)
             finally:
                 self.metrics.io_calls_in_flight.dec()
-        return JobResult.from_reply(reply, time.monotonic() - started)
+        spent = time.monotonic() - started
+        if reply is not None:
+            return JobResult.from_reply(reply, spent)
+        return await self._finish(term, value, timeout, spent)
+
+    async def _finish(self, term: _Term, fetched: object, timeout: float, spent: float) -> JobResult:
+        """The term's `finish` on what its `fn` fetched, in the pool, within what is left of the item's limit."""
+        if not isinstance(fetched, RewardInput):
+            error = f"its async part returned a {type(fetched).__name__}; its finish needs a RewardInput"
+            return JobResult(JobStatus.ERROR, error=error, seconds=spent)
+        if spent >= timeout:
+            return _timed_out(timeout)
+        (result,) = await self.pool.run(term.name, term.params, [fetched], timeout - spent)
+        if result.status is JobStatus.TIMEOUT:
+            return _timed_out(timeout)
+        return dataclasses.replace(result, seconds=spent + result.seconds)
 
     @staticmethod
     def _combine(
@@ -204,13 +238,38 @@ class Scorer:
             result.status = reward_pb2.SCORE_STATUS_TIMEOUT if timed_out else reward_pb2.SCORE_STATUS_ERROR
             result.error = "; ".join(f"{t.name}: {o.error}" for t, o in failed)
             return result
+        score = sum(term.weight * outcome.score for term, outcome in zip(terms, outcomes, strict=True))
+        if not math.isfinite(score):
+            result.status = reward_pb2.SCORE_STATUS_ERROR
+            result.error = f"the weighted sum of the terms' scores overflows to {score}; use smaller weights"
+            return result
         result.status = reward_pb2.SCORE_STATUS_OK
+        result.score = score
         for term, outcome in zip(terms, outcomes, strict=True):
-            result.score += term.weight * outcome.score
             result.components[term.name] = outcome.score
             for part, value in outcome.parts.items():
                 result.components[f"{term.name}/{part}"] = value
         return result
+
+
+def _timed_out(timeout: float) -> JobResult:
+    return JobResult(JobStatus.TIMEOUT, error=f"exceeded its {timeout:g} s time limit", seconds=timeout)
+
+
+def _non_finite_numbers(params: struct_pb2.Struct) -> list[tuple[str, float]]:
+    """(path, number) of each NaN or infinity in `params`, the path as in pydantic's errors: `.a.0`."""
+    found: list[tuple[str, float]] = []
+    stack = [(f".{key}", value) for key, value in params.fields.items()]
+    while stack:
+        path, value = stack.pop()
+        kind = value.WhichOneof("kind")
+        if kind == "number_value" and not math.isfinite(value.number_value):
+            found.append((path, value.number_value))
+        elif kind == "struct_value":
+            stack += [(f"{path}.{key}", inner) for key, inner in value.struct_value.fields.items()]
+        elif kind == "list_value":
+            stack += [(f"{path}.{index}", inner) for index, inner in enumerate(value.list_value.values)]
+    return sorted(found)
 
 
 def _sample(item: reward_pb2.ScoreItem, inputs: frozenset[str]) -> RewardInput:

@@ -8,7 +8,9 @@ from a fork server that has already imported the functions' modules, so a replac
 (milliseconds), not a fresh interpreter.
 
 Chunks keep the hub's event loop out of the way: a message or two per chunk rather than a round trip
-per item, so the workers, not the hub, use the cores.
+per item, so the workers, not the hub, use the cores. A chunk is about 0.2 s of work (`chunk_sizes`), and a
+worker that finishes one goes to the lane that has waited longest (`idle_workers`), so a request behind a
+large batch waits for a chunk, not for the batch.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from typing import Any
 
 from rlfleet.errors import Unavailable
 from rlfleet_reward.chunk_call import ChunkCall, ChunkEnd
+from rlfleet_reward.chunk_sizes import ChunkSizes
+from rlfleet_reward.idle_workers import IdleWorkers
 from rlfleet_reward.reward_function import RewardInput, ScoreFn
 from rlfleet_reward.worker import READY, Chunk, Progress, Reply, worker_main
 
@@ -38,11 +42,6 @@ _EXIT_STATUS_WAIT_SECONDS = 1.0
 # A fork of the preloaded fork server is ready in milliseconds; the first start also imports modules.
 _READY_WAIT_SECONDS = 60.0
 _RESPAWN_BACKOFF_SECONDS = 1.0
-# A chunk is this share of the items a call has left per worker (so the last chunks are single items
-# that end together), and never more than _MAX_CHUNK_ITEMS, so one large batch cannot hold a worker
-# long while other requests wait for one.
-_CHUNKS_PER_WORKER = 2
-_MAX_CHUNK_ITEMS = 32
 
 
 class JobStatus(enum.Enum):
@@ -86,7 +85,8 @@ class WorkerPool:
         modules = {fn.__module__ for fn in self._functions.values()} | {worker_main.__module__, *preload}
         self._context.set_forkserver_preload(sorted(modules))
         self._workers: set[_Worker] = set()
-        self._idle: asyncio.Queue[_Worker | None] = asyncio.Queue()
+        self._idle: IdleWorkers[_Worker] = IdleWorkers(self._watch, self._unwatch)
+        self._chunk_sizes = ChunkSizes()
         self._tasks: set[asyncio.Task[None]] = set()
         self._queued: dict[int, deque[int]] = {}  # by id(): each run's items not yet handed to a worker
         self._busy = 0
@@ -155,11 +155,12 @@ class WorkerPool:
         while queued:
             worker = await self._acquire()
             if not queued:  # the other lanes took the rest meanwhile
-                self._idle.put_nowait(worker)
+                self._release(worker)
                 return
-            size = min(_MAX_CHUNK_ITEMS, -(-len(queued) // (_CHUNKS_PER_WORKER * self.size)))
+            size = self._chunk_sizes.size(function, len(queued), self.size)
             indices = [queued.popleft() for _ in range(size)]
             scored = await self._run_chunk(worker, Chunk(function, params, [samples[i] for i in indices]), timeout)
+            self._chunk_sizes.observe(function, (result.seconds for result in scored.values()))
             for position, result in scored.items():
                 results[indices[position]] = result
             # After a timeout or a dead worker, the items left without a result go back to the front.
@@ -169,12 +170,8 @@ class WorkerPool:
         asked = time.monotonic()
         while True:
             worker = await self._idle.get()
-            if worker is None:
-                self._idle.put_nowait(None)  # wakes the next waiter too
-                raise Unavailable("the reward worker pool is shut down")
             if worker not in self._workers:
-                continue  # died while idle and already replaced
-            asyncio.get_running_loop().remove_reader(worker.conn.fileno())
+                continue  # handed over as the pool closed, which killed it
             if worker.conn.poll():
                 # An idle worker sends nothing: a readable pipe is its EOF, a death not noticed yet.
                 self._lost_while_idle(worker)
@@ -223,13 +220,7 @@ class WorkerPool:
         if self._closed:
             return
         self._closed = True
-        idle = set()
-        while not self._idle.empty():
-            worker = self._idle.get_nowait()
-            if worker in self._workers:
-                asyncio.get_running_loop().remove_reader(worker.conn.fileno())
-                idle.add(worker)
-        self._idle.put_nowait(None)
+        idle = set(self._idle.close(Unavailable("the reward worker pool is shut down")))
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -268,15 +259,21 @@ class WorkerPool:
         raise RuntimeError(f"a reward worker failed to start (exit code {worker.process.exitcode}); see the log")
 
     def _release(self, worker: _Worker) -> None:
-        """Makes `worker` idle, watching its pipe: a worker killed while idle (the OOM killer, an operator) is
-        replaced at once, so /health counts only live workers and no item is sent to a dead one."""
+        """Gives `worker` to the lane that has waited longest, or makes it idle."""
+        self._idle.put(worker)
+
+    def _watch(self, worker: _Worker) -> None:
+        """Watches an idle worker's pipe: a worker killed while idle (the OOM killer, an operator) is replaced
+        at once, so /health counts only live workers and no item is sent to a dead one."""
         asyncio.get_running_loop().add_reader(worker.conn.fileno(), self._lost_while_idle, worker)
-        self._idle.put_nowait(worker)
+
+    def _unwatch(self, worker: _Worker) -> None:
+        asyncio.get_running_loop().remove_reader(worker.conn.fileno())
 
     def _lost_while_idle(self, worker: _Worker) -> None:
         if worker not in self._workers:
             return
-        asyncio.get_running_loop().remove_reader(worker.conn.fileno())
+        self._idle.discard(worker)  # stops watching it
         logger.warning("reward worker %d died while idle; replacing it", worker.process.pid)
         self._replace(worker)
 

@@ -38,6 +38,7 @@ def _with_scorer(
     workers: int = 2,
     max_batch_size: int = 64,
     default_timeout_seconds: float = 5.0,
+    max_pending_jobs: int = 16384,
 ) -> T:
 
     async def main() -> T:
@@ -47,7 +48,7 @@ def _with_scorer(
         metrics = RewardMetrics()
         metrics.watch_pool(pool)
         try:
-            limits = ScoringLimits(default_timeout_seconds, 30.0, max_batch_size)
+            limits = ScoringLimits(default_timeout_seconds, 30.0, max_batch_size, max_pending_jobs=max_pending_jobs)
             return await body(Scorer(registry, pool, limits, metrics))
         finally:
             await pool.close()
@@ -58,5 +59,5 @@ def _with_scorer(
 
 @pytest.fixture
 def with_scorer() -> Callable[..., Any]:
-    """`with_scorer(body, workers=2)` runs `body(scorer)` over a real worker pool, closed afterwards."""
+    """`with_scorer(body, workers=2, ...)` runs `body(scorer)` over a real worker pool, closed afterwards."""
     return _with_scorer

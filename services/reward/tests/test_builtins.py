@@ -67,6 +67,39 @@ def test_math(response: str, label: str, expected: float) -> None:
     assert score_math(RewardInput(response=response, label=label), MATH_DEFAULTS) == expected
 
 
+@pytest.mark.parametrize(
+    ("response", "label", "expected"),
+    [
+        # An escaped dollar is a dollar sign, not math mode: the label is still the answer itself.
+        ("The cost is $\\boxed{1.17}$.", "\\$1.17", 1.0),
+        ("So $\\boxed{32,348}$ dollars.", "\\$32,\\!348", 1.0),
+        ("$\\boxed{1.18}$", "\\$1.17", 0.0),
+        # Words inside \text{} are the answer, not a sentence to search.
+        ("$\\boxed{\\text{no solution}}$", "\\text{no solution}", 1.0),
+        ("$\\boxed{5}$", "\\text{no solution}", 0.0),
+    ],
+)
+def test_math_label_with_an_escaped_dollar_or_text_is_the_answer_itself(
+    response: str, label: str, expected: float
+) -> None:
+    assert score_math(RewardInput(response=response, label=label), MATH_DEFAULTS) == expected
+
+
+@pytest.mark.parametrize(
+    ("response", "label", "expected"),
+    [
+        ("Try \\boxed{3}. Final: \\boxed{4}", "4", 1.0),  # not the set {3, 4}
+        ("Try \\boxed{4}. Final: \\boxed{3}", "4", 0.0),
+        ("$\\boxed{12.}$", "12", 1.0),
+        ("so $\\boxed{\\frac{1}{2}.}$", "0.5", 1.0),
+    ],
+)
+def test_math_reads_the_last_box_as_the_answer_without_a_closing_period(
+    response: str, label: str, expected: float
+) -> None:
+    assert score_math(RewardInput(response=response, label=label), MATH_DEFAULTS) == expected
+
+
 def test_math_rejects_a_label_without_an_answer() -> None:
     with pytest.raises(ValueError, match="no answer in the label"):
         score_math(RewardInput(response="4", label=""), MATH_DEFAULTS)

@@ -16,7 +16,8 @@ def test_environment_then_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RLFLEET_REWARD_PORT", "9001")
     settings = settings_from_args(["--port", "9002", "--default-timeout-seconds", "2.5"])
     assert (settings.workers, settings.port, settings.default_timeout_seconds) == (3, 9002, 2.5)
-    assert (settings.grpc_port, settings.max_batch_size) == (50053, 4096)
+    assert (settings.grpc_port, settings.max_batch_size, settings.max_pending_jobs) == (50053, 4096, 16384)
+    assert settings_from_args(["--max-pending-jobs", "100"]).max_pending_jobs == 100
 
 
 def test_inconsistent_limits_are_refused() -> None:

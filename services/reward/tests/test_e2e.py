@@ -23,6 +23,7 @@ pytestmark = pytest.mark.e2e
 LAUNCHER = Path(__file__).resolve().parent / "reward_hub_for_tests.py"
 MAX_BATCH = 16
 MAX_BYTES = 100_000
+MAX_PENDING_JOBS = 24  # a full batch of two terms (32 jobs) is taken only by an idle hub
 
 
 class Hub:
@@ -32,6 +33,7 @@ class Hub:
             sys.executable, str(LAUNCHER), "--host", "127.0.0.1", "--port", str(self.port),
             "--grpc-port", str(self.grpc_port), "--workers", "2", "--max-batch-size", str(MAX_BATCH),
             "--max-request-bytes", str(MAX_BYTES), "--shutdown-grace-seconds", "2",
+            "--max-pending-jobs", str(MAX_PENDING_JOBS),
         ]  # fmt: skip
         self.process = ServiceProcess(name, argv, tmp / f"{name}.log", env={"RLFLEET_LOG_FORMAT": "text"})
         self.url = f"http://127.0.0.1:{self.port}"
@@ -161,6 +163,17 @@ def test_a_hang_comes_back_timeout_within_its_limit_and_the_hub_keeps_serving(
             "items has 17 entries",
         ),
         (b'{"items": [{"prompt": "' + b"x" * MAX_BYTES + b'"}]}', 413, "request body is"),
+        (b'{"items": [' + b"[" * 2000 + b"]" * 2000 + b"]}", 400, "request body nests arrays or objects too deeply"),
+        (
+            b'{"spec": {"terms": [{"function": "judge", "params": {"scale": NaN}}]}, "items": [{}]}',
+            400,
+            "spec.terms[0].params.scale: must be a finite number, got nan",
+        ),
+        (
+            b'{"spec": {"terms": [{"function": "format", "params": {"x": [-Infinity]}}]}, "items": [{}]}',
+            400,
+            "spec.terms[0].params.x.0: must be a finite number, got -inf",
+        ),
     ],
 )
 def test_bad_http_input_is_a_4xx_naming_the_problem(hub: Hub, content: bytes, status: int, message: str) -> None:
@@ -201,6 +214,52 @@ def test_bad_grpc_input_is_invalid_argument(
         stub.Score(request_, timeout=10)
     assert raised.value.code() == code
     assert message in raised.value.details()
+
+
+def test_non_finite_params_are_named_over_grpc_and_by_validate(hub: Hub, stub: reward_pb2_grpc.RewardStub) -> None:
+    term = reward_pb2.RewardTerm(function="judge")
+    term.params.update({"scale": float("inf")})
+    spec = reward_pb2.RewardSpec(terms=[term])
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.Score(reward_pb2.ScoreRequest(spec=spec, items=[reward_pb2.ScoreItem()]), timeout=10)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raised.value.details() == "spec.terms[0].params.scale: must be a finite number, got inf"
+    problems = stub.ValidateSpec(reward_pb2.ValidateSpecRequest(spec=spec), timeout=10).problems
+    assert [(p.field, p.message) for p in problems] == [("terms[0].params.scale", "must be a finite number, got inf")]
+    over_http = httpx.post(
+        f"{hub.url}/validate",
+        content=b'{"spec": {"terms": [{"function": "judge", "params": {"scale": Infinity}}]}}',
+        timeout=10,
+    )
+    assert over_http.status_code == 200, over_http.text
+    assert over_http.json()["problems"] == [{"field": "terms[0].params.scale", "message": problems[0].message}]
+
+
+def test_a_busy_hub_refuses_what_would_pass_its_pending_jobs_limit_with_429_and_resource_exhausted(
+    hub: Hub, stub: reward_pb2_grpc.RewardStub
+) -> None:
+    slow = {"spec": {"terms": [{"function": "sleep", "params": {"seconds": 0.8}}]}, "items": [{}] * 2}
+    full = {"spec": {"terms": [{"function": "arith_exact"}, {"function": "exact"}]}, "items": [{}] * MAX_BATCH}
+    before = refused(hub, "overloaded")
+    with ThreadPoolExecutor(1) as executor:
+        busy = executor.submit(hub.score, slow)
+        deadline = time.monotonic() + 5
+        while httpx.get(f"{hub.url}/health", timeout=10).json()["busy_workers"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        response = hub.score(full)
+        with pytest.raises(grpc.RpcError) as over_grpc:
+            stub.Score(json_format.ParseDict(full, reward_pb2.ScoreRequest()), timeout=10)
+        assert busy.result(timeout=10).status_code == 200
+    assert response.status_code == 429, response.text
+    assert response.headers["retry-after"] == "1"
+    error = response.json()["error"]
+    assert (error["kind"], error["code"]) == ("overloaded", 429)
+    assert "this request adds 32, past its limit of 24 (max_pending_jobs)" in error["message"]
+    assert over_grpc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "past its limit of 24 (max_pending_jobs)" in over_grpc.value.details()
+    assert refused(hub, "overloaded") == before + 2
+    # Idle again, the hub takes the same request, though it is more than the limit on its own.
+    assert hub.score(full).status_code == 200
 
 
 def test_every_functions_counters_exist_at_zero_before_its_first_item(hub: Hub) -> None:

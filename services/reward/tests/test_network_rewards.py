@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -158,3 +159,47 @@ def test_judge_renders_the_template_and_parses_the_verdict(
     state.judge_text = "I cannot decide."
     (undecided,) = score(with_scorer, [{"function": "judge", "params": {"router_url": url}}], [{"response": "4"}])
     assert undecided.status == ERROR and "the judge gave no verdict" in undecided.error
+
+
+def test_a_verdict_pattern_that_backtracks_forever_is_a_timeout_and_leaves_the_event_loop_free(
+    with_scorer: WithScorer, models: tuple[FakeModels, str]
+) -> None:
+    """`(a+)+b` over a run of `a`s backtracks for seconds to minutes (47.7 s at 28 of them); parsed on the
+    hub's event loop it held every request and /health, and no time limit could stop it."""
+    state, url = models
+    state.judge_text = "a" * 26
+    request = json_format.ParseDict(
+        {
+            "spec": {
+                "terms": [{"function": "judge", "params": {"router_url": url, "verdict_pattern": "(a+)+b"}}],
+                "timeout_seconds": 1,
+            },
+            "items": [{"response": "4"}],
+        },
+        reward_pb2.ScoreRequest(),
+    )
+
+    async def body(scorer: Scorer) -> tuple[reward_pb2.ScoreResponse, float, float]:
+        longest_gap = 0.0
+
+        async def tick() -> None:
+            nonlocal longest_gap
+            last = time.monotonic()
+            while True:
+                await asyncio.sleep(0.02)
+                longest_gap = max(longest_gap, time.monotonic() - last)
+                last = time.monotonic()
+
+        ticker = asyncio.create_task(tick())
+        started = time.monotonic()
+        try:
+            response = await scorer.score(request)
+        finally:
+            ticker.cancel()
+        return response, time.monotonic() - started, longest_gap
+
+    response, elapsed, longest_gap = with_scorer(body, workers=1)
+    (result,) = response.results
+    assert (result.status, result.error) == (TIMEOUT, "judge: exceeded its 1 s time limit")
+    assert elapsed < 2.5
+    assert longest_gap < 0.5

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -9,6 +10,7 @@ from google.protobuf import json_format
 
 from rlfleet.errors import InvalidInput, ResourceExhausted
 from rlfleet.v1 import reward_pb2
+from rlfleet_reward.admission import Overloaded
 from rlfleet_reward.scoring import Scorer
 
 WithScorer = Callable[..., Any]
@@ -217,6 +219,88 @@ def test_validate_spec_reports_every_problem_score_would_refuse_by_field(with_sc
     assert list(clean.problems) == []
     # Score refuses the same spec for the same reasons, each field under `spec.`.
     assert refusal == "; ".join(f"spec.{p.field}: {p.message}" for p in found.problems)
+
+
+def test_non_finite_params_are_refused_naming_the_field(with_scorer: WithScorer) -> None:
+    """JSON has no NaN or infinity, but the JSON decoder and protobuf's Struct take them; MessageToDict then
+    raised ValueError, a 500 / INTERNAL."""
+    terms = [
+        {"function": "judge", "params": {"scale": float("inf")}},
+        {"function": "format", "params": {"pattern": "x", "extra": [1, {"deep": float("nan")}]}},
+    ]
+    req = request(terms, [ITEM])
+
+    async def body(scorer: Scorer) -> tuple[str, list[tuple[str, str]]]:
+        with pytest.raises(InvalidInput) as raised:
+            await scorer.score(req)
+        problems = scorer.validate_spec(reward_pb2.ValidateSpecRequest(spec=req.spec)).problems
+        return str(raised.value), [(p.field, p.message) for p in problems]
+
+    refusal, problems = with_scorer(body, workers=1)
+    assert problems == [
+        ("terms[0].params.scale", "must be a finite number, got inf"),
+        ("terms[1].params.extra.1.deep", "must be a finite number, got nan"),
+    ]
+    assert refusal == "; ".join(f"spec.{field}: {message}" for field, message in problems)
+
+
+def test_a_weighted_sum_that_overflows_is_an_item_error(with_scorer: WithScorer) -> None:
+    req = request(
+        [{"function": "arith_exact", "weight": 1e308}, {"function": "exact", "weight": 1e308}],
+        [{"id": "both", "response": "1", "label": "1"}, {"id": "one", "response": "1", "label": "01"}],
+    )
+
+    async def body(scorer: Scorer) -> reward_pb2.ScoreResponse:
+        return await scorer.score(req)
+
+    both, one = with_scorer(body, workers=1).results
+    assert (both.status, both.score, dict(both.components)) == (ERROR, 0.0, {})
+    assert both.error == "the weighted sum of the terms' scores overflows to inf; use smaller weights"
+    assert (one.status, one.score) == (OK, 1e308)
+
+
+def test_a_request_past_the_pending_jobs_limit_is_refused_while_the_hub_is_busy(with_scorer: WithScorer) -> None:
+    slow = request([{"function": "sleep", "params": {"seconds": 0.4}}], [ITEM] * 2)
+    # 3 items x 2 terms: 6 jobs, more than the limit of 4 on their own, so taken only by an idle hub.
+    more = request([{"function": "arith_exact"}, {"function": "exact"}], [ITEM] * 3)
+
+    async def body(scorer: Scorer) -> dict[str, Any]:
+        busy = asyncio.create_task(scorer.score(slow))
+        await asyncio.sleep(0.1)
+        with pytest.raises(Overloaded) as refused:
+            await scorer.score(more)
+        held = scorer.admission.pending
+        await busy
+        taken = await scorer.score(more)
+        value = scorer.metrics.registry.get_sample_value
+        return {
+            "refusal": str(refused.value),
+            "held": held,
+            "taken": [r.status for r in taken.results],
+            "pending after": scorer.admission.pending,
+            "overloaded": value("rlfleet_reward_requests_total", {"outcome": "overloaded"}),
+            "ok": value("rlfleet_reward_requests_total", {"outcome": "ok"}),
+        }
+
+    outcome = with_scorer(body, workers=1, max_pending_jobs=4)
+    assert "scoring 2 jobs (items x terms) and this request adds 6, past its limit of 4 (max_pending_jobs)" in (
+        outcome.pop("refusal")
+    )
+    assert outcome == {"held": 2, "taken": [OK] * 3, "pending after": 0, "overloaded": 1.0, "ok": 2.0}
+
+
+def test_an_unexpected_fault_is_counted_as_internal(with_scorer: WithScorer, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def body(scorer: Scorer) -> float | None:
+        async def broken(*args: object) -> None:
+            raise RuntimeError("a bug of ours")
+
+        monkeypatch.setattr(scorer.pool, "run", broken)
+        with pytest.raises(RuntimeError):
+            await scorer.score(request([{"function": "exact"}], [ITEM]))
+        assert scorer.admission.pending == 0
+        return scorer.metrics.registry.get_sample_value("rlfleet_reward_requests_total", {"outcome": "internal"})
+
+    assert with_scorer(body, workers=1) == 1.0
 
 
 def test_params_reach_the_function_validated(with_scorer: WithScorer) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from rlfleet_reward.boxed_answer import last_boxed, score_boxed
+from rlfleet_reward.boxed_answer import last_boxed, normalize, score_boxed
 from rlfleet_reward.exact_match import ExactParams, score_exact
 from rlfleet_reward.format_regex import FormatParams, score_format
 from rlfleet_reward.multiple_choice import ChoiceParams, score_multiple_choice
@@ -62,6 +62,22 @@ def test_boxed(response: str, label: str, expected: tuple[float, dict[str, float
 
 
 @pytest.mark.parametrize(
+    ("answer", "same_as"),
+    [
+        ("1,000", "1000"),
+        ("1{,}000", "1000"),
+        ("1,234,567.5", "1234567.5"),
+        ("\\$18", "18"),
+        ("\\$32,\\!348", "32348"),
+        ("2, 345", "2,345"),  # a list keeps its comma
+        ("1,23", "1,23"),
+    ],
+)
+def test_boxed_normalization_drops_thousands_separators_and_dollar_signs(answer: str, same_as: str) -> None:
+    assert normalize(answer) == same_as
+
+
+@pytest.mark.parametrize(
     ("response", "label", "options", "expected"),
     [
         (" Paris\n", "Paris", {}, 1.0),
@@ -85,6 +101,9 @@ def test_exact(response: str, label: str, options: dict, expected: float) -> Non
         ("-2.5e3", "-2500", {"extract": "whole"}, 1.0),
         ("x = -2.5e3", "-2500", {"extract": "whole"}, 0.0),
         ("no number", "1", {}, 0.0),
+        ("so x = \u22125", "-5", {}, 1.0),  # a Unicode minus sign
+        ("so x = \u22125", "5", {}, 0.0),
+        ("\u22122.5", "\u22122.5", {"extract": "whole"}, 1.0),
     ],
 )
 def test_numeric(response: str, label: str, options: dict, expected: float) -> None:
@@ -123,6 +142,29 @@ def test_f1_overlap_and_several_references() -> None:
 def test_multiple_choice(response: str, label: str, expected: float) -> None:
     value, _ = scored(score_multiple_choice(RewardInput(response=response, label=label), params(ChoiceParams)))
     assert value == expected
+
+
+@pytest.mark.parametrize(
+    ("response", "label", "expected"),
+    [
+        # The words "I" and "A" starting a sentence after "Answer:" are not choices.
+        ("Answer: I think it is B", "B", (1.0, {"found": 1.0})),
+        ("Answer: A careful reading gives C", "C", (1.0, {"found": 1.0})),
+        ("Answer: I'm not sure, maybe (D)", "D", (1.0, {"found": 1.0})),
+        ("Answer: I think so.", "I", (0.0, {"found": 0.0})),
+        # ... but they are after a delimiter, and other letters are before any word.
+        ("Answer: A, because the rest are wrong", "A", (1.0, {"found": 1.0})),
+        ("Answer: I\nsince it covers every case", "I", (1.0, {"found": 1.0})),
+        ("Answer: (A) is right", "A", (1.0, {"found": 1.0})),
+        ("Answer: B because the rest are wrong", "B", (1.0, {"found": 1.0})),
+        # An explicit box wins over a passing "the answer is".
+        ("If the answer is A, then x < 0, which fails. So $\\boxed{B}$", "B", (1.0, {"found": 1.0})),
+    ],
+)
+def test_multiple_choice_tells_the_words_a_and_i_from_choices(
+    response: str, label: str, expected: tuple[float, dict[str, float]]
+) -> None:
+    assert scored(score_multiple_choice(RewardInput(response=response, label=label), params(ChoiceParams))) == expected
 
 
 def test_multiple_choice_refuses_a_label_outside_the_choices() -> None:

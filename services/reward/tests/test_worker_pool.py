@@ -117,9 +117,10 @@ def test_at_most_size_jobs_run_at_once() -> None:
     assert 0.6 <= elapsed < 1.5
 
 
-# With one worker the first chunk is half the items: "slow", "b" and the misbehaving item. The worker
-# sends the reply of "slow" as soon as it is done (0.15 s is past its flush interval) but holds that of
-# "b", which dies with it: "b" alone is scored again, by the replacement worker.
+# Once the function is known to be quick, with one worker the first chunk is half the items: "slow", "b"
+# and the misbehaving item. The worker sends the reply of "slow" as soon as it is done (0.15 s is past its
+# flush interval) but holds that of "b", which dies with it: "b" alone is scored again, by the replacement
+# worker.
 
 
 @pytest.mark.parametrize(("culprit", "status", "error"), [("hang", TIMEOUT, "exceeded its 0.5 s time limit"),
@@ -130,6 +131,7 @@ def test_a_misbehaving_item_inside_a_chunk_fails_alone(
     log = tmp_path / "calls.log"
 
     async def body(pool: WorkerPool) -> None:
+        await pool.run("record_label", {"log": str(tmp_path / "warm-up.log")}, labelled("quick"), timeout=5)
         started = time.monotonic()
         labels = ("slow", "b", culprit, "c", "d", "e")
         results = await pool.run("record_label", {"log": str(log)}, labelled(*labels), timeout=0.5)
@@ -169,11 +171,31 @@ def test_queued_items_are_counted_until_a_worker_takes_them() -> None:
     async def body(pool: WorkerPool) -> None:
         task = asyncio.create_task(pool.run("sleep", {"seconds": 0.3}, labelled(*"abcdef"), timeout=5))
         await asyncio.sleep(0.15)
-        assert (pool.busy, pool.waiting) == (1, 3)
+        assert (pool.busy, pool.waiting) == (1, 5)  # a function not seen yet goes one item at a time
         await task
         assert (pool.busy, pool.waiting) == (0, 0)
 
     with_pool(body, size=1)
+
+
+def test_a_request_behind_a_large_batch_of_slow_items_waits_for_a_chunk_not_the_batch() -> None:
+    """40 items of 0.2 s on two workers take 4 s; chunks of about 0.2 s handed out first come, first served
+    let a one-item request in after about one item, rather than after the batch (or a 32-item chunk)."""
+
+    async def body(pool: WorkerPool) -> tuple[float, bool]:
+        batch = asyncio.create_task(pool.run("sleep", {"seconds": 0.2}, labelled(*"x" * 40), timeout=5))
+        await asyncio.sleep(0.5)
+        asked = time.monotonic()
+        (quick,) = await pool.run("length_parts", {}, [RewardInput(response="a")], timeout=5)
+        waited = time.monotonic() - asked
+        assert quick.status is OK
+        still_running = not batch.done()
+        await batch
+        return waited, still_running
+
+    waited, batch_still_running = with_pool(body)
+    assert batch_still_running
+    assert waited < 0.6
 
 
 def test_a_caller_that_goes_away_mid_chunk_gets_its_worker_replaced() -> None:
