@@ -1,7 +1,9 @@
 """JSON over HTTP to the router and the reward hub, with retries only where a retry can help.
 
-Connection errors, timeouts and 5xx answers are retried with exponential backoff inside one
-overall deadline; a 4xx answer is the caller's mistake and is raised at once.
+Connection errors, 5xx answers and 429 (a reward hub or router at its admission limit) are retried with
+exponential backoff inside one overall deadline, waiting at least what a Retry-After header asks; any other
+4xx answer is the caller's mistake and is raised at once. A timeout ends the call: the request may still be
+running at the other end.
 """
 
 from __future__ import annotations
@@ -50,10 +52,19 @@ async def request_json(
                     return response.json()
                 except ValueError as exc:
                     raise Unavailable(f"{method} {url} answered with invalid JSON: {exc}") from exc
-            if response.status_code < 500:
+            if response.status_code < 500 and response.status_code != 429:
                 raise InvalidInput(f"{url} rejected the request (HTTP {response.status_code}): {response.text[:500]}")
             last = f"HTTP {response.status_code}: {response.text[:200]}"
+            backoff = max(backoff, _retry_after_s(response))
         logger.warning("%s %s failed (%s); retrying in %.1fs", method, url, last, backoff)
         await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
         backoff = min(backoff * 2, _MAX_BACKOFF_S)
     raise Unavailable(f"{method} {url} did not succeed within {deadline_s:.0f}s (last: {last})")
+
+
+def _retry_after_s(response: httpx.Response) -> float:
+    """The seconds a Retry-After header asks to wait (its delay form), at most _MAX_BACKOFF_S; 0 without one."""
+    try:
+        return min(max(0.0, float(response.headers.get("retry-after", 0))), _MAX_BACKOFF_S)
+    except ValueError:  # the HTTP-date form, which neither the router nor the reward hub sends
+        return 0.0
