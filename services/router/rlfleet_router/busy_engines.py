@@ -10,23 +10,22 @@ from memory behind neither gate: an engine that is gone (connection refused) or 
 fails it, and the weight request itself stays bounded by its own deadline.
 
 A pause counts for at most `pause_bound_secs`: a trainer that died between /pause_generation and
-/continue_generation must not shield an engine from its probes for ever.
+/continue_generation must neither shield an engine from its probes nor stall its generation for ever. The
+health loop collects the pauses that outlived it (`expire_pauses`), and the router continues generation on
+those engines itself (`Fanout.end_pauses`).
 """
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from rlfleet_router.workers import Worker
-
-logger = logging.getLogger(__name__)
 
 LIVENESS_ROUTE = "/get_model_info"
 """Answered by SGLang's HTTP process from memory (no model lock, no scheduler round trip), during loads and pauses."""
@@ -47,23 +46,24 @@ class BusyEngines(Collector):
     def loading(self, workers: Iterable[Worker]) -> Iterator[None]:
         """`workers` are busy with a weight request of the router while the block runs (nests)."""
         held = list(workers)
-        for worker in held:
-            self._loads[worker.id] = self._loads.get(worker.id, 0) + 1
-            self._changed(worker)
+        self.start_loading(held)
         try:
             yield
         finally:
-            for worker in held:
-                left = self._loads.pop(worker.id) - 1
-                if left:
-                    self._loads[worker.id] = left
-                self._changed(worker)
+            self.end_loading(held)
 
-    @asynccontextmanager
-    async def loading_under_lock(self, workers: Iterable[Worker]) -> AsyncIterator[None]:
-        """`loading`, for `async with lock, busy.loading_under_lock(...)`: busy once the lock is held."""
-        with self.loading(workers):
-            yield
+    def start_loading(self, workers: Iterable[Worker]) -> None:
+        """`loading` for a request that outlives the block that sent it: each call needs one `end_loading`."""
+        for worker in workers:
+            self._loads[worker.id] = self._loads.get(worker.id, 0) + 1
+            self._changed(worker)
+
+    def end_loading(self, workers: Iterable[Worker]) -> None:
+        for worker in workers:
+            left = self._loads.pop(worker.id) - 1
+            if left:
+                self._loads[worker.id] = left
+            self._changed(worker)
 
     def pause(self, workers: Iterable[Worker]) -> None:
         for worker in workers:
@@ -80,17 +80,16 @@ class BusyEngines(Collector):
         if worker.id in self._loads:
             return LOADING
         until = self._paused_until.get(worker.id)
-        if until is None:
-            return None
-        if time.monotonic() < until:
+        if until is not None and time.monotonic() < until:
             return PAUSED
-        logger.warning(
-            "engine %s has been paused for over %.0fs without /continue_generation; its probes count again",
-            worker.url,
-            self._pause_bound,
-        )
-        self.resume([worker])
-        return None
+        return None  # not paused, or for longer than the pause bound: its probes count again
+
+    def expire_pauses(self) -> list[Worker]:
+        """The engines whose pause outlived `pause_bound_secs`, paused no more for the router from now on."""
+        now = time.monotonic()
+        expired = [self._workers[worker_id] for worker_id, until in self._paused_until.items() if until <= now]
+        self.resume(expired)
+        return expired
 
     def changes(self, worker: Worker) -> int:
         """A count that moves whenever `worker` becomes busy or stops being busy: a probe that saw it move

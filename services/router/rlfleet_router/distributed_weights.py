@@ -8,14 +8,22 @@ SGLang's contract is per engine; the router turns it into one fleet-wide group:
     the others waiting out their timeout). Every member gets its init at once; each blocks until
     the trainer (rank 0) has joined too, so the trainer calls this while it opens its own end.
   * `update`: one bucket's request goes to every member at once while the trainer broadcasts. The
-    request that carries a weight_version makes it the fleet's version, as a disk load does.
-    Engines that are healthy but not members (they joined after the group was opened) leave routing
-    then, and rejoin on the version's disk copy; the trainer reopens the group to include them.
+    request that carries a weight_version makes it the fleet's version, as a disk load does; until it
+    comes, the members hold part of a version (`FleetWeights.receiving`). Engines that are healthy but
+    not members (they joined after the group was opened) leave routing then, and rejoin on the
+    version's disk copy; the trainer reopens the group to include them. A bucket waits for the fleet's
+    weight lock as a disk load does (FANOUT_QUEUE_DEADLINE_SECS, not once its caller left): sent later,
+    it would reach engines after the trainer's side of the broadcast gave up.
   * A collective needs every rank, so the router answers as soon as one member fails (instead of
-    waiting for the others' timeouts). The members that failed leave routing and the group is
-    dropped: a broken collective cannot carry the next bucket. The others may hold part of a
-    version; they stay paused (the trainer pauses generation around a version's buckets) until the
-    trainer loads the whole version from disk into every healthy engine.
+    waiting for the others' timeouts), and the group is closed: a broken collective cannot carry the
+    next bucket. Every member that does not hold the fleet's version whole (it failed, was not waited
+    for, or holds only some buckets) leaves routing, stranded (`FleetWeights.strand`): it serves again
+    only once it has loaded a whole version, which the trainer's disk fallback of that version does.
+    So does generation continuing, or a new group opening, before a version's last bucket.
+  * A group the router closes is destroyed on its engines by the router, each once it is done with its
+    last request through it (a destroy behind a pending collective would wait for it, or break it): the
+    trainer forgets a group whose broadcast failed, and a later destroy of it from the trainer is
+    answered from what the router did.
 """
 
 from __future__ import annotations
@@ -24,15 +32,17 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 import httpx
 
 from rlfleet.errors import Conflict, NotFound, Unavailable
 from rlfleet_router.busy_engines import LIVENESS_ROUTE
+from rlfleet_router.lock_turns import NoTurn, turn
 from rlfleet_router.weights import (
     DISTRIBUTED_UPDATE_ROUTE,
+    FANOUT_QUEUE_DEADLINE_SECS,
     EngineUpdateResult,
     FleetUpdateResult,
     FleetWeights,
@@ -42,6 +52,10 @@ from rlfleet_router.weights import (
 from rlfleet_router.workers import Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
+
+DESTROY_ROUTE = "/destroy_weights_update_group"
+STOP_SECS = 5.0
+"""How long stopping the router waits for the destroys of groups it closed."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +102,9 @@ class DistributedWeights:
         self._weights = weights
         self.groups: dict[str, WeightGroup] = {}
         self._version_started: float | None = None  # first bucket of the version on its way
+        # Groups the router closed, by name: their destroy on the engines (the latest close of each name).
+        self._closed: dict[str, asyncio.Task[GroupResult]] = {}
+        self._tasks: set[asyncio.Task[GroupResult]] = set()
 
     def group(self, name: str) -> WeightGroup:
         group = self.groups.get(name)
@@ -99,6 +116,8 @@ class DistributedWeights:
         self, master_address: str, master_port: int, world_size: int, name: str, backend: str
     ) -> tuple[GroupResult, WeightGroup]:
         """Opens the group on every healthy engine; returns once each has joined (or failed to)."""
+        self._weights.strand_receiving("a weight update group opened before the last bucket of the version on its way")
+        self._closed.pop(name, None)  # a destroy of this name now means the group opened here
         engines = self._workers.healthy()
         if not engines:
             raise Unavailable("no healthy engine to join a weight update group; GET /workers shows why")
@@ -129,7 +148,9 @@ class DistributedWeights:
 
         # Each member's scheduler waits in the group's rendezvous, and its generation probes with it.
         with self._weights.busy.loading(engines):
-            results, _ = await self._post_all(group.members, "/init_weights_update_group", body)
+            results, pending = await self._post_all(group.members, "/init_weights_update_group", body)
+        for task in pending.values():
+            task.cancel()
         failed = [r for r in results if not r.success]
         if failed:
             message = f"{len(failed)}/{len(results)} engines could not join weight update group {name!r}"
@@ -139,61 +160,102 @@ class DistributedWeights:
         logger.info(message)
         return GroupResult(True, message, tuple(results)), group
 
-    async def update(self, name: str, version: str | None, request_body: bytes) -> FleetUpdateResult:
-        """Sends one bucket's request to every member while the trainer broadcasts it."""
+    async def update(
+        self,
+        name: str,
+        version: str | None,
+        request_body: bytes,
+        caller_gone: Callable[[], Awaitable[bool]] | None = None,
+    ) -> FleetUpdateResult:
+        """Sends one bucket's request to every member while the trainer broadcasts it; never once its turn at
+        the fleet's weight lock did not come within FANOUT_QUEUE_DEADLINE_SECS or before `caller_gone()`."""
         group = self.group(name)
         gone = [m.worker.url for m in group.members if not (self._workers.contains(m.worker) and m.worker.healthy)]
         if gone:
-            del self.groups[name]
+            self._close(group)
             raise Conflict(
                 f"engines {gone} of weight update group {name!r} are out of routing; "
                 "open the group again with POST /init_weights_update_group"
             )
-        # Members are busy (their generation probes wait) until what they received is recorded.
-        async with self._weights.lock, self._weights.busy.loading_under_lock([m.worker for m in group.members]):
-            if self.groups.get(name) is not group:  # closed (a bucket before this one failed) while this waited
-                raise Conflict(
-                    f"weight update group {name!r} was closed while this update waited for the one before it; "
-                    "open the group again with POST /init_weights_update_group"
-                )
-            if self._version_started is None:
-                self._version_started = time.monotonic()
-            results, abandoned = await self._post_all(group.members, DISTRIBUTED_UPDATE_ROUTE, lambda _: request_body)
-            failed = {r.worker_id: r.message for r in results if not r.success}
-            received = {r.worker_id for r in results if r.success}
-            self._weights.loaded(
-                DISTRIBUTED_UPDATE_ROUTE, request_body, [m.worker for m in group.members if m.worker.id in received]
+        what = f"a bucket of weight update group {name!r}"
+        try:
+            async with turn(self._weights.lock, what, FANOUT_QUEUE_DEADLINE_SECS, caller_gone):
+                return await self._send_bucket(group, version, request_body)
+        except NoTurn as exc:
+            # The trainer's side of this broadcast fails without it: the group cannot carry another bucket.
+            if self.groups.get(name) is group:
+                self._close(group)
+            reopen = "the group is closed: open it again with POST /init_weights_update_group"
+            raise Unavailable(f"{exc}; {reopen}") from exc
+
+    async def _send_bucket(self, group: WeightGroup, version: str | None, request_body: bytes) -> FleetUpdateResult:
+        """`update` with the fleet's weight lock held."""
+        if self.groups.get(group.name) is not group:  # closed (a bucket before this one failed) while this waited
+            raise Conflict(
+                f"weight update group {group.name!r} was closed while this update waited for the one before it; "
+                "open the group again with POST /init_weights_update_group"
             )
-            for member in group.members:
-                if member.worker.id in failed and member.worker.id not in abandoned:
-                    reason = f"failed a distributed weight update: {failed[member.worker.id]}"
-                    self._workers.take_out(member.worker, reason)
-            if version is not None and len(failed) < len(results):
-                self._serve_version(group, version, set(failed))
-            if failed:
-                if self.groups.get(name) is group:  # not already closed by a destroy meanwhile
-                    del self.groups[name]
-                self._version_started = None
-                self._weights.count_update("failure" if len(failed) == len(results) else "partial")
-                message = (
-                    f"{len(failed)}/{len(results)} engines failed the update through group {name!r}; "
-                    "they left routing and the group is closed"
-                )
-                return FleetUpdateResult(False, message, self._weights.version, tuple(results), ())
-            if version is not None:
-                self._weights.count_update("success")
-        message = f"{len(results)} engines received the update through group {name!r}"
+        if not self._weights.receiving:
+            self._version_started = time.monotonic()
+        members = [m.worker for m in group.members]
+        # Members are busy (their generation probes wait) until what they received is recorded.
+        with self._weights.busy.loading(members):
+            results, pending = await self._post_all(group.members, DISTRIBUTED_UPDATE_ROUTE, lambda _: request_body)
+        failed = {r.worker_id: r.message for r in results if not r.success and r.worker_id not in pending}
+        received = [w for w in members if w.id not in failed and w.id not in pending]
+        self._weights.loaded(DISTRIBUTED_UPDATE_ROUTE, request_body, received)
+        if version is None:
+            self._weights.receiving.update((w.id, w) for w in received)
+        elif received:
+            self._serve_version(group, version, received)
+        if failed:
+            return self._broken(group, results, failed, pending, whole=received if version is not None else [])
+        if version is not None:
+            self._weights.count_update("success")
+        message = f"{len(results)} engines received the update through group {group.name!r}"
         if version is not None:
             message += f" and serve weight version {version!r}"
         return FleetUpdateResult(True, message, self._weights.version, tuple(results), ())
 
-    def _serve_version(self, group: WeightGroup, version: str, failed: set[str]) -> None:
-        """Records `version` as the fleet's (lock held); healthy engines that did not receive it leave routing."""
-        self._weights.set_target(WeightTarget(version=version, model_path=None, request_body=None))
-        members = {m.worker.id for m in group.members}
+    def _broken(
+        self,
+        group: WeightGroup,
+        results: list[EngineUpdateResult],
+        failed: Mapping[str, str],
+        pending: Mapping[str, asyncio.Task[EngineUpdateResult]],
+        whole: list[Worker],
+    ) -> FleetUpdateResult:
+        """A member failed a bucket (lock held): every member but those holding the version `whole` is stranded,
+        and the group is closed."""
+        held = {w.id for w in whole}
         for member in group.members:
-            if member.worker.id not in failed:
-                member.worker.weight_version = version
+            worker = member.worker
+            if worker.id in held:
+                continue
+            if worker.id in failed:
+                reason = f"failed a distributed weight update through group {group.name!r}: {failed[worker.id]}"
+            elif worker.id in pending:
+                reason = f"not waited for once another member of weight update group {group.name!r} failed"
+            else:
+                reason = f"received a bucket through weight update group {group.name!r}, which broke before the last"
+            self._weights.strand([worker], f"{reason}; it may hold part of a weight version")
+        self._close(group, pending)
+        self._weights.count_update("partial" if whole else "failure")
+        message = (
+            f"{len(failed) + len(pending)}/{len(results)} engines failed (or were not waited for) the update through "
+            f"group {group.name!r}: the group is closed, and {len(group.members) - len(held)} engines that may hold "
+            "part of a weight version left routing until a fleet weight update loads a whole one into them"
+        )
+        return FleetUpdateResult(False, message, self._weights.version, tuple(results), ())
+
+    def _serve_version(self, group: WeightGroup, version: str, received: list[Worker]) -> None:
+        """Records `version` as the fleet's (lock held), held by the members that `received` its last bucket;
+        healthy engines that are not members leave routing."""
+        target = WeightTarget(version=version, model_path=None, request_body=None)
+        self._weights.set_target(target)
+        for worker in received:
+            self._weights.record_served(worker, target, self._weights.loads)
+        members = {m.worker.id for m in group.members}
         for worker in self._workers.healthy():
             if worker.id not in members:
                 self._workers.take_out(worker, f"not in weight update group {group.name!r}, which carried {version!r}")
@@ -214,10 +276,11 @@ class DistributedWeights:
 
     async def _post_all(
         self, members: tuple[Member, ...], route: str, body: Callable[[Member], bytes]
-    ) -> tuple[list[EngineUpdateResult], set[str]]:
+    ) -> tuple[list[EngineUpdateResult], dict[str, asyncio.Task[EngineUpdateResult]]]:
         """POSTs to every member at once and stops waiting at the first failure.
 
-        Returns one result per member, and the ids of the members not waited for.
+        Returns one result per member, and the requests not waited for by member id: still under way, as
+        they are at the engines whatever the router does, for the caller to wait for or cancel.
         """
         tasks = {asyncio.create_task(self._weights.post_update(m.worker, route, body(m))): m for m in members}
         results: dict[str, EngineUpdateResult] = {}
@@ -227,20 +290,79 @@ class DistributedWeights:
                 results[result.worker_id] = result
                 if not result.success:
                     break
-        finally:
+        except BaseException:
             for task in tasks:
                 task.cancel()
+            raise
         note = "not waited for: another engine of the group failed first"
-        abandoned = {m.worker.id for m in members if m.worker.id not in results}
+        pending = {m.worker.id: task for task, m in tasks.items() if m.worker.id not in results}
         return [
             results.get(m.worker.id) or EngineUpdateResult(m.worker.id, m.worker.url, False, note, 0.0) for m in members
-        ], abandoned
+        ], pending
 
     async def destroy(self, name: str, request_body: bytes) -> GroupResult:
-        group = self.group(name)
-        del self.groups[name]
+        """Destroys the group on its members; for a group the router closed, says what its own destroy did."""
+        group = self.groups.get(name)
+        if group is None:
+            closed = self._closed.get(name)
+            if closed is None:
+                raise NotFound(f"no weight update group {name!r}; open one with POST /init_weights_update_group")
+            if not closed.done():
+                return GroupResult(True, f"the router closed group {name!r} and is destroying it on its engines", ())
+            del self._closed[name]
+            return closed.result()
+        self._forget(group)
         results = await asyncio.gather(
-            *(self._weights.post_update(m.worker, "/destroy_weights_update_group", request_body) for m in group.members)
+            *(self._weights.post_update(m.worker, DESTROY_ROUTE, request_body) for m in group.members)
         )
         done = sum(r.success for r in results)
         return GroupResult(done == len(results), f"{done}/{len(results)} engines left group {name!r}", tuple(results))
+
+    def _forget(self, group: WeightGroup) -> None:
+        """Drops `group`; its members holding part of a version leave routing, since its last bucket cannot come."""
+        if self.groups.get(group.name) is group:
+            del self.groups[group.name]
+        ids = {m.worker.id for m in group.members}
+        partial = [w for w in self._weights.receiving.values() if w.id in ids]
+        reason = f"weight update group {group.name!r} closed before the last bucket of a weight version"
+        self._weights.strand(partial, f"{reason}; it may hold part of it")
+
+    def _close(self, group: WeightGroup, pending: Mapping[str, asyncio.Task[EngineUpdateResult]] | None = None) -> None:
+        """Forgets `group` and destroys it on its members in the background, each once its `pending` request
+        through the group has ended (it stays busy till then: nothing else loads weights into it meanwhile)."""
+        self._forget(group)
+        pending = dict(pending or {})
+        self._weights.busy.start_loading([m.worker for m in group.members if m.worker.id in pending])
+        task = asyncio.create_task(self._destroy_when_done(group, pending), name=f"destroy-group-{group.name}")
+        self._closed[group.name] = task
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _destroy_when_done(
+        self, group: WeightGroup, pending: dict[str, asyncio.Task[EngineUpdateResult]]
+    ) -> GroupResult:
+        body = json.dumps({"group_name": group.name}).encode()
+
+        async def destroy_on(member: Member) -> EngineUpdateResult:
+            task = pending.get(member.worker.id)
+            if task is not None:
+                try:
+                    await asyncio.wait({task})
+                finally:
+                    task.cancel()
+                    self._weights.busy.end_loading([member.worker])
+            return await self._weights.post_update(member.worker, DESTROY_ROUTE, body)
+
+        results = await asyncio.gather(*(destroy_on(m) for m in group.members))
+        done = sum(r.success for r in results)
+        message = f"{done}/{len(results)} engines left group {group.name!r}, which the router closed"
+        logger.info(message)
+        return GroupResult(done == len(results), message, tuple(results))
+
+    async def stop(self) -> None:
+        """Stops the destroys still under way (bounded by STOP_SECS)."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=STOP_SECS)

@@ -76,6 +76,7 @@ class Fleet:
             endpoint=config.health_check_endpoint,
             interval_secs=config.health_check_interval_secs,
             timeout_secs=config.health_check_timeout_secs,
+            on_pause_expired=lambda workers: self.fanout.end_pauses(workers),
             metrics=self.metrics,
         )
         retry = RetryPolicy(
@@ -97,7 +98,15 @@ class Fleet:
         )
         self.workers.on_failed_requests = self.proxy.engine_failed
         self.fanout = Fanout(
-            self.client, self.workers, config.control_timeout_secs, self.policy.forget_caches, self.weights.busy
+            self.client,
+            self.workers,
+            config.control_timeout_secs,
+            self.policy.forget_caches,
+            self.weights.busy,
+            before_continue=lambda: self.weights.strand_receiving(
+                "generation continued before the last bucket of the weight version on its way"
+            ),
+            expired_pauses=self.metrics.expired_pauses,
         )
         self.trajectories = TrajectoryStore(config.trajectory_max_tokens, config.trajectory_max_update_lag)
         self.metrics.fleet.trajectories = self.trajectories
@@ -142,6 +151,7 @@ class Fleet:
         if self.discovery is not None:
             await self.discovery.stop()
         await self.health.stop()
+        await self.distributed_weights.stop()
         if self.healer is not None:
             await self.healer.stop()
         await self.proxy.stop()

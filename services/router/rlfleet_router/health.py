@@ -2,28 +2,35 @@
 
 One probe per engine at a time: an engine whose previous check is still running (a slow probe,
 or a weight load before it rejoins) is skipped in that round rather than probed twice. A probe
-that succeeds for an engine out of routing goes through `FleetWeights.admit`, which loads the
-fleet's weights first if the engine serves another version.
+that succeeds for an engine out of routing goes through admission (`rlfleet_router.weight_admission`),
+which loads the fleet's weights first.
 
 An engine in routing that the router keeps busy (loading weights it sent, or paused) is checked with
 `LIVENESS_ROUTE` instead of the probe, which SGLang makes wait behind the load or the pause
 (`rlfleet_router.busy_engines`). Once the fleet has a weight version, an engine that is not busy also
-has its reported weight version compared with the one the router recorded, in the same round: an
-engine that restarted by itself faster than the failure window comes back on its initial weights, and
-must leave routing and load the fleet's version before it serves again. That costs one small GET per
-engine per interval, off the routing path.
+has what it reports it serves (weight version and model path) compared with what the router recorded,
+in the same round: an engine that restarted by itself faster than the failure window comes back on its
+initial weights, and must leave routing and load the fleet's version before it serves again. The path
+tells it apart when the labels agree (a run whose version "0" is another model than the engines boot
+with, as "0"). That costs one small GET per engine per interval, off the routing path.
+
+Each round also ends the pauses that outlived their bound (`BusyEngines.expire_pauses`): the router
+continues generation on those engines itself (`on_pause_expired`), so a trainer that died between
+/pause_generation and /continue_generation cannot stall generation for good.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Coroutine
 
 import httpx
 
 from rlfleet.errors import Unavailable
 from rlfleet_router.busy_engines import LIVENESS_ROUTE
 from rlfleet_router.metrics import RouterMetrics
+from rlfleet_router.weight_admission import Admission
 from rlfleet_router.weights import FleetWeights, describe_error
 from rlfleet_router.workers import Worker, WorkerRegistry
 
@@ -39,16 +46,21 @@ class HealthChecker:
         endpoint: str,
         interval_secs: float,
         timeout_secs: float,
+        on_pause_expired: Callable[[list[Worker]], Coroutine[object, object, None]],
         metrics: RouterMetrics | None = None,
     ) -> None:
+        """`on_pause_expired(workers)` ends the pause of `workers`, which outlived its bound."""
         self._client = client
         self._workers = workers
         self._weights = weights
+        self._admission = Admission(weights, workers)
         self._endpoint = endpoint
         self._interval = interval_secs
         self._timeout = timeout_secs
+        self._on_pause_expired = on_pause_expired
         self._metrics = metrics
         self._checks: dict[str, asyncio.Task[None]] = {}
+        self._pause_ends: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -57,12 +69,13 @@ class HealthChecker:
         self._loop_task = asyncio.create_task(self._run(), name="health-loop")
 
     async def stop(self, timeout_secs: float = 5.0) -> None:
-        tasks = [t for t in (self._loop_task, *self._checks.values()) if t is not None]
+        tasks = [t for t in (self._loop_task, *self._checks.values(), *self._pause_ends) if t is not None]
         for task in tasks:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=timeout_secs)
         self._checks.clear()
+        self._pause_ends.clear()
         self._loop_task = None
 
     def check_soon(self, worker: Worker) -> asyncio.Task[None]:
@@ -98,17 +111,16 @@ class HealthChecker:
             await self._check_version(worker, changes)
 
     async def _check_version(self, worker: Worker, changes: int) -> None:
-        """Takes `worker` out of routing and admits it again (on the fleet's version) if it reports another
-        weight version than the router recorded: it restarted by itself, or was loaded behind the router's back."""
+        """Takes `worker` out of routing and admits it again (on the fleet's version) if it reports other
+        weights than the router recorded: it restarted by itself, or was loaded behind the router's back."""
         try:
-            version = await self._weights.engine_version(worker)
+            served = await self._weights.served_weights(worker)
         except Unavailable as exc:
             if self._workers.contains(worker) and self._weights.busy.changes(worker) == changes:
                 self._record_failure(worker, str(exc))
             return
         if (
-            version is None  # an engine that reports no version cannot be compared
-            or version == worker.weight_version
+            not served.contradicts(worker)
             or not (self._workers.contains(worker) and worker.healthy)
             or self._weights.busy.changes(worker) != changes  # a load of the router changed its version meanwhile
         ):
@@ -117,14 +129,15 @@ class HealthChecker:
             self._metrics.engine_version_drifts.labels(engine=worker.url).inc()
         self._workers.take_out(
             worker,
-            f"serves weight version {version!r}, not {worker.weight_version!r} as recorded "
-            "(restarted, or loaded behind the router's back); it rejoins on the fleet's version",
+            f"serves weight version {served.version!r} from {served.model_path}, not {worker.weight_version!r} "
+            f"from {worker.model_path} as recorded (restarted, or loaded behind the router's back); it rejoins "
+            "on the fleet's version",
         )
         await self._admit(worker)
 
     async def _admit(self, worker: Worker) -> None:
         try:
-            await self._weights.admit(worker)
+            await self._admission.admit(worker)
         except Unavailable as exc:
             if self._workers.contains(worker):
                 self._workers.record_failure(worker, str(exc))
@@ -155,6 +168,11 @@ class HealthChecker:
         while True:
             workers = self._workers.all()
             self._weights.busy.keep_only(workers)
+            expired = self._weights.busy.expire_pauses()
+            if expired:
+                task = asyncio.create_task(self._on_pause_expired(expired), name="end-expired-pauses")
+                self._pause_ends.add(task)
+                task.add_done_callback(self._pause_ends.discard)
             for worker in workers:
                 self.check_soon(worker)
             await asyncio.sleep(self._interval)

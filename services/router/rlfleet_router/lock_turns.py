@@ -19,6 +19,10 @@ CHECK_SECS = 0.2
 """How often a waiter looks whether its caller left."""
 
 
+class NoTurn(Unavailable):
+    """The wait ended without the lock: its deadline passed or its caller left, and what waited was not done."""
+
+
 @asynccontextmanager
 async def turn(
     lock: asyncio.Lock,
@@ -26,7 +30,7 @@ async def turn(
     deadline_secs: float,
     caller_gone: Callable[[], Awaitable[bool]] | None = None,
 ) -> AsyncIterator[None]:
-    """Holds `lock` for the block; raises Unavailable naming `what`, without ever taking the lock, once
+    """Holds `lock` for the block; raises NoTurn naming `what`, without ever taking the lock, once
     `deadline_secs` pass or `caller_gone()` is true before its turn comes."""
     deadline = time.monotonic() + deadline_secs
     acquire = asyncio.ensure_future(lock.acquire())
@@ -36,9 +40,9 @@ async def turn(
             if acquire.done():
                 break
             if caller_gone is not None and await caller_gone():
-                raise Unavailable(f"{what}: its caller left while it waited for the one before it; not applied")
+                raise NoTurn(f"{what}: its caller left while it waited for the one before it; not applied")
             if time.monotonic() >= deadline:
-                raise Unavailable(f"{what} waited {deadline_secs:g}s for the one before it to end; not applied, retry")
+                raise NoTurn(f"{what} waited {deadline_secs:g}s for the one before it to end; not applied, retry")
     except BaseException:
         acquire.cancel()
         if acquire.done() and not acquire.cancelled():

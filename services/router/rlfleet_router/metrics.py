@@ -232,6 +232,12 @@ class RouterMetrics:
             ["engine"],
             registry=self.registry,
         )
+        self.expired_pauses = Counter(
+            "rlfleet_router_expired_pauses",
+            "Engines the router sent /continue_generation itself, their pause having outlived its bound "
+            "(--weight-update-timeout-secs) without one: whoever paused them (a trainer) died or lost it.",
+            registry=self.registry,
+        )
         for result in WEIGHT_UPDATE_RESULTS:  # at 0 from the start, for the reason add_engine gives
             self.weight_updates.labels(result=result)
         self.fleet = FleetCollector(workers, weight_version)

@@ -2,9 +2,9 @@
 
 `/init_weights_update_group`, `/update_weights_from_distributed` and `/destroy_weights_update_group`
 keep SGLang's paths and bodies, for the whole fleet (the answer lists each engine's outcome: 200 if
-all succeeded, else 502). `GET /weights_update_groups/{name}` shows a group's members and whether
-they are still the healthy engines; `POST /weight_version/disk_copy` registers where engines that
-rejoin load the current version from.
+all succeeded, else 502; a bucket that could not be sent in time, 503). `GET /weights_update_groups/{name}`
+shows a group's members and whether they are still the healthy engines; `POST /weight_version/disk_copy`
+registers where engines that rejoin load the current version from.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from rlfleet_router.api_models import (
@@ -41,10 +41,10 @@ def weight_group_routes(fleet: Fleet) -> APIRouter:
         return JSONResponse(body, status_code=200 if result.success else 502)
 
     @routes.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(req: DistributedUpdateRequest) -> JSONResponse:
+    async def update_weights_from_distributed(req: DistributedUpdateRequest, request: Request) -> JSONResponse:
         # Re-encoded so a numeric weight_version reaches the engines as text; unknown fields pass through.
         body = json.dumps(req.model_dump()).encode()
-        result = await groups.update(req.group_name, req.weight_version, body)
+        result = await groups.update(req.group_name, req.weight_version, body, request.is_disconnected)
         if req.weight_version is not None:
             fleet.trajectories.evict_stale(fleet.weights.updates)
         return JSONResponse(result.describe(), status_code=200 if result.success else 502)

@@ -1,25 +1,27 @@
-"""Which weights the fleet serves: the fan-out of a weight update and the rejoin rule.
+"""Which weights the fleet serves: the fan-out of a weight update, the target, and what each engine holds.
 
 The router records the fleet's target (weight version, model path, and the update request as sent)
-once at least one engine has loaded it. Every engine that was not part of that update (pending,
-taken out, restarted) is brought to the target by `FleetWeights.admit` before it enters routing,
-so rollouts never mix weight versions silently. One lock orders fleet updates and the moment an
-engine enters routing: an engine either joins on the version current when it joined, or is part of
-the next fan-out. No slow call to one engine happens under that lock but a fan-out's own: an engine
-reads its version and loads the target to rejoin outside it, then enters routing under it only if
-that is still the fleet's version.
+once at least one engine has loaded it, as one more fleet load (`loads`: labels repeat, every run
+starting at "0", this count does not), and for each engine the load it saw that engine apply
+(`Worker.weight_load`). Engines that were not part of that update (pending, taken out, restarted) are
+brought to the target by `rlfleet_router.weight_admission` before they enter routing, so rollouts never
+mix weights silently. One lock orders fleet updates and the moment an engine enters routing: an engine
+either joins on the load current when it joined, or is part of the next fan-out. No slow call to one
+engine happens under that lock but a fan-out's own.
 
 An update waits at most FANOUT_QUEUE_DEADLINE_SECS for the one before it, and not at all once its
 caller has left: it starts in time or never, so versions never land after the trainer gave up on
 them. The engines of a fan-out are busy (`BusyEngines`) until it ends: their generation probes wait
 behind the load, so the health checker checks them for liveness only. An engine that did not answer in
 time may still finish the load; if no engine confirmed that version, the first one found serving it
-makes it the fleet's version (`unconfirmed`), rather than being loaded back to the older one.
+makes it the fleet's version (`unconfirmed`, `adopt`), rather than being loaded back to the older one.
 
 A version that arrived over a weight update group (`rlfleet_router.distributed_weights`) has no
 disk path at first: the trainer writes a disk copy after the broadcast and registers it
 (`register_disk_copy`); until then an engine that rejoins waits out of routing rather than
-serving an older version.
+serving an older version. Engines a group left holding part of a version (`stranded`) also wait out
+of routing; the next fleet update (the trainer's disk fallback, sent while generation is paused and
+their probes cannot pass) loads them too and brings them back.
 """
 
 from __future__ import annotations
@@ -28,22 +30,19 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, replace
 
 import httpx
 from prometheus_client import Histogram
 
 from rlfleet.errors import Conflict, Unavailable
-from rlfleet_router.busy_engines import LIVENESS_ROUTE, BusyEngines
+from rlfleet_router.busy_engines import LIVENESS_ROUTE, LOADING, BusyEngines
 from rlfleet_router.lock_turns import turn
 from rlfleet_router.metrics import RouterMetrics
 from rlfleet_router.workers import Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 JSON_HEADERS = {"content-type": "application/json"}
 DISK_UPDATE_ROUTE = "/update_weights_from_disk"
@@ -52,15 +51,13 @@ FANOUT_ENGINE_DEADLINE_SECS = 100.0
 """Longest a fleet update waits for one engine, below `weight_update_timeout_secs` when that is
 longer: the trainer waits 120 s for one attempt and 300 s in all (`weight_load_timeout_s`), and the
 fan-out must answer it before then. An engine slower than this is taken out of routing and loads the
-version before it rejoins (`admit`, which is bounded by `weight_update_timeout_secs` alone)."""
+version before it rejoins (admission, which is bounded by `weight_update_timeout_secs` alone)."""
 FANOUT_QUEUE_DEADLINE_SECS = 20.0
 """Longest a fleet update waits for the one before it to end; past it, it is refused (503) and never
 applied. With FANOUT_ENGINE_DEADLINE_SECS it stays within the 120 s the trainer waits for one attempt."""
 ROUTING_CHECK_SECS = 0.2
 """How often a wait looks whether what it waits for still matters: an engine a fan-out waits for taken out
 of routing, an engine removed from the fleet while it loads to rejoin."""
-ADMIT_ROUNDS = 3
-"""Loads an engine may do to rejoin, when the fleet's version moves on while it loads."""
 # From a small model's disk load to a large model's broadcast.
 SYNC_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -70,6 +67,29 @@ class WeightTarget:
     version: str
     model_path: str | None  # None: received over a weight update group, disk copy not registered yet
     request_body: bytes | None  # a disk load, sent unchanged to engines that rejoin, so they load what the fleet did
+
+
+@dataclass(frozen=True)
+class ServedWeights:
+    """What an engine reports it serves (`LIVENESS_ROUTE`). The path changes with every load from disk (SGLang
+    records it), so it tells apart two loads under one label; a version received over a group keeps the path."""
+
+    version: str | None
+    model_path: str | None
+
+    def contradicts(self, worker: Worker) -> bool:
+        """Whether this is not what the router recorded for `worker` (a part either side lacks is not compared)."""
+        pairs = ((self.version, worker.weight_version), (self.model_path, worker.model_path))
+        return any(seen is not None and recorded is not None and seen != recorded for seen, recorded in pairs)
+
+
+@dataclass(frozen=True)
+class Unconfirmed:
+    """A fleet update no engine confirmed while some did not answer in time: those may still finish it."""
+
+    target: WeightTarget
+    engines: frozenset[str]  # ids of the engines that did not answer
+    adopted_as: int | None = None  # the fleet load it became once one of them was found serving it
 
 
 @dataclass(frozen=True)
@@ -146,9 +166,13 @@ class FleetWeights:
         # Orders fleet updates (disk loads, versioned distributed updates) and admissions into routing.
         self.lock = asyncio.Lock()
         self.target: WeightTarget | None = None
-        # The last fleet update no engine confirmed while some did not answer in time: they may still load it.
-        self.unconfirmed: WeightTarget | None = None
-        self.updates = 0  # fleet updates that changed the target: the age unit of cached trajectories
+        self.loads = 0  # targets recorded so far: the target is fleet load number `loads`
+        self.unconfirmed: Unconfirmed | None = None
+        self.updates = 0  # versions the fleet moved to: the age unit of cached trajectories
+        # Members of a weight update group that received buckets of a version whose last bucket has not come yet.
+        self.receiving: dict[str, Worker] = {}
+        # Out of routing because a group broke under them: they may hold part of a version (see `strand`).
+        self.stranded: dict[str, Worker] = {}
         # A pause is trusted as long as a weight load may take.
         self.busy = BusyEngines(timeout_secs, metrics.registry)
         self.sync_seconds = Histogram(
@@ -174,18 +198,21 @@ class FleetWeights:
         """Sends `request_body` to every healthy engine at once; records the target if any engine loaded it.
 
         Engines that fail leave routing (they may serve either version now) and rejoin through
-        `admit`. So do engines that do not answer within FANOUT_ENGINE_DEADLINE_SECS, and engines
+        admission. So do engines that do not answer within FANOUT_ENGINE_DEADLINE_SECS, and engines
         their health checks take out of routing while the update runs (a hung engine) are no longer
         waited for. If every engine refuses it, nothing changes: they all still serve the old
         version, which is consistent; engines that did not answer in time leave routing even then,
         since they may still finish the load (`unconfirmed`). The update starts only if its turn
         comes within FANOUT_QUEUE_DEADLINE_SECS and before `caller_gone()` is true; else it raises
-        Unavailable and is never applied.
+        Unavailable and is never applied. Stranded engines that still answer are sent it too, and rejoin
+        routing with it.
         """
         async with turn(self.lock, f"weight version {version!r}", FANOUT_QUEUE_DEADLINE_SECS, caller_gone):
             started = time.monotonic()
-            engines = self._workers.healthy()
-            skipped = [w for w in self._workers.all() if not w.healthy]
+            rejoining = await self._claim_stranded()
+            engines = self._workers.healthy() + rejoining
+            rejoining_ids = {w.id for w in rejoining}
+            skipped = [w for w in self._workers.all() if not w.healthy and w.id not in rejoining_ids]
             if not engines:
                 self.count_update("failure")
                 raise Unavailable(
@@ -194,8 +221,29 @@ class FleetWeights:
                 )
             target = WeightTarget(version=version, model_path=model_path, request_body=request_body)
             with self.busy.loading(engines):
-                answers = await asyncio.gather(*(self._update_while_routed(w, request_body) for w in engines))
-                return self._record_update(target, engines, answers, skipped, started)
+                answers = await asyncio.gather(
+                    *(self._update_one(w, request_body, w.id in rejoining_ids) for w in engines)
+                )
+                return self._record_update(target, engines, answers, skipped, started, rejoining_ids)
+
+    async def _claim_stranded(self) -> list[Worker]:
+        """The stranded engines this fleet update takes along: those that answer `LIVENESS_ROUTE` (the others
+        rejoin like any engine out of routing) and have no weight request of the router still pending, which
+        could land after this one."""
+        for worker in [w for w in self.stranded.values() if not self._workers.contains(w)]:
+            del self.stranded[worker.id]
+        claimed = [w for w in self.stranded.values() if self.busy.reason(w) != LOADING]
+        for worker in claimed:
+            del self.stranded[worker.id]
+        answers = await asyncio.gather(*(self._answers(w) for w in claimed))
+        return [w for w, answered in zip(claimed, answers, strict=True) if answered]
+
+    async def _answers(self, worker: Worker) -> bool:
+        try:
+            await self.served_weights(worker)
+        except Unavailable:
+            return False
+        return True
 
     def _record_update(
         self,
@@ -204,6 +252,7 @@ class FleetWeights:
         answers: list[EngineUpdateResult | None],
         skipped: list[Worker],
         started: float,
+        rejoining: set[str],
     ) -> FleetUpdateResult:
         version = target.version
         pairs = list(zip(engines, answers, strict=True))
@@ -216,7 +265,7 @@ class FleetWeights:
         if len(failed) == len(results):
             self.count_update("failure")
             if unsure:
-                self.unconfirmed = target
+                self.unconfirmed = Unconfirmed(target, frozenset(w.id for w in unsure))
                 for worker in unsure:
                     self._workers.take_out(
                         worker, f"did not answer in time while loading weight version {version!r}; may still load it"
@@ -243,13 +292,15 @@ class FleetWeights:
         self.sync_seconds.labels(path="disk").observe(time.monotonic() - started)
         for worker, result in answered:
             if result.success:
-                worker.weight_version = version
+                self.record_served(worker, target, self.loads)
+                if worker.id in rejoining:
+                    self._workers.admit(worker)
             else:
                 self._workers.take_out(worker, f"failed to load weight version {version!r}: {result.message}")
         self.loaded(DISK_UPDATE_ROUTE, target.request_body or b"", [w for w, r in answered if r.success])
         self.count_update("partial" if failed else "success")
         loaded = len(results) - len(failed)
-        message = f"{loaded}/{len(results)} healthy engines serve weight version {version!r}"
+        message = f"{loaded}/{len(results)} engines serve weight version {version!r}"
         if failed:
             message += "; the others were taken out of routing until they load it"
         if len(skipped) > 0:
@@ -263,9 +314,10 @@ class FleetWeights:
             skipped=tuple(skipped),
         )
 
-    async def _update_while_routed(self, worker: Worker, request_body: bytes) -> EngineUpdateResult | None:
+    async def _update_one(self, worker: Worker, request_body: bytes, rejoining: bool) -> EngineUpdateResult | None:
         """`worker`'s answer to a fleet update, or None once its health checks take it out of routing
-        (it hangs, or died): the update stops waiting for it, and it loads the version before it rejoins."""
+        (it hangs, or died): the update stops waiting for it, and it loads the version before it rejoins.
+        A `rejoining` (stranded) engine is out of routing already: it is waited for while it is in the fleet."""
         post = asyncio.create_task(
             self.post_update(
                 worker, DISK_UPDATE_ROUTE, request_body, timeout=min(self._timeout, FANOUT_ENGINE_DEADLINE_SECS)
@@ -275,7 +327,7 @@ class FleetWeights:
             done, _ = await asyncio.wait({post}, timeout=ROUTING_CHECK_SECS)
             if done:
                 return post.result()
-            if not worker.healthy:
+            if not (self._workers.contains(worker) if rejoining else worker.healthy):
                 post.cancel()
                 await asyncio.wait({post})
                 reason = worker.last_error
@@ -293,10 +345,48 @@ class FleetWeights:
         self._metrics.weight_updates.labels(result=result).inc()
 
     def set_target(self, target: WeightTarget) -> None:
-        """Records the version the fleet now serves (call with `lock` held)."""
+        """Records the version the fleet now serves, as a new fleet load (call with `lock` held)."""
+        if self.target is None or target.version != self.target.version:
+            self.updates += 1  # a retry of the version the fleet serves is no newer: cached trajectories keep their age
         self.target = target
+        self.loads += 1
         self.unconfirmed = None
-        self.updates += 1
+
+    def adopt(self, unconfirmed: Unconfirmed) -> int:
+        """Makes the version of an update no engine confirmed the fleet's (call with `lock` held), an engine it did
+        not hear back from having been found serving it; returns its fleet load. Engines in routing serve the
+        older version: they leave it and load this one before they rejoin."""
+        self.set_target(unconfirmed.target)
+        self.unconfirmed = replace(unconfirmed, adopted_as=self.loads)
+        for worker in self._workers.healthy():
+            self._workers.take_out(
+                worker, f"serves weight version {worker.weight_version!r}; the fleet moved to {self.version!r}"
+            )
+        return self.loads
+
+    def record_served(self, worker: Worker, target: WeightTarget, load: int) -> None:
+        """`worker` applied fleet load `load` of `target` whole. A target received over a group (no model path)
+        leaves the path the engine reports as it was."""
+        worker.weight_version = target.version
+        worker.model_path = target.model_path or worker.model_path
+        worker.weight_load = load
+        self.receiving.pop(worker.id, None)
+        self.stranded.pop(worker.id, None)
+
+    def strand(self, workers: Iterable[Worker], reason: str) -> None:
+        """`workers` leave routing because a weight update group broke under them: they may hold part of a
+        version, so they serve again only once they have loaded a whole one. They are alive and, mid-version,
+        paused by the trainer, whose disk fallback of that version is the next fleet update: it loads them
+        too (`_claim_stranded`), since admission cannot while their generation probes wait behind the pause."""
+        for worker in workers:
+            self._workers.take_out(worker, reason)
+            self.receiving.pop(worker.id, None)
+            self.stranded[worker.id] = worker
+
+    def strand_receiving(self, reason: str) -> None:
+        """Engines holding part of a version whose last bucket will not come now (generation continues, the
+        group closed) leave routing: see `strand`."""
+        self.strand(list(self.receiving.values()), f"{reason}; it may hold part of a weight version")
 
     def register_disk_copy(self, version: str, model_path: str, request_body: bytes) -> None:
         """Records where engines that rejoin load the current `version` from; refuses any other version."""
@@ -305,73 +395,12 @@ class FleetWeights:
                 f"weight_version: the fleet serves {self.version!r}, not {version!r}; "
                 "a disk copy can only be registered for the current version"
             )
+        # The same weights as the load the target stands for: engines that applied it need not load this.
         self.target = WeightTarget(version=version, model_path=model_path, request_body=request_body)
         logger.info("disk copy of weight version %r registered at %s", version, model_path)
 
-    async def admit(self, worker: Worker) -> None:
-        """Brings `worker` to the fleet's version (loading it if needed), then into routing.
-
-        The worker enters routing under the lock, and only if it serves the fleet's version at that
-        moment, so a fleet update cannot slip in between and leave it routable on the previous one. Its
-        slow calls (reading its version within `info_timeout_secs`, loading the target) happen outside
-        the lock: one slow engine holds up no fleet update and no other admission; a fleet update that
-        ran meanwhile sends it round again. Raises Unavailable if it cannot get there, or was removed.
-        """
-        version = await self._while_member(worker, self.engine_version(worker))
-        for _ in range(ADMIT_ROUNDS):
-            async with self.lock:
-                unconfirmed = self.unconfirmed
-                if unconfirmed is not None and version == unconfirmed.version:
-                    self._adopt(unconfirmed, worker)
-                target = self.target
-                if target is None or version == target.version:
-                    worker.weight_version = version
-                    if self._workers.contains(worker):
-                        self._workers.admit(worker)
-                    return
-            if target.request_body is None:
-                raise Unavailable(
-                    f"the fleet serves weight version {target.version!r}, received over a weight update group; "
-                    "its disk copy is not registered yet, so this engine cannot load it"
-                )
-            logger.info(
-                "worker %s serves weight version %r, the fleet %r: loading it before it rejoins",
-                worker.url,
-                version,
-                target.version,
-            )
-            with self.busy.loading([worker]):
-                load = self.post_update(worker, DISK_UPDATE_ROUTE, target.request_body)
-                result = await self._while_member(worker, load)
-            if not result.success:
-                raise Unavailable(f"could not load weight version {target.version!r}: {result.message}")
-            self.loaded(DISK_UPDATE_ROUTE, target.request_body, [worker])
-            version = worker.weight_version = target.version
-        raise Unavailable(
-            f"the fleet's weight version changed {ADMIT_ROUNDS} times while this engine loaded it; "
-            "it tries again after its next successful probe"
-        )
-
-    def _adopt(self, unconfirmed: WeightTarget, worker: Worker) -> None:
-        """`worker` finished loading the version of an update no engine confirmed in time (call with `lock` held):
-        that version becomes the fleet's, rather than the engine being loaded back to the older one. Engines in
-        routing on another version leave it and load this one before they rejoin."""
-        logger.warning(
-            "worker %s serves weight version %r, which the fleet update gave up waiting for: it is the fleet's "
-            "version now (was %r)",
-            worker.url,
-            unconfirmed.version,
-            self.version,
-        )
-        self.set_target(unconfirmed)
-        for other in self._workers.healthy():
-            if other.weight_version != unconfirmed.version:
-                self._workers.take_out(
-                    other, f"serves weight version {other.weight_version!r}; the fleet moved to {unconfirmed.version!r}"
-                )
-
-    async def engine_version(self, worker: Worker) -> str | None:
-        """The weight version `worker` reports (None if it reports none); Unavailable if it does not answer."""
+    async def served_weights(self, worker: Worker) -> ServedWeights:
+        """What `worker` reports it serves; Unavailable if it does not answer."""
         try:
             response = await self._client.get(f"{worker.url}{LIVENESS_ROUTE}", timeout=self._info_timeout)
             response.raise_for_status()
@@ -380,20 +409,10 @@ class FleetWeights:
             raise Unavailable(
                 f"could not read the weight version of {worker.url}: {LIVENESS_ROUTE}: {describe_error(exc)}"
             ) from exc
-        version = info.get("weight_version") if isinstance(info, dict) else None
-        return None if version is None else str(version)
-
-    async def _while_member(self, worker: Worker, call: Coroutine[object, object, T]) -> T:
-        """Awaits `call`, abandoned (Unavailable) once `worker` is removed from the fleet."""
-        task = asyncio.ensure_future(call)
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=ROUTING_CHECK_SECS)
-            if done:
-                return task.result()
-            if not self._workers.contains(worker):
-                task.cancel()
-                await asyncio.wait({task})
-                raise Unavailable(f"{worker.url} was removed from the fleet; its admission stopped")
+        if not isinstance(info, dict):
+            return ServedWeights(None, None)
+        version, path = info.get("weight_version"), info.get("model_path")
+        return ServedWeights(None if version is None else str(version), path if isinstance(path, str) else None)
 
     async def post_update(
         self, worker: Worker, route: str, request_body: bytes, timeout: float | None = None

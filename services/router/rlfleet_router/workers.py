@@ -7,7 +7,8 @@ the rules for entering and leaving routing live in one place.
 A worker is routable only in state HEALTHY. A new worker starts PENDING and is admitted after its
 first successful probe; a worker that was taken out (UNHEALTHY) needs `success_threshold`
 consecutive successes. Either way the caller brings it to the fleet's weight version first
-(`rlfleet_router.weights`), so no worker takes traffic on stale weights.
+(`rlfleet_router.weights`), so no worker takes traffic on stale weights. Leaving routing forgets which
+fleet load a worker applied: what comes back may be a restarted process on its initial weights.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ class Worker:
     in_flight: int = 0
     in_flight_tokens: int = 0  # estimated prompt + completion tokens of the requests in flight
     weight_version: str | None = None
+    model_path: str | None = None  # where its weights came from, as it reports it (SGLang sets it on a disk load)
+    # The fleet load (`FleetWeights.loads`) the router saw it apply whole; None until then, and once it left routing:
+    # it may have restarted meanwhile, on other weights under the same version label.
+    weight_load: int | None = None
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     last_error: str | None = None
@@ -66,6 +71,7 @@ class Worker:
             "in_flight": self.in_flight,
             "in_flight_tokens": self.in_flight_tokens,
             "weight_version": self.weight_version,
+            "model_path": self.model_path,
             "last_error": self.last_error,
             "restarting": self.restarting,
             "restarts": self.restarts,
@@ -181,6 +187,7 @@ class WorkerRegistry:
         worker.last_error = reason
         if worker.healthy and worker.consecutive_failures >= self.failure_threshold:
             worker.state = WorkerState.UNHEALTHY
+            worker.weight_load = None
             logger.warning(
                 "worker %s failed %d times in a row (%s); taken out of routing",
                 worker.url,
@@ -197,5 +204,6 @@ class WorkerRegistry:
         if worker.healthy:
             logger.warning("worker %s taken out of routing: %s", worker.url, reason)
         worker.state = WorkerState.UNHEALTHY
+        worker.weight_load = None
         worker.consecutive_successes = 0
         worker.last_error = reason

@@ -151,3 +151,47 @@ def test_real_engines_behind_the_router(tiny_model_dir: Path, start_process: Cal
             assert answer.json()["meta_info"]["weight_version"] == "1"
         wait_for_healthy_workers(client, 1, router, timeout=10)
         assert client.get("/weight_version").json()["weight_version"] == "1"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _engine_available(), reason="rlfleet_engine (and torch) not installed")
+def test_a_restarted_real_engine_loads_the_runs_model_it_boots_under_the_same_label(
+    tiny_model_dir: Path, tmp_path: Path, start_process: Callable[..., ServiceProcess]
+) -> None:
+    """The trainer loads a run's model (here another tiny model) as version 0, the label engines boot with. An
+    engine that crashes and is started again by its supervisor comes back on its boot model, still as "0": the
+    router must load the run's model into it before it serves, and both engines then answer alike."""
+    from rlfleet.tiny_model import TinyModelConfig, create_tiny_model
+
+    run_model = tmp_path / "run-model"
+    create_tiny_model(run_model, TinyModelConfig(seed=1))
+    ports, router_port = [free_port(), free_port()], free_port()
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    engines = [start_process(f"engine-{i}", engine_argv(tiny_model_dir, port, "0")) for i, port in enumerate(ports)]
+    for engine, url in zip(engines, urls, strict=True):
+        engine.wait_healthy(f"{url}/health", timeout=STARTUP_SECS)
+    router = start_process("router", router_argv(router_port, urls))
+    router.wait_healthy(f"http://127.0.0.1:{router_port}/health", timeout=STARTUP_SECS)
+
+    with httpx.Client(base_url=f"http://127.0.0.1:{router_port}", timeout=60, trust_env=False) as client:
+        wait_for_healthy_workers(client, 2, router, timeout=STARTUP_SECS)
+        loaded = client.post("/update_weights_from_disk", json={"model_path": str(run_model), "weight_version": "0"})
+        assert loaded.status_code == 200, loaded.text
+
+        engines[1].kill()
+        wait_for_healthy_workers(client, 1, router, timeout=30)
+        restarted = start_process("engine-1-restarted", engine_argv(tiny_model_dir, ports[1], "0"))
+        restarted.wait_healthy(f"{urls[1]}/health", timeout=STARTUP_SECS)
+        wait_for_healthy_workers(client, 2, router, timeout=STARTUP_SECS)
+
+    info = httpx.get(f"{urls[1]}/get_model_info", timeout=10).json()
+    assert (info["weight_version"], info["model_path"]) == ("0", str(run_model))
+    request = {
+        "input_ids": [20, 21, 22, 23, 24],
+        "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True},
+        "return_logprob": True,
+    }
+    answers = [httpx.post(f"{url}/generate", json=request, timeout=60).json() for url in urls]
+    tokens = [[(lp, token) for lp, token, *_ in a["meta_info"]["output_token_logprobs"]] for a in answers]
+    assert [t for _, t in tokens[0]] == [t for _, t in tokens[1]]
+    assert [lp for lp, _ in tokens[1]] == pytest.approx([lp for lp, _ in tokens[0]], abs=1e-5)

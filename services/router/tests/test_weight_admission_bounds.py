@@ -17,6 +17,7 @@ from router_fakes import FakeEngine, RunningRouter, ThreadedServer
 from rlfleet.errors import Unavailable
 from rlfleet_router import weights
 from rlfleet_router.metrics import RouterMetrics
+from rlfleet_router.weight_admission import Admission
 from rlfleet_router.weights import FleetWeights, WeightTarget
 from rlfleet_router.workers import WorkerRegistry
 
@@ -109,7 +110,7 @@ def test_a_removed_engine_stops_loading_weights_to_rejoin(start_engine: Callable
             )
             body = b'{"model_path": "/ckpt/1", "weight_version": "1"}'
             fleet_weights.set_target(WeightTarget(version="1", model_path="/ckpt/1", request_body=body))
-            admission = asyncio.create_task(fleet_weights.admit(worker))
+            admission = asyncio.create_task(Admission(fleet_weights, registry).admit(worker))
             while not slow.update_bodies:
                 await asyncio.sleep(0.02)
             registry.remove(worker.id)

@@ -15,10 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import pytest
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from router_fakes import FakeEngine, RunningRouter, ThreadedServer, metric_value
+
+from rlfleet_router import distributed_weights
 
 
 @dataclass
@@ -29,6 +32,7 @@ class GroupEngine:
     inits: list[dict[str, Any]] = field(default_factory=list)
     updates: list[dict[str, Any]] = field(default_factory=list)
     destroys: list[dict[str, Any]] = field(default_factory=list)
+    ended: list[str] = field(default_factory=list)  # "update" (answered) and "destroy", in order
     fail_updates: bool = False
     update_delay: float = 0.0
 
@@ -55,6 +59,7 @@ def start_group_engine() -> Iterator[Callable[[str], GroupEngine]]:
             body = await request.json()
             fake.updates.append(body)
             await asyncio.sleep(fake.update_delay)
+            fake.ended.append("update")
             if fake.fail_updates:
                 return JSONResponse({"success": False, "message": "broadcast timed out"}, status_code=503)
             if body.get("weight_version") is not None:
@@ -64,6 +69,7 @@ def start_group_engine() -> Iterator[Callable[[str], GroupEngine]]:
         @app.post("/destroy_weights_update_group")
         async def destroy(request: Request) -> JSONResponse:
             fake.destroys.append(await request.json())
+            fake.ended.append("destroy")
             return JSONResponse({"success": True, "message": "destroyed"})
 
         fake.engine.server = ThreadedServer(app).start()
@@ -127,9 +133,12 @@ def test_group_ranks_buckets_and_the_version_they_carry(
     assert router.client.get("/weights_update_groups/g").status_code == 404
 
 
-def test_a_failed_bucket_takes_the_engine_out_and_closes_the_group(
+def test_a_failed_bucket_strands_every_member_not_holding_the_version_until_a_disk_load(
     start_group_engine: Callable[[str], GroupEngine], start_router: Callable[..., RunningRouter]
 ) -> None:
+    """The member not waited for may hold the version's last bucket, or not, or (a version in several buckets)
+    some of them: it must not serve on its old recorded version. The trainer's disk fallback of the version
+    reaches every stranded member, though its probes could not pass (generation is paused) to rejoin."""
     good, bad = start_group_engine("good"), start_group_engine("bad")
     router = start_router([good.url, bad.url])
     router.wait_healthy(2)
@@ -139,12 +148,43 @@ def test_a_failed_bucket_takes_the_engine_out_and_closes_the_group(
 
     answer = router.client.post("/update_weights_from_distributed", json=bucket(["w"], version="2"))
     assert answer.status_code == 502 and answer.json()["success"] is False
-    # The router stops waiting at the first failure: nobody is known to hold version 2, so it is not the
-    # fleet's; the engine it did not wait for stays in routing for the trainer's disk load of the version.
-    assert {w["url"] for w in router.workers() if w["healthy"]} == {good.url}
+    assert [w["healthy"] for w in router.workers()] == [False, False]
+    assert all("part of a weight version" in str(w["last_error"]) for w in router.workers())
     assert router.client.get("/weight_version").json()["weight_version"] is None
     again = router.client.post("/update_weights_from_distributed", json=bucket(["w"]))
     assert again.status_code == 404 and "init_weights_update_group" in again.json()["error"]["message"]
+
+    router.wait_for(lambda: good.ended == ["update", "destroy"], what="good's bucket ended, then the group destroyed")
+    fallback = router.client.post("/update_weights_from_disk", json={"model_path": "/w/v2", "weight_version": "2"})
+    assert fallback.status_code == 200, fallback.text
+    assert sorted(r["url"] for r in fallback.json()["engines"]) == sorted([good.url, bad.url])
+    assert [w["healthy"] for w in router.workers()] == [True, True]
+    assert {w["weight_version"] for w in router.workers()} == {"2"}
+
+
+def test_a_group_the_router_closed_is_destroyed_on_its_engines(
+    start_group_engine: Callable[[str], GroupEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """The trainer forgets a group whose broadcast failed: the router destroys it on the engines, each once its
+    bucket has ended (a destroy behind a pending collective would wait for it), and a destroy from the trainer
+    after that is answered, not a 404."""
+    slow, bad = start_group_engine("slow"), start_group_engine("bad")
+    router = start_router([slow.url, bad.url])
+    router.wait_healthy(2)
+    assert router.client.post("/init_weights_update_group", json={**INIT, "world_size": 3}).status_code == 200
+    bad.fail_updates = True
+    slow.update_delay = 1.0
+
+    assert router.client.post("/update_weights_from_distributed", json=bucket(["w"])).status_code == 502
+    router.wait_for(lambda: bad.destroys == [{"group_name": "g"}], what="the failed member destroyed the group")
+    assert slow.destroys == [], "destroyed while its bucket was still under way"
+    router.wait_for(lambda: slow.ended == ["update", "destroy"], what="the other member destroyed it after its bucket")
+
+    destroyed = router.client.post("/destroy_weights_update_group", json={"group_name": "g"})
+    assert destroyed.status_code == 200, destroyed.text
+    assert sorted(r["url"] for r in destroyed.json()["engines"]) == sorted([slow.url, bad.url])
+    assert len(slow.destroys) == len(bad.destroys) == 1
+    assert router.client.post("/destroy_weights_update_group", json={"group_name": "g"}).status_code == 404
 
 
 def test_a_bucket_waiting_behind_a_failed_one_is_a_conflict(
@@ -193,3 +233,68 @@ def test_an_engine_rejoins_only_on_the_registered_disk_copy(
     router.wait_healthy(2)
     assert late.update_bodies == [{"model_path": "/w/v3", "weight_version": "3"}] and late.weight_version == "3"
     assert router.client.get("/weights_update_groups/g").json()["current"] is False, "reopen to include it"
+
+
+@pytest.mark.parametrize("how", ["deadline", "caller_left"])
+def test_a_bucket_that_cannot_get_its_turn_is_never_sent_and_closes_the_group(
+    how: str,
+    start_group_engine: Callable[[str], GroupEngine],
+    start_router: Callable[..., RunningRouter],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bucket waits for the fleet's weight lock (here behind a slow disk load) at most the queue deadline, and
+    not once its caller left: sent later, it would reach engines after the trainer's broadcast gave up."""
+    if how == "deadline":
+        monkeypatch.setattr(distributed_weights, "FANOUT_QUEUE_DEADLINE_SECS", 0.3)
+    engines = [start_group_engine(name) for name in "ab"]
+    router = start_router([e.url for e in engines])
+    router.wait_healthy(2)
+    assert router.client.post("/init_weights_update_group", json={**INIT, "world_size": 3}).status_code == 200
+    for engine in engines:
+        engine.engine.update_delay = 1.5  # the disk load holds the lock
+
+    with ThreadPoolExecutor(1) as pool:
+        disk = pool.submit(
+            router.client.post, "/update_weights_from_disk", json={"model_path": "/w/1", "weight_version": "1"}
+        )
+        time.sleep(0.2)
+        if how == "deadline":
+            refused = router.client.post("/update_weights_from_distributed", json=bucket(["w"], version=2))
+            assert refused.status_code == 503, refused.text
+            message = refused.json()["error"]["message"]
+            assert "waited 0.3s" in message and "not applied" in message and "init_weights_update_group" in message
+        else:
+            with pytest.raises(httpx.TimeoutException):
+                router.client.post("/update_weights_from_distributed", json=bucket(["w"], version=2), timeout=0.3)
+        assert disk.result(timeout=30).status_code == 200
+    time.sleep(0.5)  # a queued bucket would have been sent by now
+
+    assert all(e.updates == [] for e in engines), "the bucket reached engines after it was given up"
+    assert router.client.get("/weights_update_groups/g").status_code == 404
+    router.wait_for(lambda: all(e.destroys == [{"group_name": "g"}] for e in engines), what="the group destroyed")
+    assert router.client.get("/weight_version").json()["weight_version"] == "1"
+    assert [w["healthy"] for w in router.workers()] == [True, True], "no member received part of a version"
+
+
+@pytest.mark.parametrize("who", ["trainer", "pause_bound"])
+def test_generation_never_continues_on_engines_holding_part_of_a_version(
+    who: str, start_group_engine: Callable[[str], GroupEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """The trainer died after some buckets of a version: the next trainer's /continue_generation, or the router's
+    own once the pause outlived its bound, first takes the members holding those buckets out of routing."""
+    engines = [start_group_engine(name) for name in "ab"]
+    router = start_router([e.url for e in engines], weight_update_timeout_secs=1.0)  # the pause bound
+    router.wait_healthy(2)
+    assert router.client.post("/pause_generation", json={}).status_code == 200
+    assert router.client.post("/init_weights_update_group", json={**INIT, "world_size": 3}).status_code == 200
+    assert router.client.post("/update_weights_from_distributed", json=bucket(["w1"])).status_code == 200
+
+    if who == "trainer":
+        assert router.client.post("/continue_generation", json={}).status_code == 200
+    else:
+        router.wait_for(lambda: all(e.engine.controls[-1][0] == "/continue_generation" for e in engines), timeout=5)
+    assert [w["healthy"] for w in router.workers()] == [False, False]
+    assert all("part of a weight version" in str(w["last_error"]) for w in router.workers())
+    loaded = router.client.post("/update_weights_from_disk", json={"model_path": "/w/2", "weight_version": "2"})
+    assert loaded.status_code == 200, loaded.text
+    assert [w["healthy"] for w in router.workers()] == [True, True]

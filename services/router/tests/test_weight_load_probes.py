@@ -148,3 +148,22 @@ def test_a_weight_update_group_opens_while_the_trainer_has_generation_paused(
             gated.paused = False
             assert gated.engine.server is not None
             gated.engine.server.stop()
+
+
+def test_a_pause_that_outlives_its_bound_is_ended_by_the_router(
+    start_gated: Callable[..., GatedEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """The trainer paused generation and died: past the pause bound (the weight update timeout) the router sends
+    /continue_generation itself, or no request would ever be answered again."""
+    engines = [start_gated(name) for name in "ab"]
+    router = start_router([e.url for e in engines], weight_update_timeout_secs=1.0, **PROBES)
+    router.wait_healthy(2)
+    assert router.client.post("/pause_generation", json={}).status_code == 200
+    assert all(gated.paused for gated in engines)
+
+    router.wait_for(lambda: not any(gated.paused for gated in engines), timeout=5, what="generation continued")
+    answer = router.client.post("/generate", json={"text": "x"}, timeout=5)
+    assert answer.status_code == 200, answer.text
+    exposition = router.client.get("/metrics").text
+    assert metric_value(exposition, "rlfleet_router_expired_pauses_total") == 2
+    assert [w["healthy"] for w in router.workers()] == [True, True]

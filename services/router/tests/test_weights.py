@@ -122,3 +122,26 @@ def test_which_weight_requests_leave_an_engine_cache_empty() -> None:
     assert empties_cache("/update_weights_from_distributed", b'{"names": ["w"]}'), "SGLang flushes by default"
     assert not empties_cache("/update_weights_from_distributed", b'{"names": ["w"], "flush_cache": false}')
     assert not empties_cache("/init_weights_update_group", b"{}")
+
+
+def test_a_retried_version_is_not_a_newer_one_for_cached_trajectories(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """A partial update answers 502 and the trainer retries the same version: that is one version, not two, so
+    a trajectory sampled on the version before it is still within `--trajectory-max-update-lag` (1)."""
+    good, bad = start_engine("good"), start_engine("bad")
+    router = start_router([good.url, bad.url])
+    router.wait_healthy(2)
+    v1, v2 = {"model_path": "/c/1", "weight_version": "1"}, {"model_path": "/c/2", "weight_version": "2"}
+    assert router.client.post("/update_weights_from_disk", json=v1).status_code == 200
+    turn = {"input_ids": [1, 2], "return_logprob": True}
+    assert router.client.post("/generate", json=turn, headers={"x-rlfleet-trajectory-id": "t"}).status_code == 200
+    # The fake engine's answer holds no tokens: the turn is recorded as lost, which GET reports as 409.
+    assert router.client.get("/trajectories/t").status_code == 409
+
+    bad.fail_updates = True
+    assert router.client.post("/update_weights_from_disk", json=v2).status_code == 502
+    assert router.client.post("/update_weights_from_disk", json=v2).status_code == 200  # the trainer's retry
+    assert router.client.get("/trajectories/t").status_code == 409, "evicted as two updates old"
+    assert router.client.post("/update_weights_from_disk", json={**v2, "weight_version": "3"}).status_code == 200
+    assert router.client.get("/trajectories/t").status_code == 404

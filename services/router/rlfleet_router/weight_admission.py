@@ -1,0 +1,127 @@
+"""The rejoin rule: an engine enters routing only holding the fleet's current weight load.
+
+A version label does not name weights: every run starts at "0", engines boot as "0", and one run's "2"
+is not another's. So the rule does not compare labels. An engine that enters routing (new, taken out,
+restarted, hung and back: it forgot its load when it left) loads the fleet's target first, unless the
+router saw it apply that very load (`Worker.weight_load`): an earlier round of this admission did. Two
+exceptions, both on what the engine reports (`ServedWeights`, its version and model path):
+  * with no target (nothing was loaded through this router: engines on their boot weights, or a router
+    that restarted and so knows nothing of the fleet) it joins on what it reports, as the router knows no
+    better. An engine a weight update group left holding part of a version does not: it waits for the
+    next fleet update;
+  * an engine a fleet update gave up waiting for that now reports that update's version and path finished
+    it (SGLang ends a load whose caller left): the version becomes the fleet's, rather than the engine
+    being loaded back to the older one (`FleetWeights.adopt`).
+
+The engine enters routing under the fleet's weight lock, and only if it holds the current load at that
+moment, so a fleet update cannot slip in between and leave it routable on the previous one. Its slow
+calls (reading what it serves, loading the target) happen outside the lock: one slow engine holds up no
+fleet update and no other admission; a fleet update that ran meanwhile sends it round again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import TypeVar
+
+from rlfleet.errors import Unavailable
+from rlfleet_router.busy_engines import LOADING
+from rlfleet_router.weights import DISK_UPDATE_ROUTE, ROUTING_CHECK_SECS, FleetWeights, ServedWeights
+from rlfleet_router.workers import Worker, WorkerRegistry
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+ADMIT_ROUNDS = 3
+"""Loads an engine may do to rejoin, when the fleet's version moves on while it loads."""
+
+
+class Admission:
+    def __init__(self, weights: FleetWeights, workers: WorkerRegistry) -> None:
+        self._weights = weights
+        self._workers = workers
+
+    async def admit(self, worker: Worker) -> None:
+        """Brings `worker` to the fleet's target, then into routing; Unavailable if it cannot get there, or
+        was removed from the fleet."""
+        weights = self._weights
+        if weights.busy.reason(worker) == LOADING:
+            raise Unavailable("a weight request of the router is still pending at this engine; it rejoins after it")
+        served = await self._while_member(worker, weights.served_weights(worker))
+        for _ in range(ADMIT_ROUNDS):
+            async with weights.lock:
+                self._adopt_if_finished(worker, served)
+                target, load = weights.target, weights.loads
+                if target is None and worker.id in weights.stranded:
+                    raise Unavailable(
+                        "this engine may hold part of a weight version (its weight update group broke) and the fleet "
+                        "has no version to load into it; the next fleet weight update brings it back"
+                    )
+                if target is None:
+                    worker.weight_version, worker.model_path = served.version, served.model_path
+                if target is None or worker.weight_load == load:
+                    if self._workers.contains(worker):
+                        self._workers.admit(worker)
+                    return
+                if target.request_body is None:
+                    raise Unavailable(
+                        f"the fleet serves weight version {target.version!r}, received over a weight update group; "
+                        "its disk copy is not registered yet, so this engine cannot load it"
+                    )
+                # Loaded by this admission from here on (no await before `busy.loading`): no fleet update takes it.
+                weights.stranded.pop(worker.id, None)
+            logger.info(
+                "worker %s serves weight version %r (from %s), the fleet %r: loading it before it rejoins",
+                worker.url,
+                served.version,
+                served.model_path,
+                target.version,
+            )
+            with weights.busy.loading([worker]):
+                load_call = weights.post_update(worker, DISK_UPDATE_ROUTE, target.request_body)
+                result = await self._while_member(worker, load_call)
+            if not result.success:
+                raise Unavailable(f"could not load weight version {target.version!r}: {result.message}")
+            weights.loaded(DISK_UPDATE_ROUTE, target.request_body, [worker])
+            weights.record_served(worker, target, load)
+            served = ServedWeights(target.version, target.model_path)
+        raise Unavailable(
+            f"the fleet's weight version changed {ADMIT_ROUNDS} times while this engine loaded it; "
+            "it tries again after its next successful probe"
+        )
+
+    def _adopt_if_finished(self, worker: Worker, served: ServedWeights) -> None:
+        """Records that `worker` holds the last unconfirmed fleet update (call with the lock held) if it is one
+        that update did not hear back from and it reports that update's version and model path."""
+        unconfirmed = self._weights.unconfirmed
+        if unconfirmed is None or worker.id not in unconfirmed.engines:
+            return
+        target = unconfirmed.target
+        if served != ServedWeights(target.version, target.model_path):
+            return
+        load = unconfirmed.adopted_as
+        if load is None:
+            logger.warning(
+                "worker %s serves weight version %r, which the fleet update gave up waiting for: it is the fleet's "
+                "version now (was %r)",
+                worker.url,
+                target.version,
+                self._weights.version,
+            )
+            load = self._weights.adopt(unconfirmed)
+        self._weights.record_served(worker, target, load)
+
+    async def _while_member(self, worker: Worker, call: Coroutine[object, object, T]) -> T:
+        """Awaits `call`, abandoned (Unavailable) once `worker` is removed from the fleet."""
+        task = asyncio.ensure_future(call)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=ROUTING_CHECK_SECS)
+            if done:
+                return task.result()
+            if not self._workers.contains(worker):
+                task.cancel()
+                await asyncio.wait({task})
+                raise Unavailable(f"{worker.url} was removed from the fleet; its admission stopped")
