@@ -54,6 +54,13 @@ class EngineConfig(BaseSettings):
     """Version label of the weights loaded at start (SGLang's `--weight-version`)."""
     health_check_timeout_s: float = Field(default=20.0, gt=0)
     """Bound on the one-token generation /health_generate runs."""
+    max_pause_s: float = Field(default=600.0, gt=0)
+    """`transformers` and `sim` backends: how long generation may stay paused (/pause_generation) with
+    /health_generate still answering 200; past it the answer is 503. SGLang answers 503 once its probe
+    has waited health_check_timeout_s behind the pause; the router trusts a pause for its
+    weight_update_timeout_secs (600 s by default) and probes with /get_model_info meanwhile, so a long
+    weight load is never judged by this, while an engine a lost /continue_generation left paused is taken
+    out and restarted instead of holding its requests for ever."""
     sim_cache_tokens: int = Field(default=1_000_000, ge=16)
     """`sim` backend: tokens of KV memory, held by running requests and the prefix cache (LRU beyond);
     model_path is then only a label."""
@@ -94,6 +101,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--dtype", "float32 (default), bfloat16 or float16."),
     Flag("--weight-version", "Version label of the initial weights (default 'default')."),
     Flag("--health-check-timeout", "Seconds /health_generate may take (default 20).", field="health_check_timeout_s"),
+    Flag("--max-pause", "Seconds paused before /health_generate answers 503 (default 600).", field="max_pause_s"),
     Flag("--sim-cache-tokens", "sim backend: KV memory in tokens (default 1000000)."),
     Flag("--sim-prefill-us-per-token", "sim backend: prefill us per uncached token (default 25)."),
     Flag("--sim-decode-ms-per-step", "sim backend: ms per decode step of one sequence (default 5)."),

@@ -121,9 +121,9 @@ class EngineCore(ScheduledGeneration):
 
         def load_from_disk(backend: GenerationBackend) -> None:
             backend.load_weights(req.model_path)
+            self.model_path = req.model_path  # here, not after the await: a load that outlives its caller ends too
 
         held = await self._load(load_from_disk, req.weight_version, req.model_path)
-        self.model_path = req.model_path
         message = "Succeeded to update model weights."
         if req.weight_version is not None:
             message += f" Weight version updated to {req.weight_version}."
@@ -134,21 +134,38 @@ class EngineCore(ScheduledGeneration):
         return await self._load(lambda backend: backend.load_tensors(tensors, source), req.weight_version, source)
 
     async def _load(self, load: Callable[[GenerationBackend], None], version: str | None, source: str) -> int:
-        """Runs `load` between two decode steps; returns how many running requests it held."""
+        """Runs `load` between two decode steps; returns how many running requests it held.
+
+        Past WEIGHT_LOAD_TIMEOUT_S the caller is answered DeadlineExceeded. A load that has not started by
+        then never will; one that has started cannot be stopped halfway (that would leave a mix of two
+        versions), so it runs to its end and the answer says so."""
         future = self.scheduler.call(lambda: self.scheduler.load_weights(load, version))
         try:
             async with asyncio.timeout(WEIGHT_LOAD_TIMEOUT_S):
                 return int(await asyncio.wrap_future(future))
         except TimeoutError as exc:
-            raise DeadlineExceeded(f"loading weights from {source} took over {WEIGHT_LOAD_TIMEOUT_S:.0f}s") from exc
+            if future.cancel():  # True only if it had not started: then it never will
+                raise DeadlineExceeded(
+                    f"loading weights from {source} did not start within {WEIGHT_LOAD_TIMEOUT_S:.0f}s (the scheduler "
+                    "was busy with another operation); nothing was loaded"
+                ) from exc
+            if future.done():  # it ended just now
+                return int(future.result())
+            raise DeadlineExceeded(
+                f"loading weights from {source} took over {WEIGHT_LOAD_TIMEOUT_S:.0f}s and is still in progress (a "
+                "started load runs to its end); GET /get_model_info shows the weight version once it has ended"
+            ) from exc
 
     async def health_generate(self) -> bool:
-        """True if the scheduler produces a token within the health-check timeout (or is busy doing so)."""
+        """True if the scheduler produces a token within the health-check timeout (or is busy doing so), or
+        generation has been paused for no longer than `config.max_pause_s`."""
         timeout = self.config.health_check_timeout_s
         if not self.scheduler.alive():
             return False
+        if self.scheduler.paused:
+            return not self.paused_too_long()
         running, _ = self.scheduler.counts()
-        if self.scheduler.paused or (running and time.monotonic() - self.scheduler.last_step_at < timeout):
+        if running and time.monotonic() - self.scheduler.last_step_at < timeout:
             return True
         req = GenerateRequest(
             input_ids=[0],

@@ -9,6 +9,7 @@ Outputs arrive on one queue per request as (index of the job in the request, SGL
 from __future__ import annotations
 
 import asyncio
+import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
@@ -62,6 +63,8 @@ class ScheduledGeneration(ABC):
     scheduler: JobScheduler
     in_flight: dict[str, GenerationJob]
     """Submitted jobs by rid; a finished one leaves at the next submission."""
+    _paused_at: float | None = None
+    """time.monotonic() of the /pause_generation in force, if any."""
 
     @abstractmethod
     def _submit(self, req: GenerateRequest) -> tuple[Sequence[GenerationJob], Outputs]:
@@ -130,10 +133,16 @@ class ScheduledGeneration(ABC):
         """Empties the prefix cache (POST /flush_cache)."""
 
     def pause(self) -> None:
+        self._paused_at = time.monotonic()
         self.scheduler.set_paused(True)
 
     def resume(self) -> None:
+        self._paused_at = None
         self.scheduler.set_paused(False)
+
+    def paused_too_long(self) -> bool:
+        """True once generation has been paused for over `config.max_pause_s` (see there why that is unhealthy)."""
+        return self._paused_at is not None and time.monotonic() - self._paused_at > self.config.max_pause_s
 
     def model_info(self) -> dict[str, Any]:
         facts = self.backend.describe()

@@ -105,7 +105,8 @@ class Scheduler:
             self._wake.notify()
 
     def call(self, fn: Callable[[], Any]) -> Future[Any]:
-        """Runs `fn` in the scheduler thread between two steps (even while paused); its result lands in the future."""
+        """Runs `fn` in the scheduler thread between two steps (even while paused); its result lands in the future.
+        Cancelling the future keeps `fn` from running only if it has not started (`Future.cancel()` says which)."""
         future: Future[Any] = Future()
         with self._wake:
             self._control.append((fn, future))
@@ -164,13 +165,19 @@ class Scheduler:
         self._update_gauges()
 
     def _run_control(self, fn: Callable[[], Any], future: Future[Any]) -> None:
+        """Runs `fn` unless its caller gave up first (cancelled the future). Once it runs the future can no
+        longer be cancelled, so its real outcome is always what the future holds."""
+        if not future.set_running_or_notify_cancel():
+            return
         try:
-            future.set_result(fn())
+            result = fn()
         except RlfleetError as exc:
             future.set_exception(exc)
         except Exception as exc:  # noqa: BLE001 - handed to the caller, who reports it
             logger.exception("control operation failed")
             future.set_exception(exc)
+        else:
+            future.set_result(result)
 
     def _admit(self) -> None:
         admitted: list[GenerationJob] = []

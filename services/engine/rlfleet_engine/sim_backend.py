@@ -345,7 +345,7 @@ class SimEngineCore(ScheduledGeneration):
         return running
 
     async def health_generate(self) -> bool:
-        return self.scheduler.alive()
+        return self.scheduler.alive() and not self.paused_too_long()
 
     def server_info(self) -> dict[str, Any]:
         info = super().server_info()

@@ -33,6 +33,7 @@ from rlfleet_trainer.active_run import ActiveRun
 from rlfleet_trainer.checkpoint import CheckpointFailed, prune_checkpoints
 from rlfleet_trainer.checkpoint_commit import CheckpointCommitter
 from rlfleet_trainer.config import TrainerSettings
+from rlfleet_trainer.generation_pause import resume_generation
 from rlfleet_trainer.metrics import TrainerMetrics
 from rlfleet_trainer.rank_group import RankGroup
 from rlfleet_trainer.rank_ops import RANK_OPS, RankState, ShardingOptions
@@ -329,6 +330,9 @@ class TrainerCore:
             run.stream.ensure_consumer_group()
             # The fleet must serve the version the run continues from before anyone samples from it.
             self.router.load_weights(run.weights_path, run.weight_version)
+            # A trainer that died between /pause_generation and /continue_generation left the fleet paused;
+            # only now, with the whole version loaded (the pause may have caught a version half broadcast).
+            resume_generation(self.router)
         except Exception:
             # A failed start holds nothing: on a GPU the model, optimizer and reference would stay pinned.
             release_policy(self.ranks, run_id)

@@ -7,11 +7,15 @@ is asked to have every engine receive it (names, dtypes, shapes; one flat byte t
 SGLang's "flattened_bucket") while this process broadcasts it. Only the last bucket carries the
 weight_version, so engines report the new version once they hold all of it.
 
-Each HTTP call runs in a thread beside the collective, which runs in the calling thread and is
-bounded by the group's timeout (a collective blocked in C++ cannot be interrupted, so it is never
-left behind in a thread of its own). Opening waits `REFUSAL_WINDOW_S` for a quick refusal (an
-engine that is gone, a world_size that no longer fits) before joining, so that case is reported
-at once instead of after the timeout.
+Each HTTP call runs in a thread beside the collective, and the collective in a thread of its own, so
+whichever fails first ends the wait: a router that refuses a bucket (a member out of routing, a group it
+closed) is reported at once, not after the group's timeout with the fleet paused. A pending gloo
+collective cannot be called off (in torch 2.13 neither `abort()` nor `shutdown()` of a ProcessGroupGloo
+ends a broadcast blocked on peers, and dropping the group waits for it); so the group is aborted (for
+NCCL that is ncclCommAbort, which is meant to end pending work; not checked on a GPU here), never used
+again, and its thread left to end at the group's timeout, or sooner when the engines close their end.
+Opening waits `REFUSAL_WINDOW_S` for a quick refusal (an engine that is gone, a world_size that no
+longer fits) before joining, so that common case leaves no join behind.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -35,6 +41,7 @@ from rlfleet.weight_update_group import (
     request_fields,
     send,
 )
+from rlfleet_trainer.generation_pause import generation_paused
 from rlfleet_trainer.router_client import RouterClient
 
 logger = logging.getLogger(__name__)
@@ -166,13 +173,10 @@ class WeightBroadcaster:
     @contextlib.contextmanager
     def engines_paused(self) -> Iterator[None]:
         """Generation paused fleet-wide while a version travels in several buckets, so no engine samples
-        from a half-updated model (one bucket needs no pause: an engine loads it between two steps).
-        Best effort: an engine that does not answer is out of routing anyway."""
-        self._post_best_effort("/pause_generation")
-        try:
+        from a half-updated model (one bucket needs no pause: an engine loads it between two steps); see
+        `generation_paused` for how the pause is sure to end."""
+        with generation_paused(self._router):
             yield
-        finally:
-            self._post_best_effort("/continue_generation")
 
     def register_disk_copy(self, model_path: str, version: int) -> None:
         """Tells the router where engines that rejoin load `version` (which arrived over the group) from;
@@ -205,7 +209,9 @@ class WeightBroadcaster:
         refusal_window_s: float,
         abort: Callable[[], None],
     ) -> None:
-        """POSTs `body` in a thread while `collective` runs here; both must succeed."""
+        """POSTs `body` while `collective` runs, each in a thread; both must succeed. The first failure
+        ends the wait: `abort` tears the group down and Unavailable says what failed."""
+        done: queue.Queue[tuple[str, BaseException | None]] = queue.Queue()
         answer: list[dict[str, Any] | Unavailable] = []
 
         def call() -> None:
@@ -213,25 +219,43 @@ class WeightBroadcaster:
                 answer.append(self._post(route, body))
             except Unavailable as exc:
                 answer.append(exc)
+            done.put(("router", answer[0] if isinstance(answer[0], Unavailable) else None))
+
+        def run() -> None:
+            try:
+                collective()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, which raises it
+                done.put(("collective", exc))
+            else:
+                done.put(("collective", None))
 
         caller = threading.Thread(target=call, name=f"router{route}", daemon=True)
         caller.start()
-        caller.join(refusal_window_s)
-        if answer and isinstance(answer[0], Unavailable):
-            raise answer[0]
-        try:
-            collective()
-        except (RuntimeError, OSError) as exc:
+        if refusal_window_s > 0:
+            caller.join(refusal_window_s)
+            if answer and isinstance(answer[0], Unavailable):
+                raise answer[0]
+        threading.Thread(target=run, name=f"collective{route}", daemon=True).start()
+        # The router answers within 2 x timeout (the call's own bound); the collective ends within the group's.
+        deadline = time.monotonic() + 2 * self._timeout_s + 5.0
+        pending = {"router", "collective"}
+        while pending:
+            try:
+                side, error = done.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                abort()
+                raise Unavailable(f"router {route}: no answer within {2 * self._timeout_s:.0f}s") from None
+            pending.discard(side)
+            if error is None:
+                continue
             abort()
+            if side == "router":
+                raise error
+            if not isinstance(error, (RuntimeError, OSError)):
+                raise error
             refusal = f"; the router answered: {answer[0]}" if answer else ""
-            raise Unavailable(f"{route}: this trainer's side failed: {type(exc).__name__}: {exc}{refusal}") from exc
-        caller.join(2 * self._timeout_s)
-        if not answer:
-            abort()
-            raise Unavailable(f"router {route}: no answer within {2 * self._timeout_s:.0f}s")
-        if isinstance(answer[0], Unavailable):
-            abort()
-            raise answer[0]
+            failure = f"{type(error).__name__}: {error}"
+            raise Unavailable(f"{route}: this trainer's side failed: {failure}{refusal}") from error
 
     def _post(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
         # One bucket's call lasts as long as its broadcast: bounded by the group's timeout plus the load.
@@ -242,12 +266,6 @@ class WeightBroadcaster:
         except httpx.HTTPError as exc:
             raise Unavailable(f"router {self._router.base_url}{route}: {type(exc).__name__}: {exc}") from exc
         return _answer(route, response)
-
-    def _post_best_effort(self, route: str) -> None:
-        try:
-            self._post(route, {})
-        except Unavailable as exc:
-            logger.warning("%s did not reach every engine: %s", route, exc)
 
     def _get(self, route: str) -> dict[str, Any]:
         try:

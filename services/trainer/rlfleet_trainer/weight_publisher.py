@@ -2,10 +2,13 @@
 
 disk: the version is written as a Hugging Face directory and the router has every engine load it.
 distributed: the version is broadcast to the engines through a weight update group the trainer
-opens once per run (and again when the fleet's membership changed), then written to disk off the
-critical path, as the copy that restarted engines load and a resumed trainer starts from; the
-router is told where it is. If the broadcast fails, the same version goes the disk way, so a step
-never ends with the fleet behind it.
+opens once per run (and again when the fleet's membership changed). If the broadcast fails, the
+same version goes the disk way, so a step never ends with the fleet behind it; when the version
+travels in several buckets, generation stays paused fleet-wide until that load has ended, since an
+engine that took some buckets holds a mix of two versions meanwhile. Once the engines serve a
+broadcast version (generation resumed), the trainer writes it to disk too, before `publish` returns:
+the copy restarted engines load and a resumed trainer starts from. That write is part of the
+trainer's step time (bench/weight_sync.md), not of the time engines wait.
 """
 
 from __future__ import annotations
@@ -88,13 +91,15 @@ class DistributedPublisher:
 
     def publish(self, model: PreTrainedModel, version: int) -> Path:
         state = self._full_state(model)
-        if self.serve(state, version):
-            return self.write_disk_copy(model, state, version)
-        return self._disk.publish_state(model, state, version)
+        fallen_back = self.serve(model, state, version)
+        if fallen_back is not None:
+            return fallen_back
+        return self.write_disk_copy(model, state, version)
 
-    def serve(self, state: Mapping[str, torch.Tensor], version: int) -> bool:
-        """Brings every engine to `version` over the group; False when the broadcast failed (the
-        group is closed then, and the caller loads the version from disk)."""
+    def serve(self, model: PreTrainedModel, state: Mapping[str, torch.Tensor], version: int) -> Path | None:
+        """Brings every engine to `version`: over the group, or from disk if the broadcast fails (the group is
+        closed then). Returns the version's directory when it came from disk; None when it was broadcast
+        (its disk copy is still to write)."""
         several = self._broadcaster.bucket_count(state) > 1
         with self._broadcaster.engines_paused() if several else contextlib.nullcontext():
             try:
@@ -104,8 +109,9 @@ class DistributedPublisher:
             except Unavailable as exc:
                 logger.warning("broadcasting weight version %d failed (%s); loading it from disk instead", version, exc)
                 self._broadcaster.close()
-                return False
-        return True
+                # Still paused: engines that applied some buckets must not sample until they hold all of v.
+                return self._disk.publish_state(model, state, version)
+        return None
 
     def write_disk_copy(self, model: PreTrainedModel, state: Mapping[str, torch.Tensor], version: int) -> Path:
         """Writes `version` (already served) to disk and tells the router, for engines that rejoin."""

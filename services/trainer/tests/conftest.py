@@ -1,4 +1,4 @@
-"""A recording stand-in for the router's weight endpoints, served over real HTTP in a thread, and a
+"""A recording stand-in for the router's weight and pause endpoints, served over real HTTP in a thread, and a
 TrainerCore on it."""
 
 from __future__ import annotations
@@ -36,6 +36,16 @@ class FakeRouter:
     """How long each load takes (a slow fleet): the step, or the StartRun, that asked waits that long."""
     loading: threading.Event = field(default_factory=threading.Event)
     """Set as a load request arrives."""
+    calls: list[str] = field(default_factory=list)
+    """The paths of the weight, pause and continue calls, in the order they arrived."""
+    continue_answers: list[int] = field(default_factory=list)
+    """HTTP statuses the next /continue_generation calls answer (then 200): 502 names ENGINE as failed."""
+    engine_state: str = "healthy"
+    """ENGINE's state in GET /workers."""
+
+
+ENGINE = "http://127.0.0.1:30001"
+"""The one engine behind the fake router."""
 
 
 @pytest.fixture
@@ -46,6 +56,7 @@ def fake_router() -> Iterator[FakeRouter]:
 
     @app.post("/update_weights_from_disk")
     async def load(request: Request) -> Response:
+        router.calls.append(request.url.path)
         router.loading.set()
         await asyncio.sleep(router.delay_s)
         if router.page_status is not None:
@@ -63,6 +74,28 @@ def fake_router() -> Iterator[FakeRouter]:
             return JSONResponse({"error": "router restarting"}, status_code=503)
         router.disk_copies.append(await request.json())
         return JSONResponse({"weight_version": router.disk_copies[-1]["weight_version"]})
+
+    @app.post("/pause_generation")
+    @app.post("/continue_generation")
+    async def fan_out(request: Request) -> JSONResponse:
+        router.calls.append(request.url.path)
+        status = (
+            router.continue_answers.pop(0)
+            if request.url.path == "/continue_generation" and router.continue_answers
+            else 200
+        )
+        engine = {"url": ENGINE, "status": None if status == 502 else status, "message": "ReadTimeout"}
+        return JSONResponse({"success": status == 200, "engines": [engine]}, status_code=status)
+
+    @app.get("/workers")
+    async def workers() -> JSONResponse:
+        return JSONResponse({"workers": [{"url": ENGINE, "state": router.engine_state}], "total": 1})
+
+    @app.post("/update_weights_from_distributed")
+    async def refuse_bucket(request: Request) -> JSONResponse:
+        router.calls.append(request.url.path)
+        message = "engines ['http://127.0.0.1:30002'] of weight update group 'rlfleet-trainer' are out of routing"
+        return JSONResponse({"error": {"message": message}}, status_code=409)
 
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

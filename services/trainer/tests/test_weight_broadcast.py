@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -104,6 +106,40 @@ def test_versions_broadcast_in_buckets_reach_every_engine_exactly(
     assert 'rlfleet_router_weight_sync_seconds_count{path="disk"}' not in metrics, "no fallback to disk"
 
 
+def test_a_bucket_the_router_refuses_ends_the_broadcast_at_once_and_the_version_arrives_from_disk(
+    engine_fleet: EngineFleet, publisher: DistributedPublisher, model: PreTrainedModel, small_model_dir: Path
+) -> None:
+    """An engine leaves the router between two buckets: the router refuses the next one (409) at once, and the
+    trainer falls back then, not after the group's timeout (30 s here) with the fleet paused."""
+    live, gone = engine_fleet.engine_urls
+    broadcaster = publisher._broadcaster
+    broadcaster._timeout_s = 30.0
+    together = broadcaster._together
+    buckets_sent = 0
+
+    def remove_before_the_second_bucket(route: str, *args: Any, **kwargs: Any) -> None:
+        nonlocal buckets_sent
+        if route == "/update_weights_from_distributed":
+            buckets_sent += 1
+            if buckets_sent == 2:
+                assert httpx.delete(f"{engine_fleet.router_url}/workers/{gone}", timeout=10).status_code == 200
+        together(route, *args, **kwargs)
+
+    broadcaster._together = remove_before_the_second_bucket  # type: ignore[method-assign]
+    take_a_step(model, seed=3)
+    started = time.monotonic()
+    try:
+        path = publisher.publish(model, 3)
+    finally:
+        broadcaster._together = together  # type: ignore[method-assign]
+    assert time.monotonic() - started < 15.0
+    assert_engines_serve(engine_fleet, [live], model, 3)
+    assert httpx.get(f"{engine_fleet.router_url}/weight_version", timeout=10).json()["model_path"] == str(path)
+    # Back in the fleet for the next test: the router brings it to version 3 before it routes to it.
+    assert httpx.post(f"{engine_fleet.router_url}/workers", json={"url": gone}, timeout=10).status_code == 202
+    engine_fleet.wait_healthy_engines(2)
+
+
 def test_a_dead_engine_is_named_and_the_version_still_arrives_from_disk(
     engine_fleet: EngineFleet, publisher: DistributedPublisher, model: PreTrainedModel
 ) -> None:
@@ -112,9 +148,9 @@ def test_a_dead_engine_is_named_and_the_version_still_arrives_from_disk(
     with pytest.raises(Unavailable, match=dead.replace(".", r"\.")):
         broadcaster_for(engine_fleet).open()
 
-    take_a_step(model, seed=3)
-    path = publisher.publish(model, 3)
-    assert_engines_serve(engine_fleet, [live], model, 3)
+    take_a_step(model, seed=4)
+    path = publisher.publish(model, 4)
+    assert_engines_serve(engine_fleet, [live], model, 4)
     assert httpx.get(f"{engine_fleet.router_url}/weight_version", timeout=10).json()["model_path"] == str(path)
     metrics = httpx.get(f"{engine_fleet.router_url}/metrics", timeout=10).text
     assert re.search(r'rlfleet_router_weight_sync_seconds_count\{path="disk"\} [1-9]', metrics), "fell back to disk"

@@ -1,7 +1,10 @@
-"""The pieces of weight publishing that need no engines: buckets, tied weights, the wire format, the fallback."""
+"""The pieces of weight publishing that need no engines: buckets, tied weights, the wire format, the fallback
+(inside the pause), a refusal that ends the wait for a collective."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -59,8 +62,8 @@ def test_settings_choose_the_publisher(tmp_path: Path) -> None:
 class BrokenBroadcaster(WeightBroadcaster):
     """Opens fine, then every broadcast fails, as when an engine dies mid-version."""
 
-    def __init__(self) -> None:
-        super().__init__(RouterClient("http://127.0.0.1:1", 1.0), "127.0.0.1", "gloo", 1.0, 1.0)
+    def __init__(self, router_url: str = "http://127.0.0.1:1", bucket_mb: float = 1.0) -> None:
+        super().__init__(RouterClient(router_url, 1.0), "127.0.0.1", "gloo", bucket_mb, 1.0)
         self.closed = 0
 
     def is_current(self) -> bool:
@@ -80,6 +83,34 @@ def test_a_failed_broadcast_brings_the_version_by_disk(fake_router: Any, small_m
     path = DistributedPublisher(broadcaster, disk, tmp_path, small_model_dir).publish(model, 4)
     assert fake_router.loads == [{"model_path": str(path), "weight_version": "4"}]
     assert (path / "config.json").exists() and broadcaster.closed == 1
+
+
+def test_a_version_in_several_buckets_comes_from_disk_before_generation_resumes(
+    fake_router: Any, small_model_dir: Path, tmp_path: Path
+) -> None:
+    """Engines that applied some buckets hold a mix of two versions: they must not sample until the disk load."""
+    model = AutoModelForCausalLM.from_pretrained(small_model_dir)
+    broadcaster = BrokenBroadcaster(fake_router.url, bucket_mb=0.05)
+    assert broadcaster.bucket_count(model.state_dict()) > 1
+    disk = DiskPublisher(RouterClient(fake_router.url, 10.0), tmp_path, small_model_dir)
+    DistributedPublisher(broadcaster, disk, tmp_path, small_model_dir).publish(model, 5)
+    assert fake_router.calls == ["/pause_generation", "/update_weights_from_disk", "/continue_generation"]
+
+
+def test_a_router_refusal_ends_the_wait_for_the_collective_at_once(fake_router: Any) -> None:
+    """The router refuses a bucket (409) while this side is blocked sending it: the refusal is the answer,
+    not the group's timeout with the fleet paused."""
+    broadcaster = WeightBroadcaster(RouterClient(fake_router.url, 10.0), "127.0.0.1", "gloo", 1.0, timeout_s=30.0)
+    release, aborted = threading.Event(), threading.Event()
+    started = time.monotonic()
+    try:
+        with pytest.raises(Unavailable, match="HTTP 409: engines .* are out of routing"):
+            broadcaster._together(
+                "/update_weights_from_distributed", {}, lambda: release.wait(10), 0.0, abort=aborted.set
+            )
+        assert time.monotonic() - started < 5.0 and aborted.is_set()
+    finally:
+        release.set()
 
 
 def test_registering_the_disk_copy_is_retried_like_a_load(fake_router: Any) -> None:
