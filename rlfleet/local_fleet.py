@@ -10,6 +10,10 @@ elsewhere while it is still starting, and `rlfleet submit|runs|watch|cancel` fin
 
 Any one service, Redis included when the fleet started it, can be started again with the same
 command (`restart`), which is how the fault tests bring back what they killed.
+
+One fleet per state directory: a fleet.json whose owner (`rlfleet up`, `rlfleet demo`) or any recorded
+service still runs is never overwritten or removed by another process, only by `rlfleet down`, which gives
+each service SIGTERM and the time it needs to stop (the trainer checkpoints) before it is killed.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import sys
 import threading
 import time
@@ -29,7 +32,7 @@ from urllib.parse import urlsplit
 
 import redis
 
-from rlfleet.process_identity import is_another_process, pid_alive, start_time
+from rlfleet.process_identity import is_another_process, start_time
 from rlfleet.processes import (
     ServiceProcess,
     ServiceStartError,
@@ -38,9 +41,23 @@ from rlfleet.processes import (
     free_port,
     free_port_block,
     port_is_free,
+    process_runs,
 )
 
 logger = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 20.0
+"""How long a service gets from SIGTERM to its exit before it is killed, unless SLOW_STOPS_S says otherwise."""
+SLOW_STOPS_S = {"trainer": 60.0, "rollout": 60.0}
+"""Services whose stop waits on work that must not be lost. The trainer gives its gRPC server 5 s, then
+every run up to 30 s to end its step and checkpoint (rlfleet_trainer `serve`, TrainerCore.shutdown), then
+torchrun ends its ranks; the orchestrator waits out a trainer call in flight (trainer_call_timeout_s, 30 s)
+plus its servers' grace (5 s each)."""
+
+
+def stop_timeout_s(name: str) -> float:
+    """The bound on service `name`'s stop, the same for `rlfleet up` stopping it and `rlfleet down`."""
+    return SLOW_STOPS_S.get(name, STOP_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
@@ -199,7 +216,7 @@ class LocalFleet:
 
     def start(self) -> None:
         """Starts every service, or none: on any failure (or `request_stop`) what started is stopped again."""
-        self._refuse_running_fleet()
+        refuse_running_fleet(self.config.state_dir)
         try:
             self._write_state()
             self._check_ports(self.named_ports())
@@ -215,30 +232,18 @@ class LocalFleet:
         self.stopping.set()
 
     def stop(self) -> None:
+        """Stops every service in reverse order, each within its bound (stop_timeout_s), and removes
+        fleet.json if this process wrote it."""
         for name in reversed(list(self.processes)):
             process = self.processes.pop(name)
             running = process.alive()
-            code = process.stop(timeout=20)
+            code = process.stop(timeout=stop_timeout_s(name))
             # The code a stopped process exits with says nothing of how it ran (torchrun exits 1 on SIGTERM).
             if running:
                 logger.info("stopped %s", name)
             else:
                 logger.warning("%s had already exited (exit code %s)", name, code)
-        self.state_path.unlink(missing_ok=True)
-
-    def _refuse_running_fleet(self) -> None:
-        """One fleet per state directory: a second would overwrite the first one's fleet.json and leave it
-        running where `rlfleet down` cannot find it."""
-        state = read_state(self.config.state_dir)
-        if state is None:
-            return
-        owner = int(state.get("pid", 0))
-        if owner and owner != os.getpid() and _owner_runs(state):
-            raise ServiceStartError(
-                f"a fleet started from {self.config.state_dir} is {state.get('state', 'running')} (`rlfleet up`, "
-                f"pid {owner}); stop it with `rlfleet down --state-dir {self.config.state_dir}`, or give this one "
-                "another --state-dir"
-            )
+        remove_own_record(self.config.state_dir)
 
     def _check_ports(self, ports: dict[int, str]) -> None:
         host = self.config.host
@@ -346,7 +351,7 @@ class LocalFleet:
         if name not in self._commands:
             raise KeyError(f"{name!r} is not a service this fleet started; it has {sorted(self._commands)}")
         command = self._commands[name]
-        self.processes[name].stop(timeout=10)
+        self.processes[name].stop(timeout=stop_timeout_s(name))
         self._spawn(name, command.argv, command.health_url, command.ports)
         self._wait(name)
         self._write_state()
@@ -376,10 +381,11 @@ class LocalFleet:
 
     def _ensure_redis(self) -> None:
         url = self.config.resolved_redis_url()
-        if _redis_answers(url):
+        error = redis_error(url)
+        if error is None:
             return
-        if self.config.redis_url is not None:
-            raise ServiceStartError(f"Redis at {url} does not answer; start it or drop --redis-url to have one started")
+        if self.config.redis_url is not None or not _is_silent(error):
+            raise ServiceStartError(describe_redis_error(url, error))
         server = shutil.which("redis-server")
         if server is None:
             raise ServiceStartError("no Redis answers and redis-server is not installed (apt-get install redis-server)")
@@ -403,7 +409,7 @@ class LocalFleet:
     def _wait_redis(self, name: str, url: str) -> None:
         """Redis started from its AOF answers once the file is loaded: bounded by the startup timeout."""
         deadline = time.monotonic() + self.config.startup_timeout_s
-        while not _redis_answers(url):
+        while redis_error(url) is not None:
             if self.stopping.is_set():
                 raise StartInterrupted("stopped while waiting for Redis")
             if time.monotonic() > deadline or not self.processes[name].alive():
@@ -411,25 +417,54 @@ class LocalFleet:
             time.sleep(0.1)
 
     def _write_state(self) -> None:
-        """fleet.json, replaced whole (readers never see half a file): `state` is `starting` until every
-        service is healthy, then `up`; `started` holds the start time of this process (`up`) and of each
-        service, which tells a recorded pid from a later process given the same one."""
-        state = {
-            "pid": os.getpid(),
-            "state": "up" if self._up else "starting",
-            "processes": {name: proc.pid for name, proc in self.processes.items()},
-            "started": {"up": start_time(os.getpid()), **self._started},
-            "api_url": self.api_url,
-            "grpc_address": self.grpc_address,
-            "router_url": self.router_url,
-            "reward_url": self.reward_url,
-            "engines": self.engine_urls(),
-            "config": json.loads(json.dumps(asdict(self.config), default=str)),
-        }
-        self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        partial = self.state_path.with_name(f".{self.state_path.name}.{os.getpid()}")
-        partial.write_text(json.dumps(state, indent=2) + "\n")
-        partial.replace(self.state_path)
+        """fleet.json: `state` is `starting` until every service is healthy, then `up`; `started` holds the
+        start time of this process (`up`) and of each service, which tells a recorded pid from a later process
+        given the same one."""
+        _write_record(
+            self.config.state_dir,
+            {
+                "pid": os.getpid(),
+                "state": "up" if self._up else "starting",
+                "processes": {name: proc.pid for name, proc in self.processes.items()},
+                "started": {"up": start_time(os.getpid()), **self._started},
+                "api_url": self.api_url,
+                "grpc_address": self.grpc_address,
+                "router_url": self.router_url,
+                "reward_url": self.reward_url,
+                "engines": self.engine_urls(),
+                "config": json.loads(json.dumps(asdict(self.config), default=str)),
+            },
+        )
+
+
+def _write_record(state_dir: Path, state: dict[str, Any]) -> None:
+    """fleet.json replaced whole: readers never see half a file."""
+    path = Path(state_dir) / "fleet.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(json.dumps(state, indent=2) + "\n")
+    partial.replace(path)
+
+
+def record_starting(state_dir: Path) -> None:
+    """Records this process as the owner of a fleet that has started no service yet (`rlfleet up` creating
+    its model), so `rlfleet down` can stop it already: refuses a state directory whose fleet runs."""
+    refuse_running_fleet(state_dir)
+    _write_record(
+        state_dir,
+        {"pid": os.getpid(), "state": "starting", "processes": {}, "started": {"up": start_time(os.getpid())}},
+    )
+
+
+def remove_own_record(state_dir: Path) -> None:
+    """Removes fleet.json if this process wrote it: another's (a fleet whose services still run, a record
+    that cannot be read) stays for `rlfleet down` or the user."""
+    try:
+        state = read_state(state_dir)
+    except ValueError:
+        return
+    if state is not None and state.get("pid") == os.getpid():
+        (Path(state_dir) / "fleet.json").unlink(missing_ok=True)
 
 
 def read_state(state_dir: Path) -> dict[str, Any] | None:
@@ -443,50 +478,69 @@ def read_state(state_dir: Path) -> dict[str, Any] | None:
     return state if isinstance(state, dict) else None
 
 
-def _owner_runs(state: dict[str, Any]) -> bool:
-    """Whether the `rlfleet up` that wrote `state` still runs (its pid not reused by another process since)."""
+def running_fleet(state_dir: Path) -> str | None:
+    """What still runs of the fleet recorded in `<state_dir>/fleet.json`, said as what follows "a fleet started
+    from DIR"; None when nothing does, or the record is this process's own."""
+    state = read_state(state_dir)
+    if state is None or state.get("pid") == os.getpid():
+        return None
+    owner = int(state.get("pid", 0))
+    if owner and owner_runs(state):
+        return f"is {state.get('state', 'running')} (`rlfleet up` or `rlfleet demo`, pid {owner})"
+    alive = running_services(state)
+    if not alive:
+        return None
+    services = ", ".join(f"{name} (pid {pid})" for name, pid in alive.items())
+    return f"still runs without the process that started it (pid {owner}): {services}"
+
+
+def refuse_running_fleet(state_dir: Path) -> None:
+    """One fleet per state directory: a second would overwrite the first one's fleet.json (and remove it on
+    failure), leaving the first running where `rlfleet down` cannot find it."""
+    what = running_fleet(state_dir)
+    if what is not None:
+        raise ServiceStartError(
+            f"a fleet started from {state_dir} {what}; stop it with `rlfleet down --state-dir {state_dir}`, or "
+            "give this one another --state-dir"
+        )
+
+
+def owner_runs(state: dict[str, Any]) -> bool:
+    """Whether the process that wrote `state` still runs (its pid not reused by another process since)."""
     owner = int(state["pid"])
-    return pid_alive(owner) and not is_another_process(owner, state.get("started", {}).get("up"))
+    return process_runs(owner) and not is_another_process(owner, state.get("started", {}).get("up"))
 
 
-def _redis_answers(url: str) -> bool:
+def running_services(state: dict[str, Any]) -> dict[str, int]:
+    """The recorded services that still run, by name (a pid now naming another process is not one of them)."""
+    started = state.get("started", {})
+    return {
+        name: int(pid)
+        for name, pid in state.get("processes", {}).items()
+        if process_runs(int(pid)) and not is_another_process(int(pid), started.get(name))
+    }
+
+
+def redis_error(url: str) -> redis.RedisError | None:
+    """What pinging the Redis at `url` raised; None when it answered."""
     try:
         client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
         try:
-            return bool(client.ping())
+            client.ping()
         finally:
             client.close()
-    except redis.RedisError:
-        return False
+    except redis.RedisError as exc:
+        return exc
+    return None
 
 
-def stop_from_state(state_dir: Path, timeout_s: float = 60.0) -> bool:
-    """Stops the fleet recorded in `<state_dir>/fleet.json`, started or still starting: asks its `rlfleet up`
-    to shut down, and kills the children directly if that process is gone or does not finish within
-    `timeout_s`. A recorded pid that now names another process is left alone. Returns False when no fleet
-    is recorded."""
-    state = read_state(state_dir)
-    if state is None:
-        return False
-    path = Path(state_dir) / "fleet.json"
-    try:
-        if _owner_runs(state):
-            os.kill(int(state["pid"]), signal.SIGTERM)
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline and path.exists():
-                time.sleep(0.2)
-            if not path.exists():
-                return True
-    except ProcessLookupError:  # it ended on its own meanwhile
-        pass
-    state = read_state(state_dir) or state  # a starting fleet may have recorded more processes meanwhile
-    started = state.get("started", {})
-    for name, pid in reversed(list(state["processes"].items())):
-        if is_another_process(int(pid), started.get(name)):
-            continue
-        try:
-            os.killpg(int(pid), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    path.unlink(missing_ok=True)
-    return True
+def _is_silent(error: redis.RedisError) -> bool:
+    """Nothing answered (no server, or it hangs), as opposed to a Redis that answered with an error."""
+    silent = isinstance(error, (redis.ConnectionError, redis.TimeoutError))
+    return silent and not isinstance(error, redis.AuthenticationError)
+
+
+def describe_redis_error(url: str, error: redis.RedisError) -> str:
+    if _is_silent(error):
+        return f"Redis at {url} does not answer ({error}); start it, or drop --redis-url to have one started"
+    return f"Redis at {url} answered with an error: {error}; check the URL's database index and credentials"

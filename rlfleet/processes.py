@@ -2,7 +2,8 @@
 
 Used by the local launcher (`rlfleet up`) and by the e2e tests, so both start services the same
 way and neither can hang: every wait has a deadline, and stopping escalates from SIGTERM to
-SIGKILL of the whole process group.
+SIGKILL of the whole process group, whose every process must be gone (a service's helpers, such as
+multiprocessing's forkserver, can outlive it).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -93,6 +94,45 @@ def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 200) ->
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free now, never handed out before by this process (see free_port_block)."""
     return free_port_block(1, host)
+
+
+def _states() -> Iterator[tuple[int, str, int]]:
+    """(pid, state, process group) of every process, from Linux's /proc."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # ended meanwhile
+                continue
+            yield int(entry.name), fields[0], int(fields[2])
+
+
+def process_runs(pid: int) -> bool:
+    """Whether process `pid` runs: exists and is not a zombie (exited, not yet collected by its parent)."""
+    try:
+        stat = (Path("/proc") / str(pid) / "stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc to tell a zombie by
+        return _signal_reaches(lambda: os.kill(pid, 0))
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def group_runs(pgid: int) -> bool:
+    """Whether any process of process group `pgid` runs (zombies apart)."""
+    if not Path("/proc/self").is_dir():
+        return _signal_reaches(lambda: os.killpg(pgid, 0))
+    return any(group == pgid and state not in ("Z", "X") for _, state, group in _states())
+
+
+def _signal_reaches(send: Callable[[], None]) -> bool:
+    try:
+        send()
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # there, another user's
+        return True
+    return True
 
 
 def command_line(*head: str, **flags: object) -> list[str]:
@@ -198,15 +238,22 @@ class ServiceProcess:
         self.proc.wait(timeout=10)
 
     def stop(self, timeout: float = 10.0) -> int | None:
-        """SIGTERM the process group, SIGKILL it after `timeout`; returns the exit code."""
-        if self.alive():
+        """SIGTERM the process group (the service, and helpers it started, which can outlive it or a crash of
+        it), SIGKILL what is left of it after `timeout`; returns the exit code."""
+        deadline = time.monotonic() + timeout
+        if self.alive() or group_runs(self.pid):
             self._signal_group(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop within %.0fs; killing it", self.name, timeout)
-                self._signal_group(signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not stop within %.0fs; killing it", self.name, timeout)
+            self._signal_group(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        while group_runs(self.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if group_runs(self.pid):
+            logger.warning("processes %s started were left after it stopped; killing them", self.name)
+            self._signal_group(signal.SIGKILL)
         self._log.close()
         return self.proc.returncode
 

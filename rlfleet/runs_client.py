@@ -1,7 +1,8 @@
 """A small client of the orchestrator's REST Runs API, used by the CLI and the demo.
 
 Requests and responses are the protobuf JSON of runs.proto, parsed back into messages so callers
-get typed values (int64 fields arrive as JSON strings).
+get typed values (int64 fields arrive as JSON strings). `follow` keeps a watch up across orchestrator
+restarts (the orchestrator ends its watch streams when it stops; `rlfleet up` starts it again in seconds).
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ WATCH_READ_TIMEOUT_S = 60.0
 """How long a watch waits for its next line. The orchestrator sends an event per change and a keep-alive
 comment when the run is quiet (every 15 s by default, RLFLEET_ROLLOUT_WATCH_KEEPALIVE_S), so silence this
 long means the orchestrator or the connection is gone, not that the run is queued or slow."""
+WATCH_RECONNECT_S = 60.0
+"""How long `follow` keeps trying to watch again after the orchestrator ended the watch or could not be
+reached, counted from the first failure since the run last changed: `rlfleet up` restarts a stopped
+orchestrator after 1-4 s of backoff, and it answers again once it has started (seconds)."""
+RECONNECT_BACKOFF_S = (0.5, 5.0)
+"""First and largest wait between attempts to watch again; each wait doubles the one before."""
 LIST_PAGE_SIZE = 1000
 """The orchestrator's largest page: listing every run takes the fewest requests."""
 
@@ -57,12 +64,26 @@ def load_spec_file(path: Path) -> RunSpec:
         raise InvalidInput(f"{path}: {describe_parse_error(str(exc), 'spec')}") from exc
 
 
+class WatchEnded(Unavailable):
+    """The watch could not be kept up while the run went on; `run` is the run as last seen."""
+
+    def __init__(self, run: Run, why: str) -> None:
+        self.run = run
+        state = RunState.Name(run.state).removeprefix("RUN_STATE_")
+        super().__init__(
+            f"the watch ended while {run.id} is {state} at step {run.progress.step} ({why}); the run may go on: "
+            f"`rlfleet watch {run.id}` follows it again"
+        )
+
+
 class RunsClient:
     def __init__(
         self, base_url: str, timeout_s: float = 30.0, token: str | None = None, unreachable_hint: str = ""
     ) -> None:
-        """`unreachable_hint` ends the error raised when nothing answers at `base_url` (e.g. how it was chosen)."""
+        """`timeout_s` bounds connecting and each answer (for a watch: its first answer, see `follow`);
+        `unreachable_hint` ends the error raised when nothing answers at `base_url` (e.g. how it was chosen)."""
         self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
         self.unreachable_hint = unreachable_hint
         self.http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=bearer_headers(token))
 
@@ -129,12 +150,57 @@ class RunsClient:
             lost = f"lost the watch of run {run_id} at {self.base_url}: {exc}"
             raise Unavailable(lost + self.unreachable_hint) from exc
 
+    def follow(self, run_id: str, reconnect_within_s: float = WATCH_RECONNECT_S) -> Iterator[Run]:
+        """The run now, then every change, until it ends, across restarts of the orchestrator: a watch that
+        ends or fails before the run did is started again, with backoff, for up to `reconnect_within_s` from
+        the first failure since the run last changed; then WatchEnded. Each watch starts only once the
+        orchestrator has answered a plain read within the client's timeout, so one that accepts connections
+        but never answers fails that fast (a running watch may stay quiet for WATCH_READ_TIMEOUT_S)."""
+        try:
+            last = self.get(run_id)
+        except Unavailable as exc:
+            raise Unavailable(f"the watch of {run_id} never started: {exc}") from exc
+        lost_since: float | None = None
+        while True:
+            try:
+                for run in self.watch(run_id):
+                    if run != last:  # the run moved, so the watch works (each watch first repeats the run)
+                        lost_since = None
+                    last = run
+                    yield run
+                    if run.state in FINAL_STATES:
+                        return
+                why = "the orchestrator ended the watch"
+            except Unavailable as exc:  # unreachable, 5xx while it starts, or silent
+                why = str(exc)
+            lost_since = lost_since or time.monotonic()
+            now = self._read_again(run_id, last, why, lost_since + reconnect_within_s, reconnect_within_s)
+            if now.state in FINAL_STATES:  # it ended while no watch was up
+                yield now
+                return
+
+    def _read_again(self, run_id: str, last: Run, why: str, deadline: float, within_s: float) -> Run:
+        """The run as soon as the orchestrator answers again, asked with growing waits in between; WatchEnded
+        (with `why`, the latest failure) if it has not by `deadline`."""
+        wait, longest = RECONNECT_BACKOFF_S
+        while time.monotonic() < deadline:
+            time.sleep(max(0.0, min(wait, deadline - time.monotonic())))
+            wait = min(2 * wait, longest)
+            try:
+                return self.get(run_id)
+            except Unavailable as exc:
+                why = str(exc)
+        raise WatchEnded(last, f"{why}; no watch again within {within_s:g} s")
+
     def _run(self, body: dict) -> Run:
         return json_format.ParseDict(body, Run(), ignore_unknown_fields=True)
 
     def _request(self, method: str, path: str, **kwargs: object) -> dict:
         try:
             response = self.http.request(method, path, **kwargs)  # type: ignore[arg-type]
+        except httpx.ReadTimeout as exc:
+            silent = f"the orchestrator at {self.base_url} accepted the connection but did not answer within "
+            raise Unavailable(f"{silent}{self.timeout_s:g} s{self.unreachable_hint}") from exc
         except httpx.TransportError as exc:
             silent = f"the orchestrator at {self.base_url} did not answer: {exc}"
             raise Unavailable(silent + self.unreachable_hint) from exc

@@ -1,13 +1,18 @@
-"""`rlfleet demo`: it deletes only a previous demo's directory (or one the user says it may), and each demo
-has Redis options like `rlfleet up` and a key prefix of its own, removed afterwards; its watch prints a
-progress line only when it changes."""
+"""`rlfleet demo`: it deletes only a previous demo's directory (or one the user says it may), never one whose
+fleet still runs; each demo has Redis options like `rlfleet up` and a key prefix of its own, removed
+afterwards, also when SIGTERM or `rlfleet down` stops it; its watch prints a progress line only when it
+changes; bad flags are refused before any work, and a step that fails is one line naming it."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
@@ -17,8 +22,12 @@ import redis
 
 from rlfleet.cli.demo import MARKER, delete_keys, fleet_config, recreate, watch
 from rlfleet.cli.main import build_parser
+from rlfleet.process_identity import start_time
+from rlfleet.processes import ServiceProcess, group_runs
 from rlfleet.runs_client import RunsClient
 from rlfleet.v1.runs_pb2 import Run, RunProgress, RunState
+
+REDIS_URL = os.environ.get("RLFLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 def demo_args(*argv: str) -> argparse.Namespace:
@@ -83,6 +92,52 @@ def test_each_demo_has_its_own_redis_prefix_unless_given_one(tmp_path: Path) -> 
     assert (given.redis_url, given.redis_prefix) == ("redis://127.0.0.1:6379/5", "mine:")
 
 
+def test_a_demo_directory_whose_fleet_still_runs_is_kept(tmp_path: Path) -> None:
+    """A second demo with the same --out would delete the first one's logs and weights under its running fleet."""
+    out = tmp_path / "demo"
+    recreate(out, overwrite=False)
+    running = ServiceProcess("demo", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "demo.log")
+    try:
+        (out / "fleet").mkdir()
+        record = {"pid": running.pid, "state": "up", "processes": {}, "started": {"up": start_time(running.pid)}}
+        (out / "fleet" / "fleet.json").write_text(json.dumps(record))
+        for overwrite in (False, True):
+            with pytest.raises(FileExistsError, match=rf"rlfleet down --state-dir {out / 'fleet'}"):
+                recreate(out, overwrite=overwrite)
+        assert (out / "fleet" / "fleet.json").exists() and (out / MARKER).exists()
+    finally:
+        running.stop(timeout=5)
+    recreate(out, overwrite=False)  # its fleet gone, the directory is a previous demo's again
+    assert [p.name for p in out.iterdir()] == [MARKER]
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--sft-steps", "-1"], "argument --sft-steps: must be >= 1, got -1"),
+        (["--engines", "0", "--sft-steps", "1"], "argument --engines: must be >= 1, got 0"),
+    ],
+)
+def test_bad_numbers_are_refused_before_any_work(tmp_path: Path, flags: list[str], said: str) -> None:
+    out = tmp_path / "demo"
+    demo = subprocess.run(
+        [sys.executable, "-m", "rlfleet.cli", "demo", "--out", str(out), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert demo.returncode == 2, demo.stdout + demo.stderr
+    assert said in demo.stderr and "Traceback" not in demo.stderr
+    assert not out.exists()
+
+
+def test_a_step_that_fails_is_one_line_naming_it() -> None:
+    from rlfleet.cli.steps import StepFailed, run_step
+
+    with pytest.raises(StepFailed, match=r"^2/5 SFT warm start failed: .* exited with code 3; its output is above$"):
+        run_step("2/5 SFT warm start", [sys.executable, "-c", "raise SystemExit(3)"], timeout_s=60)
+
+
 def test_the_demos_keys_and_only_they_are_deleted(redis_client: redis.Redis, redis_prefix: str) -> None:
     url = redis_client.connection_pool.connection_kwargs
     redis_url = f"redis://{url['host']}:{url['port']}/{url.get('db', 0)}"
@@ -102,7 +157,7 @@ class ScriptedRuns:
     def get(self, run_id: str) -> Run:
         return self.events[0]
 
-    def watch(self, run_id: str) -> Iterator[Run]:
+    def follow(self, run_id: str) -> Iterator[Run]:
         yield from self.events
 
 
@@ -121,3 +176,67 @@ def test_the_demo_prints_a_progress_line_only_when_it_changes(capsys: pytest.Cap
         ("2/2", "running"),
         ("2/2", "succeeded"),
     ]
+
+
+def recorded(state_dir: Path) -> dict[str, int]:
+    try:
+        return dict(json.loads((state_dir / "fleet.json").read_text())["processes"])
+    except (FileNotFoundError, ValueError, KeyError):
+        return {}
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_down_stops_a_running_demo_its_fleet_and_its_keys(tmp_path: Path, redis_client: redis.Redis) -> None:
+    """Services run in sessions of their own: a demo ended by SIGTERM (`rlfleet down`, a closed terminal)
+    without stopping them left the whole fleet training, its Redis keys in place."""
+    out = tmp_path / "demo"
+    log = tmp_path / "demo.out"
+    with log.open("w") as stdout:
+        demo = subprocess.Popen(
+            [sys.executable, "-m", "rlfleet.cli", "demo", "--out", str(out), "--sft-steps", "1", "--engines", "1"]
+            + ["--redis-url", REDIS_URL],
+            stdout=stdout,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+    pids: dict[str, int] = {}
+    prefix = ""
+    try:
+        deadline = time.monotonic() + 400
+        while "GRPO run" not in log.read_text():
+            assert demo.poll() is None, f"the demo exited with {demo.returncode}:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"the demo submitted no run within 400 s:\n{log.read_text()}"
+            pids = recorded(out / "fleet") or pids
+            time.sleep(0.5)
+        pids = recorded(out / "fleet")
+        printed = log.read_text()
+        prefix = re.findall(r"Redis keys (\S+)\* at", printed)[0]
+        assert list(redis_client.scan_iter(match=f"{prefix}*")), "the run left no keys to delete"
+        down = subprocess.run(
+            [sys.executable, "-m", "rlfleet.cli", "down", "--state-dir", str(out / "fleet")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert demo.wait(timeout=60) == 128 + signal.SIGTERM, log.read_text()
+        assert "Traceback" not in log.read_text()
+        assert not [name for name, pid in pids.items() if group_runs(pid)]
+        assert not (out / "fleet" / "fleet.json").exists()
+        assert not list(redis_client.scan_iter(match=f"{prefix}*"))
+        assert f"stop it from another shell: rlfleet down --state-dir {out / 'fleet'}" in printed
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait(timeout=10)
+        for pid in (recorded(out / "fleet") or pids).values():
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if prefix:
+            keys = list(redis_client.scan_iter(match=f"{prefix}*"))
+            if keys:
+                redis_client.delete(*keys)

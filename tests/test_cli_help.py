@@ -42,7 +42,8 @@ def test_every_option_with_a_default_shows_it() -> None:
     [
         (["model", "init"], "seed of the random initialisation (default 0)"),
         (["data", "arithmetic"], "digits per operand (1-9) (default 2)"),
-        (["submit"], "seconds to wait for an answer (default 30.0)"),
+        (["submit"], "seconds to wait for connecting and for each answer; a watch starts only once"),
+        (["watch"], "then waits up to 60 s for each event or keep-alive (default 30.0)"),
         (["down"], "the state directory `rlfleet up` used (default .rlfleet)"),
     ],
 )

@@ -1,12 +1,17 @@
 """`rlfleet runs` and `rlfleet watch` against a scripted Runs API: every page is read and the newest runs are
 shown first, a stalled run is shown as such, a watch outlives a quiet run through keep-alives but not a
-silent server (and off a terminal prints a progress line only when it changes), the fleet `rlfleet up` recorded
-is found without --api, and with none recorded an unanswered default address says where it was looked for."""
+silent server (and off a terminal prints a progress line only when it changes), a watch the orchestrator ends
+while the run goes on (it restarts) reconnects, and says so with exit code 3 when it gives up, a server that
+never answers fails within --timeout saying the watch never started, the fleet `rlfleet up` recorded is found
+without --api, and with none recorded an unanswered default address says where it was looked for."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -55,6 +60,22 @@ REPEATS_SCRIPT: list[tuple[float, str]] = [
 """A step brings several events (groups produced, trained) that look the same on a progress line."""
 
 
+RESTART_SCRIPTS: list[list[tuple[float, str]] | int] = [
+    [(0.0, "data: " + json.dumps(run_json(9, "RUN_STATE_RUNNING", step=2)))],  # the orchestrator stops
+    503,  # it is starting again
+    [
+        (0.0, "data: " + json.dumps(run_json(9, "RUN_STATE_RUNNING", step=3))),
+        (0.0, "data: " + json.dumps(run_json(9, "RUN_STATE_SUCCEEDED", step=6))),
+    ],
+]
+"""What each watch of run-0009 gets, one connection after the other: the orchestrator restarts under it."""
+ENDING = {10, 500}
+"""Every watch of these runs (run-0500 is the one `submit` makes) ends at once while the run goes on."""
+RUNNING_IDS = {9} | ENDING
+WATCHES: dict[str, int] = {}
+"""How many watches of each run the fake has answered."""
+
+
 SUBMITTED: list[dict[str, Any]] = []
 """The specs the fake was sent, as JSON."""
 
@@ -73,10 +94,17 @@ def build_api() -> FastAPI:
         SUBMITTED.append(await request.json())
         return JSONResponse({**run_json(500, "RUN_STATE_QUEUED", step=0), "spec": SUBMITTED[-1]})
 
-    @app.get("/v1/runs/{run_id}:watch")
-    async def watch(run_id: str) -> StreamingResponse:
+    @app.get("/v1/runs/{run_id}:watch", response_model=None)
+    async def watch(run_id: str) -> StreamingResponse | JSONResponse:
+        WATCHES[run_id] = WATCHES.get(run_id, 0) + 1
         scripts = {"run-0007": WATCH_SCRIPT, "run-0008": REPEATS_SCRIPT}
+        for i in ENDING:
+            scripts[f"run-{i:04d}"] = [(0.0, "data: " + json.dumps(run_json(i, "RUN_STATE_RUNNING", step=2)))]
+        if run_id == "run-0009":
+            scripts[run_id] = RESTART_SCRIPTS[min(WATCHES[run_id], len(RESTART_SCRIPTS)) - 1]  # type: ignore[assignment]
         script = scripts.get(run_id, [(0.0, WATCH_SCRIPT[0][1]), (30.0, ": keep-alive")])
+        if isinstance(script, int):
+            return JSONResponse({"error": {"message": "starting"}}, status_code=script)
 
         async def lines() -> AsyncIterator[str]:
             for delay, line in script:
@@ -87,7 +115,8 @@ def build_api() -> FastAPI:
 
     @app.get("/v1/runs/{run_id}")
     async def get(run_id: str) -> JSONResponse:
-        return JSONResponse(run_json(int(run_id.removeprefix("run-")), step=6))
+        i = int(run_id.removeprefix("run-"))
+        return JSONResponse(run_json(i, "RUN_STATE_RUNNING", step=2) if i in RUNNING_IDS else run_json(i, step=6))
 
     return app
 
@@ -202,3 +231,49 @@ def test_without_a_recorded_fleet_an_unanswered_default_says_where_it_looked(
     assert f"`rlfleet up --state-dir {tmp_path}`" in error
     assert main(["runs", "--api", nothing_there, "--state-dir", str(tmp_path), "--timeout", "5"]) == 2
     assert "No fleet is recorded" not in capsys.readouterr().err  # the address was the user's own choice
+
+
+def test_a_watch_reconnects_when_the_orchestrator_restarts(api: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(["watch", "run-0009", "--api", api]) == 0
+    captured = capsys.readouterr()
+    assert WATCHES["run-0009"] == 3
+    steps = [line.split("  ")[0].split()[-1] for line in captured.out.splitlines()]
+    assert steps == ["2/6", "3/6", "6/6"] and captured.out.splitlines()[-1].endswith("succeeded")
+
+
+@pytest.mark.parametrize("command", [["watch", "run-0010"], ["submit", "SPEC", "--watch"]])
+def test_a_watch_that_cannot_be_kept_up_says_where_the_run_was_with_exit_code_3(
+    api: str, tmp_path: Path, command: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("model: {path: /models/tiny}\nschedule: {steps: 6}\n")
+    monkeypatch.setattr("rlfleet.cli.runs.WATCH_RECONNECT_S", 1.0)
+    started = time.monotonic()
+    assert main([word.replace("SPEC", str(spec)) for word in command] + ["--api", api]) == 3
+    assert time.monotonic() - started < 10
+    run_id = command[1] if command[0] == "watch" else "run-0500"
+    error = capsys.readouterr().err
+    assert f"the watch ended while {run_id} is RUNNING at step 2" in error
+    assert f"`rlfleet watch {run_id}` follows it again" in error
+
+
+def test_a_watch_of_a_server_that_never_answers_fails_within_its_timeout_saying_so() -> None:
+    """A server that accepts connections but never answers: the watch never starts, and --timeout bounds that."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # connections are accepted by the kernel, and never answered
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        started = time.monotonic()
+        watch = subprocess.run(
+            [sys.executable, "-m", "rlfleet.cli", "watch", "run-0001", "--api", url, "--timeout", "2"],
+            capture_output=True,
+            text=True,
+            timeout=40,
+        )
+    assert time.monotonic() - started < 20
+    assert watch.returncode == 2, watch.stdout + watch.stderr
+    assert (
+        f"the watch of run-0001 never started: the orchestrator at {url} accepted the connection but did not "
+        "answer within 2 s" in watch.stderr
+    )
+    assert "lost the watch" not in watch.stderr

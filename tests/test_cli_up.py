@@ -1,6 +1,9 @@
-"""`rlfleet up` while it is still starting: `rlfleet down` stops it (fleet.json records each process as it
-starts), and Ctrl-C ends it cleanly (a message, no traceback, status 130). Both stop every child. Once up, it
-says where the Runs API listens on both transports; a bad --base-port is refused before anything is written."""
+"""`rlfleet up` while it is still starting: `rlfleet down` stops it (fleet.json records `up` before it creates
+the model, then each process as it starts), and Ctrl-C ends it cleanly (a message, no traceback, status 130).
+Both stop every child. Once up, it says where the Runs API listens on both transports; bad flags (a --base-port
+out of range, no engines, no trainer ranks, a Redis that refuses) are refused before anything is written. A
+fleet whose `up` was killed keeps its record: a second `up` refuses the state directory, and `down` stops the
+services one by one, each on SIGTERM."""
 
 from __future__ import annotations
 
@@ -15,10 +18,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from rlfleet.cli.fleet import EXAMPLE_SPEC, up_message
 from rlfleet.cli.main import main
 from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet, router_policy
+from rlfleet.processes import group_runs
 
 REDIS_URL = os.environ.get("RLFLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -150,3 +155,137 @@ def test_a_bad_base_port_is_refused_before_the_model_is_written(tmp_path: Path) 
 def test_the_router_follows_prefix_caches_only_where_the_engines_keep_them() -> None:
     assert router_policy("sglang") == "cache_aware"
     assert router_policy("transformers") == "least_load"
+
+
+@pytest.mark.e2e
+def test_down_stops_an_up_that_is_still_creating_its_model(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    up = subprocess.Popen(
+        rlfleet("up", "--free-ports", "--engines", "1", "--state-dir", str(state_dir), "--redis-url", REDIS_URL)
+        + ["--redis-prefix", f"rlfleet-test:{uuid.uuid4().hex}:"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (state_dir / "fleet.json").exists():
+            assert up.poll() is None, f"rlfleet up exited with {up.returncode}: {up.communicate()}"
+            assert time.monotonic() < deadline, "rlfleet up recorded nothing within 60 s"
+            time.sleep(0.02)
+        assert not (state_dir / "models" / "tiny" / "config.json").exists(), "recorded only once the model was made"
+        state = json.loads((state_dir / "fleet.json").read_text())
+        assert (state["pid"], state["state"], state["processes"]) == (up.pid, "starting", {})
+        down = subprocess.run(
+            rlfleet("down", "--state-dir", str(state_dir)), capture_output=True, text=True, timeout=90
+        )
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert "starting" in down.stdout and "fleet stopped" in down.stdout
+        out, err = up.communicate(timeout=60)
+        assert up.returncode == 128 + signal.SIGTERM, out + err
+        assert "SIGTERM" in err and "Traceback" not in err
+        assert not (state_dir / "fleet.json").exists()
+        assert not (state_dir / "logs").exists(), "a service was started"
+        assert not (state_dir / "models" / "tiny").exists(), "a model half written would be served next time"
+    finally:
+        stop_by_pid(up, state_dir)
+
+
+def stop_by_pid(up: subprocess.Popen[str], state_dir: Path) -> None:
+    """`up` asked to stop its fleet, killed after a bound, and whatever is still recorded killed by pid."""
+    if up.poll() is None:
+        up.terminate()
+        try:
+            up.wait(timeout=200)
+        except subprocess.TimeoutExpired:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait(timeout=10)
+    if (state_dir / "fleet.json").exists():
+        for pid in recorded_pids(state_dir):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--engines", "0"], "argument --engines: must be >= 1, got 0"),
+        (["--trainer-ranks", "0"], "argument --trainer-ranks: must be >= 1, got 0"),
+        (["--redis-url", "redis://127.0.0.1:6379/99"], "answered with an error: DB index is out of range"),
+        (["--redis-url", "http://127.0.0.1:6379/0"], "--redis-url http://127.0.0.1:6379/0: Redis URL must specify"),
+    ],
+)
+def test_bad_flags_are_refused_before_anything_is_written_or_started(
+    tmp_path: Path, flags: list[str], said: str
+) -> None:
+    state_dir = tmp_path / "state"  # the model would be created there first
+    up = subprocess.run(
+        rlfleet("up", "--free-ports", "--engines", "1")
+        + [
+            "--state-dir",
+            str(state_dir),
+            "--redis-url",
+            REDIS_URL,
+            "--redis-prefix",
+            f"rlfleet-test:{uuid.uuid4().hex}:",
+        ]
+        + flags,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert up.returncode == 2, up.stdout + up.stderr
+    assert said in up.stderr and "does not answer" not in up.stderr and "Traceback" not in up.stderr
+    assert not state_dir.exists()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_fleet_whose_up_was_killed_is_kept_from_a_second_up_and_down_stops_it_gently(
+    tmp_path: Path, small_model_dir: Path, redis_client: redis.Redis
+) -> None:
+    state_dir = tmp_path / "state"
+    prefix = f"rlfleet-test:{uuid.uuid4().hex}:"
+    up_command = rlfleet("up", "--free-ports", "--engines", "1", "--model-path", str(small_model_dir))
+    up_command += ["--state-dir", str(state_dir), "--redis-url", REDIS_URL, "--redis-prefix", prefix]
+    up = subprocess.Popen(up_command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while (
+            not (state_dir / "fleet.json").exists()
+            or json.loads((state_dir / "fleet.json").read_text())["state"] != "up"
+        ):
+            assert up.poll() is None, f"rlfleet up exited with {up.returncode}: {up.communicate()}"
+            assert time.monotonic() < deadline, "the fleet was not up within 300 s"
+            time.sleep(0.5)
+        up.kill()  # `up` alone: its services run on, in sessions of their own
+        up.wait(timeout=10)
+        recorded = (state_dir / "fleet.json").read_text()
+        pids = recorded_pids(state_dir)
+
+        second = subprocess.run(up_command, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1, second.stdout + second.stderr
+        assert "still runs without the process that started it" in second.stderr
+        assert f"rlfleet down --state-dir {state_dir}" in second.stderr
+        assert (state_dir / "fleet.json").read_text() == recorded
+
+        down = subprocess.run(
+            rlfleet("down", "--state-dir", str(state_dir)), capture_output=True, text=True, timeout=300
+        )
+        assert down.returncode == 0, down.stdout + down.stderr
+        said = down.stdout.splitlines()
+        assert f"the process that started the fleet (pid {up.pid}) is gone: stopping its services one by one" in said
+        assert [line for line in said if line.endswith(" stopped") and line != "fleet stopped"] == [
+            f"{name} stopped" for name in ("rollout", "trainer", "reward", "router", "engine-0")
+        ], down.stdout  # each stopped on SIGTERM, in reverse order
+        assert "killed" not in down.stdout
+        assert not [pid for pid in pids if group_runs(pid)]
+        assert not (state_dir / "fleet.json").exists()
+    finally:
+        stop_by_pid(up, state_dir)
+        keys = list(redis_client.scan_iter(match=f"{prefix}*"))
+        if keys:
+            redis_client.delete(*keys)

@@ -4,11 +4,13 @@ and a health check that another process answers on the service's port does not c
 from __future__ import annotations
 
 import http.server
+import os
 import socket
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +18,8 @@ import pytest
 
 from rlfleet.local_fleet import FleetPorts
 from rlfleet.processes import ServiceProcess, ServiceStartError, free_port, free_port_block, port_is_free
+
+REDIS_URL = os.environ.get("RLFLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 @pytest.fixture
@@ -74,7 +78,8 @@ def test_up_refuses_a_port_in_use_before_starting_anything(
     started = time.monotonic()
     up = subprocess.run(
         [sys.executable, "-m", "rlfleet.cli", "up", "--base-port", str(base), "--engines", "1"]
-        + ["--model-path", str(fake_model), "--state-dir", str(state_dir), "--redis-url", "redis://127.0.0.1:1/0"],
+        + ["--model-path", str(fake_model), "--state-dir", str(state_dir), "--redis-url", REDIS_URL]
+        + ["--redis-prefix", f"rlfleet-test:{uuid.uuid4().hex}:"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -82,7 +87,7 @@ def test_up_refuses_a_port_in_use_before_starting_anything(
     assert up.returncode == 1, up.stdout + up.stderr
     assert f"{taken} (router)" in up.stderr and "--base-port" in up.stderr and "--free-ports" in up.stderr
     assert "fleet is up" not in up.stdout
-    # Nothing started (not even the Redis check, which this unreachable URL would have failed), nothing recorded.
+    # Nothing started (Redis answers, so none is started either), nothing recorded.
     assert "started engine" not in up.stderr and "Redis" not in up.stderr
     assert not (state_dir / "fleet.json").exists()
     assert time.monotonic() - started < 30

@@ -1,6 +1,7 @@
 """fleet.json outlives its processes when `rlfleet up` is killed or the machine restarts, and pids are
-reused: `rlfleet down` signals a recorded pid only while it still names the recorded process, and `up`
-takes a state directory over from a fleet that is gone."""
+reused: `rlfleet down` signals a recorded pid only while it still names the recorded process, gives each
+service SIGTERM and time to stop before it kills it, and `up` takes a state directory over from a fleet
+that is gone, never from one whose services still run (nor removes a record it did not write)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet, stop_from_state
+from rlfleet import local_fleet
+from rlfleet.cli.down import stop_from_state
+from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet
 from rlfleet.process_identity import start_time
 from rlfleet.processes import ServiceProcess, ServiceStartError
 
@@ -27,18 +30,33 @@ def sleepers(tmp_path: Path) -> Iterator[list[ServiceProcess]]:
         proc.stop(timeout=5)
 
 
-def record(state_dir: Path, owner: ServiceProcess, service: ServiceProcess, shift_s: float = 0.0) -> None:
-    """A fleet.json naming `owner` as `rlfleet up` and `service` as its engine; `shift_s` moves the recorded
-    start times, as if other processes had had these pids."""
-    started = {"up": start_time(owner.pid), "engine-0": start_time(service.pid)}
+def record(
+    state_dir: Path, owner: ServiceProcess, service: ServiceProcess, shift_s: float = 0.0, **more: ServiceProcess
+) -> None:
+    """A fleet.json naming `owner` as `rlfleet up` and `service` as its engine (and `more` services by name,
+    started after it); `shift_s` moves the recorded start times, as if other processes had had these pids."""
+    services = {"engine-0": service, **more}
+    started = {"up": start_time(owner.pid), **{name: start_time(proc.pid) for name, proc in services.items()}}
     state = {
         "pid": owner.pid,
         "state": "up",
-        "processes": {"engine-0": service.pid},
+        "processes": {name: proc.pid for name, proc in services.items()},
         "started": {name: t + shift_s for name, t in started.items() if t is not None},
     }
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / "fleet.json").write_text(json.dumps(state))
+
+
+def fleet_in(tmp_path: Path) -> LocalFleet:
+    """A fleet of a stand-in model on free ports whose start stops at its first step: no Redis answers."""
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    return LocalFleet(
+        FleetConfig(
+            model_path=model, state_dir=tmp_path / "state", ports=FleetPorts.free(2), redis_url="redis://127.0.0.1:1/0"
+        )
+    )
 
 
 def test_down_leaves_alone_processes_that_only_have_the_recorded_pids(
@@ -46,7 +64,7 @@ def test_down_leaves_alone_processes_that_only_have_the_recorded_pids(
 ) -> None:
     owner, service = sleepers
     record(tmp_path, owner, service, shift_s=-3600)
-    assert stop_from_state(tmp_path, timeout_s=1)
+    assert stop_from_state(tmp_path, say=print)
     assert owner.alive() and service.alive()
     assert not (tmp_path / "fleet.json").exists()
 
@@ -54,7 +72,7 @@ def test_down_leaves_alone_processes_that_only_have_the_recorded_pids(
 def test_down_stops_the_recorded_processes(tmp_path: Path, sleepers: list[ServiceProcess]) -> None:
     owner, service = sleepers
     record(tmp_path, owner, service)
-    assert stop_from_state(tmp_path, timeout_s=1)
+    assert stop_from_state(tmp_path, say=print)
     owner.proc.wait(timeout=5)
     service.proc.wait(timeout=5)
     assert not (tmp_path / "fleet.json").exists()
@@ -64,15 +82,11 @@ def test_up_refuses_a_state_dir_whose_fleet_runs_and_takes_over_a_stale_one(
     tmp_path: Path, sleepers: list[ServiceProcess]
 ) -> None:
     owner, service = sleepers
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    config = FleetConfig(
-        model_path=model, state_dir=tmp_path / "state", ports=FleetPorts.free(2), redis_url="redis://127.0.0.1:1/0"
-    )
-    fleet = LocalFleet(config)
+    fleet = fleet_in(tmp_path)
     record(tmp_path / "state", owner, service)
-    with pytest.raises(ServiceStartError, match=rf"a fleet started from .* is up \(`rlfleet up`, pid {owner.pid}\)"):
+    with pytest.raises(
+        ServiceStartError, match=rf"a fleet started from .* is up \(`rlfleet up` or `rlfleet demo`, pid {owner.pid}\)"
+    ):
         fleet.start()
     assert (tmp_path / "state" / "fleet.json").exists(), "the running fleet's record was kept"
     record(tmp_path / "state", owner, service, shift_s=-3600)
@@ -106,3 +120,83 @@ def test_stop_reports_a_service_that_had_exited_and_not_the_exit_codes_of_those_
     messages = [r.getMessage() for r in caplog.records]
     assert "reward had already exited (exit code 3)" in messages
     assert "stopped trainer" in messages and not any("exit code 1" in m for m in messages)
+
+
+def test_up_refuses_a_state_dir_whose_up_was_killed_but_whose_services_run(
+    tmp_path: Path, sleepers: list[ServiceProcess]
+) -> None:
+    """A second `up` beside the orphans would overwrite their record (on failure delete it), and `down` would
+    then find no fleet to stop."""
+    owner, service = sleepers
+    record(tmp_path / "state", owner, service)
+    owner.stop(timeout=5)  # `rlfleet up` killed; its engine runs on
+    recorded = (tmp_path / "state" / "fleet.json").read_text()
+    with pytest.raises(
+        ServiceStartError,
+        match=rf"still runs without the process that started it \(pid {owner.pid}\): engine-0 \(pid {service.pid}\); "
+        rf"stop it with `rlfleet down --state-dir {tmp_path / 'state'}`",
+    ):
+        fleet_in(tmp_path).start()
+    assert (tmp_path / "state" / "fleet.json").read_text() == recorded
+
+
+def test_a_fleet_never_removes_a_record_it_did_not_write(tmp_path: Path, sleepers: list[ServiceProcess]) -> None:
+    owner, service = sleepers
+    record(tmp_path / "state", owner, service)
+    fleet_in(tmp_path).stop()
+    assert (tmp_path / "state" / "fleet.json").exists()
+
+
+SIGTERM_THEN_EXIT = (
+    "import pathlib, signal, sys, time\n"
+    "def stop(*_):\n"
+    "    time.sleep(0.5)  # a checkpoint\n"
+    "    pathlib.Path(sys.argv[1]).write_text('stopped on SIGTERM')\n"
+    "    sys.exit(0)\n"
+    "signal.signal(signal.SIGTERM, stop)\n"
+    "time.sleep(60)\n"
+)
+
+
+def test_down_without_its_up_gives_each_service_sigterm_and_kills_only_one_that_outlasts_its_bound(
+    tmp_path: Path, sleepers: list[ServiceProcess], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    owner, stubborn = sleepers
+    stubborn.stop(timeout=5)
+    stubborn = ServiceProcess(
+        "engine-0",
+        [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"],
+        tmp_path / "stubborn.log",
+    )
+    graceful = ServiceProcess(
+        "trainer", [sys.executable, "-c", SIGTERM_THEN_EXIT, str(tmp_path / "done")], tmp_path / "t.log"
+    )
+    try:
+        time.sleep(1.0)  # both have installed their handlers
+        record(tmp_path, owner, stubborn, trainer=graceful)
+        owner.stop(timeout=5)  # `rlfleet up` is gone
+        monkeypatch.setattr(local_fleet, "STOP_TIMEOUT_S", 1.0)
+        said: list[str] = []
+        started = time.monotonic()
+        assert stop_from_state(tmp_path, say=said.append)
+        assert time.monotonic() - started < 15
+        assert (tmp_path / "done").read_text() == "stopped on SIGTERM"
+        assert graceful.proc.wait(timeout=5) == 0 and stubborn.proc.wait(timeout=5) == -9
+        assert said == [
+            f"the process that started the fleet (pid {owner.pid}) is gone: stopping its services one by one",
+            f"stopping trainer (pid {graceful.pid}) ...",
+            "trainer stopped",
+            f"stopping engine-0 (pid {stubborn.pid}) ...",
+            "engine-0 did not stop within 1 s of SIGTERM: killed",
+        ]
+        assert not (tmp_path / "fleet.json").exists()
+    finally:
+        stubborn.stop(timeout=1)
+        graceful.stop(timeout=1)
+
+
+def test_the_trainer_has_time_to_checkpoint_before_it_is_killed() -> None:
+    """On SIGTERM the trainer's gRPC server gets 5 s and its runs up to 30 s to end their step and checkpoint
+    (rlfleet_trainer's serve, TrainerCore.shutdown); the orchestrator may wait out a trainer call of up to 30 s."""
+    assert local_fleet.stop_timeout_s("trainer") >= 45 and local_fleet.stop_timeout_s("rollout") >= 45
+    assert local_fleet.stop_timeout_s("engine-0") == local_fleet.STOP_TIMEOUT_S

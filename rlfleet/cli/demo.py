@@ -6,16 +6,19 @@ examples/runs/arith-grpo.yaml on the warm-started model, watch it to the end, wr
 <out>/summary.json, and take the fleet down.
 
 <out> is recreated: it must be empty, absent, or a previous demo's (which holds the marker file the
-demo writes first); anything else is deleted only with --overwrite.
+demo writes first); anything else is deleted only with --overwrite, and never while the fleet recorded in
+<out>/fleet/fleet.json still runs.
+
+Ctrl-C, SIGTERM and SIGHUP (`rlfleet down --state-dir <out>/fleet` sends SIGTERM) stop the demo at any step,
+its SFT child and its fleet included, and delete its Redis keys; it then exits with 128 + the signal.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
+import signal
 import sys
 import time
 import uuid
@@ -23,17 +26,22 @@ from pathlib import Path
 
 import redis
 
+from rlfleet.cli.arg_types import positive_int
+from rlfleet.cli.fleet import check_redis_url
 from rlfleet.cli.runs import progress_line
-from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet
-from rlfleet.processes import command_line
+from rlfleet.cli.steps import StepFailed, run_step, write_tiny_model
+from rlfleet.cli.stop_signals import StopSignal, raise_on_signals, stop_on_signals
+from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet, running_fleet
+from rlfleet.processes import ServiceStartError, StartInterrupted, command_line
 from rlfleet.runs_client import FINAL_STATES, RunsClient, load_spec_file
-from rlfleet.tiny_model import create_tiny_model
-from rlfleet.v1.runs_pb2 import Run, RunState
+from rlfleet.v1.runs_pb2 import Run, RunSpec, RunState
 
 REPO = Path(__file__).resolve().parents[2]
 MARKER = ".rlfleet-demo"
 """Written first into the demo directory: only a directory holding it is deleted without --overwrite."""
 DEMO_OUTPUTS = frozenset({MARKER, "base", "sft", "fleet", "summary.json"})
+SFT_TIMEOUT_S = 1800.0
+"""Bound on the SFT warm start: its default 400 steps take minutes on two busy cores."""
 
 
 def register(areas: argparse._SubParsersAction) -> None:
@@ -46,8 +54,8 @@ def register(areas: argparse._SubParsersAction) -> None:
     )
     demo.add_argument("--overwrite", action="store_true", help="delete --out even when it is not a previous demo's")
     demo.add_argument("--spec", type=Path, default=REPO / "examples/runs/arith-grpo.yaml", help="run spec to train")
-    demo.add_argument("--sft-steps", type=int, default=400, help="SFT warm-start steps")
-    demo.add_argument("--engines", type=int, default=2, help="engines to start")
+    demo.add_argument("--sft-steps", type=positive_int, default=400, help="SFT warm-start steps")
+    demo.add_argument("--engines", type=positive_int, default=2, help="engines to start")
     demo.add_argument("--redis-url", default=None, help="use this Redis instead of 127.0.0.1:6379 / a started one")
     demo.add_argument(
         "--redis-prefix",
@@ -65,17 +73,15 @@ def say(message: str) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     started = time.monotonic()
     out: Path = args.out.resolve()
-    spec = load_spec_file(args.spec)  # fail on a bad spec before any long work
-    recreate(out, args.overwrite)
-
-    say("1/5 creating the tiny model")
-    params = create_tiny_model(out / "base")
-    say(f"    {params / 1e6:.1f}M parameters in {out / 'base'}")
-
-    say(f"2/5 SFT warm start ({args.sft_steps} steps)")
-    arith = spec.dataset.arithmetic
-    subprocess.run(
-        command_line(
+    spec = load_spec_file(args.spec)  # fail on a bad spec or Redis before any long work
+    check_redis_url(args.redis_url)
+    with raise_on_signals():  # until the fleet starts, a stop signal ends the step in progress at once
+        recreate(out, args.overwrite)
+        say("1/5 creating the tiny model")
+        write_tiny_model("1/5 creating the tiny model", out / "base")
+        say(f"2/5 SFT warm start ({args.sft_steps} steps)")
+        arith = spec.dataset.arithmetic
+        sft = command_line(
             sys.executable,
             "-m",
             "rlfleet_trainer",
@@ -86,36 +92,49 @@ def run_demo(args: argparse.Namespace) -> int:
             digits=arith.digits or 2,
             ops=arith.ops or "+",
             seed=spec.trainer.seed,
-        ),
-        check=True,
-        timeout=1800,
-        env={**os.environ, "RLFLEET_LOG_FORMAT": "text"},
-    )
-
-    say("3/5 bringing the fleet up (engines, router, reward hub, trainer, orchestrator)")
-    config = fleet_config(args, out)
-    prefix = config.redis_prefix
-    fleet = LocalFleet(config)
-    try:
-        with fleet:
-            say(f"    Runs API {fleet.api_url}, router {fleet.router_url}, logs in {fleet.log_dir}")
-            say(f"    Redis keys {prefix}* at {config.resolved_redis_url()}")
-            spec.model.path = str(out / "sft")
-            spec.model.tokenizer_path = str(out / "sft")
-            client = RunsClient(fleet.api_url)
-            run = client.submit(spec)
-            say(f"4/5 GRPO run {run.id}: {spec.schedule.steps} steps")
-            final, rewards, diffs = watch(client, run.id)
-    finally:
-        # A Redis the fleet started keeps its data under <out>, which the next demo deletes.
-        if args.redis_prefix is None and not fleet.owns_redis:
-            delete_keys(config.resolved_redis_url(), prefix)
+        )
+        run_step("2/5 SFT warm start", sft, timeout_s=SFT_TIMEOUT_S)
+        say("3/5 bringing the fleet up (engines, router, reward hub, trainer, orchestrator)")
+        config = fleet_config(args, out)
+        fleet = LocalFleet(config)
+    spec.model.path = str(out / "sft")
+    spec.model.tokenizer_path = str(out / "sft")
+    final, rewards, diffs = train_on_fleet(fleet, spec, delete_keys_after=args.redis_prefix is None)
     say("5/5 fleet stopped")
     summary = summarize(final, rewards, diffs, time.monotonic() - started, args.engines)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
     say(f"summary written to {out / 'summary.json'}")
     return 0 if final.state == RunState.RUN_STATE_SUCCEEDED else 1
+
+
+def train_on_fleet(
+    fleet: LocalFleet, spec: RunSpec, delete_keys_after: bool
+) -> tuple[Run, dict[int, float], list[float]]:
+    """Starts the fleet, trains `spec` on it to the end, and stops it; a stop signal stops it sooner (as
+    StopSignal). The fleet's Redis keys are deleted afterwards when `delete_keys_after` and the Redis is not
+    the fleet's own (that one keeps its data under <out>, which the next demo deletes)."""
+    config = fleet.config
+    with stop_on_signals(fleet) as received:  # a raise while the fleet starts could leave a child unrecorded
+        try:
+            try:
+                fleet.start()
+            except StartInterrupted:
+                raise StopSignal(received[0] if received else signal.SIGTERM) from None
+            except ServiceStartError as exc:
+                raise StepFailed(f"3/5 the fleet did not start: {exc}") from None
+            say(f"    Runs API {fleet.api_url}, router {fleet.router_url}, logs in {fleet.log_dir}")
+            say(f"    Redis keys {config.redis_prefix}* at {config.resolved_redis_url()}")
+            say(f"    stop it from another shell: rlfleet down --state-dir {config.state_dir}")
+            with raise_on_signals():  # the fleet is up: a stop signal ends the watch at once
+                client = RunsClient(fleet.api_url)
+                run = client.submit(spec)
+                say(f"4/5 GRPO run {run.id}: {spec.schedule.steps} steps")
+                return watch(client, run.id)
+        finally:
+            fleet.stop()
+            if delete_keys_after and not fleet.owns_redis:
+                delete_keys(config.resolved_redis_url(), config.redis_prefix)
 
 
 def fleet_config(args: argparse.Namespace, out: Path) -> FleetConfig:
@@ -142,10 +161,15 @@ def is_previous_demo(out: Path) -> bool:
 
 
 def recreate(out: Path, overwrite: bool) -> None:
-    """Empties `out` for a new demo; FileExistsError (saying what to do) for a directory that holds files
-    and is not a previous demo's, unless `overwrite`."""
+    """Empties `out` for a new demo; FileExistsError (saying what to do) for a directory whose fleet still
+    runs, and for one that holds files and is not a previous demo's, unless `overwrite`."""
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {out} is a file; choose a directory")
+    if (fleet := running_fleet(out / "fleet")) is not None:
+        raise FileExistsError(
+            f"--out {out} belongs to a demo whose fleet {fleet}; stop it with "
+            f"`rlfleet down --state-dir {out / 'fleet'}`, or choose another --out"
+        )
     if out.exists() and any(out.iterdir()) and not is_previous_demo(out) and not overwrite:
         raise FileExistsError(
             f"--out {out} is not empty and is not a previous demo's directory (it has no {MARKER}); choose another "
@@ -177,7 +201,7 @@ def watch(client: RunsClient, run_id: str) -> tuple[Run, dict[int, float], list[
     diffs: list[float] = []
     last = client.get(run_id)
     shown = ""
-    for run in client.watch(run_id):
+    for run in client.follow(run_id):
         last = run
         if run.progress.groups_produced:
             rewards[int(run.progress.step)] = run.progress.mean_reward
@@ -188,8 +212,6 @@ def watch(client: RunsClient, run_id: str) -> tuple[Run, dict[int, float], list[
             shown = line
         if run.state in FINAL_STATES:
             break
-    if last.state not in FINAL_STATES:
-        last = client.get(run_id)
     if last.error:
         say(f"run failed: {last.error}")
     return last, rewards, diffs

@@ -1,32 +1,41 @@
-"""`rlfleet up` / `rlfleet down`: the whole fleet on this machine as child processes.
+"""`rlfleet up`: the whole fleet on this machine as child processes.
 
-`up` runs in the foreground: it starts the fleet (recording it in <state-dir>/fleet.json from the first
-process on), restarts a service that exits (fleet_supervisor.py), and stops everything on Ctrl-C, SIGTERM
-(what `rlfleet down` sends, even while the fleet is starting) or a service it cannot keep running.
-Exit status: 0 when stopped after the fleet was up, 130 / 143 when interrupted while starting (SIGINT /
-SIGTERM), 1 when a service failed to start or kept crashing.
+`up` runs in the foreground: it checks its flags, records itself in <state-dir>/fleet.json (before it creates
+the model, so `rlfleet down` can stop it from then on), starts the fleet (recording each process as it
+starts it), restarts a service that exits (fleet_supervisor.py), and stops everything on Ctrl-C, SIGTERM
+(what `rlfleet down` sends), SIGHUP or a service it cannot keep running.
+Exit status: 0 when stopped after the fleet was up, 130 / 143 / 129 when stopped while starting (SIGINT /
+SIGTERM / SIGHUP), 1 when a service failed to start or kept crashing, 2 for bad flags.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from types import FrameType
 
+from rlfleet.cli.arg_types import positive_int
+from rlfleet.cli.steps import write_tiny_model
+from rlfleet.cli.stop_signals import StopSignal, raise_on_signals, stop_on_signals
 from rlfleet.fleet_supervisor import GaveUp, RestartPolicy, Supervisor
-from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet, read_state, stop_from_state
+from rlfleet.local_fleet import (
+    FleetConfig,
+    FleetPorts,
+    LocalFleet,
+    describe_redis_error,
+    record_starting,
+    redis_error,
+    remove_own_record,
+)
 from rlfleet.processes import ServiceStartError, StartInterrupted
 from rlfleet.runs_client import load_spec_file
 
 DEFAULT_STATE_DIR = Path(".rlfleet")
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_SPEC = REPO / "examples" / "runs" / "arith-grpo.yaml"
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def register(areas: argparse._SubParsersAction) -> None:
@@ -39,7 +48,7 @@ def register(areas: argparse._SubParsersAction) -> None:
         default=None,
         help="model the engines serve (default: <state-dir>/models/tiny, created when missing)",
     )
-    up.add_argument("--engines", type=int, default=2, help="engines to start (default 2)")
+    up.add_argument("--engines", type=positive_int, default=2, help="engines to start (default 2)")
     up.add_argument(
         "--engine",
         choices=["transformers", "sglang"],
@@ -49,7 +58,7 @@ def register(areas: argparse._SubParsersAction) -> None:
     )
     up.add_argument(
         "--trainer-ranks",
-        type=int,
+        type=positive_int,
         default=1,
         help="torchrun ranks the trainer shards the policy over with FSDP2 (default 1)",
     )
@@ -72,19 +81,21 @@ def register(areas: argparse._SubParsersAction) -> None:
         help="prefix of the fleet's Redis keys: fleets sharing a Redis need different ones",
     )
     up.set_defaults(func=run_up)
-    down = areas.add_parser("down", help="stop the fleet started by `rlfleet up` (also while it is starting)")
-    down.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="the state directory `rlfleet up` used")
-    down.set_defaults(func=run_down)
 
 
 def default_model(state_dir: Path) -> Path:
-    """The tiny model under the state dir, created on first use."""
+    """The tiny model under the state dir, created on first use: written beside it and moved into place, so
+    an interrupted creation never leaves a model without its weights for the next `up` to serve."""
     path = state_dir / "models" / "tiny"
     if not (path / "config.json").exists():
-        from rlfleet.tiny_model import create_tiny_model
-
-        print(f"creating the tiny model in {path}")
-        create_tiny_model(path)
+        print(f"creating the tiny model in {path}", flush=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        try:
+            write_tiny_model("creating the tiny model", partial)
+            shutil.rmtree(path, ignore_errors=True)  # a directory without config.json holds no model
+            partial.rename(path)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
     return path
 
 
@@ -96,43 +107,55 @@ def fleet_ports(args: argparse.Namespace) -> FleetPorts:
     return FleetPorts()
 
 
-@contextmanager
-def stop_on_signals(fleet: LocalFleet) -> Iterator[list[int]]:
-    """Ctrl-C, SIGTERM and SIGHUP ask the fleet to stop (a start in progress gives up at its next check)
-    instead of raising wherever the main thread happens to be, which could leave a child started but
-    unrecorded. Yields the signals received, first first."""
-    received: list[int] = []
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        if received:
-            # print() is not safe in a handler that may interrupt print(); a raw write is.
-            os.write(2, b"still stopping the fleet (each service gets 20 s before it is killed)\n")
-        received.append(signum)
-        fleet.request_stop()
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
+def check_redis_url(url: str | None) -> None:
+    """ValueError naming --redis-url when it is malformed, or the Redis there does not answer or answers
+    with an error (a database index it lacks, a wrong password)."""
+    if url is None:
+        return
     try:
-        yield received
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        error = redis_error(url)
+    except ValueError as exc:  # not a Redis URL at all
+        raise ValueError(f"--redis-url {url}: {exc}") from exc
+    if error is not None:
+        raise ValueError(f"--redis-url: {describe_redis_error(url, error)}")
 
 
 def run_up(args: argparse.Namespace) -> int:
-    ports = fleet_ports(args)  # a bad --base-port is refused before the model is written
-    model_path = args.model_path or default_model(args.state_dir)
-    fleet = LocalFleet(
-        FleetConfig(
-            model_path=model_path,
-            engines=args.engines,
-            state_dir=args.state_dir,
-            ports=ports,
-            redis_url=args.redis_url,
-            redis_prefix=args.redis_prefix,
-            engine_backend=args.engine,
-            trainer_ranks=args.trainer_ranks,
-        )
-    )
+    ports = fleet_ports(args)  # bad flags are refused before anything is written or started
+    check_redis_url(args.redis_url)
+    try:
+        record_starting(args.state_dir)  # from here on `rlfleet down` stops this process
+    except ServiceStartError as exc:
+        print(f"rlfleet: error: the fleet did not start: {exc}", file=sys.stderr)
+        return 1
+    try:
+        with raise_on_signals():  # nothing started yet: a stop signal ends the model's creation at once
+            fleet = LocalFleet(
+                FleetConfig(
+                    model_path=args.model_path or default_model(args.state_dir),
+                    engines=args.engines,
+                    state_dir=args.state_dir,
+                    ports=ports,
+                    redis_url=args.redis_url,
+                    redis_prefix=args.redis_prefix,
+                    engine_backend=args.engine,
+                    trainer_ranks=args.trainer_ranks,
+                )
+            )
+    except StopSignal as stop:
+        remove_own_record(args.state_dir)
+        name = signal.Signals(stop.signum).name
+        print(f"{name} while the fleet was starting: stopped before any service started", file=sys.stderr)
+        return 128 + stop.signum
+    except BaseException:
+        remove_own_record(args.state_dir)
+        raise
+    return run_fleet(fleet)  # the fleet takes the record over (and removes it when it stops)
+
+
+def run_fleet(fleet: LocalFleet) -> int:
+    """Starts the fleet, keeps it running until a stop signal or a service it cannot keep running, and stops
+    it; the exit status of `up`."""
     with stop_on_signals(fleet) as received:
         print(f"starting the fleet (logs in {fleet.log_dir}; Ctrl-C or `rlfleet down` stops it) ...", flush=True)
         try:
@@ -192,14 +215,3 @@ def _shown(path: Path) -> str:
         return str(path.relative_to(Path.cwd()))
     except ValueError:
         return str(path)
-
-
-def run_down(args: argparse.Namespace) -> int:
-    state = read_state(args.state_dir)
-    if state is None:
-        print(f"no fleet recorded in {args.state_dir / 'fleet.json'}", file=sys.stderr)
-        return 1
-    print(f"stopping the fleet of `rlfleet up` (pid {state['pid']}, {state.get('state', 'up')}) ...", flush=True)
-    stop_from_state(args.state_dir)
-    print("fleet stopped")
-    return 0

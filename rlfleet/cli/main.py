@@ -1,16 +1,26 @@
-"""`rlfleet`: one entry point with a subcommand per task (`rlfleet model init`, `rlfleet submit`, ...)."""
+"""`rlfleet`: one entry point with a subcommand per task (`rlfleet model init`, `rlfleet submit`, ...).
+
+Errors end a command with one line on stderr, never a traceback: status 2 for an error, 3 for a watch that
+could not be kept up while its run went on (cli/runs.py), 128 + N for signal N (Ctrl-C: 130), 141 when the
+reader of the output went away (`rlfleet data arithmetic | head -1`), as for a process SIGPIPE ends.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 from collections.abc import Sequence
 
-from rlfleet.cli import data, demo, fleet, model, runs
+from rlfleet.cli import data, demo, down, fleet, model, runs
 from rlfleet.cli.defaults_help import CommandParser
+from rlfleet.cli.runs import WATCH_ENDED_EXIT
+from rlfleet.cli.stop_signals import StopSignal
 from rlfleet.errors import RlfleetError
 from rlfleet.logs import init_logging
+from rlfleet.runs_client import WatchEnded
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.register(areas)
     data.register(areas)
     fleet.register(areas)
+    down.register(areas)
     runs.register(areas)
     demo.register(areas)
     return parser
@@ -28,11 +39,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     init_logging("cli")
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's flush at exit
+        return code
+    except WatchEnded as exc:
+        print(f"rlfleet: {exc}", file=sys.stderr)
+        return WATCH_ENDED_EXIT
     except (RlfleetError, ValueError, FileExistsError, FileNotFoundError) as exc:
         logging.getLogger("rlfleet").debug("command failed", exc_info=True)
         print(f"rlfleet: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C ends a watch (the run goes on); `up` handles it itself, to stop the fleet
+    except StopSignal as stop:  # `up` and `demo` have stopped what they started
+        print(f"\n{stop}", file=sys.stderr)
+        return 128 + stop.signum
+    except KeyboardInterrupt:  # Ctrl-C ends a watch (the run goes on); `up` and `demo` handle it themselves
         print("\ninterrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # Whatever is still buffered for stdout cannot be written: point it at /dev/null, so the interpreter's
+        # flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE

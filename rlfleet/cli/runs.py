@@ -2,6 +2,11 @@
 
 The orchestrator is the one named by --api, else by $RLFLEET_API_URL, else the fleet `rlfleet up` recorded
 in <state-dir>/fleet.json (so a fleet on other ports is found), else http://127.0.0.1:8000.
+
+`watch` and `submit --watch` follow the run across restarts of the orchestrator (`rlfleet up` restarts it
+in seconds). Their exit status: 0 when the run succeeded, 1 when it failed or was cancelled, 2 on an error
+(bad input, nothing answering), 3 when the watch could not be kept up while the run went on (it says
+where the run was), 130 on Ctrl-C (the run goes on).
 """
 
 from __future__ import annotations
@@ -13,13 +18,16 @@ from pathlib import Path
 from typing import TextIO
 
 from rlfleet.api_token import TOKEN_ENV, TOKEN_FILE_ENV, client_token, read_token_file
+from rlfleet.cli.arg_types import positive_float, positive_int
 from rlfleet.cli.fleet import DEFAULT_STATE_DIR
 from rlfleet.local_fleet import read_state
-from rlfleet.runs_client import FINAL_STATES, RunsClient, load_spec_file
+from rlfleet.runs_client import WATCH_READ_TIMEOUT_S, WATCH_RECONNECT_S, RunsClient, load_spec_file
 from rlfleet.v1.runs_pb2 import Run, RunState
 
 API_URL_ENV = "RLFLEET_API_URL"
 FALLBACK_URL = "http://127.0.0.1:8000"
+WATCH_ENDED_EXIT = 3
+"""Exit status of `watch` and `submit --watch` when the watch could not be kept up while the run went on."""
 
 
 def register(areas: argparse._SubParsersAction) -> None:
@@ -35,7 +43,7 @@ def register(areas: argparse._SubParsersAction) -> None:
     submit.set_defaults(func=run_submit)
     runs = areas.add_parser("runs", help="list runs, newest first")
     runs.add_argument("--state", help="only runs in this state (e.g. running, queued, RUN_STATE_FAILED)")
-    runs.add_argument("--limit", type=int, default=20, help="show at most this many runs, the newest")
+    runs.add_argument("--limit", type=positive_int, default=20, help="show at most this many runs, the newest")
     runs.add_argument("--all", action="store_true", help="show every run")
     runs.set_defaults(func=run_list)
     watch = areas.add_parser("watch", help="show a run's progress live until it ends")
@@ -53,7 +61,13 @@ def register(areas: argparse._SubParsersAction) -> None:
         parser.add_argument(
             "--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="the state directory `rlfleet up` used"
         )
-        parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for an answer")
+        parser.add_argument(
+            "--timeout",
+            type=positive_float,
+            default=30.0,
+            help="seconds to wait for connecting and for each answer; a watch starts only once the orchestrator "
+            f"has answered within it, then waits up to {WATCH_READ_TIMEOUT_S:g} s for each event or keep-alive",
+        )
         parser.add_argument(
             "--api-token-file",
             type=Path,
@@ -114,33 +128,33 @@ def progress_line(run: Run) -> str:
     )
 
 
-def watch_until_done(client: RunsClient, run_id: str, out: TextIO) -> Run:
-    """Prints the run's progress (rewriting one line on a terminal) and returns the final run. A stall, and
+def watch_until_done(client: RunsClient, run_id: str, out: TextIO, reconnect_within_s: float) -> Run:
+    """Prints the run's progress (rewriting one line on a terminal) and returns the final run; WatchEnded when
+    the watch cannot be started again within `reconnect_within_s` after the orchestrator ended it. A stall, and
     the run moving again, get lines of their own: the progress line alone would look the same. Off a
     terminal a line is printed only when it differs from the one before: a step brings several events
     (groups produced, scored, trained) that the progress line does not tell apart."""
     live = out.isatty()
     last: Run | None = None
     shown = ""
-    for run in client.watch(run_id):
-        if run.stalled != (last.stalled if last else ""):
-            note = f"stalled: {run.stalled}" if run.stalled else "moving again"
-            out.write(f"\r\033[K{run.id} {note}\n" if live else f"{run.id} {note}\n")
-            shown = ""
-        line = progress_line(run)
+    try:
+        for run in client.follow(run_id, reconnect_within_s):
+            if run.stalled != (last.stalled if last else ""):
+                note = f"stalled: {run.stalled}" if run.stalled else "moving again"
+                out.write(f"\r\033[K{run.id} {note}\n" if live else f"{run.id} {note}\n")
+                shown = ""
+            line = progress_line(run)
+            if live:
+                out.write(f"\r{line}\033[K")
+            elif line != shown:
+                out.write(line + "\n")
+            shown = line
+            out.flush()
+            last = run
+    finally:
         if live:
-            out.write(f"\r{line}\033[K")
-        elif line != shown:
-            out.write(line + "\n")
-        shown = line
-        out.flush()
-        last = run
-        if run.state in FINAL_STATES:
-            break
-    if live:
-        out.write("\n")
-    if last is None or last.state not in FINAL_STATES:
-        last = client.get(run_id)
+            out.write("\n")
+    assert last is not None, "follow() yields the run before it returns"
     if last.error:
         out.write(f"error: {last.error}\n")
     return last
@@ -154,14 +168,12 @@ def run_submit(args: argparse.Namespace) -> int:
     run = client.submit(spec)
     print(run.id)
     if args.watch:
-        final = watch_until_done(client, run.id, sys.stdout)
+        final = watch_until_done(client, run.id, sys.stdout, WATCH_RECONNECT_S)
         return 0 if final.state == RunState.RUN_STATE_SUCCEEDED else 1
     return 0
 
 
 def run_list(args: argparse.Namespace) -> int:
-    if args.limit < 1:
-        raise ValueError(f"--limit must be >= 1, got {args.limit}")
     runs = client_for(args).list(args.state)[::-1]  # the API lists oldest first
     shown = runs if args.all else runs[: args.limit]
     print(f"{'ID':<20} {'STATE':<10} {'STEP':>9} {'REWARD':>7} {'EVAL ACC':>8}  NAME")
@@ -183,7 +195,7 @@ def run_list(args: argparse.Namespace) -> int:
 
 
 def run_watch(args: argparse.Namespace) -> int:
-    final = watch_until_done(client_for(args), args.run_id, sys.stdout)
+    final = watch_until_done(client_for(args), args.run_id, sys.stdout, WATCH_RECONNECT_S)
     return 0 if final.state == RunState.RUN_STATE_SUCCEEDED else 1
 
 

@@ -1,0 +1,116 @@
+"""`rlfleet down`: stop the fleet recorded in <state-dir>/fleet.json, from any shell.
+
+While the process that started the fleet (`rlfleet up`, `rlfleet demo`) runs, `down` asks it to stop the
+fleet (SIGTERM: it stops every service in reverse order, each within its bound) and waits for it. When that
+process is gone (killed, or it did not finish in time), `down` stops each recorded service itself the same
+way: SIGTERM to its process group, and SIGKILL only after its stop bound, so the trainer can checkpoint. It
+says what it waits for as it goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from rlfleet.local_fleet import owner_runs, read_state, running_services, stop_timeout_s
+from rlfleet.processes import group_runs, process_runs
+
+DEFAULT_STATE_DIR = Path(".rlfleet")
+OWNER_STOP_MARGIN_S = 30.0
+"""What `down` allows the fleet's owner beyond its services' stop bounds: to react at all, and to remove
+fleet.json, when it has started no service yet."""
+PROGRESS_EVERY_S = 10.0
+"""How often a wait for processes to stop says what it still waits for."""
+
+
+def register(areas: argparse._SubParsersAction) -> None:
+    down = areas.add_parser(
+        "down", help="stop the fleet started by `rlfleet up` or `rlfleet demo` (also while it is starting)"
+    )
+    down.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="the state directory `rlfleet up` used")
+    down.set_defaults(func=run_down)
+
+
+def run_down(args: argparse.Namespace) -> int:
+    state = read_state(args.state_dir)
+    if state is None:
+        print(f"no fleet recorded in {args.state_dir / 'fleet.json'}", file=sys.stderr)
+        return 1
+    print(f"stopping the fleet of pid {state['pid']} ({state.get('state', 'up')}) ...", flush=True)
+    stop_from_state(args.state_dir, say=lambda line: print(line, flush=True))
+    print("fleet stopped", flush=True)
+    return 0
+
+
+def stop_from_state(state_dir: Path, say: Callable[[str], None]) -> bool:
+    """Stops the fleet recorded in `<state_dir>/fleet.json`, started or still starting, saying what it does.
+    A recorded pid that now names another process is left alone. Returns False when no fleet is recorded."""
+    state = read_state(state_dir)
+    if state is None:
+        return False
+    owner = int(state.get("pid", 0))
+    if owner and owner_runs(state):
+        if _wait_for_owner(state_dir, owner, say):
+            return True
+        state = read_state(state_dir) or state  # a starting fleet may have recorded more processes meanwhile
+        say(f"the process that started the fleet (pid {owner}) did not stop it in time: stopping its services")
+    else:
+        say(f"the process that started the fleet (pid {owner}) is gone: stopping its services one by one")
+    stop_services(running_services(state), say)
+    (Path(state_dir) / "fleet.json").unlink(missing_ok=True)
+    return True
+
+
+def _wait_for_owner(state_dir: Path, owner: int, say: Callable[[str], None]) -> bool:
+    """SIGTERM to the fleet's owner, then waits until it has removed fleet.json (True), or has exited without
+    doing so or the bound has passed (False). The bound lets every recorded service (more may be recorded
+    meanwhile, while the fleet starts) take its whole stop bound, one after the other, as the owner stops them."""
+    try:
+        os.kill(owner, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    started = said = time.monotonic()
+    while (state := read_state(state_dir)) is not None and process_runs(owner):
+        bound = OWNER_STOP_MARGIN_S + sum(stop_timeout_s(name) for name in state.get("processes", {}))
+        waited = time.monotonic() - started
+        if waited > bound:
+            return False
+        if time.monotonic() - said >= PROGRESS_EVERY_S:
+            still = ", ".join(running_services(state)) or "no service"
+            say(f"  waiting for pid {owner} to stop the fleet: {still} running ({waited:.0f} s, at most {bound:.0f})")
+            said = time.monotonic()
+        time.sleep(0.2)
+    return state is None
+
+
+def stop_services(services: dict[str, int], say: Callable[[str], None]) -> None:
+    """Stops processes that are not this one's children, in reverse order: SIGTERM to each one's process
+    group, then SIGKILL to what is left of it (the service, or helpers that outlive it) after its stop bound
+    (stop_timeout_s)."""
+    for name, pid in reversed(list(services.items())):
+        bound = stop_timeout_s(name)
+        say(f"stopping {name} (pid {pid}) ...")
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            say(f"{name} stopped")
+            continue
+        started = said = time.monotonic()
+        while group_runs(pid) and time.monotonic() - started < bound:
+            if time.monotonic() - said >= PROGRESS_EVERY_S:
+                say(f"  {name} still stopping ({time.monotonic() - started:.0f} s of at most {bound:g} s)")
+                said = time.monotonic()
+            time.sleep(0.1)
+        if not group_runs(pid):
+            say(f"{name} stopped")
+            continue
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        say(f"{name} did not stop within {bound:g} s of SIGTERM: killed")

@@ -1,0 +1,41 @@
+"""Long steps of `rlfleet up` and `rlfleet demo` run as child processes, each failure one line naming the step.
+
+A child keeps a stop signal simple: it lands while this process waits for the child (StopSignal there, and
+`subprocess.run` kills the child), never in the middle of importing torch or transformers, which turn an
+exception raised there into errors of their own and leave modules half imported.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from rlfleet.errors import RlfleetError
+
+MODEL_TIMEOUT_S = 600.0
+"""Bound on writing the tiny model (seconds on an idle machine; importing torch is most of it)."""
+
+
+class StepFailed(RlfleetError):
+    """A step ran a command that failed; its output is already on the terminal."""
+
+
+def run_step(name: str, argv: list[str], timeout_s: float) -> None:
+    """Runs one step's command (its output goes to the terminal); StepFailed, one line naming the step, when
+    it fails or outlasts `timeout_s`."""
+    try:
+        subprocess.run(argv, check=True, timeout=timeout_s, env={**os.environ, "RLFLEET_LOG_FORMAT": "text"})
+    except subprocess.CalledProcessError as exc:
+        raise StepFailed(
+            f"{name} failed: {shlex.join(argv)} exited with code {exc.returncode}; its output is above"
+        ) from None
+    except subprocess.TimeoutExpired:
+        raise StepFailed(f"{name} failed: {shlex.join(argv)} did not finish within {timeout_s:g} s") from None
+
+
+def write_tiny_model(name: str, out: Path) -> None:
+    """The tiny model and its tokenizer written into `out` by `rlfleet model init` in a child process."""
+    run_step(name, [sys.executable, "-m", "rlfleet.cli", "model", "init", "--out", str(out)], MODEL_TIMEOUT_S)
