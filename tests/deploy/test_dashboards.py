@@ -40,7 +40,16 @@ REQUIRED_PANELS = {
         "tokens",
         "staleness",
     ],
-    "rlfleet-fleet.json": ["routing", "restarts", "load", "cache hit", "queue", "weight version", "router latency"],
+    "rlfleet-fleet.json": [
+        "routing",
+        "restarts",
+        "load",
+        "cache hit",
+        "queue",
+        "weight version",
+        "router latency",
+        "pauses the router ended",
+    ],
     "rlfleet-stream.json": ["lag", "produced"],
     "rlfleet-reward.json": ["per second", "errors", "latency by function", "timeouts"],
 }

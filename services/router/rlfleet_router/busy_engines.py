@@ -65,9 +65,14 @@ class BusyEngines(Collector):
                 self._loads[worker.id] = left
             self._changed(worker)
 
-    def pause(self, workers: Iterable[Worker]) -> None:
+    @property
+    def pause_bound_secs(self) -> float:
+        return self._pause_bound
+
+    def pause(self, workers: Iterable[Worker], until: float) -> None:
+        """`workers` are paused until `time.monotonic()` reaches `until` at the latest (`FleetPause` sets it)."""
         for worker in workers:
-            self._paused_until[worker.id] = time.monotonic() + self._pause_bound
+            self._paused_until[worker.id] = until
             self._changed(worker)
 
     def resume(self, workers: Iterable[Worker]) -> None:

@@ -5,7 +5,9 @@ An engine that leaves routing as failed (`WorkerRegistry.record_failure`: probes
 in a row) may still hold requests the router sent it, and a hung engine answers none of them. Its
 attempts are interrupted then (`engine_failed`) rather than left to wait out the request timeout: the
 proxy sends a request that had not reached its client yet to another engine, and ends a stream under
-way with an error. A client that leaves interrupts its attempt the same way (`ClientGone`).
+way with an error. So are those at an engine whose answers would be wrong from now on (`interrupt`: it
+holds part of a weight version and is about to resume them). A client that leaves interrupts its attempt
+the same way (`ClientGone`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from rlfleet_router.workers import Worker
 
 
 class EngineFailed(Exception):
-    """The engine left routing as failed while the request was at it."""
+    """The engine left routing as failed, or can no longer answer rightly, while the request was at it."""
 
 
 class ClientGone(Exception):
@@ -76,11 +78,14 @@ class EngineAttempts:
                 del self._waiting[attempt.worker.id]
 
     def engine_failed(self, worker: Worker) -> None:
-        """Every attempt under way at `worker` stops waiting for it, with `EngineFailed`."""
+        """Every attempt under way at `worker`, taken out of routing as failed, stops waiting for it."""
+        self.interrupt(worker, f"{worker.url} was taken out of routing as failed ({worker.last_error})")
+
+    def interrupt(self, worker: Worker, reason: str) -> None:
+        """Every attempt under way at `worker` stops waiting for it, with `EngineFailed(reason)`."""
         waiting = self._waiting.get(worker.id)
         if not waiting:
             return
-        reason = f"{worker.url} was taken out of routing as failed ({worker.last_error})"
         for attempt in list(waiting):
             # One error each: an exception carries the traceback of where it is raised.
             attempt.interrupt.fire(EngineFailed(reason))

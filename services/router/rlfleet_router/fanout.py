@@ -6,13 +6,21 @@ answer lists each engine's outcome; it is 200 only if every engine answered 2xx,
 engine refused the request as malformed (4xx: the caller's fault, and retrying will not help), else 502
 with the failures, so a caller never mistakes a partial pause for a fleet-wide one; 503 with no engine
 in the fleet, since nothing was paused, aborted or flushed. Engines out of routing get the request too
-(an abort or a pause must reach an engine that still runs requests while it is drained), and their
-failures are reported the same way.
+(an abort or a pause must reach an engine that still runs requests while it is drained; a continue, one
+that rejoined routing during the pause), and their failures are reported the same way. `FleetPause`
+records each pause and continue, to bring the engines that enter routing later in line with them.
 
 Generation must not continue on an engine holding part of a weight version (some buckets of a version
-sent over a weight update group, not its last): `before_continue` takes such engines out of routing
-first, whoever ends the pause: a /continue_generation relayed from the trainer (a new trainer's first
-one, after the last died mid-version), or the router's own once a pause outlived its bound (`end_pauses`).
+sent over a weight update group, not its last), whoever ends the pause: a /continue_generation relayed
+from the trainer (a new trainer's first one, after the last died mid-version), or the router's own once a
+pause outlived its bound (`end_pauses`). `before_continue` takes such engines out of routing first and
+names them; the requests each holds would resume on the mix and reach their clients under a version that
+did not produce them. So before it is continued, the router stops waiting for them (`drop_requests`: as for
+an engine that failed, the proxy sends a request none of whose answer has reached its client to another
+engine under the same rid, and ends a stream under way with an error) and has the engine abort them all
+(`ABORT_ALL`). An engine that does not take that abort is not continued: it stays paused, out of routing,
+until it has loaded a whole version, and entering routing continues it then (`FleetPause.match`). Keeping
+the requests held until such a load instead would hold them until their deadline if no version comes.
 """
 
 from __future__ import annotations
@@ -20,35 +28,28 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import httpx
 from prometheus_client import Counter
 
 from rlfleet.errors import Unavailable
-from rlfleet_router.busy_engines import BusyEngines
+from rlfleet_router.engine_controls import (
+    ABORT_ALL,
+    ABORT_ROUTE,
+    CONTINUE_ROUTE,
+    FLUSH_ROUTE,
+    JSON_HEADERS,
+    PAUSE_ROUTE,
+    EngineOutcome,
+    post_control,
+)
+from rlfleet_router.fleet_pause import FleetPause
 from rlfleet_router.proxy import forwardable_headers
-from rlfleet_router.weights import describe_error
 from rlfleet_router.workers import Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
 
-FANOUT_ROUTES = ("/abort_request", "/pause_generation", "/continue_generation", "/flush_cache")
-CONTINUE_ROUTE = "/continue_generation"
-
-
-@dataclass(frozen=True)
-class EngineOutcome:
-    worker: Worker
-    status: int | None  # None: no answer (connection error or timeout)
-    message: str
-
-    @property
-    def ok(self) -> bool:
-        return self.status is not None and 200 <= self.status < 300
-
-    def describe(self) -> dict[str, object]:
-        return {"id": self.worker.id, "url": self.worker.url, "status": self.status, "message": self.message}
+FANOUT_ROUTES = (ABORT_ROUTE, PAUSE_ROUTE, CONTINUE_ROUTE, FLUSH_ROUTE)
 
 
 class Fanout:
@@ -58,19 +59,23 @@ class Fanout:
         workers: WorkerRegistry,
         timeout_secs: float,
         on_caches_emptied: Callable[[list[Worker]], None],
-        busy: BusyEngines,
-        before_continue: Callable[[], None],
+        pauses: FleetPause,
+        before_continue: Callable[[], list[Worker]],
+        drop_requests: Callable[[Worker, str], None],
         expired_pauses: Counter,
     ) -> None:
-        """`on_caches_emptied(workers)` runs with the engines that answered a /flush_cache with 2xx; `busy` learns
-        which engines are paused (their generation probes wait until /continue_generation); `before_continue()`
-        runs before any /continue_generation is sent; `expired_pauses` counts the engines `end_pauses` resumed."""
+        """`on_caches_emptied(workers)` runs with the engines that answered a /flush_cache with 2xx; `pauses` learns
+        of every pause and continue; `before_continue()` runs before any /continue_generation is sent and returns
+        the engines that may hold part of a weight version; `drop_requests(worker, why)` makes the router stop
+        waiting for the requests at `worker` (sending them elsewhere if it can); `expired_pauses` counts the
+        engines `end_pauses` resumed."""
         self._client = client
         self._workers = workers
         self._timeout = timeout_secs
         self._on_caches_emptied = on_caches_emptied
-        self._busy = busy
+        self._pauses = pauses
         self._before_continue = before_continue
+        self._drop_requests = drop_requests
         self._expired_pauses = expired_pauses
 
     async def send(self, route: str, body: bytes, headers: Mapping[str, str]) -> tuple[int, dict[str, object]]:
@@ -82,16 +87,19 @@ class Fanout:
         forwarded = {k: v for k, v in forwardable_headers(headers).items() if k.lower() != "content-type"}
         if body.strip():
             forwarded["content-type"] = "application/json"
-        if route == "/pause_generation":
-            self._busy.pause(workers)  # before it lands: a probe sent meanwhile would wait behind it
-        elif route == CONTINUE_ROUTE:
-            self._before_continue()
-        outcomes = await asyncio.gather(*(self._one(w, route, body, forwarded) for w in workers))
-        if route == "/flush_cache":
+        if route == CONTINUE_ROUTE:
+            self._pauses.end()
+            partial = {w.id for w in self._before_continue()}
+            outcomes = await asyncio.gather(*(self._continue(w, body, forwarded, w.id in partial) for w in workers))
+        else:
+            pause = self._pauses.begin(workers, body, forwarded) if route == PAUSE_ROUTE else None
+            outcomes = await asyncio.gather(*(self._one(w, route, body, forwarded) for w in workers))
+            if pause is not None and not any(o.ok for o in outcomes):
+                self._pauses.end(pause)  # no engine paused (a body they all refused): neither is the fleet
+        if route == FLUSH_ROUTE:
             self._on_caches_emptied([o.worker for o in outcomes if o.ok])
-        elif route in ("/pause_generation", CONTINUE_ROUTE):
-            # Whatever a continue's answer, the pause ends for the router: an engine still paused fails its probes.
-            self._busy.resume([o.worker for o in outcomes if route == CONTINUE_ROUTE or not o.ok])
+        elif route in (PAUSE_ROUTE, CONTINUE_ROUTE):
+            self._pauses.record(route, outcomes)
         ok = all(o.ok for o in outcomes)
         done = sum(o.ok for o in outcomes)
         summary = {
@@ -114,10 +122,9 @@ class Fanout:
             [w.url for w in workers],
         )
         self._expired_pauses.inc(len(workers))
-        self._before_continue()
-        outcomes = await asyncio.gather(
-            *(self._one(w, CONTINUE_ROUTE, b"{}", {"content-type": "application/json"}) for w in workers)
-        )
+        partial = {w.id for w in self._before_continue()}
+        outcomes = await asyncio.gather(*(self._continue(w, b"{}", JSON_HEADERS, w.id in partial) for w in workers))
+        self._pauses.record(CONTINUE_ROUTE, outcomes)
         for outcome in outcomes:
             if not outcome.ok:
                 logger.warning(
@@ -127,11 +134,28 @@ class Fanout:
                     outcome.message,
                 )
 
-    async def _one(self, worker: Worker, route: str, body: bytes, headers: dict[str, str]) -> EngineOutcome:
-        try:
-            response = await self._client.post(
-                f"{worker.url}{route}", content=body, headers=headers, timeout=self._timeout
-            )
-        except httpx.HTTPError as exc:
-            return EngineOutcome(worker, None, describe_error(exc))
-        return EngineOutcome(worker, response.status_code, response.text[:200])
+    async def _continue(self, worker: Worker, body: bytes, headers: Mapping[str, str], partial: bool) -> EngineOutcome:
+        """Continues generation on `worker`; on one that may hold `partial` weights, only once none of the requests
+        it holds can resume (see the module docstring)."""
+        if partial:
+            why = f"{worker.url} may hold part of a weight version: what it generates now mixes two versions"
+            self._drop_requests(worker, why)
+            aborted = await self._one(worker, ABORT_ROUTE, ABORT_ALL, JSON_HEADERS)
+            if not aborted.ok:
+                logger.warning(
+                    "engine %s, which may hold part of a weight version, did not abort its requests (%s %s): not "
+                    "continuing it; it stays paused until it has loaded a whole version",
+                    worker.url,
+                    aborted.status,
+                    aborted.message,
+                )
+                return EngineOutcome(
+                    worker,
+                    None,
+                    f"not continued: it may hold part of a weight version and did not take {ABORT_ROUTE} "
+                    f"(abort_all) first ({aborted.status}: {aborted.message}); it continues once it loaded a whole one",
+                )
+        return await self._one(worker, CONTINUE_ROUTE, body, headers)
+
+    async def _one(self, worker: Worker, route: str, body: bytes, headers: Mapping[str, str]) -> EngineOutcome:
+        return await post_control(self._client, worker, route, body, headers, self._timeout)

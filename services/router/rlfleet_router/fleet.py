@@ -25,6 +25,7 @@ from rlfleet_router.config import RouterConfig
 from rlfleet_router.distributed_weights import DistributedWeights
 from rlfleet_router.engine_aborts import request_rids
 from rlfleet_router.fanout import Fanout
+from rlfleet_router.fleet_pause import FleetPause
 from rlfleet_router.health import HealthChecker
 from rlfleet_router.kubernetes_api import KubernetesAPI
 from rlfleet_router.kubernetes_discovery import KubernetesDiscovery
@@ -65,7 +66,9 @@ class Fleet:
             self.metrics,
             self.policy.forget_caches,
             info_timeout_secs=config.health_check_timeout_secs,
+            rejoin=lambda workers: self.health.admission.rejoin(workers),
         )
+        self.pauses = FleetPause(self.client, self.weights.busy, config.control_timeout_secs)
         self.distributed_weights = DistributedWeights(
             self.client, self.workers, self.weights, config.health_check_timeout_secs
         )
@@ -73,6 +76,7 @@ class Fleet:
             self.client,
             self.workers,
             self.weights,
+            self.pauses,
             endpoint=config.health_check_endpoint,
             interval_secs=config.health_check_interval_secs,
             timeout_secs=config.health_check_timeout_secs,
@@ -102,10 +106,9 @@ class Fleet:
             self.workers,
             config.control_timeout_secs,
             self.policy.forget_caches,
-            self.weights.busy,
-            before_continue=lambda: self.weights.strand_receiving(
-                "generation continued before the last bucket of the weight version on its way"
-            ),
+            self.pauses,
+            before_continue=self.weights.before_continue,
+            drop_requests=self.proxy.drop_requests,
             expired_pauses=self.metrics.expired_pauses,
         )
         self.trajectories = TrajectoryStore(config.trajectory_max_tokens, config.trajectory_max_update_lag)

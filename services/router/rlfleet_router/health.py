@@ -3,7 +3,7 @@
 One probe per engine at a time: an engine whose previous check is still running (a slow probe,
 or a weight load before it rejoins) is skipped in that round rather than probed twice. A probe
 that succeeds for an engine out of routing goes through admission (`rlfleet_router.weight_admission`),
-which loads the fleet's weights first.
+which loads the fleet's weights first and brings it in line with the fleet's generation pause.
 
 An engine in routing that the router keeps busy (loading weights it sent, or paused) is checked with
 `LIVENESS_ROUTE` instead of the probe, which SGLang makes wait behind the load or the pause
@@ -29,6 +29,7 @@ import httpx
 
 from rlfleet.errors import Unavailable
 from rlfleet_router.busy_engines import LIVENESS_ROUTE
+from rlfleet_router.fleet_pause import FleetPause
 from rlfleet_router.metrics import RouterMetrics
 from rlfleet_router.weight_admission import Admission
 from rlfleet_router.weights import FleetWeights, describe_error
@@ -43,6 +44,7 @@ class HealthChecker:
         client: httpx.AsyncClient,
         workers: WorkerRegistry,
         weights: FleetWeights,
+        pauses: FleetPause,
         endpoint: str,
         interval_secs: float,
         timeout_secs: float,
@@ -53,7 +55,8 @@ class HealthChecker:
         self._client = client
         self._workers = workers
         self._weights = weights
-        self._admission = Admission(weights, workers)
+        self._pauses = pauses
+        self.admission = Admission(weights, workers, pauses)
         self._endpoint = endpoint
         self._interval = interval_secs
         self._timeout = timeout_secs
@@ -137,7 +140,7 @@ class HealthChecker:
 
     async def _admit(self, worker: Worker) -> None:
         try:
-            await self._admission.admit(worker)
+            await self.admission.admit(worker)
         except Unavailable as exc:
             if self._workers.contains(worker):
                 self._workers.record_failure(worker, str(exc))
@@ -167,7 +170,7 @@ class HealthChecker:
     async def _run(self) -> None:
         while True:
             workers = self._workers.all()
-            self._weights.busy.keep_only(workers)
+            self._pauses.keep_only(workers)
             expired = self._weights.busy.expire_pauses()
             if expired:
                 task = asyncio.create_task(self._on_pause_expired(expired), name="end-expired-pauses")

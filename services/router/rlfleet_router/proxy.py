@@ -9,9 +9,10 @@ lasts until a plain answer is read whole or a stream's first piece has arrived: 
 inside the retries.
 
 A request at an engine can be interrupted from outside its task: by its engine failing
-(`engine_failed`, told by the worker registry) or by its client leaving (the `client_gone` future the
-HTTP layer completes on a disconnect). Either closes its connection; a request given up at an engine
-that may still run it is also aborted there by rid (`engine_aborts`).
+(`engine_failed`, told by the worker registry) or holding weights that would make its answer wrong
+(`drop_requests`, told by the fan-out before it continues such an engine), or by its client leaving
+(the `client_gone` future the HTTP layer completes on a disconnect). Each closes its connection; a
+request given up at an engine that may still run it is also aborted there by rid (`engine_aborts`).
 
 The relay uses `engine_client`, keep-alive connections pooled per engine and parsed in C: the
 client is most of the latency the router adds to a request, so it is kept to what the relay needs.
@@ -111,6 +112,11 @@ class Proxy:
     def engine_failed(self, worker: Worker) -> None:
         """`worker` left routing as failed: the requests there stop waiting for it (a hung engine answers none)."""
         self._attempts.engine_failed(worker)
+
+    def drop_requests(self, worker: Worker, reason: str) -> None:
+        """The requests at `worker` stop waiting for it, as if it had failed: its answers would be wrong (`reason`).
+        Each goes to another engine if none of its answer reached the client yet, and is aborted there by rid."""
+        self._attempts.interrupt(worker, reason)
 
     async def forward(
         self,

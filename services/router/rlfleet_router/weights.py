@@ -21,7 +21,8 @@ disk path at first: the trainer writes a disk copy after the broadcast and regis
 (`register_disk_copy`); until then an engine that rejoins waits out of routing rather than
 serving an older version. Engines a group left holding part of a version (`stranded`) also wait out
 of routing; the next fleet update (the trainer's disk fallback, sent while generation is paused and
-their probes cannot pass) loads them too and brings them back.
+their probes cannot pass) loads them too and brings them back (`rejoin`, in line with the fleet's
+generation pause), or leaves them stranded if their load fails.
 """
 
 from __future__ import annotations
@@ -154,15 +155,19 @@ class FleetWeights:
         metrics: RouterMetrics,
         on_caches_emptied: Callable[[list[Worker]], None],
         info_timeout_secs: float,
+        rejoin: Callable[[list[Worker]], Awaitable[None]],
     ) -> None:
         """`on_caches_emptied(workers)` runs with the engines a weight load left with an empty prefix cache;
-        `info_timeout_secs` bounds reading an engine's weight version (`LIVENESS_ROUTE`, answered from memory)."""
+        `info_timeout_secs` bounds reading an engine's weight version (`LIVENESS_ROUTE`, answered from memory);
+        `rejoin(workers)` brings stranded engines a fleet update loaded into routing (`Admission.rejoin`), with
+        the lock held."""
         self._client = client
         self._workers = workers
         self._timeout = timeout_secs
         self._info_timeout = info_timeout_secs
         self._metrics = metrics
         self._on_caches_emptied = on_caches_emptied
+        self._rejoin = rejoin
         # Orders fleet updates (disk loads, versioned distributed updates) and admissions into routing.
         self.lock = asyncio.Lock()
         self.target: WeightTarget | None = None
@@ -205,7 +210,7 @@ class FleetWeights:
         since they may still finish the load (`unconfirmed`). The update starts only if its turn
         comes within FANOUT_QUEUE_DEADLINE_SECS and before `caller_gone()` is true; else it raises
         Unavailable and is never applied. Stranded engines that still answer are sent it too, and rejoin
-        routing with it.
+        routing with it (`rejoin`).
         """
         async with turn(self.lock, f"weight version {version!r}", FANOUT_QUEUE_DEADLINE_SECS, caller_gone):
             started = time.monotonic()
@@ -224,7 +229,14 @@ class FleetWeights:
                 answers = await asyncio.gather(
                     *(self._update_one(w, request_body, w.id in rejoining_ids) for w in engines)
                 )
-                return self._record_update(target, engines, answers, skipped, started, rejoining_ids)
+                pairs = zip(engines, answers, strict=True)
+                loaded = {w.id for w, answer in pairs if answer is not None and answer.success}
+                for worker in rejoining:
+                    if worker.id not in loaded and self._workers.contains(worker):
+                        self.stranded[worker.id] = worker  # still out of routing, and may hold part of a version
+                result = self._record_update(target, engines, answers, skipped, started)
+            await self._rejoin([w for w in rejoining if w.id in loaded])
+            return result
 
     async def _claim_stranded(self) -> list[Worker]:
         """The stranded engines this fleet update takes along: those that answer `LIVENESS_ROUTE` (the others
@@ -252,7 +264,6 @@ class FleetWeights:
         answers: list[EngineUpdateResult | None],
         skipped: list[Worker],
         started: float,
-        rejoining: set[str],
     ) -> FleetUpdateResult:
         version = target.version
         pairs = list(zip(engines, answers, strict=True))
@@ -293,8 +304,6 @@ class FleetWeights:
         for worker, result in answered:
             if result.success:
                 self.record_served(worker, target, self.loads)
-                if worker.id in rejoining:
-                    self._workers.admit(worker)
             else:
                 self._workers.take_out(worker, f"failed to load weight version {version!r}: {result.message}")
         self.loaded(DISK_UPDATE_ROUTE, target.request_body or b"", [w for w, r in answered if r.success])
@@ -387,6 +396,12 @@ class FleetWeights:
         """Engines holding part of a version whose last bucket will not come now (generation continues, the
         group closed) leave routing: see `strand`."""
         self.strand(list(self.receiving.values()), f"{reason}; it may hold part of a weight version")
+
+    def before_continue(self) -> list[Worker]:
+        """Generation is about to continue: engines holding part of a version whose last bucket has not come leave
+        routing; returns every stranded engine, none of which may resume the requests it holds (`Fanout`)."""
+        self.strand_receiving("generation continued before the last bucket of the weight version on its way")
+        return list(self.stranded.values())
 
     def register_disk_copy(self, version: str, model_path: str, request_body: bytes) -> None:
         """Records where engines that rejoin load the current `version` from; refuses any other version."""

@@ -65,6 +65,7 @@ class FakeEngine:
     fail_updates: bool = False
     update_delay: float = 0.0
     control_delay: float = 0.0  # before answering /abort_request, /pause_generation, ...
+    refused_controls: set[str] = field(default_factory=set)  # control routes answered 503 (and not applied)
     raw_bodies: list[bytes] = field(default_factory=list)
     content_types: list[str | None] = field(default_factory=list)  # of each /generate request
     update_bodies: list[dict[str, object]] = field(default_factory=list)
@@ -142,6 +143,8 @@ class FakeEngine:
             await asyncio.sleep(self.control_delay)
             if body and content_type != "application/json":
                 return JSONResponse({"detail": "body: not read as JSON"}, status_code=400)
+            if request.url.path in self.refused_controls:
+                return JSONResponse({"detail": "refused"}, status_code=503)
             if request.url.path == "/abort_request":
                 self._aborted.setdefault(str(json.loads(body).get("rid", "")), asyncio.Event()).set()
             return JSONResponse({"success": True})
@@ -201,12 +204,14 @@ async def _spaced(pieces: Iterator[bytes], seconds: object) -> AsyncIterator[byt
 class GatedEngine:
     """A fake engine with SGLang's two gates on generation: while a weight update runs (`model_update_lock`)
     or generation is paused (`is_pause`), /generate, /health_generate and /health wait, as SGLang's health
-    handler runs a one-token generation; /get_model_info, the weight routes and the control routes do not."""
+    handler runs a one-token generation; /get_model_info, the weight routes and the control routes do not.
+    With `gated=("/generate",)` its probes answer at once, as rlfleet-engine's do while it is paused."""
 
     GATED = ("/generate", "/health", "/health_generate")
 
-    def __init__(self, name: str, **attrs: object) -> None:
+    def __init__(self, name: str, gated: tuple[str, ...] = GATED, **attrs: object) -> None:
         self.engine = FakeEngine(name=name, **attrs)  # type: ignore[arg-type]
+        self.gated = gated
         self.loading = 0  # weight updates running
         self.paused = False
         self.app = app = self.engine.app()  # routes may be added until start()
@@ -214,7 +219,7 @@ class GatedEngine:
         @app.middleware("http")
         async def gates(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
             path = request.url.path
-            if path in self.GATED:
+            if path in self.gated:
                 while self.loading or self.paused:
                     await asyncio.sleep(0.02)
             if path != "/update_weights_from_disk":

@@ -16,10 +16,11 @@ from router_fakes import FakeEngine, RunningRouter, ThreadedServer
 
 from rlfleet.errors import Unavailable
 from rlfleet_router import weights
+from rlfleet_router.fleet_pause import FleetPause
 from rlfleet_router.metrics import RouterMetrics
 from rlfleet_router.weight_admission import Admission
 from rlfleet_router.weights import FleetWeights, WeightTarget
-from rlfleet_router.workers import WorkerRegistry
+from rlfleet_router.workers import Worker, WorkerRegistry
 
 
 def load(router: RunningRouter, version: str, timeout: float = 10.0) -> httpx.Response:
@@ -98,6 +99,10 @@ def test_a_fleet_update_runs_while_another_engine_loads_weights_to_rejoin(
     assert [w["healthy"] for w in router.workers()] == [True, False]
 
 
+async def no_rejoin(workers: list[Worker]) -> None:
+    assert not workers, "no stranded engine here"
+
+
 def test_a_removed_engine_stops_loading_weights_to_rejoin(start_engine: Callable[..., FakeEngine]) -> None:
     slow = start_engine("slow", update_delay=30.0)
 
@@ -105,12 +110,14 @@ def test_a_removed_engine_stops_loading_weights_to_rejoin(start_engine: Callable
         registry = WorkerRegistry(failure_threshold=2, success_threshold=2)
         worker, _ = registry.add(slow.url)
         async with httpx.AsyncClient(trust_env=False) as client:
+            metrics = RouterMetrics(registry, lambda: None)
             fleet_weights = FleetWeights(
-                client, registry, 600.0, RouterMetrics(registry, lambda: None), lambda _: None, info_timeout_secs=2.0
+                client, registry, 600.0, metrics, lambda _: None, info_timeout_secs=2.0, rejoin=no_rejoin
             )
+            pauses = FleetPause(client, fleet_weights.busy, timeout_secs=2.0)
             body = b'{"model_path": "/ckpt/1", "weight_version": "1"}'
             fleet_weights.set_target(WeightTarget(version="1", model_path="/ckpt/1", request_body=body))
-            admission = asyncio.create_task(Admission(fleet_weights, registry).admit(worker))
+            admission = asyncio.create_task(Admission(fleet_weights, registry, pauses).admit(worker))
             while not slow.update_bodies:
                 await asyncio.sleep(0.02)
             registry.remove(worker.id)

@@ -1,0 +1,250 @@
+"""Engines enter routing in line with the fleet's generation pause, and never resume requests on part of a version.
+
+An engine the router paused that missed the continue rejoins continued, not holding every request routed to
+it; one that joins mid-pause is paused like the rest and continued by the fleet's continue. An engine holding
+some buckets of a version has the requests it holds sent to other engines and aborted before it is continued,
+and is not continued at all if it does not abort them, until it has loaded a whole version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from router_fakes import GatedEngine, RunningRouter, metric_value
+
+from rlfleet_router.busy_engines import BusyEngines
+from rlfleet_router.fleet_pause import FleetPause
+from rlfleet_router.metrics import RouterMetrics
+from rlfleet_router.workers import Worker, WorkerRegistry
+
+# Probes every 0.1 s that give up after 0.3 s, two failures in a row take an engine out: a failure window well
+# under a second, which the pauses below outlast.
+PROBES = {"health_check_timeout_secs": 0.3, "health_failure_threshold": 2}
+# rlfleet-engine answers its probes while paused (up to --max-pause); only generation waits.
+PROBES_ANSWER_WHILE_PAUSED = ("/generate",)
+INIT = {"master_address": "10.0.0.9", "master_port": 29500, "group_name": "g", "backend": "gloo", "world_size": 3}
+FIRST_BUCKET = {
+    "names": ["w1"],
+    "dtypes": ["float32"],
+    "shapes": [[2, 2]],
+    "group_name": "g",
+    "weight_version": None,
+    "load_format": "flattened_bucket",
+}
+
+
+@pytest.fixture
+def start_gated() -> Iterator[Callable[..., GatedEngine]]:
+    started: list[GatedEngine] = []
+
+    def start(name: str, group: bool = False, **attrs: object) -> GatedEngine:
+        gated = GatedEngine(name, **attrs)  # type: ignore[arg-type]
+        if group:
+            add_group_routes(gated)
+        started.append(gated.start())
+        return gated
+
+    yield start
+    for gated in started:
+        gated.paused = False  # lets requests still held at it end, so its server stops at once
+        assert gated.engine.server is not None
+        if gated.engine.server._thread.is_alive():
+            gated.engine.server.stop()
+
+
+def add_group_routes(gated: GatedEngine) -> None:
+    """SGLang's weight update group routes, each accepted (a bucket that names a version sets it)."""
+
+    async def init(request: Request) -> JSONResponse:
+        return JSONResponse({"success": True, "message": "joined"})
+
+    async def update(request: Request) -> JSONResponse:
+        body = await request.json()
+        if body.get("weight_version") is not None:
+            gated.engine.weight_version = str(body["weight_version"])
+        return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
+
+    async def destroy(request: Request) -> JSONResponse:
+        return JSONResponse({"success": True, "message": "destroyed"})
+
+    gated.app.add_api_route("/init_weights_update_group", init, methods=["POST"])
+    gated.app.add_api_route("/update_weights_from_distributed", update, methods=["POST"])
+    gated.app.add_api_route("/destroy_weights_update_group", destroy, methods=["POST"])
+
+
+def routes(gated: GatedEngine) -> list[str]:
+    return [route for route, _, _ in gated.engine.controls]
+
+
+def served_by(router: RunningRouter, count: int) -> set[str]:
+    answers = [router.client.post("/generate", json={"text": str(i)}, timeout=5) for i in range(count)]
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+    return {a.json()["meta_info"]["engine"] for a in answers}
+
+
+def test_an_engine_that_missed_the_continue_rejoins_continued(
+    start_gated: Callable[..., GatedEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    steady = start_gated("steady", gated=PROBES_ANSWER_WHILE_PAUSED)
+    victim = start_gated("victim", gated=PROBES_ANSWER_WHILE_PAUSED)
+    router = start_router([steady.url, victim.url], **PROBES)
+    router.wait_healthy(2)
+    load = {"model_path": "/ckpt/1", "weight_version": "1"}
+    assert router.client.post("/update_weights_from_disk", json=load).status_code == 200
+    victim.engine.healthy = False
+    router.wait_for(lambda: not router.workers()[1]["healthy"], what="the victim out of routing")
+
+    assert router.client.post("/pause_generation", json={}).status_code == 200
+    assert steady.paused and victim.paused, "a pause reaches engines out of routing too"
+    victim.engine.refused_controls = {"/continue_generation"}
+    assert router.client.post("/continue_generation", json={}).status_code == 502
+    assert not steady.paused and victim.paused
+
+    victim.engine.refused_controls = set()
+    victim.engine.healthy = True  # its probes pass, paused as it is: it is let back in, on the fleet's weights
+    router.wait_healthy(2)
+    assert victim.engine.update_bodies[-1] == load
+    assert not victim.paused, "it rejoined routing paused: every request routed to it would wait"
+    assert routes(victim)[-1] == "/continue_generation"
+    assert served_by(router, 4) == {"steady", "victim"}
+
+
+def test_an_engine_that_joins_mid_pause_is_paused_with_the_fleet_and_continued_with_it(
+    start_gated: Callable[..., GatedEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    steady = start_gated("steady")
+    router = start_router([steady.url], **PROBES)
+    router.wait_healthy(1)
+    pause = {"mode": "in_place"}
+    assert router.client.post("/pause_generation", json=pause).status_code == 200
+
+    newcomer = start_gated("newcomer")
+    assert router.client.post("/workers", json={"url": newcomer.url}).status_code == 202
+    router.wait_healthy(2)
+    assert newcomer.paused, "it joined routing generating while the fleet is paused"
+    [(route, content_type, body)] = newcomer.engine.controls
+    assert (route, content_type, json.loads(body)) == ("/pause_generation", "application/json", pause)
+    time.sleep(1.0)  # several failure windows of probes that wait behind its pause: it is checked for liveness
+    assert [w["healthy"] for w in router.workers()] == [True, True]
+    exposition = router.client.get("/metrics").text
+    assert metric_value(exposition, "rlfleet_router_engine_busy", {"engine": newcomer.url, "reason": "paused"}) == 1
+
+    assert router.client.post("/continue_generation", json={}).status_code == 200
+    assert not newcomer.paused and not steady.paused
+    assert served_by(router, 4) == {"steady", "newcomer"}
+
+
+def test_requests_held_by_an_engine_with_part_of_a_version_go_to_another_before_it_is_continued(
+    start_gated: Callable[..., GatedEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    members = [start_gated(name, group=True) for name in "ab"]
+    router = start_router([e.url for e in members], **PROBES)
+    router.wait_healthy(2)
+    assert router.client.post("/pause_generation", json={}).status_code == 200
+    assert router.client.post("/init_weights_update_group", json=INIT).status_code == 200
+    assert router.client.post("/update_weights_from_distributed", json=FIRST_BUCKET).status_code == 200
+    with ThreadPoolExecutor(2) as pool:
+        held = [
+            pool.submit(router.client.post, "/generate", json={"text": "x", "rid": f"r-{i}"}, timeout=15)
+            for i in range(2)
+        ]
+        router.wait_for(lambda: sum(int(w["in_flight"]) for w in router.workers()) == 2, what="a request at each")
+        whole = start_gated("whole")  # joins after the group opened: it holds no bucket
+        assert router.client.post("/workers", json={"url": whole.url}).status_code == 202
+        router.wait_healthy(3)
+
+        continued = router.client.post("/continue_generation", json={})
+        answers = [future.result() for future in held]
+
+    assert continued.status_code == 200, continued.text
+    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+    assert {a.json()["meta_info"]["engine"] for a in answers} == {"whole"}, "answered by an engine on mixed weights"
+    assert [w["healthy"] for w in router.workers()] == [False, False, True]
+    for member in members:
+        sent = [(route, json.loads(body or b"null")) for route, _, body in member.engine.controls]
+        assert ("/abort_request", {"abort_all": True}) in sent, "it was continued holding its requests"
+        abort_all = sent.index(("/abort_request", {"abort_all": True}))
+        assert sent.index(("/continue_generation", {})) > abort_all, "continued before its requests were aborted"
+
+
+def test_an_engine_with_part_of_a_version_that_does_not_abort_stays_paused_until_it_loads_a_whole_one(
+    start_gated: Callable[..., GatedEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    refuses, takes = start_gated("refuses", group=True), start_gated("takes", group=True)
+    router = start_router([refuses.url, takes.url], **PROBES)
+    router.wait_healthy(2)
+    assert router.client.post("/pause_generation", json={}).status_code == 200
+    assert router.client.post("/init_weights_update_group", json=INIT).status_code == 200
+    assert router.client.post("/update_weights_from_distributed", json=FIRST_BUCKET).status_code == 200
+    refuses.engine.refused_controls = {"/abort_request"}  # an engine that cannot abort everything it runs
+
+    continued = router.client.post("/continue_generation", json={})
+    assert continued.status_code == 502, continued.text
+    by_url = {e["url"]: e for e in continued.json()["engines"]}
+    assert by_url[takes.url]["status"] == 200
+    assert by_url[refuses.url]["status"] is None and "not continued" in by_url[refuses.url]["message"]
+    assert refuses.paused and not takes.paused
+    assert "/continue_generation" not in routes(refuses)
+
+    # The disk fallback of the version loads both whole; the one still paused is continued as it rejoins.
+    fallback = {"model_path": "/w/2", "weight_version": "2"}
+    assert router.client.post("/update_weights_from_disk", json=fallback).status_code == 200
+    assert [w["healthy"] for w in router.workers()] == [True, True]
+    assert not refuses.paused and routes(refuses)[-1] == "/continue_generation"
+    assert served_by(router, 4) == {"refuses", "takes"}
+
+
+def test_an_engine_with_part_of_a_version_whose_fallback_load_failed_does_not_rejoin_on_it(
+    start_gated: Callable[..., GatedEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """No version was ever loaded through the router, so an engine rejoins on what it reports: unless it may hold
+    part of one, which a failed load into it did not change."""
+    members = [start_gated(name, group=True) for name in "ab"]
+    router = start_router([e.url for e in members], **PROBES)
+    router.wait_healthy(2)
+    assert router.client.post("/pause_generation", json={}).status_code == 200
+    assert router.client.post("/init_weights_update_group", json=INIT).status_code == 200
+    assert router.client.post("/update_weights_from_distributed", json=FIRST_BUCKET).status_code == 200
+    assert router.client.post("/continue_generation", json={}).status_code == 200
+    for member in members:
+        member.engine.fail_updates = True
+    fallback = {"model_path": "/w/2", "weight_version": "2"}
+    assert router.client.post("/update_weights_from_disk", json=fallback).json()["success"] is False
+    for member in members:
+        member.engine.fail_updates = False
+
+    time.sleep(1.0)  # many successful probes: an engine not known to hold part of a version would be back
+    assert [w["healthy"] for w in router.workers()] == [False, False]
+    assert router.client.post("/update_weights_from_disk", json=fallback).status_code == 200
+    assert [w["healthy"] for w in router.workers()] == [True, True]
+
+
+def test_an_engine_matched_to_the_pause_before_it_changed_is_matched_again() -> None:
+    async def scenario() -> None:
+        registry = WorkerRegistry(failure_threshold=2, success_threshold=2)
+        busy = BusyEngines(60.0, RouterMetrics(registry, lambda: None).registry)
+        async with httpx.AsyncClient(trust_env=False) as client:
+            pauses = FleetPause(client, busy, timeout_secs=1.0)
+            worker = Worker(url="http://127.0.0.1:9")  # never sent anything: the router never paused it
+            turn = await pauses.match(worker)
+            refused = pauses.begin([Worker(url="http://127.0.0.1:10")], b"{}", {})
+            assert not pauses.joins(worker, turn), "a pause began after it was matched"
+            assert pauses.paused() and pauses.turn == turn + 1
+
+            pauses.end(refused)  # no engine took it
+            assert not pauses.paused()
+            again = pauses.begin([], b"{}", {})
+            pauses.end(refused)  # an older pause's ending leaves the current one alone
+            assert pauses.paused()
+            pauses.end(again)
+            assert not pauses.paused()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=10))
