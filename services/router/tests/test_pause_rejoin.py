@@ -156,7 +156,7 @@ def test_requests_held_by_an_engine_with_part_of_a_version_go_to_another_before_
             pool.submit(router.client.post, "/generate", json={"text": "x", "rid": f"r-{i}"}, timeout=15)
             for i in range(2)
         ]
-        router.wait_for(lambda: sum(int(w["in_flight"]) for w in router.workers()) == 2, what="a request at each")
+        router.wait_for(lambda: sum(int(str(w["in_flight"])) for w in router.workers()) == 2, what="a request at each")
         whole = start_gated("whole")  # joins after the group opened: it holds no bucket
         assert router.client.post("/workers", json={"url": whole.url}).status_code == 202
         router.wait_healthy(3)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -29,7 +30,7 @@ def load(router: RunningRouter, version: str) -> httpx.Response:
 def start_gated() -> Iterator[Callable[..., GatedEngine]]:
     started: list[GatedEngine] = []
 
-    def start(name: str, **attrs: object) -> GatedEngine:
+    def start(name: str, **attrs: Any) -> GatedEngine:
         started.append(GatedEngine(name, **attrs).start())
         return started[-1]
 
