@@ -33,6 +33,12 @@ class TrainerSettings(BaseSettings):
     read_block_ms: int = Field(1000, ge=10, le=5000, description="longest single wait for stream entries")
     claim_idle_ms: int = Field(30_000, ge=0, description="entries idle this long on another consumer are claimed")
     weight_load_timeout_s: float = Field(300.0, gt=0, description="bound on the router loading one weight version")
+    fleet_check_s: float = Field(
+        15.0,
+        ge=0,
+        description="while waiting for groups, how often to ask the router which weight version the fleet serves, "
+        "loading the run's again when it reports another or none (a restarted router); 0: never",
+    )
     weight_sync: Literal["disk", "distributed"] = Field(
         "disk", description="how versions reach the engines: disk (safetensors) or distributed (broadcast, gloo/NCCL)"
     )

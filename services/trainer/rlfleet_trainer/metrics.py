@@ -66,6 +66,12 @@ class TrainerMetrics:
             "optimizer updates skipped because the gradient norm was not finite (the weights were kept)",
             registry=self.registry,
         )
+        self.fleet_reloads = Counter(
+            "rlfleet_trainer_fleet_reloads_total",
+            "times the run's weight version was loaded again because the router reported another one or none "
+            "(a restarted router)",
+            registry=self.registry,
+        )
         self.stream_lag = Gauge(
             "rlfleet_trainer_stream_lag_groups",
             "groups appended to the stream and not yet trained on (undelivered + pending), without the ones set aside",

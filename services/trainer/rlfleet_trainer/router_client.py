@@ -31,6 +31,21 @@ class RouterClient:
             body["abort_all_requests"] = True
         self.post("/update_weights_from_disk", body, f"load weight version {version} from {model_path}")
 
+    def served_version(self, timeout_s: float) -> str | None:
+        """The weight version the router says the fleet serves (GET /weight_version): None when it knows none
+        (it restarted since the last load). Unavailable when it does not answer within `timeout_s`, or not as
+        the router would."""
+        url = f"{self.base_url}/weight_version"
+        try:
+            response = httpx.get(url, headers=self.headers, timeout=timeout_s)
+            payload = response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError) as exc:
+            raise Unavailable(f"GET {url}: {type(exc).__name__}: {exc}") from exc
+        if not isinstance(payload, dict) or "weight_version" not in payload:
+            raise Unavailable(f"GET {url} answered HTTP {response.status_code}: {response.text[:200]!r}")
+        version = payload["weight_version"]
+        return None if version is None else str(version)
+
     def post(self, path: str, body: dict[str, object], what: str) -> dict[str, Any]:
         """POSTs `body` to the router's `path` and returns its JSON answer; `what` says what the call does,
         for errors ("load weight version 3 from ...").

@@ -6,7 +6,8 @@ the run's algorithm, write the weights as version step + 1 and make the fleet se
 acknowledges nothing: a checkpoint does (checkpoint_commit.py), every `trainer.checkpoint_every`
 steps, at the schedule's end, at a stop that asks for one, and when a Checkpoint call asks. The
 step's version is reported after its checkpoint, so whoever waits for version v (the orchestrator)
-finds the engines serving it and, at the end, the final checkpoint committed.
+finds the engines serving it and, at the end, the final checkpoint committed. While it waits for
+groups, the loop keeps the fleet on the run's version (fleet_version.py).
 
 Resumed from a checkpoint, the loop reads its pending entries again in id order with the same
 partition into steps, so it retrains exactly the groups after the checkpoint, in the same steps.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -29,6 +31,7 @@ from rlfleet.v1.trainer_pb2 import StepReport, TrainerState
 from rlfleet_trainer.active_run import ActiveRun
 from rlfleet_trainer.checkpoint_commit import CheckpointCommitter
 from rlfleet_trainer.config import TrainerSettings
+from rlfleet_trainer.fleet_version import FleetVersionCheck
 from rlfleet_trainer.metrics import TrainerMetrics
 from rlfleet_trainer.rank_group import RankGroup
 from rlfleet_trainer.router_client import RouterClient
@@ -39,10 +42,15 @@ logger = logging.getLogger(__name__)
 
 
 def collect_groups(
-    run: ActiveRun, settings: TrainerSettings, needed: int, checkpoints: CheckpointCommitter
+    run: ActiveRun,
+    settings: TrainerSettings,
+    needed: int,
+    checkpoints: CheckpointCommitter,
+    while_waiting: Callable[[ActiveRun], None] = lambda _run: None,
 ) -> list[StreamEntry]:
     """Blocks (in bounded waits, watching `run.stop`) until `needed` groups are delivered; takes a
-    checkpoint asked for meanwhile (the model is at a step boundary while it waits)."""
+    checkpoint asked for meanwhile (the model is at a step boundary while it waits) and calls
+    `while_waiting` between waits (the fleet's version check)."""
     stream: SampleStream = run.stream
     entries = stream.read_own_pending(settings.consumer, needed, after=run.cursor)
     if entries:
@@ -50,6 +58,7 @@ def collect_groups(
     while len(entries) < needed and not run.stop.is_set():
         if run.checkpoint_wanted:
             checkpoints.commit(run, run.step, run.groups_trained)
+        while_waiting(run)
         if not stream.pending_elsewhere(settings.consumer):  # the usual case: one round trip, then read
             entries += stream.read(settings.consumer, needed - len(entries), block_ms=settings.read_block_ms)
             continue
@@ -107,11 +116,12 @@ def train_run(
         lambda _model: run.ranks.call("full_state_dict"),
         abort_all_requests=run.spec.rollout.on_weight_update == "abort_resume",
     )
+    check_fleet = FleetVersionCheck(router, settings.fleet_check_s, metrics)
     try:
         total_steps = run.spec.schedule.steps
         needed = run.spec.rollout.groups_per_step
         while run.step < total_steps and not run.stop.is_set():
-            entries = collect_groups(run, settings, needed, checkpoints)
+            entries = collect_groups(run, settings, needed, checkpoints, check_fleet)
             if len(entries) < needed:  # stopped while waiting
                 break
             groups = [e.group for e in entries]

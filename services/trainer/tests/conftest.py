@@ -67,6 +67,11 @@ def fake_router() -> Iterator[FakeRouter]:
         router.loads.append(await request.json())
         return JSONResponse({"success": True, "message": "ok"})
 
+    @app.get("/weight_version")
+    async def served_version() -> JSONResponse:
+        version = router.loads[-1]["weight_version"] if router.loads else None
+        return JSONResponse({"weight_version": version, "model_path": None})
+
     @app.post("/weight_version/disk_copy")
     async def disk_copy(request: Request) -> JSONResponse:
         if router.fail_next > 0:

@@ -30,6 +30,18 @@ class EngineFleet:
             # Short grace: an engine left waiting in a broken collective would hold its shutdown until the timeout.
             engine.stop(timeout=3.0)
 
+    def restart_router(self) -> None:
+        """Stops the router and starts it again on the same port: it knows nothing of the fleet's weights then."""
+        self.router.stop()
+        self.router = _restarted(self.router)
+        self.router.wait_healthy(f"{self.router_url}/liveness", START_TIMEOUT_S)
+
+    def restart_engine(self, i: int) -> None:
+        """Stops engine `i` and starts it again on the same port, on its boot weights (version 0)."""
+        self.engines[i].stop()
+        self.engines[i] = _restarted(self.engines[i])
+        self.engines[i].wait_healthy(f"{self.engine_urls[i]}/health", START_TIMEOUT_S)
+
     def generate(self, url: str, body: dict[str, Any]) -> Any:
         response = httpx.post(f"{url}/generate", json=body, timeout=60.0)
         assert response.status_code == 200, response.text
@@ -43,6 +55,10 @@ class EngineFleet:
                 return
             time.sleep(0.1)
         raise AssertionError(f"the router did not report {count} healthy engines within {timeout_s}s")
+
+
+def _restarted(process: ServiceProcess) -> ServiceProcess:
+    return ServiceProcess(process.name, process.argv, process.log_path, env=PROCESS_ENV)
 
 
 def start_engine_fleet(

@@ -101,3 +101,21 @@ def test_a_commit_acknowledges_and_trims_what_its_checkpoint_covers(
     assert stream.pending_count() == 0
     assert [e.group.group_id for e in stream.entries()] == [f"run1/0/{i}" for i in (range(5) if keep else (3, 4))]
     assert stream.appended_count() == 5
+
+
+def test_the_wait_for_groups_calls_its_hook_between_reads(redis_client: redis.Redis, redis_prefix: str) -> None:
+    """The hook (the fleet's version check) runs while the trainer waits, not only between steps."""
+    stream = SampleStream(redis_client, "run4", prefix=redis_prefix)
+    stream.ensure_consumer_group()
+    settings = SimpleNamespace(consumer=CONSUMER, claim_idle_ms=60_000, read_block_ms=50)
+    run = run_on(stream)
+    calls: list[object] = []
+
+    def while_waiting(waiting_run: object) -> None:
+        calls.append(waiting_run)
+        if len(calls) == 3:
+            stream.append(group("run4", 0))
+
+    entries = collect_groups(run, settings, 1, None, while_waiting)  # type: ignore[arg-type]
+    assert [e.group.group_id for e in entries] == ["run4/0/0"]
+    assert len(calls) >= 3 and all(c is run for c in calls)
