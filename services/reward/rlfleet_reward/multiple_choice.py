@@ -5,8 +5,9 @@ The choice is read, in order of preference, from the last `\\boxed{B}`, the last
 ("B", "(B)", "B."), the last parenthesized letter, or a letter that ends the response ("... so it is B.").
 Only letters among `choices` count. `A` and `I` are also words: after "Answer:", one followed on its line
 by a lower-case word ("Answer: I think it is B", "Answer: A careful reading gives C") starts a sentence and
-is not the choice, nor is a letter opening a contraction ("I'm"). Other letters are not words, so
-"Answer: B because ..." is B.
+is not the choice, nor is a letter opening a contraction ("I'm"), unless that word is one the article "A"
+or the pronoun "I" cannot be followed by ("Answer: A is correct", "Answer: I because ..."). Other letters are
+not words, so "Answer: B because ..." is B.
 """
 
 from __future__ import annotations
@@ -26,13 +27,17 @@ class ChoiceParams(BaseModel):
     choices: str = Field(default="ABCDEFGHIJ", pattern=r"^[A-Z]+$", description="The option letters, upper case.")
 
 
+CHOICE_FOLLOWERS = r"(?:is|because|since)"
+"""Words after "A" or "I" that make it the choice: neither the article nor the pronoun precedes them."""
+
+
 def chosen(response: str, choices: str) -> str | None:
     letter = f"[{choices}]"
     patterns = (
         rf"\\boxed\{{\s*\(?({letter})\)?\s*\}}",
         # Markdown emphasis may wrap the word, the colon or the letter: "**Answer:** B", "answer is **(C)**".
         rf"(?i:answer)[*_]*\s*(?:(?i:is)|:)?[*_]*\s*:?\s*[*_]*\(?({letter})\)?[*_]*(?![A-Za-z'’])"
-        r"(?!(?<=[AI])[ \t]+[a-z])",
+        rf"(?!(?<=[AI])[ \t]+(?!{CHOICE_FOLLOWERS}\b)[a-z])",
         rf"^\s*\(?({letter})[).:]?\s*$",
         rf"\(({letter})\)",
         rf"(?<![A-Za-z'’])({letter})[*_]*[).]?\s*$",

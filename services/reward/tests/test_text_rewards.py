@@ -157,6 +157,11 @@ def test_multiple_choice(response: str, label: str, expected: float) -> None:
         ("Answer: I\nsince it covers every case", "I", (1.0, {"found": 1.0})),
         ("Answer: (A) is right", "A", (1.0, {"found": 1.0})),
         ("Answer: B because the rest are wrong", "B", (1.0, {"found": 1.0})),
+        # ... and before a word neither the article nor the pronoun precedes.
+        ("Answer: A is correct", "A", (1.0, {"found": 1.0})),
+        ("Answer: I because it is the only even one", "I", (1.0, {"found": 1.0})),
+        ("Answer: A since the others fail", "A", (1.0, {"found": 1.0})),
+        ("Answer: A isolated case shows C", "C", (1.0, {"found": 1.0})),
         # An explicit box wins over a passing "the answer is".
         ("If the answer is A, then x < 0, which fails. So $\\boxed{B}$", "B", (1.0, {"found": 1.0})),
     ],
