@@ -125,6 +125,20 @@ def group_runs(pgid: int) -> bool:
     return any(group == pgid and state not in ("Z", "X") for _, state, group in _states())
 
 
+def send_stop(pid: int) -> bool:
+    """SIGTERM to service `pid` alone, as `docker stop` and Kubernetes send it: the service stops the helpers it
+    started (a signal to its whole group ended the reward hub's fork server and workers mid-item, before the hub
+    could let its requests finish). To its process group when the service is gone but helpers of it are left.
+    False when neither runs. The SIGKILL that follows once a stop bound has passed goes to the whole group."""
+    for send in (os.kill, os.killpg):
+        try:
+            send(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            continue
+        return True
+    return False
+
+
 def _signal_reaches(send: Callable[[], None]) -> bool:
     try:
         send()
@@ -238,11 +252,11 @@ class ServiceProcess:
         self.proc.wait(timeout=10)
 
     def stop(self, timeout: float = 10.0) -> int | None:
-        """SIGTERM the process group (the service, and helpers it started, which can outlive it or a crash of
-        it), SIGKILL what is left of it after `timeout`; returns the exit code."""
+        """SIGTERM the service (`send_stop`), SIGKILL what is left of its process group (the service, and helpers
+        it started, which can outlive it or a crash of it) after `timeout`; returns the exit code."""
         deadline = time.monotonic() + timeout
-        if self.alive() or group_runs(self.pid):
-            self._signal_group(signal.SIGTERM)
+        self.proc.poll()  # reaps a service that has exited, so that send_stop signals the helpers it left
+        send_stop(self.pid)
         try:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

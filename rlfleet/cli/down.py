@@ -3,8 +3,8 @@
 While the process that started the fleet (`rlfleet up`, `rlfleet demo`) runs, `down` asks it to stop the
 fleet (SIGTERM: it stops every service in reverse order, each within its bound) and waits for it. When that
 process is gone (killed, or it did not finish in time), `down` stops each recorded service itself the same
-way: SIGTERM to its process group, and SIGKILL only after its stop bound, so the trainer can checkpoint. It
-says what it waits for as it goes.
+way: SIGTERM to it (to its process group when only helpers of it are left), and SIGKILL to the group only
+after its stop bound, so the trainer can checkpoint. It says what it waits for as it goes.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rlfleet.local_fleet import owner_runs, read_state, running_services, stop_timeout_s
-from rlfleet.processes import group_runs, process_runs
+from rlfleet.processes import group_runs, process_runs, send_stop
 
 DEFAULT_STATE_DIR = Path(".rlfleet")
 OWNER_STOP_MARGIN_S = 30.0
@@ -89,15 +89,13 @@ def _wait_for_owner(state_dir: Path, owner: int, say: Callable[[str], None]) -> 
 
 
 def stop_services(services: dict[str, int], say: Callable[[str], None]) -> None:
-    """Stops processes that are not this one's children, in reverse order: SIGTERM to each one's process
-    group, then SIGKILL to what is left of it (the service, or helpers that outlive it) after its stop bound
+    """Stops processes that are not this one's children, in reverse order: SIGTERM to each (`send_stop`), then
+    SIGKILL to what is left of its process group (the service, or helpers that outlive it) after its stop bound
     (stop_timeout_s)."""
     for name, pid in reversed(list(services.items())):
         bound = stop_timeout_s(name)
         say(f"stopping {name} (pid {pid}) ...")
-        try:
-            os.killpg(pid, signal.SIGTERM)
-        except ProcessLookupError:
+        if not send_stop(pid):
             say(f"{name} stopped")
             continue
         started = said = time.monotonic()

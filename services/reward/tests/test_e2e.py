@@ -302,7 +302,11 @@ def test_a_client_that_leaves_frees_the_workers_over_http_as_over_grpc(hub: Hub)
     assert 'rlfleet_reward_requests_total{outcome="cancelled"} 1.0' in text
 
 
-def test_sigterm_lets_requests_finish_then_stops_the_hub_and_its_workers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stopped_by", ["sigterm", "service_process_stop"])
+def test_sigterm_lets_requests_finish_then_stops_the_hub_and_its_workers(tmp_path: Path, stopped_by: str) -> None:
+    """Kubernetes and `docker stop` signal the hub alone, and so do `rlfleet up` and `rlfleet down`
+    (ServiceProcess.stop): a signal to its whole process group ended its fork server and so, as the hub saw
+    it, every worker, mid-item."""
     hub = Hub(tmp_path, "reward-hub-shutdown")
     try:
         descendants = _descendants(hub.process.pid)
@@ -311,13 +315,17 @@ def test_sigterm_lets_requests_finish_then_stops_the_hub_and_its_workers(tmp_pat
         with ThreadPoolExecutor(1) as executor:
             in_flight = executor.submit(hub.score, slow)
             time.sleep(0.3)
-            # Only the hub, as Kubernetes or `docker stop` would: the hub must stop its workers itself.
             started = time.monotonic()
-            os.kill(hub.process.pid, signal.SIGTERM)
-            assert in_flight.result(timeout=10).json()["results"][0]["status"] == "SCORE_STATUS_OK"
+            if stopped_by == "sigterm":  # the hub must stop its workers itself
+                os.kill(hub.process.pid, signal.SIGTERM)
+            else:
+                hub.process.stop(timeout=10)
+            result = in_flight.result(timeout=10).json()["results"][0]
+            assert result["status"] == "SCORE_STATUS_OK", result
         assert hub.process.proc.wait(timeout=10) == 0, hub.process.log_tail()
         assert time.monotonic() - started < 5
         assert "reward hub stopped" in hub.process.log_tail()
+        assert "died" not in hub.process.log_tail()
         deadline = time.monotonic() + 5
         while any(_alive(pid) for pid in descendants) and time.monotonic() < deadline:
             time.sleep(0.05)
