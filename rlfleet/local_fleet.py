@@ -238,7 +238,7 @@ class LocalFleet:
             process = self.processes.pop(name)
             running = process.alive()
             code = process.stop(timeout=stop_timeout_s(name))
-            # The code a stopped process exits with says nothing of how it ran (torchrun exits 1 on SIGTERM).
+            # The code a stopped process exits with says nothing of how it ran (a service may exit non-zero on SIGTERM).
             if running:
                 logger.info("stopped %s", name)
             else:
@@ -305,7 +305,7 @@ class LocalFleet:
             command_line(
                 py,
                 "-m",
-                "torch.distributed.run",
+                "rlfleet_trainer.launcher",
                 "--standalone",
                 f"--nproc_per_node={c.trainer_ranks}",
                 "-m",

@@ -212,7 +212,7 @@ def torchrun_shutdown_timeout(repo: Path) -> int:
     parsed = list(dockerfile.parse_file(str(repo / "services" / "trainer" / "Dockerfile")))
     [entrypoint] = [list(ins.value) for ins in parsed if ins.cmd == "ENTRYPOINT"]
     [command] = [list(ins.value) for ins in parsed if ins.cmd == "CMD"]
-    args = get_args_parser().parse_args(entrypoint[entrypoint.index("torchrun") + 1 :] + command)
+    args = get_args_parser().parse_args(entrypoint[entrypoint.index("rlfleet_trainer.launcher") + 1 :] + command)
     assert args.shutdown_timeout is not None, "torchrun would SIGKILL the ranks after its default 30 s"
     return int(args.shutdown_timeout)
 

@@ -104,8 +104,10 @@ def test_slim_images_install_no_torch(svc: str) -> None:
 @pytest.mark.parametrize("svc", SERVICES)
 def test_entrypoint_module_exists_and_starts(svc: str) -> None:
     command = [word for ins in final_stage(svc) if ins.cmd in ("ENTRYPOINT", "CMD") for word in ins.value]
-    module = command[command.index("-m") + 1]
-    assert module == f"rlfleet_{svc}" and importlib.util.find_spec(module) is not None
+    modules = [command[i + 1] for i, word in enumerate(command) if word == "-m"]
+    assert all(importlib.util.find_spec(m) is not None for m in modules), modules
+    module = modules[-1]  # the trainer's launcher (torchrun) runs the service module after its own options
+    assert module == f"rlfleet_{svc}"
     result = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "usage:" in result.stdout

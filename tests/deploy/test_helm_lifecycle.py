@@ -64,7 +64,7 @@ def test_trainer_pods_outlive_the_checkpoint_on_sigterm(values_file: Path | None
     spec = pod_spec(render(values_of(values_file)), "trainer")
     grace = spec["terminationGracePeriodSeconds"]
     [container] = spec["containers"]
-    assert container["command"] == ["tini", "-s", "--", "torchrun"]
+    assert container["command"] == ["tini", "-s", "--", "python", "-m", "rlfleet_trainer.launcher"]
     torchrun_s = shutdown_timeout(container["args"])
     # The ranks get the trainer's whole shutdown; torchrun then has the rest of the pod's grace to kill and exit.
     assert TRAINER_GRPC_GRACE_S + core_shutdown_s < torchrun_s < grace

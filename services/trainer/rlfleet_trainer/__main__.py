@@ -1,4 +1,5 @@
-"""`python -m rlfleet_trainer serve|sft|export`, serve usually under torchrun:
+"""`python -m rlfleet_trainer serve|sft|export`, serve usually under torchrun (`python -m rlfleet_trainer.launcher`
+is torchrun without a traceback when stopped):
 
     torchrun --nproc_per_node=1 -m rlfleet_trainer serve --router-url http://127.0.0.1:30000
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=static --node-rank=K --master-addr=NODE0 \
