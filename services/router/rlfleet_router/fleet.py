@@ -233,6 +233,7 @@ class Fleet:
     def remove_worker(self, key: str) -> Worker:
         """Out of the fleet at once; requests already at the engine finish there."""
         worker = self.workers.remove(key)
+        self.pauses.removed(worker)
         self.policy.forget(worker)
         self.metrics.forget_engine(worker.url)
         return worker

@@ -10,6 +10,14 @@ missed the pause) would generate while the trainer updates weights. Only where t
 anything sent: a router that knows of no pause (it restarted while the trainer had generation paused)
 never continues an engine the trainer paused.
 
+An engine removed from the fleet (DELETE /workers, or Kubernetes discovery dropping a NotReady pod) and added
+again is a new worker, with another id, but may be the same engine, still paused by the router: so what the
+router knows of a removed engine's pause is kept by URL (`removed`) and handed to the next worker at that URL,
+until a continue reaches that URL or the pause bound passes (the engine has then been paused for longer than
+a weight load may take: rlfleet-engine's --max-pause fails its probes, SGLang's wait behind the pause). Handed
+over, it counts as a pause sent but maybe not taken: the engine at that URL may be a restarted process, not
+paused, so if the fleet is paused it is sent the pause like any engine that joins.
+
 `match` sends its request before the engine enters routing, outside the fleet's weight lock; a pause or
 continue fanned out meanwhile moves `turn`, and the engine enters routing only if `joins` finds the turn it
 was matched at still current (else it is matched again).
@@ -58,6 +66,9 @@ class FleetPause:
         # Worker id -> True once it took a pause of the router, False while one was sent but not taken (it may
         # still land); absent once it took a continue, or the router never paused it.
         self._engines: dict[str, bool] = {}
+        # URL of an engine removed from the fleet with an entry in `_engines` -> time.monotonic() past which it is
+        # forgotten.
+        self._removed: dict[str, float] = {}
 
     @property
     def turn(self) -> int:
@@ -100,6 +111,7 @@ class FleetPause:
         for outcome in outcomes:
             if outcome.ok:
                 self._engines.pop(outcome.worker.id, None)
+                self._removed.pop(outcome.worker.url, None)
         self.busy.resume(o.worker for o in outcomes)
 
     async def match(self, worker: Worker) -> int:
@@ -109,6 +121,7 @@ class FleetPause:
         brought in line with (for `joins`); Unavailable if it did not take the request."""
         turn = self.turn
         pause = self._pause
+        self._hand_over(worker)
         took_pause = self._engines.get(worker.id)
         if pause is not None and took_pause is not True:
             route, body, headers = PAUSE_ROUTE, pause.body, pause.headers
@@ -141,13 +154,28 @@ class FleetPause:
             self.busy.pause([worker], self._pause.until)
         return True
 
+    def removed(self, worker: Worker) -> None:
+        """`worker` was removed from the fleet: if the router paused it without a continue taken since, the next
+        worker added at its URL is sent a continue as it enters routing (see the module docstring)."""
+        if self._engines.pop(worker.id, None) is not None:
+            self._removed[worker.url] = time.monotonic() + self.busy.pause_bound_secs
+
     def keep_only(self, workers: Iterable[Worker]) -> None:
-        """Forgets what it knows of engines no longer in the fleet."""
+        """Forgets what it knows of engines no longer in the fleet, and of removed ones past the pause bound."""
         workers = list(workers)
         self.busy.keep_only(workers)
         ids = {w.id for w in workers}
         for worker_id in [k for k in self._engines if k not in ids]:
             del self._engines[worker_id]
+        now = time.monotonic()
+        for url in [u for u, forget_at in self._removed.items() if forget_at <= now]:
+            del self._removed[url]
+
+    def _hand_over(self, worker: Worker) -> None:
+        """Gives `worker` the record of the engine removed at its URL, if any and still within the pause bound."""
+        forget_at = self._removed.pop(worker.url, None)
+        if forget_at is not None and time.monotonic() < forget_at and worker.id not in self._engines:
+            self._engines[worker.id] = False
 
     def _expire(self) -> None:
         if self._pause is not None and time.monotonic() >= self._pause.until:

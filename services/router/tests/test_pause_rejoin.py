@@ -20,7 +20,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from router_fakes import GatedEngine, RunningRouter, metric_value
 
+from rlfleet.errors import Unavailable
 from rlfleet_router.busy_engines import BusyEngines
+from rlfleet_router.engine_controls import CONTINUE_ROUTE, PAUSE_ROUTE, EngineOutcome
 from rlfleet_router.fleet_pause import FleetPause
 from rlfleet_router.metrics import RouterMetrics
 from rlfleet_router.workers import Worker, WorkerRegistry
@@ -112,6 +114,27 @@ def test_an_engine_that_missed_the_continue_rejoins_continued(
     victim.engine.healthy = True  # its probes pass, paused as it is: it is let back in, on the fleet's weights
     router.wait_healthy(2)
     assert victim.engine.update_bodies[-1] == load
+    assert not victim.paused, "it rejoined routing paused: every request routed to it would wait"
+    assert routes(victim)[-1] == "/continue_generation"
+    assert served_by(router, 4) == {"steady", "victim"}
+
+
+def test_an_engine_removed_while_paused_and_added_again_after_the_continue_rejoins_continued(
+    start_gated: Callable[..., GatedEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """Added again it is a new worker (another id), but the same engine, still paused by the router."""
+    steady = start_gated("steady", gated=PROBES_ANSWER_WHILE_PAUSED)
+    victim = start_gated("victim", gated=PROBES_ANSWER_WHILE_PAUSED)
+    router = start_router([steady.url, victim.url], **PROBES)
+    router.wait_healthy(2)
+    assert router.client.post("/pause_generation", json={}).status_code == 200
+    assert router.client.delete(f"/workers/{victim.url}").status_code == 200  # a NotReady pod, dropped
+    assert router.client.post("/continue_generation", json={}).status_code == 200
+    assert not steady.paused and victim.paused, "a continue reaches only the engines in the fleet"
+    time.sleep(0.5)  # health rounds, each forgetting what the router knew of engines no longer in the fleet
+
+    assert router.client.post("/workers", json={"url": victim.url}).status_code == 202
+    router.wait_healthy(2)
     assert not victim.paused, "it rejoined routing paused: every request routed to it would wait"
     assert routes(victim)[-1] == "/continue_generation"
     assert served_by(router, 4) == {"steady", "victim"}
@@ -246,5 +269,38 @@ def test_an_engine_matched_to_the_pause_before_it_changed_is_matched_again() -> 
             assert pauses.paused()
             pauses.end(again)
             assert not pauses.paused()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=10))
+
+
+def test_a_removed_engine_is_remembered_by_url_until_a_continue_reaches_it_or_its_pause_stops_counting() -> None:
+    async def scenario() -> None:
+        registry = WorkerRegistry(failure_threshold=2, success_threshold=2)
+        busy = BusyEngines(0.3, RouterMetrics(registry, lambda: None).registry)
+        async with httpx.AsyncClient(trust_env=False) as client:
+            pauses = FleetPause(client, busy, timeout_secs=1.0)
+
+            def removed_while_paused(url: str) -> None:
+                engine = Worker(url=url)
+                pauses.begin([engine], b"{}", {})
+                pauses.record(PAUSE_ROUTE, [EngineOutcome(engine, 200, "paused")])
+                pauses.removed(engine)
+                pauses.end()
+
+            # Nothing listens on these ports: a continue sent there is not taken (Unavailable).
+            removed_while_paused("http://127.0.0.1:9")
+            with pytest.raises(Unavailable, match="/continue_generation"):
+                await pauses.match(Worker(url="http://127.0.0.1:9"))
+            await pauses.match(Worker(url="http://127.0.0.1:10"))  # never paused by the router: nothing sent
+
+            removed_while_paused("http://127.0.0.1:11")
+            pauses.record(CONTINUE_ROUTE, [EngineOutcome(Worker(url="http://127.0.0.1:11"), 200, "continued")])
+            await pauses.match(Worker(url="http://127.0.0.1:11"))
+
+            removed_while_paused("http://127.0.0.1:12")
+            await asyncio.sleep(0.4)
+            pauses.keep_only([])
+            assert not pauses._removed, "removed engines remembered past the pause bound"
+            await pauses.match(Worker(url="http://127.0.0.1:12"))
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=10))
