@@ -97,6 +97,34 @@ class FleetPorts:
             engine_base=base + 7,
         )
 
+    def named(self, engines: int) -> dict[int, str]:
+        """Every port a fleet of `engines` engines binds (Redis apart), with what listens there."""
+        named = {
+            self.rollout: "orchestrator REST",
+            self.rollout_grpc: "orchestrator gRPC",
+            self.reward: "reward hub HTTP",
+            self.reward_grpc: "reward hub gRPC",
+            self.trainer_grpc: "trainer gRPC",
+            self.trainer_http: "trainer HTTP",
+            self.router: "router",
+        }
+        named.update({self.engine_base + i: f"engine-{i}" for i in range(engines)})
+        if len(named) < 7 + engines:
+            raise ValueError(f"two services of the fleet are given the same port: {self}")
+        return named
+
+
+def check_ports_free(host: str, ports: dict[int, str]) -> None:
+    """ServiceStartError naming each of `ports` (port -> what listens there) that something already binds."""
+    busy = [f"{port} ({what})" for port, what in sorted(ports.items()) if not port_is_free(port, host)]
+    if busy:
+        raise ServiceStartError(
+            f"port{'s' if len(busy) > 1 else ''} already in use on {host}: {', '.join(busy)}. Another fleet "
+            "may be running (`rlfleet down --state-dir DIR` stops the one started from DIR), or choose other "
+            "ports: `rlfleet up --base-port 9000` (9000 and the ports after it) or `rlfleet up --free-ports`, "
+            "each with its own --state-dir; `rlfleet submit|runs|watch|cancel --state-dir DIR` then find it"
+        )
+
 
 @dataclass(frozen=True)
 class FleetConfig:
@@ -190,20 +218,7 @@ class LocalFleet:
 
     def named_ports(self) -> dict[int, str]:
         """Every port the fleet's services bind (Redis apart), with what listens there."""
-        p = self.config.ports
-        named = {
-            p.rollout: "orchestrator REST",
-            p.rollout_grpc: "orchestrator gRPC",
-            p.reward: "reward hub HTTP",
-            p.reward_grpc: "reward hub gRPC",
-            p.trainer_grpc: "trainer gRPC",
-            p.trainer_http: "trainer HTTP",
-            p.router: "router",
-        }
-        named.update({p.engine_base + i: f"engine-{i}" for i in range(self.config.engines)})
-        if len(named) < 7 + self.config.engines:
-            raise ValueError(f"two services of the fleet are given the same port: {self.config.ports}")
-        return named
+        return self.config.ports.named(self.config.engines)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -219,7 +234,7 @@ class LocalFleet:
         refuse_running_fleet(self.config.state_dir)
         try:
             self._write_state()
-            self._check_ports(self.named_ports())
+            check_ports_free(self.config.host, self.named_ports())
             self._start_all()
             self._up = True
             self._write_state()
@@ -244,17 +259,6 @@ class LocalFleet:
             else:
                 logger.warning("%s had already exited (exit code %s)", name, code)
         remove_own_record(self.config.state_dir)
-
-    def _check_ports(self, ports: dict[int, str]) -> None:
-        host = self.config.host
-        busy = [f"{port} ({what})" for port, what in sorted(ports.items()) if not port_is_free(port, host)]
-        if busy:
-            raise ServiceStartError(
-                f"port{'s' if len(busy) > 1 else ''} already in use on {host}: {', '.join(busy)}. Another fleet "
-                "may be running (`rlfleet down --state-dir DIR` stops the one started from DIR), or choose other "
-                "ports: `rlfleet up --base-port 9000` (9000 and the ports after it) or `rlfleet up --free-ports`, "
-                "each with its own --state-dir; `rlfleet submit|runs|watch|cancel --state-dir DIR` then find it"
-            )
 
     def _start_all(self) -> None:
         c, p, py = self.config, self.config.ports, sys.executable
@@ -361,7 +365,7 @@ class LocalFleet:
         start), and records it in fleet.json at once, so `rlfleet down` can stop it even mid-start."""
         if self.stopping.is_set():
             raise StartInterrupted(f"stopped before {name} started")
-        self._check_ports(ports)
+        check_ports_free(self.config.host, ports)
         env = {"RLFLEET_LOG_FORMAT": "text", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.config.env}
         self._commands[name] = _Command(argv, health_url, ports)
         self.processes[name] = ServiceProcess(name, argv, self.log_dir / f"{name}.log", env=env)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -150,6 +151,21 @@ def test_a_bad_base_port_is_refused_before_the_model_is_written(tmp_path: Path) 
     state_dir = tmp_path / "state"
     assert main(["up", "--base-port", "65530", "--state-dir", str(state_dir)]) == 2
     assert not state_dir.exists()
+
+
+def test_a_busy_port_is_refused_before_the_model_is_made(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    state_dir = tmp_path / "state"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        router = taken.getsockname()[1]
+        base = router - 6  # --base-port puts the router at base + 6
+        if base < 1024:
+            pytest.skip(f"port {router} leaves no base port in range")
+        assert main(["up", "--base-port", str(base), "--state-dir", str(state_dir)]) == 1
+    said = capsys.readouterr().err
+    assert "already in use on 127.0.0.1: " in said and f"{router} (router)" in said, said
+    assert not (state_dir / "models").exists() and not (state_dir / "fleet.json").exists()
 
 
 def test_the_router_follows_prefix_caches_only_where_the_engines_keep_them() -> None:

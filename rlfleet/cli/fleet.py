@@ -25,6 +25,7 @@ from rlfleet.local_fleet import (
     FleetConfig,
     FleetPorts,
     LocalFleet,
+    check_ports_free,
     describe_redis_error,
     record_starting,
     redis_error,
@@ -126,6 +127,12 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         record_starting(args.state_dir)  # from here on `rlfleet down` stops this process
     except ServiceStartError as exc:
+        print(f"rlfleet: error: the fleet did not start: {exc}", file=sys.stderr)
+        return 1
+    try:  # before the model is made: a busy port is known at once (the fleet checks again as it starts)
+        check_ports_free(FleetConfig.host, ports.named(args.engines))
+    except ServiceStartError as exc:
+        remove_own_record(args.state_dir)
         print(f"rlfleet: error: the fleet did not start: {exc}", file=sys.stderr)
         return 1
     try:
