@@ -1,8 +1,8 @@
 """One logging setup for every rlfleet process: plain lines on a terminal, JSON lines elsewhere.
 
 JSON records carry the service name plus any `run_id`, `step` and `request_id` passed through
-`extra=`; set RLFLEET_LOG_FORMAT=json|text to override the automatic choice, RLFLEET_LOG_LEVEL
-to change the level.
+`extra=`; set RLFLEET_LOG_FORMAT=json|text to override the automatic choice. A service's level is its
+own `--log-level` setting (`LogLevel`); RLFLEET_LOG_LEVEL sets it where there is none (the trainer, the CLI).
 """
 
 from __future__ import annotations
@@ -12,6 +12,21 @@ import logging
 import os
 import sys
 import time
+from typing import Annotated
+
+from pydantic import AfterValidator
+
+LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _known_level(level: str) -> str:
+    if level.lower() not in LEVELS:
+        raise ValueError(f"unknown log level {level!r}: must be one of {', '.join(LEVELS)}")
+    return level.lower()
+
+
+LogLevel = Annotated[str, AfterValidator(_known_level)]
+"""A service's log-level setting: one of LEVELS, in any case (a typo is refused with the settings' other errors)."""
 
 CONTEXT_FIELDS = ("run_id", "step", "request_id")
 

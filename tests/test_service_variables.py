@@ -92,3 +92,12 @@ def test_the_entry_point_refuses_a_misspelled_variable(
     assert done.returncode == 2, done.stderr
     prefix = SERVICES[service][0].model_config["env_prefix"]
     assert f"{variable} is not a setting (did you mean {prefix}{meant}?)" in done.stderr
+
+
+@pytest.mark.parametrize("service", ["engine", "reward", "rollout", "router"])
+def test_a_log_level_no_logger_knows_is_a_settings_error(service: str) -> None:
+    settings, _ = SERVICES[service]
+    required = {"model_path": "/nonexistent"} if service == "engine" else {}
+    with pytest.raises(ValueError, match="unknown log level 'loud': must be one of debug, info, warning, error"):
+        settings.model_validate({**required, "log_level": "loud"})
+    assert settings.model_validate({**required, "log_level": "DEBUG"}).model_dump()["log_level"] == "debug"

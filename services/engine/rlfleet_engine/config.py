@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from rlfleet.logs import LogLevel
 from rlfleet.settings_flags import Flag, add_flags, settings_from_flags
 
 BackendName = Literal["transformers", "sglang", "sim"]
@@ -35,17 +36,18 @@ class EngineConfig(BaseSettings):
     port: int = Field(default=30000, ge=0, le=65535)
     """Port the HTTP server binds (SGLang's default 30000)."""
     served_model_name: str | None = None
-    """Name reported in /get_model_info, /v1/models and the `model_name` metric label; defaults to model_path."""
+    """Name reported in /v1/models and the `model_name` metric label; defaults to model_path."""
     context_length: int | None = Field(default=None, gt=0)
     """Longest prompt + completion in tokens; defaults to the model's max_position_embeddings."""
     max_running_requests: int = Field(default=16, gt=0)
     """Most sequences decoded together in one batch; further requests wait in the queue."""
     random_seed: int = 0
     """Seed of the sampler's random generator."""
-    log_level: str = "info"
-    """Root log level (debug, info, warning, error)."""
+    log_level: LogLevel = "info"
+    """Root log level (debug, info, warning, error, critical)."""
     backend: BackendName = "transformers"
-    """What produces the logits: `transformers` runs the real model on CPU; `sglang` execs the real SGLang server."""
+    """What produces the logits: `transformers` runs the real model on CPU; `sglang` execs the real SGLang server;
+    `sim` runs no model (a prefix cache and a latency model, for routing experiments)."""
     torch_threads: int | None = Field(default=None, gt=0)
     """Intra-op threads torch may use; unset leaves torch's default (all cores)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

@@ -7,6 +7,8 @@ import os
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from rlfleet.logs import LogLevel
+
 
 def _cpu_count() -> int:
     # The CPUs this process may run on (a container's limit), not the machine's.
@@ -46,7 +48,7 @@ class RewardSettings(BaseSettings):
     shutdown_grace_seconds: float = Field(
         default=10.0, ge=0, description="How long in-flight requests may finish after SIGTERM before they are cut off."
     )
-    log_level: str = Field(default="INFO", description="Root log level.")
+    log_level: LogLevel = Field(default="info", description="Root log level.")
 
     @model_validator(mode="after")
     def _default_within_max(self) -> RewardSettings:

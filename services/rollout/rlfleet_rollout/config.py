@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from rlfleet.logs import LogLevel
 from rlfleet.settings_flags import Flag, add_flags, settings_from_flags
 
 
@@ -70,8 +71,8 @@ class RolloutConfig(BaseSettings):
     (its record stays): time to inspect them, and Redis does not fill up with runs that are over."""
     shutdown_grace_s: float = Field(default=5.0, ge=0)
     """How long open requests and streams get to finish on SIGTERM."""
-    log_level: str = "info"
-    """Root log level (debug, info, warning, error)."""
+    log_level: LogLevel = "info"
+    """Root log level (debug, info, warning, error, critical)."""
     api_token_file: str | None = None
     """File holding the API token every Runs API call must carry (`Authorization: Bearer`); unset: open."""
 

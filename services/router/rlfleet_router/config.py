@@ -15,6 +15,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rlfleet.errors import InvalidInput
+from rlfleet.logs import LogLevel
 from rlfleet_router.policies import PolicyOptions, available_policies
 from rlfleet_router.restarters import restarter_names
 from rlfleet_router.workers import normalize_worker_url
@@ -140,7 +141,7 @@ class RouterConfig(BaseSettings):
         None, ge=1, le=65535, description="kubernetes: engine port in the Endpoints (unset: the first port)."
     )
     kubernetes_timeout_secs: float = Field(10.0, gt=0, description="kubernetes: bound on one API call.")
-    log_level: str = Field("info", description="Log level of the router process.")
+    log_level: LogLevel = Field("info", description="Log level of the router process.")
     api_token_file: str | None = Field(
         None, description="File holding the API token admin requests (every non-GET but generation) must carry."
     )
