@@ -59,6 +59,9 @@ MAX_EVAL_SAMPLES = 64
 # Every evaluation generates eval_size x eval_samples answers, and submit draws the held-out rows: past
 # this many, evaluation would dwarf training, and submit would hold a worker thread for seconds.
 MAX_EVAL_SIZE = 10_000
+# Passes of the optimizer over one rollout batch: PPO takes a few (verl's ppo_epochs, OpenRLHF's max_epochs); far
+# more fits the batch's noise and moves the policy far from the one that sampled it, which the clip then hides.
+MAX_EPOCHS = 32
 
 
 def resolve(spec: RunSpec) -> RunSpec:
@@ -126,6 +129,10 @@ def resolve(spec: RunSpec) -> RunSpec:
     if not tr.HasField("micro_batch_tokens"):
         tr.micro_batch_tokens = 8192
     tr.lr_schedule = tr.lr_schedule or "constant"
+    if not tr.HasField("mini_batches"):
+        tr.mini_batches = 1
+    if not tr.HasField("epochs"):
+        tr.epochs = 1
     al = out.algorithm
     al.name = al.name or "grpo"
     # An unknown name keeps the generic defaults here; validate() names the field.
@@ -279,6 +286,13 @@ def validate(spec: RunSpec) -> None:
     )
     _require(_finite(tr.min_lr_ratio) and 0 <= tr.min_lr_ratio <= 1, "trainer.min_lr_ratio", "must be in [0, 1]")
     _require(tr.pack_row_tokens >= 0, "trainer.pack_row_tokens", "must be >= 0 (0: the longest sequence)")
+    samples = ro.groups_per_step * ro.group_size
+    _require(
+        1 <= tr.mini_batches <= samples,
+        "trainer.mini_batches",
+        f"must be in [1, rollout.groups_per_step x rollout.group_size = {samples}] (a mini-batch needs a sample)",
+    )
+    _require(1 <= tr.epochs <= MAX_EPOCHS, "trainer.epochs", f"must be in [1, {MAX_EPOCHS}]")
 
     al = spec.algorithm
     _require(al.name in ALGORITHMS, "algorithm.name", f"must be one of {list(ALGORITHMS)}, got {al.name!r}")

@@ -6,7 +6,7 @@ import pytest
 from google.protobuf import json_format
 
 from rlfleet.errors import InvalidInput
-from rlfleet.run_spec import MAX_EVAL_SIZE, resolve, validate
+from rlfleet.run_spec import MAX_EPOCHS, MAX_EVAL_SIZE, resolve, validate
 from rlfleet.v1.runs_pb2 import RunSpec
 
 MINIMAL = {
@@ -77,6 +77,13 @@ def test_each_algorithm_fills_its_own_defaults() -> None:
     assert resolve(spec_from({})).trainer.lr_schedule == "constant"
 
 
+def test_one_update_per_batch_unless_asked_and_as_many_mini_batches_as_samples() -> None:
+    trainer = resolve(spec_from({})).trainer
+    assert (trainer.mini_batches, trainer.epochs) == (1, 1)
+    most = {"rollout": {"group_size": 2, "groups_per_step": 2}, "trainer": {"mini_batches": 4, "epochs": MAX_EPOCHS}}
+    validate(resolve(spec_from(most)))
+
+
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
@@ -92,6 +99,11 @@ def test_each_algorithm_fills_its_own_defaults() -> None:
         ({"trainer": {"lr_schedule": "step"}}, "trainer.lr_schedule"),
         ({"trainer": {"min_lr_ratio": 2}}, "trainer.min_lr_ratio"),
         ({"trainer": {"pack_row_tokens": -1}}, "trainer.pack_row_tokens"),
+        ({"trainer": {"mini_batches": 0}}, "trainer.mini_batches"),
+        # 2 groups of 2 samples: a fifth mini-batch would hold nothing.
+        ({"rollout": {"group_size": 2, "groups_per_step": 2}, "trainer": {"mini_batches": 5}}, "trainer.mini_batches"),
+        ({"trainer": {"epochs": 0}}, "trainer.epochs"),
+        ({"trainer": {"epochs": MAX_EPOCHS + 1}}, "trainer.epochs"),
         ({"model": {"path": ""}}, "model.path"),
         ({"rollout": {"group_size": 1}}, "rollout.group_size"),
         ({"rollout": {"sampling": {"top_p": 0}}}, "rollout.sampling.top_p"),

@@ -167,7 +167,7 @@ class AlgorithmSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[str] = ..., entropy_coef: _Optional[float] = ..., loss_aggregation: _Optional[str] = ..., kl_mode: _Optional[str] = ..., tis_cap: _Optional[float] = ..., ratio_mask_low: _Optional[float] = ..., ratio_mask_high: _Optional[float] = ..., gamma: _Optional[float] = ..., gae_lambda: _Optional[float] = ..., value_clip: _Optional[float] = ..., critic_learning_rate: _Optional[float] = ..., clip_ratio_c: _Optional[float] = ...) -> None: ...
 
 class TrainerSpec(_message.Message):
-    __slots__ = ("learning_rate", "weight_decay", "grad_clip", "micro_batch_tokens", "warmup_steps", "checkpoint_every", "seed", "lr_schedule", "min_lr_ratio", "pack_row_tokens")
+    __slots__ = ("learning_rate", "weight_decay", "grad_clip", "micro_batch_tokens", "warmup_steps", "checkpoint_every", "seed", "lr_schedule", "min_lr_ratio", "pack_row_tokens", "mini_batches", "epochs")
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
     GRAD_CLIP_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +178,8 @@ class TrainerSpec(_message.Message):
     LR_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     MIN_LR_RATIO_FIELD_NUMBER: _ClassVar[int]
     PACK_ROW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MINI_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
     learning_rate: float
     weight_decay: float
     grad_clip: float
@@ -188,7 +190,9 @@ class TrainerSpec(_message.Message):
     lr_schedule: str
     min_lr_ratio: float
     pack_row_tokens: int
-    def __init__(self, learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., grad_clip: _Optional[float] = ..., micro_batch_tokens: _Optional[int] = ..., warmup_steps: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., seed: _Optional[int] = ..., lr_schedule: _Optional[str] = ..., min_lr_ratio: _Optional[float] = ..., pack_row_tokens: _Optional[int] = ...) -> None: ...
+    mini_batches: int
+    epochs: int
+    def __init__(self, learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., grad_clip: _Optional[float] = ..., micro_batch_tokens: _Optional[int] = ..., warmup_steps: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., seed: _Optional[int] = ..., lr_schedule: _Optional[str] = ..., min_lr_ratio: _Optional[float] = ..., pack_row_tokens: _Optional[int] = ..., mini_batches: _Optional[int] = ..., epochs: _Optional[int] = ...) -> None: ...
 
 class ScheduleSpec(_message.Message):
     __slots__ = ("steps", "eval_every", "eval_samples")

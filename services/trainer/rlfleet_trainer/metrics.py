@@ -28,19 +28,21 @@ class TrainerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         """registry: where to register (rank 0 shares its RankGroup's); a new one by default."""
         self.registry = registry or CollectorRegistry()
-        self.step = Gauge("rlfleet_trainer_step", "optimizer steps taken in the active run", registry=self.registry)
+        self.step = Gauge(
+            "rlfleet_trainer_step", "training steps (rollout batches) taken in the active run", registry=self.registry
+        )
         self.weight_version = Gauge(
             "rlfleet_trainer_weight_version", "weight version the fleet serves", registry=self.registry
         )
         self.step_seconds = Histogram(
             "rlfleet_trainer_step_seconds",
-            "time of one optimizer step",
+            "time of one training step (all its optimizer updates)",
             buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1200, 3600),
             registry=self.registry,
         )
         self.weight_sync_seconds = Histogram(
             "rlfleet_trainer_weight_sync_seconds",
-            "time from optimizer step end to the fleet serving the new version",
+            "time from training step end to the fleet serving the new version",
             # Up to the weight load's bound (--weight-load-timeout-s, 300 s) and past it: a quantile can only
             # show values up to the largest finite bucket.
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
@@ -87,7 +89,7 @@ class TrainerMetrics:
             if name in metrics:
                 gauge.set(metrics[name])
         if metrics.get("update_skipped"):
-            self.skipped_updates.inc()
+            self.skipped_updates.inc(metrics["update_skipped"])  # a step of several updates may skip more than one
         if "step_seconds" in metrics:
             self.step_seconds.observe(metrics["step_seconds"])
         if "weight_sync_seconds" in metrics:

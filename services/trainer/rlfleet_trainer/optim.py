@@ -5,7 +5,14 @@
     linear:   lr_s = lr * (m + (1 - m) * (1 - p))                      p = (s - W) / (N - W)
     cosine:   lr_s = lr * (m + (1 - m) * (1 + cos(pi * p)) / 2)
 
-with W the warmup steps, N the run's steps and m the floor min_lr_ratio; p stops at 1.
+with s the optimizer update, W the warmup updates, N the run's updates and m the floor min_lr_ratio;
+p stops at 1.
+
+The schedule counts optimizer updates. A RunSpec counts steps (rollout batches) in schedule.steps and
+trainer.warmup_steps, and a step takes trainer.mini_batches x trainer.epochs updates, so
+`optimizer_from_spec` scales both by that; a skipped update (a gradient that was not finite) does not
+advance it. The LambdaLR's position (`last_epoch`, the updates taken) is in every checkpoint, so a
+resumed run continues on the same learning rate.
 """
 
 from __future__ import annotations
@@ -23,14 +30,15 @@ SCHEDULES = ("constant", "linear", "cosine")
 @dataclass(frozen=True)
 class LrSchedule:
     warmup_steps: int = 0
+    """Optimizer updates of linear warmup."""
     kind: str = "constant"
     """constant, linear or cosine."""
     total_steps: int = 0
-    """Steps of the run; the decay reaches its floor there."""
+    """Optimizer updates of the run; the decay reaches its floor there."""
     min_lr_ratio: float = 0.0
 
     def factor(self, step: int) -> float:
-        """Multiplier of the base learning rate at optimizer step `step` (0-based)."""
+        """Multiplier of the base learning rate at optimizer update `step` (0-based)."""
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
         if self.kind == "constant":
@@ -61,12 +69,13 @@ def make_optimizer(
 def optimizer_from_spec(
     model: torch.nn.Module, spec: RunSpec, start_step: int = 0
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """The optimizer and schedule a resolved RunSpec asks for."""
+    """The optimizer and schedule a resolved RunSpec asks for, over the run's optimizer updates."""
     tr = spec.trainer
+    per_step = max(1, tr.mini_batches) * max(1, tr.epochs)
     schedule = LrSchedule(
-        warmup_steps=tr.warmup_steps,
+        warmup_steps=tr.warmup_steps * per_step,
         kind=tr.lr_schedule or "constant",
-        total_steps=spec.schedule.steps,
+        total_steps=spec.schedule.steps * per_step,
         min_lr_ratio=tr.min_lr_ratio,
     )
     return make_optimizer(model, tr.learning_rate, tr.weight_decay, schedule, start_step)

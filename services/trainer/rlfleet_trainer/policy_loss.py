@@ -9,8 +9,10 @@ For response token t of sample i, with old log-probability logp_old and advantag
     loss_t  = w_t * pg_t + beta * KL_t(pi || pi_ref) - entropy_coef * H_t
 
 where w_t is the TIS weight (1 without TIS) and tokens outside the ratio band are masked out.
-logp_old is the rollout log-prob; with TIS it is the trainer's own log-prob before the update
-(so the ratio only clips what the update itself moves) and the rollout mismatch goes into w_t.
+logp_old is the rollout log-prob; with TIS it is the trainer's own log-prob before the step's first
+update (so the ratio only clips what the step's updates themselves move: nothing in the first update,
+where it is 1) and the rollout mismatch goes into w_t. The TIS weight and the ratio band compare that
+same pre-update log-prob with the rollout's, so they stay fixed over the step's updates.
 Tokens with loss mask 0 (padding, tool output) contribute nothing.
 """
 
@@ -104,11 +106,16 @@ def policy_loss(
     config: PolicyLossConfig,
     ref_logp: torch.Tensor | None = None,  # (B, T) reference log-probs, needed when kl_coef > 0
     entropy: torch.Tensor | None = None,  # (B, T) per-token entropy, needed when entropy_coef != 0
+    pre_update_logp: torch.Tensor | None = None,  # (B, T) the trainer's log-probs before the step's first update
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Returns this micro-batch's loss numerator (see aggregation.py: the caller divides by the
-    global denominator) and detached statistics summed over the B samples of per-sample means."""
+    global denominator) and detached statistics summed over the B samples of per-sample means.
+
+    `pre_update_logp` is needed only when the step takes several updates and TIS or the ratio band is
+    on; None means this is the step's only update, whose current log-probs are the pre-update ones."""
     mask = mask.to(logp.dtype)
-    old_logp = logp.detach() if config.tis_cap > 0 else rollout_logp
+    before = logp.detach() if pre_update_logp is None else pre_update_logp  # pi_train before the step's updates
+    old_logp = before if config.tis_cap > 0 else rollout_logp
     if config.sequence_ratio:
         pg, clipped = clipped_sequence_surrogate(logp, old_logp, advantages, mask, config.clip_low, config.clip_high)
         dual_clipped = None
@@ -119,7 +126,7 @@ def policy_loss(
     stats: dict[str, torch.Tensor] = {}
     trained = mask
     if config.tis_cap > 0:
-        weights = tis_weights(logp, rollout_logp, config.tis_cap)  # (B, T)
+        weights = tis_weights(before, rollout_logp, config.tis_cap)  # (B, T)
         pg = pg * weights
         stats["tis_weight"] = masked_mean_per_row(weights, mask).sum()
     per_token = pg  # (B, T)
@@ -133,7 +140,7 @@ def policy_loss(
         per_token = per_token - config.entropy_coef * entropy
     if config.ratio_mask_low > 0 or config.ratio_mask_high > 0:
         # The band zeroes tokens' losses; normalisers still count them, as tokens whose gradient is dropped.
-        band = ratio_band_mask(logp, rollout_logp, config.ratio_mask_low, config.ratio_mask_high)
+        band = ratio_band_mask(before, rollout_logp, config.ratio_mask_low, config.ratio_mask_high)
         per_token = per_token * band
         trained = mask * band
         stats["ratio_masked_frac"] = masked_mean_per_row(1.0 - band, mask).sum()

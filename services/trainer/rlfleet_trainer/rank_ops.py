@@ -84,10 +84,10 @@ def load_run(state: RankState, spec: RunSpec) -> Policy:
     return state.policy
 
 
-def train(state: RankState, groups: list[SampleGroup]) -> dict[str, float]:
-    """One optimizer step on the global batch `groups`; every rank trains on its share."""
+def train(state: RankState, groups: list[SampleGroup], step: int = 0) -> dict[str, float]:
+    """Training step `step` of the run on the global batch `groups`; every rank trains on its share."""
     policy = state.require_policy()
-    return train_step(policy.model, policy.optimizer, policy.scheduler, groups, policy.step, policy.ref_model)
+    return train_step(policy.model, policy.optimizer, policy.scheduler, groups, policy.step, policy.ref_model, step)
 
 
 def gather_weights(state: RankState) -> dict[str, torch.Tensor]:

@@ -125,8 +125,8 @@ def train_run(
             if len(entries) < needed:  # stopped while waiting
                 break
             groups = [e.group for e in entries]
-            step_metrics = run.ranks.call("train_step", groups)
             version = run.step + 1
+            step_metrics = run.ranks.call("train_step", groups, version)
             sync_started = time.perf_counter()
             path = publisher.publish(run.model, version)
             step_metrics["weight_sync_seconds"] = time.perf_counter() - sync_started

@@ -1,52 +1,47 @@
-"""One optimizer step of the run's algorithm over a global batch of SampleGroups.
+"""One training step of the run's algorithm over a global batch of SampleGroups: one or more
+optimizer updates on it.
 
 1. The step's sequences are packed into token-budget micro-batches (batch.py).
-2. When the KL goes into the reward, or PPO's critic needs values, a gradient-free pass scores
-   every micro-batch first: advantages (REINFORCE++'s whitening, GAE) need the whole batch.
-3. Advantages come from the algorithm (algorithms.py), scaled by each group's weight.
-4. Micro-batches accumulate gradients: each adds its loss numerator divided by the global batch's
-   denominator (aggregation.py), so the result equals one pass over the whole batch. The gradient
-   is clipped, the optimizer and the schedule step; PPO's critic steps its own optimizer.
+2. When the KL goes into the reward, PPO's critic needs values, or a step of several updates needs
+   the policy's log-probs from before its first update (TIS and the ratio band compare them with the
+   rollout's), a gradient-free pass scores every micro-batch first: advantages (REINFORCE++'s
+   whitening, GAE) need the whole batch.
+3. Advantages come from the algorithm (algorithms.py), scaled by each group's weight. They, PPO's
+   returns and old values, and the pre-update log-probs stay fixed for the whole step.
+4. `epochs` passes over the batch, each split into `mini_batches` parts (mini_batches.py), take one
+   optimizer update per part (policy_update.py): micro-batches accumulate gradients against the
+   part's loss denominator (aggregation.py), so the result equals one pass over the part; the
+   gradient is clipped, the optimizer and the schedule step; PPO's critic steps its own optimizer.
+   One part and one epoch (the default) is one update on the whole batch.
 
-Under a process group every rank gets the whole batch and trains on its share of the sequences
-(data_parallel.py): the gradient-free pass fills each rank's rows of the KL and value grids and a
-sum gives every rank the whole grids, so advantages are those of the whole batch; FSDP sums the
-policy's gradients over ranks, the critic's are summed here, and metrics are summed to global
-values. One rank (or none) computes exactly what it always did.
+Under a process group every rank gets the whole batch and trains on its share of each part's
+sequences (data_parallel.py): the gradient-free pass fills each rank's rows of the KL, value and
+log-prob grids and a sum gives every rank the whole grids, so advantages are those of the whole
+batch; FSDP sums the policy's gradients over ranks, the critic's are summed here, and metrics are
+summed to global values. One rank (or none) computes exactly what it always did.
 """
 
 from __future__ import annotations
 
-import logging
-import math
 import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from rlfleet.v1.runs_pb2 import RunSpec
 from rlfleet.v1.samples_pb2 import SampleGroup
-from rlfleet_trainer.aggregation import denominator, numerator
 from rlfleet_trainer.algorithms import ALGORITHMS, AdvantageInputs, Algorithm
 from rlfleet_trainer.batch import TRAINABLE, TrainSequence, sequences_from_groups
-from rlfleet_trainer.critic import Critic, clipped_value_loss
-from rlfleet_trainer.data_parallel import (
-    current_ranks,
-    micro_batch,
-    rank_plan,
-    sum_gradients_over_ranks,
-    sum_over_ranks,
-    sum_tensor_over_ranks,
-)
+from rlfleet_trainer.critic import Critic
+from rlfleet_trainer.data_parallel import Ranks, current_ranks, micro_batch, rank_plan, sum_tensor_over_ranks
 from rlfleet_trainer.kl import kl_penalty
+from rlfleet_trainer.mini_batches import mini_batch_parts
 from rlfleet_trainer.policy import token_logprobs
-from rlfleet_trainer.policy_loss import PolicyLossConfig, policy_loss
-
-logger = logging.getLogger(__name__)
+from rlfleet_trainer.policy_loss import PolicyLossConfig
+from rlfleet_trainer.policy_update import BatchTargets, UpdateResult, update_policy
 
 
 @dataclass(frozen=True)
@@ -68,6 +63,16 @@ class StepConfig:
     gae_lambda: float = 0.95
     critic: Critic | None = None
     """PPO's value head; it carries its own weights and optimizer from step to step."""
+    mini_batches: int = 1
+    """Optimizer updates each pass over the batch is split into."""
+    epochs: int = 1
+    """Passes over the batch."""
+    seed: int = 0
+    """The run's seed: with the step and the epoch it seeds the order of the mini-batches."""
+
+    def updates(self, sequences: int) -> int:
+        """Optimizer updates a step of `sequences` sequences takes (a mini-batch needs one)."""
+        return self.epochs * min(self.mini_batches, sequences)
 
 
 def step_config_from_spec(spec: RunSpec, model: PreTrainedModel, pad_id: int) -> StepConfig:
@@ -104,6 +109,9 @@ def step_config_from_spec(spec: RunSpec, model: PreTrainedModel, pad_id: int) ->
         gamma=al.gamma,
         gae_lambda=al.gae_lambda,
         critic=critic,
+        mini_batches=tr.mini_batches,
+        epochs=tr.epochs,
+        seed=tr.seed,
     )
 
 
@@ -118,6 +126,56 @@ def response_grid(sequences: Sequence[TrainSequence]) -> tuple[torch.Tensor, tor
     return mask, present
 
 
+@dataclass(frozen=True)
+class BeforeUpdate:
+    """What the gradient-free pass finds on the (S, T) grid of the whole batch."""
+
+    kl: torch.Tensor  # (S, T) KL(rollout || reference) of each trained token, 0 when the KL is not in the reward
+    values: torch.Tensor | None  # (S, T) the critic's values (ppo)
+    logp: torch.Tensor | None  # (S, T) the policy's log-probs, when several updates need them
+
+
+def score_before_update(
+    model: torch.nn.Module,
+    sequences: Sequence[TrainSequence],
+    config: StepConfig,
+    ranks: Ranks,
+    mask: torch.Tensor,  # (S, T)
+    with_logp: bool,
+    ref_model: torch.nn.Module | None = None,
+) -> BeforeUpdate:
+    """The gradient-free pass over the whole batch, before any update; skipped when nothing needs it."""
+    kl = torch.zeros_like(mask)
+    values = torch.zeros_like(mask) if config.critic is not None else None
+    logp = torch.zeros_like(mask) if with_logp else None
+    if config.reward_kl_coef <= 0 and values is None and logp is None:
+        return BeforeUpdate(kl, values, logp)
+    # This rank's micro-batches; None marks an idle one that only joins the collectives.
+    plan = rank_plan([len(s.tokens) for s in sequences], config.micro_batch_tokens, config.pack_row_tokens, ranks)
+    with torch.no_grad():
+        for rows in plan:
+            batch = micro_batch(sequences, rows, config.pad_id)
+            ids, width = batch.seq_ids, batch.mask.shape[1]
+            if config.reward_kl_coef > 0:
+                assert ref_model is not None, "a KL in the reward needs a reference model"
+                reference = token_logprobs(ref_model, batch, config.temperature).logp
+                if rows is not None:
+                    # Only tokens the policy sampled: others (a tool's reply) carry a placeholder rollout
+                    # log-prob, whose "KL" would penalise the response for text it did not write.
+                    kl[ids, :width] = kl_penalty(batch.old_logp, reference, config.kl_estimator) * batch.mask
+            if values is not None or logp is not None:
+                scored = token_logprobs(model, batch, config.temperature, with_hidden=values is not None)
+                if rows is not None and values is not None and config.critic is not None:
+                    assert scored.hidden is not None
+                    values[ids, :width] = config.critic.values(scored.hidden) * batch.present
+                if rows is not None and logp is not None:
+                    logp[ids, :width] = scored.logp * batch.present
+    for grid in (kl, values, logp):
+        if grid is not None:
+            sum_tensor_over_ranks(grid, ranks)
+    return BeforeUpdate(kl, values, logp)
+
+
 def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -125,9 +183,21 @@ def train_step(
     groups: Sequence[SampleGroup],
     config: StepConfig,
     ref_model: torch.nn.Module | None = None,
+    step: int = 0,
 ) -> dict[str, float]:
-    """Trains on `groups`; returns the step's metrics (loss, pg_clipfrac, approx_kl, entropy,
-    grad_norm, lr, logprob_diff = mean |trainer - rollout| log-prob over trained tokens, ...)."""
+    """Trains on `groups` as step `step` of the run (it seeds the order of the mini-batches); returns
+    the step's metrics:
+
+    - loss, grad_norm (before clipping), value_loss: means over the step's updates;
+    - pg_clipfrac, approx_kl, entropy, tis_weight, ...: means over the sequences of every update;
+    - optimizer_updates: the updates the step made (mini_batches x epochs, fewer when the batch holds
+      fewer sequences than mini_batches); update_skipped: how many of them a gradient that was not
+      finite skipped;
+    - logprob_diff: mean |trainer - rollout| log-prob over trained tokens, in the first epoch (each
+      sequence scored once; with several mini-batches the later ones by an already updated policy);
+    - lr: the learning rate of the step's first update;
+    - tokens, micro_batches, pack_efficiency, tokens_per_second: over every update of the step.
+    """
     started = time.perf_counter()
     sequences = sequences_from_groups(groups)
     rewards = [s.reward for g in groups for s in g.samples if s.status in TRAINABLE]  # failed ones have none
@@ -140,126 +210,60 @@ def train_step(
         metrics["skipped"] = 1.0
         return metrics
     ranks = current_ranks()
-    # This rank's micro-batches; None marks an idle one that only joins the collectives.
-    plan = rank_plan([len(s.tokens) for s in sequences], config.micro_batch_tokens, config.pack_row_tokens, ranks)
     mask, present = response_grid(sequences)  # (S, T)
-    kl = torch.zeros_like(mask)
-    values = torch.zeros_like(mask) if config.critic is not None else None
-    if config.reward_kl_coef > 0 or values is not None:
-        with torch.no_grad():
-            for rows in plan:
-                batch = micro_batch(sequences, rows, config.pad_id)
-                ids, width = batch.seq_ids, batch.mask.shape[1]
-                if config.reward_kl_coef > 0:
-                    assert ref_model is not None, "a KL in the reward needs a reference model"
-                    reference = token_logprobs(ref_model, batch, config.temperature).logp
-                    if rows is not None:
-                        # Only tokens the policy sampled: others (a tool's reply) carry a placeholder rollout
-                        # log-prob, whose "KL" would penalise the response for text it did not write.
-                        kl[ids, :width] = kl_penalty(batch.old_logp, reference, config.kl_estimator) * batch.mask
-                if values is not None and config.critic is not None:
-                    hidden = token_logprobs(model, batch, config.temperature, with_hidden=True).hidden
-                    assert hidden is not None
-                    if rows is not None:
-                        values[ids, :width] = config.critic.values(hidden) * batch.present
-        sum_tensor_over_ranks(kl, ranks)
-        if values is not None:
-            sum_tensor_over_ranks(values, ranks)
+    off_policy = config.loss.tis_cap > 0 or config.loss.ratio_mask_low > 0 or config.loss.ratio_mask_high > 0
+    # With one update the policy's current log-probs are its pre-update ones: no pass needed to record them.
+    before = score_before_update(
+        model, sequences, config, ranks, mask, off_policy and config.updates(len(sequences)) > 1, ref_model
+    )
     estimate = config.algorithm.advantages(
         AdvantageInputs(
             rewards=torch.tensor([s.reward for s in sequences], dtype=torch.float32),
             groups=torch.tensor([s.group for s in sequences]),
             mask=mask,
             present=present,
-            kl=kl,
+            kl=before.kl,
             kl_coef=config.reward_kl_coef,
-            values=values,
+            values=before.values,
             gamma=config.gamma,
             gae_lambda=config.gae_lambda,
         )
     )
     advantages = estimate.advantages * torch.tensor([s.weight for s in sequences]).unsqueeze(1)  # (S, T)
-    trained_tokens = float(mask.sum())
-    # A response with no trained token (truncated under rollout.truncated "mask") adds nothing and, as in verl,
-    # does not count among the sequences either: it would shrink every other response's share.
-    trained_sequences = int((mask.sum(dim=1) > 0).sum())
-    norm = denominator(config.loss.aggregation, trained_sequences, trained_tokens)
+    targets = BatchTargets(advantages, mask, estimate.returns, before.values, before.logp)
 
     model.train()
-    optimizer.zero_grad(set_to_none=True)
-    critic = config.critic
-    if critic is not None:
-        critic.optimizer.zero_grad(set_to_none=True)
-    sums: dict[str, float] = defaultdict(float)
-    loss_sum, value_loss_sum, diff_sum, tokens, slots, micro_batches = 0.0, 0.0, 0.0, 0, 0, 0
-    for rows in plan:
-        batch = micro_batch(sequences, rows, config.pad_id)
-        ids, width = batch.seq_ids, batch.mask.shape[1]
-        scored = token_logprobs(model, batch, config.temperature, with_entropy=True, with_hidden=critic is not None)
-        ref_logp: torch.Tensor | None = None
-        if config.loss.kl_coef > 0:
-            assert ref_model is not None, "a KL loss needs a reference model"
-            with torch.no_grad():
-                ref_logp = token_logprobs(ref_model, batch, config.temperature).logp
-        loss, stats = policy_loss(
-            scored.logp, batch.old_logp, advantages[ids, :width], batch.mask, config.loss, ref_logp, scored.entropy
-        )
-        (loss / norm).backward()
-        if critic is not None and values is not None and estimate.returns is not None and scored.hidden is not None:
-            per_token = clipped_value_loss(
-                critic.values(scored.hidden), values[ids, :width], estimate.returns[ids, :width], critic.value_clip
-            )
-            value_loss = numerator(per_token, batch.mask, "token_mean", 1) / max(1.0, trained_tokens)
-            value_loss.backward()
-            value_loss_sum += float(value_loss.detach())
-        loss_sum += float(loss.detach())
-        for name, value in stats.items():
-            sums[name] += float(value)
-        with torch.no_grad():
-            diff_sum += float(((scored.logp - batch.old_logp).abs() * batch.mask).sum())
-        if rows is not None:
-            tokens += batch.tokens
-            slots += int(batch.input_ids.numel())
-            micro_batches += 1
-    names = sorted(sums)
-    loss_total, value_loss_total, diff_total, tokens_total, slots_total, batches_total, *stat_totals = sum_over_ranks(
-        [loss_sum, value_loss_sum, diff_sum, tokens, slots, micro_batches, *(sums[n] for n in names)], ranks
-    )
-    clip = config.grad_clip if config.grad_clip > 0 else math.inf
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    if isinstance(grad_norm, DTensor):  # a sharded model's norm: each rank holds a part of the sum
-        grad_norm = grad_norm.full_tensor()
-    # A gradient that is not finite (an overflow in the model's own numerics) would make every weight and the
-    # optimizer's moments NaN for good, and the NaN weights would reach the fleet: the update is skipped, as
-    # Megatron and verl do; the learning-rate schedule waits for the next update taken, as in Megatron. The norm
-    # is the whole model's on every rank, so all ranks skip together.
-    skipped = not math.isfinite(float(grad_norm))
-    if skipped:
-        logger.warning("gradient norm is %s: this step's optimizer update is skipped", float(grad_norm))
-        optimizer.zero_grad(set_to_none=True)
-    else:
-        optimizer.step()
-        scheduler.step()
-    if critic is not None:
-        sum_gradients_over_ranks(critic.head, ranks)
-        critic_norm = torch.nn.utils.clip_grad_norm_(critic.head.parameters(), clip)
-        if skipped or not math.isfinite(float(critic_norm)):
-            critic.optimizer.zero_grad(set_to_none=True)
-        else:
-            critic.optimizer.step()
-        metrics["value_loss"] = value_loss_total
-    metrics["update_skipped"] = float(skipped)
+    results: list[UpdateResult] = []
+    diff_total = 0.0
+    for epoch in range(config.epochs):
+        parts = mini_batch_parts([s.group for s in sequences], config.mini_batches, config.seed, step, epoch)
+        for part in parts:
+            result = update_policy(model, optimizer, scheduler, sequences, part, targets, config, ranks, ref_model)
+            results.append(result)
+            if epoch == 0:
+                diff_total += result.logprob_diff_sum
     elapsed = time.perf_counter() - started
-    metrics.update({name: value / len(sequences) for name, value in zip(names, stat_totals, strict=True)})
+    updates = len(results)
+    stat_totals: dict[str, float] = defaultdict(float)
+    for result in results:
+        for name, value in result.stats.items():
+            stat_totals[name] += value
+    trained_tokens = float(mask.sum())
+    tokens_total = sum(r.tokens for r in results)
+    metrics.update({name: total / (len(sequences) * config.epochs) for name, total in stat_totals.items()})
+    if config.critic is not None:
+        metrics["value_loss"] = sum(r.value_loss for r in results) / updates
     metrics.update(
         {
-            "loss": loss_total / norm,
-            "grad_norm": float(grad_norm),
+            "loss": sum(r.loss for r in results) / updates,
+            "grad_norm": sum(r.grad_norm for r in results) / updates,
+            "optimizer_updates": float(updates),
+            "update_skipped": float(sum(r.skipped for r in results)),
             "logprob_diff": diff_total / max(1.0, trained_tokens),
             "advantage_abs_mean": float((advantages.abs() * mask).sum()) / max(1.0, trained_tokens),
             "tokens": float(tokens_total),
-            "pack_efficiency": tokens_total / max(1, slots_total),
-            "micro_batches": float(batches_total),
+            "pack_efficiency": tokens_total / max(1, sum(r.slots for r in results)),
+            "micro_batches": float(sum(r.micro_batches for r in results)),
             "step_seconds": elapsed,
             "tokens_per_second": tokens_total / elapsed if elapsed > 0 else 0.0,
         }

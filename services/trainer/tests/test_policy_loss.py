@@ -81,6 +81,25 @@ def test_tis_weights_by_hand() -> None:
     assert logp.grad is not None and logp.grad[0].tolist() == pytest.approx([-0.75, -0.25])
 
 
+def test_a_later_update_takes_ratio_weights_and_band_against_the_log_probs_before_the_step() -> None:
+    rollout = log([[0.5, 0.5, 0.5]])
+    before = log([[0.6, 0.25, 0.5]])  # pi_train / pi_rollout before the step's first update: 1.2, 0.5, 1
+    now = log([[0.9, 0.25, 0.05]])  # after it: ratios to `before` 1.5, 1, 0.1
+    cfg = PolicyLossConfig(clip_low=0.2, clip_high=0.2, clip_ratio_c=0, tis_cap=2.0, ratio_mask_high=1.1)
+    ones = torch.ones(1, 3)
+    loss, stats = policy_loss(now, rollout, ones, ones, cfg, pre_update_logp=before)
+    # Token 1 (rho 1.2) leaves the band; token 2: ratio 1, weight 0.5; token 3: ratio 0.1, weight 1.
+    assert loss.item() == pytest.approx(-(0.5 + 0.1) / 3)
+    assert stats["tis_weight"].item() == pytest.approx((1.2 + 0.5 + 1.0) / 3)
+    assert stats["ratio_masked_frac"].item() == pytest.approx(1 / 3)
+    assert stats["pg_clipfrac"].item() == pytest.approx(0.0)  # token 3's ratio is below the clip, but A > 0
+    neg, stats = policy_loss(now, rollout, -ones, ones, cfg, pre_update_logp=before)
+    assert neg.item() == pytest.approx((0.5 + 0.8) / 3) and stats["pg_clipfrac"].item() == pytest.approx(0.5)
+    # The step's only update: its current log-probs are the pre-update ones, so the ratio is 1 and nothing clips.
+    _, alone = policy_loss(now, rollout, -ones, ones, cfg)
+    assert alone["pg_clipfrac"].item() == 0.0 and alone["tis_weight"].item() == pytest.approx((1.8 + 0.5 + 0.1) / 3)
+
+
 def test_ratio_band_masks_tokens_out_of_the_loss() -> None:
     rollout = log([[0.25, 0.5, 0.5]])
     logp = log([[0.5, 0.5, 0.2]])  # rho = 2, 1, 0.4

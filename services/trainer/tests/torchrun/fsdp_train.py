@@ -6,7 +6,8 @@ protocol and writes, per case, each step's metrics and the final full weights (r
 With one rank the model stays whole (no FSDP); with more it is sharded, so the two outputs can be
 compared. The critic's head is written too: it is replicated and its gradients summed. Each case
 changes the algorithm so every sharded path runs: a KL loss with a sharded reference, PPO's critic
-with the gradient-free pass over the KL and values, activation checkpointing, mixed precision.
+with the gradient-free pass over the KL and values, activation checkpointing, mixed precision, and
+several updates per batch (mini-batches over two epochs, the pre-update log-probs TIS needs).
 """
 
 from __future__ import annotations
@@ -26,16 +27,17 @@ from rlfleet_trainer.rank_group import Op, RankGroup
 from rlfleet_trainer.rank_ops import RANK_OPS, RankState, ShardingOptions
 
 STEPS = 2
-CASES: dict[str, tuple[dict[str, Any], ShardingOptions]] = {
-    "grpo_kl_loss": ({"name": "grpo", "kl_coef": 0.05, "entropy_coef": 0.01}, ShardingOptions()),
-    "ppo_kl_reward": ({"name": "ppo", "kl_coef": 0.05}, ShardingOptions()),
-    "dapo_recompute": ({"name": "dapo"}, ShardingOptions(activation_checkpointing=True)),
+CASES: dict[str, tuple[dict[str, Any], ShardingOptions, dict[str, Any]]] = {
+    "grpo_kl_loss": ({"name": "grpo", "kl_coef": 0.05, "entropy_coef": 0.01}, ShardingOptions(), {}),
+    "ppo_kl_reward": ({"name": "ppo", "kl_coef": 0.05}, ShardingOptions(), {}),
+    "dapo_recompute": ({"name": "dapo"}, ShardingOptions(activation_checkpointing=True), {}),
     # bf16 compute: only close to fp32, so the test compares it loosely.
-    "grpo_bf16": ({"name": "grpo"}, ShardingOptions(mixed_precision=True)),
+    "grpo_bf16": ({"name": "grpo"}, ShardingOptions(mixed_precision=True), {}),
+    "ppo_tis_updates": ({"name": "ppo", "tis_cap": 2.0}, ShardingOptions(), {"mini_batches": 2, "epochs": 2}),
 }
 
 
-def spec_for(model_dir: str, algorithm: dict[str, Any]) -> RunSpec:
+def spec_for(model_dir: str, algorithm: dict[str, Any], trainer: dict[str, Any]) -> RunSpec:
     spec = json_format.ParseDict(
         {
             "model": {"path": model_dir},
@@ -43,7 +45,7 @@ def spec_for(model_dir: str, algorithm: dict[str, Any]) -> RunSpec:
             "rollout": {"group_size": 4, "groups_per_step": 5, "sampling": {"max_new_tokens": 48}},
             "reward": {"terms": [{"function": "arith_exact"}]},
             "algorithm": algorithm,
-            "trainer": {"learning_rate": 1e-3, "micro_batch_tokens": 96, "seed": 3},
+            "trainer": {"learning_rate": 1e-3, "micro_batch_tokens": 96, "seed": 3, **trainer},
             "schedule": {"steps": STEPS},
         },
         RunSpec(),
@@ -103,10 +105,10 @@ def main(model_dir: str, out: str) -> None:
         return
     batches = [global_batch(model_dir, step) for step in range(STEPS)]
     results = {}
-    for name, (algorithm, options) in CASES.items():
+    for name, (algorithm, options, trainer) in CASES.items():
         group.call("set_options", options)
-        group.call("load_run", spec_for(model_dir, algorithm))
-        steps = [group.call("train_step", batch) for batch in batches]
+        group.call("load_run", spec_for(model_dir, algorithm, trainer))
+        steps = [group.call("train_step", batch, step) for step, batch in enumerate(batches, start=1)]
         weights = group.call("full_state_dict")
         results[name] = {"steps": steps, "weights": weights, "critic": group.call("critic_weights")}
         group.call("unload_run")
