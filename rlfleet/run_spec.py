@@ -332,6 +332,8 @@ def validate(spec: RunSpec) -> None:
         "must be in (0, 1)",
     )
 
+    # steps has no presence: a spec that leaves it out holds 0, which is then missing more than out of range.
+    _require(spec.schedule.steps != 0, "schedule.steps", "is required: set the run's training steps (>= 1)")
     _require(spec.schedule.steps >= 1, "schedule.steps", "must be >= 1")
     _require(spec.schedule.eval_every >= 0, "schedule.eval_every", "must be >= 0 (0: only before and after)")
     _require(

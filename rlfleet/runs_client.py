@@ -12,10 +12,13 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import yaml
 from google.protobuf import json_format
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 
 from rlfleet.api_token import bearer_headers
 from rlfleet.errors import (
@@ -42,26 +45,53 @@ reached, counted from the first failure since the run last changed: `rlfleet up`
 orchestrator after 1-4 s of backoff, and it answers again once it has started (seconds)."""
 RECONNECT_BACKOFF_S = (0.5, 5.0)
 """First and largest wait between attempts to watch again; each wait doubles the one before."""
+INT64_TYPES = frozenset({FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64})
 LIST_PAGE_SIZE = 1000
 """The orchestrator's largest page: listing every run takes the fewest requests."""
 
 
 def load_spec_file(path: Path) -> RunSpec:
-    """A RunSpec from a JSON or YAML file; unknown fields and wrong types name the field."""
+    """A RunSpec from a file: JSON if it is named *.json, else YAML (whose flow style reads JSON too, so a JSON
+    spec under any other name parses as well); unknown fields and wrong types name the field."""
     try:
         text = Path(path).read_text()
     except OSError as exc:
         raise InvalidInput(f"cannot read run spec {path}: {exc}") from exc
+    as_json = Path(path).suffix == ".json"
     try:
-        data = yaml.safe_load(text) if Path(path).suffix in (".yaml", ".yml") else json.loads(text)
+        data = json.loads(text) if as_json else yaml.safe_load(text)
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
-        raise InvalidInput(f"{path} is not valid {'YAML' if Path(path).suffix != '.json' else 'JSON'}: {exc}") from exc
+        raise InvalidInput(f"{path} is not valid {'JSON' if as_json else 'YAML'}: {exc}") from exc
     if not isinstance(data, dict):
         raise InvalidInput(f"{path} must hold a mapping of RunSpec fields, got {type(data).__name__}")
     try:
         return json_format.ParseDict(data, RunSpec())
     except json_format.ParseError as exc:
         raise InvalidInput(f"{path}: {describe_parse_error(str(exc), 'spec')}") from exc
+
+
+def spec_yaml(spec: RunSpec) -> str:
+    """`spec` as a YAML spec file, in the field names `load_spec_file` reads back; 64-bit integers (seeds) as
+    numbers, not the strings of their protobuf JSON."""
+    return yaml.safe_dump(
+        _plain_ints(spec, json_format.MessageToDict(spec, preserving_proto_field_name=True)), sort_keys=False
+    )
+
+
+def _plain_ints(message: Message, data: dict[str, Any]) -> dict[str, Any]:
+    """`data`, the protobuf JSON of `message`, with the 64-bit integers that JSON holds as strings made ints."""
+    for field, value in message.ListFields():
+        if field.name not in data:
+            continue
+        if field.cpp_type in INT64_TYPES:
+            data[field.name] = [int(v) for v in data[field.name]] if field.is_repeated else int(data[field.name])
+        elif field.message_type is not None and not field.message_type.file.name.startswith("google/protobuf/"):
+            if field.message_type.GetOptions().map_entry:
+                continue
+            pairs = zip(value, data[field.name], strict=True) if field.is_repeated else [(value, data[field.name])]
+            for item, part in pairs:
+                _plain_ints(item, part)
+    return data
 
 
 class WatchEnded(Unavailable):
@@ -90,8 +120,11 @@ class RunsClient:
     def close(self) -> None:
         self.http.close()
 
-    def submit(self, spec: RunSpec) -> Run:
-        return self._run(self._request("POST", "/v1/runs", json=json_format.MessageToDict(spec)))
+    def submit(self, spec: RunSpec, *, validate_only: bool = False) -> Run:
+        """The run as stored; with `validate_only`, the run the orchestrator would create after every check of a
+        submit, without an id (nothing is stored)."""
+        params = {"validate_only": "true"} if validate_only else None
+        return self._run(self._request("POST", "/v1/runs", json=json_format.MessageToDict(spec), params=params))
 
     def get(self, run_id: str) -> Run:
         return self._run(self._request("GET", f"/v1/runs/{run_id}"))

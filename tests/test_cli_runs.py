@@ -3,7 +3,8 @@ shown first, a stalled run is shown as such, a watch outlives a quiet run throug
 silent server (and off a terminal prints a progress line only when it changes), a watch the orchestrator ends
 while the run goes on (it restarts) reconnects, and says so with exit code 3 when it gives up, a server that
 never answers fails within --timeout saying the watch never started, the fleet `rlfleet up` recorded is found
-without --api, and with none recorded an unanswered default address says where it was looked for."""
+without --api, and with none recorded an unanswered default address says where it was looked for. `submit
+--dry-run` prints the spec the orchestrator resolved and submits nothing."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 import uvicorn
+import yaml
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -27,7 +29,7 @@ from rlfleet.cli.main import main
 from rlfleet.cli.runs import progress_line
 from rlfleet.errors import Unavailable
 from rlfleet.processes import free_port
-from rlfleet.runs_client import RunsClient
+from rlfleet.runs_client import RunsClient, load_spec_file
 from rlfleet.v1.runs_pb2 import EvalResult, Run, RunProgress
 
 STALL = "no progress for 15 s at step 2 of 6: waiting for the trainer (at weight version 2)"
@@ -78,6 +80,9 @@ WATCHES: dict[str, int] = {}
 
 SUBMITTED: list[dict[str, Any]] = []
 """The specs the fake was sent, as JSON."""
+VALIDATED: list[dict[str, Any]] = []
+"""The specs the fake was asked to validate only, as JSON."""
+NO_STEPS = {"kind": "invalid_input", "message": "schedule.steps: is required: set the run's training steps (>= 1)"}
 
 
 def build_api() -> FastAPI:
@@ -90,8 +95,15 @@ def build_api() -> FastAPI:
         return JSONResponse({"runs": RUNS[start:end], "next_page_token": str(end) if end < len(RUNS) else ""})
 
     @app.post("/v1/runs")
-    async def submit(request: Request) -> JSONResponse:
-        SUBMITTED.append(await request.json())
+    async def submit(request: Request, validate_only: bool = False) -> JSONResponse:
+        spec = await request.json()
+        if not spec.get("schedule", {}).get("steps"):
+            return JSONResponse({"error": {**NO_STEPS, "code": 400}}, status_code=400)
+        if validate_only:  # as the orchestrator answers: the run it would create, resolved, without an id
+            VALIDATED.append(spec)
+            resolved = {**spec, "rollout": {"function": "single_turn", **spec.get("rollout", {})}}
+            return JSONResponse({"spec": resolved, "state": "RUN_STATE_QUEUED", "progress": {"total_steps": "6"}})
+        SUBMITTED.append(spec)
         return JSONResponse({**run_json(500, "RUN_STATE_QUEUED", step=0), "spec": SUBMITTED[-1]})
 
     @app.get("/v1/runs/{run_id}:watch", response_model=None)
@@ -217,6 +229,53 @@ def test_submit_can_train_another_model_than_the_specs(api: str, tmp_path: Path,
     assert main(["submit", str(spec), "--api", api, "--model-path", "/models/tiny"]) == 0
     assert capsys.readouterr().out.strip() == "run-0500"
     assert SUBMITTED[-1] == {"model": {"path": "/models/tiny"}, "schedule": {"steps": 6}}
+
+
+def test_submit_dry_run_prints_the_resolved_spec_as_yaml_and_submits_nothing(
+    api: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("model: {path: /models/tiny}\ndataset: {arithmetic: {}, seed: 7}\nschedule: {steps: 6}\n")
+    submitted = len(SUBMITTED)
+    assert main(["submit", str(spec), "--api", api, "--dry-run", "--model-path", "/models/other"]) == 0
+    out = capsys.readouterr().out
+    assert len(SUBMITTED) == submitted
+    assert VALIDATED[-1] == {
+        "model": {"path": "/models/other"},
+        "dataset": {"arithmetic": {}, "seed": "7"},
+        "schedule": {"steps": 6},
+    }
+    assert yaml.safe_load(out) == {
+        "model": {"path": "/models/other"},
+        "dataset": {"arithmetic": {}, "seed": 7},  # a uint64, a string in protobuf JSON, a number here
+        "schedule": {"steps": 6},
+        "rollout": {"function": "single_turn"},
+    }
+    assert out.splitlines()[-1] == (
+        f"# {spec} is valid (the spec above is it with every default filled in); nothing was submitted"
+    )
+    resolved = tmp_path / "resolved.yaml"
+    resolved.write_text(out)
+    assert load_spec_file(resolved).rollout.function == "single_turn"  # the output is a spec file
+
+
+def test_a_dry_run_of_an_invalid_spec_fails_as_its_submit_does(
+    api: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("model: {path: /models/tiny}\nschedule: {}\n")
+    outcomes = []
+    for dry_run in ([], ["--dry-run"]):
+        code = main(["submit", str(spec), "--api", api, *dry_run])
+        outcomes.append((code, *capsys.readouterr()))
+    assert outcomes[1] == outcomes[0] == (2, "", f"rlfleet: error: HTTP 400: {NO_STEPS['message']}\n")
+
+
+def test_dry_run_and_watch_together_are_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as usage:
+        main(["submit", str(tmp_path / "spec.yaml"), "--watch", "--dry-run"])
+    assert usage.value.code == 2
+    assert "argument --dry-run: not allowed with argument --watch" in capsys.readouterr().err
 
 
 def test_without_a_recorded_fleet_an_unanswered_default_says_where_it_looked(

@@ -1,5 +1,6 @@
 """`rlfleet submit SPEC.yaml`: a spec file the CLI cannot parse is refused with the field's dotted path and,
-for a misspelt field, the names the file could have used."""
+for a misspelt field, the names the file could have used; a file is read as JSON when named *.json, else as
+YAML, and a parse error is that parser's; a schedule without steps is refused as missing them."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from rlfleet.errors import InvalidInput
+from rlfleet.run_spec import resolve, validate
 from rlfleet.runs_client import load_spec_file
 
 
@@ -37,3 +39,40 @@ def test_a_valid_spec_file_parses(tmp_path: Path) -> None:
     spec = tmp_path / "spec.yaml"
     spec.write_text("model: {path: /models/tiny}\nrollout: {group_size: 4}\n")
     assert load_spec_file(spec).rollout.group_size == 4
+
+
+@pytest.mark.parametrize(
+    ("name", "error"),
+    [
+        ("spec.txt", "is not valid YAML: while parsing a flow mapping"),
+        ("spec", "is not valid YAML: while parsing a flow mapping"),
+        ("spec.yml", "is not valid YAML: while parsing a flow mapping"),
+        ("spec.json", "is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2"),
+    ],
+)
+def test_a_spec_file_is_json_only_when_named_so_else_yaml_and_a_parse_error_is_that_parsers(
+    tmp_path: Path, name: str, error: str
+) -> None:
+    spec = tmp_path / name
+    spec.write_text('{"model": {"path": "/models/tiny"}, "rollout": {"group_size": 4}}')  # YAML's flow style reads JSON
+    assert load_spec_file(spec).rollout.group_size == 4
+    if name != "spec.json":
+        spec.write_text("model:\n  path: /models/tiny\nrollout: {group_size: 4}\n")
+        assert load_spec_file(spec).rollout.group_size == 4
+    spec.write_text("{model: {path: /models/tiny}\n")
+    with pytest.raises(InvalidInput) as refused:
+        load_spec_file(spec)
+    assert str(refused.value).startswith(f"{spec} {error}"), refused.value
+
+
+def test_a_schedule_without_steps_is_refused_as_missing_the_field(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.yaml"
+    head = "model: {path: /models/tiny}\ndataset: {arithmetic: {}}\nreward: {terms: [{function: arith_exact}]}\n"
+    spec.write_text(head + "schedule: {}\n")
+    with pytest.raises(InvalidInput) as missing:
+        validate(resolve(load_spec_file(spec)))
+    assert str(missing.value) == "schedule.steps: is required: set the run's training steps (>= 1)"
+    spec.write_text(head + "schedule: {steps: -1}\n")
+    with pytest.raises(InvalidInput) as negative:
+        validate(resolve(load_spec_file(spec)))
+    assert str(negative.value) == "schedule.steps: must be >= 1"

@@ -3,6 +3,10 @@
 The orchestrator is the one named by --api, else by $RLFLEET_API_URL, else the fleet `rlfleet up` recorded
 in <state-dir>/fleet.json (so a fleet on other ports is found), else http://127.0.0.1:8000.
 
+`submit --dry-run` has the orchestrator make every check of a submit and prints the spec as it would run (YAML,
+defaults filled in), then a `#` line saying it is valid and nothing was submitted; a bad spec fails as a submit
+would (status 2).
+
 `watch` and `submit --watch` follow the run across restarts of the orchestrator (`rlfleet up` restarts it
 in seconds). Their exit status: 0 when the run succeeded, 1 when it failed or was cancelled, 2 on an error
 (bad input, nothing answering), 3 when the watch could not be kept up while the run went on (it says
@@ -21,7 +25,7 @@ from rlfleet.api_token import TOKEN_ENV, TOKEN_FILE_ENV, client_token, read_toke
 from rlfleet.cli.arg_types import positive_float, positive_int
 from rlfleet.cli.fleet import DEFAULT_STATE_DIR
 from rlfleet.local_fleet import read_state
-from rlfleet.runs_client import WATCH_READ_TIMEOUT_S, WATCH_RECONNECT_S, RunsClient, load_spec_file
+from rlfleet.runs_client import WATCH_READ_TIMEOUT_S, WATCH_RECONNECT_S, RunsClient, load_spec_file, spec_yaml
 from rlfleet.v1.runs_pb2 import Run, RunState
 
 API_URL_ENV = "RLFLEET_API_URL"
@@ -32,8 +36,15 @@ WATCH_ENDED_EXIT = 3
 
 def register(areas: argparse._SubParsersAction) -> None:
     submit = areas.add_parser("submit", help="submit a run spec (JSON or YAML) and print its id")
-    submit.add_argument("spec", type=Path, help="RunSpec file (.json, .yaml or .yml)")
-    submit.add_argument("--watch", action="store_true", help="watch the run until it ends")
+    submit.add_argument("spec", type=Path, help="RunSpec file (.json is read as JSON, any other name as YAML)")
+    watch_or_check = submit.add_mutually_exclusive_group()
+    watch_or_check.add_argument("--watch", action="store_true", help="watch the run until it ends")
+    watch_or_check.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="have the orchestrator check the spec as a submit would, and print it with its defaults filled in; "
+        "nothing is submitted",
+    )
     submit.add_argument(
         "--model-path",
         help="train this model instead of the spec's model.path; passed as given, so a relative path is resolved "
@@ -165,6 +176,10 @@ def run_submit(args: argparse.Namespace) -> int:
     spec = load_spec_file(args.spec)
     if args.model_path:
         spec.model.path = args.model_path
+    if args.dry_run:
+        print(spec_yaml(client.submit(spec, validate_only=True).spec), end="")
+        print(f"# {args.spec} is valid (the spec above is it with every default filled in); nothing was submitted")
+        return 0
     run = client.submit(spec)
     print(run.id)
     if args.watch:

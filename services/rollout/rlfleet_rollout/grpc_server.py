@@ -30,7 +30,7 @@ class RunsServicer(runs_pb2_grpc.RunsServicer):
         self.core = core
 
     async def Submit(self, request: SubmitRunRequest, context: aio.ServicerContext) -> Run:  # noqa: N802
-        return await self.core.submit(request.spec)
+        return await self.core.submit(request.spec, validate_only=request.validate_only)
 
     async def Get(self, request: GetRunRequest, context: aio.ServicerContext) -> Run:  # noqa: N802
         return await self.core.get(request.id)

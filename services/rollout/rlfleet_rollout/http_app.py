@@ -1,6 +1,7 @@
 """The REST Runs API over RunsCore: protobuf JSON in and out, errors mapped once by rlfleet.http_errors.
 
 POST /v1/runs               body: RunSpec JSON            -> Run
+                           ?validate_only=true: every check, nothing stored -> the Run it would create, no id
 GET  /v1/runs               ?state=&page_size=&page_token= -> ListRunsResponse
 GET  /v1/runs/{id}                                         -> Run
 POST /v1/runs/{id}:cancel                                  -> Run
@@ -82,8 +83,8 @@ def build_app(
     require_api_token(app, guard)  # added last, so it runs first: strangers are refused before anything else
 
     @app.post("/v1/runs")
-    async def submit(request: Request) -> JSONResponse:
-        run = await core.submit(parse_run_spec(await request.body()))
+    async def submit(request: Request, validate_only: bool = False) -> JSONResponse:
+        run = await core.submit(parse_run_spec(await request.body()), validate_only=validate_only)
         return JSONResponse(to_json(run))
 
     @app.get("/v1/runs")

@@ -71,8 +71,11 @@ class RunsCore:
 
     # -- the API ------------------------------------------------------------------------------
 
-    async def submit(self, spec: RunSpec) -> Run:
-        """Resolves and validates `spec` in full, then stores the run QUEUED; nothing is stored if it is bad."""
+    async def submit(self, spec: RunSpec, *, validate_only: bool = False) -> Run:
+        """Resolves and validates `spec` in full, then stores the run QUEUED; nothing is stored if it is bad.
+
+        `validate_only` (AIP-163) makes every check and returns the run as it would be created, without the id
+        and created_at only a stored run gets; nothing is stored, announced or counted."""
         resolved = resolve(spec)
         validate(resolved)
         require_model_config(resolved.model.path)
@@ -84,12 +87,12 @@ class RunsCore:
         await asyncio.to_thread(RunData.from_spec, resolved)
         await self._check_reward(resolved)
         run = Run(
-            id=f"run-{uuid.uuid4().hex[:12]}",
-            spec=resolved,
-            state=RunState.RUN_STATE_QUEUED,
-            progress=RunProgress(total_steps=resolved.schedule.steps),
-            created_at=now(),
+            spec=resolved, state=RunState.RUN_STATE_QUEUED, progress=RunProgress(total_steps=resolved.schedule.steps)
         )
+        if validate_only:
+            return run
+        run.id = f"run-{uuid.uuid4().hex[:12]}"
+        run.created_at.CopyFrom(now())
         await self.store.create(run)
         self.metrics.count_run_state(None, run.state)
         logger.info("run %s submitted (%s)", run.id, resolved.name or "unnamed", extra={"run_id": run.id})
