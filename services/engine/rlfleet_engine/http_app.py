@@ -4,10 +4,8 @@ Error bodies follow SGLang, which has two: a body that fails validation (malform
 types, missing prompt) answers 400 `{"object": "error", "message", "type": "Bad Request", "param",
 "code": 400}`; a request the engine cannot run (prompt over the context, bad token ids) answers 400
 `{"error": {"message", ...}}` through rlfleet's shared error handlers. Weight loads answer
-`{"success", "message", "num_paused_requests"}` with 200 or 400, as SGLang does; the distributed
-weight path (`/init_weights_update_group`, `/update_weights_from_distributed`,
-`/destroy_weights_update_group`) answers `{"success", "message"}`, with the failure's own status
-(400 bad input, 503 a group that could not be joined or broke, 504 a load that timed out).
+`{"success", "message"}` (and `num_paused_requests` from a load, as SGLang does): 200, or the failure's
+own status (400 bad input, 503 a group that could not be joined or broke, 504 a load that timed out).
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from rlfleet.client_gone import ClientGone, unless_client_leaves
-from rlfleet.errors import InvalidInput, RlfleetError
+from rlfleet.errors import RlfleetError
 from rlfleet.http_errors import install_error_handlers, whole_body_problem
 from rlfleet_engine.openai_api import OpenAIServer
 from rlfleet_engine.openai_schemas import ChatCompletionRequest, CompletionRequest
@@ -128,9 +126,9 @@ def create_app(core: EngineCore, registry: CollectorRegistry) -> FastAPI:
     async def update_weights_from_disk(req: UpdateWeightsFromDiskRequest) -> JSONResponse:
         try:
             result = await core.update_weights_from_disk(req)
-        except InvalidInput as exc:
+        except RlfleetError as exc:
             failed = {"success": False, "message": f"Failed to update weights: {exc}", "num_paused_requests": 0}
-            return JSONResponse(failed, status_code=HTTPStatus.BAD_REQUEST)
+            return JSONResponse(failed, status_code=exc.http_status)
         return JSONResponse(result)
 
     @app.post("/init_weights_update_group")

@@ -12,13 +12,16 @@ from typing import Any
 
 import pytest
 import torch
+from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
 import rlfleet_engine.engine_core as engine_core
 from rlfleet.errors import DeadlineExceeded
 from rlfleet_engine.config import EngineConfig
+from rlfleet_engine.http_app import create_app
 from rlfleet_engine.schemas import GenerateRequest
+from rlfleet_engine.sim_backend import SimEngineCore
 from rlfleet_engine.transformers_backend import TransformersBackend
 
 LONG = {"max_new_tokens": 300, "ignore_eos": True, "temperature": 0}
@@ -81,3 +84,21 @@ def test_a_load_that_could_not_start_within_its_bound_never_runs(core: engine_co
     message = asyncio.run(scenario())
     assert "did not start" in message and "nothing was loaded" in message
     assert len(ran) == 1 and core.scheduler.weight_version == "7"
+
+
+def test_a_disk_load_past_its_bound_answers_504_in_the_weight_load_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    registry = CollectorRegistry()
+    sim = SimEngineCore(EngineConfig(model_path="sim"), registry)
+
+    async def outlived(req: Any) -> dict[str, Any]:
+        raise DeadlineExceeded("loading weights from /w took over 300s and is still in progress")
+
+    monkeypatch.setattr(sim, "update_weights_from_disk", outlived)
+    with TestClient(create_app(sim, registry)) as client:  # type: ignore[arg-type]
+        answer = client.post("/update_weights_from_disk", json={"model_path": "/w"})
+    assert answer.status_code == 504
+    assert answer.json() == {
+        "success": False,
+        "message": "Failed to update weights: loading weights from /w took over 300s and is still in progress",
+        "num_paused_requests": 0,
+    }
