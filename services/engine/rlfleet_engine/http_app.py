@@ -94,7 +94,7 @@ def create_app(core: EngineCore, registry: CollectorRegistry) -> FastAPI:
 
     @app.exception_handler(ClientGone)
     async def _client_gone(request: Request, exc: ClientGone) -> Response:
-        return Response(status_code=499)  # nginx's "client closed request": nobody reads it, the log shows it
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it; the work was cancelled
 
     @app.api_route("/generate", methods=["POST", "PUT"], response_model=None)
     async def generate(req: GenerateRequest, request: Request) -> Any:
