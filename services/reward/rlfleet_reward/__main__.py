@@ -30,7 +30,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-pending-jobs", "most (item, term) jobs held at once; more is refused with 429 (default 16384)"),
     Flag("--max-request-bytes", "largest request body or message (default 64 MiB)"),
     Flag("--shutdown-grace-seconds", "time in-flight requests get on SIGTERM (default 10)"),
-    Flag("--log-level", "root log level (default INFO)"),
+    Flag("--log-level", "root log level: debug, info, warning, error or critical (default info)"),
 )
 
 
