@@ -21,6 +21,7 @@ STEP_GAUGES = {
     "tis_weight": "mean truncated importance-sampling weight of trained tokens",
     "ratio_masked_frac": "fraction of trained tokens left out for a train/rollout ratio outside the band",
     "pack_efficiency": "share of the packed micro-batches' token slots holding real tokens",
+    "optimizer_updates": "optimizer updates the last step took (trainer.mini_batches x trainer.epochs)",
 }
 
 
