@@ -12,6 +12,8 @@ from rlfleet.errors import InvalidInput
 from rlfleet.run_spec import resolve, validate
 from rlfleet.runs_client import load_spec_file
 
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "runs"
+
 
 def refusal(tmp_path: Path, text: str) -> str:
     spec = tmp_path / "spec.yaml"
@@ -76,3 +78,11 @@ def test_a_schedule_without_steps_is_refused_as_missing_the_field(tmp_path: Path
     with pytest.raises(InvalidInput) as negative:
         validate(resolve(load_spec_file(spec)))
     assert str(negative.value) == "schedule.steps: must be >= 1"
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES.glob("*.yaml")), ids=lambda path: path.name)
+def test_every_example_spec_parses_and_passes_the_range_checks(example: Path) -> None:
+    """The orchestrator's other checks need the fleet's files (the model is the demo's); these need nothing."""
+    spec = resolve(load_spec_file(example))
+    validate(spec)
+    assert spec.name == example.stem, "an example is named for its file"
