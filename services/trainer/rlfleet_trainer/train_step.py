@@ -188,7 +188,8 @@ def train_step(
     """Trains on `groups` as step `step` of the run (it seeds the order of the mini-batches); returns
     the step's metrics:
 
-    - loss, grad_norm (before clipping), value_loss: means over the step's updates;
+    - loss, value_loss: means over the step's updates; grad_norm (before clipping): over the updates taken
+      (not finite only when every one was skipped);
     - pg_clipfrac, approx_kl, entropy, tis_weight, ...: means over the sequences of every update;
     - optimizer_updates: the updates the step made (mini_batches x epochs, fewer when the batch holds
       fewer sequences than mini_batches); update_skipped: how many of them a gradient that was not
@@ -242,8 +243,13 @@ def train_step(
             results.append(result)
             if epoch == 0:
                 diff_total += result.logprob_diff_sum
+    # The schedule counts mini_batches x epochs updates a step (optim.py); a step with fewer sequences than
+    # mini_batches took fewer, and the schedule moves on by the rest, so it still ends at the run's last step.
+    for _ in range(config.epochs * config.mini_batches - len(results)):
+        scheduler.step()
     elapsed = time.perf_counter() - started
     updates = len(results)
+    taken = [r.grad_norm for r in results if not r.skipped]
     stat_totals: dict[str, float] = defaultdict(float)
     for result in results:
         for name, value in result.stats.items():
@@ -256,7 +262,8 @@ def train_step(
     metrics.update(
         {
             "loss": sum(r.loss for r in results) / updates,
-            "grad_norm": sum(r.grad_norm for r in results) / updates,
+            # Over the updates taken: a skipped update's norm is not finite (and is why it was skipped).
+            "grad_norm": sum(taken) / len(taken) if taken else results[0].grad_norm,
             "optimizer_updates": float(updates),
             "update_skipped": float(sum(r.skipped for r in results)),
             "logprob_diff": diff_total / max(1.0, trained_tokens),

@@ -5,6 +5,7 @@ finally gives something to bound."""
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,7 @@ def test_an_update_whose_gradient_is_not_finite_skips_only_itself(small_model_di
     metrics = train_step(model, optimizer, scheduler, groups, config, step=1)
     assert (metrics["optimizer_updates"], metrics["update_skipped"]) == (2.0, 1.0)
     assert scheduler.last_epoch == 1 and adam_steps(optimizer) == {1}  # the second update was taken
+    assert math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0  # the norm of the update taken
     assert all(torch.isfinite(v).all() for v in model.state_dict().values())
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -183,3 +185,18 @@ def test_every_skipped_update_of_a_step_is_counted() -> None:
     metrics = TrainerMetrics()
     metrics.observe_step({"update_skipped": 2.0, "optimizer_updates": 4.0})
     assert metrics.registry.get_sample_value("rlfleet_trainer_skipped_updates_total") == 2.0
+
+
+def test_a_step_with_fewer_samples_than_mini_batches_keeps_the_schedule_on_its_steps(small_model_dir: Path) -> None:
+    """Failed samples leave a step fewer sequences than mini_batches: it takes one update per sequence, and
+    the schedule (which counts mini_batches updates a step) moves on by the rest, to end at the last step."""
+    resolved = spec({"name": "grpo"}, {"mini_batches": 16, "lr_schedule": "linear"}, steps=2)
+    model = load_policy(small_model_dir)
+    optimizer, scheduler = optimizer_from_spec(model, resolved)
+    config = step_config_from_spec(resolved, model, pad_id=0)
+    for step in (1, 2):
+        groups = batch(copy.deepcopy(model), count=2)  # 8 sequences
+        metrics = train_step(model, optimizer, scheduler, groups, config, step=step)
+        assert metrics["optimizer_updates"] == 8
+        assert scheduler.last_epoch == 16 * step
+    assert scheduler.get_last_lr()[0] == pytest.approx(0.0)
