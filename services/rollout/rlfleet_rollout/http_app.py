@@ -84,6 +84,13 @@ def build_app(
 
     @app.post("/v1/runs")
     async def submit(request: Request, validate_only: bool = False) -> JSONResponse:
+        # A misspelt or doubled flag (`validateOnly`, `validate_only=true&validate_only=false`) must not turn a
+        # check into a real run.
+        for name in sorted(set(request.query_params)):
+            if name != "validate_only":
+                raise InvalidInput(f"query.{name}: not a parameter of POST /v1/runs (it takes validate_only)")
+        if len(request.query_params.getlist("validate_only")) > 1:
+            raise InvalidInput("query.validate_only: given more than once")
         run = await core.submit(parse_run_spec(await request.body()), validate_only=validate_only)
         return JSONResponse(to_json(run))
 

@@ -80,16 +80,25 @@ def test_rest_validate_only_answers_the_resolved_run_and_refuses_as_submit_does_
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("value", ["maybe", "", "2"])
-def test_a_malformed_validate_only_is_a_400_naming_it_and_nothing_is_stored(
-    orchestrator: Orchestrator, tokenizer_dir: Path, value: str
+@pytest.mark.parametrize(
+    ("query", "named_param"),
+    [
+        ({"validate_only": "maybe"}, "validate_only"),
+        ({"validate_only": ""}, "validate_only"),
+        ({"validate_only": "2"}, "validate_only"),
+        ({"validateOnly": "true"}, "validateOnly"),
+        ([("validate_only", "true"), ("validate_only", "false")], "validate_only"),
+    ],
+)
+def test_a_malformed_misspelt_or_doubled_validate_only_is_a_400_naming_it_and_nothing_is_stored(
+    orchestrator: Orchestrator, tokenizer_dir: Path, query: Any, named_param: str
 ) -> None:
     spec = named(tokenizer_dir)
-    response = httpx.post(f"{orchestrator.url}/v1/runs", params={"validate_only": value}, json=spec, timeout=10)
+    response = httpx.post(f"{orchestrator.url}/v1/runs", params=query, json=spec, timeout=10)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["kind"] == "invalid_input"
-    assert error["message"].startswith("query.validate_only: "), error["message"]
+    assert error["message"].startswith(f"query.{named_param}: "), error["message"]
     assert spec["name"] not in stored_names(orchestrator.url)
 
 
