@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins  # `list` names a method in RunsClient's scope
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,6 +51,16 @@ LIST_PAGE_SIZE = 1000
 """The orchestrator's largest page: listing every run takes the fewest requests."""
 
 
+class SpecLoader(yaml.SafeLoader):
+    """PyYAML's safe loader reading exponents as YAML 1.2 and JSON do: YAML 1.1 takes `1e-6` (no dot) for a
+    string, which a typed field converts but a reward's free-form params would pass on as text."""
+
+
+SpecLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
+
+
 def load_spec_file(path: Path) -> RunSpec:
     """A RunSpec from a file: JSON if it is named *.json, else YAML (whose flow style reads JSON too, so a JSON
     spec under any other name parses as well); unknown fields and wrong types name the field."""
@@ -59,7 +70,7 @@ def load_spec_file(path: Path) -> RunSpec:
         raise InvalidInput(f"cannot read run spec {path}: {exc}") from exc
     as_json = Path(path).suffix == ".json"
     try:
-        data = json.loads(text) if as_json else yaml.safe_load(text)
+        data = json.loads(text) if as_json else yaml.load(text, SpecLoader)
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
         raise InvalidInput(f"{path} is not valid {'JSON' if as_json else 'YAML'}: {exc}") from exc
     if not isinstance(data, dict):

@@ -86,3 +86,15 @@ def test_every_example_spec_parses_and_passes_the_range_checks(example: Path) ->
     spec = resolve(load_spec_file(example))
     validate(spec)
     assert spec.name == example.stem, "an example is named for its file"
+
+
+def test_an_exponent_without_a_dot_is_a_number_as_in_json(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        "model: {path: /models/tiny}\ntrainer: {learning_rate: 1e-6}\n"
+        "reward: {terms: [{function: numeric, params: {abs_tol: 1e-6, label: '1e-6'}}]}\n"
+    )
+    loaded = load_spec_file(spec)
+    params = loaded.reward.terms[0].params
+    assert loaded.trainer.learning_rate == 1e-6
+    assert params["abs_tol"] == 1e-6 and params["label"] == "1e-6"  # quoted stays text
