@@ -213,6 +213,9 @@ def train_step(
     ranks = current_ranks()
     mask, present = response_grid(sequences)  # (S, T)
     off_policy = config.loss.tis_cap > 0 or config.loss.ratio_mask_low > 0 or config.loss.ratio_mask_high > 0
+    # In the updates' mode from the start: the pre-update log-probs and the values come from the model the updates
+    # train (a model loaded for the run is in eval mode, which would score the first step without its dropout).
+    model.train()
     # With one update the policy's current log-probs are its pre-update ones: no pass needed to record them.
     before = score_before_update(
         model, sequences, config, ranks, mask, off_policy and config.updates(len(sequences)) > 1, ref_model
@@ -233,7 +236,6 @@ def train_step(
     advantages = estimate.advantages * torch.tensor([s.weight for s in sequences]).unsqueeze(1)  # (S, T)
     targets = BatchTargets(advantages, mask, estimate.returns, before.values, before.logp)
 
-    model.train()
     results: list[UpdateResult] = []
     diff_total = 0.0
     for epoch in range(config.epochs):
