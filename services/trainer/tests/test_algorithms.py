@@ -4,6 +4,7 @@ validation agree; micro-batching does not change the step."""
 from __future__ import annotations
 
 import copy
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,12 +13,15 @@ from google.protobuf import json_format
 
 from rlfleet import run_spec
 from rlfleet.v1.runs_pb2 import RunSpec
-from rlfleet.v1.samples_pb2 import Sample, SampleGroup, SampleStatus
+from rlfleet.v1.samples_pb2 import SampleGroup, SampleStatus
 from rlfleet_trainer.algorithms import ALGORITHMS
 from rlfleet_trainer.metrics import TrainerMetrics
 from rlfleet_trainer.optim import optimizer_from_spec
 from rlfleet_trainer.policy import load_policy
 from rlfleet_trainer.train_step import StepConfig, step_config_from_spec, train_step
+
+sys.path.insert(0, str(Path(__file__).parent))
+from sample_groups import scored_groups  # noqa: E402
 
 
 def test_registry_and_run_spec_name_the_same_algorithms() -> None:
@@ -43,33 +47,8 @@ def spec(algorithm: dict, micro_batch_tokens: int = 8192) -> RunSpec:
 
 
 def groups_from(model: torch.nn.Module, count: int = 2) -> list[SampleGroup]:
-    """`count` groups of four responses of different lengths, rollout log-probs from `model` itself
-    (plus a little noise, as an engine's numerics would give)."""
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for i in range(count):
-        prompt = [20 + i, 15, 21, 33]
-        samples = []
-        for j in range(4):
-            response = [22 + j, 23, 24 + i, 1][: 2 + (i + j) % 3]
-            with torch.no_grad():
-                logp = torch.log_softmax(model(torch.tensor([prompt + response])).logits[0, :-1], -1)
-            picked = [
-                float(logp[len(prompt) - 1 + k, t]) + 0.01 * float(torch.randn(1, generator=g))
-                for k, t in enumerate(response)
-            ]
-            samples.append(
-                Sample(
-                    prompt_token_ids=prompt,
-                    response_token_ids=response,
-                    rollout_logprobs=picked,
-                    loss_mask=[1] * len(response),
-                    reward=float((i + j) % 2),
-                    status=SampleStatus.SAMPLE_STATUS_OK,
-                )
-            )
-        out.append(SampleGroup(group_id=f"g{i}", run_id="r", samples=samples))
-    return out
+    """Rollout log-probs `model`'s own plus a little noise, as an engine's numerics would give."""
+    return scored_groups(model, count, noise=0.01)
 
 
 def step(

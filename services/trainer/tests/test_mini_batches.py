@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,13 +15,16 @@ from google.protobuf import json_format
 
 from rlfleet import run_spec
 from rlfleet.v1.runs_pb2 import RunSpec
-from rlfleet.v1.samples_pb2 import Sample, SampleGroup, SampleStatus
+from rlfleet.v1.samples_pb2 import SampleGroup
 from rlfleet_trainer.checkpoint import CheckpointMeta, TrainingState, load_checkpoint, save_checkpoint
 from rlfleet_trainer.metrics import TrainerMetrics
 from rlfleet_trainer.mini_batches import mini_batch_parts
 from rlfleet_trainer.optim import optimizer_from_spec
 from rlfleet_trainer.policy import load_policy
 from rlfleet_trainer.train_step import step_config_from_spec, train_step
+
+sys.path.insert(0, str(Path(__file__).parent))
+from sample_groups import scored_groups  # noqa: E402
 
 GROUPS = [0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 3, 4]  # the group of each sequence; group 2 lost a sample
 
@@ -61,29 +65,8 @@ def spec(algorithm: dict, trainer: dict, steps: int = 2) -> RunSpec:
 
 
 def batch(model: torch.nn.Module, count: int = 4) -> list[SampleGroup]:
-    """`count` groups of four responses, rollout log-probs the model's own (as a same-weights engine's),
-    rewards mixed within every group."""
-    out = []
-    for i in range(count):
-        prompt = [20 + i, 15, 21, 33]
-        samples = []
-        for j in range(4):
-            response = [22 + j, 23, 24 + i, 1][: 2 + (i + j) % 3]
-            with torch.no_grad():
-                logp = torch.log_softmax(model(torch.tensor([prompt + response])).logits[0, :-1], -1)
-            picked = [float(logp[len(prompt) - 1 + k, t]) for k, t in enumerate(response)]
-            samples.append(
-                Sample(
-                    prompt_token_ids=prompt,
-                    response_token_ids=response,
-                    rollout_logprobs=picked,
-                    loss_mask=[1] * len(response),
-                    reward=float((i + j) % 2),
-                    status=SampleStatus.SAMPLE_STATUS_OK,
-                )
-            )
-        out.append(SampleGroup(group_id=f"g{i}", run_id="r", samples=samples))
-    return out
+    """Rollout log-probs the model's own (as a same-weights engine's)."""
+    return scored_groups(model, count)
 
 
 def adam_steps(optimizer: torch.optim.Optimizer) -> set[int]:
