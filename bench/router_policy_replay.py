@@ -23,13 +23,18 @@ smallest tree, in characters held; the least-loaded engine once max - min in fli
 1.5 x min). On the benchmark's seed at `--scale 0.5` it lands within a point of the measured hit rates
 and, when sglang-router spreads the conversations as it does here, within 1-5 % of its makespans; the
 real router breaks ties between engines holding a prefix arbitrarily, so its spread varies run to run.
+It can also replay `total-aware`, a reference no router can be: cache_aware's tree told in advance how many
+requests the workload has and how many samples each prompt gets, keeping every prompt family on the
+engines that hold it until an engine's total would pass 1.3 x the mean (the balance target) or its
+requests in flight would pass the fleet's mean by more than one group. It shows what knowing the run's
+length, which an online router lacks, would buy against the ceiling.
 Under each workload's rows it prints the benchmark's `hit_ceiling`: the highest hit rate any router can
 reach there with max/mean load within the benchmark's target, and at any load. Its "busy" column is the
 share of the makespan the engines spent running requests (the rest they had none). Every figure is a replay
 of the sim engines' model and says so; confirm a change with the real benchmark.
 
     .venv/bin/python bench/router_policy_replay.py [--engines 4 8] [--caches roomy tight] [--seeds 0 1 2]
-        [--scale 0.5] [--policies cache_aware sglang-model least_load] [--jitter-ms 5]
+        [--scale 0.5] [--policies cache_aware sglang-model total-aware least_load] [--jitter-ms 5]
         [--option cache_tokens_per_request=32 ...]
 """
 
@@ -59,7 +64,7 @@ from rlfleet_engine.config import EngineConfig, config_from_args
 from rlfleet_engine.sim_backend import LatencyModel, output_rng
 from rlfleet_engine.sim_prefix_cache import Lease, PrefixCache
 from rlfleet_router.chars_per_token import CharsPerToken
-from rlfleet_router.policies import Choice, Policy, PolicyOptions, RoutingRequest, create_policy
+from rlfleet_router.policies import CacheAware, Choice, Policy, PolicyOptions, RoutingRequest, create_policy
 from rlfleet_router.radix_tree import RadixTree
 from rlfleet_router.workers import Worker, WorkerState
 
@@ -117,6 +122,47 @@ class SglangCacheAwareModel:
 
     def forget(self, worker: Worker) -> None:
         self.tree.remove_tenants([worker.id])
+
+
+class TotalAwareModel(CacheAware):
+    """cache_aware's tree and a placement told the run's size: see the module's docstring ("total-aware")."""
+
+    def __init__(self, options: PolicyOptions | None = None) -> None:
+        super().__init__(options)
+        self.cap, self.samples = 0, 1
+        self.served: dict[str, int] = {}
+
+    def expect(self, workload: Workload, engines: int) -> None:
+        """The next workload, served after `forget_caches`: its per-engine total and its group size."""
+        self.cap = int(BALANCE_TARGET * workload.requests / engines)
+        self.samples = workload.samples
+
+    def forget_caches(self, workers: Sequence[Worker]) -> None:
+        super().forget_caches(workers)
+        self.served.clear()
+
+    def _choose(self, workers: Sequence[Worker], request: RoutingRequest) -> Choice:
+        key = request.prompt_key
+        assert key is not None, "the replayed traffic always has a prompt"
+        match = self.tree.match(key)
+        floor = self.options.cache_threshold * len(key)
+        group = self.samples
+        mean = sum(w.in_flight for w in workers) / len(workers)
+        open_ = [w for w in workers if self.served.get(w.id, 0) < self.cap] or list(workers)
+        followed = [w for w in open_ if match.extended.get(w.id, 0) >= floor]
+        holders = [
+            w
+            for w in open_
+            if match.matched.get(w.id, 0) >= floor
+            and self.served.get(w.id, 0) + group <= self.cap
+            and w.in_flight <= mean + group
+        ]
+        if followed:
+            chosen = min(followed, key=lambda w: (-match.extended[w.id], w.in_flight))
+        else:
+            chosen = min(holders or open_, key=lambda w: (w.in_flight, self.served.get(w.id, 0)))
+        self.served[chosen.id] = self.served.get(chosen.id, 0) + 1
+        return Choice(chosen, "total_aware")
 
 
 @dataclass(eq=False)
@@ -312,7 +358,11 @@ def replay(
 
 
 def make_policy(name: str, options: PolicyOptions) -> Policy:
-    return SglangCacheAwareModel() if name == "sglang-model" else create_policy(name, options)
+    models: dict[str, Callable[[PolicyOptions], Policy]] = {
+        "sglang-model": SglangCacheAwareModel,
+        "total-aware": TotalAwareModel,
+    }
+    return models[name](options) if name in models else create_policy(name, options)
 
 
 def parse_option(text: str) -> tuple[str, float | int]:
@@ -355,6 +405,8 @@ def main() -> None:
                     router, chars_per_token = make_policy(policy, options), CharsPerToken()
                     for name in args.workloads:
                         workload = makers[name](seed, args.scale)
+                        if isinstance(router, TotalAwareModel):
+                            router.expect(workload, engines)
                         run = replay(router, engines, configs[cache], workload, seed, salt, jitter, chars_per_token)
                         results.setdefault((name, policy), []).append(run)
             for name in args.workloads:

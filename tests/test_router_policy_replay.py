@@ -9,8 +9,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from router_policy_replay import CONCURRENCY, bench_engine_config, replay  # noqa: E402
-from router_vs_sglang_router import CACHES, grpo_workload  # noqa: E402
+from router_policy_replay import CONCURRENCY, TotalAwareModel, bench_engine_config, replay  # noqa: E402
+from router_vs_sglang_router import BALANCE_TARGET, CACHES, grpo_workload  # noqa: E402
 
 from rlfleet_router.policies import Choice, RoundRobin, RoutingRequest  # noqa: E402
 from rlfleet_router.workers import Worker  # noqa: E402
@@ -38,3 +38,13 @@ def test_the_answers_of_one_engine_step_leave_the_count_before_the_next_requests
     assert later and max(later) == CONCURRENCY - 1  # a client's next request replaces its own answered one
     # A GRPO group's samples finish in the same engine step; their clients' next requests see them all gone.
     assert min(later) <= CONCURRENCY - workload.samples
+
+
+def test_the_total_aware_reference_keeps_every_engine_within_the_balance_target_of_the_run() -> None:
+    workload, engines = grpo_workload(seed=1, scale=0.5), 8
+    policy = TotalAwareModel()
+    policy.expect(workload, engines)
+    result = replay(policy, engines, bench_engine_config(CACHES["roomy"]), workload, seed=1)
+    assert sum(result.per_engine) == workload.requests
+    assert max(result.per_engine) <= int(BALANCE_TARGET * workload.requests / engines)
+    assert result.hit_rate > 0.9  # families stay on the engines holding them
