@@ -300,7 +300,7 @@ def replay(
             if job.lease is None:  # first come, first served: the rest wait behind it
                 break
             admitted += 1
-            cached = min(job.lease.cached_tokens, len(job.prompt) - 1)
+            cached = job.lease.cached_tokens
             prefill += len(job.prompt) - cached
             prompt_tokens += len(job.prompt)
             cached_tokens += cached

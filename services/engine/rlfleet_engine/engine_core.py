@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 from prometheus_client import CollectorRegistry
 
-from rlfleet.errors import DeadlineExceeded, InvalidInput
+from rlfleet.errors import DeadlineExceeded
 from rlfleet_engine.backend import GenerationBackend
 from rlfleet_engine.config import EngineConfig
 from rlfleet_engine.distributed_weights import WeightReceiver
@@ -25,13 +25,12 @@ from rlfleet_engine.metrics import EngineMetrics
 from rlfleet_engine.request_expansion import expand
 from rlfleet_engine.sampler import seeded_generator
 from rlfleet_engine.sampling_params import SamplingParams
-from rlfleet_engine.scheduled_generation import Outputs, ScheduledGeneration
+from rlfleet_engine.scheduled_generation import Outputs, ScheduledGeneration, check_load_format
 from rlfleet_engine.scheduler import Scheduler
 from rlfleet_engine.schemas import GenerateRequest, UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest
 
 # Bound on a weight load, including the wait for the current step to end.
 WEIGHT_LOAD_TIMEOUT_S = 300.0
-_LOAD_FORMATS = (None, "auto", "safetensors")
 
 
 class Tokenizer(Protocol):
@@ -114,8 +113,7 @@ class EngineCore(ScheduledGeneration):
         """Nothing to drop: no prefix cache is kept across requests."""
 
     async def update_weights_from_disk(self, req: UpdateWeightsFromDiskRequest) -> dict[str, Any]:
-        if req.load_format not in _LOAD_FORMATS:
-            raise InvalidInput(f"load_format {req.load_format!r} is not supported; use 'auto' or 'safetensors'")
+        check_load_format(req)
         if req.abort_all_requests:
             self.scheduler.abort("", abort_all=True)
 

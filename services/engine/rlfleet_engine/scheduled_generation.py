@@ -1,7 +1,8 @@
 """What both engine cores (the model's `EngineCore` and the `sim` backend's `SimEngineCore`) do alike over
 their schedulers: refuse a request whose rid is already in flight, answer a generate request whole or as a
 stream from the outputs its jobs deliver, abort the jobs a caller leaves, pass abort, pause and resume on
-to the scheduler, and describe the engine (SGLang's /get_model_info and /get_server_info).
+to the scheduler, describe the engine (SGLang's /get_model_info and /get_server_info), and refuse a disk
+weight load in a format the engines do not read.
 
 Outputs arrive on one queue per request as (index of the job in the request, SGLang-shaped output).
 """
@@ -19,9 +20,16 @@ from rlfleet_engine import __version__
 from rlfleet_engine.config import EngineConfig
 from rlfleet_engine.generation_job import GenerationJob
 from rlfleet_engine.metrics import EngineMetrics
-from rlfleet_engine.schemas import GenerateRequest
+from rlfleet_engine.schemas import GenerateRequest, UpdateWeightsFromDiskRequest
 
 Outputs = asyncio.Queue[tuple[int, dict[str, Any]]]
+LOAD_FORMATS = (None, "auto", "safetensors")
+
+
+def check_load_format(req: UpdateWeightsFromDiskRequest) -> None:
+    """InvalidInput unless the load reads a Hugging Face checkpoint's safetensors, as both cores take it."""
+    if req.load_format not in LOAD_FORMATS:
+        raise InvalidInput(f"load_format {req.load_format!r} is not supported; use 'auto' or 'safetensors'")
 
 
 class JobScheduler(Protocol):

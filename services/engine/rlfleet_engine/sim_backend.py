@@ -42,7 +42,7 @@ from rlfleet_engine.config import EngineConfig
 from rlfleet_engine.generation_job import GenerationJob
 from rlfleet_engine.metrics import EngineMetrics
 from rlfleet_engine.request_expansion import expand
-from rlfleet_engine.scheduled_generation import Outputs, ScheduledGeneration
+from rlfleet_engine.scheduled_generation import Outputs, ScheduledGeneration, check_load_format
 from rlfleet_engine.schemas import GenerateRequest, UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest
 from rlfleet_engine.sim_prefix_cache import Lease, PrefixCache
 from rlfleet_engine.stop_conditions import FinishReason, token_finish
@@ -198,7 +198,7 @@ class SimScheduler:
             if job.lease is None:
                 break
             admitted += 1
-            job.cached_tokens = min(job.lease.cached_tokens, len(job.input_ids) - 1)
+            job.cached_tokens = job.lease.cached_tokens
             prefill += len(job.input_ids) - job.cached_tokens
             self.metrics.prompt_tokens.inc(len(job.input_ids))
             self.metrics.cached_tokens.inc(job.cached_tokens)
@@ -312,6 +312,7 @@ class SimEngineCore(ScheduledGeneration):
         the prefix cache."""
         if not req.model_path:
             raise InvalidInput("model_path must not be empty")
+        check_load_format(req)
         if req.abort_all_requests:
             self.scheduler.abort("", abort_all=True)
         if req.flush_cache:

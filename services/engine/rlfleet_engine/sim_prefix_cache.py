@@ -29,7 +29,8 @@ class Lease:
     blocks: tuple[int, ...]
     private_tokens: int
     cached_tokens: int
-    """Prompt tokens the cache held when the lease was granted (whole blocks): the prefill it saves."""
+    """Prompt tokens the cache held when the lease was granted (whole blocks), short of the last one, which an
+    engine always computes for its logits (SGLang's `cached_tokens`): the prefill it saves."""
 
 
 class PrefixCache:
@@ -103,7 +104,7 @@ class PrefixCache:
         room = free + (len(self._evictable) - reused_evictable) * self.block_size
         if new_blocks * self.block_size + private > room:
             return None
-        cached = self._held_prefix(chain)
+        cached = min(self._held_prefix(chain), max(len(ids) - 1, 0))
         self.lookup_tokens += len(ids)
         self.hit_tokens += cached
         for digest in chain:

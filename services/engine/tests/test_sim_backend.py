@@ -48,6 +48,10 @@ def test_prefix_cache_serves_repeats_and_is_emptied_by_a_weight_load_and_a_flush
     state = info["internal_states"][0]
     assert state["cache_hit_rate"] == pytest.approx(80 / (2 * prompt)) and state["cached_tokens"] > 0
 
+    unread = {"model_path": "/ckpt/1", "weight_version": "1", "load_format": "pt"}
+    refused = httpx.post(url + "/update_weights_from_disk", json=unread, timeout=10)
+    assert refused.status_code == 400 and "load_format 'pt'" in refused.text, "the model backend reads no .pt"
+    assert generate(url, {"text": SYSTEM + "12+7=", "sampling_params": params})["meta_info"]["weight_version"] != "1"
     load = httpx.post(url + "/update_weights_from_disk", json={"model_path": "/ckpt/1", "weight_version": "1"})
     assert load.status_code == 200 and load.json()["success"] is True
     after = generate(url, {"text": SYSTEM + "12+8=", "sampling_params": params})
