@@ -17,6 +17,8 @@ from typing import Annotated
 from pydantic import AfterValidator
 
 LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_LEVEL_HELP = f"Log level: {', '.join(LEVELS)} (default info)."
+"""Help of every service's --log-level flag."""
 
 
 def _known_level(level: str) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from pydantic_settings import BaseSettings
 
+from rlfleet.logs import LEVELS
 from rlfleet.settings_env import setting_variables
 from rlfleet_engine.config import EngineConfig
 from rlfleet_engine.config import build_arg_parser as engine_parser
@@ -101,3 +102,10 @@ def test_a_log_level_no_logger_knows_is_a_settings_error(service: str) -> None:
     with pytest.raises(ValueError, match="unknown log level 'loud': must be one of debug, info, warning, error"):
         settings.model_validate({**required, "log_level": "loud"})
     assert settings.model_validate({**required, "log_level": "DEBUG"}).model_dump()["log_level"] == "debug"
+
+
+@pytest.mark.parametrize("service", ["engine", "reward", "rollout", "router"])
+def test_log_level_help_names_every_level_the_setting_takes(service: str) -> None:
+    _, parser = SERVICES[service]
+    (flag,) = [action for action in parser._actions if "--log-level" in action.option_strings]
+    assert flag.help is not None and all(level in flag.help for level in LEVELS)

@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from rlfleet.logs import LogLevel
+from rlfleet.logs import LOG_LEVEL_HELP, LogLevel
 from rlfleet.settings_flags import Flag, add_flags, settings_from_flags
 
 BackendName = Literal["transformers", "sglang", "sim"]
@@ -97,7 +97,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--context-length", "Longest prompt + completion in tokens (default: the model's)."),
     Flag("--max-running-requests", "Most sequences in one decode batch (default 16)."),
     Flag("--random-seed", "Seed of the sampler (default 0)."),
-    Flag("--log-level", "Log level: debug, info, warning, error (default info)."),
+    Flag("--log-level", LOG_LEVEL_HELP),
     Flag("--backend", "transformers (default), sglang (the real SGLang server) or sim (no model)."),
     Flag("--torch-threads", "Intra-op threads for torch (default: torch's choice)."),
     Flag("--dtype", "float32 (default), bfloat16 or float16."),

@@ -11,6 +11,7 @@ import logging
 from collections.abc import Generator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from rlfleet.logs import LOG_LEVEL_HELP
 from rlfleet.settings_flags import Flag, add_flags, settings_from_flags
 from rlfleet_reward.config import RewardSettings
 
@@ -30,7 +31,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-pending-jobs", "most (item, term) jobs held at once; more is refused with 429 (default 16384)"),
     Flag("--max-request-bytes", "largest request body or message (default 64 MiB)"),
     Flag("--shutdown-grace-seconds", "time in-flight requests get on SIGTERM (default 10)"),
-    Flag("--log-level", "root log level: debug, info, warning, error or critical (default info)"),
+    Flag("--log-level", LOG_LEVEL_HELP),
 )
 
 

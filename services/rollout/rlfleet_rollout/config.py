@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from rlfleet.logs import LogLevel
+from rlfleet.logs import LOG_LEVEL_HELP, LogLevel
 from rlfleet.settings_flags import Flag, add_flags, settings_from_flags
 
 
@@ -119,7 +119,7 @@ FLAGS: tuple[Flag, ...] = (
         field="stall_after_s",
     ),
     Flag("--max-concurrent-generations", "Generate requests in flight (default 8)."),
-    Flag("--log-level", "Log level: debug, info, warning, error (default info)."),
+    Flag("--log-level", LOG_LEVEL_HELP),
     Flag("--api-token-file", "File holding the API token the Runs API requires (default: none)."),
 )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from rlfleet.logs import LOG_LEVEL_HELP
 from rlfleet.settings_flags import Flag, add_flags, settings_from_flags
 from rlfleet_router.config import RouterConfig
 
@@ -65,7 +66,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--kubernetes-discovery-interval-secs", "kubernetes: time between two Endpoints lookups (default 5)"),
     Flag("--kubernetes-engine-port", "kubernetes: engine port (default: the Endpoints' first port)"),
     Flag("--kubernetes-timeout-secs", "kubernetes: bound on one API call (default 10)"),
-    Flag("--log-level", "debug, info (default), warning, error"),
+    Flag("--log-level", LOG_LEVEL_HELP),
     Flag("--max-request-bytes", "largest request body accepted, 413 beyond (default 64 MiB)"),
     Flag("--api-token-file", "file holding the API token admin requests must carry (default: none, open)"),
     Flag("--disable-retries", "send each request to one engine only", kind="switch"),
