@@ -69,6 +69,18 @@ def parse_state(value: str) -> RunState:
     return RunState.Value(name)
 
 
+def check_query(request: Request, takes: tuple[str, ...] = ()) -> None:
+    """InvalidInput naming a query parameter the route does not take, or one given twice: a misspelt filter
+    (`stat=RUNNING`, `pageSize=5`) would be ignored and a misspelt flag (`validateOnly`) would turn a check
+    into a real run."""
+    route = f"{request.method} {request.scope['route'].path}"
+    for name in sorted(set(request.query_params)):
+        if name not in takes:
+            raise InvalidInput(f"query.{name}: not a parameter of {route} (it takes {', '.join(takes) or 'none'})")
+        if len(request.query_params.getlist(name)) > 1:
+            raise InvalidInput(f"query.{name}: given more than once")
+
+
 def build_app(
     core: RunsCore,
     metrics: RolloutMetrics,
@@ -84,23 +96,19 @@ def build_app(
 
     @app.post("/v1/runs")
     async def submit(request: Request, validate_only: bool = False) -> JSONResponse:
-        # A misspelt or doubled flag (`validateOnly`, `validate_only=true&validate_only=false`) must not turn a
-        # check into a real run.
-        for name in sorted(set(request.query_params)):
-            if name != "validate_only":
-                raise InvalidInput(f"query.{name}: not a parameter of POST /v1/runs (it takes validate_only)")
-        if len(request.query_params.getlist("validate_only")) > 1:
-            raise InvalidInput("query.validate_only: given more than once")
+        check_query(request, ("validate_only",))
         run = await core.submit(parse_run_spec(await request.body()), validate_only=validate_only)
         return JSONResponse(to_json(run))
 
     @app.get("/v1/runs")
-    async def list_runs(state: str = "", page_size: int = 0, page_token: str = "") -> JSONResponse:
+    async def list_runs(request: Request, state: str = "", page_size: int = 0, page_token: str = "") -> JSONResponse:
+        check_query(request, ("state", "page_size", "page_token"))
         return JSONResponse(to_json(await core.list(parse_state(state), page_size, page_token)))
 
     # Registered before GET /v1/runs/{run_id}, which would otherwise take `id:watch` for a run id.
     @app.get("/v1/runs/{run_id}:watch")
-    async def watch(run_id: str) -> StreamingResponse:
+    async def watch(request: Request, run_id: str) -> StreamingResponse:
+        check_query(request)
         await core.get(run_id)  # a missing run is a 404 before the stream starts
 
         async def events() -> AsyncIterator[str]:
@@ -114,11 +122,13 @@ def build_app(
         )
 
     @app.get("/v1/runs/{run_id}")
-    async def get(run_id: str) -> JSONResponse:
+    async def get(request: Request, run_id: str) -> JSONResponse:
+        check_query(request)
         return JSONResponse(to_json(await core.get(run_id)))
 
     @app.post("/v1/runs/{run_id}:cancel")
-    async def cancel(run_id: str) -> JSONResponse:
+    async def cancel(request: Request, run_id: str) -> JSONResponse:
+        check_query(request)
         return JSONResponse(to_json(await core.cancel(run_id)))
 
     # Liveness asks nothing of Redis: the orchestrator waits out a Redis outage (redis_outage.py),

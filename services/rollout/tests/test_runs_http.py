@@ -122,6 +122,34 @@ def test_bad_specs_get_400_naming_the_field_and_nothing_is_stored(
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("method", "path", "query", "message"),
+    [
+        ("GET", "/v1/runs", {"stat": "RUNNING"}, "query.stat: not a parameter of GET /v1/runs (it takes state, "),
+        ("GET", "/v1/runs", {"pageSize": "1"}, "query.pageSize: not a parameter of GET /v1/runs"),
+        ("GET", "/v1/runs", [("state", "RUNNING"), ("state", "FAILED")], "query.state: given more than once"),
+        (
+            "GET",
+            "/v1/runs/run-missing",
+            {"view": "full"},
+            "query.view: not a parameter of GET /v1/runs/{run_id} (it takes none)",
+        ),
+        ("GET", "/v1/runs/run-missing:watch", {"since": "1"}, "query.since: not a parameter"),
+        ("POST", "/v1/runs/run-missing:cancel", {"force": "true"}, "query.force: not a parameter"),
+    ],
+)
+def test_a_query_parameter_a_route_does_not_take_is_a_400_naming_it(
+    orchestrator: Orchestrator, method: str, path: str, query: Any, message: str
+) -> None:
+    """A misspelt filter must not list every run as if it had filtered, nor a misspelt option act as its default."""
+    response = httpx.request(method, f"{orchestrator.url}{path}", params=query, timeout=5)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"].startswith(message), response.json()
+    listed = httpx.get(f"{orchestrator.url}/v1/runs", params={"state": "RUNNING", "page_size": 5}, timeout=5)
+    assert listed.status_code == 200, listed.text
+
+
+@pytest.mark.e2e
 def test_a_run_ends_with_its_last_steps_metrics_when_the_trainers_reports_reach_it_late(
     orchestrator: Orchestrator, fleet: FakeFleet, tokenizer_dir: Path
 ) -> None:
