@@ -68,6 +68,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--kubernetes-timeout-secs", "kubernetes: bound on one API call (default 10)"),
     Flag("--log-level", LOG_LEVEL_HELP),
     Flag("--max-request-bytes", "largest request body accepted, 413 beyond (default 64 MiB)"),
+    Flag(
+        "--max-whole-answer-bytes",
+        "largest plain answer read whole before it is sent, so one cut short is retried (default 256 MiB)",
+    ),
     Flag("--api-token-file", "file holding the API token admin requests must carry (default: none, open)"),
     Flag("--disable-retries", "send each request to one engine only", kind="switch"),
     Flag("--kubernetes-discovery", "kubernetes: follow the engine Endpoints' addresses", kind="switch"),

@@ -78,6 +78,12 @@ class RouterConfig(BaseSettings):
     max_request_bytes: int = Field(
         64 * 2**20, ge=1024, description="Largest request body accepted (413 beyond); the router buffers each one."
     )
+    max_whole_answer_bytes: int = Field(
+        256 * 2**20,
+        ge=0,
+        description="Largest plain answer read whole before any of it is sent, so one cut short at its engine is "
+        "retried; a larger one is relayed as it arrives and cannot be retried once begun.",
+    )
     retry_max_retries: int = Field(
         3, ge=0, description="Further engines tried after a connection error or 5xx before any byte was returned."
     )

@@ -99,6 +99,7 @@ class Fleet:
             self.chars_per_token,
             request_timeout_secs=config.request_timeout_secs,
             connect_timeout_secs=config.connect_timeout_secs,
+            max_whole_answer_bytes=config.max_whole_answer_bytes,
         )
         self.workers.on_failed_requests = self.proxy.engine_failed
         self.fanout = Fanout(
@@ -254,7 +255,7 @@ class Fleet:
 def parse_json_object(body: bytes) -> dict[str, object]:
     try:
         parsed = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # malformed, not UTF-8, or an integer of over 4300 digits
         raise InvalidInput(f"body: not valid JSON ({exc})") from exc
     except RecursionError:  # Python's parser recurses once per level, within the interpreter's stack bound
         raise InvalidInput("body: nested too deeply to read (arrays or objects over about 1000 levels)") from None

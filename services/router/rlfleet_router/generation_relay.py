@@ -15,7 +15,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -49,20 +49,22 @@ class GenerationRelay:
         deadline = time.monotonic() + self.fleet.config.request_timeout_secs
         route = scope["path"]
         status: int | None = None  # until the answer starts
+        complete = False  # once its last piece is sent
 
         async def send_and_watch(message: Message) -> None:
-            nonlocal status
+            nonlocal status, complete
             if message["type"] == "http.response.start":
                 status = int(message["status"])
             # Bounded on this path (the rare one) for every piece: uvicorn waits for a client that stops reading.
             await within_deadline(send(message), deadline, route)
+            complete = message["type"] == "http.response.body" and not message.get("more_body", False)
 
         try:
             allowed = self.methods[route]
             if scope["method"] not in allowed:
                 await method_not_allowed(scope["method"], route, allowed)(scope, receive, send_and_watch)
                 return
-            headers = header_dict(scope)
+            headers = header_dict(scope["headers"])
             try:
                 body = await read_body(receive, headers.get("content-length"), self.max_bytes)
             except RlfleetError as exc:  # a body over the router's size bound, refused as it arrived
@@ -79,7 +81,7 @@ class GenerationRelay:
                 await self.answer(route, body, headers, scope, receive, send_and_watch, gone)
             finally:
                 watcher.cancel()
-            if status is None and gone.done():
+            if gone.done() and not complete:  # before the answer or during it, as on the parser's path
                 status = CLIENT_CLOSED_REQUEST
         except RlfleetError as exc:  # the engine's answer cut short after its head was sent
             status = exc.http_status
@@ -157,9 +159,14 @@ async def within_deadline(write: Awaitable[None], deadline: float, route: str) -
         raise error from None
 
 
-def header_dict(scope: Scope) -> dict[str, str]:
-    """The request's headers by name; ASGI servers give the names lower-case."""
-    return {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
+def header_dict(pairs: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The request's headers by name (servers give the names lower-case). A name on several lines gets their
+    values joined by ", " in order, as HTTP allows (RFC 9110, 5.3): the engine sees every value."""
+    headers: dict[str, str] = {}
+    for raw_name, raw_value in pairs:
+        name, value = raw_name.decode("latin-1"), raw_value.decode("latin-1")
+        headers[name] = f"{headers[name]}, {value}" if name in headers else value
+    return headers
 
 
 async def read_body(receive: Receive, declared: str | None, max_bytes: int) -> bytes | None:

@@ -28,7 +28,13 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from rlfleet.errors import Internal, RlfleetError
 from rlfleet.http_errors import error_response
-from rlfleet_router.generation_relay import CLIENT_CLOSED_REQUEST, GenerationRelay, too_large, within_deadline
+from rlfleet_router.generation_relay import (
+    CLIENT_CLOSED_REQUEST,
+    GenerationRelay,
+    header_dict,
+    too_large,
+    within_deadline,
+)
 
 # The ASGI version uvicorn announces: streamed answers keep watching for the client's disconnect.
 ASGI = {"version": "3.0", "spec_version": "2.3"}
@@ -104,7 +110,7 @@ class GenerationExchange:
         self._written = False
         self._gone: asyncio.Future[None] = protocol.loop.create_future()  # done once the client is gone
         self.raw_headers = protocol.headers  # the parser starts a new list for the next request on the connection
-        self.headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in self.raw_headers}
+        self.headers = header_dict(self.raw_headers)
         declared = self.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > relay.max_bytes:
             self._refuse_too_large()

@@ -50,8 +50,6 @@ logger = logging.getLogger(__name__)
 DROPPED_REQUEST_HEADERS = HOP_HEADERS | {"content-length", "authorization"}
 # Idle connections to an engine are kept this long for the next request.
 KEEPALIVE_SECS = 60.0
-# Plain answers up to this size are read whole and sent in one piece; larger ones are relayed as streams.
-MAX_WHOLE_ANSWER_BYTES = 8 * 1024 * 1024
 
 
 class RetryableFailure(Exception):
@@ -86,6 +84,7 @@ class Proxy:
         chars_per_token: CharsPerToken,
         request_timeout_secs: float,
         connect_timeout_secs: float,
+        max_whole_answer_bytes: int,
     ) -> None:
         self._client: EngineClient | None = None
         self._chars_per_token = chars_per_token
@@ -95,6 +94,7 @@ class Proxy:
         self._retry = retry
         self._request_timeout = request_timeout_secs
         self._connect_timeout = connect_timeout_secs
+        self._max_whole_answer = max_whole_answer_bytes
         self._attempts = EngineAttempts()
         self._aborts = EngineAborts(self._attempts)
 
@@ -227,7 +227,7 @@ class Proxy:
                 if not last_try:
                     raise RetryableFailure(f"{worker.url}: HTTP {upstream.status}")
             length = upstream.content_length
-            whole = length is not None and length <= MAX_WHOLE_ANSWER_BYTES
+            whole = length is not None and length <= self._max_whole_answer
             first = await upstream.read() if whole else await upstream.read_chunk()
         except EngineConnectionError as exc:
             # A connection lost once the request was written may leave the request running at the engine.

@@ -464,7 +464,7 @@ class FleetWeights:
 def parse_json_object(response: httpx.Response) -> dict[str, object] | None:
     try:
         body = response.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except ValueError:  # not JSON, not UTF-8, or an integer of over 4300 digits
         return None
     return body if isinstance(body, dict) else None
 

@@ -61,6 +61,7 @@ class FakeEngine:
     model_path: str = "/models/initial"
     healthy: bool = True
     hang: bool = False  # /generate (plain or streamed) waits for an /abort_request of its rid (30 s at most)
+    dies_mid_answer: bool = False  # a plain /generate answer stops after a fifth of its announced length
     generate_status: int = 200
     fail_updates: bool = False
     update_delay: float = 0.0
@@ -68,6 +69,7 @@ class FakeEngine:
     refused_controls: set[str] = field(default_factory=set)  # control routes answered 503 (and not applied)
     raw_bodies: list[bytes] = field(default_factory=list)
     content_types: list[str | None] = field(default_factory=list)  # of each /generate request
+    tags: list[list[str]] = field(default_factory=list)  # the X-Tag lines of each /generate request
     update_bodies: list[dict[str, object]] = field(default_factory=list)
     events: list[str] = field(default_factory=list)  # "generate" / "update", in arrival order
     controls: list[tuple[str, str | None, bytes]] = field(default_factory=list)  # fan-out: route, type, body
@@ -90,6 +92,7 @@ class FakeEngine:
             raw = await request.body()
             self.raw_bodies.append(raw)
             self.content_types.append(request.headers.get("content-type"))
+            self.tags.append(request.headers.getlist("x-tag"))
             self.events.append("generate")
             if self.generate_status != 200:
                 return JSONResponse({"error": "engine fault"}, status_code=self.generate_status)
@@ -102,6 +105,10 @@ class FakeEngine:
                 await self._work(body, float(body.get("delay", 0)))
             finally:
                 self.in_flight -= 1
+            if self.dies_mid_answer:
+                whole = json.dumps(self._answer(body)).encode()
+                headers = {"content-length": str(len(whole))}
+                return StreamingResponse(_cut(whole, self.name), headers=headers, media_type="application/json")
             if "trickle" in body:  # a plain answer (with its length) written a few bytes at a time, this far apart
                 whole = json.dumps(self._answer(body)).encode()
                 pieces = (whole[i : i + 8] for i in range(0, len(whole), 8))
@@ -155,8 +162,10 @@ class FakeEngine:
         return app
 
     def _answer(self, body: dict[str, object]) -> dict[str, object]:
+        pad = body.get("pad", 0)  # characters of filler in the text
+        assert isinstance(pad, int), "pad: int"
         return {
-            "text": f"answer from {self.name}",
+            "text": f"answer from {self.name}" + "x" * pad,
             "meta_info": {"engine": self.name, "weight_version": self.weight_version},
         }
 
@@ -192,6 +201,11 @@ class FakeEngine:
             finished = True
         finally:
             self.streams_cut += not finished
+
+
+async def _cut(whole: bytes, name: str) -> AsyncIterator[bytes]:
+    yield whole[: len(whole) // 5]
+    raise ConnectionAbortedError(f"{name} dies mid-answer")  # uvicorn drops the connection
 
 
 async def _spaced(pieces: Iterator[bytes], seconds: object) -> AsyncIterator[bytes]:

@@ -113,3 +113,21 @@ def test_a_stream_under_way_at_an_engine_that_fails_ends_with_an_error(
         == 1
     )
     assert metric_value(metrics, "rlfleet_router_requests_total", {"route": "/generate", "status": "200"}) is None
+
+
+@pytest.mark.parametrize("size", [1 << 10, 10 << 20])
+def test_a_plain_answer_cut_short_at_its_engine_is_retried_whole_on_another(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter], size: int
+) -> None:
+    """Up to --max-whole-answer-bytes (256 MiB) an answer is read whole first: a long GRPO group's answer with
+    its log-probs, megabytes, never reaches its client truncated."""
+    dying, sound = start_engine("dying", dies_mid_answer=True), start_engine("sound")
+    router = start_router([dying.url, sound.url], policy="round_robin")
+    router.wait_healthy(2)
+    for rid in ("big-1", "big-2"):  # round robin: one of them goes to the dying engine first
+        answer = router.client.post("/generate", json={"text": "2+2=", "rid": rid, "pad": size})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["text"] == "answer from sound" + "x" * size
+    cut = [json.loads(raw)["rid"] for raw in dying.raw_bodies]
+    assert cut and len(set(cut)) == len(cut), "each went to the dying engine at most once"
+    assert metric_value(router.client.get("/metrics").text, "rlfleet_router_retries_total") == len(cut)

@@ -183,6 +183,12 @@ def test_bad_generate_bodies_are_400(
         nested = router.client.post(route, content=deep, headers={"content-type": "application/json"})
         assert nested.status_code == 400, (route, nested.text)
         assert nested.json()["error"]["message"].startswith("body: nested too deeply"), route
+    # Python reads at most 4300 digits into an int: a longer one is the client's fault, not the router's.
+    long_int = b'{"text": "x", "sampling_params": {"max_new_tokens": ' + b"9" * 5000 + b"}}"
+    for route in ("/generate", "/v1/completions", "/flush_cache"):
+        digits = router.client.post(route, content=long_int, headers={"content-type": "application/json"})
+        assert digits.status_code == 400, (route, digits.text)
+        assert digits.json()["error"]["message"].startswith("body: not valid JSON"), route
     assert engine.raw_bodies == [] and engine.controls == []
 
 

@@ -1,10 +1,11 @@
 """Headers through the router: an answer's are the engine's own, once each, plus the engine's URL; a request's
-Content-Type says JSON, which its body is."""
+Content-Type says JSON, which its body is, and a request header given on several lines keeps every value."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import httpx
 from router_fakes import FakeEngine, RunningRouter
 
 
@@ -37,3 +38,19 @@ def test_a_json_body_reaches_the_engine_as_json_whatever_the_client_called_it(
         assert response.status_code == 200, response.text
     assert engine.content_types == ["application/json", "application/json", "application/json; charset=utf-8"]
     assert engine.raw_bodies == [body.encode()] * 3
+
+
+def test_a_request_header_on_several_lines_reaches_the_engine_with_every_value(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    engine = start_engine("a")
+    router = start_router([engine.url])
+    router.wait_healthy(1)
+    tags = httpx.Headers([("x-tag", "one"), ("x-tag", "two")])
+    # The parser's path, and uvicorn's (a client that waits for 100 Continue takes it).
+    for extra in ({}, {"expect": "100-continue"}):
+        headers = httpx.Headers(tags)
+        headers.update(extra)
+        response = router.client.post("/generate", json={"text": "hi"}, headers=headers)
+        assert response.status_code == 200, response.text
+    assert engine.tags == [["one, two"], ["one, two"]]  # joined in order, as HTTP allows
