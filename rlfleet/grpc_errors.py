@@ -3,7 +3,8 @@
 Handlers raise `RlfleetError`s; the interceptor aborts the call with the matching code and the
 error's message. Anything else becomes INTERNAL with a generic message (details go to the log).
 Requests are decoded here too, so bytes that are not the method's message are INVALID_ARGUMENT
-(gRPC itself would answer UNKNOWN with the exception's class name).
+(gRPC itself would answer UNKNOWN with the exception's class name); no handler sees such a request, so a
+service that counts its refusals is told of it through `on_malformed`.
 """
 
 from __future__ import annotations
@@ -35,23 +36,27 @@ async def _abort(context: aio.ServicerContext, exc: BaseException, method: str) 
 
 
 Deserializer = Callable[[bytes], Any] | None
+Decoder = Callable[[Any], Any]
 
 
-def _decode(deserializer: Deserializer, raw: Any) -> Any:
-    if deserializer is None:
-        return raw
-    try:
-        return deserializer(raw)
-    except DecodeError as exc:
-        raise InvalidInput(f"malformed request: {exc}") from None
+def _decoder(deserializer: Deserializer, method: str, on_malformed: Callable[[str], None] | None) -> Decoder:
+    def decode(raw: Any) -> Any:
+        if deserializer is None:
+            return raw
+        try:
+            return deserializer(raw)
+        except DecodeError as exc:
+            if on_malformed is not None:
+                on_malformed(method)
+            raise InvalidInput(f"malformed request: {exc}") from None
+
+    return decode
 
 
-def _wrap_unary(
-    behavior: Callable[..., Awaitable[Any]], deserializer: Deserializer, method: str
-) -> Callable[..., Awaitable[Any]]:
+def _wrap_unary(behavior: Callable[..., Awaitable[Any]], decode: Decoder, method: str) -> Callable[..., Awaitable[Any]]:
     async def handler(request: Any, context: aio.ServicerContext) -> Any:
         try:
-            return await behavior(_decode(deserializer, request), context)
+            return await behavior(decode(request), context)
         except aio.AbortError:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to a status code right here
@@ -61,11 +66,11 @@ def _wrap_unary(
 
 
 def _wrap_stream(
-    behavior: Callable[..., AsyncIterator[Any]], deserializer: Deserializer, method: str
+    behavior: Callable[..., AsyncIterator[Any]], decode: Decoder, method: str
 ) -> Callable[..., AsyncIterator[Any]]:
     async def handler(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            async for item in behavior(_decode(deserializer, request), context):
+            async for item in behavior(decode(request), context):
                 yield item
         except aio.AbortError:
             raise
@@ -76,7 +81,14 @@ def _wrap_stream(
 
 
 class ErrorInterceptor(aio.ServerInterceptor):
-    """Turns exceptions raised by unary-unary and unary-stream handlers into gRPC statuses."""
+    """Turns exceptions raised by unary-unary and unary-stream handlers into gRPC statuses.
+
+    `on_malformed`, if given, is called with the method's full name (`/rlfleet.v1.Reward/Score`) for each
+    request refused as malformed.
+    """
+
+    def __init__(self, on_malformed: Callable[[str], None] | None = None) -> None:
+        self._on_malformed = on_malformed
 
     async def intercept_service(
         self,
@@ -87,14 +99,15 @@ class ErrorInterceptor(aio.ServerInterceptor):
         if handler is None:
             return handler
         method = handler_call_details.method
+        decode = _decoder(handler.request_deserializer, method, self._on_malformed)
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, handler.request_deserializer, method),
+                _wrap_unary(handler.unary_unary, decode, method),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, handler.request_deserializer, method),
+                _wrap_stream(handler.unary_stream, decode, method),
                 response_serializer=handler.response_serializer,
             )
         return handler

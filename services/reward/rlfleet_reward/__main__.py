@@ -111,7 +111,8 @@ async def serve(settings: RewardSettings, registry: Registry) -> None:
         await grpc_server.start()
         http_task = asyncio.create_task(http.serve(sockets=[http_socket]))
         stop_task = asyncio.create_task(stop.wait())
-        logger.info("reward hub serving HTTP on %s:%d, gRPC on port %d", settings.host, settings.port, grpc_port)
+        http_port = http_socket.getsockname()[1]  # the one bound, when --port 0 let the system pick
+        logger.info("reward hub serving HTTP on %s:%d, gRPC on port %d", settings.host, http_port, grpc_port)
         await asyncio.wait({http_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
         logger.info("reward hub stopping")
         stop_task.cancel()

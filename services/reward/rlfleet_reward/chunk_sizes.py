@@ -8,9 +8,12 @@ least one item): a request waits about `CHUNK_SECONDS` for the next free worker,
 not per item. It is also at most a share of the items the call has left, `1 / (CHUNKS_PER_WORKER x
 workers)`, so a batch spreads over every worker and its last chunks are single items that end together.
 
-A function not seen yet goes one item at a time until its first chunk is back. A chunk slower than the
-estimate replaces it at once, so a switch to slow items (other params, harder responses) is not followed by
-a large chunk of them; a faster one moves it halfway, so one quick chunk among slow ones does not either.
+The function's earlier chunks say nothing about a new call's items, which may be far slower (other params,
+harder responses): sized by a fast batch before, 160 items of 0.5 s went out in chunks of 40, and a one-item
+request waited 15 s. So each lane of a call (`worker_pool`) sends one item first, and sizes its next chunks
+only once that item is back. A chunk slower than the estimate replaces it at once, so a switch to slow items
+is not followed by a large chunk of them; a faster one moves it halfway, so one quick chunk among slow ones
+does not either.
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ class ChunkSizes:
     def __init__(self) -> None:
         self._seconds_per_item: dict[str, float] = {}
 
-    def size(self, function: str, left: int, workers: int) -> int:
-        """Items in the next chunk of `function`, whose call has `left` items not yet sent, on `workers`."""
+    def size(self, function: str, left: int, workers: int, timed: bool) -> int:
+        """Items in the next chunk of `function`, whose call has `left` items not yet sent, on `workers`;
+        `timed`: a chunk of this lane of the call is back, so the estimate has seen the call's items."""
         share = -(-left // (CHUNKS_PER_WORKER * workers))
         per_item = self._seconds_per_item.get(function)
-        if per_item is None:
+        if not timed or per_item is None:
             return 1
         by_time = int(CHUNK_SECONDS / per_item) if per_item > 0 else share
         return max(1, min(share, by_time))

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from grpc import aio
 
+from rlfleet.errors import InvalidInput
 from rlfleet.grpc_errors import ErrorInterceptor
 from rlfleet.grpc_limits import message_size_options
 from rlfleet.v1 import reward_pb2, reward_pb2_grpc
 from rlfleet_reward.scoring import Scorer
+
+_SCORE_METHOD = "/rlfleet.v1.Reward/Score"
 
 
 class RewardServicer(reward_pb2_grpc.RewardServicer):
@@ -32,7 +35,14 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
 
 def create_grpc_server(scorer: Scorer, address: str, max_message_bytes: int) -> tuple[aio.Server, int]:
     """A server bound to `address` (port 0 picks one); returns it, not yet started, with its port."""
-    server = aio.server(interceptors=[ErrorInterceptor()], options=message_size_options(max_message_bytes))
+
+    def count_malformed(method: str) -> None:
+        # Refused before the scorer, which counts every other Score request: counted here, as HTTP does.
+        if method == _SCORE_METHOD:
+            scorer.metrics.requests.labels(InvalidInput.kind).inc()
+
+    interceptor = ErrorInterceptor(on_malformed=count_malformed)
+    server = aio.server(interceptors=[interceptor], options=message_size_options(max_message_bytes))
     reward_pb2_grpc.add_RewardServicer_to_server(RewardServicer(scorer), server)
     port = server.add_insecure_port(address)
     if port == 0:

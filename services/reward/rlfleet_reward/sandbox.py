@@ -47,7 +47,15 @@ _PROBE_SECONDS = 10.0
 # After SIGKILL the group is gone within milliseconds; this bounds the wait for stragglers.
 _GROUP_KILL_SECONDS = 5.0
 _PR_SET_PDEATHSIG = 1
-_MAX_OUTPUT_CHARS = 1 << 20
+# stdout is read up to the file-size limit, which bounds it anyway; stderr, searched for a MemoryError only, up to this.
+_MAX_STDERR_BYTES = 1 << 20
+# How the program starts, in place of `python -I main.py`: Python ignores SIGXFSZ at start-up, so a write past
+# RLIMIT_FSIZE would be an OSError (EFBIG), ending the program as any exception does, or caught. With the default
+# restored, the kernel ends the program with SIGXFSZ, which `code` counts as output_limit.
+_PROGRAM_START = (
+    "import os, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_DFL); del sys.argv[0]; "
+    "runpy.run_path(os.path.abspath(sys.argv[0]), run_name='__main__')"
+)
 # A run's directory and streams are named `rlfleet-sandbox-<worker pid>-...`, so a run can tell a dead
 # worker's leftovers from a live one's.
 _PREFIX = "rlfleet-sandbox-"
@@ -201,11 +209,12 @@ def run_python(
             "read_roots": _read_roots(isolation.python),
         }
         python = isolation.python
-        argv = [python, "-I", "-S", "-c", _INIT_SOURCE, json.dumps(config), python, "-I", "main.py"]
+        program = [python, "-I", "-c", _PROGRAM_START, "main.py"]
+        argv = [python, "-I", "-S", "-c", _INIT_SOURCE, json.dumps(config), *program]
         if isolation.namespaces:
             argv = [shutil.which("unshare") or "unshare", *_NAMESPACE_FLAGS, *argv]
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
-        return _run(argv, work, env, stdin, limits.wall_seconds, _popen_ids(isolation.run_as))
+        return _run(argv, work, env, stdin, limits, _popen_ids(isolation.run_as))
 
 
 def _remove_leftovers() -> None:
@@ -232,7 +241,7 @@ def _alive(pid: int) -> bool:
 
 
 def _run(
-    argv: Sequence[str], work: Path, env: dict[str, str], stdin: str, wall: float, ids: Mapping[str, Any]
+    argv: Sequence[str], work: Path, env: dict[str, str], stdin: str, limits: SandboxLimits, ids: Mapping[str, Any]
 ) -> RunResult:
     # The streams live beside the working directory, not in it: the program cannot replace them.
     streams = {name: work.parent / f"{work.name}.{name}" for name in ("stdin", "stdout", "stderr")}
@@ -256,13 +265,14 @@ def _run(
                 preexec_fn=_die_with_parent,
                 **ids,
             )
-        timed_out = not _wait_without_reaping(process.pid, wall)
+        timed_out = not _wait_without_reaping(process.pid, limits.wall_seconds)
         # The leader is not reaped yet, so its pid (the group's id) cannot have been reused.
         _kill_group(process.pid)
         exit_code = process.wait(timeout=_GROUP_KILL_SECONDS)
         seconds = time.monotonic() - started
         exit_code = 128 - exit_code if exit_code < 0 else exit_code
-        return RunResult(exit_code, timed_out, _read_text(streams["stdout"]), _read_text(streams["stderr"]), seconds)
+        stdout = _read_text(streams["stdout"], limits.file_size_bytes)
+        return RunResult(exit_code, timed_out, stdout, _read_text(streams["stderr"], _MAX_STDERR_BYTES), seconds)
     finally:
         for path in streams.values():
             path.unlink(missing_ok=True)
@@ -318,9 +328,9 @@ def _tasks_of(uid: int) -> int:
     return count
 
 
-def _read_text(path: Path) -> str:
+def _read_text(path: Path, max_bytes: int) -> str:
     with open(path, "rb") as stream:
-        return stream.read(_MAX_OUTPUT_CHARS).decode("utf-8", errors="replace")
+        return stream.read(max_bytes).decode("utf-8", errors="replace")
 
 
 if __name__ == "__main__":

@@ -152,15 +152,17 @@ class WorkerPool:
         results: list[JobResult | None],
     ) -> None:
         """Takes an idle worker and the next chunk of `queued`, until none is left."""
+        timed = False
         while queued:
             worker = await self._acquire()
             if not queued:  # the other lanes took the rest meanwhile
                 self._release(worker)
                 return
-            size = self._chunk_sizes.size(function, len(queued), self.size)
+            size = self._chunk_sizes.size(function, len(queued), self.size, timed)
             indices = [queued.popleft() for _ in range(size)]
             scored = await self._run_chunk(worker, Chunk(function, params, [samples[i] for i in indices]), timeout)
             self._chunk_sizes.observe(function, (result.seconds for result in scored.values()))
+            timed = timed or bool(scored)
             for position, result in scored.items():
                 results[indices[position]] = result
             # After a timeout or a dead worker, the items left without a result go back to the front.

@@ -83,6 +83,17 @@ def metadata_value(sample: RewardInput, params: Mapping[str, Any]) -> float:
     return float(sample.metadata["value"])
 
 
+class PartsParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    count: int = 1
+
+
+def many_parts(sample: RewardInput, params: Mapping[str, Any]) -> Scored:
+    """A large result from a small request."""
+    return Scored(score=1.0, parts={f"part{i}": 1.0 for i in range(params["count"])})
+
+
 def _declare(fn: Any, inputs: set[str], description: str, params: type[BaseModel] | None = None) -> RewardFunction:
     return RewardFunction(fn=fn, inputs=frozenset(inputs), description=description, params=params)
 
@@ -97,4 +108,5 @@ TEST_FUNCTIONS = {
     "not_a_number": _declare(not_a_number, {"response"}, "returns a string"),
     "length_parts": _declare(length_parts, {"response"}, "0.5, with the response's size as parts"),
     "metadata_value": _declare(metadata_value, {"metadata"}, "the float in metadata['value']"),
+    "many_parts": _declare(many_parts, {"response"}, "1.0 with `count` parts", PartsParams),
 }

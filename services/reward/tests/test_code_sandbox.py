@@ -73,6 +73,22 @@ def test_a_correct_program_passes_and_a_wrong_one_fails(hub: str) -> None:
     assert failed_because(wrong, "wrong_answer"), wrong
 
 
+def test_output_past_file_size_mb_is_output_limit_and_output_within_it_is_read_whole(hub: str) -> None:
+    chars = (1 << 20) + 10
+    to_file, to_stdout, long_answer = score_code(
+        hub,
+        [
+            ("open('out', 'w').write('x' * (3 << 20))\n", [{"stdout": ""}]),
+            ("import sys\nsys.stdout.write('x' * (3 << 20))\n", [{"stdout": ""}]),
+            (f"print('x' * {chars})\n", [{"stdout": "x" * chars}]),
+        ],
+        file_size_mb=2,
+    )
+    assert failed_because(to_file, "output_limit"), to_file
+    assert failed_because(to_stdout, "output_limit"), to_stdout
+    assert (long_answer["score"], long_answer["components"]["code/passed"]) == (1.0, 1.0), long_answer
+
+
 def test_hostile_programs_are_contained_and_scored_as_failures(hub: str, tmp_path: Path) -> None:
     outside = [Path(f"/tmp/rlfleet-escape-{uuid.uuid4().hex}"), tmp_path / "escape.txt"]
     tmp_path.chmod(0o777)  # only the sandbox, not file permissions, may stop the write

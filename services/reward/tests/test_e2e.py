@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import time
@@ -216,6 +217,32 @@ def test_bad_grpc_input_is_invalid_argument(
     assert message in raised.value.details()
 
 
+def test_over_grpc_max_request_bytes_limits_requests_not_responses(stub: reward_pb2_grpc.RewardStub) -> None:
+    term = reward_pb2.RewardTerm(function="many_parts")
+    term.params.update({"count": 1000})
+    small = reward_pb2.ScoreRequest(
+        spec=reward_pb2.RewardSpec(terms=[term]), items=[reward_pb2.ScoreItem()] * MAX_BATCH
+    )
+    response = stub.Score(small, timeout=10)
+    assert response.ByteSize() > MAX_BYTES
+    assert [len(r.components) for r in response.results] == [1001] * MAX_BATCH
+    large = reward_pb2.ScoreRequest(spec=small.spec, items=[reward_pb2.ScoreItem(response="x" * MAX_BYTES)])
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.Score(large, timeout=10)
+    assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_a_grpc_score_request_that_does_not_decode_is_counted_as_invalid_input(hub: Hub) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{hub.grpc_port}") as channel:
+        for method, counted in (("Score", 1), ("ValidateSpec", 0)):  # as over HTTP, /score's refusals only
+            before = refused(hub, "invalid_input")
+            call = channel.unary_unary(f"/rlfleet.v1.Reward/{method}")
+            with pytest.raises(grpc.RpcError) as raised:
+                call(b"\xff\xff\xff", timeout=10)
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert refused(hub, "invalid_input") == before + counted
+
+
 def test_non_finite_params_are_named_over_grpc_and_by_validate(hub: Hub, stub: reward_pb2_grpc.RewardStub) -> None:
     term = reward_pb2.RewardTerm(function="judge")
     term.params.update({"scale": float("inf")})
@@ -300,6 +327,23 @@ def test_a_client_that_leaves_frees_the_workers_over_http_as_over_grpc(hub: Hub)
     assert [r["score"] for r in again.json()["results"]] == [1.0] * 4
     text = httpx.get(f"{hub.url}/metrics", timeout=10).text
     assert 'rlfleet_reward_requests_total{outcome="cancelled"} 1.0' in text
+
+
+def test_with_port_0_the_log_names_the_ports_bound(tmp_path: Path) -> None:
+    argv = [sys.executable, str(LAUNCHER), "--host", "127.0.0.1", "--port", "0", "--grpc-port", "0", "--workers", "1"]
+    process = ServiceProcess("reward-hub-port-0", argv, tmp_path / "hub.log", env={"RLFLEET_LOG_FORMAT": "text"})
+    try:
+        deadline = time.monotonic() + 30
+        while not (found := re.search(r"serving HTTP on 127\.0\.0\.1:(\d+), gRPC on port (\d+)", process.log_tail())):
+            assert process.alive() and time.monotonic() < deadline, process.log_tail()
+            time.sleep(0.1)
+        http_port, grpc_port = int(found[1]), int(found[2])
+        assert httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=10).status_code == 200
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            functions = reward_pb2_grpc.RewardStub(channel).ListFunctions(reward_pb2.ListFunctionsRequest(), timeout=10)
+        assert "exact" in [f.name for f in functions.functions]
+    finally:
+        process.stop(timeout=10)
 
 
 @pytest.mark.parametrize("stopped_by", ["sigterm", "service_process_stop"])

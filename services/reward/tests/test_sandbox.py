@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import signal
 import socket
 import tempfile
 import time
@@ -63,6 +64,19 @@ def test_environment_is_scrubbed_and_files_stay_in_the_working_directory(isolati
     assert lines[:2] == ["['HOME', 'LANG', 'PATH', 'TMPDIR']", "ok"], result.stderr
     if isolation.landlock:
         assert lines[2] == "PermissionError"
+
+
+@pytest.mark.parametrize("target", ["open('big', 'w')", "sys.stdout"])
+def test_a_write_past_the_file_size_limit_ends_the_program_with_sigxfsz(isolation: Isolation, target: str) -> None:
+    # Python ignores SIGXFSZ at start-up: the write was an OSError, here caught and the exit status 0.
+    program = f"import sys\ntry:\n    {target}.write('x' * (2 << 20))\nexcept OSError:\n    pass\n"
+    result = run_python(program, "", LIMITS, isolation)
+    assert result.exit_code == 128 + signal.SIGXFSZ, result.stderr
+
+
+def test_stdout_is_read_whole_up_to_the_file_size_limit(isolation: Isolation) -> None:
+    result = run_python("print('x' * (3 << 20))", "", dataclasses.replace(LIMITS, file_size_bytes=4 << 20), isolation)
+    assert (result.exit_code, len(result.stdout)) == (0, (3 << 20) + 1), result.stderr
 
 
 def test_the_wall_clock_limit_kills_the_whole_group(isolation: Isolation) -> None:

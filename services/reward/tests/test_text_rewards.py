@@ -172,6 +172,16 @@ def test_multiple_choice_tells_the_words_a_and_i_from_choices(
     assert scored(score_multiple_choice(RewardInput(response=response, label=label), params(ChoiceParams))) == expected
 
 
+@pytest.mark.parametrize("run", [" ", "\n", "*"])
+def test_multiple_choice_is_linear_in_a_long_run_after_answer(run: str) -> None:
+    # Adjacent runs of spaces or emphasis in the answer pattern backtracked cubically: 1,500 spaces took 10 s.
+    response = "The answer" + run * 1_000 + "is unclear."
+    started = time.monotonic()
+    found = scored(score_multiple_choice(RewardInput(response=response, label="B"), params(ChoiceParams)))
+    assert found == (0.0, {"found": 0.0})
+    assert time.monotonic() - started < 1.0
+
+
 def test_multiple_choice_refuses_a_label_outside_the_choices() -> None:
     with pytest.raises(ValueError, match="not one of the choices ABCD"):
         score_multiple_choice(RewardInput(response="A", label="E"), params(ChoiceParams, choices="ABCD"))

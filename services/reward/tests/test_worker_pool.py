@@ -117,10 +117,10 @@ def test_at_most_size_jobs_run_at_once() -> None:
     assert 0.6 <= elapsed < 1.5
 
 
-# Once the function is known to be quick, with one worker the first chunk is half the items: "slow", "b"
-# and the misbehaving item. The worker sends the reply of "slow" as soon as it is done (0.15 s is past its
-# flush interval) but holds that of "b", which dies with it: "b" alone is scored again, by the replacement
-# worker.
+# With one worker the call's first chunk is "a" alone; once that is back quick, the next is half the items
+# left: "slow", "b" and the misbehaving item. The worker sends the reply of "slow" as soon as it is done
+# (0.15 s is past its flush interval) but holds that of "b", which dies with it: "b" alone is scored again,
+# by the replacement worker.
 
 
 @pytest.mark.parametrize(("culprit", "status", "error"), [("hang", TIMEOUT, "exceeded its 0.5 s time limit"),
@@ -133,15 +133,15 @@ def test_a_misbehaving_item_inside_a_chunk_fails_alone(
     async def body(pool: WorkerPool) -> None:
         await pool.run("record_label", {"log": str(tmp_path / "warm-up.log")}, labelled("quick"), timeout=5)
         started = time.monotonic()
-        labels = ("slow", "b", culprit, "c", "d", "e")
+        labels = ("a", "slow", "b", culprit, "c", "d", "e")
         results = await pool.run("record_label", {"log": str(log)}, labelled(*labels), timeout=0.5)
         assert time.monotonic() - started < 2.0
-        assert [r.status for r in results] == [OK, OK, status, OK, OK, OK]
-        assert error in results[2].error
+        assert [r.status for r in results] == [OK, OK, OK, status, OK, OK, OK]
+        assert error in results[3].error
         assert pool.live == 1
 
     with_pool(body, size=1)
-    assert sorted(log.read_text().split()) == sorted(["slow", "b", "b", culprit, "c", "d", "e"])
+    assert sorted(log.read_text().split()) == sorted(["a", "slow", "b", "b", culprit, "c", "d", "e"])
 
 
 def test_each_item_of_a_chunk_gets_its_whole_time_limit() -> None:
@@ -196,6 +196,24 @@ def test_a_request_behind_a_large_batch_of_slow_items_waits_for_a_chunk_not_the_
     waited, batch_still_running = with_pool(body)
     assert batch_still_running
     assert waited < 0.6
+
+
+def test_a_batch_of_slow_items_after_fast_ones_of_the_same_function_goes_out_in_small_chunks() -> None:
+    """Sized by the fast items before, the slow batch went out in chunks of 4 items (1.6 s): a one-item request
+    waited for a whole chunk. Each lane times the call's items with one item first, so it waits for one item."""
+
+    async def body(pool: WorkerPool) -> float:
+        await pool.run("sleep", {"seconds": 0.0}, labelled(*"x" * 100), timeout=5)
+        batch = asyncio.create_task(pool.run("sleep", {"seconds": 0.4}, labelled(*"x" * 16), timeout=5))
+        await asyncio.sleep(0.15)
+        asked = time.monotonic()
+        (quick,) = await pool.run("length_parts", {}, [RewardInput(response="a")], timeout=5)
+        waited = time.monotonic() - asked
+        assert quick.status is OK
+        assert [r.status for r in await batch] == [OK] * 16
+        return waited
+
+    assert with_pool(body) < 0.7
 
 
 def test_a_caller_that_goes_away_mid_chunk_gets_its_worker_replaced() -> None:
