@@ -4,16 +4,19 @@ Makes the tiny model, warm-starts it with SFT (as `rlfleet demo` does), brings t
 up once, then trains the demo task (examples/runs/arith-grpo.yaml) once per variant from the same
 warm start and seed. A variant is `MxE` (trainer.mini_batches M, trainer.epochs E), optionally with
 `+tis` (algorithm.tis_cap 2.0: the PPO ratio of every update is then taken against the trainer's
-log-probs before the step's first update, so the clip acts on the later updates) or `+tis=C`.
+log-probs before the step's first update, so the clip acts on the later updates) or `+tis=C`, and
+optionally `+stale=K` (rollout.max_staleness K: generation runs up to K weight versions ahead of the
+trainer, so the engines' log-probs come from an older policy than the one trained; 0 otherwise).
 
 Per variant it records the held-out accuracy of every evaluation, the mean reward of the first and
-last step, pg_clipfrac and optimizer_updates of each trainer step report the run's watch shows
+last step, pg_clipfrac, tis_weight, logprob_diff (trainer against engine log-probs of the sampled tokens) and
+optimizer_updates of each trainer step report the run's watch shows
 (Run.metrics holds the latest step's; a watch may fold two quick changes into one, so a report can be
 missed), the trainer's step_seconds and the run's wall time (RUNNING to its end, evaluations
 included). The first variant is the baseline: the summary gives each other variant's accuracy gain
 (after - before) over the baseline's gain, and its wall time over the baseline's.
 
-    .venv/bin/python bench/ppo_updates.py [--variants 1x1,4x1,4x1+tis] [--steps 40] [--eval-every 10]
+    .venv/bin/python bench/ppo_updates.py [--variants 1x1,4x1,4x1+tis,1x1+stale=1] [--steps 40] [--eval-every 10]
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from rlfleet.v1.runs_pb2 import Run, RunSpec, RunState
 REPO = Path(__file__).resolve().parents[1]
 REDIS_PREFIX = "rlfleet-bench-ppo:"
 DEFAULT_TIS_CAP = 2.0
-VARIANT = re.compile(r"(\d+)x(\d+)(\+tis(?:=(\d+(?:\.\d*)?))?)?")
+VARIANT = re.compile(r"(\d+)x(\d+)(\+tis(?:=(\d+(?:\.\d*)?))?)?(?:\+stale=(\d+))?")
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class Variant:
     mini_batches: int
     epochs: int
     tis_cap: float
+    max_staleness: int = 0
 
 
 def parse_variants(text: str) -> list[Variant]:
@@ -54,9 +58,11 @@ def parse_variants(text: str) -> list[Variant]:
     for name in (part.strip() for part in text.split(",")):
         match = VARIANT.fullmatch(name)
         if match is None:
-            raise argparse.ArgumentTypeError(f"variant {name!r}: write MxE, MxE+tis or MxE+tis=CAP, e.g. 4x1+tis")
+            raise argparse.ArgumentTypeError(
+                f"variant {name!r}: write MxE[+tis[=CAP]][+stale=K], e.g. 4x1+tis or 1x1+tis+stale=1"
+            )
         tis = (float(match[4]) if match[4] else DEFAULT_TIS_CAP) if match[3] else 0.0
-        variants.append(Variant(name, int(match[1]), int(match[2]), tis))
+        variants.append(Variant(name, int(match[1]), int(match[2]), tis, int(match[5] or 0)))
     if len({v.name for v in variants}) != len(variants):
         raise argparse.ArgumentTypeError(f"--variants {text!r} names a variant twice")
     return variants
@@ -79,6 +85,7 @@ def variant_spec(base: RunSpec, variant: Variant, model: Path, args: argparse.Na
     spec.model.path = spec.model.tokenizer_path = str(model)
     spec.trainer.mini_batches, spec.trainer.epochs = variant.mini_batches, variant.epochs
     spec.algorithm.tis_cap = variant.tis_cap
+    spec.rollout.max_staleness = variant.max_staleness
     spec.schedule.steps, spec.schedule.eval_every = args.steps, args.eval_every
     spec.dataset.eval_size = args.eval_size
     return spec
@@ -98,6 +105,7 @@ def train(client: RunsClient, spec: RunSpec, label: str, timeout_s: float) -> Re
             print(
                 f"  [{label}] step report {len(record.reports)}/{last.progress.total_steps}: "
                 f"reward {metrics.get('reward_mean', 0.0):.3f} pg_clipfrac {metrics.get('pg_clipfrac', 0.0):.4f} "
+                f"logprob_diff {metrics.get('logprob_diff', 0.0):.2e} "
                 f"updates {metrics.get('optimizer_updates', 0.0):.0f} step {metrics.get('step_seconds', 0.0):.2f} s",
                 flush=True,
             )
@@ -125,12 +133,15 @@ def summarize(variant: Variant, record: Record, steps: int) -> dict:
         "mini_batches": variant.mini_batches,
         "epochs": variant.epochs,
         "tis_cap": variant.tis_cap,
+        "max_staleness": variant.max_staleness,
         "accuracy": {str(step): round(acc, 4) for step, acc in record.evals},
         "accuracy_gain": round(record.evals[-1][1] - record.evals[0][1], 4),
         "mean_reward_first": round(record.rewards[steps_seen[0]], 4) if steps_seen else None,
         "mean_reward_last": round(record.rewards[steps_seen[-1]], 4) if steps_seen else None,
         "step_reports_seen": len(record.reports),
         "pg_clipfrac_mean": mean([r["pg_clipfrac"] for r in record.reports if "pg_clipfrac" in r], 5),
+        "tis_weight_mean": mean([r["tis_weight"] for r in record.reports if "tis_weight" in r], 5),
+        "logprob_diff_mean": mean([r["logprob_diff"] for r in record.reports if "logprob_diff" in r], 6),
         "optimizer_updates": sorted({int(r["optimizer_updates"]) for r in record.reports if "optimizer_updates" in r}),
         "trainer_step_seconds_mean": mean([r["step_seconds"] for r in record.reports if "step_seconds" in r], 3),
         "run_seconds_per_step": round(record.wall_s / steps, 2),
@@ -146,7 +157,7 @@ def main() -> int:
         "--variants",
         type=parse_variants,
         default=parse_variants("1x1,4x1,4x1+tis"),
-        help="comma-separated MxE[+tis[=CAP]] (mini_batches x epochs); the first is the baseline",
+        help="comma-separated MxE[+tis[=CAP]][+stale=K] (mini_batches x epochs); the first is the baseline",
     )
     parser.add_argument("--sft-steps", type=int, default=400)
     parser.add_argument("--engines", type=int, default=2)
