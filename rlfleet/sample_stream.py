@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+import struct
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -152,18 +153,41 @@ def connect_redis_async(url: str, timeout_s: float = 10.0) -> aioredis.Redis:
     return aioredis.Redis.from_url(url, retry=retry, **_client_options(timeout_s))
 
 
-def validate_group(group: SampleGroup) -> None:
+def _finite_in_float32(value: float) -> bool:
+    """Whether `value` stays finite as the float32 the trainer computes in (a double up to 1.8e308 need not)."""
+    if not math.isfinite(value):
+        return False
+    try:
+        struct.pack("<f", value)
+    except OverflowError:
+        return False
+    return True
+
+
+def _token_out_of_range(ids: Sequence[int], vocab_size: int | None) -> tuple[int, int] | None:
+    """(position, id) of the first token id outside [0, vocab_size) (below 0 when the size is not known)."""
+    limit = vocab_size if vocab_size is not None else math.inf
+    if not ids or (min(ids) >= 0 and max(ids) < limit):  # the usual case, without a Python loop over the tokens
+        return None
+    return next((j, t) for j, t in enumerate(ids) if not 0 <= t < limit)
+
+
+def validate_group(group: SampleGroup, vocab_size: int | None = None) -> None:
     """Raises InvalidInput naming the first field that would make the group untrainable: one that would fail
-    every step holding it (lengths that disagree, a response with no prompt token to score it from) or
-    silently turn the policy's weights into NaN (a number that is not finite)."""
+    every step holding it (lengths that disagree, a response with no prompt token to score it from, a token id
+    outside the vocabulary: below 0, or from `vocab_size` on when it is given) or silently corrupt the step's
+    loss (a loss_mask value other than 0 or 1, a number that is not finite in float32, which the trainer
+    computes in)."""
     if not group.group_id:
         raise InvalidInput("SampleGroup.group_id must be set")
     if not group.run_id:
         raise InvalidInput(f"SampleGroup {group.group_id}: run_id must be set")
     if not group.samples:
         raise InvalidInput(f"SampleGroup {group.group_id}: samples must not be empty")
-    if not (math.isfinite(group.weight) and group.weight >= 0):
-        raise InvalidInput(f"SampleGroup {group.group_id}: weight must be a finite number >= 0, got {group.weight}")
+    if not (_finite_in_float32(group.weight) and group.weight >= 0):
+        raise InvalidInput(
+            f"SampleGroup {group.group_id}: weight must be a finite number >= 0 (in float32), got {group.weight}"
+        )
     for i, sample in enumerate(group.samples):
         n = len(sample.response_token_ids)
         for name in ("rollout_logprobs", "loss_mask"):
@@ -178,8 +202,22 @@ def validate_group(group: SampleGroup) -> None:
                 f"SampleGroup {group.group_id}: samples[{i}] has response tokens but no prompt token "
                 "(the first response token is scored from the token before it)"
             )
-        if not math.isfinite(sample.reward):
-            raise InvalidInput(f"SampleGroup {group.group_id}: samples[{i}].reward is {sample.reward}")
+        for name in ("prompt_token_ids", "response_token_ids"):
+            bad_token = _token_out_of_range(getattr(sample, name), vocab_size)
+            if bad_token is not None:
+                where, token = bad_token
+                outside = f"outside the vocabulary [0, {vocab_size})" if vocab_size is not None else "not a token id"
+                raise InvalidInput(f"SampleGroup {group.group_id}: samples[{i}].{name}[{where}] is {token}, {outside}")
+        if sample.loss_mask and max(sample.loss_mask) > 1:
+            bad_mask = next(j for j, m in enumerate(sample.loss_mask) if m > 1)
+            raise InvalidInput(
+                f"SampleGroup {group.group_id}: samples[{i}].loss_mask[{bad_mask}] is {sample.loss_mask[bad_mask]}, "
+                "not 0 or 1"
+            )
+        if not _finite_in_float32(sample.reward):
+            raise InvalidInput(
+                f"SampleGroup {group.group_id}: samples[{i}].reward is {sample.reward}, not finite in float32"
+            )
         bad = next((j for j, logprob in enumerate(sample.rollout_logprobs) if not math.isfinite(logprob)), None)
         if bad is not None:
             raise InvalidInput(
@@ -187,10 +225,11 @@ def validate_group(group: SampleGroup) -> None:
             )
 
 
-def check_trainable(group: SampleGroup, run_id: str) -> None:
+def check_trainable(group: SampleGroup, run_id: str, vocab_size: int | None = None) -> None:
     """Raises InvalidInput naming what makes a group read from the stream of run `run_id` untrainable: what
-    `validate_group` refuses (`append` applies it, a writer that bypasses it does not), or another run's group."""
-    validate_group(group)
+    `validate_group` refuses (`append` applies it, a writer that bypasses it does not; only the reader knows
+    the model's `vocab_size`), or another run's group."""
+    validate_group(group, vocab_size)
     if group.run_id != run_id:
         raise InvalidInput(f"SampleGroup {group.group_id} belongs to run {group.run_id}, not {run_id}")
 
@@ -210,12 +249,16 @@ class SampleStream:
         *,
         prefix: str = DEFAULT_PREFIX,
         consumer_group: str = DEFAULT_CONSUMER_GROUP,
+        vocab_size: int | None = None,
     ) -> None:
+        """`vocab_size`: the reader's model's vocabulary; an entry holding a token id outside it goes to the dead
+        letters (the producer's `append` cannot check this: it does not know the model)."""
         if not run_id:
             raise ValueError("run_id must be non-empty")
         self.client = client
         self.run_id = run_id
         self.consumer_group = consumer_group
+        self.vocab_size = vocab_size
         self.key, self.ids_key, self.dead_key = stream_keys(run_id, prefix)
         self._append_once = client.register_script(_APPEND_ONCE)
         self._trim_acknowledged = client.register_script(_TRIM_ACKNOWLEDGED)
@@ -397,7 +440,7 @@ class SampleStream:
                 self._move_to_dead_letters(entry_id, fields, f"undecodable: {exc!r}")
                 continue
             try:
-                check_trainable(group, self.run_id)
+                check_trainable(group, self.run_id, self.vocab_size)
             except InvalidInput as exc:
                 self._move_to_dead_letters(entry_id, fields, f"untrainable: {exc}")
                 continue

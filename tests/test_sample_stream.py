@@ -159,6 +159,11 @@ def test_undecodable_entry_goes_to_dead_letters(stream: SampleStream, redis_clie
         (lambda g: setattr(g.samples[0], "reward", float("nan")), "reward is nan"),
         (lambda g: g.samples[0].ClearField("prompt_token_ids"), "no prompt token"),
         (lambda g: setattr(g, "weight", -1.0), "weight must be a finite number >= 0"),
+        (lambda g: setattr(g, "weight", 1e39), r"weight must be a finite number >= 0 \(in float32\), got 1e\+39"),
+        (lambda g: setattr(g.samples[1], "reward", -1e39), r"samples\[1\].reward is -1e\+39, not finite in float32"),
+        (lambda g: g.samples[0].loss_mask.__setitem__(1, 2), r"samples\[0\].loss_mask\[1\] is 2, not 0 or 1"),
+        (lambda g: g.samples[1].prompt_token_ids.__setitem__(2, -1), r"prompt_token_ids\[2\] is -1, not a token id"),
+        (lambda g: g.samples[0].response_token_ids.__setitem__(0, -5), r"response_token_ids\[0\] is -5, not a token"),
     ],
 )
 def test_malformed_groups_are_refused_and_nothing_is_written(stream: SampleStream, mutate, message: str) -> None:
@@ -178,6 +183,12 @@ def test_malformed_groups_are_refused_and_nothing_is_written(stream: SampleStrea
         (lambda g: g.samples[1].ClearField("prompt_token_ids"), "samples[1] has response tokens but no prompt token"),
         (lambda g: setattr(g, "weight", float("nan")), "weight must be a finite number"),
         (lambda g: setattr(g, "run_id", "other"), "belongs to run other"),
+        # Finite as the proto's double, infinite as the trainer's float32: the step's loss would be NaN.
+        (lambda g: setattr(g.samples[0], "reward", 1e39), "samples[0].reward is 1e+39, not finite in float32"),
+        (lambda g: setattr(g, "weight", 1e39), "weight must be a finite number >= 0 (in float32), got 1e+39"),
+        # A token weight of 1000 instead of the documented 1 (trained) or 0 (not).
+        (lambda g: g.samples[1].loss_mask.__setitem__(0, 1000), "samples[1].loss_mask[0] is 1000, not 0 or 1"),
+        (lambda g: g.samples[0].response_token_ids.__setitem__(1, -1), "samples[0].response_token_ids[1] is -1"),
     ],
 )
 def test_a_group_written_past_the_producers_checks_goes_to_dead_letters(
@@ -191,6 +202,28 @@ def test_a_group_written_past_the_producers_checks_goes_to_dead_letters(
     assert [e.group.prompt_id for e in stream.read("c", count=10)] == ["1"]
     [(_, why)] = stream.dead_letters()
     assert why.startswith("untrainable: ") and reason in why, why
+    assert stream.pending_count() == 1
+
+
+def test_a_token_id_outside_the_readers_vocabulary_goes_to_dead_letters(
+    redis_client: redis.Redis, redis_prefix: str
+) -> None:
+    """The producer cannot know the model's vocabulary; the trainer, reading with it, must not take a group
+    whose token ids index past the embedding (every step holding it failed with an IndexError, every resume too)."""
+    stream = SampleStream(redis_client, "run1", prefix=redis_prefix, vocab_size=10)
+    outside = "outside the vocabulary [0, 10)"
+    stream.ensure_consumer_group()
+    past_the_end, in_range, bad_prompt = make_group("run1", 0), make_group("run1", 1), make_group("run1", 2)
+    past_the_end.samples[1].response_token_ids[1] = 10
+    bad_prompt.samples[0].prompt_token_ids[0] = 4000
+    ids = [stream.append(g) for g in (past_the_end, in_range, bad_prompt)]  # the producer's checks pass them
+    assert all(ids)
+    assert [e.group.prompt_id for e in stream.read("c", count=10)] == ["1"]  # ids 5..9 fit
+    [(first, why_first), (second, why_second)] = stream.dead_letters()
+    assert (first, second) == (ids[0], ids[2])
+    assert why_first == "untrainable: SampleGroup run1/0/0: samples[1].response_token_ids[1] is 10, " + outside
+    assert why_second == "untrainable: SampleGroup run1/0/2: samples[0].prompt_token_ids[0] is 4000, " + outside
+    assert [entry for entry, _ in stream.lost_groups()] == [ids[0], ids[2]]  # the run is short of them
     assert stream.pending_count() == 1
 
 

@@ -4,7 +4,6 @@ restart, get the shutdown time they need and reap their children."""
 
 from __future__ import annotations
 
-import inspect
 import os
 import re
 import subprocess
@@ -204,24 +203,25 @@ def test_services_that_start_subprocesses_reap_them(compose: dict[str, Any]) -> 
         assert compose["services"][name].get("init") is True, name
 
 
-def torchrun_shutdown_timeout(repo: Path) -> int:
-    """The trainer image's torchrun --shutdown-timeout, as torchrun's own parser reads its ENTRYPOINT."""
+def trainer_image_shutdown(repo: Path) -> tuple[float, int]:
+    """The trainer image's RLFLEET_TRAINER_SHUTDOWN_TIMEOUT_S (rank 0's wait for the step in progress and its
+    checkpoint) and torchrun's --shutdown-timeout, as torchrun's own parser reads the ENTRYPOINT."""
     dockerfile = pytest.importorskip("dockerfile", reason="needs the dockerfile package (the dev extra)")
     from torch.distributed.run import get_args_parser
 
     parsed = list(dockerfile.parse_file(str(repo / "services" / "trainer" / "Dockerfile")))
     [entrypoint] = [list(ins.value) for ins in parsed if ins.cmd == "ENTRYPOINT"]
     [command] = [list(ins.value) for ins in parsed if ins.cmd == "CMD"]
+    env = dict(zip(*[iter(value for ins in parsed if ins.cmd == "ENV" for value in ins.value)] * 2, strict=True))
     args = get_args_parser().parse_args(entrypoint[entrypoint.index("rlfleet_trainer.launcher") + 1 :] + command)
     assert args.shutdown_timeout is not None, "torchrun would SIGKILL the ranks after its default 30 s"
-    return int(args.shutdown_timeout)
+    return float(env["RLFLEET_TRAINER_SHUTDOWN_TIMEOUT_S"]), int(args.shutdown_timeout)
 
 
 def test_services_get_the_time_their_shutdown_takes(compose: dict[str, Any], repo: Path) -> None:
     """Docker kills a container 10 s after SIGTERM unless told otherwise."""
     from rlfleet_reward.config import RewardSettings
     from rlfleet_rollout.config import RolloutConfig
-    from rlfleet_trainer.trainer_core import TrainerCore
 
     services = compose["services"]
 
@@ -229,8 +229,7 @@ def test_services_get_the_time_their_shutdown_takes(compose: dict[str, Any], rep
         return seconds(services[name].get("stop_grace_period", "10s"))
 
     # The trainer: gRPC stops (5 s), then its runs stop and checkpoint; torchrun gives its ranks that long.
-    core_shutdown_s = inspect.signature(TrainerCore.shutdown).parameters["timeout_s"].default
-    torchrun_s = torchrun_shutdown_timeout(repo)
+    core_shutdown_s, torchrun_s = trainer_image_shutdown(repo)
     assert 5 + core_shutdown_s < torchrun_s
     for name in ("trainer", "trainer-gpu"):
         assert grace(name) >= torchrun_s + 10, name

@@ -5,7 +5,6 @@ model-init Job's pod template (immutable in Kubernetes) replaces the Job instead
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 from typing import Any
 
@@ -58,14 +57,15 @@ def shutdown_timeout(args: list[str]) -> int:
 
 @pytest.mark.parametrize("values_file", CASES, ids=IDS)
 def test_trainer_pods_outlive_the_checkpoint_on_sigterm(values_file: Path | None) -> None:
-    from rlfleet_trainer.trainer_core import TrainerCore
-
-    core_shutdown_s = inspect.signature(TrainerCore.shutdown).parameters["timeout_s"].default
     spec = pod_spec(render(values_of(values_file)), "trainer")
     grace = spec["terminationGracePeriodSeconds"]
     [container] = spec["containers"]
     assert container["command"] == ["tini", "-s", "--", "python", "-m", "rlfleet_trainer.launcher"]
     torchrun_s = shutdown_timeout(container["args"])
+    # How long rank 0 waits for the step in progress and its checkpoint, as the chart sets it.
+    env = {var["name"]: var.get("value") for var in container["env"]}
+    core_shutdown_s = float(env["RLFLEET_TRAINER_SHUTDOWN_TIMEOUT_S"])
+    assert core_shutdown_s >= 30
     # The ranks get the trainer's whole shutdown; torchrun then has the rest of the pod's grace to kill and exit.
     assert TRAINER_GRPC_GRACE_S + core_shutdown_s < torchrun_s < grace
     assert grace - torchrun_s >= 10
@@ -77,6 +77,8 @@ def test_a_trainer_grace_period_too_short_to_checkpoint_is_refused() -> None:
     spec = pod_spec(render({"trainer": {"terminationGracePeriodSeconds": 120}}), "trainer")
     assert spec["terminationGracePeriodSeconds"] == 120
     assert shutdown_timeout(spec["containers"][0]["args"]) == 105
+    env = {var["name"]: var.get("value") for var in spec["containers"][0]["env"]}
+    assert env["RLFLEET_TRAINER_SHUTDOWN_TIMEOUT_S"] == "90"
 
 
 @pytest.mark.parametrize("values_file", CASES, ids=IDS)

@@ -202,7 +202,7 @@ def serve(settings: TrainerSettings) -> int:
             await http.serve()  # returns on SIGTERM / SIGINT
         finally:
             await grpc_server.stop(grace=5)
-            await asyncio.to_thread(core.shutdown)
+            await asyncio.to_thread(core.shutdown, settings.shutdown_timeout_s)
 
     # uvicorn re-raises the SIGTERM it handled once it has stopped: swallow it, so the shutdown
     # below runs (runs stopped, followers released, every rank at the barrier) instead of dying.

@@ -8,6 +8,11 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+SHUTDOWN_TIMEOUT_S = 30.0
+"""How long SIGTERM waits for the step in progress and its checkpoint by default: torchrun's own --shutdown-timeout
+(30 s) ends the ranks then anyway. The image (torchrun given 285 s) and the chart (from the pod's grace period) set
+more."""
+
 
 class TrainerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RLFLEET_TRAINER_")
@@ -23,6 +28,12 @@ class TrainerSettings(BaseSettings):
     keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept per run (work_dir/runs/<id>/checkpoints)")
     checkpoint_timeout_s: float = Field(
         600.0, gt=0, description="bound on a Checkpoint call waiting for the step in progress to end"
+    )
+    shutdown_timeout_s: float = Field(
+        SHUTDOWN_TIMEOUT_S,
+        gt=0,
+        description="on SIGTERM, bound on waiting for the step in progress and its checkpoint; keep it below "
+        "torchrun's --shutdown-timeout less 15 s (the gRPC drain and a margin), or the ranks are killed first",
     )
     torch_threads: int = Field(2, ge=1, description="intra-op threads of torch on CPU")
     collective_timeout_s: float = Field(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Step metrics exported as gauges `rlfleet_trainer_<name>`, from train_step's result.
@@ -86,9 +88,11 @@ class TrainerMetrics:
         }
 
     def observe_step(self, metrics: dict[str, float]) -> None:
+        """Sets the step gauges from a step's metrics. A gauge the step has no value for (a step with no sample to
+        train on has no loss; a run without PPO no value loss) is NaN, "none", rather than an earlier step's value
+        passed off as this one's."""
         for name, gauge in self.gauges.items():
-            if name in metrics:
-                gauge.set(metrics[name])
+            gauge.set(metrics.get(name, math.nan))
         if metrics.get("update_skipped"):
             self.skipped_updates.inc(metrics["update_skipped"])  # a step of several updates may skip more than one
         if "step_seconds" in metrics:

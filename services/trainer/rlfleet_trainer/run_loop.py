@@ -21,6 +21,7 @@ a label) accept any version, including one they have seen before.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -175,14 +176,16 @@ def report(run: ActiveRun, version: int, groups: int, step_metrics: dict[str, fl
     metrics.weight_version.set(version)
     metrics.groups_consumed.inc(groups)
     metrics.samples_consumed.inc(step_metrics.get("samples", 0))
-    set_aside = run.stream.dead_letter_count()
-    metrics.stream_lag.set(max(0, run.stream.appended_count() - run.groups_trained - set_aside))
+    # Of the dead letters only the run's own groups were counted as appended (not another writer's entries), each
+    # once (a move retried after a lost reply writes its dead letter twice).
+    lost = len(run.stream.lost_groups())
+    metrics.stream_lag.set(max(0, run.stream.appended_count() - run.groups_trained - lost))
     logger.info(
         "run %s step %d/%d: loss %.4f reward %.3f logprob_diff %.2e (%.2fs + sync %.2fs)",
         run.run_id,
         version,
         run.spec.schedule.steps,
-        step_metrics.get("loss", 0.0),
+        step_metrics.get("loss", math.nan),  # none when the step had no sample to train on
         step_metrics["reward_mean"],
         step_metrics.get("logprob_diff", 0.0),
         step_metrics.get("step_seconds", 0.0),

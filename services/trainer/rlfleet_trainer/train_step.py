@@ -192,8 +192,8 @@ def train_step(
       (not finite only when every one was skipped);
     - pg_clipfrac, approx_kl, entropy, tis_weight, ...: means over the sequences of every update;
     - optimizer_updates: the updates the step made (mini_batches x epochs, fewer when the batch holds
-      fewer sequences than mini_batches); update_skipped: how many of them a gradient that was not
-      finite skipped;
+      fewer sequences than mini_batches, 0 when it holds none: then `skipped` is 1 and the step reports no
+      loss, gradient or token metrics); update_skipped: how many of them a gradient that was not finite skipped;
     - logprob_diff: mean |trainer - rollout| log-prob over trained tokens, in the first epoch (each
       sequence scored once; with several mini-batches the later ones by an already updated policy);
     - lr: the learning rate of the step's first update;
@@ -208,7 +208,12 @@ def train_step(
         "lr": float(scheduler.get_last_lr()[0]),
     }
     if not sequences:
-        metrics["skipped"] = 1.0
+        # No sample to train on (every one failed): no update, but the schedule, which counts mini_batches x epochs
+        # updates a step, moves on by them, so it still ends at the run's last step. No loss, gradient or
+        # tokens to report either: their gauges say so (metrics.py) rather than keep the previous step's.
+        for _ in range(config.epochs * config.mini_batches):
+            scheduler.step()
+        metrics.update({"skipped": 1.0, "optimizer_updates": 0.0, "update_skipped": 0.0})
         return metrics
     ranks = current_ranks()
     mask, present = response_grid(sequences)  # (S, T)

@@ -32,7 +32,7 @@ from rlfleet.v1.trainer_pb2 import CheckpointResponse, StepReport, TrainerState,
 from rlfleet_trainer.active_run import ActiveRun
 from rlfleet_trainer.checkpoint import CheckpointFailed, prune_checkpoints
 from rlfleet_trainer.checkpoint_commit import CheckpointCommitter
-from rlfleet_trainer.config import TrainerSettings
+from rlfleet_trainer.config import SHUTDOWN_TIMEOUT_S, TrainerSettings
 from rlfleet_trainer.generation_pause import resume_generation
 from rlfleet_trainer.metrics import TrainerMetrics
 from rlfleet_trainer.rank_group import RankGroup
@@ -265,10 +265,11 @@ class TrainerCore:
             with run.changed:
                 run.changed.wait(timeout=timeout_s)
 
-    def shutdown(self, timeout_s: float = 30.0) -> None:
+    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
         """Stops every run after its step in progress, checkpointing it (a graceful termination,
         e.g. SIGTERM, loses no training); a run still starting stops once loaded, without training,
-        and no run starts afterwards. Waits up to `timeout_s` in all."""
+        and no run starts afterwards. Waits up to `timeout_s` in all (`serve` passes --shutdown-timeout-s):
+        a step still going on then is abandoned without its checkpoint."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             self._closing = True
@@ -314,12 +315,15 @@ class TrainerCore:
         run_dir = self.settings.work_dir / "runs" / run_id
         weights_root, checkpoints_root = run_dir / "weights", run_dir / "checkpoints"
         try:
-            self.ranks.call("load_run", spec)
+            policy = self.ranks.call("load_run", spec)
+            # A token id outside the model's vocabulary would fail every step holding it (an index error in the
+            # embedding or the log-prob gather): such an entry goes to the dead letters when it is read.
+            vocab_size = int(policy.model.config.vocab_size)
             run = ActiveRun(
                 run_id=run_id,
                 spec=spec,
                 ranks=self.ranks,
-                stream=SampleStream(self.client, run_id, prefix=self.settings.redis_prefix),
+                stream=SampleStream(self.client, run_id, prefix=self.settings.redis_prefix, vocab_size=vocab_size),
                 weights_root=weights_root,
                 checkpoints_root=checkpoints_root,
                 tokenizer_dir=Path(spec.model.tokenizer_path),

@@ -1,5 +1,6 @@
 """The trainer's side of the real stream: collecting a step's groups (when Redis delivered a read whose reply
-was lost, or another consumer left groups behind), and the checkpoint commit that acknowledges and trims them."""
+was lost, or another consumer left groups behind), the checkpoint commit that acknowledges and trims them, and
+the backlog a step reports."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import redis
 
 from rlfleet.sample_stream import SampleStream, StreamEntry
 from rlfleet.v1.samples_pb2 import Sample, SampleGroup
-from rlfleet_trainer.run_loop import collect_groups
+from rlfleet_trainer.metrics import TrainerMetrics
+from rlfleet_trainer.run_loop import collect_groups, report
 from rlfleet_trainer.run_state import RunRecord, RunStateStore
 
 CONSUMER = "trainer-0"
@@ -119,3 +121,33 @@ def test_the_wait_for_groups_calls_its_hook_between_reads(redis_client: redis.Re
     entries = collect_groups(run, settings, 1, None, while_waiting)  # type: ignore[arg-type]
     assert [e.group.group_id for e in entries] == ["run4/0/0"]
     assert len(calls) >= 3 and all(c is run for c in calls)
+
+
+def test_the_stream_lag_leaves_out_only_the_runs_own_groups_set_aside(
+    redis_client: redis.Redis, redis_prefix: str
+) -> None:
+    """rlfleet_trainer_stream_lag_groups: groups appended and not yet trained. Only the run's own groups were
+    counted as appended, so only they leave the backlog when set aside: subtracting every dead letter (another
+    writer's entries, one written twice by a retried move) hid groups still waiting to be trained."""
+    stream = SampleStream(redis_client, "lag", prefix=redis_prefix, vocab_size=10)
+    stream.ensure_consumer_group()
+    for i in range(5):
+        stream.append(group("lag", i))
+    own_bad = group("lag", 5)
+    own_bad.samples[0].response_token_ids[0] = 50  # past the model's vocabulary: appended, then set aside
+    bad_id = stream.append(own_bad)
+    redis_client.xadd(stream.key, {"group_id": "other/0/0", "group": group("other", 0).SerializeToString()})
+    redis_client.xadd(stream.key, {"group_id": "junk", "group": b"\xff\xff not protobuf"})
+    assert len(stream.read(CONSUMER, 10)) == 5
+    assert bad_id is not None
+    stream._move_to_dead_letters(bad_id, {b"group_id": own_bad.group_id.encode()}, "again")  # a retried move
+    assert stream.dead_letter_count() == 4
+
+    metrics = TrainerMetrics()
+    run = SimpleNamespace(
+        run_id="lag", stream=stream, groups_trained=2, spec=SimpleNamespace(schedule=SimpleNamespace(steps=3))
+    )
+    run.add_report = lambda _report: None
+    report(run, 1, 2, {"reward_mean": 0.0, "weight_sync_seconds": 0.0}, metrics)  # type: ignore[arg-type]
+    # 6 appended, 2 trained, 1 of the run's own set aside: the 3 delivered groups not trained yet.
+    assert metrics.registry.get_sample_value("rlfleet_trainer_stream_lag_groups") == 3

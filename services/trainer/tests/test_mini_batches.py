@@ -15,7 +15,7 @@ from google.protobuf import json_format
 
 from rlfleet import run_spec
 from rlfleet.v1.runs_pb2 import RunSpec
-from rlfleet.v1.samples_pb2 import SampleGroup
+from rlfleet.v1.samples_pb2 import SampleGroup, SampleStatus
 from rlfleet_trainer.checkpoint import CheckpointMeta, TrainingState, load_checkpoint, save_checkpoint
 from rlfleet_trainer.metrics import TrainerMetrics
 from rlfleet_trainer.mini_batches import mini_batch_parts
@@ -183,3 +183,34 @@ def test_a_step_with_fewer_samples_than_mini_batches_keeps_the_schedule_on_its_s
         assert metrics["optimizer_updates"] == 8
         assert scheduler.last_epoch == 16 * step
     assert scheduler.get_last_lr()[0] == pytest.approx(0.0)
+
+
+def test_a_step_with_no_sample_to_train_keeps_the_schedule_on_its_steps_and_reports_no_loss(
+    small_model_dir: Path,
+) -> None:
+    """A step whose groups hold only failed samples (forwarded unless the run filters them) takes no update; it
+    returned before the schedule moved on, which then ended a step late, and its gauges kept the step before's loss.
+    """
+    resolved = spec({"name": "grpo"}, {"mini_batches": 2, "lr_schedule": "linear"}, steps=3)
+    model = load_policy(small_model_dir)
+    optimizer, scheduler = optimizer_from_spec(model, resolved)
+    config = step_config_from_spec(resolved, model, pad_id=0)
+    gauges = TrainerMetrics()
+    for step in (1, 2, 3):
+        groups = batch(copy.deepcopy(model), count=1)
+        if step == 2:
+            for sample in groups[0].samples:
+                sample.status = SampleStatus.SAMPLE_STATUS_FAILED
+        metrics = train_step(model, optimizer, scheduler, groups, config, step=step)
+        gauges.observe_step(metrics)
+        assert scheduler.last_epoch == 2 * step
+        if step == 2:
+            assert metrics["optimizer_updates"] == 0 and metrics["skipped"] == 1 and "loss" not in metrics
+            # No loss for this step, rather than step 1's passed off as its.
+            assert math.isnan(gauges.registry.get_sample_value("rlfleet_trainer_loss"))
+            assert gauges.registry.get_sample_value("rlfleet_trainer_optimizer_updates") == 0
+        else:
+            assert metrics["optimizer_updates"] == 2
+            assert gauges.registry.get_sample_value("rlfleet_trainer_loss") == metrics["loss"]
+    assert adam_steps(optimizer) == {4}
+    assert scheduler.get_last_lr()[0] == pytest.approx(0.0)  # the run's last step ends the schedule

@@ -1,10 +1,12 @@
 """StopRun, and Status without a run id, as the orchestrator relies on them to free the trainer of a run
 that is over: a stop waits for the step in progress but answers within its caller's deadline (the stop
 stands; ask again), a stop during StartRun ends the run as soon as it is loaded, and asking again once
-the run has stopped gets the same answer."""
+the run has stopped gets the same answer. SIGTERM waits for the step in progress as long as it is told."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import threading
 import time
@@ -16,10 +18,12 @@ import grpc
 import pytest
 import redis
 
+from rlfleet.processes import ServiceProcess, free_port
 from rlfleet.sample_stream import SampleStream
 from rlfleet.v1 import trainer_pb2_grpc
 from rlfleet.v1.trainer_pb2 import (
     CheckpointRequest,
+    StartRunRequest,
     StatusRequest,
     StopRunRequest,
     TrainerState,
@@ -27,12 +31,14 @@ from rlfleet.v1.trainer_pb2 import (
     WatchStepsRequest,
 )
 from rlfleet_trainer.policy import load_policy
+from rlfleet_trainer.run_state import RunStateStore
 from rlfleet_trainer.trainer_core import TrainerCore
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from trainer_core_support import rollout_group, serve_grpc, spec_for, wait_for  # noqa: E402
 
+REDIS_URL = os.environ.get("RLFLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 IDLE, STARTING = TrainerState.TRAINER_STATE_IDLE, TrainerState.TRAINER_STATE_STARTING
 TRAINING, STOPPED = TrainerState.TRAINER_STATE_TRAINING, TrainerState.TRAINER_STATE_STOPPED
 
@@ -156,3 +162,49 @@ def test_checkpoint_and_watch_steps_without_a_run_id_name_the_missing_field(core
                 assert refused.value.details() == "run_id must be set", name
     finally:
         done.set()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("bound_s", "checkpointed"), [(60.0, True), (1.0, False)])
+def test_sigterm_waits_for_the_step_in_progress_up_to_shutdown_timeout_s(
+    tmp_path: Path,
+    small_model_dir: Path,
+    redis_client: redis.Redis,
+    redis_prefix: str,
+    fake_router: Any,
+    bound_s: float,
+    checkpointed: bool,
+) -> None:
+    """`serve` on SIGTERM stops its run after the step in progress and checkpoints it, waiting up to
+    --shutdown-timeout-s: a fixed 30 s abandoned a longer step (a GPU step and its weight sync) without its
+    checkpoint, though the chart gives the pod 300 s. Here the step's weight load takes 6 s."""
+    grpc_port, http_port = free_port(), free_port()
+    argv = [
+        sys.executable, "-m", "rlfleet_trainer", "serve", "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
+        "--http-port", str(http_port), "--router-url", fake_router.url, "--redis-url", REDIS_URL,
+        "--redis-prefix", redis_prefix, "--work-dir", str(tmp_path / "work"), "--read-block-ms", "100",
+        "--shutdown-timeout-s", str(bound_s),
+    ]  # fmt: skip
+    trainer = ServiceProcess("trainer", argv, tmp_path / "trainer.log", env={"OMP_NUM_THREADS": "1"})
+    try:
+        trainer.wait_healthy(f"http://127.0.0.1:{http_port}/health", 90)
+        spec = spec_for(small_model_dir, steps=5, groups_per_step=1)
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            trainer_pb2_grpc.TrainerStub(channel).StartRun(StartRunRequest(run_id="t", spec=spec), timeout=90)
+        fake_router.loading.clear()
+        fake_router.delay_s = 6.0
+        group = rollout_group(load_policy(small_model_dir), "t", 0, 0)
+        SampleStream(redis_client, "t", prefix=redis_prefix).append(group)
+        assert fake_router.loading.wait(60), "the step did not reach its weight load"
+        signalled = time.monotonic()
+        os.kill(trainer.pid, signal.SIGTERM)
+        code = trainer.proc.wait(timeout=90)
+        took = time.monotonic() - signalled
+    finally:
+        trainer.stop(timeout=10)
+    assert code == 0, trainer.log_tail(40)
+    record = RunStateStore(redis_client, redis_prefix).load("t")
+    if checkpointed:
+        assert record is not None and record.step == 1, trainer.log_tail(40)  # the step, then its checkpoint
+    else:
+        assert record is None and took < 5, (record, took)  # gone at its bound; the step is retrained on restart

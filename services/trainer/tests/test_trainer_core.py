@@ -275,6 +275,28 @@ def test_an_untrainable_group_on_the_stream_is_set_aside_and_the_run_goes_on(
     assert all(torch.isfinite(t).all() for t in load_policy(final.weights_path).state_dict().values())
 
 
+def test_a_group_with_a_token_outside_the_models_vocabulary_is_set_aside_and_the_run_goes_on(
+    core, small_model_dir, redis_client, redis_prefix
+) -> None:
+    """The producer cannot know the model's vocabulary, so such a group is appended; trained on, it failed the
+    step with an IndexError in the model, and the run at every resume, as it was never set aside."""
+    core.start_run("v", spec_for(small_model_dir, steps=1, groups_per_step=1))
+    stream = SampleStream(redis_client, "v", prefix=redis_prefix)
+    model = load_policy(small_model_dir)
+    vocab_size = model.config.vocab_size
+    bad = rollout_group(model, "v", 0, 0)
+    bad.samples[1].response_token_ids[0] = vocab_size
+    bad_id = stream.append(bad)
+    stream.append(rollout_group(model, "v", 0, 1))
+    wait_for(lambda: core.status("v").state != TrainerState.TRAINER_STATE_TRAINING)
+    final = core.status("v")
+    assert (final.state, final.step, final.groups_trained) == (TrainerState.TRAINER_STATE_STOPPED, 1, 1), final.error
+    reason = f"samples[1].response_token_ids[0] is {vocab_size}, outside the vocabulary [0, {vocab_size})"
+    [(entry, why)] = stream.lost_groups()  # the orchestrator fails the run, naming it, rather than wait it out
+    assert entry == bad_id and why.startswith("untrainable: ") and why.endswith(reason), why
+    assert stream.pending_count() == 0
+
+
 @pytest.mark.parametrize("run_id", ["../escape", "a/b", "..", ".hidden", "run 1"])
 def test_a_run_id_that_is_not_one_plain_name_is_refused(core, small_model_dir, tmp_path, run_id) -> None:
     """The run id names the run's directory under the work dir: "../escape" would write outside it, "a/../b"
