@@ -22,6 +22,9 @@ from rlfleet_engine.stop_conditions import FinishReason, find_stop_string, parti
 if TYPE_CHECKING:  # the sim backend runs jobs without torch
     import torch
 
+# What a decoder gives for bytes that are not (yet) a whole UTF-8 character.
+_INCOMPLETE = "\ufffd"
+
 
 class Detokenizer(Protocol):
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
@@ -87,21 +90,26 @@ class GenerationJob:
     def text(self, tokenizer: Detokenizer) -> str:
         """The output text, without the matched stop token or string unless no_stop_trim.
 
-        While the job runs, the tail that may yet become a stop string is held back (as SGLang does), so the
-        text only grows from one streamed output to the next and is always a prefix of the final text.
+        While the job runs, the tail that may yet become a stop string is held back (as SGLang does), and so is
+        a character whose last bytes are still to come (decoded as U+FFFD), so the text only grows from one
+        streamed output to the next and is always a prefix of the final text, the whole decode.
         """
         ids = self.output_ids
         trim = not self.params.no_stop_trim
         if trim and self.finish is not None and self.finish.matched_token:
             ids = ids[:-1]
         if not trim or not self.params.stop or (self.finish is not None and self._stop_at is None):
-            return tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
-        return self._text_before_stop(tokenizer)
+            return self._held_back(tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens))
+        return self._held_back(self._text_before_stop(tokenizer))
+
+    def _held_back(self, text: str) -> str:
+        # A byte-level tokenizer decodes the first bytes of a character as U+FFFD until its last byte comes.
+        return text.rstrip(_INCOMPLETE) if self.finish is None else text
 
     def _text_before_stop(self, tokenizer: Detokenizer) -> str:
         """The output text before the matched stop string, or (still running) before what may become one."""
         # Stop strings are found in the output decoded with its special tokens: positions are in that text.
-        full = tokenizer.decode(self.output_ids, skip_special_tokens=False)
+        full = self._held_back(tokenizer.decode(self.output_ids, skip_special_tokens=False))
         end = self._stop_at if self._stop_at is not None else len(full) - partial_stop_length(full, self.params.stop)
         if not self.params.skip_special_tokens:
             return full[:end]

@@ -21,12 +21,19 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
 from rlfleet.errors import InvalidInput
 from rlfleet_engine.openai_schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAISampling
+from rlfleet_engine.sampling_params import SamplingParams
 from rlfleet_engine.schemas import GenerateRequest
 
 if TYPE_CHECKING:
     from rlfleet_engine.engine_core import EngineCore
+
+# The sampling parameters /generate names otherwise than the OpenAI fields they come from.
+_OPENAI_NAMES = {"sampling_seed": "seed", "max_new_tokens": "max_tokens"}
 
 
 def render_chat(tokenizer: Any, messages: Sequence[ChatMessage]) -> str:
@@ -69,13 +76,14 @@ class OpenAIServer:
             return [encode(render_chat(self._core.tokenizer, req.messages))]
         prompt = req.prompt
         if isinstance(prompt, str):
-            return [encode(prompt)]
-        if not prompt:
+            prompts = [encode(prompt)]
+        elif all(isinstance(p, int) for p in prompt):
+            prompts = [[p for p in prompt if isinstance(p, int)]]
+        else:
+            prompts = [encode(p) if isinstance(p, str) else list(p) for p in prompt if not isinstance(p, int)]
+        if not all(prompts):
             raise InvalidInput("prompt: must not be empty")
-        ids = [p for p in prompt if isinstance(p, int)]
-        if len(ids) == len(prompt):
-            return [ids]
-        return [encode(p) if isinstance(p, str) else list(p) for p in prompt if not isinstance(p, int)]
+        return prompts
 
     def _generate_request(
         self, req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]]
@@ -84,19 +92,24 @@ class OpenAIServer:
             return_logprob, top = req.logprobs, req.top_logprobs or 0
         else:
             return_logprob, top = req.logprobs is not None, req.logprobs or 0
-        batch = len(prompts) > 1
         try:
-            return GenerateRequest(
-                input_ids=prompts if batch else prompts[0],
-                sampling_params=req.sampling_params(),  # type: ignore[arg-type]
-                rid=req.rid,
-                return_logprob=return_logprob,
-                top_logprobs_num=top,
-                return_text_in_logprobs=True,
-                stream=req.stream,
-            )
-        except ValueError as exc:
-            raise InvalidInput(str(exc)) from exc
+            params = SamplingParams.model_validate(req.sampling_params())
+        except ValidationError as exc:
+            # Refused as /generate refuses a bad body, naming the field as the client sent it.
+            errors = [
+                {**err, "loc": ("body", *(_OPENAI_NAMES.get(str(p), p) for p in err["loc"]))} for err in exc.errors()
+            ]
+            raise RequestValidationError(errors) from exc
+        batch = len(prompts) > 1
+        return GenerateRequest(
+            input_ids=prompts if batch else prompts[0],
+            sampling_params=params,
+            rid=req.rid,
+            return_logprob=return_logprob,
+            top_logprobs_num=top,
+            return_text_in_logprobs=True,
+            stream=req.stream,
+        )
 
     # ---- whole answers -------------------------------------------------------------------------
 

@@ -14,6 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from rlfleet_engine.sampling_params import MAX_SEED
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -41,7 +43,7 @@ class OpenAISampling(BaseModel):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    seed: int | None = Field(default=None, ge=0)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     """Seeds the request's own sampling (SGLang's `sampling_seed`): the same seed draws the same tokens."""
     stream: bool = False
     stream_options: StreamOptions | None = None

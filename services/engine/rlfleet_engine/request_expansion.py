@@ -70,6 +70,8 @@ def expand(req: GenerateRequest, tokenizer: Encoder, vocab_size: int, context_le
             raise InvalidInput(
                 f"sampling_params.stop_token_ids holds token id {bad}, outside the vocabulary [0, {vocab_size})"
             )
+        if params[i].top_k > vocab_size:  # every token, as -1 (SGLang's reading), in a range torch can hold
+            params[i] = params[i].model_copy(update={"top_k": vocab_size})
         room = context_length - len(ids)
         if room <= 0:
             raise InvalidInput(

@@ -46,8 +46,10 @@ def sample(
     logits = logits.float()
     rows, vocab = logits.shape
     greedy = torch.tensor([p.is_greedy for p in params], dtype=torch.bool)
-    # Greedy rows use temperature 1 so their logprobs are log_softmax(logits), as SGLang does.
+    # Greedy rows use temperature 1 so their logprobs are log_softmax(logits), as SGLang does. A temperature past
+    # float32's range would be inf, turning a masked (-inf) logit into NaN; the largest float32 flattens as well.
     temperatures = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params]).unsqueeze(1)  # (B, 1)
+    temperatures = temperatures.clamp(max=torch.finfo(torch.float32).max)
     logprobs = torch.log_softmax(logits / temperatures, dim=-1)  # (B, V)
 
     chosen = torch.argmax(logprobs, dim=-1)  # (B,)
@@ -93,7 +95,7 @@ def seeded_generator(seed: int | None, sample_index: int) -> torch.Generator | N
 
 def truncated_probs(probs: torch.Tensor, params: Sequence[SamplingParams], vocab: int) -> torch.Tensor:
     """Zeroes what top-k, top-p and min-p exclude in `probs` (B, V); the most likely token always stays."""
-    top_ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).unsqueeze(1)  # (B, 1)
+    top_ks = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]).unsqueeze(1)  # (B, 1)
     top_ps = torch.tensor([p.top_p for p in params]).unsqueeze(1)  # (B, 1)
     min_ps = torch.tensor([p.min_p for p in params]).unsqueeze(1)  # (B, 1)
     sorted_probs, order = probs.sort(dim=-1, descending=True)  # (B, V)

@@ -17,6 +17,8 @@ GREEDY_TEMPERATURE = 1e-6
 # `max_new_tokens: null` asks, as in SGLang, for as many tokens as the context leaves; the request's expansion
 # clamps this to the room its prompt leaves.
 UNTIL_CONTEXT = sys.maxsize
+# A seed is 64 bits, as torch.Generator.manual_seed takes it.
+MAX_SEED = 2**64 - 1
 
 # SGLang parameter -> its neutral value; anything else is refused with a message naming it.
 _UNSUPPORTED_AT_NEUTRAL: dict[str, Any] = {
@@ -49,7 +51,7 @@ class SamplingParams(BaseModel):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     n: int = Field(default=1, ge=1)
-    sampling_seed: int | None = Field(default=None, ge=0)
+    sampling_seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     """Seeds the request's own random generators (one per sample), so the same request samples the same tokens."""
 
     @field_validator("max_new_tokens", mode="before")

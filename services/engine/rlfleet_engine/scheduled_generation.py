@@ -46,7 +46,13 @@ class JobScheduler(Protocol):
         """Requests running, requests waiting."""
         ...
 
-    def abort(self, rid: str, abort_all: bool = False) -> None: ...
+    def abort(self, rid: str, abort_all: bool = False) -> None:
+        """Aborts the job `rid` and those whose rid starts with `rid_` (SGLang's /abort_request), or all."""
+        ...
+
+    def abort_jobs(self, jobs: Sequence[GenerationJob]) -> None:
+        """Aborts exactly `jobs`."""
+        ...
 
     def set_paused(self, paused: bool) -> None: ...
 
@@ -128,10 +134,11 @@ class ScheduledGeneration(ABC):
         return chunks()
 
     def _abort_unfinished(self, jobs: Sequence[GenerationJob]) -> None:
-        # A caller that went away (disconnect, cancellation) should not keep a batch row busy.
-        for job in jobs:
-            if job.finish is None:
-                self.scheduler.abort(job.rid)
+        # A caller that went away (disconnect, cancellation) should not keep a batch row busy. Its own jobs only:
+        # an abort by rid would also take another request's, whose rid is this one's plus `_<k>`.
+        unfinished = [job for job in jobs if job.finish is None]
+        if unfinished:
+            self.scheduler.abort_jobs(unfinished)
 
     def abort(self, rid: str, abort_all: bool = False) -> None:
         self.scheduler.abort(rid, abort_all)

@@ -59,7 +59,7 @@ class Scheduler:
         self.last_step_at = time.monotonic()
         self._waiting: deque[GenerationJob] = deque()
         self._running: list[GenerationJob] = []
-        self._aborts: list[tuple[str, bool]] = []
+        self._aborts: list[Callable[[GenerationJob], bool]] = []  # each says which jobs it aborts
         self._control: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._paused = False
         self._stopping = False
@@ -95,8 +95,16 @@ class Scheduler:
 
     def abort(self, rid: str, abort_all: bool = False) -> None:
         """Finishes the job `rid` (and `rid_<i>` of a batch) with an abort finish_reason."""
+        self._queue_abort(lambda job: abort_all or job.rid == rid or job.rid.startswith(f"{rid}_"))
+
+    def abort_jobs(self, jobs: Sequence[GenerationJob]) -> None:
+        """Finishes exactly `jobs` with an abort finish_reason, whatever other jobs' rids look like."""
+        own = set(jobs)
+        self._queue_abort(lambda job: job in own)
+
+    def _queue_abort(self, matches: Callable[[GenerationJob], bool]) -> None:
         with self._wake:
-            self._aborts.append((rid, abort_all))
+            self._aborts.append(matches)
             self._wake.notify()
 
     def set_paused(self, paused: bool) -> None:
@@ -233,9 +241,9 @@ class Scheduler:
         self.backend.keep(keep)
         self._running = [self._running[i] for i in keep]
 
-    def _apply_aborts(self, aborts: list[tuple[str, bool]]) -> None:
+    def _apply_aborts(self, aborts: list[Callable[[GenerationJob], bool]]) -> None:
         def matches(job: GenerationJob) -> bool:
-            return any(every or job.rid == rid or job.rid.startswith(f"{rid}_") for rid, every in aborts)
+            return any(abort(job) for abort in aborts)
 
         with self._wake:
             dropped = [job for job in self._waiting if matches(job)]

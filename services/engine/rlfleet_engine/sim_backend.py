@@ -146,9 +146,13 @@ class SimScheduler:
         self._wake.set()
 
     def abort(self, rid: str, abort_all: bool = False) -> None:
-        def matches(job: SimJob) -> bool:
-            return abort_all or job.rid == rid or job.rid.startswith(f"{rid}_")
+        self._abort(lambda job: abort_all or job.rid == rid or job.rid.startswith(f"{rid}_"))
 
+    def abort_jobs(self, jobs: Sequence[GenerationJob]) -> None:
+        own = set(jobs)
+        self._abort(lambda job: job in own)
+
+    def _abort(self, matches: Callable[[SimJob], bool]) -> None:
         for queue, where in ((self._waiting, "waiting queue"), (self._running, "running batch")):
             for job in [j for j in queue if matches(j)]:
                 job.finish_with(FinishReason("abort", message=f"Abort in {where}"))

@@ -164,6 +164,49 @@ def test_abort_finishes_a_running_request(engine: RunningEngine) -> None:
     assert last["meta_info"]["completion_tokens"] < 450
 
 
+def test_a_top_k_past_the_vocabulary_samples_and_leaves_its_batch_running(engine: RunningEngine) -> None:
+    body = {
+        "input_ids": [5, 6, 7],
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 400, "ignore_eos": True},
+    }
+    with httpx.stream("POST", engine.url + "/generate", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first.removeprefix("data: "))["meta_info"]["finish_reason"] is None
+        odd = engine.generate({"input_ids": [5], "sampling_params": {"top_k": 2**63, "max_new_tokens": 2}})
+        chunks = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
+    assert odd["meta_info"]["finish_reason"]["type"] in ("length", "stop"), odd["meta_info"]["finish_reason"]
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 400}
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "field"),
+    [
+        (
+            "/generate",
+            {"text": "1+1=", "sampling_params": {"max_new_tokens": 2, "sampling_seed": 2**64}},
+            "sampling_seed",
+        ),
+        ("/v1/completions", {"prompt": "1+1=", "max_tokens": 2, "seed": 2**64}, "seed"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "1+1="}], "max_tokens": 2, "seed": 2**64},
+            "seed",
+        ),
+    ],
+)
+def test_a_seed_past_64_bits_is_refused_naming_the_field(
+    engine: RunningEngine, route: str, body: dict[str, Any], field: str
+) -> None:
+    response = engine.post(route, body)
+    assert response.status_code == 400, response.text
+    assert response.json()["object"] == "error"
+    assert f".{field}: Input should be less than or equal to {2**64 - 1}" in response.json()["message"]
+    largest = json.loads(json.dumps(body).replace(str(2**64), str(2**64 - 1)))
+    assert engine.post(route, largest).status_code == 200
+
+
 def test_a_rid_in_flight_is_refused_and_its_request_runs_on(engine: RunningEngine) -> None:
     body = {
         "text": ["1+1=", "2+2="],

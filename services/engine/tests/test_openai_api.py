@@ -88,6 +88,36 @@ def test_bad_requests_name_the_field(client: TestClient) -> None:
     assert answer.status_code == 400 and "frequency_penalty" in answer.text
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"temperature": -1}, "body.temperature: Input should be greater than or equal to 0"),
+        (
+            {"top_p": 0, "min_p": 2},
+            "body.top_p: Input should be greater than 0; body.min_p: Input should be less than or equal to 1",
+        ),
+        ({"top_k": 0}, "body.top_k: top_k must be -1 (disabled) or at least 1, got 0"),
+        ({"stop": [""]}, "body: stop strings must be non-empty"),
+        ({"frequency_penalty": 0.5}, "body: frequency_penalty=0.5 is not supported by rlfleet-engine (only 0.0)"),
+    ],
+)
+def test_a_sampling_parameter_out_of_range_is_refused_naming_the_openai_field(
+    client: TestClient, route: str, extra: dict[str, object], message: str
+) -> None:
+    body = {"prompt": "x"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    for stream in (False, True):
+        answer = client.post(route, json={**body, "max_tokens": 2, "stream": stream, **extra})
+        assert answer.status_code == 400
+        assert answer.json() == {
+            "object": "error",
+            "message": message,
+            "type": "Bad Request",
+            "param": None,
+            "code": 400,
+        }
+
+
 @pytest.mark.parametrize(
     ("prompt", "expected"),
     [

@@ -41,6 +41,17 @@ def test_top_k_limits_the_candidates() -> None:
     assert set(draws(SamplingParams(top_k=2))) == {0, 1}
 
 
+def test_a_top_k_past_the_vocabulary_keeps_every_token() -> None:
+    # SGLang reads it as no top-k; no value a request carries may overflow the sampler's tensors.
+    assert set(draws(SamplingParams(top_k=2**63))) == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("temperature", [1e300, float("inf")])
+def test_a_temperature_past_float32_draws_uniformly_among_the_possible_tokens(temperature: float) -> None:
+    logits = torch.tensor([[0.0, 1.0, float("-inf"), 2.0]])  # a masked token stays impossible, not NaN
+    assert set(draws(SamplingParams(temperature=temperature), logits=logits)) == {0, 1, 3}
+
+
 def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     # Mass before token 1 is 0.5 <= 0.7 (kept); before token 2 it is 0.8 > 0.7 (dropped).
     assert set(draws(SamplingParams(top_p=0.7))) == {0, 1}
@@ -94,6 +105,7 @@ def test_truncation_always_keeps_the_most_likely_token() -> None:
         {"min_p": 2.0},
         {"repetition_penalty": 1.3},
         {"stop": [""]},
+        {"sampling_seed": 2**64},
     ],
 )
 def test_out_of_range_parameters_are_refused(fields: dict[str, object]) -> None:

@@ -110,6 +110,44 @@ def test_a_running_job_holds_back_what_may_become_a_stop_string() -> None:
     assert partial_stop_length("xxab", ["abc", "bcd"]) == 2 and partial_stop_length("xxab", ["ab"]) == 0
 
 
+class ByteTokenizer:
+    """ids 0..255 are bytes, decoded as UTF-8 with U+FFFD for what does not decode, as byte-level BPE decodes."""
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return bytes(token_ids).decode("utf-8", errors="replace")
+
+
+def streamed_texts(job: GenerationJob, tokens: bytes) -> list[str]:
+    """The text of each output the job publishes as it samples `tokens` one by one (the last when it finishes)."""
+    texts = []
+    for token in tokens:
+        job.append(token, -1.0, [], "0")
+        reason = token_finish(job.output_ids, job.params, ()) or job.check_stop_strings(ByteTokenizer())
+        if reason:
+            job.finish_with(reason)
+        texts.append(job.text(ByteTokenizer()))
+        if reason:
+            break
+    return texts
+
+
+@pytest.mark.parametrize(
+    ("params", "final"),
+    [
+        ({}, "aé中z"),
+        ({"stop": ["中z"]}, "aé"),
+        ({"stop": ["z"]}, "aé中"),
+        ({"stop": ["é"]}, "a"),
+        ({"max_new_tokens": 4}, "aé\ufffd"),  # finished mid-character: the whole decode
+    ],
+)
+def test_a_running_job_holds_back_a_character_still_missing_bytes(params: dict[str, object], final: str) -> None:
+    texts = streamed_texts(new_job(**params), "aé中z".encode())
+    assert texts[-1] == final
+    assert all(final.startswith(text) for text in texts), texts
+    assert "\ufffd" not in "".join(texts[:-1])
+
+
 def test_earliest_stop_string_wins() -> None:
     assert find_stop_string("xxabyy", ["yy", "ab"]) == (2, "ab")
     assert find_stop_string("xxabyy", ["q"]) is None
@@ -156,6 +194,11 @@ def test_default_budget_is_clamped_to_the_context_but_an_explicit_one_is_not() -
     assert specs[0].params.max_new_tokens == 54
     with pytest.raises(InvalidInput, match="maximum context length"):
         expand_request({"input_ids": [3] * 60, "sampling_params": {"max_new_tokens": 5}})
+
+
+def test_a_top_k_past_the_vocabulary_is_clamped_to_it() -> None:
+    specs = expand_request({"input_ids": [[3], [4]], "sampling_params": [{"top_k": 2**63}, {"top_k": 7}]})
+    assert [s.params.top_k for s in specs] == [40, 7]
 
 
 @pytest.mark.parametrize(
