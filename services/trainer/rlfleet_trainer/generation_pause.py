@@ -7,6 +7,11 @@ router client's bound, until every engine the router routes to has taken it. An 
 left to the router, which brings it to the fleet's version (restarting it if need be) before it takes
 traffic again. A trainer that died mid-pause lifts nothing; the next one lifts the pause when it starts a
 run, once the fleet has loaded the run's version (`trainer_core`).
+
+The pause names SGLang's mode (its default, "abort", ends every generation in flight): "retract" holds them
+(back in the queue; their KV cache may be dropped and is computed again once generation continues), "abort"
+ends them for a run that resumes aborted completions itself (rollout.on_weight_update "abort_resume"). Never
+"in_place": it keeps the KV cache, and SGLang's flush after the update then fails and takes the engine down.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
+from typing import Literal
 
 import httpx
 
@@ -25,14 +31,17 @@ logger = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 30.0
 """Bound on one pause or continue call (the router fans it out to every engine at once)."""
 
+PauseMode = Literal["retract", "abort"]
+"""SGLang's `mode` of /pause_generation for generations in flight: held ("retract") or ended ("abort")."""
+
 
 @contextlib.contextmanager
-def generation_paused(router: RouterClient) -> Iterator[None]:
+def generation_paused(router: RouterClient, mode: PauseMode) -> Iterator[None]:
     """Generation paused fleet-wide while the block runs; resumed after it, whatever happened in it.
 
     The pause is best effort: an engine that does not take it is one the router cannot reach, and so
     routes nothing to."""
-    problem = _send(router, "/pause_generation")
+    problem = _send(router, "/pause_generation", {"mode": mode})
     if problem is not None:
         logger.warning("/pause_generation did not reach every engine: %s", problem)
     try:
@@ -65,7 +74,7 @@ def resume_generation(router: RouterClient) -> None:
 
 def _continue_once(router: RouterClient) -> str | None:
     """None once no engine in routing is left paused; else what went wrong, for a retry."""
-    problem = _send(router, "/continue_generation")
+    problem = _send(router, "/continue_generation", {})
     if not isinstance(problem, set):
         return problem
     routed = _routed_engines(router)
@@ -76,12 +85,12 @@ def _continue_once(router: RouterClient) -> str | None:
     return f"engines in routing did not take it: {sorted(still_paused)}"
 
 
-def _send(router: RouterClient, route: str) -> str | set[str] | None:
-    """POSTs `route` to the router: None if every engine took it (or the router refused it, which a retry
-    would not change); the URLs of the engines that did not take it (the fan-out's 502); or, as text, what
+def _send(router: RouterClient, route: str, body: dict[str, object]) -> str | set[str] | None:
+    """POSTs `body` to the router's `route`: None if every engine took it (or the router refused it, which a
+    retry would not change); the URLs of the engines that did not take it (the fan-out's 502); or, as text, what
     failed before the router could fan it out."""
     try:
-        response = httpx.post(router.base_url + route, json={}, headers=router.headers, timeout=CALL_TIMEOUT_S)
+        response = httpx.post(router.base_url + route, json=body, headers=router.headers, timeout=CALL_TIMEOUT_S)
     except httpx.HTTPError as exc:
         return f"{type(exc).__name__}: {exc}"
     if response.status_code < 500:

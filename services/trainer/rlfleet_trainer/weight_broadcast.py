@@ -174,19 +174,23 @@ class WeightBroadcaster:
     def engines_paused(self) -> Iterator[None]:
         """Generation paused fleet-wide while a version travels in several buckets, so no engine samples
         from a half-updated model (one bucket needs no pause: an engine loads it between two steps); see
-        `generation_paused` for how the pause is sure to end."""
-        with generation_paused(self._router):
+        `generation_paused` for how the pause is sure to end. Generations in flight are held, or aborted when the
+        run resumes them itself (`abort_all_requests`)."""
+        with generation_paused(self._router, "abort" if self._abort_all_requests else "retract"):
             yield
 
-    def register_disk_copy(self, model_path: str, version: int) -> None:
+    def register_disk_copy(self, model_path: str, version: int) -> bool:
         """Tells the router where engines that rejoin load `version` (which arrived over the group) from;
         retried like a load from disk, within the same bound (the version is served already: a router
-        restarting for a moment must not fail the run)."""
-        self._router.post(
+        restarting for a moment must not fail the run). False when the router refuses it because its fleet
+        serves another version (409: it restarted since the broadcast and knows none)."""
+        answer = self._router.post(
             "/weight_version/disk_copy",
             {"model_path": model_path, "weight_version": str(version)},
             f"register the disk copy of weight version {version} at {model_path}",
+            settled=lambda status, _body: status == 409,
         )
+        return answer.get("weight_version") == str(version)
 
     def close(self) -> None:
         """Closes the group on the engines (best effort) and here."""

@@ -67,8 +67,12 @@ class DiskPublisher:
     def publish_state(self, model: PreTrainedModel, state: Mapping[str, torch.Tensor], version: int) -> Path:
         """Writes `state` (in `model`'s shape) as `version` and has every engine load it."""
         path = save_version(model, self._weights_root, version, self._tokenizer_dir, state)
-        self._router.load_weights(str(path), version, abort_all_requests=self._abort_all_requests)
+        self.load(path, version)
         return path
+
+    def load(self, path: Path, version: int) -> None:
+        """Has every engine load `version`, written at `path` already."""
+        self._router.load_weights(str(path), version, abort_all_requests=self._abort_all_requests)
 
     def close(self) -> None:
         return None
@@ -114,9 +118,19 @@ class DistributedPublisher:
         return None
 
     def write_disk_copy(self, model: PreTrainedModel, state: Mapping[str, torch.Tensor], version: int) -> Path:
-        """Writes `version` (already served) to disk and tells the router, for engines that rejoin."""
+        """Writes `version` (already served) to disk and tells the router, for engines that rejoin. A router that
+        restarted since the broadcast knows no version: the engines load this copy through it instead, which
+        gives it the fleet's version again."""
         path = save_version(model, self._weights_root, version, self._tokenizer_dir, state)
-        self._broadcaster.register_disk_copy(str(path), version)
+        if not self._broadcaster.register_disk_copy(str(path), version):
+            logger.warning(
+                "the router refused the disk copy of weight version %d: its fleet serves another version (it "
+                "restarted since the broadcast); loading version %d from %s through it",
+                version,
+                version,
+                path,
+            )
+            self._disk.load(path, version)
         return path
 
     def close(self) -> None:

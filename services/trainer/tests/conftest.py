@@ -42,10 +42,19 @@ class FakeRouter:
     """HTTP statuses the next /continue_generation calls answer (then 200): 502 names ENGINE as failed."""
     engine_state: str = "healthy"
     """ENGINE's state in GET /workers."""
+    pauses: list[dict] = field(default_factory=list)
+    """The bodies of the /pause_generation calls."""
+    partial_loads: list[str] = field(default_factory=list)
+    """The fleet versions the next loads answer 502 with, as the router does once FAILED_ENGINE failed one: the
+    version asked for when ENGINE loaded it (FAILED_ENGINE is taken out of routing), another when it did not."""
+    disk_copy_conflict: bool = False
+    """Refuse disk copies with 409, as a router that restarted since the broadcast (and knows no version) does."""
 
 
 ENGINE = "http://127.0.0.1:30001"
 """The one engine behind the fake router."""
+FAILED_ENGINE = "http://127.0.0.1:30002"
+"""The engine that fails the loads `partial_loads` answers."""
 
 
 @pytest.fixture
@@ -64,8 +73,23 @@ def fake_router() -> Iterator[FakeRouter]:
         if router.fail_next > 0:
             router.fail_next -= 1
             return JSONResponse({"success": False, "message": "engine down"}, status_code=503)
+        if router.partial_loads:
+            return await partial_load(await request.json(), router.partial_loads.pop(0))
         router.loads.append(await request.json())
         return JSONResponse({"success": True, "message": "ok"})
+
+    async def partial_load(load: dict, served: str) -> JSONResponse:
+        """The router's answer (`FleetUpdateResult.describe`) to a load FAILED_ENGINE failed."""
+        loaded = served == load["weight_version"]
+        if loaded:
+            router.loads.append(load)
+        engines = [
+            {"id": "e1", "url": ENGINE, "success": loaded, "message": "ok" if loaded else "disk full", "seconds": 0.1},
+            {"id": "e2", "url": FAILED_ENGINE, "success": False, "message": "shape mismatch", "seconds": 0.1},
+        ]
+        message = f"1/2 engines serve weight version {served!r}" if loaded else "no engine loaded it"
+        body = {"success": False, "message": message, "weight_version": served, "engines": engines, "skipped": []}
+        return JSONResponse(body, status_code=502)
 
     @app.get("/weight_version")
     async def served_version() -> JSONResponse:
@@ -77,6 +101,9 @@ def fake_router() -> Iterator[FakeRouter]:
         if router.fail_next > 0:
             router.fail_next -= 1
             return JSONResponse({"error": "router restarting"}, status_code=503)
+        if router.disk_copy_conflict:
+            message = f"weight_version: the fleet serves None, not {(await request.json())['weight_version']!r}"
+            return JSONResponse({"error": {"kind": "conflict", "message": message, "code": 409}}, status_code=409)
         router.disk_copies.append(await request.json())
         return JSONResponse({"weight_version": router.disk_copies[-1]["weight_version"]})
 
@@ -84,6 +111,8 @@ def fake_router() -> Iterator[FakeRouter]:
     @app.post("/continue_generation")
     async def fan_out(request: Request) -> JSONResponse:
         router.calls.append(request.url.path)
+        if request.url.path == "/pause_generation":
+            router.pauses.append(await request.json())
         status = (
             router.continue_answers.pop(0)
             if request.url.path == "/continue_generation" and router.continue_answers

@@ -54,3 +54,16 @@ def test_starting_a_run_resumes_generation_once_its_version_is_loaded(
 ) -> None:
     core.start_run("paused-fleet", spec_for(small_model_dir, steps=1, groups_per_step=1))
     assert fake_router.calls == ["/update_weights_from_disk", "/continue_generation"]
+
+
+@pytest.mark.parametrize(("abort_all_requests", "mode"), [(False, "retract"), (True, "abort")])
+def test_the_pause_holds_generations_in_flight_unless_the_run_resumes_them(
+    fake_router: Any, abort_all_requests: bool, mode: str
+) -> None:
+    """SGLang's default mode aborts every generation in flight: under rollout.on_weight_update "finish" they would
+    all be lost. "retract" holds them; "abort" only for "abort_resume", which resumes them on the new version."""
+    router = RouterClient(fake_router.url, 30.0)
+    broadcaster = WeightBroadcaster(router, "127.0.0.1", "gloo", 1.0, 1.0, abort_all_requests=abort_all_requests)
+    with broadcaster.engines_paused():
+        pass
+    assert fake_router.pauses == [{"mode": mode}]

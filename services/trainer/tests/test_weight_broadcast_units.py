@@ -124,6 +124,23 @@ def test_registering_the_disk_copy_is_retried_like_a_load(fake_router: Any) -> N
         broadcaster.register_disk_copy("/w/v3", 3)  # within the router client's bound
 
 
+def test_a_disk_copy_a_restarted_router_refuses_is_loaded_through_it(
+    fake_router: Any, small_model_dir: Path, tmp_path: Path
+) -> None:
+    """A router that restarted since the broadcast knows no version and refuses the disk copy (409): the engines,
+    which serve the version, load the copy through it instead (the router has its version again); the run goes on."""
+    fake_router.disk_copy_conflict = True
+    model = AutoModelForCausalLM.from_pretrained(small_model_dir)
+    router = RouterClient(fake_router.url, 10.0)
+    broadcaster = WeightBroadcaster(router, "127.0.0.1", "gloo", 1.0, 1.0)
+    publisher = DistributedPublisher(
+        broadcaster, DiskPublisher(router, tmp_path, small_model_dir), tmp_path, small_model_dir
+    )
+    path = publisher.write_disk_copy(model, model.state_dict(), 2)
+    assert fake_router.loads == [{"model_path": str(path), "weight_version": "2"}]
+    assert fake_router.disk_copies == []
+
+
 @pytest.mark.parametrize("abort", [False, True])
 def test_only_a_versions_first_bucket_asks_engines_to_abort(abort: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     broadcaster = WeightBroadcaster(
