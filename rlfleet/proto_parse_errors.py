@@ -1,12 +1,100 @@
-"""protobuf's JSON parse errors said the way a spec file and a JSON body spell their fields."""
+"""protobuf JSON (a spec file, a request body) parsed into a message, with errors said the way a spec file and a
+JSON body spell their fields.
+
+Before protobuf sees the data, every message-typed field is checked to hold a mapping (a repeated one: a list
+of mappings), at any depth: protobuf reads a string where a message belongs as the string's characters, each
+an unknown field (`model: /some/path` became `model./: unknown field of rlfleet.v1.ModelSpec`).
+"""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from google.protobuf import json_format
+from google.protobuf.descriptor import Descriptor
+from google.protobuf.message import Message
+
+from rlfleet.errors import InvalidInput
+
+M = TypeVar("M", bound=Message)
 
 _NESTED = re.compile(r"Failed to parse (\w+) field: ")
 _UNKNOWN = re.compile(r'Message type "([\w.]+)" has no field named "([^"]+)"')
 _AVAILABLE = re.compile(r"Available Fields\(except extensions\): \"\[(.*)\]\"")
+_STRUCT = "google.protobuf.Struct"
+
+
+def parse_json_message(data: Mapping[str, Any], message: M, root: str) -> M:
+    """`data` parsed into `message` (returned); InvalidInput naming the field (`root` for the whole) otherwise."""
+    if problem := misshapen_field(data, message.DESCRIPTOR):
+        raise InvalidInput(problem)
+    try:
+        return json_format.ParseDict(data, message)
+    except json_format.ParseError as exc:
+        raise InvalidInput(describe_parse_error(str(exc), root)) from None
+
+
+def misshapen_field(data: Mapping[str, Any], descriptor: Descriptor, path: str = "") -> str | None:
+    """`reward.terms[0]: expected a mapping (such as {function: ...}), got a string` for the first field of `data`
+    (a `descriptor` message) that should hold a mapping, or a list of mappings, and does not; None when each
+    does. Unknown names and scalar values are protobuf's to judge."""
+    fields = {name: field for field in descriptor.fields for name in (field.json_name, field.name)}
+    for key, value in data.items():
+        field = fields.get(key)
+        if field is None or field.message_type is None or value is None:
+            continue
+        name = f"{path}.{field.name}" if path else field.name
+        if field.is_repeated and not field.message_type.GetOptions().map_entry:
+            if not isinstance(value, list):
+                example = _example(field.message_type)
+                return f"{name}: expected a list of mappings (such as [{example}]), got {_kind(value)}"
+            items = [(f"{name}[{i}]", item) for i, item in enumerate(value)]
+        else:
+            items = [(name, value)]
+        for where, item in items:
+            if problem := _misshapen_message(item, field.message_type, where):
+                return problem
+    return None
+
+
+def _misshapen_message(value: Any, descriptor: Descriptor, path: str) -> str | None:
+    """What is wrong with `value` as the message `descriptor` (at `path`), if anything we check."""
+    if descriptor.GetOptions().map_entry:  # a map<..., ...> field: a mapping whose values may be messages
+        if not isinstance(value, Mapping):
+            return f"{path}: expected a mapping, got {_kind(value)}"
+        inner = descriptor.fields_by_name["value"].message_type
+        for key, item in value.items() if inner is not None else ():
+            if problem := _misshapen_message(item, inner, f"{path}.{key}"):
+                return problem
+        return None
+    well_known = descriptor.full_name.startswith("google.protobuf.")
+    if well_known and descriptor.full_name != _STRUCT:  # a Value, a wrapper, a Timestamp: not spelt as mappings
+        return None
+    if not isinstance(value, Mapping):
+        example = "" if well_known else f" (such as {_example(descriptor)})"
+        return f"{path}: expected a mapping{example}, got {_kind(value)}"
+    return None if well_known else misshapen_field(value, descriptor, path)
+
+
+def _example(descriptor: Descriptor) -> str:
+    """`{path: ...}`: the message's first field, as a spec file spells it."""
+    return f"{{{descriptor.fields[0].name}: ...}}" if descriptor.fields else "{}"
+
+
+def _kind(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true or false"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    return "a mapping" if isinstance(value, Mapping) else type(value).__name__
 
 
 def describe_parse_error(message: str, root: str) -> str:

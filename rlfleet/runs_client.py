@@ -11,7 +11,7 @@ import builtins  # `list` names a method in RunsClient's scope
 import json
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from rlfleet.errors import (
     Unauthenticated,
     Unavailable,
 )
-from rlfleet.proto_parse_errors import describe_parse_error
+from rlfleet.proto_parse_errors import parse_json_message
 from rlfleet.v1.runs_pb2 import Run, RunSpec, RunState
 
 STATUS_ERRORS: dict[int, type[RlfleetError]] = {400: InvalidInput, 401: Unauthenticated, 404: NotFound, 409: Conflict}
@@ -41,9 +41,10 @@ WATCH_READ_TIMEOUT_S = 60.0
 comment when the run is quiet (every 15 s by default, RLFLEET_ROLLOUT_WATCH_KEEPALIVE_S), so silence this
 long means the orchestrator or the connection is gone, not that the run is queued or slow."""
 WATCH_RECONNECT_S = 60.0
-"""How long `follow` keeps trying to watch again after the orchestrator ended the watch or could not be
-reached, counted from the first failure since the run last changed: `rlfleet up` restarts a stopped
-orchestrator after 1-4 s of backoff, and it answers again once it has started (seconds)."""
+"""How long `follow` keeps trying to watch again after the orchestrator ended the watch, could not be reached
+or fell silent, counted from the first failure since the run last changed (a silent one is noticed only
+WATCH_READ_TIMEOUT_S after its last line): `rlfleet up` restarts a stopped orchestrator after 1-4 s of backoff,
+and it answers again once it has started (seconds)."""
 RECONNECT_BACKOFF_S = (0.5, 5.0)
 """First and largest wait between attempts to watch again; each wait doubles the one before."""
 INT64_TYPES = frozenset({FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64})
@@ -76,9 +77,9 @@ def load_spec_file(path: Path) -> RunSpec:
     if not isinstance(data, dict):
         raise InvalidInput(f"{path} must hold a mapping of RunSpec fields, got {type(data).__name__}")
     try:
-        return json_format.ParseDict(data, RunSpec())
-    except json_format.ParseError as exc:
-        raise InvalidInput(f"{path}: {describe_parse_error(str(exc), 'spec')}") from exc
+        return parse_json_message(data, RunSpec(), "spec")
+    except InvalidInput as exc:
+        raise InvalidInput(f"{path}: {exc}") from None
 
 
 def spec_yaml(spec: RunSpec) -> str:
@@ -119,13 +120,21 @@ class WatchEnded(Unavailable):
 
 class RunsClient:
     def __init__(
-        self, base_url: str, timeout_s: float = 30.0, token: str | None = None, unreachable_hint: str = ""
+        self,
+        base_url: str,
+        timeout_s: float = 30.0,
+        token: str | None = None,
+        unreachable_hint: str = "",
+        not_runs_api_hint: str = "",
     ) -> None:
-        """`timeout_s` bounds connecting and each answer (for a watch: its first answer, see `follow`);
-        `unreachable_hint` ends the error raised when nothing answers at `base_url` (e.g. how it was chosen)."""
-        self.base_url = base_url.rstrip("/")
+        """`base_url` without a scheme (`localhost:8000`) is taken as http://. `timeout_s` bounds connecting and
+        each answer (for a watch: its first answer, see `follow`); `unreachable_hint` ends the error raised when
+        nothing answers at `base_url` (e.g. how it was chosen), `not_runs_api_hint` the one raised when another
+        server answers there (a router's or reward hub's URL given for the orchestrator's)."""
+        self.base_url = (base_url if "://" in base_url else f"http://{base_url}").rstrip("/")
         self.timeout_s = timeout_s
         self.unreachable_hint = unreachable_hint
+        self.not_runs_api_hint = not_runs_api_hint
         self.http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=bearer_headers(token))
 
     def close(self) -> None:
@@ -187,18 +196,24 @@ class RunsClient:
                         yield json_format.Parse(line[5:].strip(), Run(), ignore_unknown_fields=True)
         except httpx.ReadTimeout as exc:
             raise Unavailable(
-                f"lost the watch of run {run_id} at {self.base_url}: nothing arrived for {timeout_s:g} s, not even "
-                "the keep-alive the orchestrator sends while a run is quiet"
+                f"nothing arrived for {timeout_s:g} s, not even the keep-alive the orchestrator at {self.base_url} "
+                "sends while a run is quiet"
             ) from exc
         except httpx.TransportError as exc:
-            lost = f"lost the watch of run {run_id} at {self.base_url}: {exc}"
-            raise Unavailable(lost + self.unreachable_hint) from exc
+            raise Unavailable(f"the connection to {self.base_url} failed: {exc}{self.unreachable_hint}") from exc
 
-    def follow(self, run_id: str, reconnect_within_s: float = WATCH_RECONNECT_S) -> Iterator[Run]:
+    def follow(
+        self,
+        run_id: str,
+        reconnect_within_s: float = WATCH_RECONNECT_S,
+        on_lost: Callable[[str], None] | None = None,
+    ) -> Iterator[Run]:
         """The run now, then every change, until it ends, across restarts of the orchestrator: a watch that
         ends or fails before the run did is started again, with backoff, for up to `reconnect_within_s` from
-        the first failure since the run last changed; then WatchEnded. Each watch starts only once the
-        orchestrator has answered a plain read within the client's timeout, so one that accepts connections
+        the first failure since the run last changed; then WatchEnded. `on_lost` is told of that first failure
+        (a line saying why and how long the watch is tried again): a silent orchestrator is noticed only after
+        WATCH_READ_TIMEOUT_S, and the watch would otherwise say nothing for minutes. Each watch starts only once
+        the orchestrator has answered a plain read within the client's timeout, so one that accepts connections
         but never answers fails that fast (a running watch may stay quiet for WATCH_READ_TIMEOUT_S)."""
         try:
             last = self.get(run_id)
@@ -207,7 +222,7 @@ class RunsClient:
         lost_since: float | None = None
         while True:
             try:
-                for run in self.watch(run_id):
+                for run in self.watch(run_id, WATCH_READ_TIMEOUT_S):
                     if run != last:  # the run moved, so the watch works (each watch first repeats the run)
                         lost_since = None
                     last = run
@@ -217,6 +232,8 @@ class RunsClient:
                 why = "the orchestrator ended the watch"
             except Unavailable as exc:  # unreachable, 5xx while it starts, or silent
                 why = str(exc)
+            if lost_since is None and on_lost is not None:
+                on_lost(f"lost the watch of {run_id} ({why}); watching again for up to {reconnect_within_s:g} s")
             lost_since = lost_since or time.monotonic()
             now = self._read_again(run_id, last, why, lost_since + reconnect_within_s, reconnect_within_s)
             if now.state in FINAL_STATES:  # it ended while no watch was up
@@ -251,14 +268,22 @@ class RunsClient:
         self._raise_for(response)
         return response.json()
 
-    @staticmethod
-    def _raise_for(response: httpx.Response) -> None:
+    def _raise_for(self, response: httpx.Response) -> None:
         if response.status_code < 400:
             return
         try:
-            message = response.json()["error"]["message"]
+            message = str(response.json()["error"]["message"])
+            ours = True
         except (ValueError, KeyError, TypeError):
-            message = response.text[:500]
+            message, ours = response.text[:500], False
         status = response.status_code
+        # The orchestrator serves every route of the Runs API: its 404 is for a run it does not hold, while a
+        # router or reward hub says the path is not theirs, and another server answers in words of its own.
+        if status == 404 and (not ours or message.endswith(": no such path")):
+            request = response.request
+            raise NotFound(
+                f"{self.base_url} does not serve the Runs API ({request.method} {request.url.path} answered 404)"
+                + self.not_runs_api_hint
+            )
         error = STATUS_ERRORS.get(status, Unavailable if status >= 500 else RlfleetError)
         raise error(f"HTTP {status}: {message}")

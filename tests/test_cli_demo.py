@@ -21,13 +21,25 @@ import pytest
 import redis
 
 from rlfleet.cli.demo import MARKER, delete_keys, fleet_config, recreate, watch
-from rlfleet.cli.main import build_parser
+from rlfleet.cli.main import build_parser, main
+from rlfleet.local_spec_check import (
+    ENVIRONMENTS,
+    GROUP_FILTERS,
+    REWARD_FUNCTIONS,
+    ROLLOUT_FUNCTIONS,
+    check_spec_here,
+    registered,
+)
 from rlfleet.process_identity import start_time
 from rlfleet.processes import ServiceProcess, group_runs
-from rlfleet.runs_client import RunsClient
+from rlfleet.runs_client import RunsClient, load_spec_file
 from rlfleet.v1.runs_pb2 import Run, RunProgress, RunState
+from rlfleet_reward import registry as reward_registry
+from rlfleet_rollout import environment, group_filters
+from rlfleet_rollout import rollout_function as rollout
 
 REDIS_URL = os.environ.get("RLFLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "runs"
 
 
 def demo_args(*argv: str) -> argparse.Namespace:
@@ -131,6 +143,62 @@ def test_bad_numbers_are_refused_before_any_work(tmp_path: Path, flags: list[str
     assert not out.exists()
 
 
+SPEC_HEAD = {
+    "model": {"path": "ignored: the demo trains its own"},
+    "dataset": {"arithmetic": {}},
+    "reward": {"terms": [{"function": "arith_exact"}]},
+    "schedule": {"steps": 2},
+}
+
+
+@pytest.mark.parametrize(
+    ("changes", "said"),
+    [
+        ({"reward": {"terms": [{"function": "arith_exat"}]}}, "reward.terms[0].function: unknown reward function "),
+        ({"rollout": {"group_size": 1}}, "rollout.group_size: must be >= 2"),
+        ({"rollout": {"function": "single_trun"}}, "rollout.function: unknown rollout function 'single_trun'; "),
+        ({"rollout": {"filters": ["zero_varaince"]}}, "rollout.filters[0]: unknown group filter 'zero_varaince'; "),
+        ({"dataset": {"jsonl": {"path": "nowhere.jsonl"}}}, "dataset.jsonl.path: 'nowhere.jsonl' does not exist"),
+    ],
+)
+def test_a_spec_the_fleet_would_refuse_is_refused_before_any_work(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+    changes: dict[str, object],
+    said: str,
+) -> None:
+    """Found at submit, a bad spec cost the minutes of model creation, SFT warm start and fleet start first."""
+    monkeypatch.chdir(tmp_path)  # where the demo's orchestrator would read a relative dataset path
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({**SPEC_HEAD, **changes}))
+
+    def no_model(*args: object) -> None:
+        raise AssertionError("the demo made its model for a spec its fleet would refuse")
+
+    monkeypatch.setattr("rlfleet.cli.demo.write_tiny_model", no_model)
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), "--spec", str(spec)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"rlfleet: error: {spec}: {said}"), error
+    if "unknown reward function" in said:
+        assert "known: " in error and "arith_exact" in error
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES.glob("*.yaml")), ids=lambda path: path.name)
+def test_the_example_specs_pass_the_demos_checks(example: Path, tmp_path: Path) -> None:
+    spec = load_spec_file(example)
+    spec.model.path = str(tmp_path / "sft")
+    check_spec_here(spec)
+
+
+def test_the_names_checked_are_those_the_services_register() -> None:
+    assert (REWARD_FUNCTIONS, ROLLOUT_FUNCTIONS) == (reward_registry.ENTRY_POINT_GROUP, rollout.FUNCTION_GROUP)
+    assert (ENVIRONMENTS, GROUP_FILTERS) == (environment.ENTRY_POINT_GROUP, group_filters.ENTRY_POINT_GROUP)
+    assert "arith_exact" in registered(REWARD_FUNCTIONS) and "single_turn" in registered(ROLLOUT_FUNCTIONS)
+
+
 def test_a_step_that_fails_is_one_line_naming_it() -> None:
     from rlfleet.cli.steps import StepFailed, run_step
 
@@ -157,7 +225,7 @@ class ScriptedRuns:
     def get(self, run_id: str) -> Run:
         return self.events[0]
 
-    def follow(self, run_id: str) -> Iterator[Run]:
+    def follow(self, run_id: str, on_lost: object = None) -> Iterator[Run]:
         yield from self.events
 
 

@@ -47,7 +47,12 @@ def run_json(i: int, state: str = "RUN_STATE_SUCCEEDED", stalled: str = "", step
     }
 
 
-RUNS = [run_json(i) for i in range(119)] + [run_json(119, "RUN_STATE_RUNNING", STALL, step=2)]
+RUNS = (
+    [run_json(i) for i in range(117)]
+    + [run_json(117, "RUN_STATE_RUNNING", step=3), run_json(118)]
+    + [run_json(119, "RUN_STATE_RUNNING", STALL, step=2)]
+)
+STATES = {"QUEUED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"}
 WATCH_SCRIPT: list[tuple[float, str]] = [
     (0.0, "data: " + json.dumps(run_json(7, "RUN_STATE_RUNNING", step=2))),
     *[(0.1, ": keep-alive")] * 5,
@@ -89,10 +94,13 @@ def build_api() -> FastAPI:
     app = FastAPI()
 
     @app.get("/v1/runs")
-    async def list_runs(page_size: int = 0, page_token: str = "") -> JSONResponse:
+    async def list_runs(page_size: int = 0, page_token: str = "", state: str = "") -> JSONResponse:
+        if state and state.upper() not in STATES:  # as the orchestrator: `stalled` is no state of its own
+            return JSONResponse({"error": {"message": f"state: unknown run state {state!r}"}}, status_code=400)
+        runs = [run for run in RUNS if not state or run["state"] == f"RUN_STATE_{state.upper()}"]
         start = int(page_token or 0)
-        end = min(start + min(page_size or PAGE_CAP, PAGE_CAP), len(RUNS))
-        return JSONResponse({"runs": RUNS[start:end], "next_page_token": str(end) if end < len(RUNS) else ""})
+        end = min(start + min(page_size or PAGE_CAP, PAGE_CAP), len(runs))
+        return JSONResponse({"runs": runs[start:end], "next_page_token": str(end) if end < len(runs) else ""})
 
     @app.post("/v1/runs")
     async def submit(request: Request, validate_only: bool = False) -> JSONResponse:
@@ -114,7 +122,8 @@ def build_api() -> FastAPI:
             scripts[f"run-{i:04d}"] = [(0.0, "data: " + json.dumps(run_json(i, "RUN_STATE_RUNNING", step=2)))]
         if run_id == "run-0009":
             scripts[run_id] = RESTART_SCRIPTS[min(WATCHES[run_id], len(RESTART_SCRIPTS)) - 1]  # type: ignore[assignment]
-        script = scripts.get(run_id, [(0.0, WATCH_SCRIPT[0][1]), (30.0, ": keep-alive")])
+        quiet = [(0.0, "data: " + json.dumps(run_json(int(run_id[4:]), "RUN_STATE_RUNNING", step=2)))]
+        script = scripts.get(run_id, [*quiet, (30.0, ": keep-alive")])
         if isinstance(script, int):
             return JSONResponse({"error": {"message": "starting"}}, status_code=script)
 
@@ -127,6 +136,9 @@ def build_api() -> FastAPI:
 
     @app.get("/v1/runs/{run_id}")
     async def get(run_id: str) -> JSONResponse:
+        if not run_id.removeprefix("run-").isdigit():  # as the orchestrator answers for a run it does not hold
+            error = {"kind": "not_found", "message": f"run {run_id!r} not found", "code": 404}
+            return JSONResponse({"error": error}, status_code=404)
         i = int(run_id.removeprefix("run-"))
         return JSONResponse(run_json(i, "RUN_STATE_RUNNING", step=2) if i in RUNNING_IDS else run_json(i, step=6))
 
@@ -171,6 +183,67 @@ def test_runs_limit_and_all(api: str, capsys: pytest.CaptureFixture) -> None:
     out = capsys.readouterr().out
     assert listed_ids(out) == [f"run-{i:04d}" for i in range(119, -1, -1)]
     assert "newest" not in out
+
+
+def test_runs_state_filters_and_stalled_is_a_running_run_without_progress(
+    api: str, capsys: pytest.CaptureFixture
+) -> None:
+    """The STATE column says `stalled`, so --state takes it, though the API knows no such state."""
+    assert main(["runs", "--api", api, "--state", "stalled"]) == 0
+    assert listed_ids(capsys.readouterr().out) == ["run-0119"]
+    assert main(["runs", "--api", api, "--state", "RUNNING"]) == 0
+    assert listed_ids(capsys.readouterr().out) == ["run-0119", "run-0117"]
+
+
+@pytest.mark.parametrize("value", ["inf", "1e400", "-inf", "nan", "0"])
+def test_a_timeout_must_be_a_finite_number_above_0(value: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as usage:
+        main(["runs", "--api", f"http://127.0.0.1:{free_port()}", f"--timeout={value}"])
+    assert usage.value.code == 2
+    assert f"argument --timeout: must be a finite number > 0, got {value}" in capsys.readouterr().err
+
+
+def test_an_api_url_without_a_scheme_is_taken_as_http(api: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(["runs", "--api", api.removeprefix("http://"), "--limit", "1"]) == 0
+    assert listed_ids(capsys.readouterr().out) == ["run-0119"]
+
+
+@pytest.mark.parametrize("command", [["runs"], ["watch", "run-0007"], ["cancel", "run-0007"]])
+def test_an_api_url_that_does_not_serve_the_runs_api_is_named_as_such(
+    api: str, tmp_path: Path, command: list[str], capsys: pytest.CaptureFixture
+) -> None:
+    """A router's or reward hub's URL answers 404 for every Runs API path (here: a path below the fake's)."""
+    elsewhere = f"{api}/router"
+    assert main([*command, "--api", elsewhere, "--state-dir", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"rlfleet: error: {elsewhere} does not serve the Runs API ("), error
+    assert f"--api wants the orchestrator's REST URL (api_url in {tmp_path / 'fleet.json'})" in error
+
+
+def test_a_run_the_orchestrator_does_not_hold_is_not_found(api: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(["watch", "run-none", "--api", api]) == 2
+    assert capsys.readouterr().err == "rlfleet: error: HTTP 404: run 'run-none' not found\n"
+
+
+@pytest.mark.parametrize("source", ["--api", "$RLFLEET_API_URL", "fleet.json"])
+def test_an_unanswered_address_says_where_it_came_from(
+    source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """A stale fleet.json or variable would otherwise look like a fleet that is down."""
+    nothing_there = f"http://127.0.0.1:{free_port()}"
+    argv = ["runs", "--state-dir", str(tmp_path), "--timeout", "5"]
+    if source == "--api":
+        argv += ["--api", nothing_there]
+    elif source == "$RLFLEET_API_URL":
+        monkeypatch.setenv("RLFLEET_API_URL", nothing_there)
+    else:
+        record = {"pid": 1, "state": "up", "api_url": nothing_there, "processes": {}}
+        (tmp_path / "fleet.json").write_text(json.dumps(record))
+        source = f"api_url in {tmp_path / 'fleet.json'}"
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert f"the orchestrator at {nothing_there} did not answer" in error
+    assert f"the address came from {source}" in error, error
 
 
 def test_runs_shows_a_stalled_run_and_why(api: str, capsys: pytest.CaptureFixture) -> None:
@@ -296,8 +369,10 @@ def test_a_watch_reconnects_when_the_orchestrator_restarts(api: str, capsys: pyt
     assert main(["watch", "run-0009", "--api", api]) == 0
     captured = capsys.readouterr()
     assert WATCHES["run-0009"] == 3
-    steps = [line.split("  ")[0].split()[-1] for line in captured.out.splitlines()]
-    assert steps == ["2/6", "3/6", "6/6"] and captured.out.splitlines()[-1].endswith("succeeded")
+    lines = captured.out.splitlines()
+    assert lines[1] == "lost the watch of run-0009 (the orchestrator ended the watch); watching again for up to 60 s"
+    steps = [line.split("  ")[0].split()[-1] for line in lines if line.startswith("run-0009 [")]
+    assert steps == ["2/6", "3/6", "6/6"] and lines[-1].endswith("succeeded")
 
 
 @pytest.mark.parametrize("command", [["watch", "run-0010"], ["submit", "SPEC", "--watch"]])
@@ -311,9 +386,24 @@ def test_a_watch_that_cannot_be_kept_up_says_where_the_run_was_with_exit_code_3(
     assert main([word.replace("SPEC", str(spec)) for word in command] + ["--api", api]) == 3
     assert time.monotonic() - started < 10
     run_id = command[1] if command[0] == "watch" else "run-0500"
-    error = capsys.readouterr().err
+    out, error = capsys.readouterr()
+    assert f"lost the watch of {run_id} (the orchestrator ended the watch); watching again for up to 1 s" in out
     assert f"the watch ended while {run_id} is RUNNING at step 2" in error
     assert f"`rlfleet watch {run_id}` follows it again" in error
+
+
+def test_a_watch_that_goes_silent_says_it_was_lost_and_how_long_it_tries_again(
+    api: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """A hung orchestrator is noticed only after the read timeout: the watch says so then, not only at its end."""
+    monkeypatch.setattr("rlfleet.runs_client.WATCH_READ_TIMEOUT_S", 0.3)
+    assert main(["watch", "run-0001", "--api", api]) == 0  # silent after its first event; it ended meanwhile
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == (
+        f"lost the watch of run-0001 (nothing arrived for 0.3 s, not even the keep-alive the orchestrator at {api} "
+        "sends while a run is quiet); watching again for up to 60 s"
+    )
+    assert out[-1].endswith("succeeded")
 
 
 def test_a_watch_of_a_server_that_never_answers_fails_within_its_timeout_saying_so() -> None:

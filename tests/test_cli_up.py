@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from rlfleet.cli.fleet import EXAMPLE_SPEC, up_message
+from rlfleet.cli.fleet import EXAMPLE_SPEC, default_model, up_message
 from rlfleet.cli.main import main
+from rlfleet.cli.steps import run_step
 from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet, router_policy
 from rlfleet.processes import group_runs
 
@@ -166,6 +167,36 @@ def test_a_busy_port_is_refused_before_the_model_is_made(tmp_path: Path, capsys:
     said = capsys.readouterr().err
     assert "already in use on 127.0.0.1: " in said and f"{router} (router)" in said, said
     assert not (state_dir / "models").exists() and not (state_dir / "fleet.json").exists()
+
+
+def test_a_model_path_without_a_model_is_refused_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state_dir = tmp_path / "state"
+    for model in (tmp_path / "nowhere", tmp_path):  # missing; a directory without config.json
+        assert main(["up", "--model-path", str(model), "--free-ports", "--state-dir", str(state_dir)]) == 2
+        assert capsys.readouterr().err == (
+            f"rlfleet: error: --model-path {model}: no Hugging Face model there (config.json missing)\n"
+        )
+        assert not state_dir.exists()
+
+
+def test_up_names_the_default_model_where_it_ends_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The model is written beside its place and moved there: the path it was written to is not worth showing."""
+
+    def write_model(name: str, out: Path, quiet: bool = False) -> None:  # says where it wrote, as `model init` does
+        program = "import pathlib, sys; out = pathlib.Path(sys.argv[1]); out.mkdir(parents=True); "
+        program += "(out / 'config.json').write_text('{}'); print('wrote a model to', out)"
+        run_step(name, [sys.executable, "-c", program, str(out)], timeout_s=60, quiet=quiet)
+
+    monkeypatch.setattr("rlfleet.cli.fleet.write_tiny_model", write_model)
+    model = default_model(tmp_path)
+    out, err = capfd.readouterr()
+    assert model == tmp_path / "models" / "tiny" and (model / "config.json").is_file()
+    assert out.splitlines() == [f"creating the tiny model in {model}", f"created the tiny model in {model}"]
+    assert ".tiny." not in out + err
 
 
 def test_the_router_follows_prefix_caches_only_where_the_engines_keep_them() -> None:

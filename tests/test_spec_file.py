@@ -7,10 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rlfleet.errors import InvalidInput
+from rlfleet.proto_parse_errors import parse_json_message
 from rlfleet.run_spec import resolve, validate
 from rlfleet.runs_client import load_spec_file
+from rlfleet.v1.runs_pb2 import RunSpec
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "runs"
 
@@ -35,6 +38,44 @@ def test_a_misspelt_field_is_named_by_its_path_with_the_fields_a_spec_file_may_u
 
 def test_a_value_of_the_wrong_type_is_named_by_its_path(tmp_path: Path) -> None:
     assert refusal(tmp_path, "rollout: {group_size: many}\n").startswith("rollout.group_size: ")
+
+
+MAPPING_EXPECTED = [
+    ("model: /some/path\n", "model: expected a mapping (such as {path: ...}), got a string"),
+    ("model: ''\n", "model: expected a mapping (such as {path: ...}), got a string"),
+    ("model: 5\n", "model: expected a mapping (such as {path: ...}), got a number"),
+    ("model: [/some/path]\n", "model: expected a mapping (such as {path: ...}), got a list"),
+    (
+        "dataset: {arithmetic: true}\n",
+        "dataset.arithmetic: expected a mapping (such as {digits: ...}), got true or false",
+    ),
+    ("reward: {terms: [arith_exact]}\n", "reward.terms[0]: expected a mapping (such as {function: ...}), got a string"),
+    (
+        "reward: {terms: [{function: f1}, exact]}\n",
+        "reward.terms[1]: expected a mapping (such as {function: ...}), got a string",
+    ),
+    (
+        "reward: {terms: {function: arith_exact}}\n",
+        "reward.terms: expected a list of mappings (such as [{function: ...}]), got a mapping",
+    ),
+    ("reward: {terms: [{function: numeric, params: 7}]}\n", "reward.terms[0].params: expected a mapping, got a number"),
+]
+
+
+@pytest.mark.parametrize(("text", "said"), MAPPING_EXPECTED)
+def test_a_value_where_a_mapping_belongs_is_named_with_what_was_expected(tmp_path: Path, text: str, said: str) -> None:
+    """protobuf reads a string's characters as field names (`model./: unknown field`): the shape is checked first."""
+    assert refusal(tmp_path, text) == said
+
+
+@pytest.mark.parametrize(("text", "said"), MAPPING_EXPECTED)
+def test_a_json_body_gets_the_same_words_as_a_spec_file(text: str, said: str) -> None:
+    """The orchestrator's REST app parses a body with the same helper, `body` naming the body as a whole."""
+    with pytest.raises(InvalidInput) as refused:
+        parse_json_message(yaml.safe_load(text), RunSpec(), "body")
+    assert str(refused.value) == said
+    parsed = parse_json_message({"model": None, "reward": {"terms": []}, "schedule": {"steps": 2}}, RunSpec(), "body")
+    assert not parsed.HasField("model") and parsed.schedule.steps == 2  # null is unset, as protobuf reads it
 
 
 def test_a_valid_spec_file_parses(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 
 def positive_int(text: str) -> int:
@@ -17,11 +18,11 @@ def positive_int(text: str) -> int:
 
 
 def positive_float(text: str) -> float:
-    """A float > 0, e.g. a timeout in seconds."""
+    """A finite float > 0, e.g. a timeout in seconds (`inf` would overflow the socket timeouts it becomes)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value

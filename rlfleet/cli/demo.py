@@ -3,7 +3,8 @@
 Steps: make the tiny model, SFT warm start, bring the fleet up (on free ports and under a Redis key
 prefix of its own, so it never collides with a running `rlfleet up` or another demo), submit
 examples/runs/arith-grpo.yaml on the warm-started model, watch it to the end, write the summary to
-<out>/summary.json, and take the fleet down.
+<out>/summary.json, and take the fleet down. Before any of it, the spec gets every check of a submit that needs
+none of the fleet's services (local_spec_check.py): a misspelt reward function is not found minutes later.
 
 <out> is recreated: it must be empty, absent, or a previous demo's (which holds the marker file the
 demo writes first); anything else is deleted only with --overwrite, and never while the fleet recorded in
@@ -31,7 +32,9 @@ from rlfleet.cli.fleet import check_redis_url
 from rlfleet.cli.runs import progress_line
 from rlfleet.cli.steps import StepFailed, run_step, write_tiny_model
 from rlfleet.cli.stop_signals import StopSignal, raise_on_signals, stop_on_signals
+from rlfleet.errors import InvalidInput
 from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet, running_fleet
+from rlfleet.local_spec_check import check_spec_here
 from rlfleet.processes import ServiceStartError, StartInterrupted, command_line
 from rlfleet.runs_client import FINAL_STATES, RunsClient, load_spec_file
 from rlfleet.v1.runs_pb2 import Run, RunSpec, RunState
@@ -73,7 +76,14 @@ def say(message: str) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     started = time.monotonic()
     out: Path = args.out.resolve()
-    spec = load_spec_file(args.spec)  # fail on a bad spec or Redis before any long work
+    # A bad spec or Redis fails before any long work: the spec as far as the fleet's checks at submit need
+    # none of its services (ranges, the names registered here, dataset files).
+    spec = load_spec_file(args.spec)
+    spec.model.path = spec.model.tokenizer_path = str(out / "sft")  # the demo trains its own warm start
+    try:
+        check_spec_here(spec)
+    except InvalidInput as exc:
+        raise InvalidInput(f"{args.spec}: {exc}") from None
     check_redis_url(args.redis_url)
     with raise_on_signals():  # until the fleet starts, a stop signal ends the step in progress at once
         recreate(out, args.overwrite)
@@ -97,8 +107,6 @@ def run_demo(args: argparse.Namespace) -> int:
         say("3/5 bringing the fleet up (engines, router, reward hub, trainer, orchestrator)")
         config = fleet_config(args, out)
         fleet = LocalFleet(config)
-    spec.model.path = str(out / "sft")
-    spec.model.tokenizer_path = str(out / "sft")
     final, rewards, diffs = train_on_fleet(fleet, spec, delete_keys_after=args.redis_prefix is None)
     say("5/5 fleet stopped")
     summary = summarize(final, rewards, diffs, time.monotonic() - started, args.engines)
@@ -201,7 +209,7 @@ def watch(client: RunsClient, run_id: str) -> tuple[Run, dict[int, float], list[
     diffs: list[float] = []
     last = client.get(run_id)
     shown = ""
-    for run in client.follow(run_id):
+    for run in client.follow(run_id, on_lost=lambda note: say(f"    {note}")):
         last = run
         if run.progress.groups_produced:
             rewards[int(run.progress.step)] = run.progress.mean_reward

@@ -92,11 +92,13 @@ def default_model(state_dir: Path) -> Path:
         print(f"creating the tiny model in {path}", flush=True)
         partial = path.with_name(f".{path.name}.{os.getpid()}")
         try:
-            write_tiny_model("creating the tiny model", partial)
+            # Quiet: what it would print names `partial`, a path gone once the model is in place.
+            write_tiny_model("creating the tiny model", partial, quiet=True)
             shutil.rmtree(path, ignore_errors=True)  # a directory without config.json holds no model
             partial.rename(path)
         finally:
             shutil.rmtree(partial, ignore_errors=True)
+        print(f"created the tiny model in {path}", flush=True)
     return path
 
 
@@ -106,6 +108,12 @@ def fleet_ports(args: argparse.Namespace) -> FleetPorts:
     if args.base_port is not None:
         return FleetPorts.from_base(args.base_port, args.engines)
     return FleetPorts()
+
+
+def check_model_path(path: Path | None) -> None:
+    """ValueError naming --model-path when it holds no Hugging Face model (None: the default model, made later)."""
+    if path is not None and not (path / "config.json").is_file():
+        raise ValueError(f"--model-path {path}: no Hugging Face model there (config.json missing)")
 
 
 def check_redis_url(url: str | None) -> None:
@@ -123,6 +131,7 @@ def check_redis_url(url: str | None) -> None:
 
 def run_up(args: argparse.Namespace) -> int:
     ports = fleet_ports(args)  # bad flags are refused before anything is written or started
+    check_model_path(args.model_path)
     check_redis_url(args.redis_url)
     try:
         record_starting(args.state_dir)  # from here on `rlfleet down` stops this process

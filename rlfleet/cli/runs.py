@@ -1,7 +1,8 @@
 """`rlfleet submit|runs|watch|cancel`: the Runs API from the command line.
 
 The orchestrator is the one named by --api, else by $RLFLEET_API_URL, else the fleet `rlfleet up` recorded
-in <state-dir>/fleet.json (so a fleet on other ports is found), else http://127.0.0.1:8000.
+in <state-dir>/fleet.json (so a fleet on other ports is found), else http://127.0.0.1:8000. An error about the
+address says which of them gave it: a stale variable or fleet.json would look like a fleet that is down.
 
 `submit --dry-run` has the orchestrator make every check of a submit and prints the spec as it would run (YAML,
 defaults filled in), then a `#` line saying it is valid and nothing was submitted; a bad spec fails as a submit
@@ -32,6 +33,17 @@ API_URL_ENV = "RLFLEET_API_URL"
 FALLBACK_URL = "http://127.0.0.1:8000"
 WATCH_ENDED_EXIT = 3
 """Exit status of `watch` and `submit --watch` when the watch could not be kept up while the run went on."""
+STALLED = "stalled"
+"""What `runs` shows for a running run that makes no progress, and takes as a --state, though the API has no
+such state: the runs listed are the running ones that are stalled."""
+STATES = ", ".join(
+    f"running, {STALLED} (running, but making no progress)"
+    if name == "RUN_STATE_RUNNING"
+    else name.removeprefix("RUN_STATE_").lower()
+    for name in RunState.keys()
+    if name != "RUN_STATE_UNSPECIFIED"
+)
+"""What --state takes, for its help."""
 
 
 def register(areas: argparse._SubParsersAction) -> None:
@@ -53,7 +65,7 @@ def register(areas: argparse._SubParsersAction) -> None:
     )
     submit.set_defaults(func=run_submit)
     runs = areas.add_parser("runs", help="list runs, newest first")
-    runs.add_argument("--state", help="only runs in this state (e.g. running, queued, RUN_STATE_FAILED)")
+    runs.add_argument("--state", help=f"only runs in this state: {STATES}")
     runs.add_argument("--limit", type=positive_int, default=20, help="show at most this many runs, the newest")
     runs.add_argument("--all", action="store_true", help="show every run")
     runs.set_defaults(func=run_list)
@@ -86,35 +98,51 @@ def register(areas: argparse._SubParsersAction) -> None:
         )
 
 
-def api_url(args: argparse.Namespace) -> str | None:
-    """The Runs API that --api, $RLFLEET_API_URL or the fleet recorded in the state dir names, if any."""
+def api_url(args: argparse.Namespace) -> tuple[str, str] | None:
+    """The Runs API that --api, $RLFLEET_API_URL or the fleet recorded in the state dir names, if any, and which
+    of them named it (`--api`, `$RLFLEET_API_URL`, `api_url in <state-dir>/fleet.json`)."""
     if args.api:
-        return str(args.api)
+        return str(args.api), "--api"
     if os.environ.get(API_URL_ENV):
-        return os.environ[API_URL_ENV]
+        return os.environ[API_URL_ENV], f"${API_URL_ENV}"
     state = read_state(args.state_dir)
-    return str(state["api_url"]) if state and state.get("api_url") else None
+    if state and state.get("api_url"):
+        return str(state["api_url"]), f"api_url in {Path(args.state_dir) / 'fleet.json'}"
+    return None
 
 
 def client_for(args: argparse.Namespace) -> RunsClient:
     token = read_token_file(args.api_token_file) if args.api_token_file else client_token()
-    url = api_url(args)
-    hint = ""
-    if url is None:
+    record = Path(args.state_dir) / "fleet.json"
+    named = api_url(args)
+    if named is None:
         url = FALLBACK_URL
         where = "" if Path(args.state_dir) == DEFAULT_STATE_DIR else f" --state-dir {args.state_dir}"
-        hint = (
-            f". No fleet is recorded in {Path(args.state_dir) / 'fleet.json'}, so the default address was tried: "
-            f"start a fleet with `rlfleet up{where}`, give the --state-dir the running fleet was started with, or "
-            f"name its Runs API with --api or ${API_URL_ENV}"
+        unreachable = (
+            f". No fleet is recorded in {record}, so the default address was tried: start a fleet with "
+            f"`rlfleet up{where}`, give the --state-dir the running fleet was started with, or name its Runs API "
+            f"with --api or ${API_URL_ENV}"
         )
-    return RunsClient(url, timeout_s=args.timeout, token=token, unreachable_hint=hint)
+        not_runs_api = unreachable
+    else:
+        url, source = named
+        unreachable = f"; the address came from {source}"
+        wanted = f"the orchestrator's REST URL (api_url in {record})"
+        if source == "--api":
+            not_runs_api = f"; --api wants {wanted}"
+        elif source == f"${API_URL_ENV}":
+            not_runs_api = f"; the address came from {source}, which must name {wanted}"
+        else:
+            not_runs_api = f"; the address came from {source}: the fleet recorded there may be gone"
+    return RunsClient(
+        url, timeout_s=args.timeout, token=token, unreachable_hint=unreachable, not_runs_api_hint=not_runs_api
+    )
 
 
 def state_name(run: Run) -> str:
     """The run's state, `stalled` for a running run the orchestrator reports as making no progress."""
     if run.stalled and run.state == RunState.RUN_STATE_RUNNING:
-        return "stalled"
+        return STALLED
     return RunState.Name(run.state).removeprefix("RUN_STATE_").lower()
 
 
@@ -142,14 +170,22 @@ def progress_line(run: Run) -> str:
 def watch_until_done(client: RunsClient, run_id: str, out: TextIO, reconnect_within_s: float) -> Run:
     """Prints the run's progress (rewriting one line on a terminal) and returns the final run; WatchEnded when
     the watch cannot be started again within `reconnect_within_s` after the orchestrator ended it. A stall, and
-    the run moving again, get lines of their own: the progress line alone would look the same. Off a
+    the run moving again, get lines of their own: the progress line alone would look the same; so does a lost
+    watch that is tried again (it can take minutes to notice a hung orchestrator and give up). Off a
     terminal a line is printed only when it differs from the one before: a step brings several events
     (groups produced, scored, trained) that the progress line does not tell apart."""
     live = out.isatty()
     last: Run | None = None
     shown = ""
+
+    def lost(note: str) -> None:
+        nonlocal shown
+        out.write(f"\r\033[K{note}\n" if live else f"{note}\n")
+        out.flush()
+        shown = ""
+
     try:
-        for run in client.follow(run_id, reconnect_within_s):
+        for run in client.follow(run_id, reconnect_within_s, on_lost=lost):
             if run.stalled != (last.stalled if last else ""):
                 note = f"stalled: {run.stalled}" if run.stalled else "moving again"
                 out.write(f"\r\033[K{run.id} {note}\n" if live else f"{run.id} {note}\n")
@@ -189,7 +225,10 @@ def run_submit(args: argparse.Namespace) -> int:
 
 
 def run_list(args: argparse.Namespace) -> int:
-    runs = client_for(args).list(args.state)[::-1]  # the API lists oldest first
+    stalled_only = (args.state or "").lower() == STALLED
+    runs = client_for(args).list("running" if stalled_only else args.state)[::-1]  # the API lists oldest first
+    if stalled_only:
+        runs = [run for run in runs if state_name(run) == STALLED]
     shown = runs if args.all else runs[: args.limit]
     print(f"{'ID':<20} {'STATE':<10} {'STEP':>9} {'REWARD':>7} {'EVAL ACC':>8}  NAME")
     for run in shown:
@@ -200,7 +239,7 @@ def run_list(args: argparse.Namespace) -> int:
             f"{accuracy:>8}  {run.spec.name}"
         )
     for run in shown:
-        if state_name(run) == "stalled":
+        if state_name(run) == STALLED:
             print(f"{run.id} stalled: {run.stalled}")
         if failures := eval_failures(run):
             print(f"{run.id} {failures}")

@@ -23,12 +23,15 @@ class StepFailed(RlfleetError):
     """A step ran a command that failed; its output is already on the terminal."""
 
 
-def run_step(name: str, argv: list[str], timeout_s: float) -> None:
-    """Runs one step's command (its output goes to the terminal); StepFailed, one line naming the step, when
-    it fails or outlasts `timeout_s`."""
+def run_step(name: str, argv: list[str], timeout_s: float, quiet: bool = False) -> None:
+    """Runs one step's command (its output goes to the terminal; when `quiet`, only if it fails); StepFailed,
+    one line naming the step, when it fails or outlasts `timeout_s`."""
+    env = {**os.environ, "RLFLEET_LOG_FORMAT": "text"}
     try:
-        subprocess.run(argv, check=True, timeout=timeout_s, env={**os.environ, "RLFLEET_LOG_FORMAT": "text"})
+        subprocess.run(argv, check=True, timeout=timeout_s, env=env, capture_output=quiet, text=True)
     except subprocess.CalledProcessError as exc:
+        if quiet:
+            sys.stderr.write(exc.stdout + exc.stderr)
         raise StepFailed(
             f"{name} failed: {shlex.join(argv)} exited with code {exc.returncode}; its output is above"
         ) from None
@@ -36,6 +39,8 @@ def run_step(name: str, argv: list[str], timeout_s: float) -> None:
         raise StepFailed(f"{name} failed: {shlex.join(argv)} did not finish within {timeout_s:g} s") from None
 
 
-def write_tiny_model(name: str, out: Path) -> None:
-    """The tiny model and its tokenizer written into `out` by `rlfleet model init` in a child process."""
-    run_step(name, [sys.executable, "-m", "rlfleet.cli", "model", "init", "--out", str(out)], MODEL_TIMEOUT_S)
+def write_tiny_model(name: str, out: Path, quiet: bool = False) -> None:
+    """The tiny model and its tokenizer written into `out` by `rlfleet model init` in a child process (whose
+    output is shown, when `quiet`, only if it fails)."""
+    argv = [sys.executable, "-m", "rlfleet.cli", "model", "init", "--out", str(out)]
+    run_step(name, argv, MODEL_TIMEOUT_S, quiet=quiet)
