@@ -102,9 +102,10 @@ class BusyEngines(Collector):
         return self._changes.get(worker.id, 0)
 
     def keep_only(self, workers: Iterable[Worker]) -> None:
-        """Forgets what it knows of engines no longer in the fleet."""
+        """Forgets what it knows of engines no longer in the fleet, but the weight requests still under way there:
+        each `start_loading` has its `end_loading`, which forgets them (an engine removed mid-load)."""
         ids = {w.id for w in workers}
-        for known in (self._loads, self._paused_until, self._workers, self._changes):
+        for known in (self._paused_until, self._workers, self._changes):
             for worker_id in [k for k in known if k not in ids]:
                 del known[worker_id]
 

@@ -43,6 +43,9 @@ class DockerRestarter:
             raise Unavailable(f"docker could not restart container {name!r} of {url}: {exc}") from exc
         return url
 
+    async def release(self, url: str) -> None:
+        pass  # the container is the operator's: a restart leaves it as it was, running
+
     async def close(self) -> None:
         if self._client is not None:
             await asyncio.to_thread(self._client.close)

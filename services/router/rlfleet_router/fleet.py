@@ -69,6 +69,7 @@ class Fleet:
             rejoin=lambda workers: self.health.admission.rejoin(workers),
         )
         self.pauses = FleetPause(self.client, self.weights.busy, config.control_timeout_secs)
+        self.workers.on_may_have_restarted = self.pauses.may_have_restarted
         self.distributed_weights = DistributedWeights(
             self.client, self.workers, self.weights, config.health_check_timeout_secs
         )
@@ -125,6 +126,7 @@ class Fleet:
                 initial_backoff_secs=config.restart_initial_backoff_secs,
                 max_backoff_secs=config.restart_max_backoff_secs,
                 loading=lambda worker: self.weights.busy.reason(worker) == LOADING,
+                remove=lambda worker: self.remove_worker(worker.id),
             )
             self.workers.on_failed = self.healer.on_failed
         self.discovery: KubernetesDiscovery | None = None
@@ -232,8 +234,11 @@ class Fleet:
         return worker, created
 
     def remove_worker(self, key: str) -> Worker:
-        """Out of the fleet at once; requests already at the engine finish there."""
+        """Out of the fleet at once; requests already at the engine finish there. A restart of it under way stops,
+        and the engine that restart started is stopped."""
         worker = self.workers.remove(key)
+        if self.healer is not None:
+            self.healer.forget(worker)
         self.pauses.removed(worker)
         self.policy.forget(worker)
         self.metrics.forget_engine(worker.url)

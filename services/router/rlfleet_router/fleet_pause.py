@@ -16,7 +16,8 @@ router knows of a removed engine's pause is kept by URL (`removed`) and handed t
 until a continue reaches that URL or the pause bound passes (the engine has then been paused for longer than
 a weight load may take: rlfleet-engine's --max-pause fails its probes, SGLang's wait behind the pause). Handed
 over, it counts as a pause sent but maybe not taken: the engine at that URL may be a restarted process, not
-paused, so if the fleet is paused it is sent the pause like any engine that joins.
+paused, so if the fleet is paused it is sent the pause like any engine that joins. So does the pause of an engine
+that left routing or was restarted (`may_have_restarted`): the healer keeps the worker, but not the process.
 
 `match` sends its request before the engine enters routing, outside the fleet's weight lock; a pause or
 continue fanned out meanwhile moves `turn`, and the engine enters routing only if `joins` finds the turn it
@@ -159,6 +160,13 @@ class FleetPause:
         worker added at its URL is sent a continue as it enters routing (see the module docstring)."""
         if self._engines.pop(worker.id, None) is not None:
             self._removed[worker.url] = time.monotonic() + self.busy.pause_bound_secs
+
+    def may_have_restarted(self, worker: Worker) -> None:
+        """The engine behind `worker` may be another process from now on (it left routing, or was restarted): a
+        pause it took counts as sent but maybe not taken, so it is sent the fleet's pause again before it enters
+        routing during one, and a continue after one."""
+        if self._engines.get(worker.id) is True:
+            self._engines[worker.id] = False
 
     def keep_only(self, workers: Iterable[Worker]) -> None:
         """Forgets what it knows of engines no longer in the fleet, and of removed ones past the pause bound."""

@@ -7,12 +7,14 @@ which loads the fleet's weights first and brings it in line with the fleet's gen
 
 An engine in routing that the router keeps busy (loading weights it sent, or paused) is checked with
 `LIVENESS_ROUTE` instead of the probe, which SGLang makes wait behind the load or the pause
-(`rlfleet_router.busy_engines`). Once the fleet has a weight version, an engine that is not busy also
-has what it reports it serves (weight version and model path) compared with what the router recorded,
-in the same round: an engine that restarted by itself faster than the failure window comes back on its
-initial weights, and must leave routing and load the fleet's version before it serves again. The path
-tells it apart when the labels agree (a run whose version "0" is another model than the engines boot
-with, as "0"). That costs one small GET per engine per interval, off the routing path.
+(`rlfleet_router.busy_engines`). An engine out of routing is probed; if the router keeps it busy, a failed
+probe counts (towards its restart, too) only if `LIVENESS_ROUTE` fails as well. Once the fleet has a weight
+version, an engine in routing that is not loading also has what it reports it serves (weight version and
+model path) compared with what the router recorded, in the same round, paused or not: an engine that
+restarted by itself faster than the failure window comes back on its initial weights (and not paused), and
+must leave routing and load the fleet's version before it serves again. The path tells it apart when the
+labels agree (a run whose version "0" is another model than the engines boot with, as "0"). That costs one
+small GET per engine per interval, off the routing path.
 
 Each round also ends the pauses that outlived their bound (`BusyEngines.expire_pauses`): the router
 continues generation on those engines itself (`on_pause_expired`), so a trainer that died between
@@ -28,11 +30,11 @@ from collections.abc import Callable, Coroutine
 import httpx
 
 from rlfleet.errors import Unavailable
-from rlfleet_router.busy_engines import LIVENESS_ROUTE
+from rlfleet_router.busy_engines import LIVENESS_ROUTE, PAUSED
 from rlfleet_router.fleet_pause import FleetPause
 from rlfleet_router.metrics import RouterMetrics
 from rlfleet_router.weight_admission import Admission
-from rlfleet_router.weights import FleetWeights, describe_error
+from rlfleet_router.weights import FleetWeights, ServedWeights, describe_error
 from rlfleet_router.workers import Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
@@ -96,32 +98,43 @@ class HealthChecker:
         busy = self._weights.busy
         changes = busy.changes(worker)
         reason = busy.reason(worker) if worker.healthy else None
+        served: ServedWeights | None = None
         if reason is None:
             failure = await self._probe(worker)
+        elif reason == PAUSED:  # what it answers is read too: an engine that restarted by itself is paused no more
+            failure, served = await self._served(worker, reason)
         else:
             failure = await self._liveness(worker, reason)
         if not self._workers.contains(worker):
             return
         if reason is None and busy.changes(worker) != changes:
             return  # a load or pause of the router began or ended meanwhile: the probe may have waited on it
+        held = busy.reason(worker) if failure is not None and reason is None else None
+        if held is not None:
+            # Out of routing and loading weights the router sent, or paused by it: the probe waited behind that.
+            failure = await self._liveness(worker, held)
+            if failure is None or not self._workers.contains(worker):
+                return
         if failure is not None:
             self._record_failure(worker, failure)
             return
         self._workers.record_success(worker)
         if self._workers.ready_to_admit(worker):
             await self._admit(worker)
-        elif reason is None and worker.healthy and self._weights.target is not None:
-            await self._check_version(worker, changes)
+        elif (reason is None or served is not None) and worker.healthy and self._weights.target is not None:
+            await self._check_version(worker, changes, served)
 
-    async def _check_version(self, worker: Worker, changes: int) -> None:
+    async def _check_version(self, worker: Worker, changes: int, served: ServedWeights | None = None) -> None:
         """Takes `worker` out of routing and admits it again (on the fleet's version) if it reports other
-        weights than the router recorded: it restarted by itself, or was loaded behind the router's back."""
-        try:
-            served = await self._weights.served_weights(worker)
-        except Unavailable as exc:
-            if self._workers.contains(worker) and self._weights.busy.changes(worker) == changes:
-                self._record_failure(worker, str(exc))
-            return
+        weights than the router recorded (`served`, read here if None): it restarted by itself, or was loaded
+        behind the router's back."""
+        if served is None:
+            try:
+                served = await self._weights.served_weights(worker)
+            except Unavailable as exc:
+                if self._workers.contains(worker) and self._weights.busy.changes(worker) == changes:
+                    self._record_failure(worker, str(exc))
+                return
         if (
             not served.contradicts(worker)
             or not (self._workers.contains(worker) and worker.healthy)
@@ -143,12 +156,20 @@ class HealthChecker:
             await self.admission.admit(worker)
         except Unavailable as exc:
             if self._workers.contains(worker):
-                self._workers.record_failure(worker, str(exc))
+                self._workers.hold_back(worker, str(exc))
 
     def _record_failure(self, worker: Worker, failure: str) -> None:
         if self._metrics is not None:
             self._metrics.health_check_failures.labels(engine=worker.url).inc()
         self._workers.record_failure(worker, failure)
+
+    async def _served(self, worker: Worker, reason: str) -> tuple[str | None, ServedWeights | None]:
+        """`_liveness`, and what `worker` reports it serves (None if it did not answer)."""
+        try:
+            return None, await self._weights.served_weights(worker)
+        except Unavailable as exc:
+            cause = exc.__cause__
+            return f"{LIVENESS_ROUTE} ({reason}): {describe_error(cause) if cause else exc}", None
 
     async def _liveness(self, worker: Worker, reason: str) -> str | None:
         """None if `worker`, busy for `reason`, answered LIVENESS_ROUTE within the timeout, else why not."""

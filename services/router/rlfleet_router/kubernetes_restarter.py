@@ -5,8 +5,11 @@ IP, or by its name as the first label of its DNS name (a StatefulSet pod behind 
 `<pod>.<service>.<namespace>.svc`, the form the Helm chart lists and discovery finds). After the
 delete, the restarter waits (bounded by the restart timeout) for a pod of the same selector that did
 not exist before and is Ready: under the same name when the URL names the pod, which then keeps its
-URL; any new pod when the URL is an IP, whose address on the same port it returns. Either way the
-engine rejoins after loading the fleet's weights like any engine that joins.
+URL; any new pod when the URL is an IP, whose address on the same port it returns. A new pod one restart
+took is not taken by another (two engines restarted at once get one pod each). Discovery may have made
+the replacement a worker of its own already: the healer then drops the restarted worker rather than have
+two workers at one URL (`WorkerRegistry.move`). Either way the engine rejoins after loading the fleet's
+weights like any engine that joins.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ class KubernetesRestarter:
         self._selector = label_selector
         self._timeout = timeout_secs
         self._poll = poll_secs
+        # Uids of the new pods restarts took as replacements, while those pods exist: no other restart takes them.
+        self._claimed: set[str] = set()
 
     async def start(self) -> list[str]:
         return []
@@ -67,13 +72,20 @@ class KubernetesRestarter:
         deadline = time.monotonic() + self._timeout
         while time.monotonic() < deadline:
             await asyncio.sleep(self._poll)
-            for pod in await self._api.list_pods(self._selector):
-                if pod["metadata"]["uid"] in known or not pod_ready(pod) or not (by_ip or serves(pod)):
+            pods = await self._api.list_pods(self._selector)
+            self._claimed &= {p["metadata"]["uid"] for p in pods}
+            for pod in pods:
+                uid = pod["metadata"]["uid"]
+                if uid in known or uid in self._claimed or not pod_ready(pod) or not (by_ip or serves(pod)):
                     continue
+                self._claimed.add(uid)
                 new_url = f"{parts.scheme}://{url_host(pod['status']['podIP'])}:{parts.port}" if by_ip else url
                 logger.info("pod %s replaced by %s at %s", name, pod["metadata"]["name"], new_url)
                 return new_url
         raise Unavailable(f"no replacement of pod {name} became Ready within {self._timeout:.0f}s")
+
+    async def release(self, url: str) -> None:
+        pass  # the pod is its controller's: nothing was started here
 
     async def close(self) -> None:
         await self._api.close()

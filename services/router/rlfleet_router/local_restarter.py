@@ -6,7 +6,8 @@ starts `local_engine_count` engines from it when it starts (on free ports), and 
 of `worker_urls` (started by someone else). To restart an engine it stops the process it started
 (SIGTERM, then SIGKILL of the process group), or for an adopted engine waits until its port is
 free, then starts the command again on the same host and port; the new process is then its own.
-On shutdown it stops every process it started.
+A restart cancelled because its engine left the fleet starts nothing after that, and `release` stops the
+process it started, so no engine outlives its worker. On shutdown it stops every process it started.
 """
 
 from __future__ import annotations
@@ -75,8 +76,20 @@ class LocalRestarter:
         if process is not None:
             await asyncio.to_thread(process.stop, self._stop_timeout)
         await self._wait_port_free(host, port, url)
-        await asyncio.to_thread(self._spawn, host, port)
+        spawn = asyncio.ensure_future(asyncio.to_thread(self._spawn, host, port))
+        try:
+            await asyncio.shield(spawn)
+        except asyncio.CancelledError:
+            await spawn  # the thread starts the process whatever happens here: it is recorded, for `release`
+            raise
         return url
+
+    async def release(self, url: str) -> None:
+        port = urlsplit(url).port
+        process = self._processes.pop(port, None) if port is not None else None
+        if process is not None:
+            logger.info("stopping engine %s (pid %d): it left the fleet", url, process.pid)
+            await asyncio.to_thread(process.stop, self._stop_timeout)
 
     async def close(self) -> None:
         processes, self._processes = list(self._processes.values()), {}

@@ -67,7 +67,8 @@ class FleetCollector(Collector):
         )
         state = GaugeMetricFamily(
             "rlfleet_router_engine_state",
-            "1 for the state each engine is in (pending, healthy, unhealthy, restarting), 0 for the others.",
+            "1 for the state each engine is in (pending, healthy, unhealthy, restarting: being restarted, backoff "
+            "between attempts included), 0 for the others.",
             labels=["engine", "state"],
         )
         engine_version = GaugeMetricFamily(
@@ -215,7 +216,8 @@ class RouterMetrics:
         )
         self.restarts = Counter(
             "rlfleet_router_engine_restarts",
-            "Restarts of failed engines, by engine (its URL before the restart) and result (success, failure).",
+            "Restarts of failed engines, by engine (its URL before the restart) and result (success: it passed a "
+            "probe within the restart timeout; failure: the restart failed, or it did not).",
             ["engine", "result"],
             registry=self.registry,
         )

@@ -1,9 +1,10 @@
 """Restarters: how the router brings a failed engine back, chosen by name from a typed registry.
 
-A restarter is any object with `restart(url) -> url` and `close()` (the `Restarter` protocol);
-`restart` returns once the engine was asked to come back, with the URL it serves on afterwards (a
+A restarter is any object with `restart(url) -> url`, `release(url)` and `close()` (the `Restarter`
+protocol); `restart` returns once the engine was asked to come back, with the URL it serves on afterwards (a
 Kubernetes pod comes back with a new address). The router's health checks decide when it is
-healthy again, and it loads the fleet's weights before it rejoins routing.
+healthy again, and it loads the fleet's weights before it rejoins routing. A restart is cancelled when its
+engine leaves the fleet; `release` then stops what the restarter started for it.
 
 Built-ins, declared as entry points of this package in the group `rlfleet.router.restarters`:
 `local` (engine processes from a command template), `docker` (Docker Engine API) and `kubernetes`
@@ -31,6 +32,11 @@ class Restarter(Protocol):
 
     async def restart(self, url: str) -> str:
         """Restarts the engine serving at `url`; returns the URL it serves on now. Raises Unavailable."""
+        ...
+
+    async def release(self, url: str) -> None:
+        """The engine at `url` left the fleet while it was being restarted (the restart was cancelled): stops what
+        this restarter started for it, if anything."""
         ...
 
     async def close(self) -> None:

@@ -1,13 +1,19 @@
-"""The self-healing loop: an engine that fails its way out of routing is restarted until it is back.
+"""The self-healing loop: an engine out of routing that keeps failing its probes is restarted until it is back.
 
-When the worker registry takes an engine out after `health_failure_threshold` failures (probes or
-connections), it is already drained: no new request goes to it, and requests that were in flight
-there fail over to other engines through the proxy's retries. The healer then asks the restarter to
-bring it back and waits, bounded by `restart_timeout_secs`, for the health checker to admit it again
-(which loads the fleet's current weights first: the wait goes on while that load runs, bounded by the
-weight update timeout, so a large checkpoint is not cut short by a new restart). An attempt that fails
-or times out is retried with exponential backoff for as long as the engine stays in the fleet and out of
-routing.
+The worker registry hands an engine to the healer (`on_failed`) once it is out of routing, however it got
+there (failed probes or connections, a failed weight load, a broken weight update group, version drift, or
+never up since it joined), and has failed `health_failure_threshold` probes in a row; a new engine is given
+the restart timeout to come up first, as a restarted one is. It is already drained: no new request goes to
+it, and requests that were in flight there failed over to other engines through the proxy's retries. The
+healer asks the restarter to bring it back and waits, bounded by `restart_timeout_secs`, for it to pass a
+probe: the restart has then succeeded. Whether it enters routing is admission's business (it loads the
+fleet's weights first, or waits for a disk copy of them): an engine held back there answers its probes, and
+restarting it again would not change that. An attempt that fails or times out is retried with exponential
+backoff for as long as the engine stays in the fleet and has not passed a probe; it reads as restarting all
+along, backoff included.
+
+An engine removed from the fleet meanwhile (`forget`) stops being restarted at once, and what the restarter
+started for it is stopped (`Restarter.release`); nothing more is counted for it.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from rlfleet.errors import Unavailable
 from rlfleet_router.metrics import RouterMetrics
 from rlfleet_router.policies import Policy
 from rlfleet_router.restarters import Restarter
-from rlfleet_router.workers import Worker, WorkerRegistry
+from rlfleet_router.workers import Worker, WorkerRegistry, WorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +43,11 @@ class Healer:
         initial_backoff_secs: float,
         max_backoff_secs: float,
         loading: Callable[[Worker], bool] = lambda worker: False,
+        remove: Callable[[Worker], object] | None = None,
     ) -> None:
-        """`loading(worker)`: whether the router is loading weights into `worker` right now."""
+        """`loading(worker)`: whether the router is loading weights into `worker` right now. `remove(worker)` takes
+        a worker out of the fleet (by default out of `workers` alone): one whose engine came back at another
+        worker's URL, which is that engine already."""
         self.restarter = restarter
         self._workers = workers
         self._policy = policy
@@ -47,16 +56,29 @@ class Healer:
         self._initial_backoff = initial_backoff_secs
         self._max_backoff = max_backoff_secs
         self._loading = loading
+        self._remove = remove if remove is not None else self._drop
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._cancelled: set[asyncio.Task[None]] = set()  # restarts of engines removed from the fleet, ending
 
     def on_failed(self, worker: Worker) -> None:
-        """Called by the registry when `worker` leaves routing after repeated failures."""
+        """Called by the registry when `worker`, out of routing, keeps failing its probes. A new engine gets as long
+        to come up as a restarted one (the restart timeout) before it is restarted: it may be loading its model."""
+        if worker.state is WorkerState.PENDING and time.monotonic() - worker.added_at < self._timeout:
+            return
         running = self._tasks.get(worker.id)
         if running is None or running.done():
             self._tasks[worker.id] = asyncio.create_task(self._heal(worker), name=f"heal-{worker.id}")
 
+    def forget(self, worker: Worker) -> None:
+        """`worker` left the fleet: its restart stops, and what the restarter started for it is stopped."""
+        task = self._tasks.pop(worker.id, None)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+            self._cancelled.add(task)  # until it has stopped what it started
+            task.add_done_callback(self._cancelled.discard)
+
     async def stop(self, timeout_secs: float = 5.0) -> None:
-        tasks = list(self._tasks.values())
+        tasks = [*self._tasks.values(), *self._cancelled]
         for task in tasks:
             task.cancel()
         if tasks:
@@ -65,10 +87,20 @@ class Healer:
         await self.restarter.close()
 
     async def _heal(self, worker: Worker) -> None:
+        worker.restarting = True
+        try:
+            await self._restart_until_back(worker)
+        except asyncio.CancelledError:
+            if not self._workers.contains(worker):  # removed mid-restart: the engine the restarter started goes too
+                await self._release(worker.url)
+            raise
+        finally:
+            worker.restarting = False
+
+    async def _restart_until_back(self, worker: Worker) -> None:
         attempt = 0
         while self._workers.contains(worker) and not worker.healthy:
             attempt += 1
-            worker.restarting = True
             worker.restarts += 1
             old_url = worker.url
             logger.warning("restarting engine %s (attempt %d): %s", old_url, attempt, worker.last_error)
@@ -76,30 +108,57 @@ class Healer:
                 async with asyncio.timeout(self._timeout):
                     url = await self.restarter.restart(old_url)
             except Exception as exc:  # whatever went wrong, the engine is still out: retry after the backoff
+                if not self._workers.contains(worker):
+                    return
                 self._metrics.restarts.labels(engine=old_url, result="failure").inc()
                 worker.last_error = f"restart failed: {type(exc).__name__}: {exc}"
                 expected = isinstance(exc, (Unavailable, TimeoutError, OSError))
                 logger.warning("restart of %s failed: %s", old_url, worker.last_error, exc_info=not expected)
             else:
-                self._metrics.restarts.labels(engine=old_url, result="success").inc()
+                if not self._workers.contains(worker):
+                    return
                 if url != old_url:
-                    self._workers.move(worker, url)
+                    other = self._workers.move(worker, url)
+                    if other is not None:
+                        logger.warning(
+                            "engine %s came back at %s, which is worker %s already: %s leaves the fleet",
+                            old_url,
+                            url,
+                            other.id,
+                            worker.id,
+                        )
+                        self._remove(worker)
+                        return
                     self._metrics.engine_moved(old_url, worker.url)
                 self._policy.forget_caches([worker])  # a restarted engine's prefix cache is empty
-                worker.consecutive_successes = 0
-                if await self._back_in_routing(worker):
-                    worker.restarting = False
-                    logger.info("engine %s is back in routing after its restart", worker.url)
+                self._workers.restarted(worker)
+                passed = worker.probes_passed
+                back = await self._passes_probes(worker, passed)
+                if not self._workers.contains(worker):
                     return
-                worker.last_error = f"not healthy within {self._timeout:.0f}s of its restart"
-            worker.restarting = False
+                if back:
+                    self._metrics.restarts.labels(engine=old_url, result="success").inc()
+                    logger.info("engine %s passes its probes after its restart", worker.url)
+                    return
+                self._metrics.restarts.labels(engine=old_url, result="failure").inc()
+                worker.last_error = f"did not pass a probe within {self._timeout:.0f}s of its restart"
             await asyncio.sleep(min(self._max_backoff, self._initial_backoff * 2 ** (attempt - 1)))
-        worker.restarting = False
 
-    async def _back_in_routing(self, worker: Worker) -> bool:
+    def _drop(self, worker: Worker) -> None:
+        self._workers.remove(worker.id)
+
+    async def _release(self, url: str) -> None:
+        try:
+            await self.restarter.release(url)
+        except Exception:
+            logger.exception("could not stop what the restarter started for %s, removed from the fleet", url)
+
+    async def _passes_probes(self, worker: Worker, passed: int) -> bool:
+        """Whether `worker` passes a probe (more than `passed` in all) or is in routing within the restart timeout,
+        or for as long as the router loads weights into it."""
         deadline = time.monotonic() + self._timeout
         while time.monotonic() < deadline or self._loading(worker):
-            if worker.healthy or not self._workers.contains(worker):
+            if worker.healthy or worker.probes_passed > passed or not self._workers.contains(worker):
                 return True
             await asyncio.sleep(0.05)
         return False

@@ -8,13 +8,21 @@ A worker is routable only in state HEALTHY. A new worker starts PENDING and is a
 first successful probe; a worker that was taken out (UNHEALTHY) needs `success_threshold`
 consecutive successes. Either way the caller brings it to the fleet's weight version first
 (`rlfleet_router.weights`), so no worker takes traffic on stale weights. Leaving routing forgets which
-fleet load a worker applied: what comes back may be a restarted process on its initial weights.
+fleet load a worker applied, and tells `on_may_have_restarted` (the fleet's pause record forgets that it
+took the pause): what comes back may be a restarted process on its initial weights, not paused.
+
+A worker out of routing (however it left: failed probes, a failed weight load, a broken weight update
+group, version drift; or pending and never up) that is not being restarted is handed to `on_failed` (the
+self-healing fleet restarts it) once it failed `failure_threshold` probes in a row. Being refused by
+admission (`hold_back`) is not a failure: the engine answers, and a restart would not change what keeps it
+out.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,9 +62,11 @@ class Worker:
     weight_load: int | None = None
     consecutive_failures: int = 0
     consecutive_successes: int = 0
+    probes_passed: int = 0  # in all: the healer counts a restart done once one more has passed
     last_error: str | None = None
-    restarting: bool = False  # a restarter is bringing it back; out of routing meanwhile
+    restarting: bool = False  # the healer is bringing it back (restarts, waits, backs off); out of routing meanwhile
     restarts: int = 0
+    added_at: float = field(default_factory=time.monotonic)  # a new engine gets the restart timeout to come up
 
     @property
     def healthy(self) -> bool:
@@ -117,10 +127,15 @@ class WorkerRegistry:
         self.failure_threshold = failure_threshold
         self.success_threshold = success_threshold
         self._workers: dict[str, Worker] = {}
-        # Told when a worker fails its way out of routing (the self-healing fleet restarts it).
+        # Told when a worker out of routing and not being restarted has failed `failure_threshold` probes in a
+        # row (the self-healing fleet restarts it).
         self.on_failed: Callable[[Worker], None] | None = None
-        # Told first, for the requests still at it (the proxy moves them to other engines).
+        # Told first, as a worker fails its way out of routing, for the requests still at it (the proxy moves them
+        # to other engines).
         self.on_failed_requests: Callable[[Worker], None] | None = None
+        # Told when the engine behind a worker may be another process from now on: it left routing, or was
+        # restarted (the fleet's pause record no longer trusts that it took the pause).
+        self.on_may_have_restarted: Callable[[Worker], None] | None = None
 
     def add(self, url: str) -> tuple[Worker, bool]:
         """Returns the worker for `url` and whether it is new (adding a known URL is a no-op)."""
@@ -149,9 +164,16 @@ class WorkerRegistry:
         logger.info("worker %s removed (%s)", worker.url, worker.id)
         return worker
 
-    def move(self, worker: Worker, url: str) -> None:
-        """The engine behind `worker` now serves at `url` (a replacement pod); it keeps its id and state."""
-        worker.url = normalize_worker_url(url)
+    def move(self, worker: Worker, url: str) -> Worker | None:
+        """The engine behind `worker` now serves at `url` (a replacement pod); it keeps its id and state. If another
+        worker has that URL already (discovery found the replacement first), nothing moves and that one is
+        returned: one engine is never two workers."""
+        url = normalize_worker_url(url)
+        for other in self._workers.values():
+            if other.url == url and other is not worker:
+                return other
+        worker.url = url
+        return None
 
     def contains(self, worker: Worker) -> bool:
         return self._workers.get(worker.id) is worker
@@ -173,6 +195,13 @@ class WorkerRegistry:
     def record_success(self, worker: Worker) -> None:
         worker.consecutive_failures = 0
         worker.consecutive_successes += 1
+        worker.probes_passed += 1
+
+    def hold_back(self, worker: Worker, reason: str) -> None:
+        """`worker` passed its probes but may not enter routing yet (admission refused it, `reason`): it needs
+        `success_threshold` successes again, but this is no failure of the engine (no restart comes of it)."""
+        worker.consecutive_successes = 0
+        worker.last_error = reason
 
     def admit(self, worker: Worker) -> None:
         if not worker.healthy:
@@ -185,25 +214,41 @@ class WorkerRegistry:
         worker.consecutive_successes = 0
         worker.consecutive_failures += 1
         worker.last_error = reason
-        if worker.healthy and worker.consecutive_failures >= self.failure_threshold:
+        if worker.consecutive_failures < self.failure_threshold:
+            return
+        if worker.healthy:
             worker.state = WorkerState.UNHEALTHY
-            worker.weight_load = None
             logger.warning(
                 "worker %s failed %d times in a row (%s); taken out of routing",
                 worker.url,
                 worker.consecutive_failures,
                 reason,
             )
+            self._forget_process(worker)
             if self.on_failed_requests is not None:
                 self.on_failed_requests(worker)
-            if self.on_failed is not None:
-                self.on_failed(worker)
+        # However it left routing (here, `take_out`, or never joined), an engine that keeps failing is restarted.
+        if not worker.restarting and self.on_failed is not None:
+            self.on_failed(worker)
 
     def take_out(self, worker: Worker, reason: str) -> None:
         """Out of routing at once (e.g. it failed a weight update and serves a stale version)."""
         if worker.healthy:
             logger.warning("worker %s taken out of routing: %s", worker.url, reason)
         worker.state = WorkerState.UNHEALTHY
-        worker.weight_load = None
         worker.consecutive_successes = 0
         worker.last_error = reason
+        self._forget_process(worker)
+
+    def restarted(self, worker: Worker) -> None:
+        """The engine behind `worker` (out of routing) was restarted: a new process, holding nothing the router
+        recorded of the old one, and on probation until its probes pass again."""
+        worker.consecutive_successes = 0
+        self._forget_process(worker)
+
+    def _forget_process(self, worker: Worker) -> None:
+        """What the router knew of the process behind `worker` (the fleet load it applied, that it took the pause)
+        holds no more."""
+        worker.weight_load = None
+        if self.on_may_have_restarted is not None:
+            self.on_may_have_restarted(worker)

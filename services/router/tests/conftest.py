@@ -41,9 +41,9 @@ def start_process(tmp_path: Path) -> Iterator[Callable[[str, list[str]], Service
 def start_engine() -> Iterator[Callable[..., FakeEngine]]:
     started: list[FakeEngine] = []
 
-    def start(name: str, **attrs: object) -> FakeEngine:
+    def start(name: str, port: int | None = None, **attrs: object) -> FakeEngine:
         engine = FakeEngine(name=name, **attrs)  # type: ignore[arg-type]
-        engine.server = ThreadedServer(engine.app()).start()
+        engine.server = ThreadedServer(engine.app(), port=port).start()
         started.append(engine)
         return engine
 

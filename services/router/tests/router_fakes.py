@@ -1,4 +1,4 @@
-"""Test doubles of the router's tests: a fake SGLang engine, in-thread servers, a router handle.
+"""Test doubles of the router's tests: a fake SGLang engine, in-thread servers, a fake restarter, a router handle.
 
 The fake engine speaks the subset of SGLang's HTTP API the router uses, records what it received
 (raw bodies, weight loads, in order) and can be told to fail, so each routing rule can be checked
@@ -13,14 +13,17 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import httpx
+import pytest
 import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import ASGIApp
 
 from rlfleet.processes import free_port
+from rlfleet_router import fleet as fleet_module
 
 
 class ThreadedServer:
@@ -223,7 +226,7 @@ class GatedEngine:
 
     GATED = ("/generate", "/health", "/health_generate")
 
-    def __init__(self, name: str, gated: tuple[str, ...] = GATED, **attrs: object) -> None:
+    def __init__(self, name: str, gated: tuple[str, ...] = GATED, port: int | None = None, **attrs: object) -> None:
         self.engine = FakeEngine(name=name, **attrs)  # type: ignore[arg-type]
         self.gated = gated
         self.loading = 0  # weight updates running
@@ -247,7 +250,7 @@ class GatedEngine:
             finally:
                 self.loading -= 1
 
-        self.engine.server = ThreadedServer(app)
+        self.engine.server = ThreadedServer(app, port=port)
 
     @property
     def url(self) -> str:
@@ -257,6 +260,47 @@ class GatedEngine:
         assert self.engine.server is not None
         self.engine.server.start()
         return self
+
+
+class RelaunchingRestarter:
+    """A restarter for a router in this process (`restarter_settings`): `restart(url)` records the URL and calls
+    `relaunch(url)` in a thread, which starts a new fake engine there (the test stopped the old one), then
+    returns the URL; `release(url)` is recorded. Set `gate` to hold restarts until it is set."""
+
+    def __init__(self, relaunch: Callable[[str], object] | None = None) -> None:
+        self.relaunch = relaunch
+        self.restarts: list[str] = []
+        self.released: list[str] = []
+        self.gate: threading.Event | None = None
+
+    async def start(self) -> list[str]:
+        return []
+
+    async def restart(self, url: str) -> str:
+        self.restarts.append(url)
+        if self.gate is not None:
+            await asyncio.to_thread(self.gate.wait, 30.0)
+        if self.relaunch is not None:
+            await asyncio.to_thread(self.relaunch, url)
+        return url
+
+    async def release(self, url: str) -> None:
+        self.released.append(url)
+
+    async def close(self) -> None:
+        pass
+
+
+def restarter_settings(monkeypatch: pytest.MonkeyPatch, restarter: object) -> dict[str, object]:
+    """Router settings (for `start_router`) under which the router's restarter is `restarter`."""
+    monkeypatch.setattr(fleet_module, "create_restarter", lambda name, config: restarter)
+    return {"restarter": "docker"}  # a real name, so the settings validate; never created
+
+
+def port_of(url: str) -> int:
+    port = urlsplit(url).port
+    assert port is not None, url
+    return port
 
 
 @dataclass

@@ -1,12 +1,12 @@
 """An engine in routing that serves another weight version than the router recorded (it restarted by itself
 faster than the failure window, on its initial weights) leaves routing and loads the fleet's version before
-it serves again."""
+it serves again, paused like the fleet if the fleet is paused."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from router_fakes import FakeEngine, RunningRouter, ThreadedServer, metric_value
+from router_fakes import FakeEngine, GatedEngine, RunningRouter, ThreadedServer, metric_value, port_of
 
 
 def test_an_engine_restarted_within_the_failure_window_reloads_the_fleet_version(
@@ -38,3 +38,33 @@ def test_an_engine_restarted_within_the_failure_window_reloads_the_fleet_version
         assert steady.update_bodies == [body], "the engine that stayed on the fleet's version is left alone"
     finally:
         restarted.server.stop()
+
+
+def test_an_engine_restarted_by_itself_during_a_pause_reloads_the_fleet_version_and_is_paused(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """A paused engine is checked for liveness only, and its version was not compared: one that restarted by itself
+    served its boot weights, not paused, for as long as the fleet's pause lasted."""
+    steady, victim = start_engine("steady"), start_engine("victim")
+    router = start_router([steady.url, victim.url], health_failure_threshold=50)
+    router.wait_healthy(2)
+    body = {"model_path": "/ckpt/1", "weight_version": "1"}
+    assert router.client.post("/update_weights_from_disk", json=body).status_code == 200
+    assert router.client.post("/pause_generation", json={}).status_code == 200
+
+    assert victim.server is not None
+    victim.server.stop()
+    restarted = GatedEngine("victim", port=port_of(victim.url)).start()  # its boot weights, and not paused
+    try:
+        router.wait_for(lambda: restarted.engine.weight_version == "1", what="the restarted engine reloaded version 1")
+        router.wait_healthy(2)
+        assert [b["weight_version"] for b in restarted.engine.update_bodies] == ["1"]
+        assert restarted.paused, "it rejoined routing generating while the fleet is paused"
+        exposition = router.client.get("/metrics").text
+        assert metric_value(exposition, "rlfleet_router_engine_version_drifts_total", {"engine": victim.url}) == 1
+        assert router.client.post("/continue_generation", json={}).status_code == 200
+        assert not restarted.paused
+    finally:
+        restarted.paused = False
+        assert restarted.engine.server is not None
+        restarted.engine.server.stop()

@@ -1,9 +1,10 @@
 """Engines enter routing in line with the fleet's generation pause, and never resume requests on part of a version.
 
 An engine the router paused that missed the continue rejoins continued, not holding every request routed to
-it; one that joins mid-pause is paused like the rest and continued by the fleet's continue. An engine holding
-some buckets of a version has the requests it holds sent to other engines and aborted before it is continued,
-and is not continued at all if it does not abort them, until it has loaded a whole version.
+it; one that joins mid-pause, or was restarted during it, is paused like the rest and continued by the fleet's
+continue. An engine holding some buckets of a version has the requests it holds sent to other engines and
+aborted before it is continued, and is not continued at all if it does not abort them, until it has loaded a
+whole version; it is restarted only if it dies, not for probes that wait behind the pause.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import httpx
 import pytest
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from router_fakes import GatedEngine, RunningRouter, metric_value
+from router_fakes import GatedEngine, RelaunchingRestarter, RunningRouter, metric_value, port_of, restarter_settings
 
 from rlfleet.errors import Unavailable
 from rlfleet_router.busy_engines import BusyEngines
@@ -163,6 +164,60 @@ def test_an_engine_that_joins_mid_pause_is_paused_with_the_fleet_and_continued_w
     assert router.client.post("/continue_generation", json={}).status_code == 200
     assert not newcomer.paused and not steady.paused
     assert served_by(router, 4) == {"steady", "newcomer"}
+
+
+def test_an_engine_restarted_during_a_pause_rejoins_paused(
+    start_gated: Callable[..., GatedEngine], start_router: Callable[..., RunningRouter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The healer keeps the worker (its id) but not the process: the router's record that it took the pause made
+    the restarted engine, not paused, rejoin generating while the fleet is paused."""
+    steady = start_gated("steady", gated=PROBES_ANSWER_WHILE_PAUSED)
+    victim = start_gated("victim", gated=PROBES_ANSWER_WHILE_PAUSED)
+    restarted: list[GatedEngine] = []
+    restarter = RelaunchingRestarter(
+        lambda url: restarted.append(start_gated("victim", gated=PROBES_ANSWER_WHILE_PAUSED, port=port_of(url)))
+    )
+    router = start_router([steady.url, victim.url], **PROBES, **restarter_settings(monkeypatch, restarter))
+    router.wait_healthy(2)
+    assert router.client.post("/pause_generation", json={}).status_code == 200
+
+    assert victim.engine.server is not None
+    victim.engine.server.stop()  # dies mid-pause
+    router.wait_for(lambda: bool(restarted), what="the victim restarted")
+    router.wait_healthy(2)
+    assert restarted[0].paused, "it rejoined routing generating while the fleet is paused"
+    assert routes(restarted[0]) == ["/pause_generation"]
+
+    assert router.client.post("/continue_generation", json={}).status_code == 200
+    assert not restarted[0].paused and not steady.paused
+    assert served_by(router, 4) == {"steady", "victim"}
+
+
+def test_a_group_member_that_died_is_restarted_and_one_paused_holding_part_of_a_version_is_not(
+    start_gated: Callable[..., GatedEngine], start_router: Callable[..., RunningRouter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stranded by the broken group (taken out, not failed out), the dead member was never restarted. The live one
+    waits, paused, for the trainer's disk fallback: its probes wait behind the pause, which is no failure."""
+    lives, dies = start_gated("lives", group=True), start_gated("dies", group=True)
+    restarted: list[GatedEngine] = []
+    restarter = RelaunchingRestarter(lambda url: restarted.append(start_gated("dies", group=True, port=port_of(url))))
+    router = start_router([lives.url, dies.url], **PROBES, **restarter_settings(monkeypatch, restarter))
+    router.wait_healthy(2)
+    assert router.client.post("/pause_generation", json={}).status_code == 200
+    assert router.client.post("/init_weights_update_group", json=INIT).status_code == 200
+
+    assert dies.engine.server is not None
+    dies.engine.server.stop()
+    assert router.client.post("/update_weights_from_distributed", json=FIRST_BUCKET).status_code == 502
+    router.wait_for(lambda: bool(restarted), what="the dead member restarted")
+    time.sleep(1.0)  # many failure windows of probes of the live member, waiting behind its pause
+    assert restarter.restarts == [dies.url]
+    assert lives.paused and [w["restarting"] for w in router.workers()] == [False, False]
+
+    fallback = {"model_path": "/w/1", "weight_version": "1"}
+    assert router.client.post("/update_weights_from_disk", json=fallback).status_code == 200
+    router.wait_healthy(2)
+    assert lives.engine.weight_version == restarted[0].engine.weight_version == "1"
 
 
 def test_requests_held_by_an_engine_with_part_of_a_version_go_to_another_before_it_is_continued(

@@ -1,4 +1,4 @@
-"""The docker and kubernetes restarters and Kubernetes discovery, against fake API servers that follow the real APIs.
+"""The restarters and Kubernetes discovery; docker and kubernetes against fake API servers that follow the real APIs.
 
 The Docker fake serves the Engine API paths the `docker` SDK calls (`/version`, `GET /containers/{id}/json`,
 `POST /containers/{id}/restart?t=`); the Kubernetes fake serves core/v1 pods (list with labelSelector,
@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from fastapi import FastAPI, Request, Response
@@ -20,11 +23,13 @@ from fastapi.responses import JSONResponse
 from router_fakes import ThreadedServer
 
 from rlfleet.errors import Unavailable
+from rlfleet.processes import process_runs
 from rlfleet_router.config import RouterConfig
 from rlfleet_router.docker_restarter import DockerRestarter
 from rlfleet_router.kubernetes_api import KubernetesAPI
 from rlfleet_router.kubernetes_discovery import KubernetesDiscovery, endpoint_urls
 from rlfleet_router.kubernetes_restarter import KubernetesRestarter
+from rlfleet_router.local_restarter import LocalRestarter
 from rlfleet_router.restarters import create_restarter, restarter_names
 from rlfleet_router.workers import WorkerRegistry
 
@@ -185,6 +190,58 @@ def test_kubernetes_restarter_deletes_the_pod_and_returns_its_replacement() -> N
         assert new_url == f"http://{replacement['status']['podIP']}:30000"
     finally:
         server.stop()
+
+
+def test_kubernetes_restarts_of_two_engines_by_ip_at_once_take_one_new_pod_each() -> None:
+    """Any new Ready pod of the selector replaces an engine known by IP: two restarts at once both took the first
+    one Ready, leaving two workers at one URL and the other replacement pod unused."""
+    kube = FakeKubernetes()
+    kube.add_pod("engine-a", "10.0.0.1")
+    kube.add_pod("engine-b", "10.0.0.2")
+    server = ThreadedServer(kube.app()).start()
+    try:
+
+        async def scenario() -> list[str]:
+            api = KubernetesAPI(server.url, "rl", None, None, timeout_secs=5)
+            restarter = KubernetesRestarter(api, SELECTOR, timeout_secs=10, poll_secs=0.05)
+            try:
+                return list(
+                    await asyncio.gather(
+                        restarter.restart("http://10.0.0.1:30000"), restarter.restart("http://10.0.0.2:30000")
+                    )
+                )
+            finally:
+                await restarter.close()
+
+        urls = asyncio.run(scenario())
+        assert sorted(kube.deleted) == ["engine-a", "engine-b"]
+        replacements = {f"http://{p['status']['podIP']}:30000" for p in kube.pods.values()}
+        assert len(set(urls)) == 2 and set(urls) == replacements
+    finally:
+        server.stop()
+
+
+def test_the_local_restarter_stops_what_it_started_for_an_engine_that_left_the_fleet(tmp_path: Path) -> None:
+    """A restart is cancelled when its engine is removed from the fleet; the process it started must not run on,
+    unknown to the fleet, until the router stops."""
+    command = f"{sys.executable} -c 'import time; time.sleep(60)' {{host}} {{port}}"
+    restarter = LocalRestarter(command, 1, "127.0.0.1", tmp_path, timeout_secs=10, stop_timeout_secs=2)
+
+    async def scenario() -> int:
+        [url] = await restarter.start()
+        port = urlsplit(url).port
+        assert port is not None
+        first = restarter.pid(port)
+        assert await restarter.restart(url) == url
+        restarted = restarter.pid(port)
+        assert restarted is not None and restarted != first
+        await restarter.release(url)
+        assert restarter.pid(port) is None
+        await restarter.close()
+        return restarted
+
+    restarted = asyncio.run(scenario())
+    assert not process_runs(restarted)
 
 
 def test_kubernetes_discovery_follows_the_ready_endpoints() -> None:

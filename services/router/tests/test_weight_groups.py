@@ -19,7 +19,15 @@ import httpx
 import pytest
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from router_fakes import FakeEngine, RunningRouter, ThreadedServer, metric_value
+from router_fakes import (
+    FakeEngine,
+    RelaunchingRestarter,
+    RunningRouter,
+    ThreadedServer,
+    metric_value,
+    port_of,
+    restarter_settings,
+)
 
 from rlfleet_router import distributed_weights
 
@@ -42,10 +50,10 @@ class GroupEngine:
 
 
 @pytest.fixture
-def start_group_engine() -> Iterator[Callable[[str], GroupEngine]]:
+def start_group_engine() -> Iterator[Callable[..., GroupEngine]]:
     started: list[ThreadedServer] = []
 
-    def start(name: str) -> GroupEngine:
+    def start(name: str, port: int | None = None) -> GroupEngine:
         fake = GroupEngine(FakeEngine(name=name))
         app = fake.engine.app()
 
@@ -72,7 +80,7 @@ def start_group_engine() -> Iterator[Callable[[str], GroupEngine]]:
             fake.ended.append("destroy")
             return JSONResponse({"success": True, "message": "destroyed"})
 
-        fake.engine.server = ThreadedServer(app).start()
+        fake.engine.server = ThreadedServer(app, port=port).start()
         started.append(fake.engine.server)
         return fake
 
@@ -233,6 +241,40 @@ def test_an_engine_rejoins_only_on_the_registered_disk_copy(
     router.wait_healthy(2)
     assert late.update_bodies == [{"model_path": "/w/v3", "weight_version": "3"}] and late.weight_version == "3"
     assert router.client.get("/weights_update_groups/g").json()["current"] is False, "reopen to include it"
+
+
+def test_a_restarted_member_waiting_for_the_disk_copy_is_not_restarted_again(
+    start_group_engine: Callable[..., GroupEngine],
+    start_router: Callable[..., RunningRouter],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Back and answering its probes, it waits out of routing for the version's disk copy: the healer used to take
+    that for a restart that did not work, and kill and relaunch it after every restart timeout."""
+    members = [start_group_engine(name) for name in "ab"]
+    restarted: list[GroupEngine] = []
+    restarter = RelaunchingRestarter(lambda url: restarted.append(start_group_engine("b", port=port_of(url))))
+    router = start_router(
+        [m.url for m in members],
+        restart_timeout_secs=0.5,
+        restart_initial_backoff_secs=0.1,
+        health_success_threshold=1,
+        **restarter_settings(monkeypatch, restarter),
+    )
+    router.wait_healthy(2)
+    assert router.client.post("/init_weights_update_group", json={**INIT, "world_size": 3}).status_code == 200
+    assert router.client.post("/update_weights_from_distributed", json=bucket(["w"], version="7")).status_code == 200
+
+    assert members[1].engine.server is not None
+    members[1].engine.server.stop()
+    router.wait_for(lambda: "disk copy" in str(router.workers()[1]["last_error"]), what="the restarted one refused")
+    time.sleep(2.0)  # four restart timeouts
+    assert restarter.restarts == [members[1].url]
+    assert router.workers()[1]["state"] == "unhealthy" and router.workers()[1]["restarting"] is False
+
+    copy = {"weight_version": "7", "model_path": "/w/v7"}
+    assert router.client.post("/weight_version/disk_copy", json=copy).status_code == 200
+    router.wait_healthy(2)
+    assert restarted[0].engine.update_bodies == [{"model_path": "/w/v7", "weight_version": "7"}]
 
 
 @pytest.mark.parametrize("how", ["deadline", "caller_left"])

@@ -1,17 +1,19 @@
 """Engines the router itself keeps busy (loading weights it sent, paused by a /pause_generation it relayed)
 are not judged by SGLang's generation probe, which waits behind the load or the pause: a load longer than
-the failure window succeeds, a paused fleet stays in routing, a dead engine still leaves, and an engine that
-finished loading a version the fleet gave up on is never loaded back to the older one."""
+the failure window succeeds, a paused fleet stays in routing, a dead engine still leaves, an engine that
+finished loading a version the fleet gave up on is never loaded back to the older one, and an engine removed
+mid-load leaves the others' bookkeeping whole."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
-from router_fakes import GatedEngine, RunningRouter, metric_value
+from router_fakes import FakeEngine, GatedEngine, RunningRouter, metric_value
 
 from rlfleet_router import weights
 
@@ -168,3 +170,23 @@ def test_a_pause_that_outlives_its_bound_is_ended_by_the_router(
     exposition = router.client.get("/metrics").text
     assert metric_value(exposition, "rlfleet_router_expired_pauses_total") == 2
     assert [w["healthy"] for w in router.workers()] == [True, True]
+
+
+def test_an_engine_removed_while_it_loads_weights_leaves_the_update_and_the_other_engines_whole(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """The health round forgot the removed engine's load before the update ended it: the update answered 500, and
+    the engines after it stayed busy loading for good, checked for liveness only, however their probes failed."""
+    engines = [start_engine(name, update_delay=1.0) for name in "abc"]
+    router = start_router([e.url for e in engines])
+    router.wait_healthy(3)
+    with ThreadPoolExecutor(1) as pool:
+        update = pool.submit(load, router, "1")
+        time.sleep(0.3)  # the load under way at every engine
+        assert router.client.delete(f"/workers/{engines[0].url}").status_code == 200
+        answer = update.result(timeout=30)
+
+    assert answer.status_code == 200, answer.text
+    assert metric_value(router.client.get("/metrics").text, "rlfleet_router_engine_busy", {"reason": "loading"}) is None
+    engines[1].healthy = False  # judged by its probes again: it leaves routing
+    router.wait_for(lambda: [w["healthy"] for w in router.workers()] == [False, True], what="b out of routing")
