@@ -30,6 +30,7 @@ from rlfleet_engine.schemas import (
     DestroyWeightsUpdateGroupRequest,
     GenerateRequest,
     InitWeightsUpdateGroupRequest,
+    PauseGenerationRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
 )
@@ -156,8 +157,8 @@ def create_app(core: EngineCore, registry: CollectorRegistry) -> FastAPI:
         return JSONResponse({"success": True, "message": message})
 
     @app.post("/pause_generation")
-    async def pause_generation() -> dict[str, str]:
-        core.pause()
+    async def pause_generation(req: PauseGenerationRequest | None = None) -> dict[str, str]:
+        await core.pause((req or PauseGenerationRequest()).mode)  # no body (FastAPI reads `null` as none): abort
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")

@@ -1,8 +1,8 @@
 """What both engine cores (the model's `EngineCore` and the `sim` backend's `SimEngineCore`) do alike over
 their schedulers: refuse a request whose rid is already in flight, answer a generate request whole or as a
-stream from the outputs its jobs deliver, abort the jobs a caller leaves, pass abort, pause and resume on
-to the scheduler, describe the engine (SGLang's /get_model_info and /get_server_info), and refuse a disk
-weight load in a format the engines do not read.
+stream from the outputs its jobs deliver, abort the jobs a caller leaves, pass abort, pause (in SGLang's
+modes) and resume on to the scheduler, describe the engine (SGLang's /get_model_info and /get_server_info),
+and refuse a disk weight load in a format the engines do not read.
 
 Outputs arrive on one queue per request as (index of the job in the request, SGLang-shaped output).
 """
@@ -10,6 +10,7 @@ Outputs arrive on one queue per request as (index of the job in the request, SGL
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
@@ -20,10 +21,16 @@ from rlfleet_engine import __version__
 from rlfleet_engine.config import EngineConfig
 from rlfleet_engine.generation_job import GenerationJob
 from rlfleet_engine.metrics import EngineMetrics
-from rlfleet_engine.schemas import GenerateRequest, UpdateWeightsFromDiskRequest
+from rlfleet_engine.schemas import GenerateRequest, PauseMode, UpdateWeightsFromDiskRequest
+
+logger = logging.getLogger(__name__)
 
 Outputs = asyncio.Queue[tuple[int, dict[str, Any]]]
 LOAD_FORMATS = (None, "auto", "safetensors")
+ABORT_WAIT_S = 10.0
+"""Bound on how long a pause in "abort" mode waits for its aborts to be answered. They run between two decode
+steps, at once unless a weight load holds the scheduler; past the bound the pause answers anyway and the
+aborts still run (before anything else the scheduler does)."""
 
 
 def check_load_format(req: UpdateWeightsFromDiskRequest) -> None:
@@ -147,9 +154,27 @@ class ScheduledGeneration(ABC):
     def flush_cache(self) -> None:
         """Empties the prefix cache (POST /flush_cache)."""
 
-    def pause(self) -> None:
+    async def pause(self, mode: PauseMode) -> None:
+        """SGLang's /pause_generation: nothing is admitted or decoded until `resume`; requests sent meanwhile wait.
+
+        "abort" first ends every request in flight, running or waiting, as /abort_request with abort_all does
+        (each answered with the tokens it has), and returns once they are answered. "retract" and "in_place"
+        hold them where they are: running rows keep their KV cache, which a weight load during the pause
+        recomputes under the new weights (SGLang's "retract" may drop it instead; the result is the same).
+        """
         self._paused_at = time.monotonic()
         self.scheduler.set_paused(True)
+        if mode != "abort":
+            return
+        # The jobs submitted before this call, not abort_all: a request sent once the pause is in force waits.
+        ending = [job for job in self.in_flight.values() if job.finish is None]
+        self.scheduler.abort_jobs(ending)
+        deadline = time.monotonic() + ABORT_WAIT_S
+        while any(job.finish is None for job in ending):
+            if time.monotonic() > deadline:
+                logger.warning("paused; %d aborted requests not answered within %.0fs", len(ending), ABORT_WAIT_S)
+                return
+            await asyncio.sleep(0.005)
 
     def resume(self) -> None:
         self._paused_at = None

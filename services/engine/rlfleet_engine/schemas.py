@@ -6,11 +6,15 @@ would change the result in a way this engine cannot honour are refused with a me
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from rlfleet.http_errors import JSON_TYPE_NAMES
 from rlfleet_engine.sampling_params import SamplingParams
+
+PauseMode = Literal["abort", "retract", "in_place"]
+"""What /pause_generation does with the requests in flight (SGLang's PauseGenerationReqInput.mode)."""
 
 
 class GenerateRequest(BaseModel):
@@ -144,3 +148,23 @@ class AbortRequest(BaseModel):
         if not self.rid and not self.abort_all:
             raise ValueError("give the rid of the request to abort, or abort_all: true")
         return self
+
+
+class PauseGenerationRequest(BaseModel):
+    """POST /pause_generation. No body at all reads as `{}`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    mode: PauseMode = "abort"
+    """"abort" ends every request in flight, as /abort_request with abort_all does; "retract" and "in_place"
+    hold them until /continue_generation."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _an_object(cls, data: object) -> object:
+        # Bytes are a body not sent as JSON: pydantic's own refusal of it leads to the Content-Type hint.
+        if isinstance(data, (dict, bytes, cls)):
+            return data
+        got = JSON_TYPE_NAMES.get(type(data), type(data).__name__)
+        modes = ", ".join(repr(mode) for mode in get_args(PauseMode))
+        raise ValueError(f'must be a JSON object such as {{"mode": "retract"}}, got {got}; mode is one of {modes}')

@@ -251,6 +251,24 @@ def test_pause_holds_requests_until_continue(engine: RunningEngine) -> None:
     assert result["out"]["meta_info"]["completion_tokens"] >= 1
 
 
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({"mode": "hold"}, "body.mode: Input should be 'abort', 'retract' or 'in_place'"),
+        ({"mode": None}, "body.mode: Input should be 'abort', 'retract' or 'in_place'"),
+        ("retract", 'body: must be a JSON object such as {"mode": "retract"}, got a string; mode is one of'),
+        ([{"mode": "retract"}], 'body: must be a JSON object such as {"mode": "retract"}, got an array'),
+    ],
+)
+def test_a_pause_in_an_unknown_mode_is_refused_naming_the_field(
+    engine: RunningEngine, body: Any, fragment: str
+) -> None:
+    response = engine.post("/pause_generation", body)
+    assert response.status_code == 400, response.text
+    assert response.json()["object"] == "error" and fragment in response.json()["message"]
+    assert engine.get("/get_server_info").json()["internal_states"][0]["paused"] is False
+
+
 def test_health_info_and_cache_endpoints(engine: RunningEngine, tiny_model_dir: Any) -> None:
     assert engine.get("/health").status_code == 200
     assert engine.get("/health_generate").status_code == 200

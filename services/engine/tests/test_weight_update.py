@@ -89,7 +89,7 @@ def test_requests_in_flight_are_paused_not_broken(own_engine: RunningEngine, tin
     worker = threading.Thread(target=long_request)
     worker.start()
     wait_until_running(own_engine, 1)
-    assert own_engine.post("/pause_generation", {}).json()["status"] == "ok"
+    assert own_engine.post("/pause_generation", {"mode": "retract"}).json()["status"] == "ok"
     response = own_engine.post("/update_weights_from_disk", {"model_path": str(tiny_model_dir), "weight_version": "9"})
     assert response.status_code == 200, response.text
     assert response.json()["num_paused_requests"] == 1
@@ -141,3 +141,31 @@ def test_an_integer_weight_version_is_read_as_text(own_engine: RunningEngine, ti
     response = own_engine.post("/update_weights_from_disk", {"model_path": str(tiny_model_dir), "weight_version": 11})
     assert response.status_code == 200, response.text
     assert own_engine.get("/get_weight_version").json() == {"weight_version": "11"}
+
+
+def test_a_pause_in_abort_mode_leaves_the_load_nothing_to_hold(own_engine: RunningEngine, tiny_model_dir: Path) -> None:
+    old = own_engine.get("/get_weight_version").json()["weight_version"]
+    result: dict[str, Any] = {}
+
+    def long_request() -> None:
+        result["out"] = own_engine.generate(
+            {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}, timeout=60
+        )
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    wait_until_running(own_engine, 1)
+    assert own_engine.post("/pause_generation", {"mode": "abort"}).json()["status"] == "ok"
+    worker.join(timeout=10)  # answered by the pause, before any load
+    meta = result["out"]["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and 0 < meta["completion_tokens"] < 300
+    assert meta["weight_versions"] == [old]
+    try:
+        response = own_engine.post(
+            "/update_weights_from_disk", {"model_path": str(tiny_model_dir), "weight_version": "12"}
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["num_paused_requests"] == 0
+    finally:
+        assert own_engine.post("/continue_generation", {}).status_code == 200
+    assert own_engine.generate({"input_ids": PROMPT, "sampling_params": GREEDY})["meta_info"]["weight_version"] == "12"
