@@ -21,6 +21,17 @@ engine under the same rid, and ends a stream under way with an error) and has th
 (`ABORT_ALL`). An engine that does not take that abort is not continued: it stays paused, out of routing,
 until it has loaded a whole version, and entering routing continues it then (`FleetPause.match`). Keeping
 the requests held until such a load instead would hold them until their deadline if no version comes.
+
+Nor may an engine that did not take the fleet's pause (an error, or no answer in time) be routed to while
+the pause stands: the trainer sends a version in buckets behind it, and between two buckets such an engine
+would answer with part of the new version loaded, under the old version's label. So once the answers to a
+pause that some engine took are in, the engines in routing that did not take it are taken out of routing
+(`WorkerRegistry.take_out`; requests already there finish there). As members of a weight update group out of
+routing, they get no bucket (the router refuses one sent to such a group; the trainer opens the group again
+with the engines in routing), and taking them out forgot the load they applied. They come back through
+admission like any engine out of routing: holding the fleet's current load whole (loaded from its disk copy,
+once registered, whatever they held) and in line with the fleet's pause (`FleetPause.match` sends them the
+fleet's pause again while it stands; after the continue, they rejoin generating).
 """
 
 from __future__ import annotations
@@ -43,7 +54,7 @@ from rlfleet_router.engine_controls import (
     EngineOutcome,
     post_control,
 )
-from rlfleet_router.fleet_pause import FleetPause
+from rlfleet_router.fleet_pause import FleetPause, Pause
 from rlfleet_router.proxy import forwardable_headers
 from rlfleet_router.workers import Worker, WorkerRegistry
 
@@ -87,6 +98,7 @@ class Fanout:
         forwarded = {k: v for k, v in forwardable_headers(headers).items() if k.lower() != "content-type"}
         if body.strip():
             forwarded["content-type"] = "application/json"
+        pause: Pause | None = None
         if route == CONTINUE_ROUTE:
             self._pauses.end()
             partial = {w.id for w in self._before_continue()}
@@ -100,6 +112,8 @@ class Fanout:
             self._on_caches_emptied([o.worker for o in outcomes if o.ok])
         elif route in (PAUSE_ROUTE, CONTINUE_ROUTE):
             self._pauses.record(route, outcomes)
+        if pause is not None and self._pauses.current(pause):
+            self._take_out_unpaused(outcomes)
         ok = all(o.ok for o in outcomes)
         done = sum(o.ok for o in outcomes)
         summary = {
@@ -156,6 +170,20 @@ class Fanout:
                     f"(abort_all) first ({aborted.status}: {aborted.message}); it continues once it loaded a whole one",
                 )
         return await self._one(worker, CONTINUE_ROUTE, body, headers)
+
+    def _take_out_unpaused(self, outcomes: list[EngineOutcome]) -> None:
+        """Takes out of routing the engines in routing that did not take the fleet's pause (see the module
+        docstring); the requests already there finish there, on the weights it holds."""
+        for outcome in outcomes:
+            worker = outcome.worker
+            if outcome.ok or not (worker.healthy and self._workers.contains(worker)):
+                continue
+            self._workers.take_out(
+                worker,
+                f"did not take the fleet's {PAUSE_ROUTE} ({outcome.status}: {outcome.message}): out of routing "
+                "while generation is paused; it rejoins once it takes the pause, or after the continue on the "
+                "fleet's weight version",
+            )
 
     async def _one(self, worker: Worker, route: str, body: bytes, headers: Mapping[str, str]) -> EngineOutcome:
         return await post_control(self._client, worker, route, body, headers, self._timeout)

@@ -6,9 +6,10 @@ or for `BusyEngines.pause_bound_secs` at most (past it the router continues the 
 since, so that an engine entering routing can be brought in line with the fleet (`match`): an engine paused
 by the router that missed the continue (it was hung, or out of routing and refused it) would otherwise
 rejoin paused and hold every request routed to it; one that joins while the fleet is paused (new, or it
-missed the pause) would generate while the trainer updates weights. Only where the two may differ is
-anything sent: a router that knows of no pause (it restarted while the trainer had generation paused)
-never continues an engine the trainer paused.
+missed the pause) would generate while the trainer updates weights. An engine in routing that missed the
+pause leaves routing once the pause's answers are in (`Fanout`) and rejoins through `match` like these. Only
+where the two may differ is anything sent: a router that knows of no pause (it restarted while the trainer
+had generation paused) never continues an engine the trainer paused.
 
 An engine removed from the fleet (DELETE /workers, or Kubernetes discovery dropping a NotReady pod) and added
 again is a new worker, with another id, but may be the same engine, still paused by the router: so what the
@@ -80,6 +81,11 @@ class FleetPause:
     def paused(self) -> bool:
         self._expire()
         return self._pause is not None
+
+    def current(self, pause: Pause) -> bool:
+        """Whether the fleet's pause is `pause` still: no continue, newer pause or end of its bound since."""
+        self._expire()
+        return self._pause is pause
 
     def begin(self, workers: list[Worker], body: bytes, headers: Mapping[str, str]) -> Pause:
         """A /pause_generation with `body` and `headers` is about to be sent to `workers`, the whole fleet."""

@@ -63,3 +63,28 @@ def test_a_control_request_to_an_empty_fleet_is_unavailable(start_router: Callab
     answer = router.client.post("/pause_generation", json={})
     assert answer.status_code == 503
     assert "no engine in the fleet" in answer.text
+
+
+def test_engines_that_do_not_take_the_fleets_pause_leave_routing(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """Refused or unanswered in time: either way the engine may generate between two buckets of a version."""
+    refuses = start_engine("refuses", refused_controls={"/pause_generation"})
+    slow, takes = start_engine("slow", control_delay=30.0), start_engine("takes")
+    router = start_router([refuses.url, slow.url, takes.url], control_timeout_secs=0.5)
+    router.wait_healthy(3)
+    assert router.client.post("/pause_generation", json={}).status_code == 502
+    assert [w["healthy"] for w in router.workers()] == [False, False, True]
+    answers = [router.client.post("/generate", json={"text": str(i)}) for i in range(4)]
+    assert {a.json()["meta_info"]["engine"] for a in answers} == {"takes"}
+
+
+def test_a_pause_no_engine_took_takes_no_engine_out_of_routing(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """The fleet is not paused then: nothing is to be kept from generating."""
+    engines = [start_engine(name, refused_controls={"/pause_generation"}) for name in "ab"]
+    router = start_router([e.url for e in engines])
+    router.wait_healthy(2)
+    assert router.client.post("/pause_generation", json={}).status_code == 502
+    assert [w["healthy"] for w in router.workers()] == [True, True]

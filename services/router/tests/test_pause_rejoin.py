@@ -2,9 +2,11 @@
 
 An engine the router paused that missed the continue rejoins continued, not holding every request routed to
 it; one that joins mid-pause, or was restarted during it, is paused like the rest and continued by the fleet's
-continue. An engine holding some buckets of a version has the requests it holds sent to other engines and
-aborted before it is continued, and is not continued at all if it does not abort them, until it has loaded a
-whole version; it is restarted only if it dies, not for probes that wait behind the pause.
+continue. One in routing that does not take the fleet's pause is routed nothing until it rejoins: paused once
+it takes the pause, or after the continue on the fleet's version, loaded whole. An engine holding some buckets
+of a version has the requests it holds sent to other engines and aborted before it is continued, and is not
+continued at all if it does not abort them, until it has loaded a whole version; it is restarted only if it
+dies, not for probes that wait behind the pause.
 """
 
 from __future__ import annotations
@@ -164,6 +166,70 @@ def test_an_engine_that_joins_mid_pause_is_paused_with_the_fleet_and_continued_w
     assert router.client.post("/continue_generation", json={}).status_code == 200
     assert not newcomer.paused and not steady.paused
     assert served_by(router, 4) == {"steady", "newcomer"}
+
+
+def test_an_engine_that_did_not_take_the_pause_gets_no_request_until_it_rejoins_on_the_fleets_version(
+    start_gated: Callable[..., GatedEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """Kept in routing, it answered between two buckets of a version with part of it loaded, under the old label."""
+    steady, refuser = start_gated("steady", group=True), start_gated("refuser", group=True)
+    router = start_router([steady.url, refuser.url], **PROBES)
+    router.wait_healthy(2)
+    refuser.engine.refused_controls = {"/pause_generation"}  # that one call fails (503); the engine stays healthy
+
+    assert router.client.post("/pause_generation", json={}).status_code == 502
+    assert steady.paused and not refuser.paused
+    with ThreadPoolExecutor(4) as pool:
+        held = [pool.submit(router.client.post, "/generate", json={"text": str(i)}, timeout=15) for i in range(4)]
+        router.wait_for(
+            lambda: sum(int(str(w["in_flight"])) for w in router.workers()) + len(refuser.engine.raw_bodies) == 4,
+            what="every request routed",
+        )
+        assert refuser.engine.raw_bodies == [], "routed to an engine that did not take the fleet's pause"
+        time.sleep(0.5)  # rounds of probes that pass: admission sends it the pause again, which it refuses
+        assert [w["healthy"] for w in router.workers()] == [True, False]
+        assert routes(refuser).count("/pause_generation") > 1
+
+        # The trainer opens its group with the engines in routing and sends a version in two buckets.
+        init = router.client.post("/init_weights_update_group", json={**INIT, "world_size": 2})
+        assert init.status_code == 200, init.text
+        assert [e["url"] for e in init.json()["engines"]] == [steady.url]
+        assert router.client.post("/update_weights_from_distributed", json=FIRST_BUCKET).status_code == 200
+        last = {**FIRST_BUCKET, "names": ["w2"], "weight_version": "1"}
+        assert router.client.post("/update_weights_from_distributed", json=last).status_code == 200
+        copy = {"model_path": "/w/1", "weight_version": "1"}
+        assert router.client.post("/weight_version/disk_copy", json=copy).status_code == 200
+        continued = router.client.post("/continue_generation", json={})
+        answers = [future.result() for future in held]
+
+    assert continued.status_code == 200, continued.text
+    assert {a.json()["meta_info"]["engine"] for a in answers} == {"steady"}
+    router.wait_healthy(2)
+    assert refuser.engine.update_bodies == [copy], "it rejoined without loading the fleet's version whole"
+    assert served_by(router, 4) == {"steady", "refuser"}
+    assert {w["weight_version"] for w in router.workers()} == {"1"}
+
+
+def test_an_engine_that_did_not_take_the_pause_rejoins_paused_once_it_takes_it(
+    start_gated: Callable[..., GatedEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    steady, refuser = start_gated("steady"), start_gated("refuser")
+    router = start_router([steady.url, refuser.url], **PROBES)
+    router.wait_healthy(2)
+    refuser.engine.refused_controls = {"/pause_generation"}
+    pause = {"mode": "retract"}
+    assert router.client.post("/pause_generation", json=pause).status_code == 502
+    assert [w["healthy"] for w in router.workers()] == [True, False]
+
+    refuser.engine.refused_controls = set()  # the failure was transient: the pause sent as it rejoins lands
+    router.wait_healthy(2)
+    assert refuser.paused, "it rejoined routing generating while the fleet is paused"
+    route, _, body = refuser.engine.controls[-1]
+    assert (route, json.loads(body)) == ("/pause_generation", pause)
+
+    assert router.client.post("/continue_generation", json={}).status_code == 200
+    assert not refuser.paused and not steady.paused
+    assert served_by(router, 4) == {"steady", "refuser"}
 
 
 def test_an_engine_restarted_during_a_pause_rejoins_paused(
