@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from rlfleet_trainer.critic import Critic
+from rlfleet_trainer.directory_swap import replace_directory
 
 STEP_PREFIX = "step_"
 
@@ -154,8 +155,7 @@ def save_checkpoint(root: Path, parts: TrainingState, meta: CheckpointMeta) -> P
         dcp.save(state, checkpoint_id=str(tmp), no_dist=not distributed)
     # dcp.save returns on rank 0 after every rank's shards and the metadata are written.
     if _rank() == 0:
-        shutil.rmtree(dest, ignore_errors=True)
-        tmp.rename(dest)
+        replace_directory(tmp, dest)
     if distributed:
         dist.barrier()
     return dest

@@ -1,7 +1,8 @@
 """Weight versions on disk: each version is a complete Hugging Face model directory.
 
-A version is written to a temporary directory and renamed into place, so a crash never leaves a
-half-written `v<N>` that looks complete; engines (or a restarted trainer) can load any kept version.
+A version is written to a temporary directory, flushed to disk and renamed into place
+(`directory_swap`), so a crash never leaves a half-written `v<N>` that looks complete; engines (or a
+restarted trainer) can load any kept version.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
+
+from rlfleet_trainer.directory_swap import replace_directory
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +39,7 @@ def write_model_dir(
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
             shutil.copy2(tokenizer_dir / name, tmp / name)
-    shutil.rmtree(dest, ignore_errors=True)  # a leftover from a step that was rolled back
-    tmp.rename(dest)
+    replace_directory(tmp, dest)  # an existing one is a leftover from a step that was rolled back
     return dest
 
 
