@@ -1,5 +1,5 @@
-"""Task lifetimes: a batch of coroutines that stops together on the first failure, and cancelling a task so
-that it really ends.
+"""Task lifetimes: a batch of coroutines that stops together on the first failure, cancelling a task so
+that it really ends, and a short clean-up that a cancellation does not cut short.
 
 A task can outlive one cancellation. On Python 3.11, asyncio.wait_for returns its awaitable's result when
 a cancellation arrives just as that awaitable finishes, and the cancellation is lost; redis-py's asyncio
@@ -48,3 +48,26 @@ async def cancel_and_wait(task: asyncio.Task[Any], within_s: float | None = None
     if interrupted:
         raise asyncio.CancelledError
     return task.done()
+
+
+async def finish(coro: Coroutine[Any, Any, T], within_s: float) -> T:
+    """`coro`'s result, run to its end even when the caller is cancelled meanwhile (the cancellation is held until
+    then and raised after), for at most `within_s`: then it is cancelled (TimeoutError). For a clean-up that a
+    shutdown, which cancels repeatedly (cancel_and_wait), must not cut short."""
+    task = asyncio.ensure_future(coro)
+    deadline = time.monotonic() + within_s
+    interrupted = False
+    while not task.done():
+        wait = deadline - time.monotonic()
+        if wait <= 0:
+            await cancel_and_wait(task)
+            break
+        try:
+            await asyncio.wait({task}, timeout=wait)
+        except asyncio.CancelledError:
+            interrupted = True
+    if interrupted:
+        raise asyncio.CancelledError
+    if task.cancelled():
+        raise TimeoutError(f"not done within {within_s:g}s")
+    return task.result()

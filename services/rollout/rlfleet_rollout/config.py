@@ -69,6 +69,9 @@ class RolloutConfig(BaseSettings):
     run_data_retention_s: float = Field(default=7 * 24 * 3600.0, gt=0)
     """How long a run's sample stream, its dead letters and its data position stay in Redis after the run ends
     (its record stays): time to inspect them, and Redis does not fill up with runs that are over."""
+    run_lease_s: float = Field(default=15.0, ge=1)
+    """How long the lease that lets one orchestrator drive a run lasts unrenewed (it renews it every quarter of this):
+    another orchestrator on the same Redis takes a run over this long after its driver died."""
     shutdown_grace_s: float = Field(default=5.0, ge=0)
     """How long open requests and streams get to finish on SIGTERM."""
     log_level: LogLevel = "info"

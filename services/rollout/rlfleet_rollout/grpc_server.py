@@ -1,9 +1,14 @@
-"""The gRPC Runs service over RunsCore; errors become status codes in rlfleet.grpc_errors.ErrorInterceptor."""
+"""The gRPC Runs service over RunsCore; errors become status codes in rlfleet.grpc_errors.ErrorInterceptor.
+
+A Watch the orchestrator's shutdown ends before the run did ends with UNAVAILABLE ("orchestrator shutting down;
+watch again"), never OK, which a client's `for event in runs.Watch(...)` loop would take for the run's end.
+"""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import grpc
 from grpc import aio
 
 from rlfleet.api_token import ApiTokenGuard
@@ -22,7 +27,7 @@ from rlfleet.v1.runs_pb2 import (
     SubmitRunRequest,
     WatchRunRequest,
 )
-from rlfleet_rollout.runs_core import RunsCore
+from rlfleet_rollout.runs_core import RunsCore, ShuttingDown
 
 
 class RunsServicer(runs_pb2_grpc.RunsServicer):
@@ -44,8 +49,12 @@ class RunsServicer(runs_pb2_grpc.RunsServicer):
     async def Watch(  # noqa: N802
         self, request: WatchRunRequest, context: aio.ServicerContext
     ) -> AsyncIterator[RunEvent]:
-        async for event in self.core.watch(request.id):
-            yield event
+        try:
+            async for event in self.core.watch(request.id):
+                yield event
+        except ShuttingDown as exc:
+            # Answered here, not by the interceptor, which would log each open watch as an error of the service.
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
 
 def build_grpc_server(

@@ -4,17 +4,20 @@ POST /v1/runs               body: RunSpec JSON            -> Run
                            ?validate_only=true: every check, nothing stored -> the Run it would create, no id
 GET  /v1/runs               ?state=&page_size=&page_token= -> ListRunsResponse
 GET  /v1/runs/{id}                                         -> Run
-POST /v1/runs/{id}:cancel                                  -> Run
+POST /v1/runs/{id}:cancel                                  -> Run (GET: 405, Allow: POST)
 GET  /v1/runs/{id}:watch    server-sent events, one `data: <Run JSON>` per change, until the run ends, and a
-                           `: keep-alive` comment after each `watch_keepalive_s` without a change
+                           `: keep-alive` comment after each `watch_keepalive_s` without a change; the stream
+                           also ends when the orchestrator shuts down or loses Redis (a client watches again)
 GET  /liveness                                             -> 200 while the process serves (Redis or not)
-GET  /health                                               -> 200 once Redis answers, else 503 (readiness)
+GET  /health                                               -> 200 once Redis answers, else 503 (readiness), within
+                                                              HEALTH_TIMEOUT_S
 GET  /metrics
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,6 +27,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from google.protobuf import json_format
 from google.protobuf.message import Message
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from starlette.exceptions import HTTPException
 
 from rlfleet.api_token import ApiTokenGuard
 from rlfleet.errors import InvalidInput, Unavailable
@@ -35,6 +41,19 @@ from rlfleet.v1.runs_pb2 import RunSpec, RunState
 from rlfleet_rollout.metrics import RolloutMetrics
 from rlfleet_rollout.runs_core import RunsCore
 from rlfleet_rollout.sse_keepalive import with_keepalive
+
+logger = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 3.0
+"""Bound on /health's ping of Redis, inside a readiness probe's timeout (5 s in the chart): two tries of at most half
+of it each, the second at once and only for a connection found broken (Redis closed it, e.g. it restarted)."""
+
+
+def health_client(url: str) -> aioredis.Redis:
+    """The Redis client /health pings with, bounded by HEALTH_TIMEOUT_S. The run records' client retries a lost
+    connection for 30 s (a Redis restart), which a probe would not wait for."""
+    each = HEALTH_TIMEOUT_S / 2
+    return aioredis.Redis.from_url(url, socket_timeout=each, socket_connect_timeout=each, retry=Retry(NoBackoff(), 1))
 
 
 def to_json(message: Message) -> dict[str, Any]:
@@ -89,6 +108,7 @@ def build_app(
     *,
     watch_keepalive_s: float,
 ) -> FastAPI:
+    """`redis_client` is what /health pings (`health_client`)."""
     app = FastAPI(title="rlfleet rollout orchestrator", version="1")
     install_error_handlers(app)
     limit_request_body(app)
@@ -112,14 +132,25 @@ def build_app(
         await core.get(run_id)  # a missing run is a 404 before the stream starts
 
         async def events() -> AsyncIterator[str]:
-            async for event in core.watch(run_id):
-                yield f"data: {json.dumps(to_json(event.run))}\n\n"
+            try:
+                async for event in core.watch(run_id):
+                    yield f"data: {json.dumps(to_json(event.run))}\n\n"
+            except Unavailable as exc:
+                # An SSE stream has no status to end with once it has started: it ends, and a client that sees it
+                # end before the run did watches again (rlfleet watch does, with backoff).
+                logger.info("watch of run %s ended: %s", run_id, exc, extra={"run_id": run_id})
 
         return StreamingResponse(
             with_keepalive(events(), watch_keepalive_s),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
+
+    # Registered before GET /v1/runs/{run_id} too, which would answer a cancel sent as GET with "run 'x:cancel'
+    # not found".
+    @app.get("/v1/runs/{run_id}:cancel")
+    async def cancel_by_get(run_id: str) -> JSONResponse:
+        raise HTTPException(status_code=405, headers={"Allow": "POST"})
 
     @app.get("/v1/runs/{run_id}")
     async def get(request: Request, run_id: str) -> JSONResponse:

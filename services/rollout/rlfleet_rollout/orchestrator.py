@@ -22,12 +22,13 @@ from rlfleet_rollout.concurrency import cancel_and_wait
 from rlfleet_rollout.config import RolloutConfig
 from rlfleet_rollout.group_filters import FilterRegistry
 from rlfleet_rollout.grpc_server import build_grpc_server
-from rlfleet_rollout.http_app import build_app
+from rlfleet_rollout.http_app import build_app, health_client
 from rlfleet_rollout.metrics import RolloutMetrics
 from rlfleet_rollout.reward_client import RewardClient
 from rlfleet_rollout.rollout_function import RolloutRegistry
 from rlfleet_rollout.router_client import RouterClient
 from rlfleet_rollout.run_events import RunNotifier
+from rlfleet_rollout.run_lease import RunLease
 from rlfleet_rollout.run_loop import RunDeps
 from rlfleet_rollout.run_queue import RunQueue
 from rlfleet_rollout.run_store import RunStore
@@ -57,6 +58,7 @@ async def serve(config: RolloutConfig) -> None:
     rollouts = RolloutRegistry.from_entry_points()
     redis_async = connect_redis_async(config.redis_url, timeout_s=_REDIS_TIMEOUT_S)
     redis_sync = connect_redis(config.redis_url, timeout_s=_REDIS_TIMEOUT_S)
+    redis_health = health_client(config.redis_url)
     # The fleet's one token also opens the router's admin endpoints (aborts) to this client.
     http = httpx.AsyncClient(
         limits=httpx.Limits(max_connections=max(16, 2 * config.max_concurrent_generations)),
@@ -101,7 +103,7 @@ async def serve(config: RolloutConfig) -> None:
     )
     web = _EmbeddedUvicorn(
         uvicorn.Config(
-            build_app(core, metrics, redis_async, guard, watch_keepalive_s=config.watch_keepalive_s),
+            build_app(core, metrics, redis_health, guard, watch_keepalive_s=config.watch_keepalive_s),
             host=config.host,
             port=config.port,
             log_config=None,
@@ -114,9 +116,12 @@ async def serve(config: RolloutConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
 
     await grpc_server.start()
-    queue_task = asyncio.create_task(RunQueue(deps).serve(), name="run queue")
+    lease = RunLease(redis_async, config.redis_prefix, ttl_s=config.run_lease_s)
+    queue_task = asyncio.create_task(RunQueue(deps, lease).serve(), name="run queue")
     web_task = asyncio.create_task(web.serve(), name="http")
-    logger.info("orchestrator serving HTTP on %s:%d and gRPC on port %d", config.host, config.port, grpc_port)
+    logger.info(
+        "orchestrator %s serving HTTP on %s:%d and gRPC on port %d", lease.token, config.host, config.port, grpc_port
+    )
     stop_task = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({stop_task, queue_task, web_task}, return_when=asyncio.FIRST_COMPLETED)
     for task in done - {stop_task}:
@@ -134,5 +139,6 @@ async def serve(config: RolloutConfig) -> None:
         await http.aclose()
         await trainer.close()
         await redis_async.aclose()
+        await redis_health.aclose()
         redis_sync.close()
     logger.info("stopped")

@@ -2,13 +2,16 @@
 
 Watchers take a subscription before reading the record from Redis and wait on it afterwards, so a
 change written between the read and the wait is never missed. Redis stays the source of truth:
-a notification only says "read again".
+a notification only says "read again". A run's event lives while someone watches the run (`watching`
+counts them), so a watch of an unknown or ended run leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections import Counter
+from collections.abc import Callable, Iterator
 
 from rlfleet.v1.runs_pb2 import Run, RunState
 
@@ -30,13 +33,26 @@ class RunNotifier:
 
     def __init__(self) -> None:
         self._events: dict[str, asyncio.Event] = {}
+        self._watchers: Counter[str] = Counter()
         self._listeners: list[Listener] = []
 
     def add_listener(self, listener: Listener) -> None:
         self._listeners.append(listener)
 
+    @contextlib.contextmanager
+    def watching(self, run_id: str) -> Iterator[None]:
+        """Counts a watcher of `run_id` for as long as the block runs; the run's event goes with the last one."""
+        self._watchers[run_id] += 1
+        try:
+            yield
+        finally:
+            self._watchers[run_id] -= 1
+            if self._watchers[run_id] <= 0:
+                del self._watchers[run_id]
+                self._events.pop(run_id, None)
+
     def subscribe(self, run_id: str) -> asyncio.Event:
-        """The event the next change of `run_id` sets."""
+        """The event the next change of `run_id` sets; ask for it inside `watching(run_id)`, which removes it."""
         return self._events.setdefault(run_id, asyncio.Event())
 
     def publish(self, run: Run) -> None:

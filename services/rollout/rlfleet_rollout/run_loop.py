@@ -14,8 +14,12 @@
 Appending is idempotent per group id, so a restarted orchestrator re-producing a step never
 duplicates a group. Cancellation arrives as asyncio cancellation: if the record says CANCELLED the
 trainer is stopped, otherwise (the orchestrator is shutting down) the run stays RUNNING to be resumed.
-Stopping the trainer is repeated until it lets go of the run (bounded); the run's record then takes the
-trainer's final progress, which includes the step it finished after the cancel (trainer_release.py).
+
+A run that ends is recorded SUCCEEDED or FAILED first, then the trainer is stopped: the record is the
+durable note of the stop owed (a restart makes it up, trainer_release.py), and nothing sees the run alive
+while the stop is retried. Stopping the trainer is repeated until it lets go of the run (bounded); the
+run's record then takes the trainer's final progress, which includes the step it finished after the
+cancel, as best it can (a Redis error there is logged; the outcome is already recorded).
 
 A Redis restart is waited out by the Redis clients' own retries (rlfleet.sample_stream); an outage
 longer than their budget fails the run, and that final state is recorded once Redis answers again.
@@ -120,15 +124,16 @@ async def execute_run(run_id: str, deps: RunDeps) -> None:
         else:
             reason = f"internal error: {type(exc).__name__}: {exc}"
             logger.exception("run %s failed", run_id, extra=log)
-        await session.stop()
         await _record_final(deps, run_id, RunState.RUN_STATE_FAILED, reason)
+        await session.stop()
         return
-    await session.stop()
     await _record_final(deps, run_id, RunState.RUN_STATE_SUCCEEDED, "")
+    await session.stop()
 
 
 async def _record_final(deps: RunDeps, run_id: str, state: RunState, error: str) -> None:
-    """Records the run's final state, waiting for Redis if it is down (the outcome must not be lost)."""
+    """Records the run's final state, waiting for Redis if it is down (the outcome must not be lost), before the
+    trainer is stopped: the record is what says the stop is owed."""
     try:
         await until_redis_answers(
             lambda: deps.core.update(run_id, _mark_finished(state, error)), "final run record", deps.metrics
@@ -348,6 +353,7 @@ def _mark_finished(state: RunState, error: str) -> Callable[[Run], None]:
     def record(run: Run) -> None:
         run.state = state
         run.error = error
+        run.stalled = ""
         run.finished_at.CopyFrom(now())
 
     return record

@@ -8,6 +8,12 @@ could not even record its start is still RUNNING or QUEUED, and is picked again 
 
 At start-up the queue first frees the trainer of a run that ended without its StopRun getting through
 (e.g. the previous orchestrator died between recording CANCELLED and sending it): trainer_release.py.
+
+Several orchestrators may end up on one Redis (one started by mistake, one that hangs while its replacement
+starts): each run is driven by the one
+that holds its lease (run_lease.py), renewed while it drives the run and released when it stops. The
+fleet's trainer holds one run at a time, so while another orchestrator drives a run this one starts none;
+it takes a run over once that one's lease runs out (its orchestrator died).
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ import logging
 from rlfleet.errors import RlfleetError
 from rlfleet.sample_stream import REDIS_RETRY_ERRORS
 from rlfleet.v1.runs_pb2 import Run, RunState
-from rlfleet_rollout.concurrency import cancel_and_wait
+from rlfleet_rollout.concurrency import cancel_and_wait, finish
 from rlfleet_rollout.redis_outage import until_redis_answers
+from rlfleet_rollout.run_lease import RunLease
 from rlfleet_rollout.run_loop import RunDeps, execute_run
 
 logger = logging.getLogger(__name__)
@@ -30,14 +37,20 @@ _IDLE_RECHECK_S = 5.0
 _INTERRUPTED_PAUSE_S = 1.0
 # What freeing the trainer at start-up may meet without stopping the queue: the trainer or Redis unreachable.
 _NOT_FATAL_AT_START: tuple[type[Exception], ...] = (RlfleetError, *REDIS_RETRY_ERRORS)
+# Bound on releasing a run's lease once this orchestrator stops driving it; one not released runs out by itself.
+_RELEASE_WITHIN_S = 5.0
+_NOT_RELEASED: tuple[type[Exception], ...] = (TimeoutError, *REDIS_RETRY_ERRORS)
 
 
 class RunQueue:
-    def __init__(self, deps: RunDeps) -> None:
+    def __init__(self, deps: RunDeps, lease: RunLease) -> None:
         self.deps = deps
+        self.lease = lease
         self._wake = asyncio.Event()
         self._active_id: str | None = None
         self._active_task: asyncio.Task[None] | None = None
+        self._left: dict[str, str] = {}
+        """The runs last left to other orchestrators, with theirs (to log each once, not at every look)."""
         deps.core.notifier.add_listener(self._on_change)
 
     async def serve(self) -> None:
@@ -55,16 +68,18 @@ class RunQueue:
                     pass
                 continue
             task = asyncio.create_task(execute_run(run.id, self.deps), name=f"run {run.id}")
+            keeper = asyncio.create_task(self.lease.keep(run.id, task), name=f"lease of run {run.id}")
             self._active_id, self._active_task = run.id, task
             try:
-                # asyncio.wait does not raise when the run's task is cancelled (by Cancel), only when
-                # this coroutine is (at shutdown); then the run's task is cancelled too.
+                # asyncio.wait does not raise when the run's task is cancelled (by Cancel, or by the keeper when
+                # the lease was lost), only when this coroutine is (at shutdown); then the run's task is cancelled too.
                 await asyncio.wait({task})
             except asyncio.CancelledError:
                 await cancel_and_wait(task)
                 raise
             finally:
                 self._active_id, self._active_task = None, None
+                await self._let_go(run.id, keeper)
             if not task.cancelled() and task.exception() is not None:
                 # execute_run records every failure of the run itself; what escapes it is an outage of
                 # the run's records (Redis), and the run is picked again from them.
@@ -78,13 +93,50 @@ class RunQueue:
             # A run that finds the trainer busy frees it then.
             logger.warning("could not check which run the trainer holds: %s", exc)
 
+    async def _let_go(self, run_id: str, keeper: asyncio.Task[None]) -> None:
+        """Stops renewing the run's lease and releases it, so that the next orchestrator takes the run at once (after
+        a shutdown) rather than after the lease's time; carried through a shutdown's cancellations (bounded)."""
+
+        async def stop_and_release() -> None:
+            await cancel_and_wait(keeper)
+            await self.lease.release(run_id)
+
+        try:
+            await finish(stop_and_release(), within_s=_RELEASE_WITHIN_S)
+        except _NOT_RELEASED as exc:
+            logger.warning("run %s: its lease was not released (%r); it runs out by itself", run_id, exc)
+
     async def _next_run(self) -> Run | None:
+        """The run to drive now, its lease taken: a RUNNING one (to resume) first, else the oldest QUEUED one; None
+        when there is none, or while another orchestrator drives one of them."""
         runs = await self.deps.core.store.all_in_order([RunState.RUN_STATE_RUNNING, RunState.RUN_STATE_QUEUED])
         running = [r for r in runs if r.state == RunState.RUN_STATE_RUNNING]
-        if running:
-            logger.info("resuming run %s", running[0].id, extra={"run_id": running[0].id})
-            return running[0]
-        return runs[0] if runs else None
+        candidates = running or runs[:1]
+        if not candidates:
+            return None
+        run = candidates[0]
+        others = await self.lease.others([r.id for r in candidates])
+        if not others and await self.lease.hold(run.id):
+            self._left = {}
+            if run.state == RunState.RUN_STATE_RUNNING:
+                logger.info("resuming run %s", run.id, extra={"run_id": run.id})
+            return run
+        self._leave(others or await self.lease.others([run.id]) or {run.id: "another orchestrator"})
+        return None
+
+    def _leave(self, others: dict[str, str]) -> None:
+        if others == self._left:
+            return
+        self._left = others
+        for run_id, holder in others.items():
+            logger.warning(
+                "run %s is driven by another orchestrator (%s): this one leaves it, and starts no run while it goes "
+                "on; it takes the run over if that one stops renewing its lease for %.0fs",
+                run_id,
+                holder,
+                self.lease.ttl_s,
+                extra={"run_id": run_id},
+            )
 
     def _on_change(self, run: Run) -> None:
         if run.state == RunState.RUN_STATE_QUEUED:

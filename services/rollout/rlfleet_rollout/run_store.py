@@ -7,23 +7,34 @@ Keys (under the configured prefix):
 
 A run's working data (its sample stream, the stream's id set and dead letters, its data position) is given
 an expiry in the same transaction as the record that ends the run; the record stays.
+
+A record is changed by compare-and-set (`update`: WATCH, read, change, MULTI/EXEC, again if another writer came
+between), so two orchestrators, or an orchestrator and any other writer, never lose each other's change.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
-from collections.abc import Sequence
+import random
+import time
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import redis.asyncio as aioredis
+from redis.exceptions import WatchError
 
-from rlfleet.errors import InvalidInput, NotFound
+from rlfleet.errors import InvalidInput, NotFound, Unavailable
 from rlfleet.sample_stream import stream_keys
 from rlfleet.v1.runs_pb2 import Run, RunState
 from rlfleet_rollout.run_data import data_position_key
+from rlfleet_rollout.run_events import is_terminal
 
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000
+# A write that lost the race for a record waits a random pause, up to this one doubled per loss (so that writers
+# in lockstep fall out of it), and tries again for this long before it gives up.
+_FIRST_RETRY_PAUSE_S, _MAX_RETRY_PAUSE_S, _UPDATE_WITHIN_S = 0.001, 0.05, 10.0
 
 
 class RunStore:
@@ -54,11 +65,46 @@ class RunStore:
         """Overwrites the record of an existing run; with `expire_data_after_s`, the run's working data expires
         that long after, in the same transaction."""
         async with self.client.pipeline(transaction=True) as pipe:
-            pipe.set(self.record_key(run.id), run.SerializeToString())
-            if expire_data_after_s is not None:
-                for key in (*stream_keys(run.id, self.prefix), data_position_key(run.id, self.prefix)):
-                    pipe.expire(key, math.ceil(expire_data_after_s))
+            self._write(pipe, run, expire_data_after_s)
             await pipe.execute()
+
+    async def update(
+        self, run_id: str, mutate: Callable[[Run], None], *, expire_data_after_s: float
+    ) -> tuple[Run, Run]:
+        """The run before and after `mutate`, applied to the stored record and written back only if nobody wrote the
+        record in between (else read and applied again: `mutate` may run more than once, each time on the record as
+        it is then, and may raise to refuse the change). Nothing is written when `mutate` changes nothing; the
+        write that ends the run gives its working data an expiry of `expire_data_after_s`."""
+        key = self.record_key(run_id)
+        deadline, pause, lost = time.monotonic() + _UPDATE_WITHIN_S, _FIRST_RETRY_PAUSE_S, 0
+        while True:
+            async with self.client.pipeline(transaction=True) as pipe:
+                try:
+                    await pipe.watch(key)
+                    raw = await pipe.get(key) if run_id else None
+                    if raw is None:
+                        raise NotFound(f"run {run_id!r} not found")
+                    before, after = Run.FromString(raw), Run.FromString(raw)
+                    mutate(after)
+                    if after.SerializeToString(deterministic=True) == before.SerializeToString(deterministic=True):
+                        return before, before
+                    ends = is_terminal(after.state) and not is_terminal(before.state)
+                    pipe.multi()
+                    self._write(pipe, after, expire_data_after_s if ends else None)
+                    await pipe.execute()
+                    return before, after
+                except WatchError:
+                    lost += 1
+            if time.monotonic() + pause > deadline:
+                raise Unavailable(f"run {run_id}: other writers changed its record under each of {lost} writes")
+            await asyncio.sleep(random.uniform(0, pause))
+            pause = min(2 * pause, _MAX_RETRY_PAUSE_S)
+
+    def _write(self, pipe: aioredis.client.Pipeline, run: Run, expire_data_after_s: float | None) -> None:
+        pipe.set(self.record_key(run.id), run.SerializeToString())
+        if expire_data_after_s is not None:
+            for key in (*stream_keys(run.id, self.prefix), data_position_key(run.id, self.prefix)):
+                pipe.expire(key, math.ceil(expire_data_after_s))
 
     async def page(
         self, state: RunState = RunState.RUN_STATE_UNSPECIFIED, page_size: int = 0, page_token: str = ""
@@ -115,6 +161,6 @@ class RunStore:
 def _parse_page_token(token: str) -> int | None:
     if not token:
         return None
-    if not token.isdigit():
+    if not (token.isascii() and token.isdigit()):  # str.isdigit takes '²', which int() does not
         raise InvalidInput(f"page_token: {token[:40]!r} is not a token returned by List")
     return int(token)

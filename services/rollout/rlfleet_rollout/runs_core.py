@@ -1,21 +1,26 @@
 """The Runs API without a transport: Submit, Get, List, Cancel and Watch over the run store.
 
 The REST app and the gRPC servicer are thin layers over this object; the run loop writes progress
-through `update`, the same path Cancel takes, so a cancelled run cannot be overwritten by a loop
-that has not noticed yet.
+through `update`, the same path Cancel takes, a compare-and-set on the record (run_store.py), so a
+cancelled run cannot be overwritten by a loop that has not noticed yet, in this process or another.
+
+Redis unreachable once its client's retries have run out is Unavailable to the API's callers (503 /
+UNAVAILABLE, "run records (Redis) unreachable: ..."): a dependency is down, nothing of ours failed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from rlfleet.errors import Conflict, DeadlineExceeded, InvalidInput, Unavailable
 from rlfleet.run_spec import resolve, validate
+from rlfleet.sample_stream import REDIS_RETRY_ERRORS
 from rlfleet.v1.runs_pb2 import ListRunsResponse, Run, RunEvent, RunProgress, RunSpec, RunState
 from rlfleet_rollout.group_filters import FilterRegistry
 from rlfleet_rollout.metrics import RolloutMetrics
@@ -32,6 +37,19 @@ logger = logging.getLogger(__name__)
 
 class RunEnded(Conflict):
     """The run reached a final state (e.g. it was cancelled) while someone still meant to change it."""
+
+
+class ShuttingDown(Unavailable):
+    """A watch ended because the orchestrator stops, not because the run did: watch again (at the next one)."""
+
+
+@contextlib.contextmanager
+def records_reachable() -> Iterator[None]:
+    """Redis errors that outlasted the client's retries (an outage, not a restart) become Unavailable naming Redis."""
+    try:
+        yield
+    except REDIS_RETRY_ERRORS as exc:
+        raise Unavailable(f"run records (Redis) unreachable: {exc}") from exc
 
 
 def now() -> Timestamp:
@@ -93,19 +111,22 @@ class RunsCore:
             return run
         run.id = f"run-{uuid.uuid4().hex[:12]}"
         run.created_at.CopyFrom(now())
-        await self.store.create(run)
+        with records_reachable():
+            await self.store.create(run)
         self.metrics.count_run_state(None, run.state)
         logger.info("run %s submitted (%s)", run.id, resolved.name or "unnamed", extra={"run_id": run.id})
         self.notifier.publish(run)
         return run
 
     async def get(self, run_id: str) -> Run:
-        return await self.store.get(run_id)
+        with records_reachable():
+            return await self.store.get(run_id)
 
     async def list(self, state: RunState, page_size: int, page_token: str) -> ListRunsResponse:
         if state not in RunState.values():
             raise InvalidInput(f"state: unknown run state {state}")
-        runs, token = await self.store.page(state, page_size, page_token)
+        with records_reachable():
+            runs, token = await self.store.page(state, page_size, page_token)
         return ListRunsResponse(runs=runs, next_page_token=token)
 
     async def cancel(self, run_id: str) -> Run:
@@ -113,52 +134,63 @@ class RunsCore:
 
         def mark(run: Run) -> None:
             run.state = RunState.RUN_STATE_CANCELLED
+            run.stalled = ""
             run.finished_at.CopyFrom(now())
 
         try:
-            return await self.update(run_id, mark)
+            with records_reachable():
+                return await self.update(run_id, mark)
         except RunEnded as exc:
             raise Conflict(f"{exc}: it cannot be cancelled") from None
 
     async def watch(self, run_id: str) -> AsyncIterator[RunEvent]:
-        """The run now, then every change until it ends (or the orchestrator shuts down)."""
-        event = self.notifier.subscribe(run_id)
-        run = await self.store.get(run_id)
-        yield RunEvent(run=run, message=describe_change(None, run), time=now())
-        while not is_terminal(run.state) and not self._closing:
-            try:
-                # The timeout bounds each wait and picks up changes another process wrote to Redis.
-                async with asyncio.timeout(self.poll_interval_s):
-                    await event.wait()
-            except TimeoutError:
-                pass
+        """The run now, then every change until it ends; ShuttingDown if the orchestrator stops first."""
+        with self.notifier.watching(run_id), records_reachable():
             event = self.notifier.subscribe(run_id)
-            latest = await self.store.get(run_id)
-            if latest != run:
-                yield RunEvent(run=latest, message=describe_change(run, latest), time=now())
-                run = latest
+            run = await self.store.get(run_id)
+            yield RunEvent(run=run, message=describe_change(None, run), time=now())
+            while not is_terminal(run.state):
+                if self._closing:
+                    raise ShuttingDown("orchestrator shutting down; watch again")
+                try:
+                    # The timeout bounds each wait and picks up changes another process wrote to Redis.
+                    async with asyncio.timeout(self.poll_interval_s):
+                        await event.wait()
+                except TimeoutError:
+                    pass
+                event = self.notifier.subscribe(run_id)
+                latest = await self.store.get(run_id)
+                if latest != run:
+                    yield RunEvent(run=latest, message=describe_change(run, latest), time=now())
+                    run = latest
 
     def close(self) -> None:
-        """Ends every watch (at shutdown)."""
+        """Ends every watch of a run still going with ShuttingDown (at shutdown)."""
         self._closing = True
         self.notifier.wake_all()
 
     # -- used by the run loop -----------------------------------------------------------------
 
     async def update(self, run_id: str, mutate: Callable[[Run], None], *, after_end: bool = False) -> Run:
-        """Applies `mutate` to the stored run and writes it back; RunEnded if the run already finished, unless
-        `after_end` (the trainer's final progress, known only once it has stopped the run: trainer_release.py)."""
-        async with self._lock:
-            run = await self.store.get(run_id)
-            if is_terminal(run.state) and not after_end:
-                raise RunEnded(f"run {run_id} already {state_name(run.state)}")
-            before = run.SerializeToString(deterministic=True)
-            old_state = run.state
+        """Applies `mutate` to the stored run and writes it back, unless another writer came between (then it is
+        applied again to what that one wrote); RunEnded if the run already finished, unless `after_end` (the
+        trainer's final progress, known only once it has stopped the run: trainer_release.py). A final state is
+        never changed. Redis errors are raised as the client's (the run loop waits them out)."""
+
+        def guarded(run: Run) -> None:
+            state = run.state
+            if is_terminal(state) and not after_end:
+                raise RunEnded(f"run {run_id} already {state_name(state)}")
             mutate(run)
-            if run.SerializeToString(deterministic=True) == before:
-                return run
-            ended = is_terminal(run.state) and not is_terminal(old_state)
-            await self.store.put(run, expire_data_after_s=self.run_data_retention_s if ended else None)
+            if is_terminal(state) and run.state != state:
+                raise RunEnded(f"run {run_id} already {state_name(state)}, which is final")
+
+        # The lock spares this process's writers each other's retries; the compare-and-set guards against the rest.
+        async with self._lock:
+            old, run = await self.store.update(run_id, guarded, expire_data_after_s=self.run_data_retention_s)
+        if run is old:
+            return run
+        old_state = old.state
         self.metrics.count_run_state(old_state, run.state)
         if run.state != old_state:
             logger.info("run %s is %s", run_id, state_name(run.state), extra={"run_id": run_id})

@@ -7,11 +7,15 @@ import logging
 from collections.abc import Callable
 
 from rlfleet.errors import RlfleetError
+from rlfleet.sample_stream import REDIS_RETRY_ERRORS
 from rlfleet.v1.runs_pb2 import Run
 from rlfleet_rollout.runs_core import RunEnded, RunsCore
 from rlfleet_rollout.trainer_client import TrainerClient
 
 logger = logging.getLogger(__name__)
+
+# Longest pause before following the reports again while the run's record cannot be written (Redis away).
+_MAX_PAUSE_S = 30.0
 
 
 class StepReportFollower:
@@ -19,7 +23,8 @@ class StepReportFollower:
 
     The trainer keeps a run's reports, so a reconnect asks for the steps after the last one copied and
     nothing made in between is missed; `caught_up` lets the run wait, bounded, for its last step's report
-    before it records its final state.
+    before it records its final state. A report that cannot be written (Redis away) is asked for again
+    later, with growing pauses, as after a reconnect.
     """
 
     def __init__(self, trainer: TrainerClient, core: RunsCore, run_id: str, reconnect_after_s: float) -> None:
@@ -33,6 +38,7 @@ class StepReportFollower:
 
     async def follow(self) -> None:
         """Copies reports until the run ends; run it as a task and cancel it when the run is done."""
+        pause = self.reconnect_after_s
         while True:
             try:
                 async for report in self.trainer.watch_steps(self.run_id, from_step=self.step + 1):
@@ -42,11 +48,23 @@ class StepReportFollower:
                     async with self._copied:
                         self.step = report.step
                         self._copied.notify_all()
+                    pause = self.reconnect_after_s
             except RunEnded:
                 return
             except RlfleetError as exc:
                 logger.debug("WatchSteps of %s ended: %s", self.run_id, exc, extra={"run_id": self.run_id})
-            await asyncio.sleep(self.reconnect_after_s)
+            except REDIS_RETRY_ERRORS as exc:
+                pause = min(2 * pause, _MAX_PAUSE_S)
+                logger.warning(
+                    "the trainer's step reports of run %s cannot be recorded after step %d (Redis unreachable: %s); "
+                    "following them again in %.1fs",
+                    self.run_id,
+                    self.step,
+                    exc,
+                    pause,
+                    extra={"run_id": self.run_id},
+                )
+            await asyncio.sleep(pause)
 
     async def caught_up(self, step: int, timeout_s: float) -> bool:
         """Waits until the report of `step` is in the run's record; False if it is not within `timeout_s`."""

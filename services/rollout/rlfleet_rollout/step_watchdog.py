@@ -11,7 +11,9 @@ produced or trained, an evaluation, a sample generated. When none of these chang
 - logs a warning with the run id and step.
 
 It never ends the run: each wait of the loop has its own bound (`step_timeout_s`, the request
-deadlines) that fails the run when it runs out. The watchdog makes the wait visible long before.
+deadlines) that fails the run when it runs out. The watchdog makes the wait visible long before. Nor
+does a Redis error end the watchdog: it logs it and looks again, waiting longer each time (up to
+`_CHECK_EVERY_S`), until the run's record answers.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Protocol
 
 from redis.exceptions import RedisError
 
+from rlfleet.errors import Unavailable
 from rlfleet.v1.runs_pb2 import Run
 from rlfleet_rollout.metrics import RolloutMetrics
 from rlfleet_rollout.runs_core import RunEnded
@@ -86,35 +89,45 @@ async def watch_progress(
 ) -> None:
     """Runs beside the run loop until it is cancelled or the run ends."""
     check_every = min(_CHECK_EVERY_S, stall_after_s / 4)
+    pause = check_every
     last_mark: ProgressMark | None = None
     last_moved = clock()
     stalled = False
+    log = {"run_id": run_id}
     try:
         while True:
-            await asyncio.sleep(check_every)
+            await asyncio.sleep(pause)
             try:
                 run = await core.get(run_id)
-            except RedisError as exc:  # the run loop's own calls fail and report it; look again later
-                logger.debug("watchdog of %s cannot read the run: %s", run_id, exc, extra={"run_id": run_id})
-                continue
-            mark = progress_mark(run, samples_generated(metrics))
-            now = clock()
-            if mark != last_mark:
-                last_mark, last_moved = mark, now
-                metrics.seconds_without_progress.set(0)
-                if stalled:
-                    stalled = False
-                    logger.info("run %s moves again", run_id, extra={"run_id": run_id})
-                    await core.update(run_id, _set_stalled(""))
-                continue
-            idle = now - last_moved
-            metrics.seconds_without_progress.set(idle)
-            if idle >= stall_after_s and not stalled:
-                stalled = True
-                message = describe_stall(run, idle)
-                metrics.step_stalls.inc()
-                logger.warning("run %s: %s", run_id, message, extra={"run_id": run_id, "step": run.progress.step})
-                await core.update(run_id, _set_stalled(message))
+                mark = progress_mark(run, samples_generated(metrics))
+                now = clock()
+                if mark != last_mark:
+                    if stalled:
+                        await core.update(run_id, _set_stalled(""))
+                        stalled = False
+                        logger.info("run %s moves again", run_id, extra=log)
+                    last_mark, last_moved = mark, now
+                    metrics.seconds_without_progress.set(0)
+                    pause = check_every
+                    continue
+                idle = now - last_moved
+                metrics.seconds_without_progress.set(idle)
+                if idle >= stall_after_s and not stalled:
+                    message = describe_stall(run, idle)
+                    await core.update(run_id, _set_stalled(message))
+                    stalled = True
+                    metrics.step_stalls.inc()
+                    logger.warning("run %s: %s", run_id, message, extra={**log, "step": run.progress.step})
+                pause = check_every
+            except (RedisError, Unavailable) as exc:  # the run loop meets it too, and fails the run if it lasts
+                pause = min(2 * pause, _CHECK_EVERY_S)
+                logger.warning(
+                    "the step watchdog of run %s cannot reach the run's record (%s); looking again in %.1fs",
+                    run_id,
+                    exc,
+                    pause,
+                    extra=log,
+                )
     except RunEnded:
         return
     finally:

@@ -7,6 +7,8 @@ run is over (its record says CANCELLED, FAILED or SUCCEEDED), so it has to get t
   its step in progress (a step or weight load can outlast one call's deadline) and may be unreachable
   for a while. Its answer holds what it did up to the stop, which goes into the run's record: a cancel
   does not wait for the step in progress, so the record would otherwise lag the trainer by that step.
+  That write is best effort: the run's outcome is recorded before the stop, and Redis being away then
+  only leaves the record a step behind (logged).
 - `free` asks the trainer which run it holds and stops that run when the records say it is over or do
   not know it. The run queue calls it at start-up and a run whose StartRun finds the trainer busy calls
   it, so a stop that never got through (its bound passed, or the orchestrator died before sending it) is
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rlfleet.errors import DeadlineExceeded, NotFound, RlfleetError, Unavailable
+from rlfleet.sample_stream import REDIS_RETRY_ERRORS
 from rlfleet.v1.runs_pb2 import Run
 from rlfleet.v1.trainer_pb2 import TrainerStatus
 from rlfleet_rollout.run_events import is_terminal, state_name
@@ -118,6 +121,14 @@ class TrainerRelease:
             await self.core.update(run_id, trainer_progress(status), after_end=True)
         except NotFound:
             pass  # a run the records do not know (free stops those too)
+        except REDIS_RETRY_ERRORS as exc:
+            logger.warning(
+                "run %s: the trainer's final progress (step %d) was not recorded: Redis unreachable: %s",
+                run_id,
+                status.step,
+                exc,
+                extra={"run_id": run_id},
+            )
 
 
 def trainer_progress(status: TrainerStatus) -> Callable[[Run], None]:

@@ -1,6 +1,7 @@
 """Cancelling a task so that it really ends, even when a library drops one cancellation (Python 3.11's
-asyncio.wait_for, under redis-py's asyncio client). That a shutdown mid-step leaves the run RUNNING is
-test_data_runs.py's restart test."""
+asyncio.wait_for, under redis-py's asyncio client), and a clean-up that a shutdown's repeated cancellations do
+not cut short (releasing a run's lease). That a shutdown mid-step leaves the run RUNNING is test_data_runs.py's
+restart test."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from rollout_test_support import REDIS_URL
 
 from rlfleet.sample_stream import connect_redis_async
-from rlfleet_rollout.concurrency import RECANCEL_EVERY_S, cancel_and_wait
+from rlfleet_rollout.concurrency import RECANCEL_EVERY_S, cancel_and_wait, finish
 
 
 async def shrugs_off_one_cancel(ended: list[str]) -> None:
@@ -79,6 +80,27 @@ def test_a_cancelled_caller_still_waits_for_the_task_then_raises() -> None:
 
     ended, done = asyncio.run(main())
     assert done and ended == ["ended"]
+
+
+def test_a_clean_up_runs_to_its_end_through_repeated_cancellations_and_within_its_bound() -> None:
+    async def clean_up(seconds: float, done: list[str]) -> str:
+        await asyncio.sleep(seconds)
+        done.append("released")
+        return "released"
+
+    async def main() -> tuple[list[str], bool, str]:
+        done: list[str] = []
+        caller = asyncio.create_task(finish(clean_up(3 * RECANCEL_EVERY_S, done), within_s=10))
+        await asyncio.sleep(0)
+        ended = await cancel_and_wait(caller, within_s=10)  # cancels it again every RECANCEL_EVERY_S
+        result = await finish(clean_up(0.01, []), within_s=1)
+        with pytest.raises(TimeoutError):
+            await finish(clean_up(30, []), within_s=0.2)
+        return done, ended and caller.cancelled(), result
+
+    done, cancelled_after, result = asyncio.run(main())
+    assert done == ["released"], "the clean-up was cut short"
+    assert cancelled_after and result == "released"
 
 
 def test_a_task_cancelled_during_redis_commands_ends(redis_prefix: str) -> None:

@@ -1,7 +1,8 @@
 """A Redis restart is waited out: the clients every service makes (`connect_redis` and its asyncio
 twin) retry a lost connection with backoff, and an outage longer than that neither ends the run
-queue nor loses a run's final record (`until_redis_answers`). Uses a redis-server of its own on a
-free port (AOF on), never the shared one."""
+queue nor loses a run's final record (`until_redis_answers`), nor ends the tasks beside a run (the step
+watchdog, the step reports) for the rest of it. Uses a redis-server of its own on a free port (AOF on),
+never the shared one."""
 
 from __future__ import annotations
 
@@ -9,21 +10,29 @@ import asyncio
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import redis
+from trainer_release_support import StopOnlyTrainer, run_deps, runs_core
 
+from rlfleet.errors import Unavailable
 from rlfleet.processes import ServiceProcess, free_port
 from rlfleet.sample_stream import SampleStream, connect_redis, connect_redis_async
+from rlfleet.v1.runs_pb2 import Run, RunProgress, RunSpec, RunState
 from rlfleet.v1.samples_pb2 import Sample, SampleGroup
+from rlfleet.v1.trainer_pb2 import StepReport
+from rlfleet_rollout import run_loop
 from rlfleet_rollout.metrics import RolloutMetrics
 from rlfleet_rollout.redis_outage import until_redis_answers
 from rlfleet_rollout.run_events import RunNotifier
 from rlfleet_rollout.run_queue import RunQueue
+from rlfleet_rollout.step_reports import StepReportFollower
+from rlfleet_rollout.step_watchdog import watch_progress
+from rlfleet_rollout.trainer_session import TrainerSession
 
 OUTAGE_S = 1.5
 
@@ -160,7 +169,7 @@ def test_run_queue_outlives_redis_being_unreachable() -> None:
     deps = SimpleNamespace(core=core, metrics=RolloutMetrics(), release=SimpleNamespace(free=free_trainer))
 
     async def scenario() -> None:
-        queue = RunQueue(deps)  # type: ignore[arg-type]
+        queue = RunQueue(deps, SimpleNamespace())  # type: ignore[arg-type]  # no run: no lease is asked for
         task = asyncio.create_task(queue.serve())
         deadline = time.monotonic() + 10
         while len(looked) < 3:
@@ -173,3 +182,118 @@ def test_run_queue_outlives_redis_being_unreachable() -> None:
 
     asyncio.run(scenario())
     assert deps.metrics.redis_outage_waits.labels(waiter="run queue")._value.get() == 2
+
+
+REFUSED = "Error 111 connecting to 127.0.0.1:6379. Connection refused."
+
+
+def test_a_run_failed_by_a_long_outage_is_recorded_failed_though_its_final_progress_is_not(
+    redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The review's case: the loop gave up on Redis after the client's retries, StopRun was answered, but writing the
+    trainer's final progress met Redis away too; that error escaped before FAILED was written, so the run stayed
+    RUNNING and was resumed. The FAILED record now comes first, waited for (until_redis_answers); the final progress
+    is best effort."""
+
+    async def drive(run: Run, session: TrainerSession, deps: run_loop.RunDeps) -> None:
+        raise redis.ConnectionError(REFUSED)
+
+    monkeypatch.setattr(run_loop, "_drive", drive)
+
+    async def scenario() -> tuple[Run, StopOnlyTrainer]:
+        async with runs_core(redis_prefix) as core:
+            await core.store.create(Run(id="run-a", state=RunState.RUN_STATE_QUEUED))
+            update, writes = core.update, []
+
+            async def update_while_redis_comes_and_goes(run_id: str, mutate: Any, *, after_end: bool = False) -> Run:
+                writes.append(after_end)
+                if len(writes) == 2 or after_end:  # the first try of the final record, and the final progress
+                    raise redis.ConnectionError(REFUSED)
+                return await update(run_id, mutate, after_end=after_end)
+
+            monkeypatch.setattr(core, "update", update_while_redis_comes_and_goes)
+            trainer = StopOnlyTrainer(core)
+            await asyncio.wait_for(run_loop.execute_run("run-a", run_deps(core, trainer)), timeout=15)
+            return await core.get("run-a"), trainer
+
+    final, trainer = asyncio.run(scenario())
+    assert final.state == RunState.RUN_STATE_FAILED
+    assert final.error.startswith("Redis was unreachable for longer than 30s: ConnectionError")
+    assert trainer.states_seen == ["FAILED"], "the trainer is stopped once, after FAILED is recorded"
+
+
+class FlakyRecords:
+    """One running run in memory whose reads and writes fail as an unreachable Redis does, `failures` times each."""
+
+    def __init__(self, failures: int) -> None:
+        spec = RunSpec()
+        spec.rollout.groups_per_step = 2
+        self.run = Run(id="run-1", spec=spec, state=RunState.RUN_STATE_RUNNING, progress=RunProgress(total_steps=9))
+        self.failures = {"get": failures, "update": failures}
+        self.errors: list[str] = []
+
+    def _fail(self, what: str) -> None:
+        if self.failures[what] > 0:
+            self.failures[what] -= 1
+            self.errors.append(what)
+            # A read through the API's mapping says Unavailable; a write, the client's own error.
+            if what == "get":
+                raise Unavailable(f"run records (Redis) unreachable: {REFUSED}")
+            raise redis.ConnectionError(REFUSED)
+
+    async def get(self, run_id: str) -> Run:
+        self._fail("get")
+        out = Run()
+        out.CopyFrom(self.run)
+        return out
+
+    async def update(self, run_id: str, mutate: Callable[[Run], None], *, after_end: bool = False) -> Run:
+        self._fail("update")
+        mutate(self.run)
+        return self.run
+
+
+def test_the_step_watchdog_outlives_redis_errors_and_still_reports_the_stall(caplog: pytest.LogCaptureFixture) -> None:
+    """Before, a write of the stall report that met Redis away ended the watchdog for the rest of the run, silently."""
+    records, metrics = FlakyRecords(failures=2), RolloutMetrics()
+
+    async def scenario() -> None:
+        watchdog = asyncio.create_task(watch_progress(records, metrics, "run-1", stall_after_s=0.2))
+        deadline = time.monotonic() + 5
+        while not records.run.stalled:
+            assert not watchdog.done(), f"the watchdog ended: {watchdog.exception()!r}"
+            assert time.monotonic() < deadline, "the stall was never reported"
+            await asyncio.sleep(0.05)
+        watchdog.cancel()
+        await asyncio.gather(watchdog, return_exceptions=True)
+
+    asyncio.run(scenario())
+    assert records.errors == ["get", "get", "update", "update"]
+    assert records.run.stalled.startswith("no progress for")
+    assert "the step watchdog of run run-1 cannot reach the run's record" in caplog.text
+
+
+class ReportingTrainer:
+    """WatchSteps of a trainer that has made steps 1 to 3: each call replays them from `from_step`, then ends."""
+
+    async def watch_steps(self, run_id: str, from_step: int = 0) -> AsyncIterator[StepReport]:
+        for step in range(max(1, from_step), 4):
+            yield StepReport(run_id=run_id, step=step, metrics={"loss": 1.0 / step})
+
+
+def test_step_reports_outlive_redis_errors_and_lose_none(caplog: pytest.LogCaptureFixture) -> None:
+    """Before, a report that could not be written ended the follower: the run kept stale metrics to its end."""
+    records = FlakyRecords(failures=2)
+
+    async def scenario() -> bool:
+        reports = StepReportFollower(ReportingTrainer(), records, "run-1", reconnect_after_s=0.05)  # type: ignore[arg-type]
+        follower = asyncio.create_task(reports.follow())
+        try:
+            return await reports.caught_up(3, timeout_s=5)
+        finally:
+            follower.cancel()
+            await asyncio.gather(follower, return_exceptions=True)
+
+    assert asyncio.run(scenario()), "the report of step 3 never reached the record"
+    assert records.run.metrics["loss"] == pytest.approx(1 / 3)
+    assert "the trainer's step reports of run run-1 cannot be recorded" in caplog.text

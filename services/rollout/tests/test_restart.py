@@ -1,5 +1,7 @@
 """An orchestrator that stops mid-run is replaced by a new process, which resumes the RUNNING run from
-the trainer's step without writing any group twice; a trainer that forgot the run is started again."""
+the trainer's step without writing any group twice; a trainer that forgot the run is started again. Two
+orchestrators on one Redis never drive a run together: the one that holds its lease does, and the other
+takes it over once that one dies and its lease runs out."""
 
 from __future__ import annotations
 
@@ -53,6 +55,43 @@ def test_a_new_orchestrator_resumes_a_running_run_without_duplicating_groups(
     finally:
         for orch in (first, second):
             if orch is not None:
+                orch.process.stop(timeout=15)
+        fleet.stop()
+
+
+@pytest.mark.e2e
+def test_two_orchestrators_on_one_redis_drive_a_run_one_at_a_time(
+    redis_client: redis.Redis, redis_prefix: str, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """The review's case: both queues picked the run (two StartRun, two producers, two evaluations)."""
+    fleet = start_fake_fleet(redis_client, redis_prefix)
+    env = {"RLFLEET_ROLLOUT_RUN_LEASE_S": "2"}
+    orchestrators = []
+    try:
+        for log in (tmp_path / "a.log", tmp_path / "b.log"):
+            orchestrators.append((start_orchestrator(fleet, log, env=env), log))
+        fleet.trainer.paused.set()
+        url = orchestrators[0][0].url
+        run_id = httpx.post(f"{url}/v1/runs", json=spec_json(tokenizer_dir), timeout=10).json()["id"]
+        wait_until(lambda: _run(url, run_id)["progress"].get("groups_produced") == "2", 20, "step 0 produced")
+
+        def skipping() -> list[int]:
+            return [i for i, (_, log) in enumerate(orchestrators) if f"run {run_id} is driven by" in log.read_text()]
+
+        wait_until(lambda: len(skipping()) == 1, 15, "the other orchestrator to leave the run to the first")
+        assert fleet.trainer.start_calls == [run_id]
+        driver, other = orchestrators[1 - skipping()[0]][0], orchestrators[skipping()[0]][0]
+        assert "starts at step 0" in orchestrators[1 - skipping()[0]][1].read_text()
+
+        driver.process.kill()  # its lease is left to run out
+        wait_until(lambda: fleet.trainer.start_calls.count(run_id) == 2, 15, "the other orchestrator to take over")
+        fleet.trainer.paused.clear()
+        final = wait_for_state(other.url, run_id, {"RUN_STATE_SUCCEEDED", "RUN_STATE_FAILED"}, timeout=40)
+        assert final["state"] == "RUN_STATE_SUCCEEDED", final.get("error")
+        assert fleet.trainer.runs[run_id].trained_group_ids == [f"{run_id}/{s}/{i}" for s in range(3) for i in range(2)]
+    finally:
+        for orch, _ in orchestrators:
+            if orch.process.alive():
                 orch.process.stop(timeout=15)
         fleet.stop()
 

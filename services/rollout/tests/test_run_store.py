@@ -16,8 +16,10 @@ from rlfleet.sample_stream import SampleStream
 from rlfleet.v1.runs_pb2 import Run, RunState
 from rlfleet_rollout.run_data import DataPosition, data_position_key
 from rlfleet_rollout.run_store import RunStore
+from rlfleet_rollout.runs_core import RunEnded
 
 QUEUED, RUNNING = RunState.RUN_STATE_QUEUED, RunState.RUN_STATE_RUNNING
+CANCELLED, FAILED = RunState.RUN_STATE_CANCELLED, RunState.RUN_STATE_FAILED
 
 
 def test_pages_follow_creation_order_and_filter_by_state(redis_prefix: str) -> None:
@@ -45,6 +47,8 @@ def test_pages_follow_creation_order_and_filter_by_state(redis_prefix: str) -> N
                 await store.get("r99")
             with pytest.raises(InvalidInput, match="page_token"):
                 await store.page(page_token="abc")
+            with pytest.raises(InvalidInput, match="page_token"):  # a digit to str.isdigit, not to int()
+                await store.page(page_token="\u00b2")
             with pytest.raises(InvalidInput, match="page_size"):
                 await store.page(page_size=5000)
         finally:
@@ -100,3 +104,62 @@ def test_a_run_that_ends_leaves_its_working_data_to_expire_and_keeps_its_record(
             assert redis_client.ttl(core.store.record_key("r1")) == -1
 
     asyncio.run(scenario())
+
+
+def test_a_write_that_read_the_run_before_another_process_cancelled_it_does_not_undo_the_cancel(
+    redis_prefix: str, redis_client: redis.Redis
+) -> None:
+    """The review's race between two orchestrators: A's progress write read the run RUNNING, B's Cancel wrote
+    CANCELLED (and answered so), then A's write put RUNNING back. The write is now a compare-and-set: A reads
+    the run again, finds it over, and gets RunEnded."""
+    seen: list[int] = []
+
+    def progress_after_a_cancel_elsewhere(run: Run) -> None:
+        seen.append(run.state)
+        if len(seen) == 1:  # between A's read and A's write: B's Cancel, through another client
+            cancelled = Run()
+            cancelled.CopyFrom(run)
+            cancelled.state = CANCELLED
+            redis_client.set(f"{redis_prefix}run:r1:record", cancelled.SerializeToString())
+        run.progress.groups_produced += 2
+
+    async def scenario() -> Run:
+        async with runs_core(redis_prefix) as a:
+            await a.store.create(Run(id="r1", state=RUNNING))
+            with pytest.raises(RunEnded, match="CANCELLED"):
+                await a.update("r1", progress_after_a_cancel_elsewhere)
+            return await a.get("r1")
+
+    after = asyncio.run(scenario())
+    assert seen == [RUNNING], "read again, the run was over: the progress was not applied to it"
+    assert after.state == CANCELLED and after.progress.groups_produced == 0
+
+
+def test_a_final_state_is_never_written_over(redis_prefix: str) -> None:
+    """Even a write meant for a run that ended (the trainer's final progress) cannot give it another state."""
+
+    def back_to_running(run: Run) -> None:
+        run.state = RUNNING
+        run.progress.step = 7
+
+    async def scenario() -> Run:
+        async with runs_core(redis_prefix) as core:
+            await core.store.create(Run(id="r1", state=FAILED, error="boom"))
+            with pytest.raises(RunEnded, match="FAILED"):
+                await core.update("r1", back_to_running, after_end=True)
+            with pytest.raises(RunEnded):
+                await core.update("r1", lambda run: setattr(run, "state", CANCELLED), after_end=True)
+            await core.update("r1", lambda run: setattr(run.progress, "step", 7), after_end=True)
+            return await core.get("r1")
+
+    after = asyncio.run(scenario())
+    assert (after.state, after.error, after.progress.step) == (FAILED, "boom", 7)
+
+
+def test_a_cancelled_run_keeps_no_stall_report(redis_prefix: str) -> None:
+    async def scenario() -> Run:
+        async with runs_core(redis_prefix) as core:
+            await core.store.create(Run(id="r1", state=RUNNING, stalled="no progress for 600 s at step 2 of 9: ..."))
+            return await core.cancel("r1")
+
+    assert asyncio.run(scenario()).stalled == ""

@@ -1,24 +1,34 @@
 """The gRPC Runs service of a real orchestrator process: Submit, Get, List, Cancel and Watch, and
-cancelling a run really stops it."""
+cancelling a run really stops it; and served in process over the Runs core: how a Watch ends when the
+orchestrator shuts down, what a Watch leaves behind, and Redis down."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 import redis
 from google.protobuf import json_format
+from grpc import aio
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from rollout_test_support import FakeFleet, Orchestrator, spec_json, wait_until
+from trainer_release_support import runs_core
 
+from rlfleet.api_token import ApiTokenGuard
+from rlfleet.processes import free_port
 from rlfleet.sample_stream import SampleStream
 from rlfleet.v1.runs_pb2 import (
     CancelRunRequest,
     GetRunRequest,
     ListRunsRequest,
+    Run,
     RunEvent,
     RunSpec,
     RunState,
@@ -26,6 +36,8 @@ from rlfleet.v1.runs_pb2 import (
     WatchRunRequest,
 )
 from rlfleet.v1.runs_pb2_grpc import RunsStub
+from rlfleet_rollout.grpc_server import build_grpc_server
+from rlfleet_rollout.runs_core import RunsCore
 
 
 @pytest.fixture
@@ -112,3 +124,86 @@ def test_submit_list_watch_and_cancel_a_running_and_a_queued_run(
     assert stream.length() == 2  # nothing produced after the cancel
     assert b.id not in fleet.trainer.start_calls  # the queued run never started
     assert runs.Get(GetRunRequest(id=a.id), timeout=5).state == RunState.RUN_STATE_CANCELLED
+
+
+@contextlib.asynccontextmanager
+async def _served(core: RunsCore) -> AsyncIterator[RunsStub]:
+    """The gRPC Runs service over `core` on a free loopback port, and a client of it."""
+    guard = ApiTokenGuard(None, core.metrics.registry, "rollout")
+    server, port = build_grpc_server(core, "127.0.0.1", 0, guard, keepalive_s=30)
+    await server.start()
+    try:
+        async with aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield RunsStub(channel)
+    finally:
+        await server.stop(grace=None)
+
+
+def test_a_watch_ended_by_a_shutdown_is_unavailable_not_ok(redis_prefix: str) -> None:
+    """The review's case: a Watch of a RUNNING run ended with status OK when the orchestrator stopped, so the
+    README's `for event in runs.Watch(...)` loop just finished, as if the run had."""
+
+    async def scenario() -> tuple[list[RunEvent], aio.AioRpcError]:
+        async with runs_core(redis_prefix) as core, _served(core) as runs:
+            await core.store.create(Run(id="run-a", state=RunState.RUN_STATE_RUNNING))
+            call = runs.Watch(WatchRunRequest(id="run-a"))
+            events: list[RunEvent] = [await call.read()]
+            core.close()  # what the orchestrator does at shutdown
+            with pytest.raises(aio.AioRpcError) as ended:  # not the stream's end (EOF, status OK)
+                while (event := await asyncio.wait_for(call.read(), timeout=10)) is not aio.EOF:
+                    events.append(event)
+            return events, ended.value
+
+    events, ended = asyncio.run(scenario())
+    assert [e.run.state for e in events] == [RunState.RUN_STATE_RUNNING]
+    assert ended.code() == grpc.StatusCode.UNAVAILABLE
+    assert ended.details() == "orchestrator shutting down; watch again"
+
+
+def test_a_watch_leaves_nothing_behind_once_it_ends(redis_prefix: str) -> None:
+    """The review's case: each Watch of an unknown or ended run kept an asyncio.Event for the life of the process."""
+
+    async def scenario() -> tuple[int, int]:
+        async with runs_core(redis_prefix) as core, _served(core) as runs:
+            await core.store.create(Run(id="run-done", state=RunState.RUN_STATE_SUCCEEDED))
+            await core.store.create(Run(id="run-live", state=RunState.RUN_STATE_RUNNING))
+            for i in range(20):
+                with pytest.raises(aio.AioRpcError) as missing:
+                    await runs.Watch(WatchRunRequest(id=f"run-missing-{i}")).read()
+                assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+                assert [e.run.id async for e in runs.Watch(WatchRunRequest(id="run-done"))] == ["run-done"]
+            # Two watches of a live run share its event; both dropped, nothing is left either.
+            first, second = runs.Watch(WatchRunRequest(id="run-live")), runs.Watch(WatchRunRequest(id="run-live"))
+            await first.read()
+            await second.read()
+            watching = len(core.notifier._events)
+            first.cancel()
+            second.cancel()
+            await asyncio.sleep(0.3)
+            return watching, len(core.notifier._events)
+
+    watching, left = asyncio.run(scenario())
+    assert (watching, left) == (1, 0)
+
+
+def test_with_redis_unreachable_the_api_is_unavailable_naming_redis() -> None:
+    """Before: INTERNAL "internal error" once the client's retries ran out, though nothing of ours was wrong."""
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+
+    async def scenario() -> list[aio.AioRpcError]:
+        errors = []
+        async with runs_core("x:", url, retry=Retry(NoBackoff(), 0)) as core, _served(core) as runs:
+            for call in (
+                runs.Get(GetRunRequest(id="run-a"), timeout=10),
+                runs.List(ListRunsRequest(), timeout=10),
+                runs.Cancel(CancelRunRequest(id="run-a"), timeout=10),
+                runs.Watch(WatchRunRequest(id="run-a"), timeout=10).read(),
+            ):
+                with pytest.raises(aio.AioRpcError) as failed:
+                    await call
+                errors.append(failed.value)
+        return errors
+
+    for error in asyncio.run(scenario()):
+        assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+        assert error.details().startswith("run records (Redis) unreachable: "), error.details()

@@ -150,6 +150,19 @@ def test_a_query_parameter_a_route_does_not_take_is_a_400_naming_it(
 
 
 @pytest.mark.e2e
+def test_a_cancel_sent_as_get_is_a_405_that_says_to_post(orchestrator: Orchestrator) -> None:
+    """Before: 404 "run 'run-x:cancel' not found", as GET /v1/runs/{run_id} took `run-x:cancel` for an id."""
+    response = httpx.get(f"{orchestrator.url}/v1/runs/run-x:cancel", timeout=5)
+    assert response.status_code == 405, response.text
+    assert response.headers["allow"] == "POST"
+    assert response.json()["error"] == {
+        "kind": "method_not_allowed",
+        "message": "GET /v1/runs/run-x:cancel: method not allowed; this path takes POST",
+        "code": 405,
+    }
+
+
+@pytest.mark.e2e
 def test_a_run_ends_with_its_last_steps_metrics_when_the_trainers_reports_reach_it_late(
     orchestrator: Orchestrator, fleet: FakeFleet, tokenizer_dir: Path
 ) -> None:

@@ -16,13 +16,15 @@ from typing import Any
 import grpc
 import pytest
 from grpc import aio
-from trainer_release_support import runs_core, serve_trainer, session
+from trainer_release_support import StopOnlyTrainer, run_deps, runs_core, serve_trainer, session
 
-from rlfleet.errors import Conflict
+from rlfleet.errors import Conflict, Internal
 from rlfleet.v1 import trainer_pb2_grpc
 from rlfleet.v1.runs_pb2 import Run, RunProgress, RunState
 from rlfleet.v1.trainer_pb2 import TrainerState, TrainerStatus
+from rlfleet_rollout import run_loop
 from rlfleet_rollout.runs_core import RunsCore
+from rlfleet_rollout.trainer_session import TrainerSession
 
 TRAINING, STOPPED = TrainerState.TRAINER_STATE_TRAINING, TrainerState.TRAINER_STATE_STOPPED
 
@@ -160,3 +162,32 @@ def test_a_start_waits_for_the_trainer_still_starting_the_same_run(redis_prefix:
 
     started = asyncio.run(scenario())
     assert (started.run_id, started.state) == ("run-a", TRAINING) and trainer.stop_calls == []
+
+
+@pytest.mark.parametrize("outcome", ["FAILED", "SUCCEEDED"])
+def test_a_run_that_ends_is_recorded_over_before_the_trainer_is_stopped(
+    redis_prefix: str, outcome: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The review's case: the run's end was known, but its record said RUNNING for as long as StopRun was retried
+    (up to --step-timeout); a Cancel meanwhile replaced the failure with CANCELLED, and a restart resumed the
+    run. Recorded first, the record is the durable note of the stop owed (`free` makes it up after a restart)."""
+
+    async def drive(run: Run, session: TrainerSession, deps: run_loop.RunDeps) -> None:
+        if outcome == "FAILED":
+            raise Internal("the trainer failed: boom")
+
+    monkeypatch.setattr(run_loop, "_drive", drive)
+
+    async def scenario() -> tuple[Run, StopOnlyTrainer]:
+        async with runs_core(redis_prefix) as core:
+            await core.store.create(Run(id="run-a", state=RunState.RUN_STATE_QUEUED, stalled="no progress for 9 s"))
+            trainer = StopOnlyTrainer(core, unreachable=3)
+            await asyncio.wait_for(run_loop.execute_run("run-a", run_deps(core, trainer)), timeout=10)
+            return await core.get("run-a"), trainer
+
+    final, trainer = asyncio.run(scenario())
+    assert trainer.states_seen == [outcome] * 4, "StopRun was asked before the run's end was recorded"
+    assert trainer.cancel_answer.startswith(f"Conflict: run run-a already {outcome}")
+    assert RunState.Name(final.state) == f"RUN_STATE_{outcome}" and final.stalled == ""
+    assert final.error == ("the trainer failed: boom" if outcome == "FAILED" else "")
+    assert final.progress.step == 4, "the trainer's final progress is recorded once it has stopped"

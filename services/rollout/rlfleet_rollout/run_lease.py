@@ -1,0 +1,101 @@
+"""Which orchestrator drives a run: a lease in Redis that its driver renews, so that two orchestrators on one
+Redis never drive a run together, and a run whose driver died is taken over once the lease runs out.
+
+Key `run:<id>:driver` (under the prefix) holds the driver's token (host, pid and a random part) with an expiry
+of `ttl_s`. The run queue takes it before it drives a run, `keep` renews it every quarter of `ttl_s` while the
+run is driven, and the queue deletes it when it stops driving the run (the run ended, or the orchestrator shuts
+down). A driver that died leaves it to run out. Taking, renewing and releasing each check the token in one
+script, so a lease another orchestrator holds is never extended or deleted.
+
+While Redis is away nobody renews or takes a lease; one that ran out meanwhile goes to whichever orchestrator
+asks first once Redis is back, and a driver that finds it taken stops driving the run (as at a shutdown: the
+run stays RUNNING, for its new driver).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Sequence
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from rlfleet_rollout.concurrency import cancel_and_wait
+
+logger = logging.getLogger(__name__)
+
+# Takes the lease when nobody holds it, extends it when the caller does; 0 when another orchestrator holds it.
+_HOLD = """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if holder then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def instance_token() -> str:
+    """This orchestrator among others, in logs: where it runs, and a random part that a restart changes."""
+    return f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+
+
+class RunLease:
+    def __init__(self, client: aioredis.Redis, prefix: str, *, ttl_s: float, token: str | None = None) -> None:
+        assert ttl_s > 0, ttl_s
+        self.client = client
+        self.prefix = prefix
+        self.ttl_s = ttl_s
+        self.token = token or instance_token()
+
+    def key(self, run_id: str) -> str:
+        return f"{self.prefix}run:{run_id}:driver"
+
+    async def hold(self, run_id: str) -> bool:
+        """Takes the lease of `run_id`, or extends it when this orchestrator holds it; False while another does."""
+        held = await self.client.eval(_HOLD, 1, self.key(run_id), self.token, int(self.ttl_s * 1000))
+        return bool(held)
+
+    async def release(self, run_id: str) -> None:
+        """Deletes the lease of `run_id` if this orchestrator holds it."""
+        await self.client.eval(_RELEASE, 1, self.key(run_id), self.token)
+
+    async def others(self, run_ids: Sequence[str]) -> dict[str, str]:
+        """The runs among `run_ids` whose lease another orchestrator holds, with that one's token."""
+        if not run_ids:
+            return {}
+        raw = await self.client.mget([self.key(run_id) for run_id in run_ids])
+        tokens = [t.decode() if isinstance(t, bytes) else t for t in raw]
+        return {run_id: t for run_id, t in zip(run_ids, tokens, strict=True) if t is not None and t != self.token}
+
+    async def keep(self, run_id: str, driving: asyncio.Task[None]) -> None:
+        """Renews the lease of `run_id` every quarter of its time until cancelled; if another orchestrator holds it
+        now (it ran out during a Redis outage and was taken), `driving` is cancelled and this returns."""
+        log = {"run_id": run_id}
+        while True:
+            await asyncio.sleep(self.ttl_s / 4)
+            try:
+                held = await self.hold(run_id)
+            except RedisError as exc:  # tried again; the lease runs out only if this lasts its whole time
+                logger.warning("run %s: cannot renew its lease: %s", run_id, exc, extra=log)
+                continue
+            if not held:
+                try:
+                    holder = (await self.others([run_id])).get(run_id, "another orchestrator")
+                except RedisError:
+                    holder = "another orchestrator"
+                logger.error(
+                    "orchestrator %s holds the lease of run %s now (this one's ran out); this one stops driving it",
+                    holder,
+                    run_id,
+                    extra=log,
+                )
+                await cancel_and_wait(driving)
+                return
