@@ -36,7 +36,7 @@ from rlfleet.errors import InvalidInput, Unavailable
 from rlfleet.http_auth import require_api_token
 from rlfleet.http_errors import install_error_handlers
 from rlfleet.http_limits import limit_request_body
-from rlfleet.proto_parse_errors import describe_parse_error
+from rlfleet.proto_parse_errors import parse_json_message
 from rlfleet.v1.runs_pb2 import RunSpec, RunState
 from rlfleet_rollout.metrics import RolloutMetrics
 from rlfleet_rollout.runs_core import RunsCore
@@ -70,10 +70,7 @@ def parse_run_spec(body: bytes) -> RunSpec:
         raise InvalidInput(f"body: malformed JSON: {exc}") from None
     if not isinstance(data, dict):
         raise InvalidInput(f"body: must be a JSON object holding a RunSpec, got {type(data).__name__}")
-    try:
-        return json_format.ParseDict(data, RunSpec())
-    except json_format.ParseError as exc:
-        raise InvalidInput(describe_parse_error(str(exc), "body")) from None
+    return parse_json_message(data, RunSpec(), "body")
 
 
 def parse_state(value: str) -> RunState:

@@ -33,6 +33,11 @@ def test_bad_specs_get_400_naming_the_field_and_nothing_is_stored(
             "groups_per_step,",
         ),
         ("wrong type", json.dumps({**good, "rollout": {"group_size": "many"}}).encode(), "rollout.group_size"),
+        (
+            "a path where a mapping belongs",
+            json.dumps({**good, "model": "/some/model"}).encode(),
+            "model: expected a mapping (such as {path: ...}), got a string",
+        ),
         ("malformed JSON", b'{"name": "x",', "malformed JSON"),
         ("not an object", b"[1, 2]", "JSON object"),
         (
