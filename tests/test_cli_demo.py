@@ -34,9 +34,10 @@ from rlfleet.process_identity import start_time
 from rlfleet.processes import ServiceProcess, group_runs
 from rlfleet.runs_client import RunsClient, load_spec_file
 from rlfleet.v1.runs_pb2 import Run, RunProgress, RunState
-from rlfleet_reward import registry as reward_registry
-from rlfleet_rollout import environment, group_filters
-from rlfleet_rollout import rollout_function as rollout
+from rlfleet_reward.registry import ENTRY_POINT_GROUP as REWARD_FUNCTION_GROUP
+from rlfleet_rollout.environment import ENTRY_POINT_GROUP as ENVIRONMENT_GROUP
+from rlfleet_rollout.group_filters import ENTRY_POINT_GROUP as GROUP_FILTER_GROUP
+from rlfleet_rollout.rollout_function import FUNCTION_GROUP as ROLLOUT_FUNCTION_GROUP
 
 REDIS_URL = os.environ.get("RLFLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "runs"
@@ -194,8 +195,8 @@ def test_the_example_specs_pass_the_demos_checks(example: Path, tmp_path: Path) 
 
 
 def test_the_names_checked_are_those_the_services_register() -> None:
-    assert (REWARD_FUNCTIONS, ROLLOUT_FUNCTIONS) == (reward_registry.ENTRY_POINT_GROUP, rollout.FUNCTION_GROUP)
-    assert (ENVIRONMENTS, GROUP_FILTERS) == (environment.ENTRY_POINT_GROUP, group_filters.ENTRY_POINT_GROUP)
+    assert (REWARD_FUNCTIONS, ROLLOUT_FUNCTIONS) == (REWARD_FUNCTION_GROUP, ROLLOUT_FUNCTION_GROUP)
+    assert (ENVIRONMENTS, GROUP_FILTERS) == (ENVIRONMENT_GROUP, GROUP_FILTER_GROUP)
     assert "arith_exact" in registered(REWARD_FUNCTIONS) and "single_turn" in registered(ROLLOUT_FUNCTIONS)
 
 
