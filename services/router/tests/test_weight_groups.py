@@ -188,9 +188,16 @@ def test_a_group_the_router_closed_is_destroyed_on_its_engines(
     assert slow.destroys == [], "destroyed while its bucket was still under way"
     router.wait_for(lambda: slow.ended == ["update", "destroy"], what="the other member destroyed it after its bucket")
 
-    destroyed = router.client.post("/destroy_weights_update_group", json={"group_name": "g"})
-    assert destroyed.status_code == 200, destroyed.text
-    assert sorted(r["url"] for r in destroyed.json()["engines"]) == sorted([slow.url, bad.url])
+    # The engines have answered; the router may not have read their answers yet, and says so until it has.
+    answers: list[httpx.Response] = []
+
+    def destroyed() -> bool:
+        answers.append(router.client.post("/destroy_weights_update_group", json={"group_name": "g"}))
+        assert answers[-1].status_code == 200, answers[-1].text
+        return "is destroying it" not in answers[-1].json()["message"]
+
+    router.wait_for(destroyed, what="the router's own destroy answered")
+    assert sorted(r["url"] for r in answers[-1].json()["engines"]) == sorted([slow.url, bad.url])
     assert len(slow.destroys) == len(bad.destroys) == 1
     assert router.client.post("/destroy_weights_update_group", json={"group_name": "g"}).status_code == 404
 
