@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -15,10 +16,24 @@ import pytest
 import redis
 
 from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet
+from rlfleet.logs import SERVICE_HANDLER
 from rlfleet.sample_stream import connect_redis
 
 FleetFactory = Callable[..., contextlib.AbstractContextManager[LocalFleet]]
 REDIS_URL = os.environ.get("RLFLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """Takes off the root logger the handler a command run in process (the CLI's main) put there, and puts its
+    level back. That handler writes to the stderr pytest captured for that test only: left in place, every
+    later record, from any test or thread, would be written to a closed file."""
+    root = logging.getLogger()
+    level = root.level
+    yield
+    for handler in [h for h in root.handlers if h.get_name() == SERVICE_HANDLER]:
+        root.removeHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")

@@ -55,10 +55,15 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+SERVICE_HANDLER = "rlfleet"
+"""Name of the handler init_logging puts on the root logger."""
+
+
 def init_logging(service: str, level: str | None = None) -> None:
     """Configures the root logger once for `service` (safe to call again: it replaces handlers)."""
     fmt = os.environ.get("RLFLEET_LOG_FORMAT") or ("text" if sys.stderr.isatty() else "json")
     handler = logging.StreamHandler(sys.stderr)
+    handler.set_name(SERVICE_HANDLER)
     if fmt == "json":
         handler.setFormatter(JsonFormatter(service))
     else:
