@@ -2,10 +2,11 @@
 
 Error bodies follow SGLang, which has two: a body that fails validation (malformed JSON, wrong
 types, missing prompt) answers 400 `{"object": "error", "message", "type": "Bad Request", "param",
-"code": 400}`; a request the engine cannot run (prompt over the context, bad token ids) answers 400
-`{"error": {"message", ...}}` through rlfleet's shared error handlers. Weight loads answer
-`{"success", "message"}` (and `num_paused_requests` from a load, as SGLang does): 200, or the failure's
-own status (400 bad input, 503 a group that could not be joined or broke, 504 a load that timed out).
+"code": 400}`, and so does any request the OpenAI routes refuse; a request /generate cannot run (prompt
+over the context, bad token ids) answers 400 `{"error": {"message", ...}}` through rlfleet's shared error
+handlers. Weight loads answer `{"success", "message"}` (and `num_paused_requests` from a load, as SGLang
+does): 200, or the failure's own status (400 bad input, 503 a group that could not be joined or broke, 504 a
+load that timed out).
 """
 
 from __future__ import annotations
@@ -49,15 +50,8 @@ def create_app(core: EngineCore, registry: CollectorRegistry) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        body = {
-            "object": "error",
-            "message": whole_body_problem(exc, request.headers.get("content-type"), missing_reads_as_json=True)
-            or _describe(exc),
-            "type": HTTPStatus.BAD_REQUEST.phrase,
-            "param": None,
-            "code": HTTPStatus.BAD_REQUEST.value,
-        }
-        return JSONResponse(body, status_code=HTTPStatus.BAD_REQUEST)
+        message = whole_body_problem(exc, request.headers.get("content-type"), missing_reads_as_json=True)
+        return _openai_error(message or _describe(exc), HTTPStatus.BAD_REQUEST)
 
     @app.get("/health")
     async def health() -> Response:
@@ -106,17 +100,24 @@ def create_app(core: EngineCore, registry: CollectorRegistry) -> FastAPI:
 
     openai = OpenAIServer(core)
 
+    async def openai_answer(req: CompletionRequest | ChatCompletionRequest, request: Request) -> Any:
+        try:
+            if req.stream:
+                return StreamingResponse(openai.stream(req), media_type="text/event-stream")
+            return await unless_client_leaves(request, openai.complete(req))
+        except RlfleetError as exc:
+            if exc.http_status >= 500:
+                raise  # logged and answered by the shared handlers
+            # A refused request in the OpenAI error shape, as SGLang's OpenAI server answers it.
+            return _openai_error(str(exc), HTTPStatus(exc.http_status))
+
     @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest, request: Request) -> Any:
-        if req.stream:
-            return StreamingResponse(openai.stream(req), media_type="text/event-stream")
-        return await unless_client_leaves(request, openai.complete(req))
+        return await openai_answer(req, request)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
-        if req.stream:
-            return StreamingResponse(openai.stream(req), media_type="text/event-stream")
-        return await unless_client_leaves(request, openai.complete(req))
+        return await openai_answer(req, request)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
@@ -176,6 +177,11 @@ def create_app(core: EngineCore, registry: CollectorRegistry) -> FastAPI:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _openai_error(message: str, status: HTTPStatus) -> JSONResponse:
+    body = {"object": "error", "message": message, "type": status.phrase, "param": None, "code": status.value}
+    return JSONResponse(body, status_code=status)
 
 
 def _weight_failure(exc: RlfleetError, what: str) -> JSONResponse:

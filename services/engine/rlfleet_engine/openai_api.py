@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi.exceptions import RequestValidationError
+from jinja2 import TemplateError, TemplateSyntaxError
 from pydantic import ValidationError
 
 from rlfleet.errors import InvalidInput
@@ -36,19 +37,29 @@ if TYPE_CHECKING:
 _OPENAI_NAMES = {"sampling_seed": "seed", "max_new_tokens": "max_tokens"}
 
 
-def render_chat(tokenizer: Any, messages: Sequence[ChatMessage]) -> str:
-    """The prompt text of a conversation, ending where the assistant's next turn begins.
+def chat_prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage]) -> list[int]:
+    """The prompt ids of a conversation, ending where the assistant's next turn begins.
 
-    A tokenizer with a chat template renders it; one without (the sim tokenizer) gets a plain
-    `<|role|>\\ncontent\\n` layout, so chat requests still work on every backend.
+    A tokenizer with a chat template renders it; the text is encoded without the tokenizer's special tokens,
+    because the template writes its own ({{ bos_token }}) and a BOS post-processor would add a second one
+    (transformers' apply_chat_template, SGLang and the orchestrator encode it so too). One without a template
+    (the sim tokenizer) gets a plain `<|role|>\\ncontent\\n` layout, encoded as a raw prompt is, so chat
+    requests still work on every backend.
     """
     try:
         plain = [{"role": m.role, "content": m.text()} for m in messages]
     except ValueError as exc:
         raise InvalidInput(f"messages: {exc}") from exc
-    if getattr(tokenizer, "chat_template", None):
-        return str(tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True))
-    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in plain) + "<|assistant|>\n"
+    if not getattr(tokenizer, "chat_template", None):
+        layout = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in plain) + "<|assistant|>\n"
+        return tokenizer.encode(layout)
+    try:
+        text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+    except TemplateSyntaxError:
+        raise  # the model's template is broken: the server's fault, whatever the request
+    except TemplateError as exc:  # raise_exception: the template says what it refused (a role, an order)
+        raise InvalidInput(f"messages: the model's chat template refused them: {exc}") from exc
+    return tokenizer.encode(str(text), add_special_tokens=False)
 
 
 def _finish(meta: dict[str, Any]) -> tuple[str | None, int | str | None]:
@@ -56,6 +67,12 @@ def _finish(meta: dict[str, Any]) -> tuple[str | None, int | str | None]:
     if not isinstance(reason, dict):
         return None, None
     return str(reason.get("type")), reason.get("matched")
+
+
+def _answer_id(first_output_id: str, outputs: int) -> str:
+    """The id of an answer, streamed or whole: its one output's rid (the client's `rid`, as SGLang answers),
+    or a fresh id for an answer of several outputs (n > 1, several prompts)."""
+    return first_output_id if outputs == 1 else uuid.uuid4().hex
 
 
 def _outputs(result: dict[str, Any] | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -73,7 +90,7 @@ class OpenAIServer:
     def _prompts(self, req: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
         encode = self._core.tokenizer.encode
         if isinstance(req, ChatCompletionRequest):
-            return [encode(render_chat(self._core.tokenizer, req.messages))]
+            return [chat_prompt_ids(self._core.tokenizer, req.messages)]
         prompt = req.prompt
         if isinstance(prompt, str):
             prompts = [encode(prompt)]
@@ -126,7 +143,7 @@ class OpenAIServer:
                 choice["prompt_token_ids"] = prompt_ids
             choices.append(choice)
         return {
-            "id": outputs[0]["meta_info"]["id"] if len(outputs) == 1 else uuid.uuid4().hex,
+            "id": _answer_id(outputs[0]["meta_info"]["id"], len(outputs)),
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": req.model,
@@ -212,7 +229,7 @@ class OpenAIServer:
         self, req: OpenAISampling, prompts: list[list[int]], chunks: AsyncIterator[dict[str, Any]]
     ) -> AsyncIterator[bytes]:
         chat = isinstance(req, ChatCompletionRequest)
-        stream_id = uuid.uuid4().hex
+        stream_id = ""  # named by the first output, as a whole answer is
         kind = "chat.completion.chunk" if chat else "text_completion"
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
@@ -231,6 +248,7 @@ class OpenAIServer:
         async for out in chunks:
             index = int(out.get("index", 0))
             meta = out["meta_info"]
+            stream_id = stream_id or _answer_id(meta["id"], len(prompts) * req.n)
             if chat and index not in sent_text:
                 yield event({"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
             text_from, token_from = sent_text.get(index, 0), sent_tokens.get(index, 0)

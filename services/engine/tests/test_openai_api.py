@@ -11,7 +11,10 @@ import pytest
 from engine_test_support import RunningEngine
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
+from tokenizers import Tokenizer, decoders, models, processors
+from transformers import PreTrainedTokenizerFast
 
+from rlfleet.char_tokenizer import EOS, SPECIAL_TOKENS, UNK, vocabulary
 from rlfleet_engine.config import EngineConfig
 from rlfleet_engine.http_app import create_app
 from rlfleet_engine.sim_backend import SimEngineCore
@@ -21,6 +24,36 @@ from rlfleet_engine.sim_backend import SimEngineCore
 def client() -> Iterator[TestClient]:
     registry = CollectorRegistry()
     core = SimEngineCore(EngineConfig(model_path="sim", sim_decode_ms_per_step=0.1, weight_version="3"), registry)
+    with TestClient(create_app(core, registry)) as test_client:  # type: ignore[arg-type]
+        yield test_client
+
+
+# A Llama-2 / Mistral style template: it writes the BOS itself, and refuses the roles it does not know.
+LLAMA_STYLE_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] not in ['user', 'assistant', 'system'] %}"
+    "{{ raise_exception('Conversation roles must be user, assistant or system') }}{% endif %}"
+    "{{ m['role'] }}: {{ m['content'] }}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def _llama_style_tokenizer() -> PreTrainedTokenizerFast:
+    """The tiny model's character tokenizer with a BOS post-processor, as Llama's has (<unk>, id 2, stands in
+    for <s>): `encode` adds the BOS, and so does the chat template."""
+    core = Tokenizer(models.BPE(vocab=vocabulary(), merges=[], unk_token=UNK))
+    core.add_special_tokens(list(SPECIAL_TOKENS))
+    core.decoder = decoders.Fuse()
+    core.post_processor = processors.TemplateProcessing(single=f"{UNK} $A", special_tokens=[(UNK, 2)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token=UNK, eos_token=EOS, unk_token=UNK, chat_template=LLAMA_STYLE_TEMPLATE
+    )
+
+
+@pytest.fixture
+def llama_client() -> Iterator[TestClient]:
+    registry = CollectorRegistry()
+    core = SimEngineCore(EngineConfig(model_path="sim", sim_decode_ms_per_step=0.1), registry)
+    # The sim runs whatever ids it is sent; only how the OpenAI layer tokenises prompts is under test.
+    core.tokenizer = _llama_style_tokenizer()  # type: ignore[assignment]
     with TestClient(create_app(core, registry)) as test_client:  # type: ignore[arg-type]
         yield test_client
 
@@ -189,3 +222,49 @@ def test_neutral_values_of_those_fields_pass(client: TestClient) -> None:
         "/v1/chat/completions", json={"messages": messages, "max_tokens": 2, **neutral, "tool_choice": "none"}
     )
     assert answer.status_code == 200, answer.text
+
+
+def test_a_chat_prompt_holds_the_bos_its_template_writes_once(llama_client: TestClient) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    # One BOS, then the template's text: what transformers' apply_chat_template(tokenize=True) gives.
+    expected = [2, *(vocabulary()[c] for c in "user: hi\nassistant: ")]
+    body = {"messages": messages, "max_tokens": 1, "return_token_ids": True}
+    answer = llama_client.post("/v1/chat/completions", json=body).json()
+    assert answer["choices"][0]["prompt_token_ids"] == expected
+    assert answer["usage"]["prompt_tokens"] == len(expected)
+    # A raw prompt has no template to write them: it gets the tokenizer's special tokens, as in the orchestrator.
+    body = {"prompt": "hi", "max_tokens": 1, "return_token_ids": True}
+    completion = llama_client.post("/v1/completions", json=body).json()
+    assert completion["choices"][0]["prompt_token_ids"] == [2, vocabulary()["h"], vocabulary()["i"]]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_conversation_the_chat_template_refuses_is_bad_input(llama_client: TestClient, stream: bool) -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]
+    answer = llama_client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, "stream": stream})
+    assert answer.status_code == 400, answer.text  # not a 500, which the router would retry on other engines
+    refusal = "Conversation roles must be user, assistant or system"
+    assert answer.json() == {
+        "object": "error",
+        "message": f"messages: the model's chat template refused them: {refusal}",
+        "type": "Bad Request",
+        "param": None,
+        "code": 400,
+    }
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ],
+)
+def test_a_stream_is_named_as_the_whole_answer_is(client: TestClient, route: str, body: dict[str, Any]) -> None:
+    body = {**body, "max_tokens": 2, "rid": "my-rid", "stream_options": {"include_usage": True}}
+    assert client.post(route, json=body).json()["id"] == "my-rid"
+    chunks = _events(client.post(route, json={**body, "stream": True}))
+    assert {chunk["id"] for chunk in chunks} == {"my-rid"}
+    # Several answers (here n=2) are one stream under one id, as they are one whole answer under one id.
+    several = _events(client.post(route, json={**body, "n": 2, "stream": True}))
+    assert len({chunk["id"] for chunk in several}) == 1 and len(several) > 2
