@@ -37,12 +37,14 @@ HOP_HEADERS = frozenset(
 DROPPED_ANSWER_HEADER_NAMES = frozenset(name.encode() for name in HOP_HEADERS | {"date", "server"})
 ENGINE_HEADER = "x-rlfleet-engine"
 ENGINE_HEADER_NAME = ENGINE_HEADER.encode()
-# Answers kept whole for an `on_answer` reader (trajectories); a larger one is relayed but not read.
+# Answers relayed in pieces are kept whole for an `on_answer` reader (trajectories) up to this size; a larger
+# one is relayed but not kept, and its reader is told so.
 MAX_CAPTURED_BYTES = 32 * 1024 * 1024
 SSE_EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
 
-# Receives a complete 200 answer and the engine that gave it, after its last byte was relayed.
-AnswerReader = Callable[[bytes, Worker], None]
+# Receives a complete 200 answer (None: relayed whole but over MAX_CAPTURED_BYTES, so not kept) and the engine
+# that gave it, after its last byte was relayed.
+AnswerReader = Callable[[bytes | None, Worker], None]
 # Receives the prompt tokens and cached tokens a complete 200 answer reports.
 UsageReader = Callable[[PromptUsage], None]
 # Asks the engine of an ended attempt to abort its request, saying why.
@@ -91,7 +93,7 @@ class EngineResponse(StreamingResponse):
         self._tap = UsageTap(upstream.content_type) if upstream.status == 200 else None
         self._on_answer = on_answer if upstream.status == 200 else None
         self._on_usage = on_usage
-        self._answer = bytearray()
+        self._answer: bytearray | None = bytearray()  # None once over MAX_CAPTURED_BYTES
         self._sse = upstream.content_type.startswith("text/event-stream")
         self._between_events = True
         self._complete = whole
@@ -131,7 +133,7 @@ class EngineResponse(StreamingResponse):
             self._tap.feed(body)
         self._finish(body)
 
-    def _finish(self, answer: bytes) -> None:
+    def _finish(self, answer: bytes | None) -> None:
         """Counts the prompt and cached tokens the answer reports and hands it to its reader, if any."""
         usage = self._tap.result() if self._tap is not None else None
         if usage is not None:
@@ -158,16 +160,17 @@ class EngineResponse(StreamingResponse):
             raise error from exc
         self._complete = True
         self.release()
-        self._finish(bytes(self._answer))
+        self._finish(None if self._answer is None else bytes(self._answer))
 
     def _read(self, chunk: bytes) -> None:
         if self._tap is not None:
             self._tap.feed(chunk)
-        if self._on_answer is not None:
+        if self._on_answer is not None and self._answer is not None:
             self._answer += chunk
             if len(self._answer) > MAX_CAPTURED_BYTES:
-                logger.warning("answer from %s too large to read for its trajectory", self._worker.url)
-                self._on_answer = None
+                # The reader still hears of the answer: a trajectory turn that silently went missing would let
+                # the next turn lay the model's own tokens out as prompt tokens.
+                self._answer = None
         self._between_events = chunk.endswith(SSE_EVENT_ENDS)
 
     def _cut_short(self, exc: Exception) -> RlfleetError:

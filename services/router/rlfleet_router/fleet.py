@@ -24,6 +24,7 @@ from rlfleet_router.chars_per_token import CharsPerToken
 from rlfleet_router.config import RouterConfig
 from rlfleet_router.distributed_weights import DistributedWeights
 from rlfleet_router.engine_aborts import request_rids
+from rlfleet_router.engine_response import MAX_CAPTURED_BYTES
 from rlfleet_router.fanout import Fanout
 from rlfleet_router.fleet_pause import FleetPause
 from rlfleet_router.health import HealthChecker
@@ -186,17 +187,23 @@ class Fleet:
         if trajectory is not None:
             check_trajectory_request(route, parsed)
 
-            def on_answer(answer: bytes, worker: Worker) -> None:
+            def on_answer(answer: bytes | None, worker: Worker) -> None:
+                if answer is None:
+                    lost(worker, f"an answer in pieces over {MAX_CAPTURED_BYTES >> 20} MiB is relayed but not read")
+                    return
                 try:
                     turn = turn_from_answer(route, parsed, answer, worker.url, worker.weight_version)
                 except (ValueError, KeyError, TypeError, IndexError) as exc:
-                    logger.warning("answer of %s for trajectory %s not recorded: %s", worker.url, trajectory, exc)
-                    rid = parsed.get("rid")
-                    self.trajectories.record_lost(
-                        trajectory, rid if isinstance(rid, str) else None, worker.url, str(exc), self.weights.updates
-                    )
+                    lost(worker, str(exc))
                     return
                 self.trajectories.record(trajectory, turn, self.weights.updates)
+
+            def lost(worker: Worker, reason: str) -> None:
+                logger.warning("answer of %s for trajectory %s not recorded: %s", worker.url, trajectory, reason)
+                rid = parsed.get("rid")
+                self.trajectories.record_lost(
+                    trajectory, rid if isinstance(rid, str) else None, worker.url, reason, self.weights.updates
+                )
 
         started = arrived_at if arrived_at is not None else time.perf_counter()
         return await self.proxy.forward(

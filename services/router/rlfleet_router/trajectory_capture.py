@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from rlfleet.errors import InvalidInput
-from rlfleet_router.trajectory_store import Turn
+from rlfleet_router.trajectory_store import TOKEN_ID_LIMIT, Turn
 
 TRAJECTORY_HEADER = "x-rlfleet-trajectory-id"
 MAX_TRAJECTORY_ID_CHARS = 256
@@ -32,6 +32,10 @@ def trajectory_id(headers: Mapping[str, str]) -> str | None:
     if not value or len(value) > MAX_TRAJECTORY_ID_CHARS:
         raise InvalidInput(f"header {TRAJECTORY_HEADER}: must be 1 to {MAX_TRAJECTORY_ID_CHARS} characters")
     return value
+
+
+def _is_token_ids(value: object) -> TypeGuard[list[int]]:
+    return isinstance(value, list) and all(isinstance(t, int) and 0 <= t < TOKEN_ID_LIMIT for t in value)
 
 
 def _samples(body: Mapping[str, Any], route: str) -> object:
@@ -50,8 +54,10 @@ def check_trajectory_request(route: str, body: Mapping[str, Any]) -> None:
         raise InvalidInput(f"n: must be 1 for {where}; send one request per sample")
     if route == "/generate":
         ids = body.get("input_ids")
-        if not (isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids)):
-            raise InvalidInput(f"input_ids: one prompt as token ids is required for {where} (text is not)")
+        if not (ids and _is_token_ids(ids)):
+            raise InvalidInput(
+                f"input_ids: one prompt as token ids (0 to {TOKEN_ID_LIMIT - 1}) is required for {where} (text is not)"
+            )
         if body.get("return_logprob") is not True:
             raise InvalidInput(f"return_logprob: must be true for {where}")
         return
@@ -69,8 +75,8 @@ def check_trajectory_request(route: str, body: Mapping[str, Any]) -> None:
 
 
 def _ids(value: object, what: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(isinstance(t, int) for t in value):
-        raise ValueError(f"the answer has no {what}")
+    if not _is_token_ids(value):
+        raise ValueError(f"the answer has no {what} (a list of token ids from 0 to {TOKEN_ID_LIMIT - 1})")
     return tuple(value)
 
 

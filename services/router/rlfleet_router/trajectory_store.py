@@ -16,6 +16,8 @@ Conflict naming the turn, never a silently different sequence. So does a turn wh
 could not read (`record_lost`): the trajectory would miss its tokens, or its next turn would start a new
 one with the model's earlier outputs inside its prompt.
 
+Ids are kept as 32-bit integers, logprobs as doubles (exactly as the engine sent them) and the mask as bytes:
+a stored token costs 4 bytes in the prompt and 13 in the response (lists of Python objects cost about 60).
 Memory is bounded by a token budget (least recently used trajectories go first) and by staleness:
 each trajectory remembers the fleet's weight update count at its last turn, and trajectories more
 than `max_update_lag` updates behind are dropped when the fleet loads new weights.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -47,13 +50,21 @@ class Turn:
     on_weight_update "finish"); empty: only `weight_version`."""
 
 
+# Ids are stored in 32 bits; callers check them against this first (array raises OverflowError).
+TOKEN_ID_LIMIT = 2**31
+
+
+def token_ids(ids: tuple[int, ...] = ()) -> array[int]:
+    return array("i", ids)
+
+
 @dataclass
 class Trajectory:
     id: str
-    prompt_ids: list[int]
-    response_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
+    prompt_ids: array[int]
+    response_ids: array[int] = field(default_factory=token_ids)
+    logprobs: array[float] = field(default_factory=lambda: array("d"))
+    loss_mask: bytearray = field(default_factory=bytearray)
     turns: list[dict[str, object]] = field(default_factory=list)
     weight_versions: list[str | None] = field(default_factory=list)
     diverged: str | None = None
@@ -67,10 +78,10 @@ class Trajectory:
     def describe(self) -> dict[str, object]:
         return {
             "trajectory_id": self.id,
-            "prompt_ids": self.prompt_ids,
-            "response_ids": self.response_ids,
-            "response_logprobs": self.logprobs,
-            "loss_mask": self.loss_mask,
+            "prompt_ids": self.prompt_ids.tolist(),
+            "response_ids": self.response_ids.tolist(),
+            "response_logprobs": self.logprobs.tolist(),
+            "loss_mask": list(self.loss_mask),
             "turns": self.turns,
             "weight_versions": self.weight_versions,
             "num_turns": len(self.turns),
@@ -94,15 +105,15 @@ class TrajectoryStore:
         """Appends `turn` to the trajectory (created by its first turn); returns the trajectory."""
         trajectory = self._entries.pop(trajectory_id, None)
         if trajectory is None:
-            trajectory = Trajectory(id=trajectory_id, prompt_ids=list(turn.prompt_ids))
-            between: list[int] = []
+            trajectory = Trajectory(id=trajectory_id, prompt_ids=token_ids(turn.prompt_ids))
+            between = token_ids()
         else:
             self.tokens -= trajectory.tokens
             between = self._between(trajectory, turn)
         if trajectory.diverged is None:
-            trajectory.response_ids += between + list(turn.output_ids)
-            trajectory.logprobs += [0.0] * len(between) + list(turn.output_logprobs)
-            trajectory.loss_mask += [0] * len(between) + [1] * len(turn.output_ids)
+            trajectory.response_ids += between + token_ids(turn.output_ids)
+            trajectory.logprobs += array("d", [0.0]) * len(between) + array("d", turn.output_logprobs)
+            trajectory.loss_mask += bytes(len(between)) + b"\x01" * len(turn.output_ids)
         trajectory.turns.append(
             {
                 "rid": turn.rid,
@@ -127,7 +138,7 @@ class TrajectoryStore:
         turn) can no longer be laid out, and reading it is a Conflict naming the turn."""
         trajectory = self._entries.pop(trajectory_id, None)
         if trajectory is None:
-            trajectory = Trajectory(id=trajectory_id, prompt_ids=[])
+            trajectory = Trajectory(id=trajectory_id, prompt_ids=token_ids())
         else:
             self.tokens -= trajectory.tokens
         if trajectory.diverged is None:
@@ -172,12 +183,12 @@ class TrajectoryStore:
         return len(stale)
 
     @staticmethod
-    def _between(trajectory: Trajectory, turn: Turn) -> list[int]:
+    def _between(trajectory: Trajectory, turn: Turn) -> array[int]:
         """What `turn`'s prompt adds to the trajectory so far; marks it diverged if it does not extend it."""
         if trajectory.diverged is not None:
-            return []
+            return token_ids()
         so_far = trajectory.prompt_ids + trajectory.response_ids
-        prompt = list(turn.prompt_ids)
+        prompt = token_ids(turn.prompt_ids)
         if prompt[: len(so_far)] == so_far:
             return prompt[len(so_far) :]
         common = min(len(so_far), len(prompt))
@@ -187,7 +198,7 @@ class TrajectoryStore:
             f"at token {at} of {len(so_far)}; send each turn's prompt as the previous prompt + output + new tokens"
         )
         logger.warning("trajectory %s diverged: %s", trajectory.id, trajectory.diverged)
-        return []
+        return token_ids()
 
     def _fit_budget(self) -> None:
         # The newest trajectory (last in order) stays even if it alone exceeds the budget.

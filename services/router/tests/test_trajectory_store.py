@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import random
+import tracemalloc
 
 import pytest
 
-from rlfleet.errors import Conflict, NotFound
-from rlfleet_router.trajectory_capture import turn_from_answer
+from rlfleet.errors import Conflict, InvalidInput, NotFound
+from rlfleet_router.trajectory_capture import check_trajectory_request, turn_from_answer
 from rlfleet_router.trajectory_store import TrajectoryStore, Turn
 
 
@@ -19,12 +22,12 @@ def test_turns_are_laid_out_with_generated_tokens_masked_in() -> None:
     store = TrajectoryStore(max_tokens=1000, max_update_lag=1)
     store.record("t", turn([1, 2], [3, 4]), fleet_update=0)
     store.record("t", turn([1, 2, 3, 4, 9], [5], version="2"), fleet_update=0)
-    got = store.get("t")
-    assert got.prompt_ids == [1, 2]
-    assert got.response_ids == [3, 4, 9, 5]
-    assert got.loss_mask == [1, 1, 0, 1]
-    assert got.logprobs == [-0.5, -1.0, 0.0, -0.5]
-    assert got.weight_versions == ["1", "2"]
+    got = store.get("t").describe()
+    assert got["prompt_ids"] == [1, 2]
+    assert got["response_ids"] == [3, 4, 9, 5]
+    assert got["loss_mask"] == [1, 1, 0, 1]
+    assert got["response_logprobs"] == [-0.5, -1.0, 0.0, -0.5]
+    assert got["weight_versions"] == ["1", "2"]
 
 
 def test_every_version_that_sampled_a_turn_is_kept_oldest_first() -> None:
@@ -80,3 +83,46 @@ def test_an_answer_lists_the_versions_that_sampled_it() -> None:
     one = json.dumps({"output_ids": [3, 4], "meta_info": meta}).encode()
     assert turn_from_answer("/generate", request, both, "e", None).weight_versions == ("1", "2")
     assert turn_from_answer("/generate", request, one, "e", None).weight_versions == ()
+
+
+def test_logprobs_come_back_exactly_as_the_engine_sent_them() -> None:
+    """Kept as doubles: an engine's logprob need not be a float32 value (-0.1 is not one)."""
+    store = TrajectoryStore(max_tokens=1000, max_update_lag=1)
+    store.record("t", Turn("r", (1,), (2, 3), (-0.1, -1e-300), "1", "e"), fleet_update=0)
+    assert store.get("t").describe()["response_logprobs"] == [-0.1, -1e-300]
+
+
+def test_token_ids_outside_32_bits_are_refused() -> None:
+    """The store keeps ids in 32 bits: a request's prompt outside them is a 400, an answer's makes its turn lost."""
+    with pytest.raises(InvalidInput, match="input_ids"):
+        check_trajectory_request("/generate", {"input_ids": [1, 2**31], "return_logprob": True})
+    answer = json.dumps({"output_ids": [-1], "meta_info": {"output_token_logprobs": [[-0.5, -1, None]]}}).encode()
+    with pytest.raises(ValueError, match="output_ids"):
+        turn_from_answer("/generate", {"input_ids": [1]}, answer, "e", None)
+
+
+def test_the_store_keeps_a_token_in_a_few_bytes() -> None:
+    """Before, ids, logprobs and mask were lists of Python objects, about 61 bytes a token: the default
+    budget of 2**24 tokens alone filled the router's 1 GiB pod. Turns are parsed from JSON, as the router
+    reads them, so every id is an object of its own until the store packs it."""
+    rng = random.Random(0)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        store = TrajectoryStore(max_tokens=2**24, max_update_lag=1)
+        for c in range(20):
+            prompt = [rng.randrange(151_000) for _ in range(1000)]
+            for k in range(4):  # a 1000-token prompt, 4 turns of 500 tokens, 200 tool tokens between them
+                out = [rng.randrange(151_000) for _ in range(500)]
+                meta = {"output_token_logprobs": [[-rng.random(), t, None] for t in out]}
+                answer = json.dumps({"output_ids": out, "meta_info": meta}).encode()
+                request = {"input_ids": prompt, "rid": f"c{c}/{k}"}
+                store.record(f"c{c}", turn_from_answer("/generate", request, answer, "e", "1"), fleet_update=0)
+                prompt = prompt + out + [rng.randrange(151_000) for _ in range(200)]
+        del prompt, out, meta, answer, request
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert store.tokens == 20 * 3600
+    assert held / store.tokens < 16, f"{held / store.tokens:.1f} bytes a token"
