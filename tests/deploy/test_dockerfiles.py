@@ -128,3 +128,14 @@ def test_services_that_start_subprocesses_run_under_tini(svc: str) -> None:
     assert any(re.search(r"\btini\b", run) for run in installs), "the runtime stage does not install tini"
     # apt's lists stay out of the image.
     assert all("rm -rf /var/lib/apt/lists/*" in run for run in installs)
+
+
+@pytest.mark.parametrize("svc", SERVICES)
+def test_images_listen_on_every_interface_through_the_variable(svc: str) -> None:
+    """ENV RLFLEET_<SVC>_HOST=0.0.0.0, which a deployment overrides (e.g. `::` for IPv6); a --host flag in the
+    entrypoint would beat the variable (flags win)."""
+    stage = final_stage(svc)
+    env = dict(zip(*[iter(value for ins in stage if ins.cmd == "ENV" for value in ins.value)] * 2, strict=True))
+    assert env.get(f"RLFLEET_{svc.upper()}_HOST") == "0.0.0.0"
+    command = [word for ins in stage if ins.cmd in ("ENTRYPOINT", "CMD") for word in ins.value]
+    assert not [word for word in command if word.split("=")[0] == "--host"], command

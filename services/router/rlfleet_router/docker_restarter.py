@@ -1,11 +1,19 @@
 """The `docker` restarter: restarts an engine's container through the Docker Engine API (the `docker` SDK).
 
 The container is named by `docker_container`, a template over the engine URL's `{host}` and `{port}`
-(default `{host}`: in Compose, an engine's hostname is its service's container name or alias). A
-restart is `POST /containers/{id}/restart?t=<stop timeout>`, then `GET /containers/{id}/json` until
-the container runs again; the engine keeps its address. `docker_url` says where the API is
-(`unix:///var/run/docker.sock` by default, or `tcp://host:2375`). The SDK is synchronous, so each
-call runs in a worker thread, bounded by the SDK's own timeout and the restart timeout.
+(default `{host}`). The Engine API resolves a container by id, id prefix or exact name, never by a host
+name of a Compose network: Compose names an engine's container `<project>-<service>-<n>`
+(`rlfleet-engine-0-1`) while other containers reach it as its service (`engine-0`) or a network alias (the
+gpu profile's `engine-gpu-0` answers to `engine-0`). So a name no container has is looked up among all
+containers, stopped ones included (`GET /containers/json?all=1`, each inspected, as the list leaves out network
+aliases): the one whose `com.docker.compose.service` label or a network alias is that name. Several such
+containers (stale ones of another profile or project, a scaled service) are refused by name rather than
+restarting a wrong one: `docker_container` then names the container.
+
+A restart is `POST /containers/{id}/restart?t=<stop timeout>`, then `GET /containers/{id}/json` until the
+container runs again; the engine keeps its address. `docker_url` says where the API is
+(`unix:///var/run/docker.sock` by default, or `tcp://host:2375`). The SDK is synchronous, so each call runs in a
+worker thread, bounded by the SDK's own timeout and the restart timeout.
 """
 
 from __future__ import annotations
@@ -17,6 +25,18 @@ from urllib.parse import urlsplit
 
 from rlfleet.errors import Unavailable
 from rlfleet_router.config import RouterConfig
+
+COMPOSE_SERVICE_LABEL = "com.docker.compose.service"
+
+
+def answers_to(attrs: dict[str, Any], host: str) -> bool:
+    """Whether a container (its `GET /containers/{id}/json` attributes) is reached as `host` on a Compose
+    network: it runs that Compose service, or has that network alias on one of its networks."""
+    labels = (attrs.get("Config") or {}).get("Labels") or {}
+    networks = (attrs.get("NetworkSettings") or {}).get("Networks") or {}
+    return labels.get(COMPOSE_SERVICE_LABEL) == host or any(
+        host in ((endpoint or {}).get("Aliases") or []) for endpoint in networks.values()
+    )
 
 
 class DockerRestarter:
@@ -53,7 +73,7 @@ class DockerRestarter:
     def _restart(self, name: str) -> None:
         if self._client is None:
             self._client = self._docker.DockerClient(base_url=self._base_url, timeout=max(1, int(self._timeout)))
-        container: Any = self._client.containers.get(name)
+        container = self._find(name)
         container.restart(timeout=self._stop_timeout)
         deadline = time.monotonic() + self._timeout
         while True:
@@ -64,6 +84,28 @@ class DockerRestarter:
             if time.monotonic() > deadline:
                 raise Unavailable(f"container {name!r} not running {self._timeout:.0f}s after its restart: {state}")
             time.sleep(0.2)
+
+    def _find(self, name: str) -> Any:
+        """The container called `name`, else the one container a Compose network knows by that host name."""
+        try:
+            return self._client.containers.get(name)
+        except self._docker.errors.NotFound:
+            pass
+        # Not sparse: the list's summaries carry no network aliases, so the SDK inspects each container.
+        found = [c for c in self._client.containers.list(all=True, ignore_removed=True) if answers_to(c.attrs, name)]
+        if len(found) == 1:
+            return found[0]
+        fix = "set --docker-container (RLFLEET_ROUTER_DOCKER_CONTAINER), a template over {host} and {port}"
+        if not found:
+            raise Unavailable(
+                f"no container is named {name!r}, runs Compose service {name!r} or has network alias {name!r}: "
+                f"{fix}, to the engine's container name"
+            )
+        raise Unavailable(
+            f"containers {', '.join(sorted(c.name for c in found))} all answer to {name!r} (a Compose service or "
+            f"network alias): remove the stale ones (`docker rm`) or {fix}, to the name "
+            "of the one to restart"
+        )
 
 
 def create(config: RouterConfig) -> DockerRestarter:

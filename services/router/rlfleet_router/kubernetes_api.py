@@ -3,8 +3,8 @@
 In a pod, the API server, token and CA come from the service account mount and the
 `KUBERNETES_SERVICE_HOST/PORT` variables, as every in-cluster client finds them; `kubernetes_api_url`
 points elsewhere (a `kubectl proxy`, a test server). The token is read on every call because
-projected service-account tokens are rotated on disk. The router's role needs `get`, `list` and
-`delete` on pods and `list` on endpoints in its namespace.
+projected service-account tokens are rotated on disk. The router's role needs `list` and `delete` on pods
+(restarts) and `list` on endpoints (discovery) in its namespace, as the Helm chart's Role grants.
 """
 
 from __future__ import annotations

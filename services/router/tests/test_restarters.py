@@ -1,16 +1,20 @@
 """The restarters and Kubernetes discovery; docker and kubernetes against fake API servers that follow the real APIs.
 
 The Docker fake serves the Engine API paths the `docker` SDK calls (`/version`, `GET /containers/{id}/json`,
-`POST /containers/{id}/restart?t=`); the Kubernetes fake serves core/v1 pods (list with labelSelector,
-delete, a controller that replaces a deleted pod) and endpoints. Its controller acts as a Deployment (the
-new pod has a new name) or as a StatefulSet (the same name, a new uid and IP; the Endpoints give each address
-the pod's `hostname` and `targetRef`, as for a StatefulSet behind a headless Service).
+`GET /containers/json` with `all` and `filters`, `POST /containers/{id}/restart?t=`); the Kubernetes fake serves
+core/v1 pods (list with labelSelector, delete, a controller that replaces a deleted pod) and endpoints. Its
+controller acts as a Deployment (the new pod has a new name) or as a StatefulSet (the same name, a new uid and IP;
+the Endpoints give each address the pod's `hostname` and `targetRef`, as for a StatefulSet behind a headless
+Service).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
+import json
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,14 +22,14 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
 from router_fakes import ThreadedServer
 
 from rlfleet.errors import Unavailable
 from rlfleet.processes import process_runs
 from rlfleet_router.config import RouterConfig
-from rlfleet_router.docker_restarter import DockerRestarter
+from rlfleet_router.docker_restarter import DockerRestarter, answers_to
 from rlfleet_router.kubernetes_api import KubernetesAPI
 from rlfleet_router.kubernetes_discovery import KubernetesDiscovery, endpoint_urls
 from rlfleet_router.kubernetes_restarter import KubernetesRestarter
@@ -38,12 +42,65 @@ SELECTOR = "app.kubernetes.io/component=engine"
 
 @dataclass
 class FakeDocker:
+    """The Docker Engine API paths the `docker` SDK calls, as the daemon answers them.
+
+    `GET /containers/{ref}/json` resolves a full id, an exact name or a unique id prefix, never a network alias
+    or a Compose service; `GET /containers/json` lists running containers (all of them with `all=1`) as summaries
+    that, as the daemon's, carry each network's addresses but not its aliases, filtered by `filters` (JSON
+    map of lists; label `key` or `key=value`, name and id as regular expressions, status).
+    """
+
     containers: dict[str, dict[str, Any]] = field(default_factory=dict)
     restarts: list[tuple[str, str | None]] = field(default_factory=list)
 
-    def find(self, key: str) -> dict[str, Any] | None:
-        """By name or id, as the Engine API resolves a container reference."""
-        return self.containers.get(key) or next((c for c in self.containers.values() if c["Id"] == key), None)
+    def add(self, *attrs: dict[str, Any]) -> FakeDocker:
+        for one in attrs:
+            self.containers[one["Name"].lstrip("/")] = one
+        return self
+
+    def find(self, ref: str) -> dict[str, Any] | None:
+        """As the daemon resolves a reference: a full id, an exact name, else a unique id prefix."""
+        by_id = {c["Id"]: c for c in self.containers.values()}
+        if ref in by_id or ref in self.containers:
+            return by_id.get(ref) or self.containers[ref]
+        by_prefix = [c for id_, c in by_id.items() if id_.startswith(ref)]
+        return by_prefix[0] if len(by_prefix) == 1 else None
+
+    def summary(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        networks = {
+            name: {k: v for k, v in endpoint.items() if k not in ("Aliases", "DNSNames")}
+            for name, endpoint in attrs["NetworkSettings"]["Networks"].items()
+        }
+        return {
+            "Id": attrs["Id"],
+            "Names": [attrs["Name"]],
+            "Image": attrs["Config"]["Image"],
+            "Labels": attrs["Config"]["Labels"],
+            "State": attrs["State"]["Status"],
+            "Status": attrs["State"]["Status"],
+            "NetworkSettings": {"Networks": networks},
+        }
+
+    @staticmethod
+    def matches(attrs: dict[str, Any], filters: dict[str, list[str]]) -> bool:
+        labels = attrs["Config"]["Labels"]
+        for kind, wanted in filters.items():
+            if kind == "label":
+                ok = all(
+                    labels.get(key) == value if sep else key in labels
+                    for key, sep, value in (w.partition("=") for w in wanted)
+                )
+            elif kind == "name":
+                ok = any(re.search(w, attrs["Name"]) for w in wanted)
+            elif kind == "id":
+                ok = any(re.search(w, attrs["Id"]) for w in wanted)
+            elif kind == "status":
+                ok = attrs["State"]["Status"] in wanted
+            else:
+                raise ValueError(kind)
+            if not ok:
+                return False
+        return True
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -53,18 +110,32 @@ class FakeDocker:
         async def version() -> dict[str, str]:
             return {"Version": "27.0.0", "ApiVersion": "1.46", "MinAPIVersion": "1.24", "Os": "linux"}
 
-        @app.get("/v{api}/containers/{name}/json")
-        async def inspect(api: str, name: str) -> JSONResponse:
-            found = self.find(name)
+        @app.get("/v{api}/containers/json")
+        async def list_containers(
+            api: str, all_: str = Query("0", alias="all"), filters: str | None = None
+        ) -> JSONResponse:
+            wanted: dict[str, list[str]] = json.loads(filters) if filters else {}
+            if unknown := set(wanted) - {"label", "name", "id", "status"}:
+                return JSONResponse({"message": f"invalid filter '{sorted(unknown)[0]}'"}, status_code=400)
+            listed = [
+                self.summary(c)
+                for c in self.containers.values()
+                if (all_ in ("1", "true", "True") or c["State"]["Running"]) and self.matches(c, wanted)
+            ]
+            return JSONResponse(listed)
+
+        @app.get("/v{api}/containers/{ref}/json")
+        async def inspect(api: str, ref: str) -> JSONResponse:
+            found = self.find(ref)
             if found is None:
-                return JSONResponse({"message": f"No such container: {name}"}, status_code=404)
+                return JSONResponse({"message": f"No such container: {ref}"}, status_code=404)
             return JSONResponse(found)
 
-        @app.post("/v{api}/containers/{name}/restart")
-        async def restart(api: str, name: str, request: Request) -> Response:
-            found = self.find(name)
+        @app.post("/v{api}/containers/{ref}/restart")
+        async def restart(api: str, ref: str, request: Request) -> Response:
+            found = self.find(ref)
             if found is None:
-                return JSONResponse({"message": f"No such container: {name}"}, status_code=404)
+                return JSONResponse({"message": f"No such container: {ref}"}, status_code=404)
             self.restarts.append((found["Name"].lstrip("/"), request.query_params.get("t")))
             found["State"] = {"Status": "running", "Running": True, "Restarting": False}
             return Response(status_code=204)
@@ -72,17 +143,48 @@ class FakeDocker:
         return app
 
 
-def container(name: str) -> dict[str, Any]:
+def container(
+    name: str, service: str | None = None, aliases: tuple[str, ...] = (), running: bool = False
+) -> dict[str, Any]:
+    """A container as `GET /containers/{id}/json` shows it; with `service`, one Compose made in project rlfleet."""
+    state = {"Status": "running", "Running": True, "Restarting": False, "ExitCode": 0}
+    if not running:
+        state = {"Status": "exited", "Running": False, "Restarting": False, "ExitCode": 137}
+    labels = {"com.docker.compose.project": "rlfleet", "com.docker.compose.service": service} if service else {}
     return {
-        "Id": f"{name}-id",
+        "Id": hashlib.sha256(name.encode()).hexdigest(),
         "Name": f"/{name}",
-        "State": {"Status": "exited", "Running": False, "Restarting": False, "ExitCode": 137},
-        "Config": {"Image": "rlfleet-engine", "Labels": {}},
+        "State": state,
+        "Config": {"Image": "rlfleet/engine:0.1.0", "Labels": labels},
+        "NetworkSettings": {
+            "Networks": {"rlfleet_default": {"Aliases": list(aliases) or None, "NetworkID": "net-default"}}
+        },
     }
 
 
+def compose_engine(service: str, *extra_aliases: str, running: bool = False) -> dict[str, Any]:
+    """Container 1 of a Compose service of project rlfleet: named rlfleet-<service>-1, with the network aliases
+    Compose gives it (its name, its service, the service's `aliases`)."""
+    name = f"rlfleet-{service}-1"
+    return container(name, service=service, aliases=(name, service, *extra_aliases), running=running)
+
+
+def docker_restart(docker: FakeDocker, url: str) -> str:
+    server = ThreadedServer(docker.app()).start()
+    try:
+        restarter = DockerRestarter(
+            base_url=f"tcp://127.0.0.1:{server.port}", container="{host}", stop_timeout_secs=7, timeout_secs=10
+        )
+        try:
+            return asyncio.run(restarter.restart(url))
+        finally:
+            asyncio.run(restarter.close())
+    finally:
+        server.stop()
+
+
 def test_docker_restarter_restarts_the_engines_container() -> None:
-    docker = FakeDocker(containers={"engine-1": container("engine-1")})
+    docker = FakeDocker().add(container("engine-1"))
     server = ThreadedServer(docker.app()).start()
     try:
         restarter = DockerRestarter(
@@ -95,6 +197,58 @@ def test_docker_restarter_restarts_the_engines_container() -> None:
         asyncio.run(restarter.close())
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(
+    ("containers", "restarted"),
+    [
+        # docker compose up (profile cpu): the engine's host is its service, container rlfleet-engine-0-1.
+        (
+            [compose_engine("engine-0"), compose_engine("engine-1"), compose_engine("router", running=True)],
+            "rlfleet-engine-0-1",
+        ),
+        # Profile gpu: service engine-gpu-0 answers to engine-0 through its network alias.
+        (
+            [compose_engine("engine-gpu-0", "engine-0"), compose_engine("engine-gpu-1", "engine-1")],
+            "rlfleet-engine-gpu-0-1",
+        ),
+        # A container named as the host (container_name: engine-0, `docker run --name engine-0`).
+        ([container("engine-0"), compose_engine("engine-1")], "engine-0"),
+    ],
+    ids=["compose-service", "compose-network-alias", "exact-name"],
+)
+def test_docker_restarter_finds_the_container_a_compose_host_name_names(
+    containers: list[dict[str, Any]], restarted: str
+) -> None:
+    """The engine URL's host is what the router resolves on the Compose network: a service or an alias, which
+    `GET /containers/{id}/json` does not resolve. The engines there are stopped: found among all containers."""
+    docker = FakeDocker().add(*containers)
+    assert docker_restart(docker, "http://engine-0:30001") == "http://engine-0:30001"
+    assert docker.restarts == [(restarted, "7")]
+
+
+def test_a_container_answers_to_its_compose_service_and_its_network_aliases() -> None:
+    labelled = container("rlfleet-engine-0-1", service="engine-0")  # on no network with aliases (never started)
+    aliased = container("sglang-0", aliases=("engine-0",))  # `docker run --network-alias engine-0`
+    assert answers_to(labelled, "engine-0") and answers_to(aliased, "engine-0")
+    assert not answers_to(labelled, "engine-1") and not answers_to(aliased, "engine-1")
+    assert not answers_to(container("engine-0"), "engine-0")  # its name: resolved by the API itself
+    assert not answers_to({"Id": "x", "NetworkSettings": {"Networks": {"bridge": None}}}, "engine-0")
+
+
+def test_docker_restarter_refuses_a_host_name_several_containers_answer_to() -> None:
+    """Both profiles' engines left on one network: restarting either could bring back the wrong one."""
+    docker = FakeDocker().add(compose_engine("engine-0"), compose_engine("engine-gpu-0", "engine-0", running=True))
+    with pytest.raises(Unavailable, match=r"rlfleet-engine-0-1.*rlfleet-engine-gpu-0-1.*--docker-container"):
+        docker_restart(docker, "http://engine-0:30001")
+    assert docker.restarts == []
+
+
+def test_docker_restarter_names_what_it_looked_for_when_no_container_answers() -> None:
+    docker = FakeDocker().add(compose_engine("engine-1"))
+    with pytest.raises(Unavailable, match="engine-0"):
+        docker_restart(docker, "http://engine-0:30001")
+    assert docker.restarts == []
 
 
 @dataclass

@@ -113,3 +113,23 @@ failureThreshold: {{ .probe.failureThreshold }}
       - key: token
         path: api_token
 {{- end -}}
+
+{{/* A container's env: the entries the chart sets (`chart`: a YAML list, rendered by the component's
+"rlfleet.<component>.env"), less those whose names the component's `env` value sets, then that value's entries. So a
+component's env overrides the chart's variables, and each name appears once (server-side apply refuses a repeated
+name; Helm 3's upgrade patches mishandle one). Call with (dict "chart" (include "rlfleet.router.env" .) "env"
+.Values.router.env). */}}
+{{- define "rlfleet.env" -}}
+{{- $user := .env | default dict -}}
+{{- $entries := list -}}
+{{- range fromYamlArray .chart -}}
+{{- if not (hasKey $user .name) -}}
+{{- $entries = append $entries . -}}
+{{- end -}}
+{{- end -}}
+{{- range $name, $value := $user -}}
+{{- /* Strings, as Kubernetes wants them (8 -> "8", true -> "true"); a null is empty. */ -}}
+{{- $entries = append $entries (dict "name" $name "value" (ternary "" (toString $value) (kindIs "invalid" $value))) -}}
+{{- end -}}
+{{- with $entries }}{{ toYaml . }}{{ end -}}
+{{- end -}}
