@@ -64,7 +64,8 @@ class RouterConfig(BaseSettings):
         POLICY_DEFAULTS.max_tree_tokens,
         ge=1,
         description="cache_aware: global token budget of the prefix tree (LRU eviction beyond it); a token of "
-        "token-id prompts costs about 40 bytes of router memory, a character of text about 1.",
+        "token-id prompts costs about 5 bytes of router memory (a 32-bit id, plus about 0.8 KB a stored prompt: "
+        "22 bytes a token for distinct 50-token prompts), a character of text about 1; the default about 80 MiB.",
     )
 
     request_timeout_secs: float = Field(
@@ -111,7 +112,7 @@ class RouterConfig(BaseSettings):
         ge=1,
         description="Token budget of the trajectory cache (least recently used trajectories go first). A token costs "
         "about 12 bytes of router memory (4 in a prompt, 13 in a response, plus about 0.3 KB a turn): the default "
-        "holds about 100 MiB, leaving a 1 GiB router room for the cache_aware prefix tree (about 40 bytes a token).",
+        "holds about 100 MiB, leaving a 1 GiB router room for the cache_aware prefix tree (about 80 MiB by default).",
     )
     trajectory_max_update_lag: int = Field(
         1, ge=0, description="Fleet weight updates after its last turn before a trajectory is evicted as stale."

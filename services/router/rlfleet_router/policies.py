@@ -24,7 +24,7 @@ from importlib.metadata import entry_points
 from typing import Protocol
 
 from rlfleet_router.chars_per_token import DEFAULT_CHARS_PER_TOKEN
-from rlfleet_router.radix_tree import Key, RadixTree
+from rlfleet_router.radix_tree import RadixTree, TokenKey, token_key
 from rlfleet_router.workers import Worker
 
 ENTRY_POINT_GROUP = "rlfleet.router.policies"
@@ -61,11 +61,16 @@ class RoutingRequest:
     """The engines' characters per token, which sizes a text prompt in tokens (see `CharsPerToken`)."""
 
     @cached_property
-    def prompt_key(self) -> Key | None:
-        """The prompt as token ids (a tuple) or, without ids, as text; of a batch, its first prompt."""
+    def prompt_key(self) -> TokenKey | str | None:
+        """The prompt as token ids (the tree's compact `TokenKey`) or, without ids, as text; of a batch, its
+        first prompt. Ids that are not all 32-bit ints (a malformed request the engine will refuse) make no
+        key: the request is routed by load, and stays out of the tree."""
         ids = _first(self.body.get("input_ids"))
-        if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids):
-            return tuple(ids)
+        if isinstance(ids, list) and ids:
+            try:
+                return token_key(ids)
+            except ValueError:
+                pass
         text = _first(self.body.get("text"))
         if isinstance(text, str) and text:
             return text

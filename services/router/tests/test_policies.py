@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from array import array
 
 import pytest
 
@@ -229,11 +230,23 @@ def test_cache_aware_routes_text_prompts_and_counts_tokens() -> None:
     picks = {policy.select(workers, RoutingRequest("/generate", text)).worker.url for _ in range(3)}
     assert len(picks) == 1
     request = RoutingRequest("/generate", {"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": {"max_new_tokens": 4}})
-    assert request.prompt_key == (1, 2, 3) and request.tokens == (3 + 4) * 2
+    assert request.prompt_key == array("i", [1, 2, 3]) and request.tokens == (3 + 4) * 2
     assert RoutingRequest("/generate", text).tokens == (math.ceil(len(text["text"]) / 4) + 6) * 2
     policy.forget(workers[0])
     policy.forget(workers[1])
     assert policy.tree.tokens == 0
+
+
+@pytest.mark.parametrize("bad", [2**31, -(2**31) - 1, 2**70, 2.5])
+def test_cache_aware_routes_ids_beyond_32_bits_by_load_and_keeps_them_out_of_its_tree(bad: object) -> None:
+    workers = make_workers(2, 0)
+    policy = CacheAware()
+    malformed = generate([7, 8, bad])  # type: ignore[list-item]
+    assert malformed.prompt_key is None and malformed.tokens == 8, "no key; the budget still counts"
+    assert policy.select(workers, malformed) == Choice(workers[1], "no_prompt")
+    assert policy.tree.tokens == 0
+    assert policy.select(workers, generate([7, 8, 9])).reason == "low_match"
+    assert policy.tree.tokens == 3 and policy.select(workers, generate([7, 8, 9])).reason == "cache_hit"
 
 
 def test_registry_by_name_and_unknown_name_lists_known_ones() -> None:

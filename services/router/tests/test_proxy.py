@@ -192,6 +192,23 @@ def test_bad_generate_bodies_are_400(
     assert engine.raw_bodies == [] and engine.controls == []
 
 
+def test_token_ids_beyond_32_bits_reach_the_engine_routed_by_load(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """The cache_aware tree stores ids as 32-bit ints: a larger one makes no key, and the engine judges the
+    request (an id outside its vocabulary is its 400 to give)."""
+    engine = start_engine("a")
+    router = start_router([engine.url], policy="cache_aware")
+    router.wait_healthy(1)
+    for ids in ([5, 2**31], [[5, 6], [-(2**40)]], [5, 6]):
+        answer = router.client.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 2}})
+        assert answer.status_code == 200, answer.text
+    assert [json.loads(raw)["input_ids"] for raw in engine.raw_bodies] == [[5, 2**31], [[5, 6], [-(2**40)]], [5, 6]]
+    text = router.client.get("/metrics").text
+    assert metric_value(text, "rlfleet_router_routing_decisions_total", {"reason": "no_prompt"}) == 1
+    assert metric_value(text, "rlfleet_router_tree_tokens") == 2, "[5, 6]: the batch's first prompt, then the last"
+
+
 def test_bodies_over_the_bound_are_413_and_never_reach_an_engine(
     start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
 ) -> None:

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import random
 import time
+import tracemalloc
+from array import array
 
-from rlfleet_router.radix_tree import RadixTree
+import pytest
+
+from rlfleet_router.radix_tree import RadixTree, token_key
 
 
 def test_match_reports_the_longest_prefix_each_tenant_holds() -> None:
@@ -104,3 +110,46 @@ def test_several_tenants_go_in_one_walk_and_all_of_them_empty_the_tree() -> None
     assert tree.tokens == 0 and tree.nodes == 0 and tree.match((1, 2, 4)).matched == {}
     tree.insert((1, 2), "a")
     assert tree.match((1, 2, 4)).matched == {"a": 2}, "the emptied tree takes new keys"
+
+
+def test_token_ids_in_any_sequence_meet_in_one_tree_and_are_copied_in() -> None:
+    tree = RadixTree(max_tokens=100)
+    tree.insert((1, 2, 3, 4), "a")
+    tree.insert([1, 2, 5], "b")  # splits the edge the tuple made: both are stored as one type
+    ids = token_key([1, 2, 3, 4, 6])
+    tree.insert(ids, "c")
+    ids[0] = 9  # the caller's array may change afterwards: the tree holds its own copy
+    assert tree.match(array("i", [1, 2, 3, 4, 6])).matched == {"a": 4, "b": 2, "c": 5}
+    assert tree.match((1, 2, 5)).extended == {"b": 3}
+    assert tree.match(array("q", [1, 2, 3])).matched == {"a": 3, "b": 2, "c": 3}, "other typecodes are converted"
+    assert tree.tokens == 4 + 1 + 1 and tree.nodes == 4
+
+
+@pytest.mark.parametrize("bad", [2**31, -(2**31) - 1, 2**64, 1.5, "7", None])
+def test_token_ids_beyond_32_bits_are_refused_and_leave_the_tree_as_it_was(bad: object) -> None:
+    tree = RadixTree(max_tokens=100)
+    tree.insert((1, 2, 3), "a")
+    for call in (lambda: tree.insert((1, 2, bad), "b"), lambda: tree.match((1, 2, bad))):  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="32-bit"):
+            call()
+    assert tree.tokens == 3 and tree.nodes == 1 and tree.match((1, 2, 3)).matched == {"a": 3}
+    assert list(token_key([-(2**31), 2**31 - 1])) == [-(2**31), 2**31 - 1], "the whole 32-bit range fits"
+
+
+def test_a_stored_token_costs_a_few_bytes() -> None:
+    """The budget is in tokens: at the default 2**24 the router's memory is this times 16 Mi. As tuples of the
+    ints a JSON body parses into, a token cost about 37 bytes (650 MiB at the default); as 32-bit ints, 4 plus
+    each node's share (about 0.8 KB a node: its dict, set, LRU entry)."""
+    rng = random.Random(0)
+    bodies = [json.dumps([rng.randrange(151_000) for _ in range(1000)]) for _ in range(100)]
+    tree = RadixTree(max_tokens=2**24)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i, body in enumerate(bodies):
+            tree.insert(tuple(json.loads(body)), f"engine-{i % 4}")  # ints parsed per request, as the router does
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert tree.tokens == 100 * 1000
+    assert held / tree.tokens < 8, f"{held / tree.tokens:.1f} bytes a stored token"
