@@ -58,6 +58,12 @@ class RolloutConfig(BaseSettings):
     """Pause between trainer Status polls, and the longest a watcher goes without re-reading Redis."""
     max_concurrent_generations: int = Field(default=8, gt=0)
     """Generate requests in flight at once (one request is one prompt's group)."""
+    env_reply_threads: int = Field(default=16, gt=0)
+    """Threads that run multi_turn environments' replies (their own, apart from those of Redis calls); a reply that
+    hangs keeps its thread, and replies beyond the free threads wait for one."""
+    env_reply_timeout_s: float = Field(default=60.0, gt=0)
+    """Bound on one environment reply, a wait for a free thread included: past it the episode's sample fails
+    (`turn N: environment did not reply within 60s`) and the reply keeps its thread (a thread cannot be stopped)."""
     eval_batch_size: int = Field(default=32, gt=0)
     """Held-out prompts per greedy /generate request during evaluation."""
     watch_keepalive_s: float = Field(default=15.0, gt=0)

@@ -1,10 +1,11 @@
 """Reading a run's dataset: the arithmetic generator, JSONL and Parquet files, and `save_to_disk` directories.
 
 Every source becomes a list of `Prompt` rows (prompt, reference answer, metadata columns as
-strings). A malformed row (not an object, a missing or empty prompt, a missing column) is named by
-its line (JSONL, 1-based) or row (Parquet and Arrow, 0-based) and either refuses the run or is
-skipped, as `dataset.bad_rows` says. A `save_to_disk` directory is read with pyarrow directly: the
-orchestrator does not need (or import) the `datasets` library.
+strings). A malformed row (not an object, a missing or empty prompt, a missing column, a string that
+is not valid Unicode, nesting too deep to read) is named by its line (JSONL, 1-based) or row (Parquet
+and Arrow, 0-based) and either refuses the run or is skipped, as `dataset.bad_rows` says. A
+`save_to_disk` directory is read with pyarrow directly: the orchestrator does not need (or import) the
+`datasets` library.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ def _read_rows(
         return out
     except InvalidInput:
         raise
-    except (OSError, pa.ArrowException, ValueError, KeyError, TypeError) as exc:
+    except (OSError, pa.ArrowException, ValueError, KeyError, TypeError, RecursionError) as exc:
         raise InvalidInput(f"{field_name}: cannot read {str(path)!r} as {source}: {exc}") from exc
 
 
@@ -154,13 +155,26 @@ def _to_prompt(record: Any, spec: FileDataset) -> Prompt:
     for column in spec.metadata_columns:
         if column not in record:
             raise _BadRow(f"metadata column {column!r} is missing")
-        value = record[column]
-        metadata[column] = value if isinstance(value, str) else json.dumps(value, default=str)
-    return Prompt(prompt, _as_text(record[spec.answer_column]), metadata)
+        metadata[column] = _as_text(record[column], column)
+    return Prompt(
+        _as_text(prompt, spec.prompt_column), _as_text(record[spec.answer_column], spec.answer_column), metadata
+    )
 
 
-def _as_text(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value, default=str)
+def _as_text(value: Any, column: str) -> str:
+    """The text of a column's value (JSON for what is not a string). A bad row when the value is nested too deeply
+    to write out, or is not valid Unicode: a lone surrogate, which JSON's "\\ud800" escape writes, reaches the
+    tokenizer and protobuf, which refuse it hours into the run."""
+    try:
+        text = value if isinstance(value, str) else json.dumps(value, default=str)
+        text.encode("utf-8")
+    except RecursionError:
+        raise _BadRow(f"column {column!r} is nested too deeply") from None
+    except UnicodeEncodeError as exc:
+        raise _BadRow(
+            f"column {column!r} is not valid Unicode text (lone surrogate at character {exc.start})"
+        ) from None
+    return text
 
 
 def _jsonl_records(path: Path, spec: FileDataset) -> Iterator[tuple[str, Any]]:
@@ -168,10 +182,13 @@ def _jsonl_records(path: Path, spec: FileDataset) -> Iterator[tuple[str, Any]]:
         for number, line in enumerate(fh, start=1):
             if not line.strip():
                 continue
+            # Reported like any other malformed row.
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                record = _BadRow(f"not JSON: {exc}")  # reported like any other malformed row
+            except ValueError as exc:
+                record = _BadRow(f"not JSON: {exc}")
+            except RecursionError:
+                record = _BadRow("nested too deeply to parse")
             yield f"line {number}", record
 
 
@@ -201,7 +218,13 @@ def _arrow_dir_records(
     DatasetDict's directory holds ("train" for training rows; "test", else "validation", for held-out ones)."""
     dict_file = path / "dataset_dict.json"
     if dict_file.is_file():
-        present = json.loads(dict_file.read_text()).get("splits", [])
+        manifest = json.loads(dict_file.read_text())
+        present = manifest.get("splits") if isinstance(manifest, dict) else None
+        if not isinstance(present, list):
+            raise InvalidInput(
+                f"{field_name}: {str(dict_file)!r} is not a DatasetDict's manifest (an object listing its "
+                '"splits"); point the path at a `save_to_disk` directory'
+            )
         split = next((name for name in splits if name in present), None)
         if split is None:
             raise InvalidInput(

@@ -27,7 +27,7 @@ from rlfleet_rollout.reward_client import RewardClient
 from rlfleet_rollout.router_client import Completion, RouterClient
 
 if TYPE_CHECKING:
-    from rlfleet_rollout.environment import Environment
+    from rlfleet_rollout.environment import Environment, ReplyPool
     from rlfleet_rollout.rollout_function import RolloutFunction
 
 
@@ -59,6 +59,8 @@ class RolloutContext:
     """Prompt -> text the model sees (the tokenizer's chat template when the dataset asks for it)."""
     environment: Environment | None = None
     """The run's rollout.multi_turn.environment, when it names one."""
+    replies: ReplyPool | None = None
+    """The orchestrator's threads for environment replies, with their time limit (multi_turn needs them)."""
     context_tokens: int = 0
     """The model's context length (config.json); 0: unknown, max_new_tokens is sent as the spec says."""
 

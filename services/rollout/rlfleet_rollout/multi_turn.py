@@ -5,8 +5,9 @@
         generate from ids through the router, under the sample's trajectory id (a turn a weight
         update aborts is resumed on the new weights under rollout.on_weight_update abort_resume),
         max_new_tokens cut to what the model's context leaves
-        ask the environment for a reply to the turns so far (in a thread); stop if it has none (or the turn
-        was cut); an environment that raises ends the episode as a failed sample
+        ask the environment for a reply to the turns so far (on a thread of the orchestrator's ReplyPool);
+        stop if it has none (or the turn was cut); an environment that raises, or does not reply within the
+        pool's time limit, ends the episode as a failed sample
         stop, cut (finish reason length), when the reply would leave no room for another turn
         ids = ids + the tokens the engine generated + the reply's tokens
     read the trajectory back from the router's cache: the Sample's prompt ids, response ids,
@@ -21,7 +22,6 @@ its reply itself.
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +31,7 @@ from rlfleet.v1.reward_pb2 import ScoreItem
 from rlfleet.v1.samples_pb2 import FinishReason, SampleGroup
 from rlfleet_rollout.concurrency import gather_cancelling
 from rlfleet_rollout.datasets import Prompt
-from rlfleet_rollout.environment import Environment
+from rlfleet_rollout.environment import Environment, ReplyTimeout
 from rlfleet_rollout.group_producer import GroupRequest, RolloutContext, build_sample, finish_group, sample_seed
 from rlfleet_rollout.partial_rollout import generate_turn_resuming
 from rlfleet_rollout.router_client import Completion, sampling_body
@@ -114,6 +114,9 @@ async def run_episode(
 ) -> Episode:
     """One episode of `prompt` under `trajectory_id`, with SGLang `sampling` params (seeded per turn unless
     `seed` is None, e.g. greedy evaluation)."""
+    replies = ctx.replies
+    if replies is None:
+        raise Internal("an episode needs the orchestrator's ReplyPool (RolloutContext.replies)")
     max_turns = ctx.spec.rollout.multi_turn.max_turns
     ids = list(prompt_ids)
     texts: list[str] = []
@@ -135,9 +138,11 @@ async def run_episode(
             break
         try:
             # In a thread: a slow tool would otherwise hold up every other generation of the orchestrator.
-            reply = await asyncio.to_thread(env.reply, prompt, texts)
+            reply = await replies.reply(env, prompt, texts)
             if reply is not None and not isinstance(reply, str):
                 raise TypeError(f"reply returned a {type(reply).__name__}, not a str or None")
+        except ReplyTimeout as exc:
+            return Episode(Completion(error=f"turn {turn + 1}: {exc}"), turns=turn + 1)
         except Exception as exc:  # noqa: BLE001 - an environment's fault ends its episode, not the run
             error = f"turn {turn + 1}: environment failed: {type(exc).__name__}: {exc}"
             return Episode(Completion(error=error), turns=turn + 1)

@@ -3,6 +3,10 @@ event loop, until SIGTERM or SIGINT.
 
 Shutdown stops the queue first (the active run stays RUNNING in Redis and is resumed by the next
 orchestrator), ends open watch streams, then the servers, each within a bounded grace period.
+
+The run queue waits out Redis being unavailable and records every run's own failure, so an error that ends it
+is a fault: the process then shuts down the same way and exits with status 1, for its supervisor to restart it
+(the runs it would drive wait for that); a shutdown asked for by a signal exits with 0.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import uvicorn
@@ -20,6 +25,7 @@ from rlfleet.api_token import ApiTokenGuard, bearer_headers, read_token_file
 from rlfleet.sample_stream import connect_redis, connect_redis_async
 from rlfleet_rollout.concurrency import cancel_and_wait
 from rlfleet_rollout.config import RolloutConfig
+from rlfleet_rollout.environment import ReplyPool
 from rlfleet_rollout.group_filters import FilterRegistry
 from rlfleet_rollout.grpc_server import build_grpc_server
 from rlfleet_rollout.http_app import build_app, health_client
@@ -85,6 +91,7 @@ async def serve(config: RolloutConfig) -> None:
         poll_interval_s=config.poll_interval_s,
         run_data_retention_s=config.run_data_retention_s,
     )
+    replies = ReplyPool(config.env_reply_threads, config.env_reply_timeout_s)
     deps = RunDeps(
         core=core,
         trainer=trainer,
@@ -95,6 +102,7 @@ async def serve(config: RolloutConfig) -> None:
         metrics=metrics,
         filters=filters,
         rollouts=rollouts,
+        replies=replies,
     )
     await core.count_existing_runs()
 
@@ -125,8 +133,7 @@ async def serve(config: RolloutConfig) -> None:
     stop_task = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({stop_task, queue_task, web_task}, return_when=asyncio.FIRST_COMPLETED)
     for task in done - {stop_task}:
-        if task.exception() is not None:
-            logger.error("%s stopped: %r", task.get_name(), task.exception())
+        _log_failure(task)
     logger.info("shutting down")
     try:
         await cancel_and_wait(queue_task, within_s=config.trainer_call_timeout_s + config.shutdown_grace_s)
@@ -141,4 +148,21 @@ async def serve(config: RolloutConfig) -> None:
         await redis_async.aclose()
         await redis_health.aclose()
         redis_sync.close()
+        replies.close()
+    if queue_task not in done:
+        _log_failure(queue_task)  # it may fail as it is stopped
+    if _failure(queue_task) is not None:
+        logger.error("stopped after the run queue failed; exit status 1")
+        raise SystemExit(1)
     logger.info("stopped")
+
+
+def _failure(task: asyncio.Task[Any]) -> BaseException | None:
+    """The error that ended `task`, if one did (not a cancellation)."""
+    return task.exception() if task.done() and not task.cancelled() else None
+
+
+def _log_failure(task: asyncio.Task[Any]) -> None:
+    failure = _failure(task)
+    if failure is not None:
+        logger.error("%s stopped: %s: %s", task.get_name(), type(failure).__name__, failure, exc_info=failure)

@@ -10,8 +10,9 @@ A step takes at most `window` consecutive positions (rollout.max_prompts_per_ste
 crosses into the next epoch must not take a prompt twice: each epoch's order after the first moves
 the rows that ended the previous epoch out of its first `window` positions (swapping them with rows
 from the middle of the epoch, so its own last `window` positions stay those of its shuffle). With
-fewer than 3 x window rows the guard covers a third of the rows; a step that spans more positions
-than the dataset holds repeats prompts by necessity.
+fewer than 3 x window rows the guard covers a third of the rows (a generated pool is never that small
+when its split holds more problems); a step that spans more positions than the dataset holds repeats
+prompts by necessity.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import json
 import math
 import random
 import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import redis
@@ -39,11 +42,28 @@ class RunData:
         self._order = lru_cache(maxsize=4)(self._permutation)
 
     @classmethod
-    def from_spec(cls, spec: RunSpec) -> RunData:
-        """Reads the dataset of a resolved, validated spec; InvalidInput naming the field when it cannot serve it."""
+    def from_spec(cls, spec: RunSpec, position: DataPosition | None = None) -> RunData:
+        """Reads the dataset of a resolved, validated spec; InvalidInput naming the field when it cannot serve it.
+
+        A generated (arithmetic) pool holds the problems the steps send first, and at least 3 x
+        max_prompts_per_step, so that the epoch guard covers every position a step may take. Given the run's
+        `position`, a run that started on the smaller pool sized before (the problems sent first alone, its
+        fingerprint recorded) resumes on that pool: its recorded positions name its problems."""
         ro = spec.rollout
-        wanted = spec.schedule.steps * math.ceil(ro.oversample * ro.groups_per_step)
-        return cls(load_dataset(spec.dataset, wanted), seed=spec.dataset.seed, window=ro.max_prompts_per_step)
+        first_waves = spec.schedule.steps * math.ceil(ro.oversample * ro.groups_per_step)
+        data = cls._read(spec, max(first_waves, 3 * ro.max_prompts_per_step))
+        if position is None or not spec.dataset.HasField("arithmetic"):
+            return data
+        recorded = position.pinned_dataset()
+        if recorded in (None, data.fingerprint()):
+            return data
+        started = cls._read(spec, first_waves)
+        return started if started.fingerprint() == recorded else data
+
+    @classmethod
+    def _read(cls, spec: RunSpec, train_prompts_wanted: int) -> RunData:
+        loaded = load_dataset(spec.dataset, train_prompts_wanted)
+        return cls(loaded, seed=spec.dataset.seed, window=spec.rollout.max_prompts_per_step)
 
     def fingerprint(self) -> str:
         """A digest of the train and held-out rows in order: positions name the same prompts, and the held-out
@@ -89,6 +109,14 @@ def data_position_key(run_id: str, prefix: str) -> str:
     return f"{prefix}run:{run_id}:data_position"
 
 
+@dataclass(frozen=True)
+class StepCounts:
+    """What the producer of a step set aside: groups dropped, by reason, and groups sent with a reduced weight."""
+
+    filtered: Mapping[str, int] = field(default_factory=dict)
+    downweighted: int = 0
+
+
 class DataPosition:
     """The position each step of a run starts at, in Redis (`run:<id>:data_position`, a hash step -> position).
 
@@ -98,7 +126,9 @@ class DataPosition:
     the recorded prompts (a new pass through the filters could choose others, training a prompt twice in
     the epoch and another never). Each record carries the token of the producer that wrote it (one per
     instance), so a producer whose write went through but whose reply was lost (the client retried it)
-    still knows the record is its own. Record value: "<end> <token> <slot positions, comma-separated>".
+    still knows the record is its own, and the step's `StepCounts`, written once with the rest, so that
+    whoever records the run's progress counts the step as its producer did, however often it is asked to.
+    Record value: "<end> <token> <slot positions, comma-separated> <counts as JSON>".
     """
 
     def __init__(self, client: redis.Redis, run_id: str, *, prefix: str) -> None:
@@ -109,8 +139,12 @@ class DataPosition:
     def pin_dataset(self, fingerprint: str) -> str:
         """Records the run's dataset fingerprint (RunData.fingerprint) the first time; returns the recorded one."""
         self.client.hsetnx(self.key, "dataset", fingerprint)
+        return self.pinned_dataset() or fingerprint
+
+    def pinned_dataset(self) -> str | None:
+        """The dataset fingerprint the run recorded at its first start; None before it."""
         raw = self.client.hget(self.key, "dataset")
-        return raw.decode() if isinstance(raw, bytes) else fingerprint
+        return raw.decode() if isinstance(raw, bytes) else None
 
     def start_of(self, step: int) -> int:
         if step == 0:
@@ -120,10 +154,12 @@ class DataPosition:
             raise LookupError(f"no data position recorded for step {step}")
         return int(raw.split()[0])
 
-    def record_end(self, step: int, position: int, slots: list[int]) -> bool:
-        """Records where step `step` ended and the prompt position of each of its slots; False if another
-        producer recorded it first (the step was re-produced after a restart)."""
-        value = f"{position} {self.token} {','.join(str(p) for p in slots)}"
+    def record_end(self, step: int, position: int, slots: list[int], counts: StepCounts) -> bool:
+        """Records where step `step` ended, the prompt position of each of its slots and what it set aside; False
+        if another producer recorded it first (the step was re-produced after a restart)."""
+        tally = {"filtered": dict(counts.filtered), "downweighted": counts.downweighted}
+        # Compact JSON: no space in it but those a reason's name may hold, as the fields are split on spaces.
+        value = f"{position} {self.token} {','.join(str(p) for p in slots)} {json.dumps(tally, separators=(',', ':'))}"
         if self.client.hsetnx(self.key, str(step + 1), value):
             return True
         return self.client.hget(self.key, str(step + 1)) == value.encode()
@@ -136,3 +172,16 @@ class DataPosition:
         if len(fields) < 3:
             return None
         return [int(p) for p in fields[2].split(",")]
+
+    def counts_of(self, steps: range) -> dict[int, StepCounts]:
+        """What the producers of `steps` set aside, by step."""
+        raws = self.client.hmget(self.key, [str(step + 1) for step in steps]) if steps else []
+        return {step: _step_counts(raw) for step, raw in zip(steps, raws, strict=True)}
+
+
+def _step_counts(raw: object) -> StepCounts:
+    fields = raw.decode().split(" ", 3) if isinstance(raw, bytes) else []
+    if len(fields) < 4:  # recorded before counts were
+        return StepCounts()
+    tally = json.loads(fields[3])
+    return StepCounts(tally["filtered"], tally["downweighted"])

@@ -7,7 +7,8 @@
         trainer set aside one of the run's groups, which leaves it a group short for good)
         (every eval_every steps: evaluate once the trainer serves version s)
         produce groups_per_step SampleGroups that pass the filters, from the step's saved data
-        position on (step_producer), record where the step ended, append them to the stream
+        position on (step_producer), record where the step ended and what it filtered, append them
+        to the stream, count the step in the run's progress
     wait until the trainer serves version schedule.steps, evaluate, wait (bounded) until the last step's
     report is in the run's record, StopRun, SUCCEEDED
 
@@ -22,7 +23,10 @@ run's record then takes the trainer's final progress, which includes the step it
 cancel, as best it can (a Redis error there is logged; the outcome is already recorded).
 
 A Redis restart is waited out by the Redis clients' own retries (rlfleet.sample_stream); an outage
-longer than their budget fails the run, and that final state is recorded once Redis answers again.
+longer than their budget fails the run, and that final state is recorded once Redis answers again. Redis
+refusing writes (full, read-only, unable to persist: redis_outage.py) fails nothing: it lasts until an operator
+ends it, and the run is left RUNNING to the run queue, which resumes it from its records once Redis takes
+writes again.
 """
 
 from __future__ import annotations
@@ -40,17 +44,18 @@ from rlfleet.sample_stream import REDIS_RETRY_BUDGET_S, REDIS_RETRY_ERRORS, Samp
 from rlfleet.v1.runs_pb2 import Run, RunState
 from rlfleet.v1.trainer_pb2 import TrainerStatus
 from rlfleet_rollout.config import RolloutConfig
+from rlfleet_rollout.environment import ReplyPool
 from rlfleet_rollout.evaluation import evaluate
 from rlfleet_rollout.group_filters import FilterRegistry, usable_rewards
 from rlfleet_rollout.group_producer import RolloutContext
 from rlfleet_rollout.metrics import RolloutMetrics
 from rlfleet_rollout.model_directory import context_length
 from rlfleet_rollout.prompt_tokenizer import load_chat_template, load_tokenizer
-from rlfleet_rollout.redis_outage import until_redis_answers
+from rlfleet_rollout.redis_outage import refusal, until_redis_answers
 from rlfleet_rollout.reward_client import RewardClient
 from rlfleet_rollout.rollout_function import RolloutRegistry
 from rlfleet_rollout.router_client import RouterClient
-from rlfleet_rollout.run_data import DataPosition, RunData
+from rlfleet_rollout.run_data import DataPosition, RunData, StepCounts
 from rlfleet_rollout.runs_core import RunEnded, RunsCore, now
 from rlfleet_rollout.step_producer import StepOutcome, produce_step, refill_step
 from rlfleet_rollout.step_reports import StepReportFollower
@@ -79,6 +84,7 @@ class RunDeps:
     metrics: RolloutMetrics
     filters: FilterRegistry
     rollouts: RolloutRegistry
+    replies: ReplyPool | None = None
 
     @property
     def release(self) -> TrainerRelease:
@@ -88,7 +94,8 @@ class RunDeps:
 
 
 async def execute_run(run_id: str, deps: RunDeps) -> None:
-    """Drives `run_id` to SUCCEEDED or FAILED; returns early if it is cancelled."""
+    """Drives `run_id` to SUCCEEDED or FAILED; returns early if it is cancelled. Raises the Redis errors that leave
+    it RUNNING, for the run queue to resume it: Redis refusing writes, or unavailable when the run starts."""
     log = {"run_id": run_id}
     try:
         run = await deps.core.update(run_id, _mark_running)
@@ -115,6 +122,8 @@ async def execute_run(run_id: str, deps: RunDeps) -> None:
         await session.stop()
         return
     except Exception as exc:  # noqa: BLE001 - any fault ends the run as FAILED with its reason
+        if refusal(exc) is not None:
+            raise  # nothing of the run failed: the queue resumes it once Redis takes writes
         if isinstance(exc, RlfleetError):
             reason = str(exc)
             logger.error("run %s failed: %s", run_id, reason, extra=log)
@@ -144,7 +153,8 @@ async def _record_final(deps: RunDeps, run_id: str, state: RunState, error: str)
 
 async def _drive(run: Run, session: TrainerSession, deps: RunDeps) -> None:
     run_id, spec = run.id, run.spec
-    data = await asyncio.to_thread(RunData.from_spec, spec)
+    position = DataPosition(deps.redis, run_id, prefix=deps.config.redis_prefix)
+    data = await asyncio.to_thread(RunData.from_spec, spec, position)
     tokenizer = await asyncio.to_thread(load_tokenizer, spec.model.tokenizer_path)
     render: Callable[[str], str] = str
     if spec.dataset.chat_template:
@@ -163,9 +173,9 @@ async def _drive(run: Run, session: TrainerSession, deps: RunDeps) -> None:
         if spec.rollout.HasField("multi_turn")
         else None,
         context_tokens=await asyncio.to_thread(context_length, spec.model.path),
+        replies=deps.replies,
     )
     stream = SampleStream(deps.redis, run_id, prefix=deps.config.redis_prefix)
-    position = DataPosition(deps.redis, run_id, prefix=deps.config.redis_prefix)
     await _check_same_dataset(data, position)
     steps, eval_every = spec.schedule.steps, spec.schedule.eval_every
     stream_complete = partial(_check_no_group_lost, stream)
@@ -246,7 +256,8 @@ async def _produce_step(
         outcome = await produce_step(ctx, data, deps.filters, run_id, step, start, version)
         # Recorded before the groups go out: a re-produced step then starts the next one at the same place,
         # and fills its slots with the same prompts.
-        first_time = await asyncio.to_thread(position.record_end, step, outcome.end, outcome.slots)
+        counts = StepCounts(dict(outcome.filtered), outcome.downweighted)
+        first_time = await asyncio.to_thread(position.record_end, step, outcome.end, outcome.slots, counts)
         if not first_time:  # another producer recorded the step first: its prompts are the step's
             slots = await asyncio.to_thread(position.slots_of, step)
     if first_time or slots is None:
@@ -271,40 +282,65 @@ async def _produce_step(
     # Over every sample generated for the step, filtered groups' too: zero_variance drops the groups all right and
     # all wrong, and the trained ones alone would stay near the middle however the policy does. Failed and aborted
     # samples have no reward (0 on the wire): counted, an engine fault would read as a worse policy.
-    counted = outcome if first_time else None  # a re-produced step was counted by its first producer
-    rewards = counted.rewards if counted is not None else [r for g in groups for r in usable_rewards(g)]
+    ours = outcome if first_time else None  # the step as this orchestrator produced it
+    rewards = ours.rewards if ours is not None else [r for g in groups for r in usable_rewards(g)]
     mean_reward = sum(rewards) / len(rewards) if rewards else 0.0
     if rewards:
         deps.metrics.reward_mean.set(mean_reward)
-    if counted is not None:
-        for reason, count in counted.filtered.items():
+    if ours is not None:
+        for reason, count in ours.filtered.items():
             deps.metrics.groups_filtered.labels(reason=reason).inc(count)
-    produced = (step + 1) * ctx.spec.rollout.groups_per_step
-    end = await asyncio.to_thread(position.start_of, step + 1)
-
-    def record(run: Run) -> None:
-        progress = run.progress
-        progress.groups_produced = max(progress.groups_produced, produced)
-        if rewards:
-            progress.mean_reward = mean_reward
-        progress.prompts_consumed = max(progress.prompts_consumed, end)
-        progress.epoch = max(progress.epoch, data.epoch_of(max(0, end - 1)))
-        if counted is not None:
-            progress.groups_filtered += sum(counted.filtered.values())
-            for reason, count in counted.filtered.items():
-                progress.filtered_by_reason[reason] += count
-            progress.groups_downweighted += counted.downweighted
-
-    await deps.core.update(run_id, record)
+    gps = ctx.spec.rollout.groups_per_step
+    filtered = await _record_progress(deps, data, position, run_id, step, gps, mean_reward if rewards else None)
     logger.info(
         "run %s step %d: %d groups on the stream (%d filtered), mean reward %.3f",
         run_id,
         step,
         len(groups),
-        sum(counted.filtered.values()) if counted is not None else 0,
+        filtered,
         mean_reward,
         extra={"run_id": run_id, "step": step},
     )
+
+
+async def _record_progress(
+    deps: RunDeps,
+    data: RunData,
+    position: DataPosition,
+    run_id: str,
+    step: int,
+    groups_per_step: int,
+    mean_reward: float | None,
+) -> int:
+    """Records step `step` in the run's progress; returns how many groups the step filtered.
+
+    The filtered and down-weighted groups of a step are counted from its data-position record, written once by
+    its producer, for every step up to `step` that the progress has not counted yet: this one, and any whose
+    producer died before it recorded its progress. Which steps are counted the progress itself says: each adds
+    groups_per_step to groups_produced, which only grows. So each step is counted once, however often the write is
+    applied (again on the record another writer left, by the compare-and-set) and whichever orchestrator makes it.
+    """
+    counted = (await deps.core.get(run_id)).progress.groups_produced // groups_per_step
+    counts = await asyncio.to_thread(position.counts_of, range(min(counted, step), step + 1))
+    end = await asyncio.to_thread(position.start_of, step + 1)
+
+    def record(run: Run) -> None:
+        progress = run.progress
+        # Steps from `counted` on, as groups_produced has only grown since it was read.
+        for uncounted in range(progress.groups_produced // groups_per_step, step + 1):
+            tally = counts[uncounted]
+            progress.groups_filtered += sum(tally.filtered.values())
+            for reason, count in tally.filtered.items():
+                progress.filtered_by_reason[reason] += count
+            progress.groups_downweighted += tally.downweighted
+        progress.groups_produced = max(progress.groups_produced, (step + 1) * groups_per_step)
+        if mean_reward is not None:
+            progress.mean_reward = mean_reward
+        progress.prompts_consumed = max(progress.prompts_consumed, end)
+        progress.epoch = max(progress.epoch, data.epoch_of(max(0, end - 1)))
+
+    await deps.core.update(run_id, record)
+    return sum(counts[step].filtered.values())
 
 
 async def _evaluate_once(

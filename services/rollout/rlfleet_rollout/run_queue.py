@@ -3,8 +3,9 @@ runs in submission order.
 
 The queue is the run records in Redis, so nothing is lost when the orchestrator restarts; the
 in-process notifier only wakes the queue early and forwards Cancel to the active run's task. While
-Redis is unreachable the queue waits for it (`until_redis_answers`) rather than ending: a run that
-could not even record its start is still RUNNING or QUEUED, and is picked again once Redis is back.
+Redis is unavailable (unreachable, or refusing writes) the queue waits for it (`until_redis_answers`) rather
+than ending: a run that could not even record its start, or was left RUNNING when Redis refused its writes, is
+picked again once Redis serves it.
 
 At start-up the queue first frees the trainer of a run that ended without its StopRun getting through
 (e.g. the previous orchestrator died between recording CANCELLED and sending it): trainer_release.py.
@@ -22,10 +23,9 @@ import asyncio
 import logging
 
 from rlfleet.errors import RlfleetError
-from rlfleet.sample_stream import REDIS_RETRY_ERRORS
 from rlfleet.v1.runs_pb2 import Run, RunState
 from rlfleet_rollout.concurrency import cancel_and_wait, finish
-from rlfleet_rollout.redis_outage import until_redis_answers
+from rlfleet_rollout.redis_outage import redis_unavailable, refusal, until_redis_answers
 from rlfleet_rollout.run_lease import RunLease
 from rlfleet_rollout.run_loop import RunDeps, execute_run
 
@@ -35,11 +35,8 @@ logger = logging.getLogger(__name__)
 _IDLE_RECHECK_S = 5.0
 # After a run was interrupted by its records' outage, before the queue looks again (no tight loop).
 _INTERRUPTED_PAUSE_S = 1.0
-# What freeing the trainer at start-up may meet without stopping the queue: the trainer or Redis unreachable.
-_NOT_FATAL_AT_START: tuple[type[Exception], ...] = (RlfleetError, *REDIS_RETRY_ERRORS)
 # Bound on releasing a run's lease once this orchestrator stops driving it; one not released runs out by itself.
 _RELEASE_WITHIN_S = 5.0
-_NOT_RELEASED: tuple[type[Exception], ...] = (TimeoutError, *REDIS_RETRY_ERRORS)
 
 
 class RunQueue:
@@ -80,17 +77,26 @@ class RunQueue:
             finally:
                 self._active_id, self._active_task = None, None
                 await self._let_go(run.id, keeper)
-            if not task.cancelled() and task.exception() is not None:
-                # execute_run records every failure of the run itself; what escapes it is an outage of
-                # the run's records (Redis), and the run is picked again from them.
-                logger.error("run %s interrupted: %r", run.id, task.exception(), extra={"run_id": run.id})
+            exc = None if task.cancelled() else task.exception()
+            if exc is not None:
+                # execute_run records every failure of the run itself; what escapes it is Redis unavailable to
+                # the run's records, and the run is picked again from them.
+                why = refusal(exc) or f"{type(exc).__name__}: {exc}"
+                logger.error(
+                    "run %s interrupted (%s); it is picked again from its records",
+                    run.id,
+                    why,
+                    extra={"run_id": run.id},
+                )
                 await asyncio.sleep(_INTERRUPTED_PAUSE_S)
 
     async def _free_trainer(self) -> None:
         try:
             await self.deps.release.free()
-        except _NOT_FATAL_AT_START as exc:
-            # A run that finds the trainer busy frees it then.
+        except Exception as exc:
+            if not (isinstance(exc, RlfleetError) or redis_unavailable(exc)):
+                raise
+            # The trainer or Redis unavailable: a run that finds the trainer busy frees it then.
             logger.warning("could not check which run the trainer holds: %s", exc)
 
     async def _let_go(self, run_id: str, keeper: asyncio.Task[None]) -> None:
@@ -103,7 +109,9 @@ class RunQueue:
 
         try:
             await finish(stop_and_release(), within_s=_RELEASE_WITHIN_S)
-        except _NOT_RELEASED as exc:
+        except Exception as exc:
+            if not (isinstance(exc, TimeoutError) or redis_unavailable(exc)):
+                raise
             logger.warning("run %s: its lease was not released (%r); it runs out by itself", run_id, exc)
 
     async def _next_run(self) -> Run | None:

@@ -9,7 +9,8 @@ A run's working data (its sample stream, the stream's id set and dead letters, i
 an expiry in the same transaction as the record that ends the run; the record stays.
 
 A record is changed by compare-and-set (`update`: WATCH, read, change, MULTI/EXEC, again if another writer came
-between), so two orchestrators, or an orchestrator and any other writer, never lose each other's change.
+between), so two orchestrators, or an orchestrator and any other writer, never lose each other's change, and a
+change whose EXEC went through is not applied again when only its reply was lost.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class RunStore:
         key = self.record_key(run_id)
         deadline, pause, lost = time.monotonic() + _UPDATE_WITHIN_S, _FIRST_RETRY_PAUSE_S, 0
         while True:
+            sent: bytes | None = None
             async with self.client.pipeline(transaction=True) as pipe:
                 try:
                     await pipe.watch(key)
@@ -90,21 +92,29 @@ class RunStore:
                         return before, before
                     ends = is_terminal(after.state) and not is_terminal(before.state)
                     pipe.multi()
-                    self._write(pipe, after, expire_data_after_s if ends else None)
+                    sent = self._write(pipe, after, expire_data_after_s if ends else None)
                     await pipe.execute()
                     return before, after
                 except WatchError:
                     lost += 1
+            # redis-py raises WatchError too when the connection fails while it watches, so also when Redis ran the
+            # EXEC and only its reply was lost: the record holding exactly what this write sent says it went through
+            # (another writer's change would have made other bytes).
+            if sent is not None and await self.client.get(key) == sent:
+                return before, after
             if time.monotonic() + pause > deadline:
                 raise Unavailable(f"run {run_id}: other writers changed its record under each of {lost} writes")
             await asyncio.sleep(random.uniform(0, pause))
             pause = min(2 * pause, _MAX_RETRY_PAUSE_S)
 
-    def _write(self, pipe: aioredis.client.Pipeline, run: Run, expire_data_after_s: float | None) -> None:
-        pipe.set(self.record_key(run.id), run.SerializeToString())
+    def _write(self, pipe: aioredis.client.Pipeline, run: Run, expire_data_after_s: float | None) -> bytes:
+        """Queues the writes of `run`'s record; returns the record as written."""
+        record = run.SerializeToString()
+        pipe.set(self.record_key(run.id), record)
         if expire_data_after_s is not None:
             for key in (*stream_keys(run.id, self.prefix), data_position_key(run.id, self.prefix)):
                 pipe.expire(key, math.ceil(expire_data_after_s))
+        return record
 
     async def page(
         self, state: RunState = RunState.RUN_STATE_UNSPECIFIED, page_size: int = 0, page_token: str = ""

@@ -4,8 +4,9 @@ The REST app and the gRPC servicer are thin layers over this object; the run loo
 through `update`, the same path Cancel takes, a compare-and-set on the record (run_store.py), so a
 cancelled run cannot be overwritten by a loop that has not noticed yet, in this process or another.
 
-Redis unreachable once its client's retries have run out is Unavailable to the API's callers (503 /
-UNAVAILABLE, "run records (Redis) unreachable: ..."): a dependency is down, nothing of ours failed.
+Redis unreachable once its client's retries have run out, or refusing writes (full, read-only, unable to persist:
+redis_outage.py), is Unavailable to the API's callers (503 / UNAVAILABLE, "run records (Redis) unreachable: ..." or
+"... refuse writes: ..."): a dependency is down, nothing of ours failed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 
+import redis
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from rlfleet.errors import Conflict, DeadlineExceeded, InvalidInput, Unavailable
@@ -26,6 +28,7 @@ from rlfleet_rollout.group_filters import FilterRegistry
 from rlfleet_rollout.metrics import RolloutMetrics
 from rlfleet_rollout.model_directory import require_model_config
 from rlfleet_rollout.prompt_tokenizer import load_chat_template, tokenizer_file
+from rlfleet_rollout.redis_outage import refusal
 from rlfleet_rollout.reward_client import RewardClient
 from rlfleet_rollout.rollout_function import RolloutRegistry
 from rlfleet_rollout.run_data import RunData
@@ -45,11 +48,17 @@ class ShuttingDown(Unavailable):
 
 @contextlib.contextmanager
 def records_reachable() -> Iterator[None]:
-    """Redis errors that outlasted the client's retries (an outage, not a restart) become Unavailable naming Redis."""
+    """Redis unavailable (unreachable beyond the client's retries, or refusing writes) becomes Unavailable naming
+    Redis."""
     try:
         yield
     except REDIS_RETRY_ERRORS as exc:
         raise Unavailable(f"run records (Redis) unreachable: {exc}") from exc
+    except redis.ResponseError as exc:
+        why = refusal(exc)
+        if why is None:
+            raise
+        raise Unavailable(f"run records (Redis) refuse writes: {why}") from exc
 
 
 def now() -> Timestamp:
@@ -130,7 +139,9 @@ class RunsCore:
         return ListRunsResponse(runs=runs, next_page_token=token)
 
     async def cancel(self, run_id: str) -> Run:
-        """QUEUED or RUNNING -> CANCELLED; a finished run is a Conflict."""
+        """QUEUED or RUNNING -> CANCELLED; a finished run is a Conflict, one already CANCELLED too (a second Cancel).
+        A Cancel whose write went through but whose reply from Redis was lost is answered CANCELLED: the store knows
+        the write as its own (RunStore.update)."""
 
         def mark(run: Run) -> None:
             run.state = RunState.RUN_STATE_CANCELLED

@@ -6,6 +6,8 @@
     accepted groups fill the step's slots in position order; extras are dropped as "surplus"
     while slots remain empty, send as many fresh prompts as there are empty slots
     (bounded by max_prompts_per_step: past it the run fails, naming the field)
+    a wave without a usable sample fails the run (Unavailable: the fleet is down) when no earlier wave of
+    the step gave one, or the wave before it gave none either
 
 Slot i of step s is the group `<run>/<s>/<i>`, so the stream holds at most groups_per_step groups
 per step even when a restarted orchestrator re-produces a step; a re-produced step whose slots were
@@ -74,6 +76,7 @@ async def produce_step(
     limit = start + ro.max_prompts_per_step
     outcome = StepOutcome(groups=[], end=start)
     batch = math.ceil(ro.oversample * want)
+    failing = 0  # prompts of the step's last waves that gave no usable sample, in a row
     while len(outcome.groups) < want:
         take = min(batch, limit - outcome.end)
         if take <= 0:
@@ -88,10 +91,22 @@ async def produce_step(
         candidates = await gather_cancelling(
             [_candidate(ctx, run_id, step, p, data, fallback_version) for p in positions]
         )
-        wave = [s for g in candidates if g is not None for s in g.samples]
+        generated = [g for g in candidates if g is not None]
+        wave = [s for g in generated for s in g.samples]
         if wave and all(s.status in UNUSABLE for s in wave):
-            raise Unavailable(f"step {step}: no sample could be generated and scored (first error: {wave[0].error})")
-        outcome.rewards += [r for g in candidates if g is not None for r in usable_rewards(g)]
+            # A refill wave is often a prompt or two, and one prompt that cannot be scored is the filters' to drop.
+            # A fleet that is down fails every wave: the step fails at once when no wave of it has given a usable
+            # sample yet, else at the second wave in a row without one, rather than consume the dataset wave after
+            # wave up to max_prompts_per_step.
+            failing += len(generated)
+            if failing > len(generated) or not outcome.rewards:
+                raise Unavailable(
+                    f"step {step}: no sample of {failing} prompts in a row could be generated and scored "
+                    f"(first error: {wave[0].error})"
+                )
+        elif wave:
+            failing = 0
+        outcome.rewards += [r for g in generated for r in usable_rewards(g)]
         for group in candidates:
             reason = "prompt_too_long" if group is None else _reason(filters, group, step, ctx)
             if reason is None and len(outcome.groups) == want:
@@ -148,7 +163,7 @@ async def _candidate(
     ctx: RolloutContext, run_id: str, step: int, position: int, data: RunData, fallback_version: int
 ) -> SampleGroup | None:
     """The scored group of the prompt at `position`, or None when the prompt is longer than max_prompt_tokens or
-    leaves no room in the model's context (every sample of it would fail, and alone in a wave fail the run)."""
+    leaves no room in the model's context (every sample of it would fail, as if the fleet were down)."""
     prompt = data.prompt_at(position)
     limit = ctx.spec.rollout.max_prompt_tokens
     tokens = len(ctx.encode(ctx.render(prompt.prompt)))

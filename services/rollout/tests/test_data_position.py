@@ -10,14 +10,14 @@ import redis
 
 from rlfleet.errors import InvalidInput
 from rlfleet_rollout.datasets import LoadedDataset, Prompt
-from rlfleet_rollout.run_data import DataPosition, RunData
+from rlfleet_rollout.run_data import DataPosition, RunData, StepCounts
 from rlfleet_rollout.run_loop import _check_same_dataset
 
 
 def test_each_step_starts_where_the_previous_one_ended(redis_client: redis.Redis, redis_prefix: str) -> None:
     position = DataPosition(redis_client, "run1", prefix=redis_prefix)
     assert position.start_of(0) == 0
-    assert position.record_end(0, 12, [0, 3])
+    assert position.record_end(0, 12, [0, 3], StepCounts())
     assert position.start_of(1) == 12
 
 
@@ -25,12 +25,12 @@ def test_a_retried_record_is_still_its_producers_and_a_re_produced_step_is_not(
     redis_client: redis.Redis, redis_prefix: str
 ) -> None:
     first = DataPosition(redis_client, "run1", prefix=redis_prefix)
-    assert first.record_end(3, 40, [30, 31])
+    assert first.record_end(3, 40, [30, 31], StepCounts())
     # The same write sent again (the client retried after its reply was lost): still the first record.
-    assert first.record_end(3, 40, [30, 31])
+    assert first.record_end(3, 40, [30, 31], StepCounts())
     # An orchestrator restarted after the write re-produces the step: its record is not the first.
     restarted = DataPosition(redis_client, "run1", prefix=redis_prefix)
-    assert not restarted.record_end(3, 40, [30, 32])
+    assert not restarted.record_end(3, 40, [30, 32], StepCounts())
     assert restarted.start_of(4) == 40
 
 
@@ -44,9 +44,9 @@ def test_a_steps_slots_are_the_first_producers(redis_client: redis.Redis, redis_
     """A re-produced step fills its missing slots with the prompts its first producer chose."""
     first = DataPosition(redis_client, "run1", prefix=redis_prefix)
     assert first.slots_of(2) is None
-    assert first.record_end(2, 30, [20, 22, 27])
+    assert first.record_end(2, 30, [20, 22, 27], StepCounts())
     restarted = DataPosition(redis_client, "run1", prefix=redis_prefix)
-    assert not restarted.record_end(2, 31, [20, 21, 30])
+    assert not restarted.record_end(2, 31, [20, 21, 30], StepCounts())
     assert restarted.slots_of(2) == [20, 22, 27] and restarted.start_of(3) == 30
     redis_client.hset(first.key, "9", "50 oldtoken")  # written before slots were recorded
     assert first.slots_of(8) is None and first.start_of(9) == 50

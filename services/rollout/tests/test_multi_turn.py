@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
@@ -24,6 +25,7 @@ from rlfleet.v1.runs_pb2 import RunSpec
 from rlfleet.v1.samples_pb2 import FinishReason, Sample, SampleStatus
 from rlfleet_rollout.calculator import calculator, evaluate
 from rlfleet_rollout.datasets import Prompt
+from rlfleet_rollout.environment import ReplyPool
 from rlfleet_rollout.evaluation import evaluate as evaluate_run
 from rlfleet_rollout.group_producer import GroupRequest, RolloutContext
 from rlfleet_rollout.metrics import RolloutMetrics
@@ -38,6 +40,13 @@ CHARS = {i: c for c, i in VOCAB.items()}
 
 def _ids(text: str) -> list[int]:
     return [VOCAB[c] for c in text]
+
+
+@pytest.fixture(scope="module")
+def replies() -> Iterator[ReplyPool]:
+    pool = ReplyPool(threads=4, timeout_s=10.0)
+    yield pool
+    pool.close()
 
 
 @pytest.mark.parametrize(
@@ -131,7 +140,7 @@ class AbortsFirstTurns(FakeRouter):
 
 
 def _context(
-    tokenizer_dir: Path, router: FakeRouter, max_turns: int, on_weight_update: str = "finish"
+    tokenizer_dir: Path, replies: ReplyPool, router: FakeRouter, max_turns: int, on_weight_update: str = "finish"
 ) -> RolloutContext:
     rollout = {
         "function": "multi_turn",
@@ -153,6 +162,7 @@ def _context(
         metrics=RolloutMetrics(),
         rollout=registry.function(spec.rollout.function),
         environment=registry.environment(spec.rollout.multi_turn.environment),
+        replies=replies,
     )
 
 
@@ -160,9 +170,9 @@ def _request() -> GroupRequest:
     return GroupRequest("run-1", "run-1/0/p5", 5, Prompt(prompt="12+7=", answer="19"), fallback_version=0)
 
 
-def test_an_episode_masks_the_tool_reply_and_scores_the_last_turn(tokenizer_dir: Path) -> None:
+def test_an_episode_masks_the_tool_reply_and_scores_the_last_turn(tokenizer_dir: Path, replies: ReplyPool) -> None:
     router = FakeRouter()
-    ctx = _context(tokenizer_dir, router, max_turns=3)
+    ctx = _context(tokenizer_dir, replies, router, max_turns=3)
     group = asyncio.run(multi_turn(ctx, _request()))
     assert [s.status for s in group.samples] == [SampleStatus.SAMPLE_STATUS_OK] * 2
     sample = group.samples[0]
@@ -178,9 +188,11 @@ def test_an_episode_masks_the_tool_reply_and_scores_the_last_turn(tokenizer_dir:
     assert exported == 2 and ctx.metrics.registry.get_sample_value("rlfleet_rollout_episode_turns_sum") == 4
 
 
-def test_a_turn_aborted_by_a_weight_update_is_resumed_within_its_trajectory(tokenizer_dir: Path) -> None:
+def test_a_turn_aborted_by_a_weight_update_is_resumed_within_its_trajectory(
+    tokenizer_dir: Path, replies: ReplyPool
+) -> None:
     router = AbortsFirstTurns()
-    ctx = _context(tokenizer_dir, router, max_turns=3, on_weight_update="abort_resume")
+    ctx = _context(tokenizer_dir, replies, router, max_turns=3, on_weight_update="abort_resume")
     group = asyncio.run(multi_turn(ctx, _request()))
     assert [s.status for s in group.samples] == [SampleStatus.SAMPLE_STATUS_OK] * 2
     call, reply, answer = _ids("[12+7]") + [EOS_ID], _ids("=19\n"), _ids("19") + [EOS_ID]
@@ -195,20 +207,20 @@ def test_a_turn_aborted_by_a_weight_update_is_resumed_within_its_trajectory(toke
     assert ctx.metrics.registry.get_sample_value("rlfleet_rollout_resumed_generations_total") == 2
 
 
-def test_without_abort_resume_an_aborted_turn_fails_only_its_sample(tokenizer_dir: Path) -> None:
-    group = asyncio.run(multi_turn(_context(tokenizer_dir, AbortsFirstTurns(), max_turns=3), _request()))
+def test_without_abort_resume_an_aborted_turn_fails_only_its_sample(tokenizer_dir: Path, replies: ReplyPool) -> None:
+    group = asyncio.run(multi_turn(_context(tokenizer_dir, replies, AbortsFirstTurns(), max_turns=3), _request()))
     assert [s.status for s in group.samples] == [SampleStatus.SAMPLE_STATUS_ABORTED] * 2
 
 
-def test_the_turn_bound_ends_an_episode_without_a_reply(tokenizer_dir: Path) -> None:
-    group = asyncio.run(multi_turn(_context(tokenizer_dir, FakeRouter(), max_turns=1), _request()))
+def test_the_turn_bound_ends_an_episode_without_a_reply(tokenizer_dir: Path, replies: ReplyPool) -> None:
+    group = asyncio.run(multi_turn(_context(tokenizer_dir, replies, FakeRouter(), max_turns=1), _request()))
     sample = group.samples[0]
     assert list(sample.loss_mask) == [1] * len(sample.response_token_ids)
     assert sample.reward == 0.0 and sample.metadata["turns"] == "1"
 
 
-def test_a_failed_turn_fails_its_sample_not_the_group(tokenizer_dir: Path) -> None:
-    group = asyncio.run(multi_turn(_context(tokenizer_dir, FakeRouter(fail_turn=1), max_turns=3), _request()))
+def test_a_failed_turn_fails_its_sample_not_the_group(tokenizer_dir: Path, replies: ReplyPool) -> None:
+    group = asyncio.run(multi_turn(_context(tokenizer_dir, replies, FakeRouter(fail_turn=1), max_turns=3), _request()))
     assert [s.status for s in group.samples] == [SampleStatus.SAMPLE_STATUS_FAILED] * 2
     assert "turn 2: generation failed" in group.samples[0].error
 
@@ -223,22 +235,22 @@ class ForgetsBetweenTurns(FakeRouter):
         return await super().generate_turn(prompt, sampling, rid, tid)
 
 
-def test_a_trajectory_that_lost_its_earlier_turns_fails_its_sample(tokenizer_dir: Path) -> None:
+def test_a_trajectory_that_lost_its_earlier_turns_fails_its_sample(tokenizer_dir: Path, replies: ReplyPool) -> None:
     """Its tokens line up with the episode's end to end, but paired with the episode's prompt it would train
     the last turn's answer as the answer to the first prompt."""
-    group = asyncio.run(multi_turn(_context(tokenizer_dir, ForgetsBetweenTurns(), max_turns=3), _request()))
+    group = asyncio.run(multi_turn(_context(tokenizer_dir, replies, ForgetsBetweenTurns(), max_turns=3), _request()))
     assert [s.status for s in group.samples] == [SampleStatus.SAMPLE_STATUS_FAILED] * 2
     assert "does not start at the episode's prompt" in group.samples[0].error
 
 
-def test_an_episode_ends_cut_where_the_models_context_does(tokenizer_dir: Path) -> None:
+def test_an_episode_ends_cut_where_the_models_context_does(tokenizer_dir: Path, replies: ReplyPool) -> None:
     """Sending every turn the full max_new_tokens past the context got a 400 from the engine and failed the
     whole episode; each turn is now cut to the room left, and an episode with no room for another turn ends
     as a truncated one (rollout.truncated applies)."""
     prompt, call, reply = _ids("12+7="), _ids("[12+7]") + [EOS_ID], _ids("=19\n")
 
     def run(context_tokens: int) -> Sample:
-        ctx = replace(_context(tokenizer_dir, FakeRouter(), max_turns=3), context_tokens=context_tokens)
+        ctx = replace(_context(tokenizer_dir, replies, FakeRouter(), max_turns=3), context_tokens=context_tokens)
         return asyncio.run(multi_turn(ctx, _request())).samples[0]
 
     full = run(len(prompt) + len(call) + len(reply))  # the reply fills the context: no room for turn 2
@@ -251,9 +263,9 @@ def test_an_episode_ends_cut_where_the_models_context_does(tokenizer_dir: Path) 
     assert failed.status == SampleStatus.SAMPLE_STATUS_FAILED and "leaves no room" in failed.error
 
 
-def test_a_multi_turn_run_is_evaluated_in_episodes(tokenizer_dir: Path) -> None:
+def test_a_multi_turn_run_is_evaluated_in_episodes(tokenizer_dir: Path, replies: ReplyPool) -> None:
     router = FakeRouter()
-    ctx = _context(tokenizer_dir, router, max_turns=3)
+    ctx = _context(tokenizer_dir, replies, router, max_turns=3)
     prompts = [Prompt(prompt="12+7=", answer="19"), Prompt(prompt="30+4=", answer="34")]
     result = asyncio.run(evaluate_run(ctx, "run-1", 0, prompts, batch_size=8, trainer_version=0))
     assert result.accuracy == 1.0 and result.pass_at_k == 1.0  # only the turn after the tool's reply is right
@@ -281,9 +293,9 @@ class LosesItsSession:
         return calculator.reply(prompt, turns)
 
 
-def test_an_environment_that_raises_fails_its_sample_not_the_run(tokenizer_dir: Path) -> None:
+def test_an_environment_that_raises_fails_its_sample_not_the_run(tokenizer_dir: Path, replies: ReplyPool) -> None:
     """The exception went up through the group to the run loop, which failed the run."""
-    ctx = replace(_context(tokenizer_dir, FakeRouter(), max_turns=3), environment=LosesItsSession())
+    ctx = replace(_context(tokenizer_dir, replies, FakeRouter(), max_turns=3), environment=LosesItsSession())
     group = asyncio.run(multi_turn(ctx, _request()))
     failed, ok = sorted(group.samples, key=lambda s: s.status != SampleStatus.SAMPLE_STATUS_FAILED)
     assert failed.status == SampleStatus.SAMPLE_STATUS_FAILED and ok.status == SampleStatus.SAMPLE_STATUS_OK
@@ -306,9 +318,9 @@ class WaitsForTheLoop:
         return calculator.reply(prompt, turns)
 
 
-def test_a_slow_environment_does_not_block_the_event_loop(tokenizer_dir: Path) -> None:
+def test_a_slow_environment_does_not_block_the_event_loop(tokenizer_dir: Path, replies: ReplyPool) -> None:
     env = WaitsForTheLoop()
-    ctx = replace(_context(tokenizer_dir, FakeRouter(), max_turns=3), environment=env)
+    ctx = replace(_context(tokenizer_dir, replies, FakeRouter(), max_turns=3), environment=env)
 
     async def release_the_tool() -> None:
         async with asyncio.timeout(10):
@@ -326,9 +338,9 @@ def test_a_slow_environment_does_not_block_the_event_loop(tokenizer_dir: Path) -
     assert [s.status for s in samples] == [SampleStatus.SAMPLE_STATUS_OK] * 2, [s.error for s in samples]
 
 
-def test_an_episode_waiting_for_its_environment_can_be_cancelled(tokenizer_dir: Path) -> None:
+def test_an_episode_waiting_for_its_environment_can_be_cancelled(tokenizer_dir: Path, replies: ReplyPool) -> None:
     env = WaitsForTheLoop()
-    ctx = replace(_context(tokenizer_dir, FakeRouter(), max_turns=3), environment=env)
+    ctx = replace(_context(tokenizer_dir, replies, FakeRouter(), max_turns=3), environment=env)
 
     async def main() -> None:
         producing = asyncio.create_task(multi_turn(ctx, _request()))
@@ -341,6 +353,68 @@ def test_an_episode_waiting_for_its_environment_can_be_cancelled(tokenizer_dir: 
                 with pytest.raises(asyncio.CancelledError):
                     await producing
         finally:
-            env.go.set()  # the worker thread ends too, and asyncio.run's executor shutdown does not wait on it
+            env.go.set()  # its reply's thread ends too
 
     asyncio.run(main())
+
+
+class StopsAnswering:
+    """The calculator, except that its first `hanging` replies wait until `release` is set (its tool's backend
+    stopped answering)."""
+
+    def __init__(self, hanging: int) -> None:
+        self.hanging = hanging
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+        self.calls = 0
+
+    def reply(self, prompt: Prompt, turns: Sequence[str]) -> str | None:
+        with self.lock:
+            self.calls += 1
+            hangs = self.calls <= self.hanging
+        if hangs:
+            self.release.wait(timeout=30)
+        return calculator.reply(prompt, turns)
+
+
+def test_an_environment_that_does_not_reply_in_time_fails_its_sample_not_the_group(tokenizer_dir: Path) -> None:
+    """A reply was not bounded: a hung tool held its group, and with it the step, forever."""
+    env, pool = StopsAnswering(hanging=1), ReplyPool(threads=2, timeout_s=0.3)
+    ctx = replace(_context(tokenizer_dir, pool, FakeRouter(), max_turns=3), environment=env)
+    try:
+        group = asyncio.run(multi_turn(ctx, _request()))
+    finally:
+        env.release.set()
+        pool.close()
+    failed, ok = sorted(group.samples, key=lambda s: s.status != SampleStatus.SAMPLE_STATUS_FAILED)
+    assert failed.status == SampleStatus.SAMPLE_STATUS_FAILED and failed.error == (
+        "turn 1: environment did not reply within 0.3s"
+    )
+    assert ok.status == SampleStatus.SAMPLE_STATUS_OK and ok.reward == 1.0
+
+
+def test_hung_replies_leave_asyncios_default_threads_free(tokenizer_dir: Path) -> None:
+    """Replies ran in asyncio's default executor (6 threads on 2 cores), which the run loop's Redis writes and
+    Submit use too: 6 hung replies blocked every one of them."""
+    env, pool = StopsAnswering(hanging=8), ReplyPool(threads=2, timeout_s=1.0)
+    ctx = replace(_context(tokenizer_dir, pool, FakeRouter(), max_turns=3), environment=env)
+    ctx.spec.rollout.group_size = 8
+
+    async def main() -> tuple[list[Sample], float]:
+        producing = asyncio.create_task(multi_turn(ctx, _request()))
+        async with asyncio.timeout(10):
+            while env.calls < 2:
+                await asyncio.sleep(0.01)
+        started = time.monotonic()
+        await asyncio.to_thread(int)
+        waited = time.monotonic() - started
+        return list((await producing).samples), waited
+
+    try:
+        samples, waited = asyncio.run(main())
+    finally:
+        env.release.set()
+        pool.close()
+    assert waited < 0.5
+    assert [s.error for s in samples] == ["turn 1: environment did not reply within 1s"] * 8
+    assert env.calls == 2, "the replies that found no free thread were dropped once their time was up"

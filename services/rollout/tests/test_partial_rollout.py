@@ -23,6 +23,7 @@ from rlfleet.v1.reward_pb2 import RewardSpec, ScoreItem, ScoreResult, ScoreStatu
 from rlfleet.v1.runs_pb2 import RunSpec
 from rlfleet.v1.samples_pb2 import FinishReason, SampleGroup, SampleStatus
 from rlfleet_rollout.datasets import Prompt
+from rlfleet_rollout.environment import ReplyPool
 from rlfleet_rollout.group_producer import GroupRequest, RolloutContext
 from rlfleet_rollout.metrics import RolloutMetrics
 from rlfleet_rollout.partial_rollout import MAX_RESUMES, generate_resuming, join, stop_across_the_cut
@@ -243,7 +244,7 @@ def _group_across_an_update(
     async def scenario() -> tuple[RecordingRouter, SampleGroup]:
         async with httpx.AsyncClient(timeout=30.0, trust_env=False) as client:
             router = RecordingRouter(client, router_url, timeout_s=30.0)
-            ctx = _context(tokenizer_dir, router, on_weight_update, function=function)
+            ctx = replace(_context(tokenizer_dir, router, on_weight_update, function=function), replies=replies)
             request = GroupRequest("run-p", "run-p/0/p0", 0, Prompt(prompt="3+4=", answer="7"), fallback_version=0)
             group = asyncio.create_task(ctx.rollout(ctx, request))
             await _running(client, engine_url, 2)
@@ -254,7 +255,11 @@ def _group_across_an_update(
             assert answer.status_code == 200, answer.text
             return router, await asyncio.wait_for(group, timeout=30)
 
-    return asyncio.run(scenario())
+    replies = ReplyPool(threads=2, timeout_s=30.0)
+    try:
+        return asyncio.run(scenario())
+    finally:
+        replies.close()
 
 
 @pytest.mark.e2e

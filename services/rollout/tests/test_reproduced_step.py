@@ -61,6 +61,9 @@ class Core:
     def __init__(self) -> None:
         self.run = Run(id=RUN)
 
+    async def get(self, run_id: str) -> Run:
+        return self.run
+
     async def update(self, run_id: str, change: Any) -> Run:
         change(self.run)
         return self.run

@@ -14,7 +14,7 @@ from trainer_release_support import runs_core
 from rlfleet.errors import InvalidInput, NotFound
 from rlfleet.sample_stream import SampleStream
 from rlfleet.v1.runs_pb2 import Run, RunState
-from rlfleet_rollout.run_data import DataPosition, data_position_key
+from rlfleet_rollout.run_data import DataPosition, StepCounts, data_position_key
 from rlfleet_rollout.run_store import RunStore
 from rlfleet_rollout.runs_core import RunEnded
 
@@ -91,7 +91,7 @@ def test_a_run_that_ends_leaves_its_working_data_to_expire_and_keeps_its_record(
     """Every run's stream, dead letters and data position stayed in Redis for ever after the run ended."""
     stream = SampleStream(redis_client, "r1", prefix=redis_prefix)
     stream.ensure_consumer_group()
-    DataPosition(redis_client, "r1", prefix=redis_prefix).record_end(0, 4, [0, 1])
+    DataPosition(redis_client, "r1", prefix=redis_prefix).record_end(0, 4, [0, 1], StepCounts())
     working = [stream.key, data_position_key("r1", redis_prefix)]
 
     async def scenario() -> None:

@@ -1,0 +1,88 @@
+"""The orchestrator's threads for environment replies: a reply is bounded in time, an environment's own
+exception reaches its episode as raised, hung replies hold no more than the pool's threads, and the process
+exits without waiting for them."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from rlfleet_rollout.datasets import Prompt
+from rlfleet_rollout.environment import ReplyPool, ReplyTimeout
+
+PROMPT = Prompt(prompt="1+2=", answer="3")
+
+
+class Hangs:
+    """A tool whose backend stopped answering: each reply waits until `release` is set."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.calls = 0
+
+    def reply(self, prompt: Prompt, turns: Sequence[str]) -> str | None:
+        self.calls += 1
+        self.release.wait(timeout=30)
+        return None
+
+
+def test_replies_past_their_time_are_given_up_and_hung_ones_hold_only_the_pools_threads() -> None:
+    env, pool = Hangs(), ReplyPool(threads=2, timeout_s=0.3)
+
+    async def main() -> tuple[list[BaseException | str | None], float]:
+        replies = await asyncio.gather(*[pool.reply(env, PROMPT, ["3"]) for _ in range(5)], return_exceptions=True)
+        started = time.monotonic()
+        await asyncio.to_thread(int)  # asyncio's default executor, which the run loop's Redis calls use, is free
+        return replies, time.monotonic() - started
+
+    try:
+        replies, default_executor_wait = asyncio.run(main())
+        assert [str(r) for r in replies] == ["environment did not reply within 0.3s"] * 5
+        assert all(isinstance(r, ReplyTimeout) for r in replies)
+        assert env.calls == 2, "the three replies that found no free thread are dropped, not run later"
+        assert default_executor_wait < 1.0
+    finally:
+        env.release.set()
+        pool.close()
+
+
+class Raises:
+    def reply(self, prompt: Prompt, turns: Sequence[str]) -> str | None:
+        raise TimeoutError("the tool's backend timed out")
+
+
+def test_an_environments_own_exception_reaches_its_caller_as_raised() -> None:
+    pool = ReplyPool(threads=1, timeout_s=5)
+    try:
+        with pytest.raises(TimeoutError, match="the tool's backend timed out") as raised:
+            asyncio.run(pool.reply(Raises(), PROMPT, ["3"]))
+        assert not isinstance(raised.value, ReplyTimeout)
+    finally:
+        pool.close()
+
+
+def test_the_process_exits_without_waiting_for_a_hung_reply() -> None:
+    """A ThreadPoolExecutor's threads are joined at exit even after shutdown(wait=False): one hung reply kept the
+    orchestrator from stopping."""
+    script = (
+        "import asyncio, time\n"
+        "from rlfleet_rollout.datasets import Prompt\n"
+        "from rlfleet_rollout.environment import ReplyPool, ReplyTimeout\n"
+        "class Hangs:\n"
+        "    def reply(self, prompt, turns):\n"
+        "        time.sleep(60)\n"
+        "pool = ReplyPool(threads=1, timeout_s=0.1)\n"
+        "try:\n"
+        "    asyncio.run(pool.reply(Hangs(), Prompt('1+2=', '3'), []))\n"
+        "except ReplyTimeout:\n"
+        "    pool.close()\n"
+    )
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=30)
+    assert time.monotonic() - started < 20
