@@ -72,8 +72,8 @@ class RolloutMetrics:
         )
         self.redis_outage_waits = Counter(
             "rlfleet_rollout_redis_outage_waits",
-            "Times Redis stayed unreachable beyond its client's retries and the orchestrator waited for it "
-            "(run queue, a run's final record), by what waited.",
+            "Times Redis stayed unreachable beyond its client's retries, or refused writes (full, read-only, unable "
+            "to persist), and the orchestrator waited for it (run queue, a run's final record), by what waited.",
             ["waiter"],
             registry=self.registry,
         )

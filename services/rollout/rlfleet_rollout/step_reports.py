@@ -6,9 +6,11 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+import redis
+
 from rlfleet.errors import RlfleetError
-from rlfleet.sample_stream import REDIS_RETRY_ERRORS
 from rlfleet.v1.runs_pb2 import Run
+from rlfleet_rollout.redis_outage import redis_unavailable, refusal
 from rlfleet_rollout.runs_core import RunEnded, RunsCore
 from rlfleet_rollout.trainer_client import TrainerClient
 
@@ -53,14 +55,16 @@ class StepReportFollower:
                 return
             except RlfleetError as exc:
                 logger.debug("WatchSteps of %s ended: %s", self.run_id, exc, extra={"run_id": self.run_id})
-            except REDIS_RETRY_ERRORS as exc:
+            except redis.RedisError as exc:
+                if not redis_unavailable(exc):
+                    raise
                 pause = min(2 * pause, _MAX_PAUSE_S)
                 logger.warning(
-                    "the trainer's step reports of run %s cannot be recorded after step %d (Redis unreachable: %s); "
+                    "the trainer's step reports of run %s cannot be recorded after step %d (Redis unavailable: %s); "
                     "following them again in %.1fs",
                     self.run_id,
                     self.step,
-                    exc,
+                    refusal(exc) or exc,
                     pause,
                     extra={"run_id": self.run_id},
                 )

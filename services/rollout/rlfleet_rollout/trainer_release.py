@@ -25,10 +25,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import redis
+
 from rlfleet.errors import DeadlineExceeded, NotFound, RlfleetError, Unavailable
-from rlfleet.sample_stream import REDIS_RETRY_ERRORS
 from rlfleet.v1.runs_pb2 import Run
 from rlfleet.v1.trainer_pb2 import TrainerStatus
+from rlfleet_rollout.redis_outage import redis_unavailable, refusal
 from rlfleet_rollout.run_events import is_terminal, state_name
 from rlfleet_rollout.runs_core import RunsCore
 from rlfleet_rollout.trainer_client import TrainerClient
@@ -121,12 +123,14 @@ class TrainerRelease:
             await self.core.update(run_id, trainer_progress(status), after_end=True)
         except NotFound:
             pass  # a run the records do not know (free stops those too)
-        except REDIS_RETRY_ERRORS as exc:
+        except redis.RedisError as exc:
+            if not redis_unavailable(exc):
+                raise
             logger.warning(
-                "run %s: the trainer's final progress (step %d) was not recorded: Redis unreachable: %s",
+                "run %s: the trainer's final progress (step %d) was not recorded: Redis unavailable: %s",
                 run_id,
                 status.step,
-                exc,
+                refusal(exc) or exc,
                 extra={"run_id": run_id},
             )
 

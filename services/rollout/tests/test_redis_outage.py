@@ -225,7 +225,8 @@ def test_a_run_failed_by_a_long_outage_is_recorded_failed_though_its_final_progr
 class FlakyRecords:
     """One running run in memory whose reads and writes fail as an unreachable Redis does, `failures` times each."""
 
-    def __init__(self, failures: int) -> None:
+    def __init__(self, failures: int, write_error: Exception | None = None) -> None:
+        self.write_error = write_error or redis.ConnectionError(REFUSED)
         spec = RunSpec()
         spec.rollout.groups_per_step = 2
         self.run = Run(id="run-1", spec=spec, state=RunState.RUN_STATE_RUNNING, progress=RunProgress(total_steps=9))
@@ -239,7 +240,7 @@ class FlakyRecords:
             # A read through the API's mapping says Unavailable; a write, the client's own error.
             if what == "get":
                 raise Unavailable(f"run records (Redis) unreachable: {REFUSED}")
-            raise redis.ConnectionError(REFUSED)
+            raise self.write_error
 
     async def get(self, run_id: str) -> Run:
         self._fail("get")
@@ -281,9 +282,16 @@ class ReportingTrainer:
             yield StepReport(run_id=run_id, step=step, metrics={"loss": 1.0 / step})
 
 
-def test_step_reports_outlive_redis_errors_and_lose_none(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "write_error",
+    [redis.ConnectionError(REFUSED), redis.OutOfMemoryError("OOM command not allowed when used memory > 'maxmemory'.")],
+    ids=["unreachable", "full"],
+)
+def test_step_reports_outlive_redis_errors_and_lose_none(
+    write_error: Exception, caplog: pytest.LogCaptureFixture
+) -> None:
     """Before, a report that could not be written ended the follower: the run kept stale metrics to its end."""
-    records = FlakyRecords(failures=2)
+    records = FlakyRecords(failures=2, write_error=write_error)
 
     async def scenario() -> bool:
         reports = StepReportFollower(ReportingTrainer(), records, "run-1", reconnect_after_s=0.05)  # type: ignore[arg-type]
