@@ -25,7 +25,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 GROUPS_PER_STEP = 2
 # A checkpoint trims the groups it trained from the stream; these tests read them back.
-FLEET_ENV = {"RLFLEET_TRAINER_KEEP_TRAINED_GROUPS": "true"}
+# A killed orchestrator's lease on its run runs out in 4 s (15 s by default) before its restart takes the run.
+FLEET_ENV = {"RLFLEET_TRAINER_KEEP_TRAINED_GROUPS": "true", "RLFLEET_ROLLOUT_RUN_LEASE_S": "4"}
 
 
 @pytest.fixture(scope="module")
