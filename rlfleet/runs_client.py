@@ -74,6 +74,8 @@ def load_spec_file(path: Path) -> RunSpec:
         data = json.loads(text) if as_json else yaml.load(text, SpecLoader)
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
         raise InvalidInput(f"{path} is not valid {'JSON' if as_json else 'YAML'}: {exc}") from exc
+    except RecursionError:
+        raise InvalidInput(f"{path} is nested too deeply to parse") from None
     if not isinstance(data, dict):
         raise InvalidInput(f"{path} must hold a mapping of RunSpec fields, got {type(data).__name__}")
     try:

@@ -139,3 +139,11 @@ def test_an_exponent_without_a_dot_is_a_number_as_in_json(tmp_path: Path) -> Non
     params = loaded.reward.terms[0].params
     assert loaded.trainer.learning_rate == 1e-6
     assert params["abs_tol"] == 1e-6 and params["label"] == "1e-6"  # quoted stays text
+
+
+@pytest.mark.parametrize("name", ["spec.json", "spec.yaml"])
+def test_a_spec_nested_too_deeply_is_refused_not_a_crash(tmp_path: Path, name: str) -> None:
+    spec = tmp_path / name
+    spec.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(InvalidInput, match="nested too deeply to parse"):
+        load_spec_file(spec)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from pathlib import Path
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -84,6 +85,10 @@ class RolloutConfig(BaseSettings):
     """Root log level (debug, info, warning, error, critical)."""
     api_token_file: str | None = None
     """File holding the API token every Runs API call must carry (`Authorization: Bearer`); unset: open."""
+    data_roots: list[Path] = Field(default_factory=list)
+    """Directories a run spec's model.path, model.tokenizer_path and dataset paths must lie under (resolved, symlinks
+    followed), as a JSON list (`["/data"]`); a spec naming anything else is refused at submit. Empty (the default):
+    any path this process can read, as `rlfleet up` on one machine needs."""
 
     @field_validator("router_url", "reward_url")
     @classmethod

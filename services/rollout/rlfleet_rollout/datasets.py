@@ -146,9 +146,11 @@ def _to_prompt(record: Any, spec: FileDataset) -> Prompt:
         raise record
     if not isinstance(record, dict):
         raise _BadRow(f"expected an object, got {type(record).__name__}")
-    prompt = record.get(spec.prompt_column)
+    if spec.prompt_column not in record:
+        raise _BadRow(f"column {spec.prompt_column!r} is missing")
+    prompt = record[spec.prompt_column]
     if not isinstance(prompt, str) or not prompt.strip():
-        raise _BadRow(f"column {spec.prompt_column!r} must be a non-empty string, got {prompt!r}"[:200])
+        raise _BadRow(f"column {spec.prompt_column!r} must be a non-empty string, got {_kind(prompt)}")
     if spec.answer_column not in record or record[spec.answer_column] is None:
         raise _BadRow(f"column {spec.answer_column!r} is missing")
     metadata: dict[str, str] = {}
@@ -159,6 +161,24 @@ def _to_prompt(record: Any, spec: FileDataset) -> Prompt:
     return Prompt(
         _as_text(prompt, spec.prompt_column), _as_text(record[spec.answer_column], spec.answer_column), metadata
     )
+
+
+def _kind(value: Any) -> str:
+    """What a value is and how big, never what it holds: the file may be one the client could not read itself
+    (a config file read as a dataset), and a refusal quoting the value would hand its content over."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true or false"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return f"a {'blank ' if not value.strip() else ''}string of {len(value)} characters"
+    if isinstance(value, dict):
+        return f"a mapping of {len(value)} keys"
+    if isinstance(value, (list, tuple)):
+        return f"a list of {len(value)} items"
+    return f"a value of type {type(value).__name__}"
 
 
 def _as_text(value: Any, column: str) -> str:

@@ -68,6 +68,9 @@ def parse_run_spec(body: bytes) -> RunSpec:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidInput(f"body: malformed JSON: {exc}") from None
+    except RecursionError:
+        # json's decoder recurses per array or object level; a RunSpec is a few levels deep.
+        raise InvalidInput("body: nested too deeply to parse (a RunSpec is a few levels deep)") from None
     if not isinstance(data, dict):
         raise InvalidInput(f"body: must be a JSON object holding a RunSpec, got {type(data).__name__}")
     return parse_json_message(data, RunSpec(), "body")

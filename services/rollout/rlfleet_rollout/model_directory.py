@@ -5,14 +5,46 @@ The orchestrator sees model paths as the trainer does: every deployment mounts t
 the same path in both (compose and Helm: the shared `data` volume at /data, read-only here; `rlfleet
 up`: one machine), which submit already relies on to read `model.tokenizer_path`. So a path with no
 model behind it is refused when the run is submitted instead of when it reaches the trainer.
+
+Which paths a spec may name at all is here too: with data roots configured (RLFLEET_ROLLOUT_DATA_ROOTS, the shared
+storage), a model, tokenizer or dataset path elsewhere is refused before anything is opened, so a client cannot make
+the orchestrator read, or say whether it could read, any other file of its host.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from rlfleet.errors import InvalidInput
+from rlfleet.v1.runs_pb2 import RunSpec
+
+
+def spec_paths(spec: RunSpec) -> Iterator[tuple[str, str]]:
+    """(field, path) of every file or directory a resolved spec makes the orchestrator and the trainer read."""
+    yield "model.path", spec.model.path
+    yield "model.tokenizer_path", spec.model.tokenizer_path
+    source = spec.dataset.WhichOneof("source")
+    if source is not None and source != "arithmetic":
+        files = getattr(spec.dataset, source)
+        yield f"dataset.{source}.path", files.path
+        yield f"dataset.{source}.eval_path", files.eval_path
+
+
+def require_under_roots(spec: RunSpec, roots: Sequence[Path]) -> None:
+    """InvalidInput naming the first path of `spec` that does not resolve (`..` and symlinks followed) under one of
+    `roots`; no roots: every path is allowed. Checked before any of them is opened, and saying nothing about the
+    file itself, so the refusal tells whether it exists no more than what it holds."""
+    if not roots:
+        return
+    allowed = [root.resolve() for root in roots]
+    for field, path in spec_paths(spec):
+        if path and not _under(path, allowed):
+            raise InvalidInput(
+                f"{field}: {path!r} is not under the storage this orchestrator reads runs' data from "
+                f"({', '.join(str(root) for root in allowed)}; RLFLEET_ROLLOUT_DATA_ROOTS); put the files there"
+            )
 
 
 def require_model_config(model_path: str) -> None:
@@ -22,6 +54,16 @@ def require_model_config(model_path: str) -> None:
             f"model.path: no Hugging Face model at {model_path!r} (config.json missing); point it at the "
             "directory holding the policy's config.json and weights, on the storage the trainer shares"
         )
+
+
+def _under(path: str, roots: Sequence[Path]) -> bool:
+    """Whether `path`, made absolute with `..` and symlinks followed, lies in one of the (resolved) `roots`; a path
+    that cannot be resolved (a NUL byte, a symlink loop) lies in none."""
+    try:
+        resolved = Path(path).resolve()
+    except (OSError, RuntimeError, ValueError):
+        return False
+    return any(resolved.is_relative_to(root) for root in roots)
 
 
 # Names Hugging Face configs give the context length, most common first.

@@ -90,6 +90,7 @@ async def serve(config: RolloutConfig) -> None:
         rollouts=rollouts,
         poll_interval_s=config.poll_interval_s,
         run_data_retention_s=config.run_data_retention_s,
+        data_roots=config.data_roots,
     )
     replies = ReplyPool(config.env_reply_threads, config.env_reply_timeout_s)
     deps = RunDeps(

@@ -15,7 +15,8 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from pathlib import Path
 
 import redis
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -26,7 +27,7 @@ from rlfleet.sample_stream import REDIS_RETRY_ERRORS
 from rlfleet.v1.runs_pb2 import ListRunsResponse, Run, RunEvent, RunProgress, RunSpec, RunState
 from rlfleet_rollout.group_filters import FilterRegistry
 from rlfleet_rollout.metrics import RolloutMetrics
-from rlfleet_rollout.model_directory import require_model_config
+from rlfleet_rollout.model_directory import require_model_config, require_under_roots
 from rlfleet_rollout.prompt_tokenizer import load_chat_template, tokenizer_file
 from rlfleet_rollout.redis_outage import refusal
 from rlfleet_rollout.reward_client import RewardClient
@@ -79,7 +80,9 @@ class RunsCore:
         rollouts: RolloutRegistry,
         poll_interval_s: float,
         run_data_retention_s: float,
+        data_roots: Sequence[Path] = (),
     ) -> None:
+        """`data_roots`: the directories every path of a spec must lie under (RolloutConfig.data_roots); none: any."""
         self.filters = filters
         self.rollouts = rollouts
         self.store = store
@@ -88,6 +91,7 @@ class RunsCore:
         self.metrics = metrics
         self.poll_interval_s = poll_interval_s
         self.run_data_retention_s = run_data_retention_s
+        self.data_roots = tuple(data_roots)
         self._lock = asyncio.Lock()
         self._closing = False
 
@@ -105,6 +109,7 @@ class RunsCore:
         and created_at only a stored run gets; nothing is stored, announced or counted."""
         resolved = resolve(spec)
         validate(resolved)
+        require_under_roots(resolved, self.data_roots)  # before any of them is opened
         require_model_config(resolved.model.path)
         tokenizer_file(resolved.model.tokenizer_path)
         self.filters.check(resolved.rollout.filters)
