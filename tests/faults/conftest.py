@@ -37,8 +37,12 @@ STEPS, GROUPS_PER_STEP, GROUP_SIZE = 8, 4, 4
 FAULT_STEP = 3
 """Faults are injected once the run has completed this many steps."""
 
+REWARD_MODEL_PORT = free_port()
+"""Where the slow-reward case serves its reward model: the hub calls only URLs its operator listed, at start."""
+
 # Deadlines at the scale of a tiny model on two cores; production defaults are minutes.
 FAULT_FLEET_ENV = {
+    "RLFLEET_REWARD_REMOTE_URL_PREFIXES": f'["http://127.0.0.1:{REWARD_MODEL_PORT}/score"]',
     "RLFLEET_ROUTER_HEALTH_CHECK_INTERVAL_SECS": "1",
     "RLFLEET_ROUTER_HEALTH_CHECK_TIMEOUT_SECS": "3",
     "RLFLEET_ROUTER_HEALTH_FAILURE_THRESHOLD": "2",
@@ -205,6 +209,12 @@ def fault_fleet(tmp_path_factory: pytest.TempPathFactory, small_model_dir: Path)
     with LocalFleet(config) as running:
         assert "redis" in running.processes, "the fault fleet must run its own redis-server"
         yield running
+
+
+@pytest.fixture
+def reward_model_port() -> int:
+    """The port the fault fleet's reward hub may call a reward model at (RLFLEET_REWARD_REMOTE_URL_PREFIXES)."""
+    return REWARD_MODEL_PORT
 
 
 @pytest.fixture

@@ -40,7 +40,7 @@ class RewardModel:
 
 
 @pytest.fixture
-def reward_model() -> Iterator[RewardModel]:
+def reward_model(reward_model_port: int) -> Iterator[RewardModel]:
     model = RewardModel(url="")
 
     class Handler(BaseHTTPRequestHandler):
@@ -68,7 +68,7 @@ def reward_model() -> Iterator[RewardModel]:
     class Server(ThreadingHTTPServer):
         request_queue_size = 256  # a listen backlog like real servers' (uvicorn: 2048), not http.server's 5
 
-    server = Server(("127.0.0.1", 0), Handler)
+    server = Server(("127.0.0.1", reward_model_port), Handler)
     server.daemon_threads = True
     model.url = f"http://127.0.0.1:{server.server_address[1]}/score"
     thread = threading.Thread(target=server.serve_forever, name="reward model", daemon=True)

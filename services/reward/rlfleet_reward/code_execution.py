@@ -6,6 +6,9 @@ A `stdout` test feeds `stdin` to the program and passes when it exits 0 and prin
 the program followed by the check's code and passes when that exits 0. The program is the last
 fenced code block of the response (```python ... ```), or the whole response when it has none.
 
+The caller's limits (`memory_mb`, `max_processes`, `file_size_mb`) are bounded by the hub's caps
+(`RLFLEET_REWARD_CODE_MAX_*`, see `config.SpecCaps`): a spec asking past one is refused when validated.
+
 The score is the fraction of tests passed (or 1.0/0.0 without `partial_credit`). Every failure is
 counted under its reason, so a hostile or broken program is an OK item scored 0 whose components say
 why: `code/passed`, `code/tests`, and `code/time_limit` (wall clock or CPU), `code/memory_limit`,
@@ -24,13 +27,19 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from rlfleet_reward.config import spec_caps
 from rlfleet_reward.reward_function import RewardFunction, RewardInput, Scored
 from rlfleet_reward.sandbox import RunResult, SandboxLimits, probe_isolation, run_python
 
 _FENCED = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 _MB = 1 << 20
+_CAPS = {
+    "memory_mb": "code_max_memory_mb",
+    "max_processes": "code_max_processes",
+    "file_size_mb": "code_max_file_size_mb",
+}
 
 
 class CodeParams(BaseModel):
@@ -38,10 +47,37 @@ class CodeParams(BaseModel):
 
     timeout_seconds: float = Field(default=5.0, gt=0, le=60, description="Wall-clock limit of one test run.")
     cpu_seconds: int | None = Field(default=None, ge=1, le=60, description="CPU limit of a run (default: timeout).")
-    memory_mb: int = Field(default=512, ge=64, le=16384, description="Address-space limit of each process.")
-    file_size_mb: int = Field(default=16, ge=0, le=1024, description="Largest file a run may write.")
-    max_processes: int = Field(default=32, ge=2, le=1024, description="Processes (and threads) a run may have.")
+    memory_mb: int = Field(
+        default=512, validate_default=True, ge=64, le=16384, description="Address-space limit of each process."
+    )
+    file_size_mb: int = Field(
+        default=16, validate_default=True, ge=0, le=1024, description="Largest file a run may write."
+    )
+    max_processes: int = Field(
+        default=32, validate_default=True, ge=2, le=1024, description="Processes (and threads) a run may have."
+    )
     partial_credit: bool = Field(default=True, description="Score the fraction passed; else 1.0 only if all pass.")
+
+    # Defaults are checked too (validate_default): a hub that caps below them asks specs to name a lower value.
+    @field_validator("memory_mb", "max_processes", "file_size_mb")
+    @classmethod
+    def _within_the_hubs_cap(cls, value: int, info: ValidationInfo) -> int:
+        setting = _CAPS[info.field_name or ""]
+        cap = getattr(spec_caps(), setting)
+        if value > cap:
+            raise ValueError(f"{value} is past the hub's cap of {cap} (RLFLEET_REWARD_{setting.upper()})")
+        return value
+
+    @model_validator(mode="after")
+    def _total_within_the_hubs_cap(self) -> CodeParams:
+        # RLIMIT_AS binds each process, so one test may hold memory_mb in every process it starts.
+        total, cap = self.memory_mb * self.max_processes, spec_caps().code_max_total_memory_mb
+        if total > cap:
+            raise ValueError(
+                f"memory_mb x max_processes = {total} MiB is past the hub's cap of {cap} MiB for one test "
+                "(RLFLEET_REWARD_CODE_MAX_TOTAL_MEMORY_MB); lower either"
+            )
+        return self
 
 
 class CodeCase(BaseModel):
@@ -73,6 +109,12 @@ def _lines(text: str) -> list[str]:
     return [line.rstrip() for line in text.rstrip().splitlines()]
 
 
+def _stdout_read(test: CodeCase) -> int:
+    """How much of a run's stdout the hub reads: what the comparison needs (twice the expected output, for line ends
+    and spaces it ignores, and 4 KiB more), so a program printing up to its file-size limit costs the hub nothing."""
+    return 0 if test.stdout is None else 2 * len(test.stdout.encode()) + 4096
+
+
 def verdict(result: RunResult, test: CodeCase) -> str:
     """`passed` or the reason the run failed."""
     if result.timed_out or result.exit_code in (128 + signal.SIGXCPU, 128 + signal.SIGKILL):
@@ -81,7 +123,7 @@ def verdict(result: RunResult, test: CodeCase) -> str:
         return "output_limit"
     if result.exit_code != 0:
         return "memory_limit" if "MemoryError" in result.stderr[-2000:] else "runtime_error"
-    if test.stdout is not None and _lines(result.stdout) != _lines(test.stdout):
+    if test.stdout is not None and (result.stdout_truncated or _lines(result.stdout) != _lines(test.stdout)):
         return "wrong_answer"
     return "passed"
 
@@ -103,7 +145,9 @@ def score_code(sample: RewardInput, params: Mapping[str, Any]) -> Scored:
     verdicts: Counter[str] = Counter()
     for test in label.tests:
         source = program if test.check is None else f"{program}\n\n{test.check}\n"
-        verdicts[verdict(run_python(source, test.stdin, limits, isolation), test)] += 1
+        verdicts[
+            verdict(run_python(source, test.stdin, limits, isolation, max_stdout_bytes=_stdout_read(test)), test)
+        ] += 1
         if not params["partial_credit"] and verdicts["passed"] < sum(verdicts.values()):
             break  # the score is 0 whatever the remaining tests do
     total = len(label.tests)

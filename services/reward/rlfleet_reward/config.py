@@ -1,10 +1,12 @@
-"""Settings of the reward hub (environment prefix `RLFLEET_REWARD_`, command-line flags override)."""
+"""Settings of the reward hub (environment prefix `RLFLEET_REWARD_`, command-line flags override), and the
+caps it puts on what a run spec's params may ask (`SpecCaps`, read from the environment by the params models)."""
 
 from __future__ import annotations
 
+import functools
 import os
 
-from pydantic import Field, model_validator
+from pydantic import AnyHttpUrl, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rlfleet.logs import LogLevel
@@ -15,7 +17,105 @@ def _cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-class RewardSettings(BaseSettings):
+DEFAULT_ROUTER_URL = "http://127.0.0.1:30000"
+"""Where `judge` finds the router when a spec names none: the local fleet's (`rlfleet up`)."""
+
+
+class SpecCaps(BaseSettings):
+    """What a run spec may make the hub do, whatever its params ask: the hub's side of the params check.
+
+    The params models (`CodeParams`, `RemoteParams`, `JudgeParams`) read these from the environment
+    each time a spec is validated (`/validate` at submit, every `/score`), so they have no flags: set
+    them as `RLFLEET_REWARD_*` variables. Lists are JSON: `'["http://rm:8080/score"]'`.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="RLFLEET_REWARD_", extra="ignore")
+
+    code_max_memory_mb: int = Field(
+        default=1024, ge=64, description="Largest `memory_mb` (address space of each process) a `code` spec may ask."
+    )
+    code_max_processes: int = Field(
+        default=64,
+        ge=2,
+        description="Largest `max_processes` (processes and threads of one test) a `code` spec may ask.",
+    )
+    code_max_total_memory_mb: int = Field(
+        default=16384,
+        ge=128,
+        description="Largest `memory_mb` x `max_processes` of a `code` spec: the address space one test may "
+        "hold; the hub's worst case is `workers` times this.",
+    )
+    code_max_file_size_mb: int = Field(
+        default=64, ge=0, description="Largest `file_size_mb` (one file, or stdout) a `code` spec may ask."
+    )
+    remote_url_prefixes: list[AnyHttpUrl] = Field(
+        default_factory=list,
+        description="URLs `remote` may POST to: a spec's `url` must have one's scheme, host and port, and its path "
+        "under the prefix's path (whole segments). Empty (the default): `remote` is off.",
+    )
+    judge_router_urls: list[AnyHttpUrl] = Field(
+        default_factory=lambda: [AnyHttpUrl(DEFAULT_ROUTER_URL)],
+        description="Routers `judge` may use: a spec's `router_url` must be one of them; the judge POSTs only to "
+        "its `/generate`.",
+    )
+
+    @field_validator("remote_url_prefixes", "judge_router_urls")
+    @classmethod
+    def _plain_urls(cls, urls: list[AnyHttpUrl]) -> list[AnyHttpUrl]:
+        for url in urls:
+            if url.username is not None or url.password is not None or url.query or url.fragment:
+                raise ValueError(f"{url}: give scheme, host, port and path only (no user, query or fragment)")
+        return urls
+
+    def allows_remote(self, url: AnyHttpUrl) -> bool:
+        """True when `url` lies under one of `remote_url_prefixes`."""
+        return _plain(url) and any(
+            _same_server(url, prefix) and _under(url.path, prefix.path) for prefix in self.remote_url_prefixes
+        )
+
+    def allows_judge_router(self, url: AnyHttpUrl) -> bool:
+        """True when `url` is one of `judge_router_urls` (a trailing slash aside) and has no query."""
+        return (
+            _plain(url)
+            and not url.query
+            and any(
+                _same_server(url, router) and _trimmed(url.path) == _trimmed(router.path)
+                for router in self.judge_router_urls
+            )
+        )
+
+
+def spec_caps() -> SpecCaps:
+    """The caps the environment sets now; parsed once per distinct set of values, since every spec asks."""
+    return _parsed_caps(tuple(os.environ.get(f"RLFLEET_REWARD_{name.upper()}") for name in SpecCaps.model_fields))
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed_caps(values: tuple[str | None, ...]) -> SpecCaps:
+    del values  # the cache key only: SpecCaps reads the same variables
+    return SpecCaps()
+
+
+def _plain(url: AnyHttpUrl) -> bool:
+    # A user part would make a string prefix lie about the host (http://rm:8080@engine/).
+    return url.username is None and url.password is None and not url.fragment
+
+
+def _same_server(url: AnyHttpUrl, listed: AnyHttpUrl) -> bool:
+    return (url.scheme, url.host, url.port) == (listed.scheme, listed.host, listed.port)
+
+
+def _trimmed(path: str | None) -> str:
+    return (path or "/").rstrip("/")
+
+
+def _under(path: str | None, prefix: str | None) -> bool:
+    # Whole segments: /score admits /score and /score/batch, not /scoreboard. Both paths are normalized (no `..`).
+    path, prefix = path or "/", _trimmed(prefix)
+    return path == prefix or path.startswith(prefix + "/")
+
+
+class RewardSettings(SpecCaps):
     model_config = SettingsConfigDict(env_prefix="RLFLEET_REWARD_", extra="forbid")
 
     host: str = Field(default="0.0.0.0", description="Interface the HTTP and gRPC servers bind.")

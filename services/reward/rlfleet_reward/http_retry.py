@@ -1,7 +1,10 @@
 """POST JSON with retries where a retry can help: connection errors, timeouts and 5xx, inside a deadline.
 
-Backoff doubles from 0.2 s up to 5 s; a 4xx answer is the request's fault and is raised at once.
-Every attempt's timeout is the smaller of its own limit and the time left.
+Backoff doubles from 0.2 s up to 5 s; a 4xx answer is the request's fault and is raised at once, as is
+a redirect (not followed: the URL was checked, its target was not) and an answer past 1 MiB, which is
+read no further. Every attempt's timeout, to the answer's last byte, is the smaller of its own limit and
+the time left. Errors name the URL and the HTTP status but never quote the answer: they reach the
+run's owner, who need not see what an operator's service says.
 
 Every call on an event loop shares one client, so items to the same reward model or judge reuse its
 connections (keep-alive) instead of opening, and for HTTPS handshaking, one per item; and one SSL
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import ssl
 import time
@@ -27,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 _FIRST_BACKOFF_SECONDS = 0.2
 _MAX_BACKOFF_SECONDS = 5.0
+MAX_ANSWER_BYTES = 1 << 20
+"""The most of an answer the hub reads; a larger one is an error (a 200 MiB answer held the hub's memory)."""
 
 
 # No bound on connections: the hub's max_concurrent_io_calls bounds the calls in flight.
@@ -55,30 +61,55 @@ async def close_clients() -> None:
 
 
 async def post_json(url: str, body: Any, *, attempt_seconds: float, deadline_seconds: float) -> Any:
-    """The decoded JSON answer; raises InvalidInput (4xx or not JSON), DeadlineExceeded or Unavailable."""
+    """The decoded JSON answer; raises InvalidInput (4xx, a redirect, not JSON, past MAX_ANSWER_BYTES),
+    DeadlineExceeded or Unavailable. Messages name the status, never quote the answer."""
     deadline = time.monotonic() + deadline_seconds
     backoff = _FIRST_BACKOFF_SECONDS
     last = "no attempt"
     client = _client()
     while (remaining := deadline - time.monotonic()) > 0:
+        limit = min(attempt_seconds, remaining)
         try:
-            response = await client.post(url, json=body, timeout=min(attempt_seconds, remaining))
+            # httpx's timeout bounds each read; this bounds the whole answer, however slowly it trickles in.
+            async with asyncio.timeout(limit):
+                status, content = await _post(client, url, body, limit)
         except httpx.TransportError as exc:  # connection refused or reset, timeouts
             last = f"{type(exc).__name__}: {exc}"
+        except TimeoutError:
+            last = f"TimeoutError: no whole answer within {limit:g} s"
         else:
-            if response.status_code < 400:
+            if 200 <= status < 300:
                 try:
-                    return response.json()
+                    return json.loads(content)
                 except ValueError:
-                    raise InvalidInput(f"{url} answered with invalid JSON: {response.text[:200]!r}") from None
-            if response.status_code < 500:
-                code = response.status_code
-                raise InvalidInput(f"{url} refused the request (HTTP {code}): {response.text[:300]}")
-            last = f"HTTP {response.status_code}: {response.text[:200]}"
+                    raise InvalidInput(f"{url} answered with invalid JSON ({len(content)} bytes)") from None
+            if status < 500:
+                raise InvalidInput(f"{url} refused the request (HTTP {status})")
+            last = f"HTTP {status}"
         pause = min(backoff, max(0.0, deadline - time.monotonic()))
         logger.warning("POST %s failed (%s); retrying in %.1f s", url, last, pause)
         await asyncio.sleep(pause)
         backoff = min(backoff * 2, _MAX_BACKOFF_SECONDS)
-    if last.startswith(("ReadTimeout", "ConnectTimeout", "WriteTimeout", "PoolTimeout")):
+    if last.startswith(("ReadTimeout", "ConnectTimeout", "WriteTimeout", "PoolTimeout", "TimeoutError")):
         raise DeadlineExceeded(f"POST {url} did not answer within {deadline_seconds:g} s (last: {last})")
     raise Unavailable(f"POST {url} did not succeed within {deadline_seconds:g} s (last: {last})")
+
+
+async def _post(client: httpx.AsyncClient, url: str, body: Any, timeout: float) -> tuple[int, bytes]:
+    """The status and, for a 2xx, the answer's bytes (decompressed), read no further than MAX_ANSWER_BYTES."""
+    async with client.stream("POST", url, json=body, timeout=timeout) as response:
+        if not 200 <= response.status_code < 300:
+            return response.status_code, b""  # not read: no error quotes it
+        declared = response.headers.get("content-length", "")
+        chunks: list[bytes] = []
+        size = int(declared) if declared.isdigit() else 0
+        if size <= MAX_ANSWER_BYTES:
+            size = 0
+            async for chunk in response.aiter_bytes():
+                size += len(chunk)
+                if size > MAX_ANSWER_BYTES:
+                    break
+                chunks.append(chunk)
+        if size > MAX_ANSWER_BYTES:
+            raise InvalidInput(f"{url} answered more than 1 MiB; the hub reads at most {MAX_ANSWER_BYTES} bytes")
+        return response.status_code, b"".join(chunks)

@@ -10,6 +10,9 @@ The call waits on the event loop; the verdict is parsed in a worker process (`fi
 left of the item's time limit. `verdict_pattern` is the caller's regex over the model's text, and one that
 backtracks for minutes (`(a+)+b` on a run of `a`s) would hold the event loop, where no time limit can stop
 it; in a worker it is an item TIMEOUT like any other function that runs too long.
+
+`router_url` must be one of the hub's `RLFLEET_REWARD_JUDGE_ROUTER_URLS` (by default the local fleet's
+router, http://127.0.0.1:30000), so a spec cannot point the hub's POSTs at another service.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator
 
+from rlfleet_reward.config import DEFAULT_ROUTER_URL, spec_caps
 from rlfleet_reward.http_retry import post_json
 from rlfleet_reward.reward_function import RewardFunction, RewardInput
 
@@ -33,7 +37,11 @@ _FIELDS = re.compile(r"\{(prompt|response|label)\}")
 class JudgeParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    router_url: AnyHttpUrl = Field(default=AnyHttpUrl("http://127.0.0.1:30000"), description="The router.")
+    router_url: AnyHttpUrl = Field(
+        default=AnyHttpUrl(DEFAULT_ROUTER_URL),
+        validate_default=True,  # the operator may list other routers than the default
+        description="The router, one the hub lists in RLFLEET_REWARD_JUDGE_ROUTER_URLS.",
+    )
     template: str = Field(default=DEFAULT_TEMPLATE, max_length=100_000, description="The judge's prompt.")
     verdict_pattern: str = Field(default=r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)", description="Regex, one group.")
     verdicts: dict[str, float] | None = Field(default=None, description='e.g. {"correct": 1, "incorrect": 0}.')
@@ -42,6 +50,17 @@ class JudgeParams(BaseModel):
     temperature: float = Field(default=0.0, ge=0)
     attempt_seconds: float = Field(default=60.0, gt=0, le=600, description="Timeout of one /generate call.")
     deadline_seconds: float = Field(default=120.0, gt=0, le=1200, description="Give up retrying after this long.")
+
+    @field_validator("router_url")
+    @classmethod
+    def _listed_by_the_hub(cls, url: AnyHttpUrl) -> AnyHttpUrl:
+        caps = spec_caps()
+        if not caps.allows_judge_router(url):
+            listed = ", ".join(str(router) for router in caps.judge_router_urls) or "none"
+            raise ValueError(
+                f"{url} is none of the routers this hub allows (RLFLEET_REWARD_JUDGE_ROUTER_URLS: {listed})"
+            )
+        return url
 
     @field_validator("template")
     @classmethod
@@ -91,7 +110,7 @@ async def ask_judge(sample: RewardInput, params: Mapping[str, Any]) -> RewardInp
         url, body, attempt_seconds=params["attempt_seconds"], deadline_seconds=params["deadline_seconds"]
     )
     if not isinstance(answer, dict) or not isinstance(answer.get("text"), str):
-        raise ValueError(f"/generate answered without a text: {str(answer)[:200]}")
+        raise ValueError("/generate answered without a string 'text'")
     return RewardInput(response=answer["text"])
 
 

@@ -5,6 +5,10 @@ Request body: `{"prompt": ..., "response": ..., "label": ..., "metadata": {...}}
 params). Connection errors, timeouts and 5xx are retried with backoff until `deadline_seconds`; the
 item's time limit still bounds the whole call. The function runs on the hub's event loop, so many
 calls wait at once without holding worker processes.
+
+`url` must lie under one of the hub's `RLFLEET_REWARD_REMOTE_URL_PREFIXES` (none by default, which turns
+`remote` off): a spec is the caller's, and without the list it could make the hub POST anywhere it reaches
+(an engine's `/pause_generation`). Errors name the HTTP status or the missing field, never the answer.
 """
 
 from __future__ import annotations
@@ -12,8 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator
 
+from rlfleet_reward.config import spec_caps
 from rlfleet_reward.http_retry import post_json
 from rlfleet_reward.reward_function import RewardFunction, RewardInput, Scored
 
@@ -27,6 +32,18 @@ class RemoteParams(BaseModel):
     score_field: str = Field(default="score", description="Field of the answer holding the score.")
     components_field: str = Field(default="components", description="Field holding named sub-scores, if any.")
 
+    @field_validator("url")
+    @classmethod
+    def _listed_by_the_hub(cls, url: AnyHttpUrl) -> AnyHttpUrl:
+        caps = spec_caps()
+        if not caps.allows_remote(url):
+            listed = ", ".join(str(prefix) for prefix in caps.remote_url_prefixes) or "none"
+            raise ValueError(
+                f"{url} is under none of the URL prefixes this hub allows "
+                f"(RLFLEET_REWARD_REMOTE_URL_PREFIXES: {listed})"
+            )
+        return url
+
 
 async def score_remote(sample: RewardInput, params: Mapping[str, Any]) -> Scored:
     body = {
@@ -38,8 +55,9 @@ async def score_remote(sample: RewardInput, params: Mapping[str, Any]) -> Scored
     answer = await post_json(
         str(params["url"]), body, attempt_seconds=params["attempt_seconds"], deadline_seconds=params["deadline_seconds"]
     )
+    # The answer is not quoted in errors: they reach the run's owner, and the model is the operator's.
     if not isinstance(answer, dict) or params["score_field"] not in answer:
-        raise ValueError(f"the reward model's answer has no {params['score_field']!r}: {str(answer)[:200]}")
+        raise ValueError(f"the reward model's answer has no {params['score_field']!r}")
     parts = answer.get(params["components_field"]) or {}
     if not isinstance(parts, dict):
         raise ValueError(f"{params['components_field']!r} in the reward model's answer is not an object")

@@ -4,20 +4,25 @@ Always: a new session (its own process group) that the program cannot leave, kil
 wall-clock timeout and after the program ends; CPU, memory (address space), file-size, process
 and open-file limits; a scrubbed environment (PATH, LANG, HOME and TMPDIR only) and `python -I`;
 a fresh working directory, deleted afterwards (or, when the hub killed the worker mid-run, by the next
-run of another worker); seccomp refusing every socket but AF_UNIX.
+run of another worker); seccomp refusing `socket()` (AF_UNIX too), and, where neither a PID namespace nor
+Landlock ABI >= 6 does it, signals to processes outside the sandbox (see `sandbox_init`). Importing this module
+makes the process undumpable: its /proc/<pid>/environ and memory are then closed to its own user's
+other processes, a sandboxed program among them where Landlock (which also hides /proc) is missing.
 When the hub runs as root, the program runs as `nobody` instead: root ignores RLIMIT_NPROC, and an
 unprivileged user cannot read root's files or processes.
 Where the platform allows (probed once per process, see `probe_isolation`):
-- namespaces (`unshare`: user, network, PID, IPC, mount for /proc): no network interface but a
-  down loopback, only the sandbox's own processes visible, and every process in the namespace
-  killed when its first process ends;
+- namespaces (`unshare`: user, network, PID, IPC, mount): no network interface but a down loopback, only
+  the sandbox's own processes visible, every process in the namespace killed when its first process ends,
+  and empty read-only tmpfs over /tmp, /run, /dev/shm and the hub's HOME (but the working directory);
 - Landlock: reads only under the interpreter's directories and /usr, /lib, /bin; writes only in
-  the working directory; no TCP; no signals to processes outside the sandbox.
+  the working directory; from ABI 4 (Linux 6.7) no TCP; from ABI 6 (Linux 6.12) no signals or abstract
+  Unix sockets to processes outside the sandbox.
 `python -m rlfleet_reward.sandbox` prints what this machine enforces.
 """
 
 from __future__ import annotations
 
+import codecs
 import ctypes
 import functools
 import json
@@ -42,13 +47,21 @@ from rlfleet_reward import sandbox_init
 # Passed with `-c`, so the sandbox user needs no access to the hub's files.
 _INIT_SOURCE = Path(sandbox_init.__file__).read_text()
 _INTERPRETERS = (sys.executable, "/usr/local/bin/python3", "/usr/bin/python3")
-_NAMESPACE_FLAGS = ("--user", "--map-current-user", "--net", "--pid", "--fork", "--kill-child", "--mount-proc", "--ipc")
+# --keep-caps: the sandbox's first process mounts over the host's shared directories, then drops the capabilities.
+_NAMESPACE_FLAGS = (
+    "--user", "--map-current-user", "--keep-caps", "--net", "--pid", "--fork", "--kill-child", "--mount-proc", "--ipc"
+)  # fmt: skip
+# Where the host keeps Unix sockets and other users' files; hidden under an empty tmpfs in the mount namespace.
+_SHARED_DIRECTORIES = ("/tmp", "/run", "/var/run", "/dev/shm")
 _PROBE_SECONDS = 10.0
 # After SIGKILL the group is gone within milliseconds; this bounds the wait for stragglers.
 _GROUP_KILL_SECONDS = 5.0
 _PR_SET_PDEATHSIG = 1
-# stdout is read up to the file-size limit, which bounds it anyway; stderr, searched for a MemoryError only, up to this.
+# stdout is read up to what the caller asks, at most the file-size limit, which bounds it anyway; stderr, searched
+# for a MemoryError only, up to this.
 _MAX_STDERR_BYTES = 1 << 20
+_READ_CHUNK_BYTES = 1 << 16
+_PR_SET_DUMPABLE = 4
 # How the program starts, in place of `python -I main.py`: Python ignores SIGXFSZ at start-up, so a write past
 # RLIMIT_FSIZE would be an OSError (EFBIG), ending the program as any exception does, or caught. With the default
 # restored, the kernel ends the program with SIGXFSZ, which `code` counts as output_limit.
@@ -83,16 +96,35 @@ class Isolation:
     run_as: tuple[int, int] | None  # (uid, gid) to drop to, when the hub is root
     python: str  # an interpreter the sandbox user may run
     namespaces: bool
-    landlock: bool
+    landlock: int  # the kernel's Landlock ABI, 0 without Landlock
     seccomp: bool
+
+    @property
+    def signals_confined_by_seccomp(self) -> bool:
+        """Whether seccomp has to keep signals in: neither a PID namespace nor Landlock signal scoping does."""
+        return self.seccomp and not self.namespaces and self.landlock < sandbox_init._FIRST_SIGNAL_SCOPING_ABI
 
     def describe(self) -> str:
         uid = self.run_as[0] if self.run_as else os.getuid()
+        landlock = "NO Landlock (kernel lacks it)"
+        if self.landlock:
+            landlock = f"Landlock ABI {self.landlock}: filesystem rules"
+            landlock += ", no TCP" if self.landlock >= 4 else ", NOT TCP (ABI < 4)"
+            scoped = self.landlock >= sandbox_init._FIRST_SIGNAL_SCOPING_ABI
+            landlock += ", signals and abstract sockets scoped" if scoped else ", NOT signals (ABI < 6)"
+        seccomp = "NO seccomp (unsupported machine)"
+        if self.seccomp:
+            seccomp = "seccomp: socket() (AF_UNIX too), io_uring, setsid/setpgid refused"
+            seccomp += ", signals to other processes refused" if self.signals_confined_by_seccomp else ""
+        elif not self.namespaces and self.landlock < sandbox_init._FIRST_SIGNAL_SCOPING_ABI:
+            seccomp += ", signals to the hub's processes NOT stopped"
         layers = [
             f"runs {self.python} as uid {uid}",
-            "network/PID/IPC namespaces" if self.namespaces else "NO namespaces (unshare unavailable)",
-            "Landlock filesystem, TCP and signal rules" if self.landlock else "NO Landlock (kernel lacks it)",
-            "seccomp: sockets other than AF_UNIX refused" if self.seccomp else "NO seccomp (unsupported machine)",
+            "network/PID/IPC/mount namespaces (host /tmp, /run, /dev/shm, HOME hidden)"
+            if self.namespaces
+            else "NO namespaces (unshare unavailable)",
+            landlock,
+            seccomp,
         ]
         return ", ".join(layers)
 
@@ -101,9 +133,11 @@ class Isolation:
 class RunResult:
     exit_code: int  # the program's, or 128 + N when signal N ended it
     timed_out: bool  # killed at the wall-clock limit
-    stdout: str
+    stdout: str  # up to the bytes asked for
     stderr: str
     seconds: float
+    # The program wrote more than `stdout` holds, and not only whitespace: past what the caller's verdict reads.
+    stdout_truncated: bool = False
 
 
 def _unprivileged_ids() -> tuple[int, int] | None:
@@ -164,7 +198,7 @@ def probe_isolation() -> Isolation:
         except (OSError, subprocess.TimeoutExpired):
             namespaces = False
     libc = ctypes.CDLL(None, use_errno=True)
-    landlock = sys.platform.startswith("linux") and sandbox_init.landlock_abi(libc) > 0
+    landlock = sandbox_init.landlock_abi(libc) if sys.platform.startswith("linux") else 0
     seccomp = sandbox_init.seccomp_program(platform.machine()) is not None
     python = next((path for path in _INTERPRETERS if _usable_by(path, run_as)), None)
     if python is None:
@@ -183,10 +217,38 @@ def _read_roots(python: str) -> list[str]:
     return sorted(root for root in roots if os.path.exists(root))
 
 
+def _hidden_directories(read_roots: list[str]) -> list[str]:
+    """The shared directories and the hub's HOME, as real paths, but none holding a read root (the interpreter
+    must stay reachable) and none inside another."""
+    found: list[str] = []
+    for path in (*_SHARED_DIRECTORIES, os.environ.get("HOME", "")):
+        if not path or not os.path.isdir(path):
+            continue
+        real = os.path.realpath(path)
+        overlaps = [other for other in [*found, *read_roots] if _within(real, other) or _within(other, real)]
+        if real != "/" and not overlaps:
+            found.append(real)
+    return found
+
+
+def _within(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
 def run_python(
-    source: str, stdin: str, limits: SandboxLimits, isolation: Isolation, files: Mapping[str, str] | None = None
+    source: str,
+    stdin: str,
+    limits: SandboxLimits,
+    isolation: Isolation,
+    files: Mapping[str, str] | None = None,
+    max_stdout_bytes: int | None = None,
 ) -> RunResult:
-    """Runs `source` as `main.py` in a fresh directory under `limits`; the directory is deleted afterwards."""
+    """Runs `source` as `main.py` in a fresh directory under `limits`; the directory is deleted afterwards.
+
+    stdout is read up to `max_stdout_bytes` (None: the file-size limit, which the program cannot pass anyway):
+    a caller comparing it with an expected output passes that output's length and a margin, and a longer output
+    comes back cut with `stdout_truncated`, without the hub ever holding all of it. Whitespace past the cut does
+    not count as more (comparisons ignore trailing whitespace)."""
     _remove_leftovers()
     with tempfile.TemporaryDirectory(prefix=f"{_PREFIX}{os.getpid()}-") as workdir:
         work = Path(workdir)
@@ -204,9 +266,11 @@ def run_python(
                 **{key: int(value) for key, value in asdict(limits).items() if key != "wall_seconds"},
                 "max_processes": process_limit,
             },
-            "landlock": isolation.landlock,
+            "landlock": bool(isolation.landlock),
             "seccomp": isolation.seccomp,
+            "namespaces": isolation.namespaces,
             "read_roots": _read_roots(isolation.python),
+            "hide": _hidden_directories(_read_roots(isolation.python)),
         }
         python = isolation.python
         program = [python, "-I", "-c", _PROGRAM_START, "main.py"]
@@ -214,7 +278,10 @@ def run_python(
         if isolation.namespaces:
             argv = [shutil.which("unshare") or "unshare", *_NAMESPACE_FLAGS, *argv]
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
-        return _run(argv, work, env, stdin, limits, _popen_ids(isolation.run_as))
+        stdout_bytes = (
+            limits.file_size_bytes if max_stdout_bytes is None else min(max_stdout_bytes, limits.file_size_bytes)
+        )
+        return _run(argv, work, env, stdin, limits, stdout_bytes, _popen_ids(isolation.run_as))
 
 
 def _remove_leftovers() -> None:
@@ -241,7 +308,13 @@ def _alive(pid: int) -> bool:
 
 
 def _run(
-    argv: Sequence[str], work: Path, env: dict[str, str], stdin: str, limits: SandboxLimits, ids: Mapping[str, Any]
+    argv: Sequence[str],
+    work: Path,
+    env: dict[str, str],
+    stdin: str,
+    limits: SandboxLimits,
+    stdout_bytes: int,
+    ids: Mapping[str, Any],
 ) -> RunResult:
     # The streams live beside the working directory, not in it: the program cannot replace them.
     streams = {name: work.parent / f"{work.name}.{name}" for name in ("stdin", "stdout", "stderr")}
@@ -271,8 +344,9 @@ def _run(
         exit_code = process.wait(timeout=_GROUP_KILL_SECONDS)
         seconds = time.monotonic() - started
         exit_code = 128 - exit_code if exit_code < 0 else exit_code
-        stdout = _read_text(streams["stdout"], limits.file_size_bytes)
-        return RunResult(exit_code, timed_out, stdout, _read_text(streams["stderr"], _MAX_STDERR_BYTES), seconds)
+        stdout, truncated = _read_prefix(streams["stdout"], stdout_bytes)
+        stderr, _ = _read_prefix(streams["stderr"], _MAX_STDERR_BYTES)
+        return RunResult(exit_code, timed_out, stdout, stderr, seconds, truncated)
     finally:
         for path in streams.values():
             path.unlink(missing_ok=True)
@@ -316,22 +390,43 @@ def _group_has_live_members(pgid: int) -> bool:
 
 
 def _tasks_of(uid: int) -> int:
-    """Threads of every process running as `uid`: what RLIMIT_NPROC counts against its limit."""
+    """Threads of every process running as `uid`: what RLIMIT_NPROC counts against its limit.
+
+    The real uid comes from `status`: an undumpable process's /proc directory (the hub's) can be owned by root."""
     count = 0
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             try:
-                if entry.stat().st_uid == uid:
+                uids = next(line for line in Path(entry.path, "status").read_text().splitlines() if line[:4] == "Uid:")
+                if int(uids.split()[1]) == uid:
                     count += len(os.listdir(os.path.join(entry.path, "task")))
-            except OSError:
+            except (OSError, StopIteration, IndexError, ValueError):
                 continue
     return count
 
 
-def _read_text(path: Path, max_bytes: int) -> str:
+def _read_prefix(path: Path, max_bytes: int) -> tuple[str, bool]:
+    """The first `max_bytes` of the file, and whether anything but whitespace follows them (read a chunk at a
+    time, so a long tail costs no memory)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character cut at a boundary stays whole
     with open(path, "rb") as stream:
-        return stream.read(max_bytes).decode("utf-8", errors="replace")
+        text = decoder.decode(stream.read(max_bytes))
+        while chunk := stream.read(_READ_CHUNK_BYTES):
+            if decoder.decode(chunk).strip():
+                return text, True
+    return text + decoder.decode(b"", final=True), False
 
+
+def _make_undumpable() -> None:
+    # At import, not at the first run: the hub's fork server preloads this module, so its workers, forked from it,
+    # are undumpable before any of them runs a program.
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "cannot make the hub's process undumpable")
+
+
+_make_undumpable()
 
 if __name__ == "__main__":
     print(probe_isolation().describe())

@@ -2,18 +2,28 @@
 
 Run as `python -I -S -c SOURCE_OF_THIS_FILE CONFIG_JSON PROGRAM [ARGS...]` (standard library only: it runs
 before, and outside, any site-packages). In order, it
+0. in a mount namespace (entered with the capabilities `unshare --keep-caps` leaves it), mounts an empty
+   read-only tmpfs over each of the host's shared directories it is given (/tmp, /run, /dev/shm, the hub's
+   HOME: where Unix sockets, agents' and buses' among them, and other users' files live), binding the working
+   directory back in place when it lies under one; then drops those capabilities, so the program has none,
 1. sets the resource limits (CPU seconds, address space, file size, processes, open files, no core),
 2. sets no_new_privs, so nothing it execs can gain privileges (and unprivileged filters are allowed),
 3. applies Landlock when the kernel has it: reads and executes only under the configured read-only
    roots, writes only under the working directory, no TCP bind/connect (ABI >= 4), no signals or
    abstract-socket connections to processes outside the sandbox (ABI >= 6),
-4. installs a seccomp filter (x86_64, aarch64): `socket()` for anything but AF_UNIX, `io_uring`
-   (which can open sockets too) and leaving the process group (`setsid`, `setpgid`) fail with
-   EPERM, so the parent's group kill reaches every descendant; syscalls of another ABI kill the process,
+4. installs a seccomp filter (x86_64, aarch64): `socket()` (of every family: AF_UNIX too, or the program could
+   connect to any Unix socket its user may reach, an SSH agent, a D-Bus bus, docker.sock; `socketpair()` stays),
+   `io_uring` (which can open sockets too) and leaving the process group (`setsid`, `setpgid`) fail with EPERM,
+   so the parent's group kill reaches every descendant; syscalls of another ABI kill the process,
 5. turns its parent's death into the death of its whole process group: the hub SIGKILLs a worker whose
    item overran, mid-run, and where no PID namespace ends the program with this process, nothing else
    would (the program and its children would live on under init),
-6. forks PROGRAM and waits for it, reaping orphans meanwhile (it is PID 1 of a fresh PID namespace
+6. forks PROGRAM and, where neither a PID namespace nor Landlock (ABI >= 6) keeps its signals in, adds a seccomp
+   filter to it (it knows its own pid only once forked) that refuses every signal but those to itself and to its
+   own process group: `kill`/`rt_sigqueueinfo` other than to its pid, 0 or its group, `tgkill`/`rt_tgsigqueueinfo`
+   to another process, `tkill`, `pidfd_send_signal`, and SIGIO's route (`F_SETOWN`, `F_SETOWN_EX`, `FIOSETOWN`,
+   `SIOCSPGRP`); the program runs as the hub's user there, and `kill(-1, SIGKILL)` would otherwise end the hub,
+7. waits for PROGRAM, reaping orphans meanwhile (it is PID 1 of a fresh PID namespace
    when the platform gives one), then exits with the program's code, or 128 + N when signal N
    ended it.
 Any step the kernel refuses is fatal (exit 125): a sandbox that is weaker than asked never runs code.
@@ -33,6 +43,9 @@ import sys
 SETUP_FAILED = 125
 
 _PR_SET_PDEATHSIG = 1
+_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
+_HIDING_TMPFS = b"size=64k,mode=755"
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_SECCOMP = 22
 _SECCOMP_MODE_FILTER = 2
@@ -53,9 +66,17 @@ _SYSCALLS = {
     "x86_64": (0xC000003E, 41, 112, 109, 425),
     "aarch64": (0xC00000B7, 198, 157, 154, 425),
 }
+# (kill, rt_sigqueueinfo, tgkill, rt_tgsigqueueinfo, tkill, pidfd_send_signal, fcntl, ioctl) per machine.
+_SIGNAL_SYSCALLS = {
+    "x86_64": (62, 129, 234, 297, 200, 424, 72, 16),
+    "aarch64": (129, 138, 131, 240, 130, 424, 25, 29),
+}
 _X32_SYSCALL_BIT = 0x40000000
-_AF_UNIX = 1
 _EPERM = 1
+_F_SETOWN, _F_SETOWN_EX, _FIOSETOWN, _SIOCSPGRP = 8, 15, 0x8901, 0x8902
+_FIRST_SIGNAL_SCOPING_ABI = 6
+_BPF_LOAD, _BPF_JEQ, _BPF_JGE, _BPF_RET = 0x20, 0x15, 0x35, 0x06
+_ALLOW, _DENY, _KILL = 0x7FFF0000, 0x00050000 | _EPERM, 0x80000000
 
 
 class _RulesetAttr(ctypes.Structure):
@@ -135,24 +156,54 @@ def seccomp_program(machine: str) -> bytes | None:
     if machine not in _SYSCALLS:
         return None
     arch, socket, setsid, setpgid, io_uring_setup = _SYSCALLS[machine]
-    load, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
-    allow, deny, kill = 0x7FFF0000, 0x00050000 | _EPERM, 0x80000000
+    load, jeq, jge, ret = _BPF_LOAD, _BPF_JEQ, _BPF_JGE, _BPF_RET
     return b"".join([
         _bpf(load, 0, 0, 4),                   # 0: arch
         _bpf(jeq, 1, 0, arch),                 # 1: our ABI -> 3
-        _bpf(ret, 0, 0, kill),                 # 2
+        _bpf(ret, 0, 0, _KILL),                # 2
         _bpf(load, 0, 0, 0),                   # 3: syscall number
-        _bpf(jge, 8, 0, _X32_SYSCALL_BIT),     # 4: x32 ABI -> deny
-        _bpf(jeq, 4, 0, socket),               # 5: -> 10
-        _bpf(jeq, 6, 0, setsid),               # 6: -> deny
-        _bpf(jeq, 5, 0, setpgid),              # 7: -> deny
-        _bpf(jeq, 4, 0, io_uring_setup),       # 8: -> deny
-        _bpf(ret, 0, 0, allow),                # 9
-        _bpf(load, 0, 0, 16),                  # 10: socket's family (low word of the first argument)
-        _bpf(jeq, 0, 1, _AF_UNIX),             # 11
-        _bpf(ret, 0, 0, allow),                # 12
-        _bpf(ret, 0, 0, deny),                 # 13
+        _bpf(jge, 5, 0, _X32_SYSCALL_BIT),     # 4: x32 ABI -> deny
+        _bpf(jeq, 4, 0, socket),               # 5: -> deny
+        _bpf(jeq, 3, 0, setsid),               # 6: -> deny
+        _bpf(jeq, 2, 0, setpgid),              # 7: -> deny
+        _bpf(jeq, 1, 0, io_uring_setup),       # 8: -> deny
+        _bpf(ret, 0, 0, _ALLOW),               # 9
+        _bpf(ret, 0, 0, _DENY),                # 10
     ])  # fmt: skip
+
+
+def signal_seccomp_program(machine: str, pid: int, pgid: int) -> bytes | None:
+    """The filter of step 6 for the program `pid` in process group `pgid`; None when `machine` is not supported.
+
+    Each rule is (syscall, argument, values, whether the values are the only ones allowed or the ones refused);
+    the kernel reads a pid (an int) from the low 32 bits of its argument, so that is what the filter compares."""
+    if machine not in _SIGNAL_SYSCALLS:
+        return None
+    kill, sigqueue, tgkill, tgsigqueue, tkill, pidfd_send_signal, fcntl, ioctl = _SIGNAL_SYSCALLS[machine]
+    own = (pid, 0, -pgid & 0xFFFFFFFF)  # itself, its group, its group by id
+    rules: list[tuple[int, int, tuple[int, ...], bool]] = [
+        (kill, 0, own, True),
+        (sigqueue, 0, own, True),
+        (tgkill, 0, (pid,), True),
+        (tgsigqueue, 0, (pid,), True),
+        (tkill, 0, (), True),
+        (pidfd_send_signal, 0, (), True),
+        (fcntl, 1, (_F_SETOWN, _F_SETOWN_EX), False),
+        (ioctl, 1, (_FIOSETOWN, _SIOCSPGRP), False),
+    ]
+    blocks = []
+    for _, argument, values, only_these in rules:
+        match, other = (_ALLOW, _DENY) if only_these else (_DENY, _ALLOW)
+        tests = [_bpf(_BPF_JEQ, len(values) - i, 0, value) for i, value in enumerate(values)]
+        blocks.append([_bpf(_BPF_LOAD, 0, 0, 16 + 8 * argument), *tests, _bpf(_BPF_RET, 0, 0, other),
+                       _bpf(_BPF_RET, 0, 0, match)])  # fmt: skip
+    head = [_bpf(_BPF_LOAD, 0, 0, 4), _bpf(_BPF_JEQ, 1, 0, _SYSCALLS[machine][0]), _bpf(_BPF_RET, 0, 0, _KILL),
+            _bpf(_BPF_LOAD, 0, 0, 0)]  # fmt: skip
+    # After the dispatch: one jump per rule, then "allow"; rule i's block starts `starts[i]` past the allow.
+    starts = [sum(len(block) for block in blocks[:i]) for i in range(len(blocks))]
+    dispatch = [_bpf(_BPF_JEQ, len(rules) - i + starts[i], 0, rule[0]) for i, rule in enumerate(rules)]
+    program = [*head, *dispatch, _bpf(_BPF_RET, 0, 0, _ALLOW), *(line for block in blocks for line in block)]
+    return b"".join(program)
 
 
 def apply_seccomp(libc: ctypes.CDLL, program: bytes) -> None:
@@ -161,8 +212,35 @@ def apply_seccomp(libc: ctypes.CDLL, program: bytes) -> None:
     _check(libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "seccomp")
 
 
-def lock_down(config: dict) -> None:
+def _mount(
+    libc: ctypes.CDLL, source: str | None, target: str, fstype: str | None, flags: int, data: bytes | None
+) -> None:
+    encoded = [None if text is None else text.encode() for text in (source, target, fstype)]
+    _check(libc.mount(*encoded, ctypes.c_ulong(flags), data), f"mount {target}")
+
+
+def hide_host_directories(libc: ctypes.CDLL, directories: list[str]) -> None:
+    """Step 0; `directories` are real paths, none inside another."""
+    workdir = os.getcwd()
+    work = os.open(workdir, os.O_PATH | os.O_CLOEXEC)
+    hidden = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+    for directory in directories:
+        _mount(libc, "tmpfs", directory, "tmpfs", hidden, _HIDING_TMPFS)
+        if workdir.startswith(directory.rstrip("/") + "/"):
+            os.makedirs(workdir)
+            _mount(libc, f"/proc/self/fd/{work}", workdir, None, _MS_BIND, None)
+        _mount(libc, None, directory, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | hidden, None)
+    os.close(work)
+    os.chdir(workdir)  # into the bind mount, where the program's paths lead
+    _check(libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "dropping capabilities")
+
+
+def lock_down(config: dict) -> int:
+    """Steps 0 to 4; returns the Landlock ABI applied (0: none)."""
     libc = ctypes.CDLL(None, use_errno=True)
+    abi = 0
+    if config["namespaces"]:
+        hide_host_directories(libc, config["hide"])
     set_limits(config["limits"])
     _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
     if config["landlock"]:
@@ -175,6 +253,17 @@ def lock_down(config: dict) -> None:
         if program is None:
             raise OSError(f"seccomp was required but {platform.machine()} is not supported")
         apply_seccomp(libc, program)
+    return abi
+
+
+def confine_signals(config: dict, landlock: int) -> None:
+    """Step 6, in the program's process before exec, where nothing else keeps its signals in the sandbox."""
+    if not config["seccomp"] or config["namespaces"] or landlock >= _FIRST_SIGNAL_SCOPING_ABI:
+        return
+    program = signal_seccomp_program(platform.machine(), os.getpid(), os.getpgid(0))
+    if program is None:
+        raise OSError(f"seccomp was required but {platform.machine()} is not supported")
+    apply_seccomp(ctypes.CDLL(None, use_errno=True), program)
 
 
 def _kill_group(signum: int, frame: object) -> None:
@@ -193,7 +282,7 @@ def die_with_group_on_parent_death(libc: ctypes.CDLL) -> None:
 def main(argv: list[str]) -> None:
     config = json.loads(argv[1])
     try:
-        lock_down(config)
+        landlock = lock_down(config)
         die_with_group_on_parent_death(ctypes.CDLL(None, use_errno=True))
     except OSError as exc:
         sys.stderr.write(f"sandbox setup failed: {exc}\n")
@@ -201,6 +290,7 @@ def main(argv: list[str]) -> None:
     program = os.fork()
     if program == 0:
         try:
+            confine_signals(config, landlock)
             os.execv(argv[2], argv[2:])
         except OSError as exc:
             sys.stderr.write(f"cannot start {argv[2]}: {exc}\n")

@@ -31,7 +31,7 @@ class FakeModels:
 
 
 @pytest.fixture
-def models() -> Iterator[tuple[FakeModels, str]]:
+def models(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeModels, str]]:
     state = FakeModels()
 
     class Handler(BaseHTTPRequestHandler):
@@ -65,8 +65,12 @@ def models() -> Iterator[tuple[FakeModels, str]]:
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    # The hub POSTs only where its operator allows; here, to this server.
+    monkeypatch.setenv("RLFLEET_REWARD_REMOTE_URL_PREFIXES", json.dumps([url]))
+    monkeypatch.setenv("RLFLEET_REWARD_JUDGE_ROUTER_URLS", json.dumps([url]))
     try:
-        yield state, f"http://127.0.0.1:{server.server_address[1]}"
+        yield state, url
     finally:
         server.shutdown()
         server.server_close()
