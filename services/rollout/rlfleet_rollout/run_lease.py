@@ -75,6 +75,11 @@ class RunLease:
         tokens = [t.decode() if isinstance(t, bytes) else t for t in raw]
         return {run_id: t for run_id, t in zip(run_ids, tokens, strict=True) if t is not None and t != self.token}
 
+    async def expires_in_s(self, run_id: str) -> float | None:
+        """Seconds until the lease of `run_id` runs out unless renewed; None when nobody holds it."""
+        left_ms = await self.client.pttl(self.key(run_id))
+        return left_ms / 1000 if left_ms >= 0 else None
+
     async def keep(self, run_id: str, driving: asyncio.Task[None]) -> None:
         """Renews the lease of `run_id` every quarter of its time until cancelled; if another orchestrator holds it
         now (it ran out during a Redis outage and was taken), `driving` is cancelled and this returns."""

@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 # Without notifications (e.g. runs submitted through another process) the queue still looks this often.
 _IDLE_RECHECK_S = 5.0
+# After the lease of a run another orchestrator drives would run out, when the queue looks again (its holder died:
+# the run is taken over then, not at the next idle look).
+_TAKEOVER_MARGIN_S = 0.05
 # After a run was interrupted by its records' outage, before the queue looks again (no tight loop).
 _INTERRUPTED_PAUSE_S = 1.0
 # Bound on releasing a run's lease once this orchestrator stops driving it; one not released runs out by itself.
@@ -48,6 +51,7 @@ class RunQueue:
         self._active_task: asyncio.Task[None] | None = None
         self._left: dict[str, str] = {}
         """The runs last left to other orchestrators, with theirs (to log each once, not at every look)."""
+        self._next_look_s = _IDLE_RECHECK_S
         deps.core.notifier.add_listener(self._on_change)
 
     async def serve(self) -> None:
@@ -59,7 +63,7 @@ class RunQueue:
             if run is None:
                 try:
                     # asyncio.timeout, not wait_for, which on Python 3.11 can lose a cancellation (concurrency.py).
-                    async with asyncio.timeout(_IDLE_RECHECK_S):
+                    async with asyncio.timeout(self._next_look_s):
                         await self._wake.wait()
                 except TimeoutError:
                     pass
@@ -117,6 +121,7 @@ class RunQueue:
     async def _next_run(self) -> Run | None:
         """The run to drive now, its lease taken: a RUNNING one (to resume) first, else the oldest QUEUED one; None
         when there is none, or while another orchestrator drives one of them."""
+        self._next_look_s = _IDLE_RECHECK_S
         runs = await self.deps.core.store.all_in_order([RunState.RUN_STATE_RUNNING, RunState.RUN_STATE_QUEUED])
         running = [r for r in runs if r.state == RunState.RUN_STATE_RUNNING]
         candidates = running or runs[:1]
@@ -130,6 +135,9 @@ class RunQueue:
                 logger.info("resuming run %s", run.id, extra={"run_id": run.id})
             return run
         self._leave(others or await self.lease.others([run.id]) or {run.id: "another orchestrator"})
+        # None: released since (its holder stopped driving it), so the run is free now.
+        expires_in = await self.lease.expires_in_s(run.id) or 0.0
+        self._next_look_s = min(_IDLE_RECHECK_S, expires_in + _TAKEOVER_MARGIN_S)
         return None
 
     def _leave(self, others: dict[str, str]) -> None:

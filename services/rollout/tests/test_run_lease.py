@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
 from rollout_test_support import REDIS_URL
+from trainer_release_support import StopOnlyTrainer, run_deps, runs_core
 
+from rlfleet.v1.runs_pb2 import Run, RunState
+from rlfleet_rollout import run_queue
+from rlfleet_rollout.concurrency import cancel_and_wait
 from rlfleet_rollout.run_lease import RunLease
+from rlfleet_rollout.run_queue import RunQueue
 
 TTL_S = 0.4
 
@@ -76,3 +82,43 @@ def test_the_driver_renews_its_lease_and_stops_driving_once_another_holds_it(
 
     asyncio.run(scenario())
     assert "orchestrator orchestrator-b holds the lease of run run-1 now" in caplog.text
+
+
+def test_a_queue_that_left_a_run_to_another_orchestrator_takes_it_over_as_that_lease_runs_out(
+    redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, the queue looked again only at its idle recheck (5 s), however soon the dead holder's lease ran out."""
+    driven: list[float] = []
+
+    async def drive(run_id: str, deps: object) -> None:
+        driven.append(time.monotonic())
+        await asyncio.sleep(3600)
+
+    monkeypatch.setattr(run_queue, "execute_run", drive)
+
+    async def scenario() -> float:
+        async with runs_core(redis_prefix) as core:
+            await core.store.create(Run(id="run-a", state=RunState.RUN_STATE_RUNNING))
+            dead = RunLease(core.store.client, redis_prefix, ttl_s=1.0, token="orchestrator-that-died")
+            assert await dead.hold("run-a")
+            left_at = time.monotonic()
+            mine = RunLease(core.store.client, redis_prefix, ttl_s=1.0, token="orchestrator-b")
+            queue = RunQueue(run_deps(core, StopOnlyTrainer(core)), mine)
+            monkeypatch.setattr(queue, "_free_trainer", _nothing)
+            serving = asyncio.create_task(queue.serve())
+            try:
+                deadline = time.monotonic() + 10
+                while not driven:
+                    assert not serving.done(), f"the queue ended: {serving.exception()!r}"
+                    assert time.monotonic() < deadline, "the run was never taken over"
+                    await asyncio.sleep(0.02)
+            finally:
+                await cancel_and_wait(serving)
+            return driven[0] - left_at
+
+    taken_after = asyncio.run(scenario())
+    assert 0.9 < taken_after < 2.0, f"taken over {taken_after:.2f}s after its lease of 1 s was last renewed"
+
+
+async def _nothing() -> None:
+    return None
