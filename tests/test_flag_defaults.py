@@ -74,3 +74,9 @@ def test_a_stale_default_in_the_help_is_caught() -> None:
     assert stated_value("2**24", 2**24) == 2**24
     assert stated_value("64 MiB", 67108864) == 67108864
     assert stated_value("1.25", 1.3) != 1.3
+
+
+def test_an_engine_waits_for_the_trainers_weight_group_as_long_as_the_trainer_does() -> None:
+    """An engine that gave up joining or receiving sooner would leave the trainer waiting for it to its own bound."""
+    engine = EngineConfig.model_fields["weight_group_timeout_s"].default
+    assert engine >= TrainerSettings.model_fields["weight_sync_timeout_s"].default

@@ -63,6 +63,10 @@ class EngineConfig(BaseSettings):
     weight_update_timeout_secs (600 s by default) and probes with /get_model_info meanwhile, so a long
     weight load is never judged by this, while an engine a lost /continue_generation left paused is taken
     out and restarted instead of holding its requests for ever."""
+    weight_group_timeout_s: float = Field(default=120.0, gt=0)
+    """Bound on joining a trainer's weight update group and on each broadcast received through it. Keep it at
+    least the trainer's --weight-sync-timeout-s (120 s by default): an engine that gives up sooner leaves the
+    trainer waiting for it to its own bound."""
     sim_cache_tokens: int = Field(default=1_000_000, ge=16)
     """`sim` backend: tokens of KV memory, held by running requests and the prefix cache (LRU beyond);
     model_path is then only a label."""
@@ -104,6 +108,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--weight-version", "Version label of the initial weights (default 'default')."),
     Flag("--health-check-timeout", "Seconds /health_generate may take (default 20).", field="health_check_timeout_s"),
     Flag("--max-pause", "Seconds paused before /health_generate answers 503 (default 600).", field="max_pause_s"),
+    Flag(
+        "--weight-group-timeout",
+        "Seconds to join a weight update group or receive one broadcast (default 120).",
+        field="weight_group_timeout_s",
+    ),
     Flag("--sim-cache-tokens", "sim backend: KV memory in tokens (default 1000000)."),
     Flag("--sim-prefill-us-per-token", "sim backend: prefill us per uncached token (default 25)."),
     Flag("--sim-decode-ms-per-step", "sim backend: ms per decode step of one sequence (default 5)."),

@@ -37,10 +37,6 @@ from rlfleet_engine.schemas import (
 
 logger = logging.getLogger(__name__)
 
-GROUP_TIMEOUT_S = 60.0
-"""Bound on joining a group and on each broadcast. A collective cannot be called off, so a receive whose
-sender gave up (another rank failed) ends only at this bound; then the group is dropped."""
-
 CheckTensors = Callable[[Sequence[tuple[str, tuple[int, ...]]], str], None]
 ApplyTensors = Callable[[dict[str, torch.Tensor], UpdateWeightsFromDistributedRequest], Awaitable[int]]
 
@@ -49,7 +45,9 @@ class WeightReceiver:
     """Open groups by name and the updates received through them.
 
     `check` raises InvalidInput for tensors the model cannot take; `apply` loads received tensors
-    (and the request's weight_version) and returns how many requests it held meanwhile.
+    (and the request's weight_version) and returns how many requests it held meanwhile. `timeout_s` bounds
+    joining a group and each broadcast: a collective cannot be called off, so a receive whose sender gave up
+    (another rank failed) ends only at this bound; then the group is dropped.
     """
 
     def __init__(
@@ -57,8 +55,9 @@ class WeightReceiver:
         check: CheckTensors,
         apply: ApplyTensors,
         abort_all: Callable[[], None],
+        *,
+        timeout_s: float,
         backends: Sequence[str] = ("gloo",),
-        timeout_s: float = GROUP_TIMEOUT_S,
     ) -> None:
         self._check = check
         self._apply = apply

@@ -68,6 +68,7 @@ class EngineCore(ScheduledGeneration):
             check=backend.check_tensors,
             apply=self._load_received,
             abort_all=lambda: self.scheduler.abort("", abort_all=True),
+            timeout_s=self.config.weight_group_timeout_s,
         )
 
     def start(self) -> None:

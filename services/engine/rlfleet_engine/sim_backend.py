@@ -339,6 +339,7 @@ class SimEngineCore(ScheduledGeneration):
             check=lambda shapes, source: None,
             apply=self._discard_received,
             abort_all=lambda: self.scheduler.abort("", abort_all=True),
+            timeout_s=self.config.weight_group_timeout_s,
         )
 
     async def _discard_received(self, tensors: dict[str, Any], req: UpdateWeightsFromDistributedRequest) -> int:
