@@ -54,6 +54,14 @@ class Conflict(RlfleetError):
     kind = "conflict"
 
 
+class AlreadyExists(Conflict):
+    """What the request would create already exists (e.g. a Submit's request_id already made a run, from another
+    spec); no retry of the request can succeed."""
+
+    grpc_code = "ALREADY_EXISTS"
+    kind = "already_exists"
+
+
 class ResourceExhausted(RlfleetError):
     """Too large or too many; retry with less."""
 

@@ -11,6 +11,7 @@ import builtins  # `list` names a method in RunsClient's scope
 import json
 import re
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,12 @@ WATCH_READ_TIMEOUT_S after its last line): `rlfleet up` restarts a stopped orche
 and it answers again once it has started (seconds)."""
 RECONNECT_BACKOFF_S = (0.5, 5.0)
 """First and largest wait between attempts to watch again; each wait doubles the one before."""
+SUBMIT_RETRY_S = 30.0
+"""How long `submit` sends a Submit again while it fails in a way a retry can fix (an orchestrator `rlfleet up`
+restarts answers again within seconds); each repeat carries the first one's request_id, so none makes a second
+run."""
+SUBMIT_BACKOFF_S = (0.5, 4.0)
+"""First and largest wait between attempts of a Submit; each wait doubles the one before."""
 INT64_TYPES = frozenset({FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64})
 LIST_PAGE_SIZE = 1000
 """The orchestrator's largest page: listing every run takes the fewest requests."""
@@ -142,11 +149,42 @@ class RunsClient:
     def close(self) -> None:
         self.http.close()
 
-    def submit(self, spec: RunSpec, *, validate_only: bool = False) -> Run:
+    def submit(
+        self,
+        spec: RunSpec,
+        *,
+        validate_only: bool = False,
+        request_id: str | None = None,
+        retry_within_s: float | None = None,
+        on_retry: Callable[[str], None] | None = None,
+    ) -> Run:
         """The run as stored; with `validate_only`, the run the orchestrator would create after every check of a
-        submit, without an id (nothing is stored)."""
-        params = {"validate_only": "true"} if validate_only else None
-        return self._run(self._request("POST", "/v1/runs", json=json_format.MessageToDict(spec), params=params))
+        submit, without an id (nothing is stored).
+
+        A Submit carries a request_id (AIP-155; `request_id`, else a fresh UUID4) and is sent again with the same
+        one, with backoff, while it fails in a way a retry can fix (nothing answered, no answer within the
+        timeout, a 5xx) for up to `retry_within_s` (default SUBMIT_RETRY_S) from the first attempt (an attempt
+        started then may take the client's timeout more): the orchestrator answers a repeat with the run the
+        first one created, so a Submit whose answer was lost never makes a second run. `on_retry` is told of the
+        first failure."""
+        params = {"validate_only": "true"} if validate_only else {"request_id": request_id or str(uuid.uuid4())}
+        body = json_format.MessageToDict(spec)
+        retry_within_s = SUBMIT_RETRY_S if retry_within_s is None else retry_within_s
+        deadline = time.monotonic() + retry_within_s
+        wait, longest = SUBMIT_BACKOFF_S
+        told = on_retry is None
+        while True:
+            try:
+                return self._run(self._request("POST", "/v1/runs", json=body, params=params))
+            except Unavailable as exc:
+                if time.monotonic() + wait > deadline:
+                    raise
+                if not told and on_retry is not None:
+                    again = f" with request_id {params['request_id']}" if "request_id" in params else ""
+                    on_retry(f"submit: {exc}; sending it again{again} for up to {retry_within_s:g} s")
+                    told = True
+            time.sleep(wait)
+            wait = min(2 * wait, longest)
 
     def get(self, run_id: str) -> Run:
         return self._run(self._request("GET", f"/v1/runs/{run_id}"))

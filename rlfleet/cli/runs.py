@@ -4,6 +4,10 @@ The orchestrator is the one named by --api, else by $RLFLEET_API_URL, else the f
 in <state-dir>/fleet.json (so a fleet on other ports is found), else http://127.0.0.1:8000. An error about the
 address says which of them gave it: a stale variable or fleet.json would look like a fleet that is down.
 
+`submit` sends its Submit with a fresh request_id (a UUID4) and, while nothing answers, the answer is lost or a 5xx
+comes back, sends it again with the same request_id for up to 30 s: the orchestrator answers a repeat with the run
+the first one made, so a retry never submits a second run.
+
 `submit --dry-run` has the orchestrator make every check of a submit and prints the spec as it would run (YAML,
 defaults filled in), then a `#` line saying it is valid and nothing was submitted; a bad spec fails as a submit
 would (status 2).
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import uuid
 from pathlib import Path
 from typing import TextIO
 
@@ -212,11 +217,16 @@ def run_submit(args: argparse.Namespace) -> int:
     spec = load_spec_file(args.spec)
     if args.model_path:
         spec.model.path = args.model_path
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
     if args.dry_run:
-        print(spec_yaml(client.submit(spec, validate_only=True).spec), end="")
+        print(spec_yaml(client.submit(spec, validate_only=True, on_retry=say).spec), end="")
         print(f"# {args.spec} is valid (the spec above is it with every default filled in); nothing was submitted")
         return 0
-    run = client.submit(spec)
+    # One request_id for this invocation: every retry of the Submit repeats it, so none makes a second run.
+    run = client.submit(spec, request_id=str(uuid.uuid4()), on_retry=say)
     print(run.id)
     if args.watch:
         final = watch_until_done(client, run.id, sys.stdout, WATCH_RECONNECT_S)

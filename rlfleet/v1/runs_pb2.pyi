@@ -315,12 +315,14 @@ class Run(_message.Message):
     def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[RunSpec, _Mapping]] = ..., state: _Optional[_Union[RunState, str]] = ..., error: _Optional[str] = ..., progress: _Optional[_Union[RunProgress, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., evals: _Optional[_Iterable[_Union[EvalResult, _Mapping]]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., stalled: _Optional[str] = ...) -> None: ...
 
 class SubmitRunRequest(_message.Message):
-    __slots__ = ("spec", "validate_only")
+    __slots__ = ("spec", "validate_only", "request_id")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     VALIDATE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     spec: RunSpec
     validate_only: bool
-    def __init__(self, spec: _Optional[_Union[RunSpec, _Mapping]] = ..., validate_only: _Optional[bool] = ...) -> None: ...
+    request_id: str
+    def __init__(self, spec: _Optional[_Union[RunSpec, _Mapping]] = ..., validate_only: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GetRunRequest(_message.Message):
     __slots__ = ("id",)

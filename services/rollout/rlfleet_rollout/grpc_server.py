@@ -35,7 +35,7 @@ class RunsServicer(runs_pb2_grpc.RunsServicer):
         self.core = core
 
     async def Submit(self, request: SubmitRunRequest, context: aio.ServicerContext) -> Run:  # noqa: N802
-        return await self.core.submit(request.spec, validate_only=request.validate_only)
+        return await self.core.submit(request.spec, validate_only=request.validate_only, request_id=request.request_id)
 
     async def Get(self, request: GetRunRequest, context: aio.ServicerContext) -> Run:  # noqa: N802
         return await self.core.get(request.id)

@@ -2,6 +2,7 @@
 
 POST /v1/runs               body: RunSpec JSON            -> Run
                            ?validate_only=true: every check, nothing stored -> the Run it would create, no id
+                           ?request_id=<uuid>: a repeat answers the run the first made (409 for another spec)
 GET  /v1/runs               ?state=&page_size=&page_token= -> ListRunsResponse
 GET  /v1/runs/{id}                                         -> Run
 POST /v1/runs/{id}:cancel                                  -> Run (GET: 405, Allow: POST)
@@ -115,9 +116,12 @@ def build_app(
     require_api_token(app, guard)  # added last, so it runs first: strangers are refused before anything else
 
     @app.post("/v1/runs")
-    async def submit(request: Request, validate_only: bool = False) -> JSONResponse:
-        check_query(request, ("validate_only",))
-        run = await core.submit(parse_run_spec(await request.body()), validate_only=validate_only)
+    async def submit(request: Request, validate_only: bool = False, request_id: str = "") -> JSONResponse:
+        check_query(request, ("validate_only", "request_id"))
+        if "request_id" in request.query_params and not request_id:
+            raise InvalidInput("query.request_id: empty; leave it out to submit without one")
+        spec = parse_run_spec(await request.body())
+        run = await core.submit(spec, validate_only=validate_only, request_id=request_id)
         return JSONResponse(to_json(run))
 
     @app.get("/v1/runs")

@@ -3,7 +3,10 @@
 Keys (under the configured prefix):
 - `run:<id>:record`: the serialized `Run`;
 - `runs:index`: sorted set of run ids scored by a creation sequence number (`runs:seq`), which
-  orders List and the run queue and doubles as the page cursor.
+  orders List and the run queue and doubles as the page cursor;
+- `submit-request:<request_id>`: the run a Submit with that request_id made and its spec's digest (JSON), written
+  in the transaction that creates the run (WATCH on the key, so two Submits of one request_id store one run) and
+  expiring after 24 h (submit_requests.py).
 
 A run's working data (its sample stream, the stream's id set and dead letters, its data position) is given
 an expiry in the same transaction as the record that ends the run; the record stays.
@@ -30,6 +33,7 @@ from rlfleet.sample_stream import stream_keys
 from rlfleet.v1.runs_pb2 import Run, RunState
 from rlfleet_rollout.run_data import data_position_key
 from rlfleet_rollout.run_events import is_terminal
+from rlfleet_rollout.submit_requests import REQUEST_ID_RETENTION_S, RequestRecord, SubmitRequest
 
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000
@@ -39,22 +43,67 @@ _FIRST_RETRY_PAUSE_S, _MAX_RETRY_PAUSE_S, _UPDATE_WITHIN_S = 0.001, 0.05, 10.0
 
 
 class RunStore:
-    def __init__(self, client: aioredis.Redis, prefix: str) -> None:
+    def __init__(
+        self, client: aioredis.Redis, prefix: str, *, request_id_retention_s: float = REQUEST_ID_RETENTION_S
+    ) -> None:
+        """`request_id_retention_s`: how long a Submit's request_id is honoured (submit_requests.py)."""
         self.client = client
         self.prefix = prefix
+        self.request_id_retention_s = request_id_retention_s
         self.index_key = f"{prefix}runs:index"
         self.seq_key = f"{prefix}runs:seq"
 
     def record_key(self, run_id: str) -> str:
         return f"{self.prefix}run:{run_id}:record"
 
-    async def create(self, run: Run) -> None:
-        """Stores a new run at the end of the creation order."""
-        seq = await self.client.incr(self.seq_key)
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.set(self.record_key(run.id), run.SerializeToString())
-            pipe.zadd(self.index_key, {run.id: seq})
-            await pipe.execute()
+    def request_key(self, request_id: str) -> str:
+        return f"{self.prefix}submit-request:{request_id}"
+
+    async def create(self, run: Run, request: SubmitRequest | None = None) -> RequestRecord | None:
+        """Stores a new run at the end of the creation order. With `request` (a Submit's request_id), the run is
+        stored only if no run holds that request_id yet, and the request_id is recorded with the run, in one
+        transaction, for `request_id_retention_s`: returns None when this call stored the run, else the record
+        of the run an earlier Submit of the request_id made (nothing stored)."""
+        seq = await self.client.incr(self.seq_key)  # a number a lost race leaves unused is a harmless gap
+        if request is None:
+            async with self.client.pipeline(transaction=True) as pipe:
+                self._queue_create(pipe, run, seq)
+                await pipe.execute()
+            return None
+        key = self.request_key(request.request_id)
+        mine = RequestRecord(run.id, request.spec_sha256)
+        deadline, pause = time.monotonic() + _UPDATE_WITHIN_S, _FIRST_RETRY_PAUSE_S
+        while True:
+            async with self.client.pipeline(transaction=True) as pipe:
+                try:
+                    await pipe.watch(key)
+                    raw = await pipe.get(key)
+                    if raw is not None:
+                        earlier = RequestRecord.from_bytes(raw)
+                        # Our own write, when its EXEC went through but the reply was lost (see below).
+                        return None if earlier == mine else earlier
+                    pipe.multi()
+                    self._queue_create(pipe, run, seq)
+                    pipe.set(key, mine.to_bytes(), ex=math.ceil(self.request_id_retention_s))
+                    await pipe.execute()
+                    return None
+                except WatchError:
+                    pass
+            # Another Submit of the request_id wrote the key since the WATCH (the next read finds its run), or the
+            # connection failed while watching, possibly after Redis ran the EXEC (the next read finds ours).
+            if time.monotonic() + pause > deadline:
+                raise Unavailable(f"request_id {request.request_id!r}: its record kept changing under each write")
+            await asyncio.sleep(random.uniform(0, pause))
+            pause = min(2 * pause, _MAX_RETRY_PAUSE_S)
+
+    async def request_record(self, request_id: str) -> RequestRecord | None:
+        """The run a Submit of `request_id` made within the retention, if any."""
+        raw = await self.client.get(self.request_key(request_id))
+        return None if raw is None else RequestRecord.from_bytes(raw)
+
+    def _queue_create(self, pipe: aioredis.client.Pipeline, run: Run, seq: int) -> None:
+        pipe.set(self.record_key(run.id), run.SerializeToString())
+        pipe.zadd(self.index_key, {run.id: seq})
 
     async def get(self, run_id: str) -> Run:
         raw = await self.client.get(self.record_key(run_id)) if run_id else None

@@ -21,7 +21,7 @@ from pathlib import Path
 import redis
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from rlfleet.errors import Conflict, DeadlineExceeded, InvalidInput, Unavailable
+from rlfleet.errors import AlreadyExists, Conflict, DeadlineExceeded, InvalidInput, Unavailable
 from rlfleet.run_spec import resolve, validate
 from rlfleet.sample_stream import REDIS_RETRY_ERRORS
 from rlfleet.v1.runs_pb2 import ListRunsResponse, Run, RunEvent, RunProgress, RunSpec, RunState
@@ -35,6 +35,7 @@ from rlfleet_rollout.rollout_function import RolloutRegistry
 from rlfleet_rollout.run_data import RunData
 from rlfleet_rollout.run_events import RunNotifier, describe_change, is_terminal, state_name
 from rlfleet_rollout.run_store import RunStore
+from rlfleet_rollout.submit_requests import RequestRecord, SubmitRequest
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +103,21 @@ class RunsCore:
 
     # -- the API ------------------------------------------------------------------------------
 
-    async def submit(self, spec: RunSpec, *, validate_only: bool = False) -> Run:
+    async def submit(self, spec: RunSpec, *, validate_only: bool = False, request_id: str = "") -> Run:
         """Resolves and validates `spec` in full, then stores the run QUEUED; nothing is stored if it is bad.
 
         `validate_only` (AIP-163) makes every check and returns the run as it would be created, without the id
-        and created_at only a stored run gets; nothing is stored, announced or counted."""
+        and created_at only a stored run gets; nothing is stored, announced or counted.
+
+        `request_id` (AIP-155; submit_requests.py) makes a retry safe: a Submit of a request_id that already made a
+        run is answered that run as it is now, unchecked and with nothing stored, and one with another spec is
+        AlreadyExists; concurrent Submits of one request_id store one run."""
+        request = SubmitRequest.of(request_id, spec) if request_id else None
+        if request is not None and not validate_only:
+            with records_reachable():
+                earlier = await self.store.request_record(request.request_id)
+            if earlier is not None:  # checked before the spec: a retry is not refused for a reward hub down now
+                return await self._run_of_request(request, earlier)
         resolved = resolve(spec)
         validate(resolved)
         require_under_roots(resolved, self.data_roots)  # before any of them is opened
@@ -126,11 +137,31 @@ class RunsCore:
         run.id = f"run-{uuid.uuid4().hex[:12]}"
         run.created_at.CopyFrom(now())
         with records_reachable():
-            await self.store.create(run)
+            earlier = await self.store.create(run, request)
+        if earlier is not None:  # another Submit of the request_id stored its run first
+            assert request is not None
+            return await self._run_of_request(request, earlier)
         self.metrics.count_run_state(None, run.state)
         logger.info("run %s submitted (%s)", run.id, resolved.name or "unnamed", extra={"run_id": run.id})
         self.notifier.publish(run)
         return run
+
+    async def _run_of_request(self, request: SubmitRequest, earlier: RequestRecord) -> Run:
+        """The run an earlier Submit of `request`'s request_id made, as it is now; AlreadyExists if that Submit sent
+        another spec."""
+        if earlier.spec_sha256 != request.spec_sha256:
+            raise AlreadyExists(
+                f"request_id: {request.request_id!r} was already used by a Submit of another spec, which made run "
+                f"{earlier.run_id}; a request_id names one Submit: send another spec with a fresh request_id"
+            )
+        logger.info(
+            "Submit repeated with request_id %s: answered with run %s, nothing stored",
+            request.request_id,
+            earlier.run_id,
+            extra={"run_id": earlier.run_id, "request_id": request.request_id},
+        )
+        with records_reachable():
+            return await self.store.get(earlier.run_id)
 
     async def get(self, run_id: str) -> Run:
         with records_reachable():
