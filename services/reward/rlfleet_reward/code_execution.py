@@ -6,14 +6,15 @@ A `stdout` test feeds `stdin` to the program and passes when it exits 0 and prin
 the program followed by the check's code and passes when that exits 0. The program is the last
 fenced code block of the response (```python ... ```), or the whole response when it has none.
 
-The caller's limits (`memory_mb`, `max_processes`, `file_size_mb`) are bounded by the hub's caps
+The caller's limits (`memory_mb`, `max_processes`, `file_size_mb`, `disk_mb`) are bounded by the hub's caps
 (`RLFLEET_REWARD_CODE_MAX_*`, see `config.SpecCaps`): a spec asking past one is refused when validated.
 
 The score is the fraction of tests passed (or 1.0/0.0 without `partial_credit`). Every failure is
 counted under its reason, so a hostile or broken program is an OK item scored 0 whose components say
 why: `code/passed`, `code/tests`, and `code/time_limit` (wall clock or CPU), `code/memory_limit`,
-`code/output_limit` (file size), `code/runtime_error` (a non-zero exit: an exception, or a refused
-operation such as opening a socket or writing outside its directory), `code/wrong_answer`.
+`code/output_limit` (a file past `file_size_mb`, or the run's directory past `disk_mb` or 10,000 entries),
+`code/runtime_error` (a non-zero exit: an exception, or a refused operation such as opening a socket or
+writing outside its directory), `code/wrong_answer`.
 See `sandbox.py` for what contains the program.
 """
 
@@ -39,6 +40,7 @@ _CAPS = {
     "memory_mb": "code_max_memory_mb",
     "max_processes": "code_max_processes",
     "file_size_mb": "code_max_file_size_mb",
+    "disk_mb": "code_max_disk_mb",
 }
 
 
@@ -53,13 +55,20 @@ class CodeParams(BaseModel):
     file_size_mb: int = Field(
         default=16, validate_default=True, ge=0, le=1024, description="Largest file a run may write."
     )
+    disk_mb: int = Field(
+        default=64,
+        validate_default=True,
+        ge=1,
+        le=65536,
+        description="What a run's directory may hold (all its files, main.py too); past it the run is killed.",
+    )
     max_processes: int = Field(
         default=32, validate_default=True, ge=2, le=1024, description="Processes (and threads) a run may have."
     )
     partial_credit: bool = Field(default=True, description="Score the fraction passed; else 1.0 only if all pass.")
 
     # Defaults are checked too (validate_default): a hub that caps below them asks specs to name a lower value.
-    @field_validator("memory_mb", "max_processes", "file_size_mb")
+    @field_validator("memory_mb", "max_processes", "file_size_mb", "disk_mb")
     @classmethod
     def _within_the_hubs_cap(cls, value: int, info: ValidationInfo) -> int:
         setting = _CAPS[info.field_name or ""]
@@ -117,10 +126,11 @@ def _stdout_read(test: CodeCase) -> int:
 
 def verdict(result: RunResult, test: CodeCase) -> str:
     """`passed` or the reason the run failed."""
+    # Before the time limit: the disk watchdog ends a run with SIGKILL.
+    if result.disk_exceeded or result.exit_code == 128 + signal.SIGXFSZ:
+        return "output_limit"
     if result.timed_out or result.exit_code in (128 + signal.SIGXCPU, 128 + signal.SIGKILL):
         return "time_limit"
-    if result.exit_code == 128 + signal.SIGXFSZ:
-        return "output_limit"
     if result.exit_code != 0:
         return "memory_limit" if "MemoryError" in result.stderr[-2000:] else "runtime_error"
     if test.stdout is not None and (result.stdout_truncated or _lines(result.stdout) != _lines(test.stdout)):
@@ -139,6 +149,7 @@ def score_code(sample: RewardInput, params: Mapping[str, Any]) -> Scored:
         cpu_seconds=params["cpu_seconds"] or math.ceil(params["timeout_seconds"]),
         memory_bytes=params["memory_mb"] * _MB,
         file_size_bytes=params["file_size_mb"] * _MB,
+        disk_bytes=params["disk_mb"] * _MB,
         max_processes=params["max_processes"],
     )
     program = extract_program(sample.response)

@@ -48,6 +48,12 @@ class SpecCaps(BaseSettings):
     code_max_file_size_mb: int = Field(
         default=64, ge=0, description="Largest `file_size_mb` (one file, or stdout) a `code` spec may ask."
     )
+    code_max_disk_mb: int = Field(
+        default=256,
+        ge=1,
+        description="Largest `disk_mb` (what one test's directory may hold) a `code` spec may ask; the hub's worst "
+        "case on disk is `workers` times this, plus stdout and stderr (each up to `file_size_mb`) per worker.",
+    )
     remote_url_prefixes: list[AnyHttpUrl] = Field(
         default_factory=list,
         description="URLs `remote` may POST to: a spec's `url` must have one's scheme, host and port, and its path "

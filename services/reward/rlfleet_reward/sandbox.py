@@ -2,7 +2,9 @@
 
 Always: a new session (its own process group) that the program cannot leave, killed as a whole on a
 wall-clock timeout and after the program ends; CPU, memory (address space), file-size, process
-and open-file limits; a scrubbed environment (PATH, LANG, HOME and TMPDIR only) and `python -I`;
+and open-file limits; a disk bound on the working directory (bytes allocated and entries), which a watchdog
+checks every `_DISK_POLL_SECONDS` while the program runs and once after it, killing the group past it; a
+scrubbed environment (PATH, LANG, HOME and TMPDIR only) and `python -I`;
 a fresh working directory, deleted afterwards (or, when the hub killed the worker mid-run, by the next
 run of another worker); seccomp refusing `socket()` (AF_UNIX too), and, where neither a PID namespace nor
 Landlock ABI >= 6 does it, signals to processes outside the sandbox (see `sandbox_init`). Importing this module
@@ -26,6 +28,7 @@ import codecs
 import ctypes
 import functools
 import json
+import math
 import os
 import platform
 import pwd
@@ -40,7 +43,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rlfleet_reward import sandbox_init
 
@@ -72,6 +75,18 @@ _PROGRAM_START = (
 # A run's directory and streams are named `rlfleet-sandbox-<worker pid>-...`, so a run can tell a dead
 # worker's leftovers from a live one's.
 _PREFIX = "rlfleet-sandbox-"
+# The limits the hub enforces itself rather than the kernel, left out of what `sandbox_init` sets.
+_NOT_RLIMITS = frozenset({"wall_seconds", "disk_bytes", "disk_entries"})
+# RLIMIT_FSIZE bounds each file, not how many: the disk watchdog sums what the working directory holds this often
+# while the program runs. The wait on the program's exit has this timeout, so a run that ends sooner is not
+# slowed; between two checks a program can pass the bound by what it writes in that time, no more.
+_DISK_POLL_SECONDS = 0.05
+# A check of thousands of entries takes milliseconds: the next one waits at least this many times as long, so the
+# watchdog takes at most about a fifth of a core.
+_DISK_CHECK_SPACING = 4
+# A directory renamed or removed while a check reads it makes the check look again, this many times at most: a
+# program that keeps moving its directories hides what they hold, so it counts as past the bound.
+_DISK_CHECK_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -82,6 +97,10 @@ class SandboxLimits:
     file_size_bytes: int
     max_processes: int
     max_open_files: int = 64
+    # What the working directory may hold: bytes allocated (st_blocks, so a sparse file counts what it uses, and
+    # directories and links count too), and entries (files, directories, links), so that a check stays short.
+    disk_bytes: int = 64 << 20
+    disk_entries: int = 10_000
 
 
 _SELFTEST_LIMITS = SandboxLimits(
@@ -138,6 +157,8 @@ class RunResult:
     seconds: float
     # The program wrote more than `stdout` holds, and not only whitespace: past what the caller's verdict reads.
     stdout_truncated: bool = False
+    # The working directory held more than `disk_bytes` or `disk_entries`: the group was killed (if still running).
+    disk_exceeded: bool = False
 
 
 def _unprivileged_ids() -> tuple[int, int] | None:
@@ -261,11 +282,9 @@ def run_python(
         if not isolation.namespaces:
             # RLIMIT_NPROC counts every task of the user, not only the sandbox's: add what it already runs.
             process_limit += _tasks_of(isolation.run_as[0] if isolation.run_as else os.getuid())
+        rlimits = {key: int(value) for key, value in asdict(limits).items() if key not in _NOT_RLIMITS}
         config = {
-            "limits": {
-                **{key: int(value) for key, value in asdict(limits).items() if key != "wall_seconds"},
-                "max_processes": process_limit,
-            },
+            "limits": {**rlimits, "max_processes": process_limit},
             "landlock": bool(isolation.landlock),
             "seccomp": isolation.seccomp,
             "namespaces": isolation.namespaces,
@@ -338,29 +357,72 @@ def _run(
                 preexec_fn=_die_with_parent,
                 **ids,
             )
-        timed_out = not _wait_without_reaping(process.pid, limits.wall_seconds)
+        ending = _watch(process.pid, work, limits)
         # The leader is not reaped yet, so its pid (the group's id) cannot have been reused.
         _kill_group(process.pid)
         exit_code = process.wait(timeout=_GROUP_KILL_SECONDS)
         seconds = time.monotonic() - started
+        # Once more with nothing left running, so a program that filled the directory and ended between two
+        # checks is caught too (its directory is deleted anyway, but the verdict does not depend on timing).
+        disk_exceeded = ending == "disk" or _past_disk_bound(work, limits)
         exit_code = 128 - exit_code if exit_code < 0 else exit_code
         stdout, truncated = _read_prefix(streams["stdout"], stdout_bytes)
         stderr, _ = _read_prefix(streams["stderr"], _MAX_STDERR_BYTES)
-        return RunResult(exit_code, timed_out, stdout, stderr, seconds, truncated)
+        return RunResult(exit_code, ending == "timed_out", stdout, stderr, seconds, truncated, disk_exceeded)
     finally:
         for path in streams.values():
             path.unlink(missing_ok=True)
 
 
-def _wait_without_reaping(pid: int, timeout: float) -> bool:
-    """True when `pid` exited within `timeout` (it stays a zombie until waited for)."""
+def _watch(pid: int, work: Path, limits: SandboxLimits) -> Literal["exited", "timed_out", "disk"]:
+    """Waits for `pid` to exit (it stays a zombie until waited for) until the wall-clock limit, checking the disk
+    bound between waits: how the wait ended."""
+    deadline = time.monotonic() + limits.wall_seconds
+    interval = _DISK_POLL_SECONDS
     pidfd = os.pidfd_open(pid)
     try:
         poller = select.poll()
         poller.register(pidfd, select.POLLIN)
-        return bool(poller.poll(max(0, int(timeout * 1000))))
+        while (left := deadline - time.monotonic()) > 0:
+            if poller.poll(math.ceil(min(left, interval) * 1000)):
+                return "exited"
+            checked = time.monotonic()
+            if _past_disk_bound(work, limits):
+                return "disk"
+            interval = max(_DISK_POLL_SECONDS, _DISK_CHECK_SPACING * (time.monotonic() - checked))
+        return "exited" if poller.poll(0) else "timed_out"
     finally:
         os.close(pidfd)
+
+
+def _past_disk_bound(work: Path, limits: SandboxLimits) -> bool:
+    """Whether `work` holds more than `limits.disk_bytes` or `limits.disk_entries`. Links are not followed; the
+    check stops at the first bound passed, so it reads at most `disk_entries` entries however many there are."""
+    for _ in range(_DISK_CHECK_ATTEMPTS):
+        past = _past_disk_bound_once(work, limits)
+        if past is not None:
+            return past
+    return True
+
+
+def _past_disk_bound_once(work: Path, limits: SandboxLimits) -> bool | None:
+    """None when an entry went away (or a directory became a file) while being read."""
+    used, entries, pending = 0, 0, [str(work)]
+    while pending:
+        try:
+            with os.scandir(pending.pop()) as listing:
+                for entry in listing:
+                    entries += 1
+                    used += entry.stat(follow_symlinks=False).st_blocks * 512
+                    if entries > limits.disk_entries or used > limits.disk_bytes:
+                        return True
+                    if entry.is_dir(follow_symlinks=False):
+                        pending.append(entry.path)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError:
+            return True  # a directory it cannot read (a path too long, no permission) hides what it holds
+    return False
 
 
 def _kill_group(pgid: int) -> None:
