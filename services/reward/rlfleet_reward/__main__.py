@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from rlfleet_reward.reward_function import RewardFunction
 
 FLAGS: tuple[Flag, ...] = (
-    Flag("--host", "interface to bind (default 0.0.0.0)"),
+    Flag("--host", "interface to bind (default 127.0.0.1)"),
     Flag("--port", "HTTP port (default 8001)"),
     Flag("--grpc-port", "gRPC port (default 50053)"),
     Flag("--workers", "worker processes (default: CPUs available)"),

@@ -124,7 +124,11 @@ def _under(path: str | None, prefix: str | None) -> bool:
 class RewardSettings(SpecCaps):
     model_config = SettingsConfigDict(env_prefix="RLFLEET_REWARD_", extra="forbid")
 
-    host: str = Field(default="0.0.0.0", description="Interface the HTTP and gRPC servers bind.")
+    host: str = Field(
+        default="127.0.0.1",
+        description="Interface the HTTP and gRPC servers bind; the hub checks no token, so only the fleet may reach it "
+        "(the image sets 0.0.0.0, behind its network policy).",
+    )
     port: int = Field(
         default=8001, ge=0, le=65535, description="HTTP port (POST /score, /functions, /health, /metrics)."
     )
