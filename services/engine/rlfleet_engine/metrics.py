@@ -7,6 +7,7 @@ metric SGLang has no name for, the size of each decode batch, is ours: rlfleet_e
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from typing import TYPE_CHECKING
@@ -36,6 +37,8 @@ class EngineMetrics:
         self.num_running_reqs = gauge("sglang:num_running_reqs", "The number of running requests.")
         self.num_queue_reqs = gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.")
         self.gen_throughput = gauge("sglang:gen_throughput", "The generation throughput (token/s).")
+        # Computed when scraped, so it falls to 0 once the engine stops generating (no decode step would set it).
+        self.gen_throughput.set_function(self.windowed_gen_throughput)
         self.cache_hit_rate = gauge("sglang:cache_hit_rate", "The prefix cache hit rate.")
         self.num_used_tokens = gauge("sglang:num_used_tokens", "The number of used tokens.")
         self.prompt_tokens = Counter(
@@ -82,19 +85,43 @@ class EngineMetrics:
             registry=registry,
         ).labels(**req)
         self.cache_hit_rate.set(0.0)
+        # (monotonic time, tokens) of each step in the last window. The scheduler thread appends while a scrape
+        # reads, so both hold the lock.
         self._recent: deque[tuple[float, int]] = deque()
-        self.last_gen_throughput = 0.0
+        self._recent_lock = threading.Lock()
 
     def observe_generated(self, tokens: int) -> None:
-        """Counts `tokens` new output tokens and refreshes the windowed throughput gauge."""
+        """Counts `tokens` new output tokens, made by one step now, for the counter and the windowed throughput."""
         now = time.monotonic()
         self.generation_tokens.inc(tokens)
-        self._recent.append((now, tokens))
+        with self._recent_lock:
+            self._recent.append((now, tokens))
+            self._trim(now)
+
+    def windowed_gen_throughput(self) -> float:
+        """Output tokens/s over the last `_THROUGHPUT_WINDOW_S` (or since the oldest step in it, if more recent).
+
+        The oldest step's tokens were made before its timestamp, so they only mark where the span starts; a lone
+        step counts over the whole window. 0 once no step is left in the window.
+        """
+        now = time.monotonic()
+        with self._recent_lock:
+            self._trim(now)
+            recent = list(self._recent)
+        if not recent:
+            return 0.0
+        if len(recent) == 1:
+            return recent[0][1] / _THROUGHPUT_WINDOW_S
+        return sum(n for _, n in recent[1:]) / max(now - recent[0][0], 1e-3)
+
+    @property
+    def last_gen_throughput(self) -> float:
+        """What `sglang:gen_throughput` reads now (`/get_server_info` reports it too)."""
+        return self.windowed_gen_throughput()
+
+    def _trim(self, now: float) -> None:
         while self._recent and now - self._recent[0][0] > _THROUGHPUT_WINDOW_S:
             self._recent.popleft()
-        span = max(now - self._recent[0][0], 1e-3) if len(self._recent) > 1 else _THROUGHPUT_WINDOW_S
-        self.last_gen_throughput = sum(n for _, n in self._recent) / span
-        self.gen_throughput.set(self.last_gen_throughput)
 
     def observe_finished(self, job: GenerationJob) -> None:
         """A finished job's request count, time to first token, inter-token and end-to-end latency."""

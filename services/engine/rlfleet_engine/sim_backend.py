@@ -8,7 +8,7 @@ What it models, per engine:
   * KV memory as in SGLang's pool (`PrefixCache`): one token budget holds the running requests'
     KV (prompt + room for max_new_tokens, shared prefix blocks counted once) and the prefix cache
     of finished ones, which is evicted LRU but never under a running request. A prompt's cached
-    tokens are reported as `meta_info.cached_tokens` and in `sglang:cache_hit_rate`, and only
+    tokens are reported as `meta_info.cached_tokens` and (per prefill batch) in `sglang:cache_hit_rate`, and only
     uncached tokens cost prefill;
   * admission first come, first served: a waiting request starts when there is a free batch slot
     (`max_running_requests`) and its KV fits in free + evictable memory; otherwise it and those
@@ -143,6 +143,7 @@ class SimScheduler:
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="sim-scheduler")
         self._waiting.extend(jobs)
+        self._update_gauges()
         self._wake.set()
 
     def abort(self, rid: str, abort_all: bool = False) -> None:
@@ -159,6 +160,7 @@ class SimScheduler:
                 self._publish(job)
                 queue.remove(job)
                 self._release(job)
+        self._update_gauges()
 
     def set_paused(self, paused: bool) -> None:
         self.paused = paused
@@ -177,6 +179,7 @@ class SimScheduler:
                 next_at = time.monotonic()
                 continue
             prefill = self._admit()
+            self._update_gauges()
             assert self._running, "an idle engine admits any request small enough for its KV budget"
             batch = len(self._running)
             context = sum(len(job.input_ids) + len(job.output_ids) for job in self._running)
@@ -196,6 +199,7 @@ class SimScheduler:
         """
         prefill = 0
         admitted = 0
+        batch_prompt_tokens = 0
         room = self.max_running_requests - len(self._running)
         for job in self._waiting[:room]:
             job.lease = self.cache.lease(job.input_ids, job.params.max_new_tokens)
@@ -204,9 +208,13 @@ class SimScheduler:
             admitted += 1
             job.cached_tokens = job.lease.cached_tokens
             prefill += len(job.input_ids) - job.cached_tokens
+            batch_prompt_tokens += len(job.input_ids)
             self.metrics.prompt_tokens.inc(len(job.input_ids))
             self.metrics.cached_tokens.inc(job.cached_tokens)
-        self.metrics.cache_hit_rate.set(self.cache.hit_rate)
+        if batch_prompt_tokens:
+            # As in SGLang, the hit rate of this prefill batch, not since start: a dashboard sees a flush or a
+            # change of workload at once. An iteration that admits nothing leaves it as it was.
+            self.metrics.cache_hit_rate.set((batch_prompt_tokens - prefill) / batch_prompt_tokens)
         self._running.extend(self._waiting[:admitted])
         del self._waiting[:admitted]
         return prefill
@@ -240,6 +248,8 @@ class SimScheduler:
             self.metrics.observe_finished(job)
 
     def _update_gauges(self) -> None:
+        """Called after every change to the queues or the KV memory they hold (all on the event loop), so a scrape
+        between two iterations, or during a pause, reads what the engine holds."""
         self.metrics.num_running_reqs.set(len(self._running))
         self.metrics.num_queue_reqs.set(len(self._waiting))
         self.metrics.num_used_tokens.set(self.cache.in_use_tokens)

@@ -5,6 +5,9 @@ Every figure here comes from the simulation, not from a model.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -42,7 +45,7 @@ def test_prefix_cache_serves_repeats_and_is_emptied_by_a_weight_load_and_a_flush
     metrics = httpx.get(url + "/metrics", timeout=10).text
     assert 'sglang:cached_tokens_total{model_name="sim"} 80.0' in metrics
     rate = next(line for line in metrics.splitlines() if line.startswith("sglang:cache_hit_rate{"))
-    assert float(rate.rpartition(" ")[2]) == pytest.approx(80 / (2 * prompt))
+    assert float(rate.rpartition(" ")[2]) == pytest.approx(80 / prompt), "the last prefill batch: the warm prompt"
     info = httpx.get(url + "/get_server_info", timeout=10).json()
     assert info["backend"] == "sim" and info["max_total_num_tokens"] == info["sim_cache_tokens"]
     state = info["internal_states"][0]
@@ -95,3 +98,65 @@ def test_prefix_cache_matches_whole_blocks_and_evicts_the_least_recent() -> None
     for start in range(100, 164, 4):
         cache.insert(list(range(start, start + 4)))
     assert cache.tokens == 64 and cache.match([1, 2, 3, 4]) == 0, "LRU blocks went first"
+
+
+def gauge(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return float(next(line for line in text.splitlines() if line.startswith(f"sglang:{name}{{")).rpartition(" ")[2])
+
+
+def wait_for_counts(url: str, running: int, waiting: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = httpx.get(url + "/get_server_info", timeout=10).json()["internal_states"][0]
+        if (state["num_running_reqs"], state["num_queue_reqs"]) == (running, waiting):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the engine did not reach {running} running and {waiting} waiting within {timeout}s")
+
+
+def post_in_background(url: str, body: dict[str, object], read_timeout: float) -> threading.Thread:
+    def run() -> None:
+        with contextlib.suppress(httpx.ReadTimeout):
+            httpx.post(url + "/generate", json=body, timeout=httpx.Timeout(10, read=read_timeout))
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    return worker
+
+
+def test_gauges_follow_requests_aborted_during_a_pause(start_sim: Callable[..., str]) -> None:
+    url = start_sim("--sim-decode-ms-per-step", "50")
+    long = {"sampling_params": {"max_new_tokens": 2000}}
+    leaving = [post_in_background(url, {"text": f"req {i}", **long}, read_timeout=1.5) for i in range(3)]
+    wait_for_counts(url, 3, 0)
+    assert httpx.post(url + "/pause_generation", json={"mode": "retract"}, timeout=10).status_code == 200
+    for worker in leaving:
+        worker.join(timeout=30)
+    # Their clients left while paused: aborted, with no decode step after.
+    wait_for_counts(url, 0, 0)
+    assert [gauge(url, name) for name in ("num_running_reqs", "num_queue_reqs", "num_used_tokens")] == [0, 0, 0]
+
+
+def test_gauges_count_requests_queued_during_a_pause(start_sim: Callable[..., str]) -> None:
+    url = start_sim()
+    assert httpx.post(url + "/pause_generation", json={"mode": "retract"}, timeout=10).status_code == 200
+    held = [post_in_background(url, {"text": f"q {i}", "sampling_params": {"max_new_tokens": 2}}, 30) for i in (0, 1)]
+    wait_for_counts(url, 0, 2)
+    assert gauge(url, "num_queue_reqs") == 2
+    assert httpx.post(url + "/continue_generation", timeout=10).status_code == 200
+    for worker in held:
+        worker.join(timeout=30)
+    assert [gauge(url, name) for name in ("num_running_reqs", "num_queue_reqs", "num_used_tokens")] == [0, 0, 0]
+
+
+def test_cache_hit_rate_is_the_last_prefill_batchs(start_sim: Callable[..., str]) -> None:
+    url = start_sim("--sim-decode-ms-per-step", "1")
+    params = {"max_new_tokens": 1}
+    for question in ("12+7=", "12+8=", "12+9="):
+        generate(url, {"text": SYSTEM + question, "sampling_params": params})
+    prompt = len(SYSTEM) + 5
+    assert gauge(url, "cache_hit_rate") == pytest.approx(80 / prompt)
+    httpx.post(url + "/flush_cache", timeout=10)
+    generate(url, {"text": "an unrelated prompt that shares nothing with the ones before", "sampling_params": params})
+    assert gauge(url, "cache_hit_rate") == 0.0, "a since-start ratio would still show the earlier hits"
