@@ -137,8 +137,8 @@ class EngineResponse(StreamingResponse):
         """Counts the prompt and cached tokens the answer reports and hands it to its reader, if any."""
         usage = self._tap.result() if self._tap is not None else None
         if usage is not None:
-            self._metrics.engine_prompt_tokens(self._worker.url).inc(usage.prompt_tokens)
-            self._metrics.engine_cached_tokens(self._worker.url).inc(usage.cached_tokens)
+            self._metrics.prompt_tokens.inc(self._worker.url, amount=usage.prompt_tokens)
+            self._metrics.cached_tokens.inc(self._worker.url, amount=usage.cached_tokens)
             if self._on_usage is not None:
                 self._on_usage(usage)
         if self._on_answer is not None:
@@ -181,11 +181,11 @@ class EngineResponse(StreamingResponse):
         if isinstance(exc, EngineReadTimeout):
             error = DeadlineExceeded(f"stream cut short: {url} did not finish its answer within the request's deadline")
         elif isinstance(exc, EngineFailed):
-            self._metrics.engine_errors.labels(engine=url, kind="engine_failed").inc()
+            self._metrics.engine_errors.inc(url, "engine_failed")
             error = Unavailable(f"stream cut short: {exc}")
         else:
             reason = f"connection lost mid-response: {describe_error(exc)}"
-            self._metrics.engine_errors.labels(engine=url, kind="connection").inc()
+            self._metrics.engine_errors.inc(url, "connection")
             self._workers.record_failure(self._worker, reason)
             error = Unavailable(f"stream cut short: {url}: {reason}")
         logger.warning("%s", error)

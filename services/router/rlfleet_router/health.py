@@ -142,7 +142,7 @@ class HealthChecker:
         ):
             return
         if self._metrics is not None:
-            self._metrics.engine_version_drifts.labels(engine=worker.url).inc()
+            self._metrics.engine_version_drifts.inc(worker.url)
         self._workers.take_out(
             worker,
             f"serves weight version {served.version!r} from {served.model_path}, not {worker.weight_version!r} "
@@ -160,7 +160,7 @@ class HealthChecker:
 
     def _record_failure(self, worker: Worker, failure: str) -> None:
         if self._metrics is not None:
-            self._metrics.health_check_failures.labels(engine=worker.url).inc()
+            self._metrics.health_check_failures.inc(worker.url)
         self._workers.record_failure(worker, failure)
 
     async def _served(self, worker: Worker, reason: str) -> tuple[str | None, ServedWeights | None]:

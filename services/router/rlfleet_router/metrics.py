@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rlfleet_router.chars_per_token import CharsPerToken
+from rlfleet_router.engine_counter import EngineCounter
 from rlfleet_router.radix_tree import RadixTree
 from rlfleet_router.trajectory_store import TrajectoryStore
 from rlfleet_router.workers import WorkerRegistry, WorkerState
@@ -128,7 +129,8 @@ class FleetCollector(Collector):
 
 class Children(Generic[MetricT]):
     """A labelled metric's children by label values, looked up once each: prometheus' `labels()` validates
-    and locks on every call, a cost paid on every request of the generation path otherwise."""
+    and locks on every call, a cost paid on every request of the generation path otherwise. For label sets that
+    never go away; a metric labelled by engine is an EngineCounter, whose series leave with their engine."""
 
     def __init__(self, metric: MetricT) -> None:
         self._metric: MetricT = metric
@@ -139,9 +141,6 @@ class Children(Generic[MetricT]):
         if child is None:
             child = self._children[values] = self._metric.labels(*values)
         return child
-
-    def forget(self, *values: str) -> None:
-        self._children.pop(values, None)
 
 
 # How long the series of an engine's former URL (it restarted at a new one) stay: long enough for Prometheus to
@@ -189,24 +188,22 @@ class RouterMetrics:
             ["reason"],
             registry=self.registry,
         )
-        self.engine_errors = Counter(
+        # Per engine: EngineCounter, so a count that comes after an engine left brings none of its series back.
+        self.engine_errors = EngineCounter(
             "rlfleet_router_engine_errors",
             "Failed attempts at an engine, by kind (connection, http_5xx, engine_failed: taken out of routing as "
             "failed with the request there).",
-            ["engine", "kind"],
-            registry=self.registry,
+            self.registry,
+            by="kind",
+            values=ENGINE_ERROR_KINDS,
         )
-        self.prompt_tokens = Counter(
-            "rlfleet_router_prompt_tokens",
-            "Prompt tokens the engines reported in their answers.",
-            ["engine"],
-            registry=self.registry,
+        self.prompt_tokens = EngineCounter(
+            "rlfleet_router_prompt_tokens", "Prompt tokens the engines reported in their answers.", self.registry
         )
-        self.cached_tokens = Counter(
+        self.cached_tokens = EngineCounter(
             "rlfleet_router_cached_tokens",
             "Prompt tokens the engines reported as served from their prefix cache; over prompt tokens, the hit rate.",
-            ["engine"],
-            registry=self.registry,
+            self.registry,
         )
         self.added_latency = Histogram(
             "rlfleet_router_added_latency_seconds",
@@ -214,25 +211,30 @@ class RouterMetrics:
             buckets=ADDED_LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.restarts = Counter(
+        self.restarts = EngineCounter(
             "rlfleet_router_engine_restarts",
             "Restarts of failed engines, by engine (its URL before the restart) and result (success: it passed a "
             "probe within the restart timeout; failure: the restart failed, or it did not).",
-            ["engine", "result"],
-            registry=self.registry,
+            self.registry,
+            by="result",
+            values=RESTART_RESULTS,
         )
-        self.health_check_failures = Counter(
-            "rlfleet_router_health_check_failures",
-            "Failed health probes, by engine.",
-            ["engine"],
-            registry=self.registry,
+        self.health_check_failures = EngineCounter(
+            "rlfleet_router_health_check_failures", "Failed health probes, by engine.", self.registry
         )
-        self.engine_version_drifts = Counter(
+        self.engine_version_drifts = EngineCounter(
             "rlfleet_router_engine_version_drifts",
             "Engines in routing found serving another weight version than the router recorded (restarted by "
             "themselves, or loaded behind its back), by engine; each left routing to load the fleet's version.",
-            ["engine"],
-            registry=self.registry,
+            self.registry,
+        )
+        self._engine_counters = (
+            self.engine_errors,
+            self.prompt_tokens,
+            self.cached_tokens,
+            self.restarts,
+            self.health_check_failures,
+            self.engine_version_drifts,
         )
         self.expired_pauses = Counter(
             "rlfleet_router_expired_pauses",
@@ -248,37 +250,21 @@ class RouterMetrics:
         self.request_count = Children(self.requests)
         self.request_timing = Children(self.request_seconds)
         self.routing_decision = Children(self.routing_decisions)
-        self.engine_prompt_tokens = Children(self.prompt_tokens)
-        self.engine_cached_tokens = Children(self.cached_tokens)
 
     def add_engine(self, url: str) -> None:
         """Creates an engine's labelled series at 0 as it joins: a counter's series that appears only at its
         first increment hides that increment from rate() and increase(), so a first restart or error would
-        never show on a dashboard."""
+        never show on a dashboard. Until then, and once `forget_engine` drops them, counts for it go nowhere."""
         self._moved_away.pop(url, None)
-        for kind in ENGINE_ERROR_KINDS:
-            self.engine_errors.labels(engine=url, kind=kind)
-        for result in RESTART_RESULTS:
-            self.restarts.labels(engine=url, result=result)
-        self.health_check_failures.labels(engine=url)
-        self.engine_version_drifts.labels(engine=url)
-        self.engine_prompt_tokens(url)
-        self.engine_cached_tokens(url)
+        for counter in self._engine_counters:
+            counter.add(url)
 
     def forget_engine(self, url: str) -> None:
         """Drops the series of an engine that left the fleet: engines that come and go (pods by IP) would
-        otherwise add series for as long as the router runs."""
-        for metric in (
-            self.engine_errors,
-            self.prompt_tokens,
-            self.cached_tokens,
-            self.restarts,
-            self.health_check_failures,
-            self.engine_version_drifts,
-        ):
-            metric.remove_by_labels({"engine": url})
-        self.engine_prompt_tokens.forget(url)
-        self.engine_cached_tokens.forget(url)
+        otherwise add series for as long as the router runs. What still finishes there later (requests in flight,
+        a probe, a restart) counts nowhere, so nothing brings them back but the engine's return (`add_engine`)."""
+        for counter in self._engine_counters:
+            counter.forget(url)
 
     def engine_moved(self, old_url: str, new_url: str) -> None:
         """An engine restarted at `new_url`: its series start there, and those of `old_url` go after

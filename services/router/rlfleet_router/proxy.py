@@ -223,7 +223,7 @@ class Proxy:
                 method, worker.url, route, body, headers, connect, remaining, attempt.interrupt
             )
             if upstream.status >= 500:
-                self._metrics.engine_errors.labels(engine=worker.url, kind="http_5xx").inc()
+                self._metrics.engine_errors.inc(worker.url, "http_5xx")
                 if not last_try:
                     raise RetryableFailure(f"{worker.url}: HTTP {upstream.status}")
             length = upstream.content_length
@@ -232,13 +232,13 @@ class Proxy:
         except EngineConnectionError as exc:
             # A connection lost once the request was written may leave the request running at the engine.
             self._give_up(attempt, upstream, "its connection was lost" if isinstance(exc, EngineConnectionLost) else "")
-            self._metrics.engine_errors.labels(engine=worker.url, kind="connection").inc()
+            self._metrics.engine_errors.inc(worker.url, "connection")
             reason = f"{worker.url}: {describe_error(exc)}"
             self._workers.record_failure(worker, reason)
             raise RetryableFailure(reason) from exc
         except EngineFailed as exc:
             self._give_up(attempt, upstream, "its engine failed")
-            self._metrics.engine_errors.labels(engine=worker.url, kind="engine_failed").inc()
+            self._metrics.engine_errors.inc(worker.url, "engine_failed")
             raise RetryableFailure(str(exc)) from exc
         except EngineReadTimeout as exc:  # the engine has the request: resending it elsewhere would double it
             self._give_up(attempt, upstream, "past its deadline")

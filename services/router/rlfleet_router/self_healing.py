@@ -110,7 +110,7 @@ class Healer:
             except Exception as exc:  # whatever went wrong, the engine is still out: retry after the backoff
                 if not self._workers.contains(worker):
                     return
-                self._metrics.restarts.labels(engine=old_url, result="failure").inc()
+                self._metrics.restarts.inc(old_url, "failure")
                 worker.last_error = f"restart failed: {type(exc).__name__}: {exc}"
                 expected = isinstance(exc, (Unavailable, TimeoutError, OSError))
                 logger.warning("restart of %s failed: %s", old_url, worker.last_error, exc_info=not expected)
@@ -137,10 +137,10 @@ class Healer:
                 if not self._workers.contains(worker):
                     return
                 if back:
-                    self._metrics.restarts.labels(engine=old_url, result="success").inc()
+                    self._metrics.restarts.inc(old_url, "success")
                     logger.info("engine %s passes its probes after its restart", worker.url)
                     return
-                self._metrics.restarts.labels(engine=old_url, result="failure").inc()
+                self._metrics.restarts.inc(old_url, "failure")
                 worker.last_error = f"did not pass a probe within {self._timeout:.0f}s of its restart"
             await asyncio.sleep(min(self._max_backoff, self._initial_backoff * 2 ** (attempt - 1)))
 

@@ -64,10 +64,11 @@ def test_an_unexpected_restart_error_is_retried_after_the_backoff() -> None:
     workers.admit(worker)
     restarter = FlakyRestarter(workers)
     metrics = RouterMetrics(workers, lambda: None)
+    metrics.add_engine(worker.url)  # as the fleet does: counts for an engine the metrics do not have go nowhere
     fail_and_heal(workers, worker, restarter, metrics)
     assert restarter.calls == 2
     assert not worker.restarting and worker.restarts == 2
-    failures = metrics.restarts.labels(engine=worker.url, result="failure")._value.get()
+    failures = restarts(metrics, worker.url, "failure")
     assert failures == 1
     assert worker.last_error is None
 
@@ -213,12 +214,15 @@ def test_an_engine_out_of_routing_is_restarted_once_its_probes_keep_failing_howe
     workers.admit(taken_out)
     never_up, _ = workers.add("http://127.0.0.1:10")
     metrics = RouterMetrics(workers, lambda: None)
+    for worker in (taken_out, never_up):
+        metrics.add_engine(worker.url)
     restarter = CountingRestarter(workers)
 
     async def scenario() -> None:
         healing = healer(workers, restarter, metrics, timeout=0.2)
         await asyncio.sleep(0.3)  # longer than a restarted engine is given to come up
         booting, _ = workers.add("http://127.0.0.1:11")  # may be loading its model: given as long as a restart
+        metrics.add_engine(booting.url)
         workers.on_failed = healing.on_failed
         workers.take_out(taken_out, "failed to load weight version '1': connection refused")
         for worker in (taken_out, never_up, booting):
