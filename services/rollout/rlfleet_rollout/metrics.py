@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -13,7 +13,12 @@ from rlfleet.v1.samples_pb2 import SampleStatus
 class RolloutMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.runs = Gauge("rlfleet_rollout_runs", "Runs by state.", ["state"], registry=self.registry)
+        self.runs = Gauge(
+            "rlfleet_rollout_runs",
+            "Runs by state, as the run store holds them (counted again every few seconds).",
+            ["state"],
+            registry=self.registry,
+        )
         self.groups_produced = Counter(
             "rlfleet_rollout_groups_produced", "SampleGroups appended to run streams.", registry=self.registry
         )
@@ -95,12 +100,11 @@ class RolloutMetrics:
             if status != "SAMPLE_STATUS_UNSPECIFIED":
                 self.samples.labels(status=status.removeprefix("SAMPLE_STATUS_").lower())
 
-    def count_run_state(self, old: RunState | None, new: RunState) -> None:
-        if old == new:
-            return
-        if old is not None:
-            self.runs.labels(state=_label(RunState.Name(old))).dec()
-        self.runs.labels(state=_label(RunState.Name(new))).inc()
+    def set_run_counts(self, counts: Mapping[RunState, int]) -> None:
+        """Sets the runs-by-state gauge to `counts` (the store's, run_counts.py); a state it leaves out holds none."""
+        for state in RunState.values():
+            if state != RunState.RUN_STATE_UNSPECIFIED:
+                self.runs.labels(state=_label(RunState.Name(state))).set(counts.get(state, 0))
 
     def add_filter_reasons(self, reasons: Iterable[str]) -> None:
         """Creates every reason's series at 0: a counter series that appears only at its first increment hides

@@ -105,7 +105,6 @@ async def serve(config: RolloutConfig) -> None:
         rollouts=rollouts,
         replies=replies,
     )
-    await core.count_existing_runs()
 
     grpc_server, grpc_port = build_grpc_server(
         core, config.host, config.grpc_port, guard, keepalive_s=config.grpc_keepalive_s
@@ -126,6 +125,7 @@ async def serve(config: RolloutConfig) -> None:
 
     await grpc_server.start()
     lease = RunLease(redis_async, config.redis_prefix, ttl_s=config.run_lease_s)
+    counts_task = asyncio.create_task(core.run_counts.serve(), name="run counts")
     queue_task = asyncio.create_task(RunQueue(deps, lease).serve(), name="run queue")
     web_task = asyncio.create_task(web.serve(), name="http")
     logger.info(
@@ -138,6 +138,7 @@ async def serve(config: RolloutConfig) -> None:
     logger.info("shutting down")
     try:
         await cancel_and_wait(queue_task, within_s=config.trainer_call_timeout_s + config.shutdown_grace_s)
+        await cancel_and_wait(counts_task, within_s=config.shutdown_grace_s)
         core.close()
         web.should_exit = True
         await grpc_server.stop(grace=config.shutdown_grace_s)

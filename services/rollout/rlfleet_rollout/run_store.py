@@ -22,6 +22,7 @@ import asyncio
 import math
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -215,6 +216,16 @@ class RunStore:
             out.extend(run for run in page if run.state in states)
             if not token:
                 return out
+
+    async def count_by_state(self) -> Counter[RunState]:
+        """How many runs each state holds, read from every record (MAX_PAGE_SIZE records a round trip)."""
+        counts: Counter[RunState] = Counter()
+        token = ""
+        while True:
+            page, token = await self.page(page_size=MAX_PAGE_SIZE, page_token=token)
+            counts.update(run.state for run in page)
+            if not token:
+                return counts
 
 
 def _parse_page_token(token: str) -> int | None:

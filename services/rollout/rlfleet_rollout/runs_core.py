@@ -32,6 +32,7 @@ from rlfleet_rollout.prompt_tokenizer import load_chat_template, tokenizer_file
 from rlfleet_rollout.redis_outage import refusal
 from rlfleet_rollout.reward_client import RewardClient
 from rlfleet_rollout.rollout_function import RolloutRegistry
+from rlfleet_rollout.run_counts import RunCounts
 from rlfleet_rollout.run_data import RunData
 from rlfleet_rollout.run_events import RunNotifier, describe_change, is_terminal, state_name
 from rlfleet_rollout.run_store import RunStore
@@ -93,13 +94,10 @@ class RunsCore:
         self.poll_interval_s = poll_interval_s
         self.run_data_retention_s = run_data_retention_s
         self.data_roots = tuple(data_roots)
+        self.run_counts = RunCounts(store, metrics)
+        """The runs-by-state gauge; its task (`run_counts.serve()`) is the caller's to run and cancel."""
         self._lock = asyncio.Lock()
         self._closing = False
-
-    async def count_existing_runs(self) -> None:
-        """Fills the runs-by-state gauge from the store (once, at start-up)."""
-        for run in await self.store.all_in_order(list(RunState.values())):
-            self.metrics.count_run_state(None, run.state)
 
     # -- the API ------------------------------------------------------------------------------
 
@@ -141,7 +139,7 @@ class RunsCore:
         if earlier is not None:  # another Submit of the request_id stored its run first
             assert request is not None
             return await self._run_of_request(request, earlier)
-        self.metrics.count_run_state(None, run.state)
+        self.run_counts.changed()
         logger.info("run %s submitted (%s)", run.id, resolved.name or "unnamed", extra={"run_id": run.id})
         self.notifier.publish(run)
         return run
@@ -238,8 +236,8 @@ class RunsCore:
         if run is old:
             return run
         old_state = old.state
-        self.metrics.count_run_state(old_state, run.state)
         if run.state != old_state:
+            self.run_counts.changed()
             logger.info("run %s is %s", run_id, state_name(run.state), extra={"run_id": run_id})
         self.notifier.publish(run)
         return run

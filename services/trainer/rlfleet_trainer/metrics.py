@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
+import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from rlfleet_trainer.stream_lag import StreamLagCollector
 
 # Step metrics exported as gauges `rlfleet_trainer_<name>`, from train_step's result.
 STEP_GAUGES = {
@@ -77,15 +81,15 @@ class TrainerMetrics:
             "(a restarted router)",
             registry=self.registry,
         )
-        self.stream_lag = Gauge(
-            "rlfleet_trainer_stream_lag_groups",
-            "groups appended to the stream and not yet trained on (undelivered + pending), without the ones set aside",
-            registry=self.registry,
-        )
         self.gauges = {
             name: Gauge(f"rlfleet_trainer_{name}", help_text, registry=self.registry)
             for name, help_text in STEP_GAUGES.items()
         }
+
+    def watch_stream_lag(self, client: redis.Redis, prefix: str, active: Callable[[], tuple[str, int] | None]) -> None:
+        """Exports rlfleet_trainer_stream_lag_groups, read at each scrape for the run `active` names (stream_lag.py):
+        `client` a scrape client, `active` the run being trained as (run id, groups trained), or None."""
+        self.registry.register(StreamLagCollector(client, prefix, active))
 
     def observe_step(self, metrics: dict[str, float]) -> None:
         """Sets the step gauges from a step's metrics. A gauge the step has no value for (a step with no sample to

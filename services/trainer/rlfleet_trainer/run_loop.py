@@ -176,10 +176,6 @@ def report(run: ActiveRun, version: int, groups: int, step_metrics: dict[str, fl
     metrics.weight_version.set(version)
     metrics.groups_consumed.inc(groups)
     metrics.samples_consumed.inc(step_metrics.get("samples", 0))
-    # Of the dead letters only the run's own groups were counted as appended (not another writer's entries), each
-    # once (a move retried after a lost reply writes its dead letter twice).
-    lost = len(run.stream.lost_groups())
-    metrics.stream_lag.set(max(0, run.stream.appended_count() - run.groups_trained - lost))
     logger.info(
         "run %s step %d/%d: loss %.4f reward %.3f logprob_diff %.2e (%.2fs + sync %.2fs)",
         run.run_id,

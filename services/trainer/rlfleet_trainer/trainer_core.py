@@ -40,6 +40,7 @@ from rlfleet_trainer.rank_ops import RANK_OPS, RankState, ShardingOptions
 from rlfleet_trainer.router_client import RouterClient
 from rlfleet_trainer.run_loop import release_policy, train_run
 from rlfleet_trainer.run_state import RunRecord, RunStateStore
+from rlfleet_trainer.stream_lag import scrape_client
 from rlfleet_trainer.weights import save_version
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class TrainerCore:
         self._closing = False
         """Set by shutdown: no run starts after it."""
         self._lock = threading.Lock()
+        metrics.watch_stream_lag(scrape_client(settings.redis_url), settings.redis_prefix, self._training)
 
     # -- RPCs -------------------------------------------------------------------------------------
 
@@ -292,6 +294,15 @@ class TrainerCore:
     def _active(self, run_id: str) -> ActiveRun | None:
         with self._lock:
             return self._runs.get(run_id)
+
+    def _training(self) -> tuple[str, int] | None:
+        """The run being trained, as (run id, groups trained); None when no run trains (none, starting, ended)."""
+        with self._lock:
+            runs = [run for run in self._runs.values() if not run.finished]
+        if not runs:
+            return None
+        with runs[0].changed:
+            return runs[0].run_id, runs[0].groups_trained
 
     def _lookup(self, run_id: str) -> tuple[_Start | None, ActiveRun | None]:
         """The run's start in progress, if any, and its run object (a stopped one while it starts again)."""

@@ -1,23 +1,32 @@
 """The trainer's side of the real stream: collecting a step's groups (when Redis delivered a read whose reply
 was lost, or another consumer left groups behind), the checkpoint commit that acknowledges and trims them, and
-the backlog a step reports."""
+the backlog /metrics reports (stream_lag.py)."""
 
 from __future__ import annotations
 
+import logging
+import math
+import os
+import socket
 import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import redis
+from prometheus_client import generate_latest
 
 from rlfleet.sample_stream import SampleStream, StreamEntry
 from rlfleet.v1.samples_pb2 import Sample, SampleGroup
 from rlfleet_trainer.metrics import TrainerMetrics
-from rlfleet_trainer.run_loop import collect_groups, report
+from rlfleet_trainer.run_loop import collect_groups
 from rlfleet_trainer.run_state import RunRecord, RunStateStore
+from rlfleet_trainer.stream_lag import scrape_client
 
 CONSUMER = "trainer-0"
+
+REDIS_URL = os.environ.get("RLFLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 class LosesFirstReply(SampleStream):
@@ -144,10 +153,35 @@ def test_the_stream_lag_leaves_out_only_the_runs_own_groups_set_aside(
     assert stream.dead_letter_count() == 4
 
     metrics = TrainerMetrics()
-    run = SimpleNamespace(
-        run_id="lag", stream=stream, groups_trained=2, spec=SimpleNamespace(schedule=SimpleNamespace(steps=3))
-    )
-    run.add_report = lambda _report: None
-    report(run, 1, 2, {"reward_mean": 0.0, "weight_sync_seconds": 0.0}, metrics)  # type: ignore[arg-type]
+    metrics.watch_stream_lag(scrape_client(REDIS_URL), redis_prefix, lambda: ("lag", 2))
     # 6 appended, 2 trained, 1 of the run's own set aside: the 3 delivered groups not trained yet.
     assert metrics.registry.get_sample_value("rlfleet_trainer_stream_lag_groups") == 3
+
+
+def test_the_stream_lag_is_none_without_a_run_and_when_redis_fails_a_scrape_still_answers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No run trains: NaN, the trainer's "none". Redis refusing the connection or never answering: NaN within the
+    scrape client's timeout, /metrics answering with every other metric, and one warning for many scrapes."""
+    idle = TrainerMetrics()
+    idle.watch_stream_lag(scrape_client(REDIS_URL), "unused:", lambda: None)
+    assert math.isnan(idle.registry.get_sample_value("rlfleet_trainer_stream_lag_groups") or 0.0)
+
+    silent = socket.socket()  # accepts connections (the kernel's backlog) and never answers a command
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        for url in ("redis://127.0.0.1:9/0", f"redis://127.0.0.1:{silent.getsockname()[1]}/0"):
+            metrics = TrainerMetrics()
+            metrics.watch_stream_lag(scrape_client(url, timeout_s=0.5), "unused:", lambda: ("lag", 0))
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="rlfleet_trainer.stream_lag"):
+                started = time.monotonic()
+                for _ in range(3):
+                    exported = generate_latest(metrics.registry).decode()
+                    assert "rlfleet_trainer_stream_lag_groups NaN" in exported
+                    assert "rlfleet_trainer_step 0.0" in exported
+                assert time.monotonic() - started < 3 * 2 * 0.5 + 1  # a bounded wait per scrape, no retries
+            assert len(caplog.records) == 1, [r.getMessage() for r in caplog.records]
+    finally:
+        silent.close()

@@ -4,6 +4,7 @@ its gRPC servicer."""
 from __future__ import annotations
 
 import errno
+import math
 import sys
 import threading
 import time
@@ -25,6 +26,7 @@ from rlfleet_trainer.config import TrainerSettings
 from rlfleet_trainer.metrics import TrainerMetrics
 from rlfleet_trainer.policy import load_policy
 from rlfleet_trainer.router_client import RouterClient
+from rlfleet_trainer.stream_lag import stream_lag
 from rlfleet_trainer.trainer_core import TrainerCore
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -250,6 +252,32 @@ def test_grpc_resume_checkpoint_and_stop_with_checkpoint(
         done.set()
 
 
+def test_the_stream_lag_is_read_at_each_scrape_while_the_run_waits_and_is_none_once_it_stopped(
+    core, small_model_dir, redis_client, redis_prefix
+) -> None:
+    """rlfleet_trainer_stream_lag_groups is the active run's backlog as Redis holds it when /metrics is scraped: a
+    group appended while the trainer waits for its partner shows at once (set only after a step, the gauge read 0
+    at every wait), and a run that stopped has none (NaN), not the value of its last step."""
+
+    def lag() -> float | None:
+        return core.metrics.registry.get_sample_value("rlfleet_trainer_stream_lag_groups")
+
+    core.start_run("lag", spec_for(small_model_dir, steps=3, groups_per_step=2))
+    stream = SampleStream(redis_client, "lag", prefix=redis_prefix)
+    model = load_policy(small_model_dir)
+    for i in range(2):
+        stream.append(rollout_group(model, "lag", 0, i))
+    wait_for(lambda: core.status("lag").weight_version == 1)
+    assert lag() == 0
+    stream.append(rollout_group(model, "lag", 1, 0))  # the trainer waits for a second group
+    assert lag() == 1
+    assert "rlfleet_trainer_stream_lag_groups 1.0" in generate_latest(core.metrics.registry).decode()
+    stopped = core.stop_run("lag")
+    assert stopped.state == TrainerState.TRAINER_STATE_STOPPED
+    value = lag()
+    assert value is not None and math.isnan(value)
+
+
 def test_an_untrainable_group_on_the_stream_is_set_aside_and_the_run_goes_on(
     core, small_model_dir, redis_client, redis_prefix
 ) -> None:
@@ -271,7 +299,7 @@ def test_an_untrainable_group_on_the_stream_is_set_aside_and_the_run_goes_on(
     reasons = [reason for _, reason in stream.dead_letters()]
     assert len(reasons) == 2 and "loss_mask" in reasons[0] and "rollout_logprobs" in reasons[1], reasons
     assert stream.pending_count() == 0
-    assert core.metrics.stream_lag._value.get() == 0  # the groups set aside are no backlog
+    assert stream_lag(stream, final.groups_trained) == 0  # the groups set aside are no backlog
     assert all(torch.isfinite(t).all() for t in load_policy(final.weights_path).state_dict().values())
 
 
