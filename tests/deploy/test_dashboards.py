@@ -20,6 +20,7 @@ from rlfleet_rollout.metrics import RolloutMetrics
 from rlfleet_router.metrics import RouterMetrics
 from rlfleet_router.workers import WorkerRegistry
 from rlfleet_trainer.metrics import TrainerMetrics
+from rlfleet_trainer.stream_lag import scrape_client
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((REPO / "deploy" / "grafana").glob("*.json"))
@@ -59,10 +60,13 @@ def exported() -> dict[str, str]:
     """Every series name the services export (with its type's suffixes: _total, _bucket, ...) -> its type."""
     engine_registry = CollectorRegistry()
     EngineMetrics(engine_registry, "model")
+    trainer = TrainerMetrics()
+    # Rank 0 reads the stream lag at each scrape once it serves (no run here: NaN, no Redis asked).
+    trainer.watch_stream_lag(scrape_client("redis://127.0.0.1:9"), "", lambda: None)
     registries = [
         RouterMetrics(WorkerRegistry(failure_threshold=3, success_threshold=1), lambda: "1").registry,
         RewardMetrics().registry,
-        TrainerMetrics().registry,
+        trainer.registry,
         RolloutMetrics().registry,
         engine_registry,
     ]
