@@ -13,7 +13,9 @@ command (`restart`), which is how the fault tests bring back what they killed.
 
 One fleet per state directory: a fleet.json whose owner (`rlfleet up`, `rlfleet demo`) or any recorded
 service still runs is never overwritten or removed by another process, only by `rlfleet down`, which gives
-each service SIGTERM and the time it needs to stop (the trainer checkpoints) before it is killed.
+each service SIGTERM and the time it needs to stop (the trainer checkpoints) before it is killed. One fleet
+per Redis key prefix: the fleet claims (Redis, prefix) once its Redis answers, before any other service
+starts, and releases the claim once those have stopped (redis_claim.py).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from rlfleet.processes import (
     port_is_free,
     process_runs,
 )
+from rlfleet.redis_claim import RedisClaim
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +188,7 @@ class LocalFleet:
         self._commands: dict[str, _Command] = {}
         self._started: dict[str, float | None] = {}
         self._up = False
+        self._claim: RedisClaim | None = None
 
     # -- addresses ------------------------------------------------------------------------------
 
@@ -247,9 +251,12 @@ class LocalFleet:
         self.stopping.set()
 
     def stop(self) -> None:
-        """Stops every service in reverse order, each within its bound (stop_timeout_s), and removes
-        fleet.json if this process wrote it."""
+        """Stops every service in reverse order, each within its bound (stop_timeout_s), releases the claim of
+        the Redis key prefix once every service that uses Redis has stopped (before a Redis of its own stops,
+        whose AOF would keep it), and removes fleet.json if this process wrote it."""
         for name in reversed(list(self.processes)):
+            if name == "redis":
+                self._release_claim()
             process = self.processes.pop(name)
             running = process.alive()
             code = process.stop(timeout=stop_timeout_s(name))
@@ -258,11 +265,20 @@ class LocalFleet:
                 logger.info("stopped %s", name)
             else:
                 logger.warning("%s had already exited (exit code %s)", name, code)
+        self._release_claim()
         remove_own_record(self.config.state_dir)
+
+    def _release_claim(self) -> None:
+        if self._claim is not None:
+            self._claim.release()
+            self._claim = None
 
     def _start_all(self) -> None:
         c, p, py = self.config, self.config.ports, sys.executable
         self._ensure_redis()
+        claim = RedisClaim(c.resolved_redis_url(), c.redis_prefix, c.state_dir)
+        claim.acquire()  # refuses a (Redis, prefix) pair another live fleet uses, before anything uses it
+        self._claim = claim
         for i, url in enumerate(self.engine_urls()):
             self._spawn(
                 f"engine-{i}",

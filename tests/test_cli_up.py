@@ -3,7 +3,8 @@ the model, then each process as it starts), and Ctrl-C ends it cleanly (a messag
 Both stop every child. Once up, it says where the Runs API listens on both transports; bad flags (a --base-port
 out of range, no engines, no trainer ranks, a Redis that refuses) are refused before anything is written. A
 fleet whose `up` was killed keeps its record: a second `up` refuses the state directory, and `down` stops the
-services one by one, each on SIGTERM."""
+services one by one, each on SIGTERM. A Redis key prefix another live fleet holds on the same Redis is refused
+before any service starts, naming that fleet."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from rlfleet.cli.main import main
 from rlfleet.cli.steps import run_step
 from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet, router_policy
 from rlfleet.processes import group_runs
+from rlfleet.redis_claim import RedisClaim, claim_key
 
 REDIS_URL = os.environ.get("RLFLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -336,3 +338,28 @@ def test_a_fleet_whose_up_was_killed_is_kept_from_a_second_up_and_down_stops_it_
         keys = list(redis_client.scan_iter(match=f"{prefix}*"))
         if keys:
             redis_client.delete(*keys)
+
+
+def test_up_refuses_a_redis_prefix_another_fleet_holds_before_it_starts_any_service(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], redis_client: redis.Redis
+) -> None:
+    """Two fleets on one prefix would share the run queue, the run records and the sample streams."""
+    prefix = f"rlfleet-test:{uuid.uuid4().hex}:"
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    other = RedisClaim(REDIS_URL, prefix, tmp_path / "other")
+    other.acquire()
+    try:
+        state_dir = tmp_path / "state"
+        argv = ["up", "--free-ports", "--engines", "1", "--model-path", str(model), "--state-dir", str(state_dir)]
+        assert main([*argv, "--redis-url", REDIS_URL, "--redis-prefix", prefix]) == 1
+    finally:
+        other.release()
+        redis_client.delete(claim_key(prefix))
+    said = capsys.readouterr().err
+    assert said.startswith("rlfleet: error: the fleet did not start: ") and "Traceback" not in said, said
+    assert f"Redis {REDIS_URL} with key prefix {prefix!r} is held by another fleet" in said, said
+    assert f"state dir {tmp_path / 'other'}; stop it with `rlfleet down --state-dir {tmp_path / 'other'}`" in said
+    assert not (state_dir / "logs").exists(), "no service was started"
+    assert not (state_dir / "fleet.json").exists()
