@@ -38,7 +38,9 @@ OUTAGE_S = 1.5
 
 
 class PrivateRedis:
-    """A redis-server on a free port with its AOF in `data_dir`, to kill and start again."""
+    """A redis-server on a free port with its AOF in `data_dir`, to kill and start again. Every write reaches the
+    AOF before Redis answers it (appendfsync always): with the default (everysec) a write may wait up to 2 s while
+    an fsync runs, and one answered just before the kill was lost on a busy machine."""
 
     def __init__(self, data_dir: Path) -> None:
         self.port = free_port()
@@ -50,7 +52,7 @@ class PrivateRedis:
         server = shutil.which("redis-server")
         assert server is not None, "these tests need redis-server (apt-get install redis-server)"
         argv = [server, "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.data_dir),
-                "--appendonly", "yes", "--save", ""]  # fmt: skip
+                "--appendonly", "yes", "--appendfsync", "always", "--save", ""]  # fmt: skip
         self.process = ServiceProcess("redis", argv, self.data_dir / "redis.log")
         deadline = time.monotonic() + 10
         probe = redis.Redis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5)
