@@ -33,7 +33,8 @@ class Detokenizer(Protocol):
 @dataclass(eq=False)
 class GenerationJob:
     rid: str
-    input_ids: list[int]
+    input_ids: Sequence[int]
+    """The prompt; never changed (the n samples of a prompt share one)."""
     params: SamplingParams
     deliver: Callable[[dict[str, Any]], None]
     """Receives every output this job publishes; called from the scheduler thread."""

@@ -19,6 +19,10 @@ T = TypeVar("T")
 # Sequences (prompts x n) one request may ask for: far above a GRPO group or an evaluation batch, far
 # below what would let a single request hold the engine's memory and scheduler hostage.
 MAX_SEQUENCES_PER_REQUEST = 4096
+# Prompt tokens over all of those sequences (each prompt counted once per sample: each is prefilled, held and
+# matched as a sequence of its own). A few KiB of body with a large n would otherwise ask for millions of
+# tokens; this is 128 samples of a 32k-token prompt, or 4096 of a 1k-token one.
+MAX_PROMPT_TOKENS_PER_REQUEST = 4_194_304
 
 
 class Encoder(Protocol):
@@ -28,8 +32,11 @@ class Encoder(Protocol):
 @dataclass(frozen=True)
 class JobSpec:
     rid: str
-    input_ids: list[int]
+    input_ids: tuple[int, ...]
+    """Shared, not copied, by the n samples of a prompt."""
     params: SamplingParams
+    prompt_index: int
+    """Which prompt of the request this job samples."""
     sample_index: int
     """Which of its prompt's n samples this job is."""
     return_logprob: bool
@@ -48,6 +55,12 @@ def expand(req: GenerateRequest, tokenizer: Encoder, vocab_size: int, context_le
         raise ResourceExhausted(
             f"the request asks for {size} prompt(s) x n={n} = {size * n} sequences; at most "
             f"{MAX_SEQUENCES_PER_REQUEST} per request: split it"
+        )
+    prompt_tokens = sum(len(ids) for ids in prompts) * n
+    if prompt_tokens > MAX_PROMPT_TOKENS_PER_REQUEST:
+        raise ResourceExhausted(
+            f"the request's {size} prompt(s) x n={n} hold {prompt_tokens} prompt tokens; at most "
+            f"{MAX_PROMPT_TOKENS_PER_REQUEST} per request (MAX_PROMPT_TOKENS_PER_REQUEST): split it or lower n"
         )
     logprob = _per_prompt(req.return_logprob, size, "return_logprob", False)
     tops = _per_prompt(req.top_logprobs_num, size, "top_logprobs_num", 0)
@@ -88,8 +101,9 @@ def expand(req: GenerateRequest, tokenizer: Encoder, vocab_size: int, context_le
     return [
         JobSpec(
             rid=rids[i * n + j],
-            input_ids=list(prompts[i]),
+            input_ids=prompts[i],
             params=params[i],
+            prompt_index=i,
             sample_index=j,
             return_logprob=bool(logprob[i]),
             top_logprobs_num=int(tops[i] or 0) if logprob[i] else 0,
@@ -99,14 +113,15 @@ def expand(req: GenerateRequest, tokenizer: Encoder, vocab_size: int, context_le
     ]
 
 
-def _prompts(req: GenerateRequest, tokenizer: Encoder) -> list[list[int]]:
+def _prompts(req: GenerateRequest, tokenizer: Encoder) -> list[tuple[int, ...]]:
+    """One immutable copy of each prompt's ids, for all its samples to share."""
     if req.text is not None:
         texts = req.text if isinstance(req.text, list) else [req.text]
-        return [tokenizer.encode(t) for t in texts]
+        return [tuple(tokenizer.encode(t)) for t in texts]
     assert req.input_ids is not None
     if req.is_batch:
-        return [list(ids) for ids in req.input_ids]  # type: ignore[arg-type]
-    return [list(req.input_ids)]  # type: ignore[arg-type]
+        return [tuple(ids) for ids in req.input_ids]  # type: ignore[arg-type]
+    return [tuple(req.input_ids)]  # type: ignore[arg-type]
 
 
 def _per_prompt(value: T | list[T] | None, size: int, name: str, default: T) -> list[T]:
@@ -123,6 +138,9 @@ def _rids(rid: str | list[str] | None, size: int, n: int, single: bool) -> list[
     total = size * n
     if rid is None:
         return [uuid.uuid4().hex for _ in range(total)]
+    if rid == "" or (isinstance(rid, list) and "" in rid):
+        # /abort_request reads an empty rid as naming no request: such a request could not be aborted by rid.
+        raise InvalidInput("rid must not be empty: give a request id, or none for a fresh one")
     if isinstance(rid, str):
         return [rid] if single else [f"{rid}_{k}" for k in range(total)]
     if len(rid) != size:

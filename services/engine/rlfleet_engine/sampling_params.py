@@ -20,7 +20,8 @@ UNTIL_CONTEXT = sys.maxsize
 # A seed is 64 bits, as torch.Generator.manual_seed takes it.
 MAX_SEED = 2**64 - 1
 
-# SGLang parameter -> its neutral value; anything else is refused with a message naming it.
+# SGLang parameter -> its neutral value; anything else is refused with a message naming it. None, and an empty
+# string or container (`logit_bias: {}`, `json_schema: ""`), read as the parameter's absence, as in SGLang.
 _UNSUPPORTED_AT_NEUTRAL: dict[str, Any] = {
     "frequency_penalty": 0.0,
     "presence_penalty": 0.0,
@@ -82,7 +83,7 @@ class SamplingParams(BaseModel):
     def _refuse_unsupported(self) -> SamplingParams:
         extra = self.model_extra or {}
         for name, neutral in _UNSUPPORTED_AT_NEUTRAL.items():
-            if name in extra and extra[name] != neutral and extra[name] is not None:
+            if name in extra and not _is_neutral(extra[name], neutral):
                 raise ValueError(f"{name}={extra[name]!r} is not supported by rlfleet-engine (only {neutral!r})")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
@@ -91,3 +92,7 @@ class SamplingParams(BaseModel):
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+
+def _is_neutral(value: object, neutral: object) -> bool:
+    return value is None or value == neutral or (isinstance(value, str | dict | list) and not value)

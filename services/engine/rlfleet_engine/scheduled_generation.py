@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, Protocol
 
 from rlfleet.errors import InvalidInput
@@ -27,10 +27,10 @@ logger = logging.getLogger(__name__)
 
 Outputs = asyncio.Queue[tuple[int, dict[str, Any]]]
 LOAD_FORMATS = (None, "auto", "safetensors")
-ABORT_WAIT_S = 10.0
-"""Bound on how long a pause in "abort" mode waits for its aborts to be answered. They run between two decode
-steps, at once unless a weight load holds the scheduler; past the bound the pause answers anyway and the
-aborts still run (before anything else the scheduler does)."""
+PAUSE_WAIT_S = 10.0
+"""Bound on how long a pause waits for the step under way to end and, in "abort" mode, for its aborts to be
+answered. Both happen between two steps, within one step unless a weight load holds the scheduler; past the
+bound the pause answers anyway, and no step starts after the one under way (the aborts still run first)."""
 
 
 def check_load_format(req: UpdateWeightsFromDiskRequest) -> None:
@@ -63,6 +63,10 @@ class JobScheduler(Protocol):
 
     def set_paused(self, paused: bool) -> None: ...
 
+    def between_steps(self) -> Awaitable[object]:
+        """Completes once every step begun before the call has ended (the barrier of a pause)."""
+        ...
+
 
 class ModelFacts(Protocol):
     @property
@@ -83,7 +87,8 @@ class ScheduledGeneration(ABC):
     metrics: EngineMetrics
     scheduler: JobScheduler
     in_flight: dict[str, GenerationJob]
-    """Submitted jobs by rid; a finished one leaves at the next submission."""
+    """Submitted jobs by rid, until their request is answered (one aborted there and not yet finished, until the
+    next submission)."""
     _paused_at: float | None = None
     """time.monotonic() of the /pause_generation in force, if any."""
 
@@ -115,6 +120,7 @@ class ScheduledGeneration(ABC):
                     results[index] = out
         finally:
             self._abort_unfinished(jobs)
+            self._forget(jobs)
         done = [r for r in results if r is not None]
         return done[0] if len(jobs) == 1 and not req.is_batch else done
 
@@ -137,6 +143,7 @@ class ScheduledGeneration(ABC):
                     yield out
             finally:
                 self._abort_unfinished(jobs)
+                self._forget(jobs)
 
         return chunks()
 
@@ -147,8 +154,17 @@ class ScheduledGeneration(ABC):
         if unfinished:
             self.scheduler.abort_jobs(unfinished)
 
+    def _forget(self, jobs: Sequence[GenerationJob]) -> None:
+        """Lets a request's finished jobs go once it is answered: they hold its prompt and outputs."""
+        for job in jobs:
+            if job.finish is not None and self.in_flight.get(job.rid) is job:
+                del self.in_flight[job.rid]
+
     def abort(self, rid: str, abort_all: bool = False) -> None:
-        self.scheduler.abort(rid, abort_all)
+        """SGLang's /abort_request: the request `rid` and a batch's `rid_<k>`, or all. An empty rid names none (by
+        prefix it would name every rid starting with "_")."""
+        if rid or abort_all:
+            self.scheduler.abort(rid, abort_all)
 
     @abstractmethod
     def flush_cache(self) -> None:
@@ -157,24 +173,30 @@ class ScheduledGeneration(ABC):
     async def pause(self, mode: PauseMode) -> None:
         """SGLang's /pause_generation: nothing is admitted or decoded until `resume`; requests sent meanwhile wait.
 
-        "abort" first ends every request in flight, running or waiting, as /abort_request with abort_all does
-        (each answered with the tokens it has), and returns once they are answered. "retract" and "in_place"
-        hold them where they are: running rows keep their KV cache, which a weight load during the pause
-        recomputes under the new weights (SGLang's "retract" may drop it instead; the result is the same).
+        A barrier: it returns once the step under way (if any) has ended, so no token comes out after it,
+        least of all one labelled with a version loaded during the pause. "abort" first ends every request in
+        flight, running or waiting, as /abort_request with abort_all does (each answered with the tokens it has),
+        and returns once they are answered. "retract" and "in_place" hold them where they are (what becomes of
+        their KV cache on a weight load is the backend's: see its `update_weights_from_disk`).
+        Bounded by PAUSE_WAIT_S.
         """
         self._paused_at = time.monotonic()
         self.scheduler.set_paused(True)
-        if mode != "abort":
-            return
-        # The jobs submitted before this call, not abort_all: a request sent once the pause is in force waits.
-        ending = [job for job in self.in_flight.values() if job.finish is None]
-        self.scheduler.abort_jobs(ending)
-        deadline = time.monotonic() + ABORT_WAIT_S
-        while any(job.finish is None for job in ending):
-            if time.monotonic() > deadline:
-                logger.warning("paused; %d aborted requests not answered within %.0fs", len(ending), ABORT_WAIT_S)
-                return
-            await asyncio.sleep(0.005)
+        deadline = time.monotonic() + PAUSE_WAIT_S
+        if mode == "abort":
+            # The jobs submitted before this call, not abort_all: a request sent once the pause is in force waits.
+            ending = [job for job in self.in_flight.values() if job.finish is None]
+            self.scheduler.abort_jobs(ending)
+            while any(job.finish is None for job in ending):
+                if time.monotonic() > deadline:
+                    logger.warning("paused; %d aborted requests not answered within %.0fs", len(ending), PAUSE_WAIT_S)
+                    return
+                await asyncio.sleep(0.005)
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                await self.scheduler.between_steps()
+        except TimeoutError:
+            logger.warning("paused; the step under way did not end within %.0fs", PAUSE_WAIT_S)
 
     def resume(self) -> None:
         self._paused_at = None

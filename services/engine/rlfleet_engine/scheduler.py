@@ -6,17 +6,19 @@ Each iteration, between two decode steps, the loop
      and merged into the running batch (continuous batching), and their first token is sampled,
   3. runs one decode step over all running rows with per-row sampling parameters,
   4. publishes outputs and drops finished rows.
-While paused (/pause_generation) only step 1 runs, so a weight load can happen with requests held.
+While paused (/pause_generation) only step 1 runs, so a weight load can happen with requests held; a pause
+waits for the iteration under way (`between_steps`), so no token comes out once it has answered.
 Other threads talk to the loop only through the thread-safe methods below.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -112,6 +114,12 @@ class Scheduler:
             self._paused = paused
             self._wake.notify()
 
+    def between_steps(self) -> Awaitable[object]:
+        """On the asyncio loop: completes once the step under way (if any) has ended. A control operation runs
+        between two steps, in the iteration that reads `paused` as it takes it: after a `set_paused(True)`, once
+        this no-op has run, no step is under way and none starts until `set_paused(False)`."""
+        return asyncio.wrap_future(self.call(lambda: None))
+
     def call(self, fn: Callable[[], Any]) -> Future[Any]:
         """Runs `fn` in the scheduler thread between two steps (even while paused); its result lands in the future.
         Cancelling the future keeps `fn` from running only if it has not started (`Future.cancel()` says which)."""
@@ -134,7 +142,7 @@ class Scheduler:
         load(self.backend)
         if self._running:
             self.backend.keep([])
-            self.backend.add([job.input_ids + job.output_ids[:-1] for job in self._running])
+            self.backend.add([[*job.input_ids, *job.output_ids[:-1]] for job in self._running])
         if weight_version is not None:
             self.weight_version = weight_version
         return len(self._running)
@@ -166,6 +174,9 @@ class Scheduler:
             self._apply_aborts(aborts)
         for fn, future in control:
             self._run_control(fn, future)
+        if control and not paused:
+            with self._wake:  # a pause may have come during a long control operation (a weight load)
+                paused = self._paused
         if not paused:
             self._admit()
             if self._running:

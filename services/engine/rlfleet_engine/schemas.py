@@ -136,16 +136,21 @@ class DestroyWeightsUpdateGroupRequest(BaseModel):
 
 
 class AbortRequest(BaseModel):
-    """POST /abort_request."""
+    """POST /abort_request. A rid sent as null reads as "" and "" names no request, as in SGLang (Optional[str])."""
 
     model_config = ConfigDict(extra="ignore")
 
     rid: str = ""
     abort_all: bool = False
 
+    @field_validator("rid", mode="before")
+    @classmethod
+    def _null_rid_is_empty(cls, value: object) -> object:
+        return "" if value is None else value
+
     @model_validator(mode="after")
     def _names_something(self) -> AbortRequest:
-        if not self.rid and not self.abort_all:
+        if "rid" not in self.model_fields_set and not self.abort_all:
             raise ValueError("give the rid of the request to abort, or abort_all: true")
         return self
 

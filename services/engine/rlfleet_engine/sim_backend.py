@@ -8,8 +8,11 @@ What it models, per engine:
   * KV memory as in SGLang's pool (`PrefixCache`): one token budget holds the running requests'
     KV (prompt + room for max_new_tokens, shared prefix blocks counted once) and the prefix cache
     of finished ones, which is evicted LRU but never under a running request. A prompt's cached
-    tokens are reported as `meta_info.cached_tokens` and (per prefill batch) in `sglang:cache_hit_rate`, and only
-    uncached tokens cost prefill;
+    tokens (blocks an earlier iteration computed, or this one for another sample of the same prompt) are
+    reported as `meta_info.cached_tokens` and (per prefill batch) in `sglang:cache_hit_rate`, and only
+    uncached tokens cost prefill. A weight load that flushes the cache leaves no old KV cached; the requests
+    it holds recompute theirs (prompt + output, charged as prefill) in their next iteration, as SGLang's
+    retracted requests do;
   * admission first come, first served: a waiting request starts when there is a free batch slot
     (`max_running_requests`) and its KV fits in free + evictable memory; otherwise it and those
     behind it wait, as on an engine sent more than it can hold. A request larger than the whole
@@ -18,6 +21,8 @@ What it models, per engine:
     `decode_step + per_sequence * batch + per_kv_token * (running sequences' tokens) + prefill_per_token
     * (uncached tokens admitted)`: decoding reads every sequence's whole KV (a shared prefix once per
     sequence), and a prefill stalls the whole batch, as it does in SGLang without chunked prefill.
+    A pause, and a weight load, wait for the iteration under way to end: no token comes out of an
+    iteration after the pause has answered, or is labelled with a version loaded during it.
 Output token j of sample i of a prompt is a function of (random_seed, prompt ids, i, j, and the request's
 sampling_seed if it has one) only: the same request gets the same tokens on every engine, whatever routed
 it there. Every figure measured
@@ -29,20 +34,22 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import itertools
+import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
-from rlfleet.errors import InvalidInput
+from rlfleet.errors import DeadlineExceeded, InvalidInput
 from rlfleet_engine.config import EngineConfig
 from rlfleet_engine.generation_job import GenerationJob
 from rlfleet_engine.metrics import EngineMetrics
 from rlfleet_engine.request_expansion import expand
-from rlfleet_engine.scheduled_generation import Outputs, ScheduledGeneration, check_load_format
+from rlfleet_engine.scheduled_generation import PAUSE_WAIT_S, Outputs, ScheduledGeneration, check_load_format
 from rlfleet_engine.schemas import GenerateRequest, UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest
 from rlfleet_engine.sim_prefix_cache import Lease, PrefixCache
 from rlfleet_engine.stop_conditions import FinishReason, token_finish
@@ -85,10 +92,21 @@ class LatencyModel:
 @dataclass(eq=False)
 class SimJob(GenerationJob):
     sample_index: int = 0
+    prefill_group: Hashable = None
+    """The same for the n samples of one prompt of one request: SGLang prefills that prompt once for all."""
     cached_tokens: int = 0
     rng: random.Random = field(default_factory=random.Random)
+    top_rng: random.Random | None = None
+    """Draws the synthetic top logprobs (when asked for), apart from `rng`, so asking changes no token."""
     lease: Lease | None = None
     """The KV memory the job holds while it runs."""
+    kv_stale: bool = False
+    """Its KV was computed under weights a load has since replaced: recomputed in its next iteration."""
+
+    @property
+    def kv_tokens(self) -> int:
+        """The KV it holds now: prompt + tokens generated so far."""
+        return len(self.input_ids) + len(self.output_ids)
 
     def output(self, tokenizer: Any, weight_version: str) -> dict[str, Any]:
         out = super().output(tokenizer, weight_version)
@@ -96,12 +114,45 @@ class SimJob(GenerationJob):
         return out
 
 
-def output_rng(seed: int, prompt: Sequence[int], sample_index: int, sampling_seed: int | None = None) -> random.Random:
+def output_rng(
+    seed: int, prompt: Sequence[int] | bytes, sample_index: int, sampling_seed: int | None = None, *, purpose: str = ""
+) -> random.Random:
     """The draws of sample `sample_index` of `prompt`; a request's `sampling_seed` takes part when it has one, so
-    the samples of a group sent as n requests of one sample, each with its own seed, differ as on a real engine."""
+    the samples of a group sent as n requests of one sample, each with its own seed, differ as on a real engine.
+    `prompt` may come as `prompt_key(prompt)`, made once for all samples; `purpose` names a stream of draws
+    other than the tokens'."""
     salt = "" if sampling_seed is None else f"seed{sampling_seed}:"
-    digest = hashlib.blake2b(f"{seed}:{sample_index}:{salt}{','.join(map(str, prompt))}".encode(), digest_size=8)
+    tag = f"{purpose}:" if purpose else ""
+    digest = hashlib.blake2b(f"{seed}:{sample_index}:{salt}{tag}".encode(), digest_size=8)
+    digest.update(prompt if isinstance(prompt, bytes) else prompt_key(prompt))
     return random.Random(int.from_bytes(digest.digest(), "little"))
+
+
+def prompt_key(prompt: Sequence[int]) -> bytes:
+    return ",".join(map(str, prompt)).encode()
+
+
+def synthetic_top_logprobs(rng: random.Random, token: int, logprob: float, k: int) -> list[tuple[float, int]]:
+    """`k` (logprob, token id) pairs, most likely first, holding the sampled `token` at its `logprob`: the others
+    (output-alphabet tokens first, as the sampled ones are) share a random part of the probability it leaves,
+    so the k probabilities sum to at most 1, as a distribution's top k do."""
+    k = min(k, SIM_VOCAB_SIZE)
+    others = [t for t in _OUTPUT_ALPHABET if t != token]
+    rng.shuffle(others)
+    del others[k - 1 :]
+    if len(others) < k - 1:
+        taken = {token, *others}
+        # Enough draws that k - 1 of them are not taken already (at most len(_OUTPUT_ALPHABET) are).
+        pool = rng.sample(range(SIM_VOCAB_SIZE), min(SIM_VOCAB_SIZE, k + len(_OUTPUT_ALPHABET)))
+        others += itertools.islice((t for t in pool if t not in taken), k - 1 - len(others))
+    rest = max(0.0, 1.0 - math.exp(logprob)) * rng.random()
+    weights = [rng.random() + 1e-3 for _ in others]
+    total = sum(weights)
+    pairs = [(logprob, token)] + [
+        (math.log(max(rest * w / total, 1e-30)), t) for w, t in zip(weights, others, strict=True)
+    ]
+    pairs.sort(key=lambda pair: (-pair[0], pair[1]))
+    return pairs
 
 
 @dataclass(frozen=True)
@@ -131,6 +182,8 @@ class SimScheduler:
         self._waiting: list[SimJob] = []
         self._running: list[SimJob] = []
         self._wake = asyncio.Event()
+        self._iterating = asyncio.Lock()
+        """Held for the whole of each iteration (admit, its time, advance), never across any other await."""
         self._task: asyncio.Task[None] | None = None
 
     def alive(self) -> bool:
@@ -166,30 +219,75 @@ class SimScheduler:
         self.paused = paused
         self._wake.set()
 
+    def between_steps(self) -> Awaitable[object]:
+        return self._between_iterations()
+
+    async def _between_iterations(self) -> None:
+        """Returns once the iteration under way (if any) has ended. The caller runs before the next one starts
+        if it does not await first, so a weight load can follow it; a pause set before it stops the next."""
+        async with self._iterating:
+            pass
+
+    def load_weights(self, weight_version: str | None, flush_cache: bool) -> int:
+        """Between two iterations (after `between_steps`): sets the version and, with `flush_cache`, empties
+        the cache as SGLang does after a load. Running requests go on: their KV, of the old weights, is stale
+        (never cached for another request) and recomputed, charged as prefill, in their next iteration, as
+        SGLang's retracted requests re-prefill theirs. Returns how many requests were running."""
+        if flush_cache:
+            self.cache.invalidate()
+            for job in self._running:
+                job.kv_stale = True
+        if weight_version is not None:
+            self.weight_version = weight_version
+        return len(self._running)
+
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
 
+    def _has_work(self) -> bool:
+        return not self.paused and bool(self._waiting or self._running)
+
     async def _loop(self) -> None:
         next_at = time.monotonic()
         while True:
-            if self.paused or not (self._waiting or self._running):
+            if not self._has_work():
                 self._wake.clear()
                 await self._wake.wait()
                 next_at = time.monotonic()
                 continue
-            prefill = self._admit()
-            self._update_gauges()
-            assert self._running, "an idle engine admits any request small enough for its KV budget"
-            batch = len(self._running)
-            context = sum(len(job.input_ids) + len(job.output_ids) for job in self._running)
-            self.peak_batch_size = max(self.peak_batch_size, batch)
-            self.metrics.decode_batch_size.observe(batch)
-            # Absolute deadlines keep sleep overshoot from adding up over a long generation.
-            next_at = max(next_at, time.monotonic() - 0.05) + self.latency.iteration_secs(batch, prefill, context)
-            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-            self._advance()
-            self._update_gauges()
+            async with self._iterating:
+                # A pause may have come while a barrier or a weight load held the lock.
+                if self._has_work():
+                    next_at = await self._iterate(next_at)
+
+    async def _iterate(self, next_at: float) -> float:
+        """One iteration: recompute stale KV, admit, take the iteration's time, advance every running sequence."""
+        self.cache.begin_iteration()
+        prefill = self._recompute_stale() + self._admit()
+        self._update_gauges()
+        assert self._running, "an idle engine admits any request small enough for its KV budget"
+        batch = len(self._running)
+        context = sum(job.kv_tokens for job in self._running)
+        self.peak_batch_size = max(self.peak_batch_size, batch)
+        self.metrics.decode_batch_size.observe(batch)
+        # Absolute deadlines keep sleep overshoot from adding up over a long generation.
+        next_at = max(next_at, time.monotonic() - 0.05) + self.latency.iteration_secs(batch, prefill, context)
+        await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+        self._advance()
+        self._update_gauges()
+        return next_at
+
+    def _recompute_stale(self) -> int:
+        """Prefill to pay for the running requests whose KV a weight load made stale: all of it (prompt + output,
+        as SGLang re-prefills a retracted request), computed in this iteration under the current weights."""
+        prefill = 0
+        for job in self._running:
+            if job.kv_stale and job.lease is not None:
+                prefill += job.kv_tokens
+                self.cache.recompute(job.lease.blocks, job.prefill_group)
+                job.kv_stale = False
+        return prefill
 
     def _admit(self) -> int:
         """Moves waiting jobs into the batch while slots and KV memory last; returns the prefill to pay.
@@ -202,7 +300,7 @@ class SimScheduler:
         batch_prompt_tokens = 0
         room = self.max_running_requests - len(self._running)
         for job in self._waiting[:room]:
-            job.lease = self.cache.lease(job.input_ids, job.params.max_new_tokens)
+            job.lease = self.cache.lease(job.input_ids, job.params.max_new_tokens, job.prefill_group)
             if job.lease is None:
                 break
             admitted += 1
@@ -222,7 +320,11 @@ class SimScheduler:
     def _advance(self) -> None:
         for job in self._running:
             token = job.rng.choice(_OUTPUT_ALPHABET)
-            job.append(token, -2.0 * job.rng.random(), [], self.weight_version)
+            logprob = -2.0 * job.rng.random()
+            top = []
+            if job.top_logprobs_num and job.top_rng is not None:
+                top = synthetic_top_logprobs(job.top_rng, token, logprob, job.top_logprobs_num)
+            job.append(token, logprob, top, self.weight_version)
             # The simulated model has no eos token.
             reason = token_finish(job.output_ids, job.params, ()) or job.check_stop_strings(self.tokenizer)
             if reason is not None:
@@ -237,9 +339,10 @@ class SimScheduler:
         self._running = [job for job in self._running if job.finish is None]
 
     def _release(self, job: SimJob) -> None:
-        """Returns a finished job's KV memory and keeps what it computed (prompt + output) cached."""
+        """Returns a finished job's KV memory and keeps what it computed (prompt + output) cached, unless that was
+        computed under weights since replaced."""
         if job.lease is not None:
-            self.cache.release(job.lease, job.input_ids + job.output_ids)
+            self.cache.release(job.lease, () if job.kv_stale else (*job.input_ids, *job.output_ids))
             job.lease = None
 
     def _publish(self, job: SimJob) -> None:
@@ -252,7 +355,11 @@ class SimScheduler:
         between two iterations, or during a pause, reads what the engine holds."""
         self.metrics.num_running_reqs.set(len(self._running))
         self.metrics.num_queue_reqs.set(len(self._waiting))
-        self.metrics.num_used_tokens.set(self.cache.in_use_tokens)
+        # The KV in use (SGLang's count of allocated KV): pinned prompt blocks once, then each running request's
+        # partial last prompt block and the tokens it has generated; not the room reserved for max_new_tokens.
+        size = self.cache.block_size
+        private = sum(job.kv_tokens - len(job.lease.blocks) * size for job in self._running if job.lease is not None)
+        self.metrics.num_used_tokens.set(self.cache.pinned_tokens + private)
 
 
 def _deliverer(queue: Outputs, index: int) -> Callable[[dict[str, Any]], None]:
@@ -283,6 +390,7 @@ class SimEngineCore(ScheduledGeneration):
         )
         self.cache = PrefixCache(config.sim_cache_tokens)
         self.scheduler = SimScheduler(config, self.cache, latency, self.metrics)
+        self._requests = itertools.count()
 
     def _submit(self, req: GenerateRequest) -> tuple[list[SimJob], Outputs]:
         specs = expand(req, self.tokenizer, self.backend.vocab_size, self.backend.context_length)
@@ -295,6 +403,9 @@ class SimEngineCore(ScheduledGeneration):
                     "tokens (--sim-cache-tokens); it could never run."
                 )
         queue: Outputs = asyncio.Queue()
+        request = next(self._requests)
+        keys = {spec.prompt_index: prompt_key(spec.input_ids) for spec in specs if spec.sample_index == 0}
+        seed = self.config.random_seed
         jobs = [
             SimJob(
                 rid=spec.rid,
@@ -302,11 +413,18 @@ class SimEngineCore(ScheduledGeneration):
                 params=spec.params,
                 deliver=_deliverer(queue, k),
                 return_logprob=spec.return_logprob,
+                top_logprobs_num=spec.top_logprobs_num,
                 return_text_in_logprobs=req.return_text_in_logprobs,
                 stream=req.stream,
                 log_metrics=req.log_metrics,
                 sample_index=spec.sample_index,
-                rng=output_rng(self.config.random_seed, spec.input_ids, spec.sample_index, spec.params.sampling_seed),
+                prefill_group=(request, spec.prompt_index),
+                rng=output_rng(seed, keys[spec.prompt_index], spec.sample_index, spec.params.sampling_seed),
+                top_rng=output_rng(
+                    seed, keys[spec.prompt_index], spec.sample_index, spec.params.sampling_seed, purpose="top"
+                )
+                if spec.top_logprobs_num
+                else None,
             )
             for k, spec in enumerate(specs)
         ]
@@ -329,12 +447,9 @@ class SimEngineCore(ScheduledGeneration):
         check_load_format(req)
         if req.abort_all_requests:
             self.scheduler.abort("", abort_all=True)
-        if req.flush_cache:
-            self.cache.clear()
+        await self._between_iterations(f"loading weights from {req.model_path}")
+        running = self.scheduler.load_weights(req.weight_version, req.flush_cache)
         self.model_path = req.model_path
-        if req.weight_version is not None:
-            self.scheduler.weight_version = req.weight_version
-        running, _ = self.scheduler.counts()
         message = "Succeeded to update model weights."
         if req.weight_version is not None:
             message += f" Weight version updated to {req.weight_version}."
@@ -353,12 +468,18 @@ class SimEngineCore(ScheduledGeneration):
         )
 
     async def _discard_received(self, tensors: dict[str, Any], req: UpdateWeightsFromDistributedRequest) -> int:
-        if req.flush_cache:
-            self.cache.clear()
-        if req.weight_version is not None:
-            self.scheduler.weight_version = req.weight_version
-        running, _ = self.scheduler.counts()
-        return running
+        await self._between_iterations(f"loading weights from weight update group {req.group_name!r}")
+        return self.scheduler.load_weights(req.weight_version, req.flush_cache)
+
+    async def _between_iterations(self, what: str) -> None:
+        """Waits for the iteration under way, so a load lands between two, as on a model engine (bounded)."""
+        try:
+            async with asyncio.timeout(PAUSE_WAIT_S):
+                await self.scheduler.between_steps()
+        except TimeoutError as exc:
+            raise DeadlineExceeded(
+                f"{what}: the iteration under way did not end within {PAUSE_WAIT_S:.0f}s; nothing was loaded"
+            ) from exc
 
     async def health_generate(self) -> bool:
         return self.scheduler.alive() and not self.paused_too_long()
@@ -366,7 +487,7 @@ class SimEngineCore(ScheduledGeneration):
     def server_info(self) -> dict[str, Any]:
         info = super().server_info()
         info["max_total_num_tokens"] = self.cache.max_tokens
-        info["internal_states"][0].update(cache_hit_rate=self.cache.hit_rate, cached_tokens=self.cache.tokens)
+        info["internal_states"][0].update(cache_hit_rate=self.cache.hit_rate, cached_tokens=self.cache.cached_tokens)
         info["backend"] = "sim"
         return info
 

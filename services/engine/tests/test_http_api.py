@@ -58,12 +58,37 @@ def test_a_body_sent_as_form_data_gets_a_400_naming_the_content_type(engine: Run
         ({"text": "7" * 600}, "longer than the model's context length"),
         ({"text": "1+1=", "sampling_params": {"max_new_tokens": 1000}}, "maximum context length"),
         ({"input_ids": [5, 100000]}, "outside the vocabulary"),
+        ({"text": "1+1=", "rid": ""}, "rid must not be empty"),  # /abort_request could never name it
     ],
 )
 def test_requests_the_model_cannot_run_get_400(engine: RunningEngine, body: Any, fragment: str) -> None:
     response = engine.post("/generate", body)
     assert response.status_code == 400
     assert fragment in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("neutral", [{"logit_bias": {}}, {"custom_params": {}}, {"json_schema": ""}, {"regex": None}])
+def test_empty_values_of_unsupported_parameters_read_as_absent(engine: RunningEngine, neutral: dict[str, Any]) -> None:
+    out = engine.generate({"text": "1+1=", "sampling_params": {"max_new_tokens": 1, **neutral}})
+    assert out["meta_info"]["completion_tokens"] == 1
+    refused = engine.post("/generate", {"text": "1+1=", "sampling_params": {"logit_bias": {"5": 2.0}}})
+    assert refused.status_code == 400 and "logit_bias" in refused.json()["message"]
+
+
+@pytest.mark.parametrize("body", [{"rid": None, "abort_all": True}, {"rid": ""}, {"rid": None}])
+def test_an_empty_or_null_rid_is_sglangs_and_aborts_nothing_by_rid(engine: RunningEngine, body: dict[str, Any]) -> None:
+    # SGLang's rid is Optional[str]: null reads as "", and "" names no request.
+    assert engine.post("/abort_request", body).status_code == 200
+
+
+def test_an_empty_rid_aborts_no_request(engine: RunningEngine) -> None:
+    body = {"text": "1+1=", "rid": "_x", "stream": True, "sampling_params": {"max_new_tokens": 60, "ignore_eos": True}}
+    with httpx.stream("POST", engine.url + "/generate", json=body, timeout=30) as response:
+        lines = (line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: "))
+        assert json.loads(next(lines))["meta_info"]["finish_reason"] is None
+        assert engine.post("/abort_request", {"rid": ""}).status_code == 200  # not a prefix of "_x"
+        events = list(lines)
+    assert json.loads(events[-2])["meta_info"]["finish_reason"] == {"type": "length", "length": 60}
 
 
 def test_unknown_fields_are_accepted_and_ignored(engine: RunningEngine) -> None:

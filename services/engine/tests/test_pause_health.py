@@ -127,8 +127,7 @@ def test_retract_and_in_place_hold_requests_in_flight_until_continue(
         paused = pause(url, {"mode": mode})
         assert paused.json() == {"message": "Generation paused successfully.", "status": "ok"}
 
-        time.sleep(0.2)  # a decode step under way when the pause came may still end
-        before = tokens_generated(url)
+        before = tokens_generated(url)  # the pause answered once the step under way had ended
         time.sleep(0.5)
         assert tokens_generated(url) == before  # nothing decodes while paused
         assert first.is_alive() and second.is_alive() and not results

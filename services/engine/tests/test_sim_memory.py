@@ -133,3 +133,31 @@ def test_a_request_larger_than_the_whole_budget_is_refused() -> None:
         assert "60 prompt tokens" in message and "max_new_tokens 8" in message and "64" in message
         fits = client.post("/generate", json={"text": "x" * 56, "sampling_params": {"max_new_tokens": 8}})
         assert fits.status_code == 200, fits.text
+
+
+def test_finished_requests_leave_nothing_in_flight() -> None:
+    async def scenario() -> dict[str, Any]:
+        core = sim_core(sim_decode_ms_per_step=0.1)
+        await core.generate(GenerateRequest.model_validate({"text": "ab", "sampling_params": {"n": 8}}))
+        stream = GenerateRequest.model_validate(
+            {"text": "ab", "stream": True, "sampling_params": {"max_new_tokens": 2}}
+        )
+        assert len([chunk async for chunk in core.generate_stream(stream)]) == 2
+        left = dict(core.in_flight)
+        await core.scheduler.stop()
+        return left
+
+    assert asyncio.run(scenario()) == {}, "a finished request's jobs (prompt, outputs) are let go when it is answered"
+
+
+def test_a_small_body_asking_for_many_copies_of_a_long_prompt_is_refused() -> None:
+    registry = CollectorRegistry()
+    core = SimEngineCore(EngineConfig(model_path="sim", sim_decode_ms_per_step=0.1), registry)
+    with TestClient(create_app(core, registry)) as client:  # type: ignore[arg-type]
+        # 31 KiB of JSON asking for 1024 x 32000 prompt tokens.
+        body = {"text": "a" * 32000, "sampling_params": {"n": 1024, "max_new_tokens": 1}}
+        answer = client.post("/generate", json=body)
+        assert answer.status_code == 413, answer.text[:200]
+        message = answer.json()["error"]["message"]
+        assert "32768000 prompt tokens" in message and "at most 4194304" in message
+        assert core.in_flight == {}

@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from rlfleet.errors import InvalidInput
+from rlfleet.errors import InvalidInput, ResourceExhausted
+from rlfleet_engine import request_expansion
 from rlfleet_engine.generation_job import GenerationJob
 from rlfleet_engine.request_expansion import expand
 from rlfleet_engine.sampling_params import SamplingParams
@@ -164,7 +165,20 @@ def expand_request(body: dict[str, object], context: int = 64) -> list:
 def test_batch_with_n_is_prompt_major_with_sglang_rids() -> None:
     specs = expand_request({"text": ["ab", "c"], "sampling_params": {"n": 2, "max_new_tokens": 4}, "rid": "q"})
     assert [s.rid for s in specs] == ["q_0", "q_1", "q_2", "q_3"]
-    assert [s.input_ids for s in specs] == [ids("ab"), ids("ab"), ids("c"), ids("c")]
+    assert [list(s.input_ids) for s in specs] == [ids("ab"), ids("ab"), ids("c"), ids("c")]
+
+
+def test_the_samples_of_a_prompt_share_one_immutable_copy_of_it() -> None:
+    specs = expand_request({"text": ["ab", "c"], "sampling_params": {"n": 3}})
+    assert specs[0].input_ids is specs[1].input_ids is specs[2].input_ids and isinstance(specs[0].input_ids, tuple)
+    assert specs[3].input_ids is not specs[0].input_ids
+
+
+def test_a_request_over_the_prompt_token_bound_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(request_expansion, "MAX_PROMPT_TOKENS_PER_REQUEST", 100)
+    assert len(expand_request({"input_ids": [3] * 25, "sampling_params": {"n": 4}})) == 4  # 100 tokens
+    with pytest.raises(ResourceExhausted, match=r"2 prompt\(s\) x n=4 hold 104 prompt tokens; at most 100"):
+        expand_request({"input_ids": [[3] * 25, [4]], "sampling_params": {"n": 4}})
 
 
 def test_single_prompt_keeps_its_rid_and_lists_of_rids_get_sample_suffixes() -> None:
@@ -209,6 +223,8 @@ def test_a_top_k_past_the_vocabulary_is_clamped_to_it() -> None:
         ({"input_ids": [3] * 10, "sampling_params": {"max_new_tokens": 60}}, "maximum context length"),
         ({"input_ids": [[3], [4]], "sampling_params": [{}]}, "sampling_params has 1 entries"),
         ({"input_ids": [[3], [4]], "rid": ["a", "a"]}, "duplicates"),
+        ({"input_ids": [3], "rid": ""}, "rid must not be empty"),
+        ({"input_ids": [[3], [4]], "rid": ["a", ""]}, "rid must not be empty"),
         ({"input_ids": [[3], [4]], "sampling_params": [{"n": 1}, {"n": 2}]}, "n must be the same"),
         ({"input_ids": [3], "logprob_start_len": 0}, "logprob_start_len"),
         ({"input_ids": [3], "sampling_params": {"stop_token_ids": [-5]}}, "stop_token_ids holds token id -5"),
