@@ -6,7 +6,9 @@ the trainer acknowledges it, and entries left pending by a dead consumer are cla
 (`claim_stale`). Writing is idempotent per `group_id`: a group the stream has already seen is not
 appended twice, so a producer that retries or restarts cannot duplicate a group. An entry that
 cannot be decoded, or whose group cannot be trained on (`check_trainable`), is moved to the run's
-dead-letter stream with the reason, never silently dropped and never handed to the trainer.
+dead-letter stream with the reason, never silently dropped and never handed to the trainer; one the run
+is short of (its own group, or an entry deleted while pending) is also recorded in a small hash, so counting
+them reads no payload.
 Acknowledged entries are trimmed (`trim_acknowledged`, at each checkpoint commit), so a long run's
 stream holds the groups not yet trained rather than every group of the run; the id set keeps every
 group id appended (and so the count of groups produced).
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -89,11 +92,33 @@ return redis.call('XTRIM', KEYS[1], 'MINID', bound)
 """
 
 
+# Moves an entry aside, atomically: its dead letter on KEYS[1], its acknowledgement on stream KEYS[2] (consumer group
+# ARGV[1]), and, when the run is short of it (an entry deleted while pending, ARGV[6] = '1', or a group of the
+# producer's: its id is in the id set KEYS[3]), its entry id and reason in the hash KEYS[4], which counting the lost
+# groups reads instead of every dead letter's payload. HSETNX: a move sent again after a lost reply writes a second
+# dead letter, not a second lost group. The dead letter's `lost` field says which it was (and that KEYS[4] has it).
+_MOVE_TO_DEAD_LETTERS = """
+local lost = ARGV[6] == '1' or (ARGV[4] ~= '' and redis.call('SISMEMBER', KEYS[3], ARGV[4]) == 1)
+redis.call('XADD', KEYS[1], '*', 'entry_id', ARGV[2], 'reason', ARGV[3], 'group_id', ARGV[4], 'payload', ARGV[5],
+  'lost', lost and '1' or '0')
+redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
+if lost then
+  redis.call('HSETNX', KEYS[4], ARGV[2], ARGV[3])
+end
+return lost and 1 or 0
+"""
+_LOST_FIELD = b"lost"
+
+
 def entry_order(entry_id: bytes | str) -> tuple[int, int]:
     """Sort key of stream entry ids ("<ms>-<seq>"), which do not sort as strings."""
     raw = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     millis, _, seq = raw.partition("-")
     return int(millis), int(seq or 0)
+
+
+def _by_entry_id(reasons: dict[str, str]) -> list[tuple[str, str]]:
+    return sorted(reasons.items(), key=lambda item: entry_order(item[0]))
 
 
 @dataclass(frozen=True)
@@ -107,6 +132,9 @@ REDIS_RETRY_BUDGET_S = 30.0
 the sum of the backoffs between attempts; each attempt is bounded by the socket timeouts too."""
 REDIS_RETRY_ERRORS: tuple[type[redis.RedisError], ...] = (redis.ConnectionError, redis.TimeoutError)
 _BACKOFF_BASE_S, _BACKOFF_CAP_S = 0.1, 2.0
+# redis-py has no class for MISCONF; inside a transaction it prefixes the reply with the command that met it
+# ("Command # 1 (SET ...) of pipeline caused error: ('MISCONF ...',)").
+_MISCONF = re.compile(r"""(?:^|of pipeline caused error: \(?["']?)MISCONF """)
 _HEALTH_CHECK_INTERVAL_S = 10
 
 
@@ -145,6 +173,25 @@ def connect_redis(url: str, timeout_s: float = 10.0) -> redis.Redis:
     retried by the client (it raises WatchError)."""
     retry = Retry(_backoff(), _retries_within(REDIS_RETRY_BUDGET_S), supported_errors=REDIS_RETRY_ERRORS)
     return redis.Redis.from_url(url, retry=retry, **_client_options(timeout_s))
+
+
+def redis_refusal(exc: BaseException) -> str | None:
+    """Why Redis refused a write, when `exc` is Redis refusing it for a state of its own that lasts until an operator
+    (or a failover) ends it: full at its maxmemory, a read-only replica, unable to persist. None for any other error.
+    The text is for logs and callers: the error's own may quote the command, a run's serialized record."""
+    if isinstance(exc, redis.OutOfMemoryError):
+        return "Redis is full: its used memory is over its maxmemory (OOM)"
+    if isinstance(exc, redis.ReadOnlyError):
+        return "Redis is a read-only replica (READONLY)"
+    if isinstance(exc, redis.ResponseError) and _MISCONF.search(str(exc)):
+        return "Redis cannot persist to disk, and stops writes until it can (MISCONF; its log says why)"
+    return None
+
+
+def redis_unavailable(exc: BaseException) -> bool:
+    """Whether `exc` says Redis cannot serve for now: unreachable past the client's retries, or refusing writes.
+    A retry later may succeed, so a service answers it as Unavailable rather than as a fault of its own."""
+    return isinstance(exc, REDIS_RETRY_ERRORS) or redis_refusal(exc) is not None
 
 
 def connect_redis_async(url: str, timeout_s: float = 10.0) -> aioredis.Redis:
@@ -234,9 +281,11 @@ def check_trainable(group: SampleGroup, run_id: str, vocab_size: int | None = No
         raise InvalidInput(f"SampleGroup {group.group_id} belongs to run {group.run_id}, not {run_id}")
 
 
-def stream_keys(run_id: str, prefix: str = DEFAULT_PREFIX) -> tuple[str, str, str]:
-    """The keys of run `run_id`'s stream: the stream, the set of group ids appended, the dead letters."""
-    return f"{prefix}run:{run_id}:groups", f"{prefix}run:{run_id}:group_ids", f"{prefix}run:{run_id}:dead"
+def stream_keys(run_id: str, prefix: str = DEFAULT_PREFIX) -> tuple[str, str, str, str]:
+    """The keys of run `run_id`'s stream: the stream, the set of group ids appended, the dead letters, and the lost
+    groups among them (entry id -> reason)."""
+    run = f"{prefix}run:{run_id}"
+    return f"{run}:groups", f"{run}:group_ids", f"{run}:dead", f"{run}:lost"
 
 
 class SampleStream:
@@ -259,9 +308,10 @@ class SampleStream:
         self.run_id = run_id
         self.consumer_group = consumer_group
         self.vocab_size = vocab_size
-        self.key, self.ids_key, self.dead_key = stream_keys(run_id, prefix)
+        self.key, self.ids_key, self.dead_key, self.lost_key = stream_keys(run_id, prefix)
         self._append_once = client.register_script(_APPEND_ONCE)
         self._trim_acknowledged = client.register_script(_TRIM_ACKNOWLEDGED)
+        self._move_aside = client.register_script(_MOVE_TO_DEAD_LETTERS)
 
     # -- producer -------------------------------------------------------------------------------
 
@@ -398,11 +448,29 @@ class SampleStream:
 
     def lost_groups(self) -> list[tuple[str, str]]:
         """(entry id, reason) of the dead letters that were groups this stream's producer appended (their
-        group id is in its id set) or entries deleted while pending: groups the run is now short of.
-        Another writer's entries (another run's groups, ones without a group id) are not among them. Each entry
-        once: a move whose reply was lost and that the client sent again wrote its dead letter twice."""
-        if not self.dead_letter_count():
-            return []
+        group id is in its id set) or entries deleted while pending: groups the run is now short of, in entry id
+        order. Another writer's entries (another run's groups, ones without a group id) are not among them. Each
+        entry once: a move whose reply was lost and that the client sent again wrote its dead letter twice."""
+        if not self._lost_recorded():
+            return self._scan_lost_groups()
+        lost = cast(dict[bytes, bytes], self.client.hgetall(self.lost_key))
+        return _by_entry_id({entry.decode(): reason.decode() for entry, reason in lost.items()})
+
+    def lost_group_count(self) -> int:
+        """len(lost_groups()), in a few small commands: no dead letter's payload is read (but the first one's)."""
+        if not self._lost_recorded():
+            return len(self._scan_lost_groups())
+        return int(cast(int, self.client.hlen(self.lost_key)))
+
+    def _lost_recorded(self) -> bool:
+        """Whether every dead letter's lost group is in the lost hash: the first one (the oldest) was moved aside
+        with it (it has a `lost` field), so all later ones were too. Dead letters of an older version have none."""
+        first = cast(list[tuple[bytes, dict[bytes, bytes]]], self.client.xrange(self.dead_key, count=1))
+        return not first or _LOST_FIELD in first[0][1]
+
+    def _scan_lost_groups(self) -> list[tuple[str, str]]:
+        """lost_groups() from the dead letters themselves, payloads and all: for those moved aside by a version
+        that did not record them in the lost hash."""
         lost: dict[str, str] = {}
         entries = cast(list[tuple[bytes, dict[bytes, bytes]]], self.client.xrange(self.dead_key))
         for _, fields in entries:
@@ -410,7 +478,7 @@ class SampleStream:
             deleted = fields[b"reason"].decode() == _DELETED
             if deleted or (group_id and self.client.sismember(self.ids_key, group_id)):
                 lost.setdefault(fields[b"entry_id"].decode(), fields[b"reason"].decode())
-        return list(lost.items())
+        return _by_entry_id(lost)
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -449,17 +517,16 @@ class SampleStream:
 
     def _move_to_dead_letters(self, entry_id: str, fields: dict[bytes, bytes], reason: str) -> None:
         """Copies the entry (its group id and payload, empty when it was deleted) to the dead letters with
-        `reason`, and acknowledges it."""
+        `reason`, acknowledges it, and records it as lost when the run is short of it (_MOVE_TO_DEAD_LETTERS)."""
         logger.error("stream %s entry %s moved to %s: %s", self.key, entry_id, self.dead_key, reason)
-        pipe = self.client.pipeline(transaction=True)
-        pipe.xadd(
-            self.dead_key,
-            {
-                "entry_id": entry_id,
-                "reason": reason,
-                "group_id": fields.get(b"group_id", b""),
-                "payload": fields.get(_GROUP_FIELD, b""),
-            },
+        self._move_aside(
+            keys=[self.dead_key, self.key, self.ids_key, self.lost_key],
+            args=[
+                self.consumer_group,
+                entry_id,
+                reason,
+                fields.get(_ID_FIELD, b""),
+                fields.get(_GROUP_FIELD, b""),
+                "1" if reason == _DELETED else "0",
+            ],
         )
-        pipe.xack(self.key, self.consumer_group, entry_id)
-        pipe.execute()

@@ -251,3 +251,46 @@ def test_lost_groups_are_the_producers_own_dead_letters(stream: SampleStream, re
         (cast(bytes, bad_id).decode(), "untrainable"),
         (delivered, "entry was deleted while pending"),
     ]
+
+
+def test_lost_groups_are_counted_from_their_record_once_each(stream: SampleStream, redis_client: redis.Redis) -> None:
+    """lost_group_count() (what each /metrics scrape of the trainer subtracts) reads no dead letter's payload but the
+    oldest one's, and agrees with lost_groups(): a move retried after a lost reply counts once, with its first
+    reason, and another writer's entries not at all."""
+    assert stream.lost_group_count() == 0
+    redis_client.xadd(stream.key, {"group_id": "stray", "group": b"\xff not protobuf"})  # another writer's
+    own_bad = make_group("run1", 0)
+    own_bad.samples[0].reward = float("nan")  # written past the producer's checks
+    redis_client.sadd(stream.ids_key, own_bad.group_id)
+    bad_id = cast(
+        bytes, redis_client.xadd(stream.key, {"group_id": own_bad.group_id, "group": own_bad.SerializeToString()})
+    )
+    assert stream.read("c", count=10) == []
+    stream._move_to_dead_letters(bad_id.decode(), {b"group_id": own_bad.group_id.encode()}, "again")  # retried
+    assert stream.dead_letter_count() == 3
+    [(entry, reason)] = stream.lost_groups()
+    assert entry == bad_id.decode() and reason.startswith("untrainable: ")
+    assert stream.lost_group_count() == 1
+    assert [f[b"lost"] for _, f in redis_client.xrange(stream.dead_key)] == [b"0", b"1", b"1"]
+
+
+def test_dead_letters_moved_aside_before_lost_groups_were_recorded_are_still_found(
+    stream: SampleStream, redis_client: redis.Redis
+) -> None:
+    """A run whose dead letters an older trainer wrote (no `lost` field, nothing recorded): its lost groups are
+    found in the dead letters themselves, those moved aside since as well."""
+    old_own = make_group("run1", 0)
+    redis_client.sadd(stream.ids_key, old_own.group_id)
+    for entry_id, group_id, reason in (("1-0", old_own.group_id, "untrainable: old"), ("1-1", "x", "undecodable")):
+        redis_client.xadd(
+            stream.dead_key, {"entry_id": entry_id, "reason": reason, "group_id": group_id, "payload": ""}
+        )
+    assert stream.lost_groups() == [("1-0", "untrainable: old")]
+    assert stream.lost_group_count() == 1
+    appended = stream.append(make_group("run1", 1))
+    assert appended is not None
+    stream.read("c", count=1)
+    redis_client.xdel(stream.key, appended)  # deleted while pending
+    assert stream.read_own_pending("c", count=10) == []
+    assert stream.lost_groups() == [("1-0", "untrainable: old"), (appended, "entry was deleted while pending")]
+    assert stream.lost_group_count() == 2

@@ -18,7 +18,7 @@ from rlfleet.sample_stream import SampleStream
 from rlfleet.v1.runs_pb2 import RunSpec
 from rlfleet.v1.trainer_pb2 import CheckpointResponse, StepReport, TrainerState, TrainerStatus
 from rlfleet_trainer.rank_group import RankGroup
-from rlfleet_trainer.rank_ops import RankState
+from rlfleet_trainer.rank_ops import Policy, RankState
 
 
 @dataclass
@@ -31,6 +31,8 @@ class ActiveRun:
     weights_root: Path
     checkpoints_root: Path
     tokenizer_dir: Path
+    policy: Policy | None = None
+    """What load_run gave this run on rank 0: its policy is unloaded only while the ranks still hold this one."""
     step: int = 0
     weight_version: int = 0
     weights_path: str = ""
@@ -87,6 +89,17 @@ class ActiveRun:
         with self.changed:
             return [r for r in self.reports if r.step >= step]
 
+    def want_checkpoint(self) -> None:
+        """Asks the training thread for a checkpoint at its next step boundary (at once while it waits for
+        groups), unless one covers every step taken so far; waits for nothing."""
+        with self.changed:
+            if not self._covers(self.step) and not self.finished:
+                self.checkpoint_wanted = True
+                self.changed.notify_all()
+
+    def _covers(self, step: int) -> bool:
+        return bool(self.checkpoint_path) and self.checkpoint_step >= step
+
     def request_checkpoint(self, timeout_s: float) -> CheckpointResponse:
         """Waits until a checkpoint covers every step taken so far; the training thread takes it at
         its next step boundary (at once while it waits for groups)."""
@@ -94,11 +107,10 @@ class ActiveRun:
             target = self.step
 
             def covered() -> bool:
-                return bool(self.checkpoint_path) and self.checkpoint_step >= target
+                return self._covers(target)
 
             if not covered() and not self.finished:
-                self.checkpoint_wanted = True
-                self.changed.notify_all()
+                self.want_checkpoint()
                 if not self.changed.wait_for(lambda: covered() or self.finished, timeout=timeout_s):
                     raise DeadlineExceeded(
                         f"run {self.run_id}: no checkpoint of step {target} within {timeout_s:.0f}s "
@@ -118,3 +130,15 @@ class ActiveRun:
     @property
     def finished(self) -> bool:
         return self.state in (TrainerState.TRAINER_STATE_STOPPED, TrainerState.TRAINER_STATE_FAILED)
+
+    @property
+    def releasing(self) -> bool:
+        """Ended, and its thread still letting go of what it holds (the weight sync with the fleet, the policy on
+        the ranks): no other run may load meanwhile, or this run's unload would throw that one away."""
+        return self.finished and self.thread is not None and self.thread.is_alive()
+
+    def wait_released(self, timeout_s: float) -> bool:
+        """Waits up to `timeout_s` for the run's thread to end; whether it holds nothing any more."""
+        if self.thread is not None:
+            self.thread.join(timeout=timeout_s)
+        return self.thread is None or not self.thread.is_alive()

@@ -4,7 +4,8 @@ AutoModelForCausalLM and servable by the engines.
     python -m rlfleet_trainer export --checkpoint DIR --base-model DIR --out DIR
 
 The architecture comes from the base model's config (a checkpoint holds tensors, not a config); only
-the policy's tensors are read from the checkpoint, whatever the sharding it was saved with.
+the policy's tensors are read from the checkpoint, whatever the sharding it was saved with. The base's
+generation_config.json (its end-of-turn token ids, its sampling defaults) and every tokenizer file it has are kept.
 """
 
 from __future__ import annotations
@@ -32,4 +33,4 @@ def export_checkpoint(checkpoint: Path, base_model: Path, out: Path) -> Path:
             f"{checkpoint} does not hold the weights of the {config.model_type} model at {base_model}: {exc}"
         ) from exc
     out.parent.mkdir(parents=True, exist_ok=True)
-    return write_model_dir(model, out, base_model)
+    return write_model_dir(model, out, base_model, base_dir=base_model)

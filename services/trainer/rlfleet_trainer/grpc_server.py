@@ -1,39 +1,69 @@
-"""gRPC `rlfleet.v1.Trainer` over TrainerCore; blocking work runs in threads, errors map once."""
+"""gRPC `rlfleet.v1.Trainer` over TrainerCore; blocking work runs in threads of its own, errors map once."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from grpc import aio
 
+from rlfleet.errors import DeadlineExceeded
 from rlfleet.grpc_errors import ErrorInterceptor
 from rlfleet.grpc_limits import message_size_options
+from rlfleet.host_port import host_port
 from rlfleet.v1 import trainer_pb2, trainer_pb2_grpc
 from rlfleet_trainer.trainer_core import START_JOIN_WAIT_S, STOP_WAIT_S, TrainerCore
 
+T = TypeVar("T")
+
 # A call that waits (StopRun for the step in progress, Checkpoint for the next step boundary, StartRun for
 # the same run's start) answers this long before its caller's deadline when the wait has not ended by then,
-# so the caller hears "ask again" from the trainer, and no handler thread waits on for a caller that has
-# left (a few such threads would take every worker asyncio.to_thread has).
+# so the caller hears "ask again" from the trainer, and no handler thread waits on for a caller that has left.
 _ANSWER_MARGIN_S = 1.0
+NO_DEADLINE_WAIT_S = 60.0
+"""How long a call without a deadline waits (grpcurl, a script): such a caller may have gone long ago, and a few of
+them waiting out StopRun's 300 s or --checkpoint-timeout-s would hold handler threads all that time."""
+HANDLER_THREADS = 32
+"""Threads for the calls that block (StartRun, StopRun, Checkpoint, a WatchSteps poll), this servicer's own, not
+asyncio's default pool (cpus + 4: 6 on two cores, which a handful of waiting calls took). The orchestrator needs two
+or three at once; the rest is room for other callers, each bounded by its deadline or NO_DEADLINE_WAIT_S. Should
+they all be busy, StopRun and Checkpoint are recorded before a call waits for a thread, and answered in time."""
 
 
 def _wait_s(context: aio.ServicerContext, bound_s: float) -> float:
-    """How long a handler may wait: `bound_s`, cut to end `_ANSWER_MARGIN_S` before the caller's deadline."""
+    """How long a handler may wait: `bound_s`, cut to end `_ANSWER_MARGIN_S` before the caller's deadline, or to
+    NO_DEADLINE_WAIT_S for a caller without one."""
     remaining = context.time_remaining()
-    return bound_s if remaining is None else min(bound_s, max(0.0, remaining - _ANSWER_MARGIN_S))
+    if remaining is None:
+        return min(bound_s, NO_DEADLINE_WAIT_S)
+    return min(bound_s, max(0.0, remaining - _ANSWER_MARGIN_S))
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def __init__(self, core: TrainerCore) -> None:
         self.core = core
+        self._threads = ThreadPoolExecutor(HANDLER_THREADS, thread_name_prefix="trainer-rpc")
+
+    async def _in_thread(self, call: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._threads, call, *args)
+
+    async def _within(self, wait_s: float, late: str, call: Callable[..., T], *args: object) -> T:
+        """`call(*args)` in a handler thread, which itself waits at most `wait_s`; DeadlineExceeded (`late`) when no
+        answer came shortly after that (every thread was busy, and the call waited for one)."""
+        try:
+            return await asyncio.wait_for(self._in_thread(call, *args), wait_s + _ANSWER_MARGIN_S / 2)
+        except TimeoutError:
+            raise DeadlineExceeded(late) from None
 
     async def StartRun(
         self, request: trainer_pb2.StartRunRequest, context: aio.ServicerContext
     ) -> trainer_pb2.TrainerStatus:  # noqa: N802,E501
         join_wait = _wait_s(context, START_JOIN_WAIT_S)
-        return await asyncio.to_thread(self.core.start_run, request.run_id, request.spec, join_wait)
+        # Not cut short: a start goes on after its caller stops waiting (asking again joins it).
+        return await self._in_thread(self.core.start_run, request.run_id, request.spec, join_wait)
 
     async def Status(
         self, request: trainer_pb2.StatusRequest, context: aio.ServicerContext
@@ -45,13 +75,19 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self, request: trainer_pb2.CheckpointRequest, context: aio.ServicerContext
     ) -> trainer_pb2.CheckpointResponse:  # noqa: N802,E501
         wait = _wait_s(context, self.core.settings.checkpoint_timeout_s)
-        return await asyncio.to_thread(self.core.checkpoint, request.run_id, wait)
+        self.core.request_checkpoint(request.run_id)  # taken at the next step boundary whatever this call hears
+        late = (
+            f"run {request.run_id}: no checkpoint within {wait:.0f}s; it is taken after the step in progress: ask again"
+        )
+        return await self._within(wait, late, self.core.checkpoint, request.run_id, wait)
 
     async def StopRun(
         self, request: trainer_pb2.StopRunRequest, context: aio.ServicerContext
     ) -> trainer_pb2.TrainerStatus:  # noqa: N802,E501
         wait = _wait_s(context, STOP_WAIT_S)
-        return await asyncio.to_thread(self.core.stop_run, request.run_id, request.checkpoint, wait)
+        self.core.request_stop(request.run_id, request.checkpoint)  # the stop stands whatever this call hears
+        late = f"run {request.run_id} has not stopped within {wait:.0f}s; it stops after its step: ask again"
+        return await self._within(wait, late, self.core.stop_run, request.run_id, request.checkpoint, wait)
 
     async def WatchSteps(
         self, request: trainer_pb2.WatchStepsRequest, context: aio.ServicerContext
@@ -64,11 +100,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 next_step = report.step + 1
             if finished and not reports:
                 return
-            await asyncio.to_thread(self.core.wait_for_change, request.run_id, 1.0)
+            with contextlib.suppress(TimeoutError):  # every thread busy: poll again rather than wait for one
+                await asyncio.wait_for(self._in_thread(self.core.wait_for_change, request.run_id, 1.0), 2.0)
 
 
 def make_grpc_server(core: TrainerCore, host: str, port: int) -> aio.Server:
     server = aio.server(interceptors=[ErrorInterceptor()], options=message_size_options())
     trainer_pb2_grpc.add_TrainerServicer_to_server(TrainerServicer(core), server)
-    server.add_insecure_port(f"{host}:{port}")
+    address = host_port(host, port)
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"cannot bind the trainer's gRPC server to {address}")
     return server

@@ -35,6 +35,7 @@ from rlfleet_trainer.config import TrainerSettings
 from rlfleet_trainer.fleet_version import FleetVersionCheck
 from rlfleet_trainer.metrics import TrainerMetrics
 from rlfleet_trainer.rank_group import RankGroup
+from rlfleet_trainer.rank_ops import Policy
 from rlfleet_trainer.router_client import RouterClient
 from rlfleet_trainer.weight_publisher import make_publisher
 from rlfleet_trainer.weights import prune_versions
@@ -151,12 +152,24 @@ def train_run(
         logger.exception("run %s failed at step %d", run.run_id, run.step, extra={"run_id": run.run_id})
         run.update(state=TrainerState.TRAINER_STATE_FAILED, error=f"{type(exc).__name__}: {exc}")
     finally:
-        publisher.close()
-        release_policy(run.ranks, run.run_id)
+        # The run reports its end above, before this: TrainerCore starts no other run while this thread lives
+        # (closing a distributed weight sync asks the router, which can take minutes).
+        try:
+            publisher.close()
+        except Exception:  # noqa: BLE001 - the run has ended; its policy is released all the same
+            logger.exception("run %s: closing its weight sync failed", run.run_id, extra={"run_id": run.run_id})
+        release_policy(run.ranks, run.run_id, run.policy)
 
 
-def release_policy(ranks: RankGroup, run_id: str) -> None:
-    """Frees run `run_id`'s model and optimizer on every rank; the run's state lives on in its checkpoints."""
+def release_policy(ranks: RankGroup, run_id: str, policy: Policy | None = None) -> None:
+    """Frees run `run_id`'s model and optimizer on every rank; the run's state lives on in its checkpoints.
+
+    `policy`: the one load_run gave the run. When rank 0 holds another one by now (a later run's), nothing is
+    unloaded. Without it (a start that failed before load_run answered), whatever the ranks hold goes: only
+    that start can have loaded it. The ranks follow rank 0, so rank 0's policy says what every rank holds."""
+    if policy is not None and getattr(ranks.state, "policy", None) is not policy:
+        logger.warning("run %s: the ranks hold another run's policy by now; it stays loaded", run_id)
+        return
     try:
         ranks.call("unload_run")
     except Exception:  # noqa: BLE001 - a rank that failed is reported by the run's error already

@@ -39,8 +39,9 @@ ERROR_LOG_EVERY_S = 300.0
 def stream_lag(stream: SampleStream, groups_trained: int) -> int:
     """Groups appended to `stream` and not trained yet, of a run that has trained `groups_trained`. Of the dead
     letters only the run's own groups were counted as appended (not another writer's entries), each once (a
-    move retried after a lost reply writes its dead letter twice)."""
-    lost = len(stream.lost_groups())
+    move retried after a lost reply writes its dead letter twice). Counted without reading the dead letters'
+    payloads: a run with thousands of them would move hundreds of MB per scrape."""
+    lost = stream.lost_group_count()
     return max(0, stream.appended_count() - groups_trained - lost)
 
 

@@ -10,15 +10,21 @@ must be able to stop it whatever the trainer is doing: `held` names the run it i
 orchestrator compares it with its records), StopRun during StartRun ends the run as soon as it is
 loaded, StopRun during a step answers within its caller's bound while the stop stands, and StopRun of a
 run that has stopped answers with its final status every time. A run that is starting is known by name
-(Status answers STARTING), and a start that fails leaves nothing loaded on any rank.
+(Status answers STARTING), and a start that fails leaves nothing loaded on any rank. A run that has ended
+still holds its policy until its thread has let go of it (and of its weight sync with the fleet): the next
+start waits for that, bounded, so the old run's unload never throws the new run's policy away. A start that
+meets Redis or storage failing answers Unavailable naming it, so its caller asks again.
 """
 
 from __future__ import annotations
 
 import logging
+import pickle
 import re
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +32,7 @@ import redis
 
 from rlfleet.errors import Conflict, DeadlineExceeded, InvalidInput, NotFound, Unavailable
 from rlfleet.run_spec import resolve, validate
-from rlfleet.sample_stream import SampleStream
+from rlfleet.sample_stream import SampleStream, redis_refusal, redis_unavailable
 from rlfleet.v1.runs_pb2 import RunSpec
 from rlfleet.v1.trainer_pb2 import CheckpointResponse, StepReport, TrainerState, TrainerStatus
 from rlfleet_trainer.active_run import ActiveRun
@@ -45,7 +51,7 @@ from rlfleet_trainer.weights import save_version
 
 logger = logging.getLogger(__name__)
 
-# How long StopRun waits for the step in progress when its caller set no deadline.
+# The longest StopRun waits for the step in progress (a caller without a deadline: grpc_server.NO_DEADLINE_WAIT_S).
 STOP_WAIT_S = 300.0
 # How long a StartRun of a run already starting waits for that start before it answers "ask again".
 START_JOIN_WAIT_S = 60.0
@@ -102,6 +108,7 @@ class TrainerCore:
             )
         spec = resolve(spec)
         validate(spec)
+        deadline = time.monotonic() + join_wait_s
         while True:
             with self._lock:
                 if self._closing:
@@ -110,25 +117,38 @@ class TrainerCore:
                 if current is not None and not current.finished:
                     return current.status()
                 under_way = self._starting.get(run_id)
+                releasing = None
                 if under_way is None:
                     busy = [r.run_id for r in self._runs.values() if not r.finished] + sorted(self._starting)
                     if busy:
                         raise Conflict(f"the trainer is busy with run {busy[0]}; stop it before starting {run_id}")
-                    start = self._starting[run_id] = _Start()
-                    break
+                    # A run that has ended still holds its policy until its thread lets go of it: loaded now, this
+                    # run's policy would be the one that thread unloads.
+                    releasing = next((r for r in self._runs.values() if r.releasing), None)
+                    if releasing is None:
+                        start = self._starting[run_id] = _Start()
+                        break
+            remaining = max(0.0, deadline - time.monotonic())
+            if releasing is not None:
+                if not releasing.wait_released(remaining):
+                    raise Unavailable(
+                        f"run {releasing.run_id} has ended and the trainer is still letting go of it (closing its "
+                        f"weight sync with the fleet, freeing its policy); run {run_id} starts once it has: ask again"
+                    )
             # The same run asked again while it starts (a caller that restarted or timed out): the answer is
             # that start's outcome, not "busy with" the run itself.
-            if not under_way.done.wait(join_wait_s):
+            elif under_way is not None and not under_way.done.wait(remaining):
                 raise Unavailable(f"run {run_id} is still starting (loading its policy, loading the fleet); ask again")
         try:
-            run = self._prepare(run_id, spec)
+            with _unavailable_dependencies(run_id, self.settings.work_dir / "runs" / run_id):
+                run = self._prepare(run_id, spec)
             with self._lock:
                 # Checked under the lock StopRun looks the run up with: a stop either finds the run
                 # training (and stops it there) or is seen here.
                 if not start.stop.is_set():
                     self._train(run)
                     return run.status()
-            release_policy(self.ranks, run_id)
+            release_policy(self.ranks, run_id, run.policy)
             run.update(state=TrainerState.TRAINER_STATE_STOPPED)
             with self._lock:
                 self._release_finished()
@@ -217,6 +237,7 @@ class TrainerCore:
         if not run_id:
             raise InvalidInput("run_id must be set")
         deadline = time.monotonic() + timeout_s
+        self.request_stop(run_id, checkpoint)
         with self._lock:
             run, start = self._runs.get(run_id), self._starting.get(run_id)
         if start is not None:
@@ -235,7 +256,8 @@ class TrainerCore:
                 run.thread.join(timeout=max(0.0, deadline - time.monotonic()))
                 if run.thread.is_alive():
                     raise DeadlineExceeded(
-                        f"run {run_id} is still finishing its step after {timeout_s:.0f}s; it stops after it: ask again"
+                        f"run {run_id} is still finishing its step (or letting go of its policy) after "
+                        f"{timeout_s:.0f}s; it stops after it: ask again"
                     )
             if not run.finished:
                 run.update(state=TrainerState.TRAINER_STATE_STOPPED)
@@ -246,6 +268,25 @@ class TrainerCore:
                 f"checkpoint is of step {status.checkpoint_step}, and StartRun resumes from there"
             )
         return status
+
+    def request_stop(self, run_id: str, checkpoint: bool = False) -> None:
+        """What StopRun records before it waits: the run stops after its step in progress (checkpointing first
+        when asked), or once loaded when it is still starting. Waits for nothing, so the gRPC layer records the stop
+        before it waits for a handler thread, and the stop stands even when its caller hears no answer."""
+        with self._lock:  # the lock StartRun checks its stop under: the start sees this stop, or it trains already
+            start, run = self._starting.get(run_id), self._runs.get(run_id)
+            if start is not None:
+                start.stop.set()
+            elif run is not None and not run.finished:
+                run.update(checkpoint_on_stop=checkpoint or run.checkpoint_on_stop)
+                run.stop.set()
+
+    def request_checkpoint(self, run_id: str) -> None:
+        """What a Checkpoint call records before it waits: the training run takes a checkpoint at its next step
+        boundary unless one covers its last step already. Waits for nothing (see `request_stop`)."""
+        start, run = self._lookup(run_id)
+        if start is None and run is not None:
+            run.want_checkpoint()
 
     def reports(self, run_id: str, from_step: int) -> tuple[list[StepReport], bool]:
         """Step reports with step >= from_step, and whether the run has finished (a run that is starting
@@ -334,6 +375,7 @@ class TrainerCore:
                 run_id=run_id,
                 spec=spec,
                 ranks=self.ranks,
+                policy=policy,
                 stream=SampleStream(self.client, run_id, prefix=self.settings.redis_prefix, vocab_size=vocab_size),
                 weights_root=weights_root,
                 checkpoints_root=checkpoints_root,
@@ -361,6 +403,11 @@ class TrainerCore:
             meta = self.ranks.call("checkpoint_load", str(path))
         except FileNotFoundError as exc:
             raise Conflict(f"run {run.run_id} cannot be resumed: {exc}") from exc
+        except (pickle.UnpicklingError, EOFError) as exc:  # DCP's .metadata is a pickle: truncated or overwritten
+            raise Conflict(
+                f"run {run.run_id} cannot be resumed: its checkpoint {path} cannot be read ({type(exc).__name__}: "
+                f"{exc}); it is damaged: restore it from a copy, or start the run under a new id"
+            ) from exc
         except CheckpointFailed as exc:
             if exc.storage:
                 raise Unavailable(f"run {run.run_id} cannot be resumed now: {exc}") from exc
@@ -389,6 +436,29 @@ class TrainerCore:
             meta.last_entry_id or "-",
             extra={"run_id": run.run_id},
         )
+
+
+@contextmanager
+def _unavailable_dependencies(run_id: str, run_dir: Path) -> Iterator[None]:
+    """Raises a failure of Redis or of storage while run `run_id` starts as Unavailable naming it: the caller
+    asks again (the orchestrator retries only UNAVAILABLE and DEADLINE_EXCEEDED), instead of failing the run for
+    good with an "internal error". Redis counts as failing when it stays unreachable past its client's retries or
+    refuses writes (OOM, READONLY, MISCONF), storage when the OS reports an error (an `errno`) on a path."""
+    try:
+        yield
+    except redis.RedisError as exc:
+        if not redis_unavailable(exc):
+            raise
+        # A refusal's own text may quote the command sent (a run's record): say what it means instead.
+        why = redis_refusal(exc) or f"Redis does not answer ({type(exc).__name__}: {exc})"
+        raise Unavailable(f"run {run_id} cannot start now: {why}; ask again once Redis serves") from exc
+    except OSError as exc:
+        if exc.errno is None:  # a library's own "cannot load" rather than the OS failing on a path
+            raise
+        where = exc.filename or run_dir
+        raise Unavailable(
+            f"run {run_id} cannot start now: storage failed at {where}: {exc.strerror or exc}; ask again once it serves"
+        ) from exc
 
 
 def _starting_status(run_id: str) -> TrainerStatus:

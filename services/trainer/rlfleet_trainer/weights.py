@@ -19,7 +19,23 @@ from rlfleet_trainer.directory_swap import replace_directory
 
 logger = logging.getLogger(__name__)
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer*",  # tokenizer.json, tokenizer_config.json, a SentencePiece tokenizer.model
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template*",  # chat_template.jinja, chat_template.json
+    "vocab*",  # vocab.json (with merges.txt: a BPE tokenizer without tokenizer.json), vocab.txt (WordPiece)
+    "merges.txt",
+    "*.model",  # spiece.model, sentencepiece.bpe.model, ...
+    "*.tiktoken",
+    "*.tokenizer",
+    "tokenization_*.py",  # the code of a tokenizer the config's auto_map names (trust_remote_code)
+)
+"""Names (glob patterns) of the files a tokenizer is loaded from, among them every name a transformers tokenizer
+class saves its vocabulary under (`vocab_files_names`). A directory's other files (weights, config.json) are not."""
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
+"""A directory of named chat templates next to the tokenizer (transformers' CHAT_TEMPLATE_DIR)."""
+GENERATION_CONFIG = "generation_config.json"
 
 
 def version_dir(weights_root: Path, version: int) -> Path:
@@ -27,20 +43,41 @@ def version_dir(weights_root: Path, version: int) -> Path:
 
 
 def write_model_dir(
-    model: PreTrainedModel, dest: Path, tokenizer_dir: Path, state_dict: Mapping[str, torch.Tensor] | None = None
+    model: PreTrainedModel,
+    dest: Path,
+    tokenizer_dir: Path,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+    *,
+    base_dir: Path | None = None,
 ) -> Path:
     """Writes `model` (safetensors + config) and the tokenizer files of `tokenizer_dir` as the
     Hugging Face directory `dest`, replacing it atomically. `state_dict` replaces the model's own
-    tensors: a sharded model passes its gathered full weights."""
+    tensors: a sharded model passes its gathered full weights.
+
+    `base_dir`, the model the weights were trained from (by default the directory `model` was loaded from): its
+    generation_config.json is kept as it is. The one save_pretrained writes is derived from config.json for a
+    model made from its config (export), which drops the base's end-of-turn token ids and sampling defaults."""
     tmp = dest.parent / f".{dest.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tensors = None if state_dict is None else dict(state_dict)
     model.save_pretrained(str(tmp), state_dict=tensors, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).exists():
-            shutil.copy2(tokenizer_dir / name, tmp / name)
+    for source in tokenizer_files(tokenizer_dir):
+        shutil.copy2(source, tmp / source.name)
+    if (tokenizer_dir / CHAT_TEMPLATE_DIR).is_dir():
+        shutil.copytree(tokenizer_dir / CHAT_TEMPLATE_DIR, tmp / CHAT_TEMPLATE_DIR)
+    base = base_dir if base_dir is not None else Path(model.name_or_path) if model.name_or_path else None
+    if base is not None and (base / GENERATION_CONFIG).is_file():
+        shutil.copy2(base / GENERATION_CONFIG, tmp / GENERATION_CONFIG)
     replace_directory(tmp, dest)  # an existing one is a leftover from a step that was rolled back
     return dest
+
+
+def tokenizer_files(tokenizer_dir: Path) -> list[Path]:
+    """The files of `tokenizer_dir` a tokenizer is loaded from (TOKENIZER_FILES), by name."""
+    if not tokenizer_dir.is_dir():
+        return []
+    found = {path for pattern in TOKENIZER_FILES for path in tokenizer_dir.glob(pattern) if path.is_file()}
+    return sorted(found)
 
 
 def save_version(
