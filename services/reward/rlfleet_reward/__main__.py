@@ -11,6 +11,7 @@ import logging
 from collections.abc import Generator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from rlfleet.host_port import host_port
 from rlfleet.logs import LOG_LEVEL_HELP
 from rlfleet.settings_flags import Flag, add_flags, settings_from_flags
 from rlfleet_reward.config import RewardSettings
@@ -86,7 +87,7 @@ async def serve(settings: RewardSettings, registry: Registry) -> None:
     # Both ports are bound before any worker starts, so a taken port fails fast with nothing to undo.
     try:
         grpc_server, grpc_port = create_grpc_server(
-            scorer, f"{settings.host}:{settings.grpc_port}", settings.max_request_bytes
+            scorer, host_port(settings.host, settings.grpc_port), settings.max_request_bytes
         )
         http_socket = tcp_listener(settings.host, settings.port)
     except (OSError, RuntimeError) as exc:

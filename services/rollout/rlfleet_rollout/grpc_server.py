@@ -16,6 +16,7 @@ from rlfleet.grpc_auth import BearerTokenInterceptor
 from rlfleet.grpc_errors import ErrorInterceptor
 from rlfleet.grpc_keepalive import server_keepalive_options
 from rlfleet.grpc_limits import message_size_options
+from rlfleet.host_port import host_port
 from rlfleet.v1 import runs_pb2_grpc
 from rlfleet.v1.runs_pb2 import (
     CancelRunRequest,
@@ -67,7 +68,8 @@ def build_grpc_server(
         options=message_size_options() + server_keepalive_options(keepalive_s),
     )
     runs_pb2_grpc.add_RunsServicer_to_server(RunsServicer(core), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = host_port(host, port)
+    bound = server.add_insecure_port(address)
     if bound == 0:
-        raise OSError(f"cannot bind the gRPC server to {host}:{port}")
+        raise OSError(f"cannot bind the gRPC server to {address}")
     return server, bound

@@ -40,7 +40,7 @@ from functools import partial
 import redis
 
 from rlfleet.errors import Internal, InvalidInput, RlfleetError
-from rlfleet.sample_stream import REDIS_RETRY_BUDGET_S, REDIS_RETRY_ERRORS, SampleStream
+from rlfleet.sample_stream import REDIS_RETRY_BUDGET_S, REDIS_RETRY_ERRORS, SampleStream, redis_refusal
 from rlfleet.v1.runs_pb2 import Run, RunState
 from rlfleet.v1.trainer_pb2 import TrainerStatus
 from rlfleet_rollout.config import RolloutConfig
@@ -51,7 +51,7 @@ from rlfleet_rollout.group_producer import RolloutContext
 from rlfleet_rollout.metrics import RolloutMetrics
 from rlfleet_rollout.model_directory import context_length
 from rlfleet_rollout.prompt_tokenizer import load_chat_template, load_tokenizer
-from rlfleet_rollout.redis_outage import refusal, until_redis_answers
+from rlfleet_rollout.redis_outage import until_redis_answers
 from rlfleet_rollout.reward_client import RewardClient
 from rlfleet_rollout.rollout_function import RolloutRegistry
 from rlfleet_rollout.router_client import RouterClient
@@ -122,7 +122,7 @@ async def execute_run(run_id: str, deps: RunDeps) -> None:
         await session.stop()
         return
     except Exception as exc:  # noqa: BLE001 - any fault ends the run as FAILED with its reason
-        if refusal(exc) is not None:
+        if redis_refusal(exc) is not None:
             raise  # nothing of the run failed: the queue resumes it once Redis takes writes
         if isinstance(exc, RlfleetError):
             reason = str(exc)

@@ -23,9 +23,10 @@ import asyncio
 import logging
 
 from rlfleet.errors import RlfleetError
+from rlfleet.sample_stream import redis_refusal, redis_unavailable
 from rlfleet.v1.runs_pb2 import Run, RunState
 from rlfleet_rollout.concurrency import cancel_and_wait, finish
-from rlfleet_rollout.redis_outage import redis_unavailable, refusal, until_redis_answers
+from rlfleet_rollout.redis_outage import until_redis_answers
 from rlfleet_rollout.run_lease import RunLease
 from rlfleet_rollout.run_loop import RunDeps, execute_run
 
@@ -85,7 +86,7 @@ class RunQueue:
             if exc is not None:
                 # execute_run records every failure of the run itself; what escapes it is Redis unavailable to
                 # the run's records, and the run is picked again from them.
-                why = refusal(exc) or f"{type(exc).__name__}: {exc}"
+                why = redis_refusal(exc) or f"{type(exc).__name__}: {exc}"
                 logger.error(
                     "run %s interrupted (%s); it is picked again from its records",
                     run.id,

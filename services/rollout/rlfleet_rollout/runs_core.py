@@ -23,13 +23,12 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from rlfleet.errors import AlreadyExists, Conflict, DeadlineExceeded, InvalidInput, Unavailable
 from rlfleet.run_spec import resolve, validate
-from rlfleet.sample_stream import REDIS_RETRY_ERRORS
+from rlfleet.sample_stream import REDIS_RETRY_ERRORS, redis_refusal
 from rlfleet.v1.runs_pb2 import ListRunsResponse, Run, RunEvent, RunProgress, RunSpec, RunState
 from rlfleet_rollout.group_filters import FilterRegistry
 from rlfleet_rollout.metrics import RolloutMetrics
 from rlfleet_rollout.model_directory import require_model_config, require_under_roots
 from rlfleet_rollout.prompt_tokenizer import load_chat_template, tokenizer_file
-from rlfleet_rollout.redis_outage import refusal
 from rlfleet_rollout.reward_client import RewardClient
 from rlfleet_rollout.rollout_function import RolloutRegistry
 from rlfleet_rollout.run_counts import RunCounts
@@ -58,7 +57,7 @@ def records_reachable() -> Iterator[None]:
     except REDIS_RETRY_ERRORS as exc:
         raise Unavailable(f"run records (Redis) unreachable: {exc}") from exc
     except redis.ResponseError as exc:
-        why = refusal(exc)
+        why = redis_refusal(exc)
         if why is None:
             raise
         raise Unavailable(f"run records (Redis) refuse writes: {why}") from exc

@@ -9,8 +9,8 @@ from collections.abc import Callable
 import redis
 
 from rlfleet.errors import RlfleetError
+from rlfleet.sample_stream import redis_refusal, redis_unavailable
 from rlfleet.v1.runs_pb2 import Run
-from rlfleet_rollout.redis_outage import redis_unavailable, refusal
 from rlfleet_rollout.runs_core import RunEnded, RunsCore
 from rlfleet_rollout.trainer_client import TrainerClient
 
@@ -64,7 +64,7 @@ class StepReportFollower:
                     "following them again in %.1fs",
                     self.run_id,
                     self.step,
-                    refusal(exc) or exc,
+                    redis_refusal(exc) or exc,
                     pause,
                     extra={"run_id": self.run_id},
                 )

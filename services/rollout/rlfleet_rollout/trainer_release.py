@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import redis
 
 from rlfleet.errors import DeadlineExceeded, NotFound, RlfleetError, Unavailable
+from rlfleet.sample_stream import redis_refusal, redis_unavailable
 from rlfleet.v1.runs_pb2 import Run
 from rlfleet.v1.trainer_pb2 import TrainerStatus
-from rlfleet_rollout.redis_outage import redis_unavailable, refusal
 from rlfleet_rollout.run_events import is_terminal, state_name
 from rlfleet_rollout.runs_core import RunsCore
 from rlfleet_rollout.trainer_client import TrainerClient
@@ -130,7 +130,7 @@ class TrainerRelease:
                 "run %s: the trainer's final progress (step %d) was not recorded: Redis unavailable: %s",
                 run_id,
                 status.step,
-                refusal(exc) or exc,
+                redis_refusal(exc) or exc,
                 extra={"run_id": run_id},
             )
 

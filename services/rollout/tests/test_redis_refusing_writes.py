@@ -24,10 +24,11 @@ from trainer_release_support import StopOnlyTrainer, run_deps, runs_core
 
 from rlfleet.errors import Unavailable
 from rlfleet.processes import ServiceProcess, free_port
+from rlfleet.sample_stream import redis_refusal, redis_unavailable
 from rlfleet.v1.runs_pb2 import Run, RunState
 from rlfleet_rollout import run_loop
 from rlfleet_rollout.metrics import RolloutMetrics
-from rlfleet_rollout.redis_outage import redis_unavailable, refusal, until_redis_answers
+from rlfleet_rollout.redis_outage import until_redis_answers
 from rlfleet_rollout.trainer_session import TrainerSession
 
 RUNNING, FAILED = RunState.RUN_STATE_RUNNING, RunState.RUN_STATE_FAILED
@@ -106,8 +107,8 @@ def test_only_redis_refusing_writes_is_taken_for_it() -> None:
         "Command # 1 (SET k MISCONF x) of pipeline caused error: ('WRONGTYPE Operation against a key holding the "
         "wrong kind of value',)"
     )
-    assert refusal(wrong_type) is None and not redis_unavailable(wrong_type)
-    assert refusal(redis.ResponseError("MISCONF Redis is configured to save RDB snapshots")) is not None
+    assert redis_refusal(wrong_type) is None and not redis_unavailable(wrong_type)
+    assert redis_refusal(redis.ResponseError("MISCONF Redis is configured to save RDB snapshots")) is not None
 
 
 def test_a_run_that_meets_refused_writes_is_left_running_not_failed(
