@@ -41,6 +41,10 @@ class EngineConfig(BaseSettings):
     """Longest prompt + completion in tokens; defaults to the model's max_position_embeddings."""
     max_running_requests: int = Field(default=16, gt=0)
     """Most sequences decoded together in one batch; further requests wait in the queue."""
+    max_prefill_tokens: int = Field(default=16384, gt=0)
+    """`sim` backend: most uncached prompt tokens one prefill batch computes (SGLang's --max-prefill-tokens and
+    its default); the requests behind wait for the next iteration, and find the prefixes this one computed
+    cached. A single request over it still runs, alone."""
     random_seed: int = 0
     """Seed of the sampler's random generator."""
     log_level: LogLevel = "info"
@@ -100,6 +104,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--served-model-name", "Model name reported to clients (default: the model path)."),
     Flag("--context-length", "Longest prompt + completion in tokens (default: the model's)."),
     Flag("--max-running-requests", "Most sequences in one decode batch (default 16)."),
+    Flag("--max-prefill-tokens", "sim backend: most uncached prompt tokens per prefill batch (default 16384)."),
     Flag("--random-seed", "Seed of the sampler (default 0)."),
     Flag("--log-level", LOG_LEVEL_HELP),
     Flag("--backend", "transformers (default), sglang (the real SGLang server) or sim (no model)."),

@@ -14,7 +14,9 @@ What it models, per engine:
     it holds recompute theirs (prompt + output, charged as prefill) in their next iteration, as SGLang's
     retracted requests do;
   * admission first come, first served: a waiting request starts when there is a free batch slot
-    (`max_running_requests`) and its KV fits in free + evictable memory; otherwise it and those
+    (`max_running_requests`), its uncached tokens fit what is left of the prefill batch's budget
+    (`max_prefill_tokens`, SGLang's; the first request of a batch always fits) and its KV fits in free +
+    evictable memory; otherwise it and those
     behind it wait, as on an engine sent more than it can hold. A request larger than the whole
     budget is refused (400) rather than left waiting forever;
   * continuous batching: the running sequences advance together; each iteration takes
@@ -171,6 +173,7 @@ class SimScheduler:
 
     def __init__(self, config: EngineConfig, cache: PrefixCache, latency: LatencyModel, metrics: EngineMetrics) -> None:
         self.max_running_requests = config.max_running_requests
+        self.max_prefill_tokens = config.max_prefill_tokens
         self.weight_version = config.weight_version
         self.cache = cache
         self.latency = latency
@@ -290,16 +293,22 @@ class SimScheduler:
         return prefill
 
     def _admit(self) -> int:
-        """Moves waiting jobs into the batch while slots and KV memory last; returns the prefill to pay.
+        """Moves waiting jobs into the batch while slots, KV memory and the prefill budget last; returns the
+        prefill to pay.
 
         First come, first served: the first job that does not fit stops admission, so a large
-        request is not starved by smaller ones behind it.
+        request is not starved by smaller ones behind it. The budget (`max_prefill_tokens`, SGLang's) counts
+        uncached tokens: a burst of requests sharing a prefix is split over iterations, and those admitted after
+        the first find the prefix computed, as on SGLang, where one prefill batch does not share what it computes.
         """
         prefill = 0
         admitted = 0
         batch_prompt_tokens = 0
         room = self.max_running_requests - len(self._running)
         for job in self._waiting[:room]:
+            uncached = len(job.input_ids) - self.cache.cached_for(job.input_ids, job.prefill_group)
+            if admitted and prefill + uncached > self.max_prefill_tokens:
+                break
             job.lease = self.cache.lease(job.input_ids, job.params.max_new_tokens, job.prefill_group)
             if job.lease is None:
                 break

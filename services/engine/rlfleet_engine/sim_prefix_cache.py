@@ -156,7 +156,7 @@ class PrefixCache:
         if new_blocks * self.block_size + private > room:
             return None
         cached_blocks = self._leading(chain, held=False, group=group)
-        cached = min(cached_blocks * self.block_size, max(len(ids) - 1, 0))
+        cached = self._cached_tokens(ids, cached_blocks)
         self.lookup_tokens += len(ids)
         self.hit_tokens += cached
         for digest in chain:
@@ -166,6 +166,15 @@ class PrefixCache:
         self.private_tokens += private
         self._evict()
         return Lease(chain, private, cached)
+
+    def cached_for(self, ids: Sequence[int], group: Hashable = None) -> int:
+        """The cached tokens a lease of `ids` for `group` would get now (nothing pinned, nothing counted): what
+        the scheduler weighs against its prefill budget before it leases."""
+        return self._cached_tokens(ids, self._leading(self._chain(ids), held=False, group=group))
+
+    def _cached_tokens(self, ids: Sequence[int], cached_blocks: int) -> int:
+        # At least the last prompt token is computed, as in SGLang, to produce the first output token.
+        return min(cached_blocks * self.block_size, max(len(ids) - 1, 0))
 
     def recompute(self, blocks: Iterable[int], group: Hashable = None) -> None:
         """`group`'s prefill in this iteration computes the KV of these pinned `blocks` (a new request's uncached

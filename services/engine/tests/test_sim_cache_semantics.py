@@ -75,6 +75,27 @@ def test_identical_prompts_admitted_together_both_pay_their_prefill() -> None:
     assert cached_total == 1999
 
 
+def test_a_burst_over_the_prefill_budget_is_split_and_the_later_part_finds_the_prefix_cached() -> None:
+    async def scenario() -> list[dict[str, Any]]:
+        core, _ = sim_core(sim_decode_ms_per_step=1.0, max_prefill_tokens=3000)
+        outs = await asyncio.gather(*(core.generate(request(PROMPT, 1)) for _ in range(3)))
+        await core.scheduler.stop()
+        return [single(out) for out in outs]
+
+    # 2000 uncached tokens fill most of the 3000-token batch: the two behind wait one iteration, then hit.
+    assert [out["meta_info"]["cached_tokens"] for out in asyncio.run(scenario())] == [0, 1999, 1999]
+
+
+def test_a_request_over_the_prefill_budget_still_runs_alone() -> None:
+    async def scenario() -> dict[str, Any]:
+        core, _ = sim_core(sim_decode_ms_per_step=1.0, max_prefill_tokens=100)
+        out = single(await asyncio.wait_for(core.generate(request(PROMPT, 2)), timeout=30))
+        await core.scheduler.stop()
+        return out
+
+    assert asyncio.run(scenario())["meta_info"]["completion_tokens"] == 2
+
+
 def test_the_samples_of_one_prompt_share_its_prefill() -> None:
     async def scenario() -> list[dict[str, Any]]:
         core, _ = sim_core(sim_decode_ms_per_step=1.0)
