@@ -45,6 +45,12 @@ class GenerationBackend(Protocol):
         """Replaces the named weights (any subset) with `tensors`; raises InvalidInput if they do not fit."""
         ...
 
+    def parameter_names(self) -> Mapping[str, str] | None:
+        """The parameters a whole weight version must deliver, for a version sent in several updates (buckets):
+        each name the model takes a parameter under, mapped to the parameter it sets (tied names to one, which
+        either delivers). None: versions are not checked (nothing here to check them against)."""
+        ...
+
     def describe(self) -> dict[str, Any]:
         """Model facts for /get_model_info (model_type, architectures, ...)."""
         ...

@@ -7,6 +7,10 @@ over the context, bad token ids) answers 400 `{"error": {"message", ...}}` throu
 handlers. Weight loads answer `{"success", "message"}` (and `num_paused_requests` from a load, as SGLang
 does): 200, or the failure's own status (400 bad input, 503 a group that could not be joined or broke, 504 a
 load that timed out).
+
+`/get_model_info` and `/get_server_info` add one field to SGLang's: `weights_partial`, true while the engine
+holds part of a weight version sent in buckets (`EngineCore.weights_partial`), so its weight_version does not
+describe its weights; so does `/update_weights_from_distributed`'s answer.
 """
 
 from __future__ import annotations
@@ -64,12 +68,12 @@ def create_app(core: EngineCore, registry: CollectorRegistry) -> FastAPI:
     @app.get("/get_model_info")
     @app.get("/model_info")
     async def model_info() -> dict[str, Any]:
-        return core.model_info()
+        return {**core.model_info(), "weights_partial": core.weights_partial}
 
     @app.get("/get_server_info")
     @app.get("/server_info")
     async def server_info() -> dict[str, Any]:
-        return core.server_info()
+        return {**core.server_info(), "weights_partial": core.weights_partial}
 
     @app.get("/get_weight_version")
     async def weight_version() -> dict[str, Any]:
@@ -144,10 +148,16 @@ def create_app(core: EngineCore, registry: CollectorRegistry) -> FastAPI:
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(req: UpdateWeightsFromDistributedRequest) -> JSONResponse:
         try:
-            message, held = await core.weight_receiver.update(req)
+            update = await core.weight_receiver.update(req)
         except RlfleetError as exc:
             return _weight_failure(exc, "Failed to update parameter online")
-        return JSONResponse({"success": True, "message": message, "num_paused_requests": held})
+        answer = {
+            "success": True,
+            "message": update.message,
+            "num_paused_requests": update.num_paused_requests,
+            "weights_partial": update.weights_partial,
+        }
+        return JSONResponse(answer)
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(req: DestroyWeightsUpdateGroupRequest) -> JSONResponse:

@@ -459,10 +459,17 @@ class SimEngineCore(ScheduledGeneration):
         await self._between_iterations(f"loading weights from {req.model_path}")
         running = self.scheduler.load_weights(req.weight_version, req.flush_cache)
         self.model_path = req.model_path
+        if "weight_receiver" in vars(self):  # made once a group opens: before that, no part of a version came
+            self.weight_receiver.whole_version_loaded()
         message = "Succeeded to update model weights."
         if req.weight_version is not None:
             message += f" Weight version updated to {req.weight_version}."
         return {"success": True, "message": message, "num_paused_requests": running}
+
+    @property
+    def weights_partial(self) -> bool:
+        """As `EngineCore.weights_partial`, without making the receiver (and importing torch) to answer it."""
+        return "weight_receiver" in vars(self) and self.weight_receiver.partial
 
     @functools.cached_property
     def weight_receiver(self) -> WeightReceiver:

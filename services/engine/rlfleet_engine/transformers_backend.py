@@ -20,7 +20,13 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from rlfleet_engine.weight_loading import check_shapes, copy_tensors_into, load_state_into, read_safetensors_dir
+from rlfleet_engine.weight_loading import (
+    check_shapes,
+    copy_tensors_into,
+    load_state_into,
+    parameter_names,
+    read_safetensors_dir,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +116,9 @@ class TransformersBackend:
 
     def load_tensors(self, tensors: Mapping[str, torch.Tensor], source: str) -> None:
         copy_tensors_into(self.model, tensors, source)
+
+    def parameter_names(self) -> dict[str, str]:
+        return parameter_names(self.model)
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -4,6 +4,9 @@ Two sources: a Hugging Face checkpoint's safetensors (a complete state, `load_st
 the tensors of one distributed update (any subset of the model's tensors, `copy_tensors_into`).
 A load that does not fit (unknown or missing tensors, wrong shapes, no files) raises InvalidInput
 and leaves the model exactly as it was, so the engine keeps serving its previous version.
+`parameter_names` and `missing_parameters` say whether a set of names covers the model (tied
+parameters once): a whole checkpoint must, and so must a version sent in several updates, which
+the distributed path checks across them.
 """
 
 from __future__ import annotations
@@ -47,12 +50,29 @@ def check_shapes(model: torch.nn.Module, shapes: Iterable[tuple[str, tuple[int, 
             raise InvalidInput(f"{source}: tensor {name} has shape {tuple(shape)}, the model expects {want}")
 
 
+def parameter_names(model: torch.nn.Module) -> dict[str, str]:
+    """Every name under which `model` takes a parameter, mapped to the parameter it sets (as `named_parameters`
+    names it): tied names (lm_head.weight beside model.embed_tokens.weight) map to one, so a state provides that
+    parameter under either. Buffers are left out: no load needs to bring them."""
+    canonical = {id(param): name for name, param in model.named_parameters()}
+    return {
+        name: canonical[id(tensor)]
+        for name, tensor in model.state_dict(keep_vars=True).items()
+        if id(tensor) in canonical
+    }
+
+
+def missing_parameters(parameters: Mapping[str, str], names: Iterable[str]) -> list[str]:
+    """The parameters of `parameters` (`parameter_names` of a model) that `names` provides under none of their
+    names, sorted."""
+    provided = {parameters[name] for name in names if name in parameters}
+    return sorted(set(parameters.values()) - provided)
+
+
 def load_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> int:
     """Copies a complete state into `model` in place; returns the number of tensors copied."""
-    # Tied parameters (e.g. lm_head = embed_tokens) appear once in named_parameters; one copy suffices.
-    required = {name for name, _ in model.named_parameters()}
     check_shapes(model, ((name, tuple(t.shape)) for name, t in state.items()), source)
-    missing = sorted(name for name in required if name not in state and not _tied_copy_present(model, name, state))
+    missing = missing_parameters(parameter_names(model), state)
     if missing:
         raise InvalidInput(f"{source} lacks tensors the model needs: {missing[:5]}")
     return copy_tensors_into(model, state, source)
@@ -67,12 +87,3 @@ def copy_tensors_into(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor
             targets[name].copy_(tensor.to(targets[name].dtype))
     logger.info("loaded %d tensors from %s", len(tensors), source)
     return len(tensors)
-
-
-def _tied_copy_present(model: torch.nn.Module, name: str, state: dict[str, torch.Tensor]) -> bool:
-    """True if the parameter `name` shares storage with a tensor the checkpoint does provide."""
-    target = model.get_parameter(name)
-    for other, param in model.state_dict(keep_vars=True).items():
-        if other != name and other in state and param.data_ptr() == target.data_ptr():
-            return True
-    return False

@@ -11,9 +11,11 @@ SGLang's contract is per engine; the router turns it into one fleet-wide group:
     request that carries a weight_version makes it the fleet's version, as a disk load does; until it
     comes, the members hold part of a version (`FleetWeights.receiving`). Engines that are healthy but
     not members (they joined after the group was opened) leave routing then, and rejoin on the
-    version's disk copy; the trainer reopens the group to include them. A bucket waits for the fleet's
-    weight lock as a disk load does (FANOUT_QUEUE_DEADLINE_SECS, not once its caller left): sent later,
-    it would reach engines after the trainer's side of the broadcast gave up.
+    version's disk copy; the trainer reopens the group to include them. A member that answers that
+    request with `weights_partial: true` (rlfleet-engine: the version's buckets did not deliver every
+    parameter, so it kept its old label) did not take the version: it failed the bucket. A bucket waits
+    for the fleet's weight lock as a disk load does (FANOUT_QUEUE_DEADLINE_SECS, not once its caller
+    left): sent later, it would reach engines after the trainer's side of the broadcast gave up.
   * A collective needs every rank, so the router answers as soon as one member fails (instead of
     waiting for the others' timeouts), and the group is closed: a broken collective cannot carry the
     next bucket. Every member that does not hold the fleet's version whole (it failed, was not waited
@@ -33,7 +35,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 
@@ -90,6 +92,18 @@ class GroupResult:
 
     def describe(self) -> dict[str, object]:
         return {"success": self.success, "message": self.message, "engines": [r.describe() for r in self.engines]}
+
+
+def _short_of(result: EngineUpdateResult, version: str) -> EngineUpdateResult:
+    """A member's answer to the bucket carrying `version` that says it still holds part of a version: it applied the
+    bucket but keeps its old label (rlfleet-engine, when a parameter of the version never came), so for the fleet
+    it failed the bucket."""
+    return replace(
+        result,
+        success=False,
+        message=f"took the bucket carrying weight version {version!r} but holds part of it (weights_partial: a "
+        f"parameter of the version never came), under its previous label: {result.message}",
+    )
 
 
 class DistributedWeights:
@@ -201,9 +215,12 @@ class DistributedWeights:
         # Members are busy (their generation probes wait) until what they received is recorded.
         with self._weights.busy.loading(members):
             results, pending = await self._post_all(group.members, DISTRIBUTED_UPDATE_ROUTE, lambda _: request_body)
+        took = {r.worker_id for r in results if r.success}
+        self._weights.loaded(DISTRIBUTED_UPDATE_ROUTE, request_body, [w for w in members if w.id in took])
+        if version is not None:
+            results = [_short_of(r, version) if r.success and r.weights_partial else r for r in results]
         failed = {r.worker_id: r.message for r in results if not r.success and r.worker_id not in pending}
         received = [w for w in members if w.id not in failed and w.id not in pending]
-        self._weights.loaded(DISTRIBUTED_UPDATE_ROUTE, request_body, received)
         if version is None:
             self._weights.receiving.update((w.id, w) for w in received)
         elif received:

@@ -13,8 +13,9 @@ version, an engine in routing that is not loading also has what it reports it se
 model path) compared with what the router recorded, in the same round, paused or not: an engine that
 restarted by itself faster than the failure window comes back on its initial weights (and not paused), and
 must leave routing and load the fleet's version before it serves again. The path tells it apart when the
-labels agree (a run whose version "0" is another model than the engines boot with, as "0"). That costs one
-small GET per engine per interval, off the routing path.
+labels agree (a run whose version "0" is another model than the engines boot with, as "0"); so does a report
+of holding part of a version the router is not sending it (`ServedWeights.partial`). That costs one small GET
+per engine per interval, off the routing path.
 
 Each round also ends the pauses that outlived their bound (`BusyEngines.expire_pauses`): the router
 continues generation on those engines itself (`on_pause_expired`), so a trainer that died between
@@ -135,20 +136,27 @@ class HealthChecker:
                 if self._workers.contains(worker) and self._weights.busy.changes(worker) == changes:
                     self._record_failure(worker, str(exc))
                 return
+        # Part of a version is drift too, unless the router is sending that version to it.
+        partial = served.partial and worker.id not in self._weights.receiving
         if (
-            not served.contradicts(worker)
+            not (served.contradicts(worker) or partial)
             or not (self._workers.contains(worker) and worker.healthy)
             or self._weights.busy.changes(worker) != changes  # a load of the router changed its version meanwhile
         ):
             return
         if self._metrics is not None:
             self._metrics.engine_version_drifts.inc(worker.url)
-        self._workers.take_out(
-            worker,
-            f"serves weight version {served.version!r} from {served.model_path}, not {worker.weight_version!r} "
-            f"from {worker.model_path} as recorded (restarted, or loaded behind the router's back); it rejoins "
-            "on the fleet's version",
-        )
+        if partial:
+            why = (
+                f"reports holding part of a weight version over {served.version!r} (buckets that did not come "
+                "through this router)"
+            )
+        else:
+            why = (
+                f"serves weight version {served.version!r} from {served.model_path}, not {worker.weight_version!r} "
+                f"from {worker.model_path} as recorded (restarted, or loaded behind the router's back)"
+            )
+        self._workers.take_out(worker, f"{why}; it rejoins on the fleet's version")
         await self._admit(worker)
 
     async def _admit(self, worker: Worker) -> None:

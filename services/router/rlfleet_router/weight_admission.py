@@ -3,12 +3,13 @@
 A version label does not name weights: every run starts at "0", engines boot as "0", and one run's "2"
 is not another's. So the rule does not compare labels. An engine that enters routing (new, taken out,
 restarted, hung and back: it forgot its load when it left) loads the fleet's target first, unless the
-router saw it apply that very load (`Worker.weight_load`): an earlier round of this admission did. Two
-exceptions, both on what the engine reports (`ServedWeights`, its version and model path):
+router saw it apply that very load (`Worker.weight_load`) and it does not report holding part of a version
+since. Two exceptions, both on what the engine reports (`ServedWeights`, its version and model path):
   * with no target (nothing was loaded through this router: engines on their boot weights, or a router
     that restarted and so knows nothing of the fleet) it joins on what it reports, as the router knows no
     better. An engine a weight update group left holding part of a version does not: it waits for the
-    next fleet update;
+    next fleet update, stranded. Nor does one that reports holding part of a version (`ServedWeights.partial`:
+    it took buckets through a router that restarted since, under its old label);
   * an engine a fleet update gave up waiting for that now reports that update's version and path finished
     it (SGLang ends a load whose caller left): the version becomes the fleet's, rather than the engine
     being loaded back to the older one (`FleetWeights.adopt`).
@@ -68,14 +69,23 @@ class Admission:
             async with weights.lock:
                 self._adopt_if_finished(worker, served)
                 target, load = weights.target, weights.loads
+                if served.partial and (target is None or target.request_body is None):
+                    # Paused mid-version by a trainer the router may not know of: its probes may not pass again
+                    # before that trainer's disk fallback, which takes stranded engines along.
+                    weights.stranded[worker.id] = worker
                 if target is None and worker.id in weights.stranded:
+                    held = (
+                        "reports holding part of a weight version (buckets of one whose last bucket it has not applied)"
+                        if served.partial
+                        else "may hold part of a weight version (its weight update group broke)"
+                    )
                     raise Unavailable(
-                        "this engine may hold part of a weight version (its weight update group broke) and the fleet "
-                        "has no version to load into it; the next fleet weight update brings it back"
+                        f"this engine {held} and the fleet has no version to load into it; the next fleet weight "
+                        "update brings it back"
                     )
                 if target is None:
                     worker.weight_version, worker.model_path = served.version, served.model_path
-                holds = target is None or worker.weight_load == load
+                holds = (target is None or worker.weight_load == load) and not served.partial
                 if holds and matched is not None and self._enters(worker, matched):
                     return
                 if not holds:

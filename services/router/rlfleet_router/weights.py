@@ -22,7 +22,8 @@ disk path at first: the trainer writes a disk copy after the broadcast and regis
 serving an older version. Engines a group left holding part of a version (`stranded`) also wait out
 of routing; the next fleet update (the trainer's disk fallback, sent while generation is paused and
 their probes cannot pass) loads them too and brings them back (`rejoin`, in line with the fleet's
-generation pause), or leaves them stranded if their load fails.
+generation pause), or leaves them stranded if their load fails. An engine that reports holding part of
+a version (`ServedWeights.partial`) the router did not see it take (it restarted since) is stranded too.
 """
 
 from __future__ import annotations
@@ -73,10 +74,13 @@ class WeightTarget:
 @dataclass(frozen=True)
 class ServedWeights:
     """What an engine reports it serves (`LIVENESS_ROUTE`). The path changes with every load from disk (SGLang
-    records it), so it tells apart two loads under one label; a version received over a group keeps the path."""
+    records it), so it tells apart two loads under one label; a version received over a group keeps the path.
+    `partial`: it holds buckets of a version whose last it has not applied, under its old label (rlfleet-engine's
+    `weights_partial`; SGLang does not say, so it reads as false)."""
 
     version: str | None
     model_path: str | None
+    partial: bool = False
 
     def contradicts(self, worker: Worker) -> bool:
         """Whether this is not what the router recorded for `worker` (a part either side lacks is not compared)."""
@@ -101,6 +105,9 @@ class EngineUpdateResult:
     message: str
     seconds: float
     answered: bool = True  # False: no answer in time, so the engine may still be loading (SGLang cannot be stopped)
+    # It says it holds part of a weight version after this request (rlfleet-engine's `weights_partial`; SGLang
+    # does not say): a bucket that carries a version did not complete it there.
+    weights_partial: bool = False
 
     def describe(self) -> dict[str, object]:
         return {
@@ -427,7 +434,11 @@ class FleetWeights:
         if not isinstance(info, dict):
             return ServedWeights(None, None)
         version, path = info.get("weight_version"), info.get("model_path")
-        return ServedWeights(None if version is None else str(version), path if isinstance(path, str) else None)
+        return ServedWeights(
+            None if version is None else str(version),
+            path if isinstance(path, str) else None,
+            partial=info.get("weights_partial") is True,
+        )
 
     async def post_update(
         self, worker: Worker, route: str, request_body: bytes, timeout: float | None = None
@@ -437,6 +448,7 @@ class FleetWeights:
         start = time.monotonic()
         success = False
         answered = True
+        partial = False
         try:
             response = await self._client.post(
                 f"{worker.url}{route}",
@@ -456,9 +468,11 @@ class FleetWeights:
             else:
                 success = response.status_code == 200 and body.get("success") is True
                 message = str(body.get("message") or f"HTTP {response.status_code}")
+                partial = body.get("weights_partial") is True
         if not success:
             logger.warning("worker %s failed %s: %s", worker.url, route, message)
-        return EngineUpdateResult(worker.id, worker.url, success, message, time.monotonic() - start, answered)
+        seconds = time.monotonic() - start
+        return EngineUpdateResult(worker.id, worker.url, success, message, seconds, answered, partial)
 
 
 def parse_json_object(response: httpx.Response) -> dict[str, object] | None:

@@ -62,6 +62,7 @@ class FakeEngine:
     name: str
     weight_version: str = "0"
     model_path: str = "/models/initial"
+    weights_partial: bool = False  # holds part of a weight version (rlfleet-engine's report); a disk load ends it
     healthy: bool = True
     hang: bool = False  # /generate (plain or streamed) waits for an /abort_request of its rid (30 s at most)
     dies_mid_answer: bool = False  # a plain /generate answer stops after a fifth of its announced length
@@ -128,7 +129,12 @@ class FakeEngine:
 
         @app.get("/get_model_info")
         async def get_model_info() -> dict[str, object]:
-            return {"model_path": self.model_path, "weight_version": self.weight_version, "is_generation": True}
+            return {
+                "model_path": self.model_path,
+                "weight_version": self.weight_version,
+                "is_generation": True,
+                "weights_partial": self.weights_partial,
+            }
 
         @app.get("/get_server_info")
         async def get_server_info() -> dict[str, object]:
@@ -144,6 +150,7 @@ class FakeEngine:
             self.events.append("update")
             self.weight_version = str(body["weight_version"])
             self.model_path = str(body["model_path"])
+            self.weights_partial = False
             return JSONResponse({"success": True, "message": "Succeeded to update model weights."})
 
         async def control(request: Request) -> Response:

@@ -42,6 +42,9 @@ class GroupEngine:
     destroys: list[dict[str, Any]] = field(default_factory=list)
     ended: list[str] = field(default_factory=list)  # "update" (answered) and "destroy", in order
     fail_updates: bool = False
+    # As rlfleet-engine when some parameter of the version never came: takes the bucket carrying the version, but
+    # keeps its old label and says it holds part of one.
+    incomplete: bool = False
     update_delay: float = 0.0
 
     @property
@@ -70,9 +73,13 @@ def start_group_engine() -> Iterator[Callable[..., GroupEngine]]:
             fake.ended.append("update")
             if fake.fail_updates:
                 return JSONResponse({"success": False, "message": "broadcast timed out"}, status_code=503)
-            if body.get("weight_version") is not None:
+            # As rlfleet-engine: until a version's last bucket, it reports holding part of one.
+            partial = body.get("weight_version") is None or fake.incomplete
+            fake.engine.weights_partial = partial
+            if not partial:
                 fake.engine.weight_version = str(body["weight_version"])
-            return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
+            message = "Succeeded to update parameter online."
+            return JSONResponse({"success": True, "message": message, "weights_partial": partial})
 
         @app.post("/destroy_weights_update_group")
         async def destroy(request: Request) -> JSONResponse:
@@ -168,6 +175,38 @@ def test_a_failed_bucket_strands_every_member_not_holding_the_version_until_a_di
     assert sorted(r["url"] for r in fallback.json()["engines"]) == sorted([good.url, bad.url])
     assert [w["healthy"] for w in router.workers()] == [True, True]
     assert {w["weight_version"] for w in router.workers()} == {"2"}
+
+
+def test_a_member_that_takes_the_last_bucket_but_holds_part_of_the_version_is_stranded_as_if_it_failed(
+    start_group_engine: Callable[[str], GroupEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """rlfleet-engine takes a labelled bucket that does not complete the version (SGLang's contract) and answers
+    success with `weights_partial: true` under its old label: for the fleet that member did not take the version
+    (a tensor lost, or left out by the trainer), so the trainer gets 502 and its disk fallback loads it whole."""
+    whole, short = start_group_engine("whole"), start_group_engine("short")
+    router = start_router([whole.url, short.url])
+    router.wait_healthy(2)
+    assert router.client.post("/init_weights_update_group", json={**INIT, "world_size": 3}).status_code == 200
+    assert router.client.post("/update_weights_from_distributed", json=bucket(["w1"])).status_code == 200
+    short.incomplete = True
+
+    answer = router.client.post("/update_weights_from_distributed", json=bucket(["w2"], version="2"))
+    assert answer.status_code == 502 and answer.json()["success"] is False, answer.text
+    results = {r["url"]: r for r in answer.json()["engines"]}
+    assert results[whole.url]["success"] is True
+    assert results[short.url]["success"] is False and "part of" in results[short.url]["message"], results
+    assert [(w["url"], w["healthy"]) for w in router.workers()] == [(whole.url, True), (short.url, False)]
+    assert "part of a weight version" in str(router.workers()[1]["last_error"])
+    exposition = router.client.get("/metrics").text
+    assert metric_value(exposition, "rlfleet_router_weight_updates_total", {"result": "partial"}) == 1
+    assert router.client.get("/weights_update_groups/g").status_code == 404, "the group is closed"
+
+    router.wait_for(lambda: short.ended == ["update", "update", "destroy"], what="the group destroyed on it")
+    fallback = router.client.post("/update_weights_from_disk", json={"model_path": "/w/v2", "weight_version": "2"})
+    assert fallback.status_code == 200, fallback.text
+    assert short.url in [r["url"] for r in fallback.json()["engines"]]
+    assert [w["healthy"] for w in router.workers()] == [True, True]
+    assert {w["weight_version"] for w in router.workers()} == {"2"} and short.engine.weights_partial is False
 
 
 def test_a_group_the_router_closed_is_destroyed_on_its_engines(
@@ -347,3 +386,66 @@ def test_generation_never_continues_on_engines_holding_part_of_a_version(
     loaded = router.client.post("/update_weights_from_disk", json={"model_path": "/w/2", "weight_version": "2"})
     assert loaded.status_code == 200, loaded.text
     assert [w["healthy"] for w in router.workers()] == [True, True]
+
+
+def test_members_between_two_buckets_report_part_of_a_version_and_stay_in_routing(
+    start_group_engine: Callable[[str], GroupEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """The router knows its members hold part of the version on its way: their report of it is no drift."""
+    engines = [start_group_engine(name) for name in "ab"]
+    router = start_router([e.url for e in engines])
+    router.wait_healthy(2)
+    loaded = router.client.post("/update_weights_from_disk", json={"model_path": "/w/1", "weight_version": "1"})
+    assert loaded.status_code == 200, loaded.text  # a fleet version: the health rounds compare what engines report
+    assert router.client.post("/pause_generation", json={"mode": "retract"}).status_code == 200
+    assert router.client.post("/init_weights_update_group", json={**INIT, "world_size": 3}).status_code == 200
+    assert router.client.post("/update_weights_from_distributed", json=bucket(["w1"])).status_code == 200
+    assert all(e.engine.weights_partial for e in engines)
+    time.sleep(0.6)  # six health rounds
+    assert [w["healthy"] for w in router.workers()] == [True, True]
+    assert [len(e.engine.update_bodies) for e in engines] == [1, 1], "taken out and loaded again mid-version"
+    drifts = metric_value(router.client.get("/metrics").text, "rlfleet_router_engine_version_drifts_total")
+    assert not drifts, drifts
+    last = router.client.post("/update_weights_from_distributed", json=bucket(["w2"], version="2"))
+    assert last.status_code == 200, last.text
+    assert {w["weight_version"] for w in router.workers()} == {"2"}
+    assert [w["healthy"] for w in router.workers()] == [True, True]
+
+
+def test_a_restarted_router_keeps_engines_reporting_part_of_a_version_out_until_a_whole_load(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """A router that restarted mid-version lost its record of which engines took some of its buckets, and knows no
+    version to load into them: the engines' own report keeps them out of routing, stranded, and the next fleet
+    update (the trainer's disk fallback) loads them too and brings them back."""
+    partial, whole = start_engine("partial", weights_partial=True), start_engine("whole")
+    router = start_router([partial.url, whole.url])
+    router.wait_healthy(1)
+    router.wait_for(lambda: "part of a weight version" in str(router.workers()[0]["last_error"]), what="held back")
+    time.sleep(0.5)  # more rounds do not let it in
+    assert [w["healthy"] for w in router.workers()] == [False, True]
+    assert partial.update_bodies == [] and partial.events == []
+
+    loaded = router.client.post("/update_weights_from_disk", json={"model_path": "/w/v2", "weight_version": "2"})
+    assert loaded.status_code == 200, loaded.text
+    assert sorted(r["url"] for r in loaded.json()["engines"]) == sorted([partial.url, whole.url])
+    assert [w["healthy"] for w in router.workers()] == [True, True]
+    assert partial.weights_partial is False and {w["weight_version"] for w in router.workers()} == {"2"}
+
+
+def test_an_engine_in_routing_that_reports_part_of_a_version_leaves_and_loads_the_fleets_whole(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """Buckets that reached an engine behind the router's back (another router, a trainer talking to it directly)
+    leave its label as it was: the report is what tells the router, which reloads the fleet's version into it."""
+    engines = [start_engine(name) for name in "ab"]
+    router = start_router([e.url for e in engines])
+    router.wait_healthy(2)
+    loaded = router.client.post("/update_weights_from_disk", json={"model_path": "/w/v1", "weight_version": "1"})
+    assert loaded.status_code == 200, loaded.text
+    engines[0].weights_partial = True
+    router.wait_for(lambda: len(engines[0].update_bodies) == 2, what="the fleet's version loaded again")
+    router.wait_healthy(2)
+    assert engines[0].weights_partial is False and len(engines[1].update_bodies) == 1
+    exposition = router.client.get("/metrics").text
+    assert metric_value(exposition, "rlfleet_router_engine_version_drifts_total", {"engine": engines[0].url}) == 1

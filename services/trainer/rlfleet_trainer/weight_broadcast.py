@@ -5,7 +5,10 @@ engines join (world_size 1 + k), and joins as rank 0; everyone returns once all 
 Publishing a version: the state is cut into buckets of at most `bucket_mb`; for each, the router
 is asked to have every engine receive it (names, dtypes, shapes; one flat byte tensor per bucket,
 SGLang's "flattened_bucket") while this process broadcasts it. Only the last bucket carries the
-weight_version, so engines report the new version once they hold all of it.
+weight_version, so engines report the new version once they hold all of it. rlfleet-engine takes that label
+only once the version's buckets delivered every parameter of its model, else it keeps its old one and answers
+`weights_partial: true`, which the router counts as a failed bucket: a tensor left out fails the broadcast
+(and the version arrives from disk) instead of being served with its previous value.
 
 Each HTTP call runs in a thread beside the collective, and the collective in a thread of its own, so
 whichever fails first ends the wait: a router that refuses a bucket (a member out of routing, a group it

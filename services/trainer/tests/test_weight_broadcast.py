@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from engine_fleet import EngineFleet, start_engine_fleet  # noqa: E402
 
 from rlfleet.errors import Unavailable  # noqa: E402
+from rlfleet_trainer import weight_broadcast  # noqa: E402
 from rlfleet_trainer.router_client import RouterClient  # noqa: E402
 from rlfleet_trainer.weight_broadcast import WeightBroadcaster, buckets, unique_tensors  # noqa: E402
 from rlfleet_trainer.weight_publisher import DiskPublisher, DistributedPublisher  # noqa: E402
@@ -140,6 +141,37 @@ def test_a_bucket_the_router_refuses_ends_the_broadcast_at_once_and_the_version_
     engine_fleet.wait_healthy_engines(2)
 
 
+def test_a_version_whose_buckets_miss_a_tensor_is_not_served_and_arrives_from_disk(
+    engine_fleet: EngineFleet,
+    publisher: DistributedPublisher,
+    model: PreTrainedModel,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tensor left out of every bucket (a bucketing bug, a bucket lost): the engines apply the bucket that carries
+    the version but keep their old label (`weights_partial`) rather than serve it with that tensor's previous value,
+    the router fails that bucket, and the trainer's disk fallback brings every engine to the whole version."""
+    lost = "model.layers.1.mlp.up_proj.weight"
+
+    def without_the_lost_tensor(state: Any) -> dict[str, torch.Tensor]:
+        return {name: t for name, t in unique_tensors(state).items() if name != lost}
+
+    monkeypatch.setattr(weight_broadcast, "unique_tensors", without_the_lost_tensor)
+    disk_loads = _disk_loads(engine_fleet)
+    take_a_step(model, seed=4)
+    path = publisher.publish(model, 4)
+    assert_engines_serve(engine_fleet, engine_fleet.engine_urls, model, 4)
+    assert httpx.get(f"{engine_fleet.router_url}/weight_version", timeout=10).json()["model_path"] == str(path)
+    assert _disk_loads(engine_fleet) == disk_loads + 1, "the version came from disk"
+    for url in engine_fleet.engine_urls:
+        assert httpx.get(f"{url}/get_model_info", timeout=10).json()["weights_partial"] is False
+
+
+def _disk_loads(fleet: EngineFleet) -> int:
+    metrics = httpx.get(f"{fleet.router_url}/metrics", timeout=10).text
+    found = re.search(r'rlfleet_router_weight_sync_seconds_count\{path="disk"\} ([0-9.]+)', metrics)
+    return int(float(found.group(1))) if found else 0
+
+
 def test_a_dead_engine_is_named_and_the_version_still_arrives_from_disk(
     engine_fleet: EngineFleet, publisher: DistributedPublisher, model: PreTrainedModel
 ) -> None:
@@ -148,9 +180,9 @@ def test_a_dead_engine_is_named_and_the_version_still_arrives_from_disk(
     with pytest.raises(Unavailable, match=dead.replace(".", r"\.")):
         broadcaster_for(engine_fleet).open()
 
-    take_a_step(model, seed=4)
-    path = publisher.publish(model, 4)
-    assert_engines_serve(engine_fleet, [live], model, 4)
+    take_a_step(model, seed=5)
+    path = publisher.publish(model, 5)
+    assert_engines_serve(engine_fleet, [live], model, 5)
     assert httpx.get(f"{engine_fleet.router_url}/weight_version", timeout=10).json()["model_path"] == str(path)
     metrics = httpx.get(f"{engine_fleet.router_url}/metrics", timeout=10).text
     assert re.search(r'rlfleet_router_weight_sync_seconds_count\{path="disk"\} [1-9]', metrics), "fell back to disk"
