@@ -20,8 +20,10 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 from pydantic.fields import FieldInfo
 
@@ -29,6 +31,11 @@ from rlfleet.cli.defaults_help import DefaultsShown
 from rlfleet.logs import init_logging
 from rlfleet.settings_flags import Flag, add_flags, settings_from_flags
 from rlfleet_trainer.config import TrainerSettings
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from rlfleet_trainer.rank_group import RankGroup
 
 logger = logging.getLogger("rlfleet_trainer")
 
@@ -132,25 +139,32 @@ def die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+# Once the ranks are broken, the calls in flight (the one that failed among them) get this long to answer before rank 0
+# ends; new calls are refused from the start.
+BROKEN_GRACE_S = 5.0
+REFUSE_WAIT_S = 2.0
+# After SIGTERM's wait for the runs (--shutdown-timeout-s), how long rank 0 still waits for an op in flight on the
+# ranks before it leaves without releasing the followers (which end once it has gone): the step is abandoned.
+RELEASE_WAIT_S = 3.0
+EXIT_RANKS_BROKEN = 1
+
+
 def serve(settings: TrainerSettings) -> int:
     """Rank 0 serves gRPC and HTTP and drives training; under torchrun with more ranks the others
     follow it, running in lockstep the collective ops it announces (rank_group.py). The first rank of
     every other node (LOCAL_RANK 0) serves that node's /health and /metrics, so every node (every
-    trainer pod in Kubernetes) can be probed."""
+    trainer pod in Kubernetes) can be probed.
+
+    When the ranks fall out of step for good (a rank hung or died, a collective timed out) every rank
+    ends with status 1 (EXIT_RANKS_BROKEN) once the calls in flight have answered, so that torchrun
+    and Kubernetes restart the job; its runs resume from their last checkpoint."""
     import torch
-    import uvicorn
     from prometheus_client import CollectorRegistry
 
-    from rlfleet.api_token import read_token_file
-    from rlfleet.sample_stream import connect_redis
-    from rlfleet_trainer.grpc_server import make_grpc_server
     from rlfleet_trainer.http_app import make_http_app
-    from rlfleet_trainer.metrics import TrainerMetrics
     from rlfleet_trainer.node_http import serving_in_thread
-    from rlfleet_trainer.rank_group import RankGroup
+    from rlfleet_trainer.rank_group import RankGroup, RanksBroken
     from rlfleet_trainer.rank_ops import RANK_OPS, RankState, ShardingOptions
-    from rlfleet_trainer.router_client import RouterClient
-    from rlfleet_trainer.trainer_core import TrainerCore
 
     torch.set_num_threads(settings.torch_threads)
     if "WORLD_SIZE" in os.environ:
@@ -158,19 +172,38 @@ def serve(settings: TrainerSettings) -> int:
     registry = CollectorRegistry()
     options = ShardingOptions(settings.mixed_precision, settings.activation_checkpointing)
     ranks = RankGroup(RANK_OPS, RankState(options), settings.collective_timeout_s, registry)
-    if ranks.rank != 0:
-        # torchrun signals every rank on shutdown; rank 0 alone decides when the followers stop.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        logger.info("rank %d of %d follows rank 0", ranks.rank, ranks.ranks.world)
-        node_http: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-        if os.environ.get("LOCAL_RANK") == "0":  # one server per node: its other ranks share its port
-            app = make_http_app(registry, ranks.rank, ranks.ranks.world)
-            node_http = serving_in_thread(app, settings.host, settings.http_port)
+    if ranks.rank == 0:
+        return serve_api(settings, ranks, registry)
+    # torchrun signals every rank on shutdown; rank 0 alone decides when the followers stop.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logger.info("rank %d of %d follows rank 0", ranks.rank, ranks.ranks.world)
+    node_http: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if os.environ.get("LOCAL_RANK") == "0":  # one server per node: its other ranks share its port
+        app = make_http_app(registry, ranks.rank, ranks.ranks.world, lambda: ranks.broken)
+        node_http = serving_in_thread(app, settings.host, settings.http_port)
+    try:
         with node_http:
-            ranks.follow()  # a failure here ends the process; torchrun then stops the other ranks
-        ranks.close()
-        return 0
+            ranks.follow()  # any other failure here ends the process; torchrun then stops the other ranks
+    except RanksBroken:
+        leave_now(ranks.broken)
+    if not ranks.close():
+        leave_now(ranks.broken)
+    return 0
+
+
+def serve_api(settings: TrainerSettings, ranks: RankGroup, registry: CollectorRegistry) -> int:
+    """Rank 0: the gRPC Trainer API and HTTP until SIGTERM or until the ranks break, then the runs' shutdown."""
+    import uvicorn
+
+    from rlfleet.api_token import read_token_file
+    from rlfleet.sample_stream import connect_redis
+    from rlfleet_trainer.grpc_server import make_grpc_server
+    from rlfleet_trainer.http_app import make_http_app
+    from rlfleet_trainer.metrics import TrainerMetrics
+    from rlfleet_trainer.router_client import RouterClient
+    from rlfleet_trainer.trainer_core import TrainerCore
+
     metrics = TrainerMetrics(registry)
     core = TrainerCore(
         settings,
@@ -185,7 +218,7 @@ def serve(settings: TrainerSettings) -> int:
         await grpc_server.start()
         http = uvicorn.Server(
             uvicorn.Config(
-                make_http_app(registry, ranks.rank, ranks.ranks.world),
+                make_http_app(registry, ranks.rank, ranks.ranks.world, lambda: ranks.broken),
                 host=settings.host,
                 port=settings.http_port,
                 log_config=None,
@@ -198,10 +231,35 @@ def serve(settings: TrainerSettings) -> int:
             settings.host,
             settings.http_port,
         )
+        broken, refusing = asyncio.Event(), threading.Event()
+        loop = asyncio.get_running_loop()
+
+        def tell_loop(_why: str) -> None:
+            # The thread that found the ranks broken goes on (and fails its run) only once new calls are refused: a
+            # later Status is refused too, instead of reporting FAILED (for good) a run the restarted trainer resumes.
+            try:
+                loop.call_soon_threadsafe(broken.set)
+            except RuntimeError:  # the loop has closed: serving is over
+                return
+            refusing.wait(timeout=REFUSE_WAIT_S)
+
+        async def stop_when_broken() -> None:
+            await broken.wait()
+            # New calls are refused from the stop's first step; those in flight (the failing one) answer first.
+            stopping = asyncio.ensure_future(grpc_server.stop(grace=BROKEN_GRACE_S))
+            await asyncio.sleep(0)
+            refusing.set()
+            await stopping
+            http.should_exit = True
+
+        ranks.on_broken(tell_loop)
+        watcher = asyncio.create_task(stop_when_broken())
         try:
-            await http.serve()  # returns on SIGTERM / SIGINT
+            await http.serve()  # returns on SIGTERM / SIGINT, or once the ranks broke
         finally:
+            watcher.cancel()
             await grpc_server.stop(grace=5)
+            refusing.set()
             await asyncio.to_thread(core.shutdown, settings.shutdown_timeout_s)
 
     # uvicorn re-raises the SIGTERM it handled once it has stopped: swallow it, so the shutdown
@@ -210,9 +268,24 @@ def serve(settings: TrainerSettings) -> int:
     try:
         asyncio.run(run_servers())
     finally:
-        ranks.stop()
-        ranks.close()
+        # Bounded: a step still running past --shutdown-timeout-s is abandoned, not waited for.
+        if not (ranks.stop(RELEASE_WAIT_S) and ranks.close()):
+            leave_now(ranks.broken)
     return 0
+
+
+def leave_now(broken: str | None) -> NoReturn:
+    """Ends this rank at once, without meeting the other ranks: they are out of step (`broken`, status 1) or
+    rank 0 abandoned an op still running on them at shutdown (status 0). Python's own exit could wait on the
+    process group's threads, still inside a collective with a peer that hangs, for the collective timeout."""
+    if broken is not None:
+        logger.error("exiting with status %d so that the trainer is restarted: %s", EXIT_RANKS_BROKEN, broken)
+    else:
+        logger.warning("exiting with an op still running on the ranks: the step in progress is abandoned")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_RANKS_BROKEN if broken is not None else 0)
 
 
 if __name__ == "__main__":

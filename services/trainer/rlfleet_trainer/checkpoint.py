@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from rlfleet_trainer.critic import Critic
 from rlfleet_trainer.directory_swap import replace_directory
+from rlfleet_trainer.rank_group import on_rank_0
 
 STEP_PREFIX = "step_"
 
@@ -140,24 +141,24 @@ def save_checkpoint(root: Path, parts: TrainingState, meta: CheckpointMeta) -> P
     """Writes `parts` and `meta` as `<root>/step_<meta.step>` and returns that directory.
 
     Under a process group every rank must call this (DCP is collective); rank 0's `meta` is the one
-    written. An existing directory of the same step (left by a run that crashed before recording
-    it) is replaced."""
+    written, and rank 0 alone prepares the directory and renames it into place: its failure there is
+    raised on every rank. An existing directory of the same step (left by a run that crashed before
+    recording it) is replaced."""
     dest = checkpoint_dir(root, meta.step)
     tmp = root / f".{dest.name}.tmp"
-    distributed = _distributed()
-    if _rank() == 0:
+
+    def prepare() -> None:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-    if distributed:
-        dist.barrier()  # nobody writes into the temporary directory before rank 0 has emptied it
+
+    # Rank 0's own steps share their outcome (a full or failing disk fails the save on every rank at once, with
+    # its cause); that is also the barrier: nobody writes into the temporary directory before rank 0 has emptied it.
+    on_rank_0(prepare)
     state = _state_dict(parts, meta if _rank() == 0 else None)
     with _dcp_call(f"writing checkpoint {dest}"):
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=not distributed)
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed())
     # dcp.save returns on rank 0 after every rank's shards and the metadata are written.
-    if _rank() == 0:
-        replace_directory(tmp, dest)
-    if distributed:
-        dist.barrier()
+    on_rank_0(lambda: replace_directory(tmp, dest))
     return dest
 
 

@@ -37,7 +37,10 @@ class TrainerSettings(BaseSettings):
     )
     torch_threads: int = Field(2, ge=1, description="intra-op threads of torch on CPU")
     collective_timeout_s: float = Field(
-        600.0, gt=0, description="bound on any wait between torchrun ranks (a collective, a follower's next command)"
+        600.0,
+        gt=0,
+        description="bound on any wait between torchrun ranks (a collective, a follower's next command); one that "
+        "runs out leaves the ranks out of step, and every rank ends (exit status 1) for the job to be restarted",
     )
     mixed_precision: bool = Field(False, description="FSDP: bf16 compute, fp32 weights and reduction (for GPUs)")
     activation_checkpointing: bool = Field(False, description="FSDP: recompute block activations in backward (GPU)")

@@ -4,30 +4,42 @@ Everything that runs collectives (loading a run's sharded model, a training step
 full weights, checkpoints) must run on every rank, in the same order. Rank 0 broadcasts a small
 command (an op name and its arguments) and runs the op itself; the followers receive the command
 and run the same op on their own state. After each op the ranks exchange whether it failed, so a
-follower's failure is raised on rank 0 instead of surfacing as a hang in the next collective.
+follower's failure is raised on rank 0 instead of surfacing as a hang in the next collective. A
+step inside an op that only rank 0 takes (preparing or renaming a directory) hands its outcome to
+the other ranks with `on_rank_0`, so its failure is raised on every rank instead of leaving them
+waiting for rank 0 in the op's next collective.
 
 Commands travel on a gloo group of their own, so they never wait behind NCCL work on a GPU.
 Every wait is bounded by the process group's timeout; while rank 0 has nothing to announce it
-sends a no-op every quarter of that timeout, so idle followers do not time out. Without a process
-group (no torchrun) `call` is a plain local call.
+sends a no-op every quarter of that timeout, a round trip of every rank, so idle followers do not
+time out and a rank that hangs meanwhile is found. Without a process group (no torchrun) `call`
+is a plain local call.
+
+A collective that fails or times out (a rank hung, crashed, or out of step) leaves the ranks
+broken for good: gloo cannot use a group again after a timeout, and the ranks no longer agree on
+where they are. Every later call then fails at once with `RanksBroken` (Unavailable), naming the
+cause, and whoever listens (`on_broken`: `serve` on rank 0, which ends the process so that torchrun
+and Kubernetes restart the job) is told once.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import pickle
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from rlfleet.errors import Internal
+from rlfleet.errors import Internal, Unavailable
 from rlfleet_trainer.data_parallel import Ranks
 
 logger = logging.getLogger(__name__)
@@ -38,9 +50,20 @@ Op = Callable[..., Any]
 STOP = "stop"
 NOOP = "noop"
 
+T = TypeVar("T")
+
+# gloo reports a peer that timed out or went away as a plain RuntimeError (NCCL and the c10d store as
+# torch.distributed.DistError); these are the words of its transport's messages.
+_GLOO_FAILURE = re.compile(r"gloo|pair closure|Connection closed by peer|Connection reset by peer|Timed out waiting")
+
 
 class RankOpFailed(Internal):
     """An op failed on a rank other than 0; the ranks may no longer agree on the run's state."""
+
+
+class RanksBroken(Unavailable):
+    """A collective between the ranks failed or timed out: they are out of step, and their process
+    group cannot be used again. Only a restart of the job (torchrun, Kubernetes) mends it."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +81,67 @@ def init_process_group(timeout_s: float) -> None:
     else:
         backend = "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+
+
+def collective_failure(exc: BaseException) -> bool:
+    """Whether `exc` (or an error it was raised from or holds as a cause) is a collective that failed
+    between the ranks, rather than the op's own error on healthy ranks."""
+    seen: set[int] = set()
+    pending: list[BaseException] = [exc]
+    while pending:
+        error = pending.pop()
+        if id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(error, dist.DistError) or (
+            type(error) is RuntimeError and _GLOO_FAILURE.search(str(error)) is not None
+        ):
+            return True
+        pending += [e for e in (error.__cause__, error.__context__) if e is not None]
+        pending += [e for e in getattr(error, "causes", ()) if isinstance(e, BaseException)]
+    return False
+
+
+def on_rank_0(step: Callable[[], T]) -> T | None:
+    """Inside an op: runs `step` on rank 0 only and hands its outcome to every rank before any goes
+    on, so its failure is raised on every rank (rank 0 its own error, the others a copy of it) and
+    the op fails at once with its real cause. Without that, rank 0 would leave the op while the others
+    waited for it in the op's next collective, until the collective timeout. It also stands for a
+    barrier after the step: no rank goes on before rank 0 has taken it. Rank 0 gets `step`'s result,
+    the other ranks None."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return step()
+    result, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            result = step()
+        except Exception as exc:  # noqa: BLE001 - every rank hears of it below, then raises it
+            error = exc
+    box: list[Exception | None] = [_portable(error)]
+    try:
+        dist.broadcast_object_list(box, src=0)
+    except Exception as exc:  # noqa: BLE001 - the ranks are out of step; the step's own error is kept as its cause
+        if error is not None:
+            raise exc from error
+        raise
+    if error is not None:
+        raise error
+    rank_0_error = box[0]
+    if rank_0_error is not None:
+        rank_0_error.add_note("raised by rank 0's part of the op")
+        raise rank_0_error
+    return result
+
+
+def _portable(error: Exception | None) -> Exception | None:
+    """`error` as the other ranks can receive it: itself when it pickles, else its type and message."""
+    if error is None:
+        return None
+    try:
+        copy: Exception = pickle.loads(pickle.dumps(error))
+    except Exception:  # noqa: BLE001 - some errors do not survive pickling; their words do
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return copy
 
 
 class RankGroup:
@@ -90,6 +174,11 @@ class RankGroup:
             self.ranks = Ranks()
         self._lock = threading.Lock()
         self._stopped = threading.Event()
+        self._released = False
+        """Rank 0 told the followers to stop: every rank can meet at `close`."""
+        self._broken: str | None = None
+        self._listeners: list[Callable[[str], None]] = []
+        self._state_lock = threading.Lock()
         self._last_command = time.monotonic()
         self._heartbeat_s = timeout_s / 4
         self._heartbeat: threading.Thread | None = None
@@ -116,74 +205,144 @@ class RankGroup:
     def rank(self) -> int:
         return self.ranks.rank
 
+    @property
+    def broken(self) -> str | None:
+        """Why the ranks are out of step for good (a sentence naming the op, the rank and the error), or
+        None while they work."""
+        return self._broken
+
+    def on_broken(self, listener: Callable[[str], None]) -> None:
+        """Calls `listener(why)` once, from the thread that finds the ranks broken (at once if they are)."""
+        with self._state_lock:
+            why = self._broken
+            if why is None:
+                self._listeners.append(listener)
+                return
+        listener(why)
+
     def call(self, op: str, *args: Any) -> Any:
         """Runs `op` on every rank (rank 0 only announces) and returns rank 0's result. Raises what
-        rank 0's op raised, or RankOpFailed when only another rank's failed."""
+        rank 0's op raised, RankOpFailed when only another rank's failed, or RanksBroken when the ranks
+        are out of step (now or since an earlier call)."""
         if self.ranks.rank != 0:
             raise RuntimeError("only rank 0 announces ops; the other ranks run follow()")
         if op not in self.ops and op != NOOP:
             raise ValueError(f"unknown rank op {op!r}; registered: {sorted(self.ops)}")
+        self._raise_if_broken()
         with self._lock:
+            self._raise_if_broken()
             if self._stopped.is_set():
                 raise RuntimeError(f"rank op {op!r} after the ranks were stopped")
             command = RankCommand(op, args)
             if self._commands is not None:
-                dist.broadcast_object_list([command], src=0, group=self._commands)
+                try:
+                    dist.broadcast_object_list([command], src=0, group=self._commands)
+                except Exception as exc:  # noqa: BLE001 - any failure of the command group breaks the ranks
+                    what = "the heartbeat" if op == NOOP else f"op {op!r}"
+                    raise self._break(f"announcing {what} to the other ranks failed", exc) from exc
             return self._run(command)
 
     def follow(self) -> None:
-        """A follower's life: runs the ops rank 0 announces until it announces stop."""
+        """A follower's life: runs the ops rank 0 announces until it announces stop. Raises RanksBroken
+        when the ranks fall out of step (no command from rank 0 within the timeout, a collective that
+        failed): the process should end, so that the job restarts."""
         if self.ranks.rank == 0:
             raise RuntimeError("rank 0 announces ops with call(); it does not follow")
         while True:
             box: list[Any] = [None]
-            dist.broadcast_object_list(box, src=0, group=self._commands)
+            try:
+                dist.broadcast_object_list(box, src=0, group=self._commands)
+            except Exception as exc:  # noqa: BLE001 - any failure of the command group breaks the ranks
+                raise self._break("waiting for rank 0's next command failed", exc) from exc
             command: RankCommand = box[0]
             if command.op == STOP:
                 logger.info("rank %d: stop received", self.ranks.rank)
                 return
             try:
                 self._run(command)
+            except RanksBroken:
+                raise
             except Exception:  # noqa: BLE001 - reported to rank 0 by _run; the follower stays in lockstep
                 logger.exception("rank %d: op %s failed", self.ranks.rank, command.op)
 
-    def stop(self) -> None:
-        """Rank 0: ends the followers' loops (after any op in flight). Idempotent."""
+    def stop(self, timeout_s: float = 30.0) -> bool:
+        """Rank 0: ends the followers' loops after the op in flight, waiting for it up to `timeout_s`.
+        Whether the followers were released (they then meet rank 0 in `close`); not when the ranks are
+        broken or the op in flight outlasted `timeout_s` (it is abandoned: the process should end without
+        `close`). No op runs after it. Idempotent."""
         if self.ranks.rank != 0:
-            return
-        with self._lock:
-            if self._stopped.is_set():
-                return
+            return True
+        if not self._lock.acquire(timeout=max(0.0, timeout_s)):
             self._stopped.set()
-            if self._commands is not None:
-                dist.broadcast_object_list([RankCommand(STOP)], src=0, group=self._commands)
-        if self._heartbeat is not None:
+            logger.warning("an op still runs on the ranks after %.1fs: the followers are not released", timeout_s)
+            return False
+        try:
+            if not self._stopped.is_set():
+                self._stopped.set()
+                self._released = self._release_followers()
+        finally:
+            self._lock.release()
+        if self._released and self._heartbeat is not None:
             self._heartbeat.join(timeout=5)
+        return self._released
 
-    def close(self) -> None:
-        """Leaves the process group once every rank got here (after stop / follow)."""
-        if self.distributed and dist.is_initialized():
+    def close(self) -> bool:
+        """Leaves the process group once every rank got here (after stop / follow). Whether it did: not
+        when the ranks are broken or rank 0 did not release the followers, as the ranks cannot meet then
+        (a gloo group that timed out cannot even be torn down); the process should then just end."""
+        if not (self.distributed and dist.is_initialized()):
+            return True
+        if self._broken is not None or (self.ranks.rank == 0 and not self._released):
+            return False
+        try:
             dist.barrier()
             dist.destroy_process_group()
+        except Exception as exc:  # noqa: BLE001 - the ranks did not all get here
+            self._break("the ranks' last barrier failed", exc)
+            return False
+        return True
 
     # -- internals --------------------------------------------------------------------------------
 
+    def _release_followers(self) -> bool:
+        if self._broken is not None:
+            return False
+        if self._commands is not None:
+            try:
+                dist.broadcast_object_list([RankCommand(STOP)], src=0, group=self._commands)
+            except Exception as exc:  # noqa: BLE001 - any failure of the command group breaks the ranks
+                self._break("telling the other ranks to stop failed", exc)
+                return False
+        return True
+
     def _run(self, command: RankCommand) -> Any:
         self._last_command = time.monotonic()
-        if command.op == NOOP:
-            return None
         started = time.perf_counter()
         result, error, failure = None, None, None
         try:
-            result = self.ops[command.op](self.state, *command.args)
+            if command.op != NOOP:
+                result = self.ops[command.op](self.state, *command.args)
         except Exception as exc:  # noqa: BLE001 - every rank must reach the exchange below
             error, failure = f"{type(exc).__name__}: {exc}", exc
+            if collective_failure(exc):
+                # The other ranks are not where this one is: the exchange would only wait out the timeout again.
+                self._op_failures.labels(command.op).inc()
+                raise self._break(f"op {command.op!r} failed on rank {self.ranks.rank}", exc) from exc
         errors: list[str | None] = [error]
         if self._commands is not None:
+            # Also for the heartbeat's no-op: a round trip of every rank, so a rank that hangs is found while idle.
             errors = [None] * self.ranks.world
-            dist.all_gather_object(errors, error, group=self._commands)
-        self._op_seconds.labels(command.op).observe(time.perf_counter() - started)
+            try:
+                dist.all_gather_object(errors, error, group=self._commands)
+            except Exception as exc:  # noqa: BLE001 - any failure of the command group breaks the ranks
+                self._op_failures.labels(command.op).inc()
+                after = "the heartbeat" if command.op == NOOP else f"op {command.op!r}"
+                what = f"the ranks' exchange after {after} failed on rank {self.ranks.rank}"
+                raise self._break(what, exc) from exc
         self._last_command = time.monotonic()
+        if command.op == NOOP:
+            return None
+        self._op_seconds.labels(command.op).observe(time.perf_counter() - started)
         if failure is not None:
             self._op_failures.labels(command.op).inc()
             raise failure
@@ -194,13 +353,39 @@ class RankGroup:
             raise RankOpFailed(f"op {command.op!r} failed on {detail}")
         return result
 
+    def _break(self, what: str, exc: BaseException) -> RanksBroken:
+        """Marks the ranks broken (the first cause stands), tells the listeners once; the error to raise."""
+        with self._state_lock:
+            why = self._broken
+            first = why is None
+            if why is None:
+                why = self._broken = (
+                    f"the trainer's ranks are out of step: {what} ({type(exc).__name__}: {exc}); the trainer must "
+                    "be restarted (its runs resume from their last checkpoint)"
+                )
+            listeners, self._listeners = (self._listeners, []) if first else ([], self._listeners)
+        if first:
+            logger.error("rank %d: %s", self.ranks.rank, why)
+        for listener in listeners:
+            try:
+                listener(why)
+            except Exception:  # noqa: BLE001 - a listener's failure must not hide the ranks' failure
+                logger.exception("a listener of the ranks' failure failed")
+        return RanksBroken(why)
+
+    def _raise_if_broken(self) -> None:
+        if self._broken is not None:
+            raise RanksBroken(self._broken)
+
     def _beat(self) -> None:
         while not self._stopped.wait(self._heartbeat_s / 4):
             if time.monotonic() - self._last_command < self._heartbeat_s:
                 continue
             try:
                 self.call(NOOP)
-            except Exception:  # noqa: BLE001 - a stopped or broken group ends the heartbeat, not the server
+            except RanksBroken:
+                return  # said by _break; whoever listens ends the process
+            except Exception:  # noqa: BLE001 - a stopped group ends the heartbeat, not the server
                 if not self._stopped.is_set():
                     logger.exception("rank heartbeat failed; followers will time out")
                 return
