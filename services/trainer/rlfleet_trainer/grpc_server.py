@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -15,6 +15,7 @@ from rlfleet.grpc_errors import ErrorInterceptor
 from rlfleet.grpc_limits import message_size_options
 from rlfleet.host_port import host_port
 from rlfleet.v1 import trainer_pb2, trainer_pb2_grpc
+from rlfleet_trainer.rank_group import RanksBroken
 from rlfleet_trainer.trainer_core import START_JOIN_WAIT_S, STOP_WAIT_S, TrainerCore
 
 T = TypeVar("T")
@@ -47,6 +48,25 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.core = core
         self._threads = ThreadPoolExecutor(HANDLER_THREADS, thread_name_prefix="trainer-rpc")
 
+    def _unless_broken(self) -> None:
+        """Once the ranks are broken no answer about a run holds: this trainer is ending, and the restarted one resumes
+        its runs from their checkpoints. UNAVAILABLE naming why, which the orchestrator asks again after, rather than
+        the run's FAILED status (final to it) or a Conflict from a call the break cut short."""
+        why = self.core.ranks.broken
+        if why is not None:
+            raise RanksBroken(why)
+
+    async def _answer(self, call: Callable[[], Awaitable[T]]) -> T:
+        """`call()`'s answer, unless the ranks broke before or while it ran."""
+        self._unless_broken()
+        try:
+            result = await call()
+        except Exception:
+            self._unless_broken()
+            raise
+        self._unless_broken()
+        return result
+
     async def _in_thread(self, call: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._threads, call, *args)
 
@@ -63,12 +83,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     ) -> trainer_pb2.TrainerStatus:  # noqa: N802,E501
         join_wait = _wait_s(context, START_JOIN_WAIT_S)
         # Not cut short: a start goes on after its caller stops waiting (asking again joins it).
-        return await self._in_thread(self.core.start_run, request.run_id, request.spec, join_wait)
+        return await self._answer(lambda: self._in_thread(self.core.start_run, request.run_id, request.spec, join_wait))
 
     async def Status(
         self, request: trainer_pb2.StatusRequest, context: aio.ServicerContext
     ) -> trainer_pb2.TrainerStatus:  # noqa: N802,E501
         # Without a run id: the run this trainer is busy with, if any (who else would need stopping).
+        self._unless_broken()
         return self.core.status(request.run_id) if request.run_id else self.core.held()
 
     async def Checkpoint(
@@ -79,7 +100,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         late = (
             f"run {request.run_id}: no checkpoint within {wait:.0f}s; it is taken after the step in progress: ask again"
         )
-        return await self._within(wait, late, self.core.checkpoint, request.run_id, wait)
+        return await self._answer(lambda: self._within(wait, late, self.core.checkpoint, request.run_id, wait))
 
     async def StopRun(
         self, request: trainer_pb2.StopRunRequest, context: aio.ServicerContext
@@ -87,7 +108,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         wait = _wait_s(context, STOP_WAIT_S)
         self.core.request_stop(request.run_id, request.checkpoint)  # the stop stands whatever this call hears
         late = f"run {request.run_id} has not stopped within {wait:.0f}s; it stops after its step: ask again"
-        return await self._within(wait, late, self.core.stop_run, request.run_id, request.checkpoint, wait)
+        return await self._answer(
+            lambda: self._within(wait, late, self.core.stop_run, request.run_id, request.checkpoint, wait)
+        )
 
     async def WatchSteps(
         self, request: trainer_pb2.WatchStepsRequest, context: aio.ServicerContext
