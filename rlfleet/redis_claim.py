@@ -30,6 +30,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from rlfleet.errors import Conflict, Unavailable
 from rlfleet.processes import ServiceStartError
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class RedisClaim:
             ) from exc
         if held is not None:
             self._client.close()
-            raise ServiceStartError(self._refusal(held))
+            raise ServiceStartError(refusal(self.redis_url, self.prefix, held, self.ttl_s))
         threading.Thread(target=self._renew, name=f"claim {self.key}", daemon=True).start()
 
     def release(self) -> None:
@@ -135,19 +136,40 @@ class RedisClaim:
                     )
                     continue
             if held is not None:  # both fleets now run on the prefix: say so, once
-                logger.error("this fleet's %s lapsed and another fleet took it: %s", self.key, self._refusal(held))
+                logger.error(
+                    "this fleet's %s lapsed and another fleet took it: %s",
+                    self.key,
+                    refusal(self.redis_url, self.prefix, held, self.ttl_s),
+                )
                 return
 
-    def _refusal(self, held: str) -> str:
-        try:
-            owner = json.loads(held)
-            holder = f"`rlfleet up` or `rlfleet demo` pid {owner['pid']} on {owner['host']}"
-            state_dir = str(owner["state_dir"])
-        except (ValueError, TypeError, KeyError):  # not written by RedisClaim
-            holder, state_dir = f"{self.key} = {held!r}", "DIR"
-        return (
-            f"Redis {self.redis_url} with key prefix {self.prefix!r} is held by another fleet: {holder}, state dir "
-            f"{state_dir}; stop it with `rlfleet down --state-dir {state_dir}` (on its host), or give this fleet "
-            f"another --redis-prefix. Two fleets on one prefix would take each other's runs and samples. A fleet "
-            f"whose `rlfleet up` was killed frees it within {self.ttl_s:g} s"
-        )
+
+def refuse_if_held(redis_url: str, prefix: str) -> None:
+    """Conflict naming the fleet that holds the pair now, Unavailable when Redis does not answer: for a command with
+    long work to do before its fleet starts and claims the pair (`rlfleet demo` trains its warm start first)."""
+    client = redis.Redis.from_url(redis_url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
+    try:
+        held = client.get(claim_key(prefix))
+    except redis.RedisError as exc:
+        raise Unavailable(f"could not read the claim of key prefix {prefix!r} at Redis {redis_url}: {exc}") from exc
+    finally:
+        client.close()
+    if held is not None:
+        text = held.decode(errors="replace") if isinstance(held, bytes) else str(held)
+        raise Conflict(refusal(redis_url, prefix, text, CLAIM_TTL_S))
+
+
+def refusal(redis_url: str, prefix: str, held: str, ttl_s: float) -> str:
+    """Why a fleet may not use (`redis_url`, `prefix`): `held`, the claim's value, names the fleet holding it."""
+    try:
+        owner = json.loads(held)
+        holder = f"`rlfleet up` or `rlfleet demo` pid {owner['pid']} on {owner['host']}"
+        state_dir = str(owner["state_dir"])
+    except (ValueError, TypeError, KeyError):  # not written by RedisClaim
+        holder, state_dir = f"{claim_key(prefix)} = {held!r}", "DIR"
+    return (
+        f"Redis {redis_url} with key prefix {prefix!r} is held by another fleet: {holder}, state dir "
+        f"{state_dir}; stop it with `rlfleet down --state-dir {state_dir}` (on its host), or give this fleet "
+        f"another --redis-prefix. Two fleets on one prefix would take each other's runs and samples. A fleet "
+        f"whose `rlfleet up` was killed frees it within {ttl_s:g} s"
+    )

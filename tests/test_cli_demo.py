@@ -32,6 +32,7 @@ from rlfleet.local_spec_check import (
 )
 from rlfleet.process_identity import start_time
 from rlfleet.processes import ServiceProcess, group_runs
+from rlfleet.redis_claim import RedisClaim
 from rlfleet.runs_client import RunsClient, load_spec_file
 from rlfleet.v1.runs_pb2 import Run, RunProgress, RunState
 from rlfleet_reward.registry import ENTRY_POINT_GROUP as REWARD_FUNCTION_GROUP
@@ -142,6 +143,24 @@ def test_bad_numbers_are_refused_before_any_work(tmp_path: Path, flags: list[str
     assert demo.returncode == 2, demo.stdout + demo.stderr
     assert said in demo.stderr and "Traceback" not in demo.stderr
     assert not out.exists()
+
+
+def test_a_redis_prefix_another_fleet_holds_is_refused_before_any_work(
+    tmp_path: Path, redis_prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not only once the fleet starts and claims it (step 3/5), after minutes of SFT."""
+    other = RedisClaim(REDIS_URL, redis_prefix, tmp_path / "other")
+    other.acquire()
+    try:
+        out = tmp_path / "demo"
+        code = main(["demo", "--out", str(out), "--redis-url", REDIS_URL, "--redis-prefix", redis_prefix])
+    finally:
+        other.release()
+    said = capsys.readouterr().err
+    assert code == 2, said
+    assert f"Redis {REDIS_URL} with key prefix {redis_prefix!r} is held by another fleet" in said, said
+    assert f"`rlfleet down --state-dir {tmp_path / 'other'}`" in said
+    assert not out.exists(), "nothing was made"
 
 
 SPEC_HEAD = {

@@ -36,6 +36,7 @@ from rlfleet.errors import InvalidInput
 from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet, running_fleet
 from rlfleet.local_spec_check import check_spec_here
 from rlfleet.processes import ServiceStartError, StartInterrupted, command_line
+from rlfleet.redis_claim import refuse_if_held
 from rlfleet.runs_client import FINAL_STATES, RunsClient, load_spec_file
 from rlfleet.v1.runs_pb2 import Run, RunSpec, RunState
 
@@ -85,6 +86,8 @@ def run_demo(args: argparse.Namespace) -> int:
     except InvalidInput as exc:
         raise InvalidInput(f"{args.spec}: {exc}") from None
     check_redis_url(args.redis_url)
+    if args.redis_url and args.redis_prefix:  # else the prefix is the demo's own, or so is its Redis
+        refuse_if_held(args.redis_url, args.redis_prefix)
     with raise_on_signals():  # until the fleet starts, a stop signal ends the step in progress at once
         recreate(out, args.overwrite)
         say("1/5 creating the tiny model")
