@@ -29,6 +29,11 @@ FLAGS: tuple[Flag, ...] = (
         "--balance-share-threshold", "cache_aware: no new prompt above this times the mean recent share (default 1.15)"
     ),
     Flag("--max-tree-tokens", "cache_aware: global token budget of the prefix tree (default 2**24)"),
+    Flag(
+        "--prefill-stagger-ms",
+        "cache_aware: a repeat of a prompt its engine got less than this long ago, still in flight, waits until then; "
+        "0 turns it off (default 10)",
+    ),
     Flag("--request-timeout-secs", "bound on one proxied request, retries included (default 600)"),
     Flag(
         "--control-timeout-secs",

@@ -67,6 +67,14 @@ class RouterConfig(BaseSettings):
         "token-id prompts costs about 5 bytes of router memory (a 32-bit id, plus about 0.8 KB a stored prompt: "
         "22 bytes a token for distinct 50-token prompts), a character of text about 1; the default about 80 MiB.",
     )
+    prefill_stagger_ms: float = Field(
+        10.0,
+        ge=0.0,
+        le=1000.0,
+        description="cache_aware: a request repeating a prompt sent to its engine less than this long ago by a "
+        "request still in flight there waits until then, so it arrives once the first's prefill has begun and finds "
+        "the prompt cached (engines share nothing within one prefill batch); 0 turns it off.",
+    )
 
     request_timeout_secs: float = Field(
         600.0, gt=0, description="Upper bound on one proxied request, retries included, until its last byte."

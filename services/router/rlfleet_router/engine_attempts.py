@@ -39,6 +39,11 @@ class Attempt:
         worker.in_flight += 1
         worker.in_flight_tokens += tokens
 
+    @property
+    def ended(self) -> bool:
+        """Whether `end()` was called: the answer was read, or the request given up."""
+        return self._attempts is None
+
     def end(self) -> None:
         """Takes the request off the engine's load; later calls do nothing."""
         if self._attempts is None:

@@ -33,6 +33,7 @@ from rlfleet_router.kubernetes_discovery import KubernetesDiscovery
 from rlfleet_router.metrics import RouterMetrics
 from rlfleet_router.openai_routing import routing_body
 from rlfleet_router.policies import CacheAware, RoutingRequest, create_policy
+from rlfleet_router.prefill_stagger import PrefillStagger
 from rlfleet_router.proxy import EngineResponse, Proxy, RetryPolicy
 from rlfleet_router.restarters import create_restarter
 from rlfleet_router.self_healing import Healer
@@ -93,6 +94,9 @@ class Fleet:
         )
         self.chars_per_token = CharsPerToken()
         self.metrics.fleet.chars_per_token = self.chars_per_token
+        # Only cache_aware sends a prompt's repeats to its engine by design (a GRPO group as one unit).
+        stagger_ms = config.prefill_stagger_ms if isinstance(self.policy, CacheAware) else 0.0
+        self.prefill_stagger = PrefillStagger(stagger_ms / 1000)
         self.proxy = Proxy(
             self.workers,
             self.policy,
@@ -102,6 +106,7 @@ class Fleet:
             request_timeout_secs=config.request_timeout_secs,
             connect_timeout_secs=config.connect_timeout_secs,
             max_whole_answer_bytes=config.max_whole_answer_bytes,
+            prefill_stagger=self.prefill_stagger,
         )
         self.workers.on_failed_requests = self.proxy.engine_failed
         self.fanout = Fanout(
@@ -248,6 +253,7 @@ class Fleet:
             self.healer.forget(worker)
         self.pauses.removed(worker)
         self.policy.forget(worker)
+        self.prefill_stagger.forget(worker.id)
         self.metrics.forget_engine(worker.url)
         return worker
 

@@ -207,8 +207,15 @@ class RouterMetrics:
         )
         self.added_latency = Histogram(
             "rlfleet_router_added_latency_seconds",
-            "Time from a request's body being read to its being sent to an engine (parsing and routing).",
+            "Time from a request's body being read to its being sent to an engine (parsing and routing; a prefill "
+            "stagger's wait, counted in rlfleet_router_prefill_staggers_total, not included).",
             buckets=ADDED_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.prefill_staggers = Counter(
+            "rlfleet_router_prefill_staggers",
+            "Requests held back (at most --prefill-stagger-ms) before being sent, as repeats of a prompt their engine "
+            "was sent moments before: they arrive once its prefill has begun, and find the prompt cached.",
             registry=self.registry,
         )
         self.restarts = EngineCounter(

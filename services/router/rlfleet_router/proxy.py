@@ -14,6 +14,9 @@ A request at an engine can be interrupted from outside its task: by its engine f
 (the `client_gone` future the HTTP layer completes on a disconnect). Each closes its connection; a
 request given up at an engine that may still run it is also aborted there by rid (`engine_aborts`).
 
+A repeat of a prompt its engine is about to prefill waits a few milliseconds before it is sent
+(`prefill_stagger`), counted at the engine meanwhile; given up then, it was never sent.
+
 The relay uses `engine_client`, keep-alive connections pooled per engine and parsed in C: the
 client is most of the latency the router adds to a request, so it is kept to what the relay needs.
 """
@@ -40,6 +43,7 @@ from rlfleet_router.engine_client import (
 from rlfleet_router.engine_response import HOP_HEADERS, AnswerReader, EngineResponse
 from rlfleet_router.metrics import RouterMetrics
 from rlfleet_router.policies import Policy, RoutingRequest
+from rlfleet_router.prefill_stagger import PrefillStagger
 from rlfleet_router.weights import describe_error
 from rlfleet_router.workers import NoHealthyEngine, Worker, WorkerRegistry
 
@@ -85,8 +89,10 @@ class Proxy:
         request_timeout_secs: float,
         connect_timeout_secs: float,
         max_whole_answer_bytes: int,
+        prefill_stagger: PrefillStagger | None = None,
     ) -> None:
         self._client: EngineClient | None = None
+        self._stagger = prefill_stagger if prefill_stagger is not None else PrefillStagger(0.0)
         self._chars_per_token = chars_per_token
         self._workers = workers
         self._policy = policy
@@ -163,6 +169,9 @@ class Proxy:
                 attempt = self._attempts.start(worker, tokens, rids)
                 last_try = retries >= self._retry.max_retries
                 try:
+                    if stagger := self._stagger.delay(worker.id, routing.prompt_key, attempt):
+                        await self._wait_to_send(attempt, stagger, client_gone)
+                        remaining = deadline - time.monotonic()
                     return await self._send(attempt, method, routing, body, forwarded, remaining, last_try, on_answer)
                 except RetryableFailure as exc:
                     failure = str(exc)
@@ -182,6 +191,28 @@ class Proxy:
         finally:
             if client_gone is not None:
                 client_gone.remove_done_callback(client_left)
+
+    async def _wait_to_send(self, attempt: Attempt, secs: float, client_gone: asyncio.Future[None] | None) -> None:
+        """Holds `attempt` back `secs` (its engine's load counts it meanwhile, so routing sees it there), or until its
+        client leaves. An attempt interrupted meanwhile ends unsent: ClientGone, or RetryableFailure when its engine
+        failed or left routing (nothing to abort there)."""
+        self._metrics.prefill_staggers.inc()
+        try:
+            if client_gone is None:
+                await asyncio.sleep(secs)
+            else:
+                await asyncio.wait((client_gone,), timeout=secs)
+        except BaseException:
+            attempt.end()
+            raise
+        error = attempt.interrupt.error
+        if error is None and not attempt.worker.healthy:
+            error = EngineFailed(f"{attempt.worker.url} left routing while a request waited to be sent there")
+        if error is not None:
+            attempt.end()
+            if isinstance(error, EngineFailed):
+                raise RetryableFailure(str(error))
+            raise error
 
     def _choose(self, routing: RoutingRequest, tried: set[str]) -> Worker:
         healthy = self._workers.healthy()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -145,3 +147,44 @@ def test_a_flush_or_a_weight_load_through_the_router_empties_its_tree_as_it_empt
         assert tree_tokens() == 0, "the engines hold nothing now, and neither does the tree"
         assert send(question + 1)["cached_tokens"] == 0
         assert low_matches() == before + 1, "routed as a prompt no engine holds"
+
+
+@pytest.mark.parametrize(("stagger_ms", "cached"), [(400, [0, 320, 320, 320]), (0, [0, 0, 0, 0])])
+def test_a_group_sent_at_once_is_staggered_so_its_later_samples_find_the_prompt_cached(
+    sim_engines: Callable[[int], list[str]],
+    start_router: Callable[..., RunningRouter],
+    stagger_ms: int,
+    cached: list[int],
+) -> None:
+    """SGLang (and the sim) share nothing within one prefill batch: four samples of a prompt that reach an engine
+    before its next iteration each compute all of it. Staggered, the later three arrive once the first's prefill
+    has begun. The engine is paused while the group arrives and continued 150 ms after the first was sent, a
+    busy engine's iteration made long and deterministic: the stagger must outlast it."""
+    urls = sim_engines(1)
+    router = start_router(urls, policy="cache_aware", prefill_stagger_ms=stagger_ms)
+    router.wait_healthy(1)
+    prompt = [3000] * 300 + list(range(1, 22))  # 321 tokens: 20 whole blocks, the last token always computed
+
+    def send(prompt: list[int]) -> int:
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4}}
+        answer = router.client.post("/generate", json=body)
+        assert answer.status_code == 200, answer.text
+        return int(answer.json()["meta_info"]["cached_tokens"])
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        # Distinct prompts first: the client's and the router's connections are open when the group is sent.
+        assert list(pool.map(send, [[4000 + n] * 40 for n in range(4)])) == [0, 0, 0, 0]
+        assert router.client.post("/pause_generation", json={}).status_code == 200
+        start = threading.Barrier(5)
+
+        def send_together(_: int) -> int:
+            start.wait(timeout=10)
+            return send(prompt)
+
+        group = pool.map(send_together, range(4))
+        start.wait(timeout=10)
+        time.sleep(0.15)
+        assert router.client.post("/continue_generation", json={}).status_code == 200
+        assert sorted(group) == cached
+    staggers = metric_value(router.client.get("/metrics").text, "rlfleet_router_prefill_staggers_total")
+    assert staggers == (3 if stagger_ms else 0)
