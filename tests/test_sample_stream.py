@@ -271,7 +271,8 @@ def test_lost_groups_are_counted_from_their_record_once_each(stream: SampleStrea
     [(entry, reason)] = stream.lost_groups()
     assert entry == bad_id.decode() and reason.startswith("untrainable: ")
     assert stream.lost_group_count() == 1
-    assert [f[b"lost"] for _, f in redis_client.xrange(stream.dead_key)] == [b"0", b"1", b"1"]
+    dead_letters = cast(list[tuple[bytes, dict[bytes, bytes]]], redis_client.xrange(stream.dead_key))
+    assert [fields[b"lost"] for _, fields in dead_letters] == [b"0", b"1", b"1"]
 
 
 def test_dead_letters_moved_aside_before_lost_groups_were_recorded_are_still_found(
