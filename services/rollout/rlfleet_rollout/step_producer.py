@@ -75,7 +75,7 @@ async def produce_step(
     want = ro.groups_per_step
     limit = start + ro.max_prompts_per_step
     outcome = StepOutcome(groups=[], end=start)
-    batch = math.ceil(ro.oversample * want)
+    batch = first_wave = math.ceil(ro.oversample * want)
     failing = 0  # prompts of the step's last waves that gave no usable sample, in a row
     while len(outcome.groups) < want:
         take = min(batch, limit - outcome.end)
@@ -94,12 +94,13 @@ async def produce_step(
         generated = [g for g in candidates if g is not None]
         wave = [s for g in generated for s in g.samples]
         if wave and all(s.status in UNUSABLE for s in wave):
-            # A refill wave is often a prompt or two, and one prompt that cannot be scored is the filters' to drop.
+            # A refill wave is often a prompt or two, and a prompt that cannot be scored is the filters' to drop: a
+            # reward function failing on a third of the prompts fails two one-prompt waves in a row one time in nine.
             # A fleet that is down fails every wave: the step fails at once when no wave of it has given a usable
-            # sample yet, else at the second wave in a row without one, rather than consume the dataset wave after
-            # wave up to max_prompts_per_step.
+            # sample yet, else once as many prompts in a row as its first wave took gave none, rather than consume
+            # the dataset wave after wave up to max_prompts_per_step.
             failing += len(generated)
-            if failing > len(generated) or not outcome.rewards:
+            if failing >= first_wave or not outcome.rewards:
                 raise Unavailable(
                     f"step {step}: no sample of {failing} prompts in a row could be generated and scored "
                     f"(first error: {wave[0].error})"

@@ -1,7 +1,7 @@
 """When a step's failures fail the run: a wave with no usable sample is a fleet that is down only when no wave
-of the step has given one yet, or when the wave before it gave none either. A prompt that cannot be scored is
-otherwise filtered and refilled, however small the refill wave. No processes; the rollout function is a fake
-that fails the prompts it is told to."""
+of the step has given one yet, or when as many prompts in a row as the step's first wave took gave none. A prompt
+that cannot be scored is otherwise filtered and refilled, however small the refill wave. No processes; the rollout
+function is a fake that fails the prompts it is told to."""
 
 from __future__ import annotations
 
@@ -60,6 +60,13 @@ def test_a_prompt_that_fails_alone_in_a_refill_wave_is_refilled() -> None:
     assert outcome.slots == [0, 3] and outcome.filtered == {"all_failed": 2} and outcome.end == 4
 
 
+def test_prompts_that_fail_alone_in_refill_waves_one_after_another_are_refilled() -> None:
+    """Prompt 1 fails in the first wave, then prompts 4 and 5 each alone in a refill wave: a reward function that
+    fails on a third of the prompts does that one time in nine, and the second such wave failed the run."""
+    outcome = _produce(Rollout(lambda p: p in (1, 4, 5)), groups_per_step=4)
+    assert outcome.slots == [0, 2, 3, 6] and outcome.filtered == {"all_failed": 3} and outcome.end == 7
+
+
 def test_a_fleet_down_from_the_start_fails_the_step_at_its_first_wave() -> None:
     with pytest.raises(Unavailable, match=r"step 0: no sample of 4 prompts in a row could be generated and scored"):
         _produce(Rollout(lambda p: True), groups_per_step=4)
@@ -67,7 +74,7 @@ def test_a_fleet_down_from_the_start_fails_the_step_at_its_first_wave() -> None:
 
 def test_a_fleet_that_goes_down_mid_step_fails_it_within_a_wave() -> None:
     """Prompts 0-2 pass, 3 and on fail (the fleet went down): the step must not consume the dataset wave after wave
-    up to max_prompts_per_step; the second wave in a row without a usable sample ends it."""
+    up to max_prompts_per_step; as many prompts in a row without a usable sample as the first wave took end it."""
     asked: list[int] = []
 
     def fails(position: int) -> bool:
