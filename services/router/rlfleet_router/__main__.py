@@ -32,7 +32,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--prefill-stagger-ms",
         "cache_aware: a repeat of a prompt its engine got less than this long ago, still in flight, waits until then; "
-        "0 turns it off (default 10)",
+        "0 turns it off (default 50)",
     ),
     Flag("--request-timeout-secs", "bound on one proxied request, retries included (default 600)"),
     Flag(

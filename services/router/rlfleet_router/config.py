@@ -68,7 +68,7 @@ class RouterConfig(BaseSettings):
         "22 bytes a token for distinct 50-token prompts), a character of text about 1; the default about 80 MiB.",
     )
     prefill_stagger_ms: float = Field(
-        10.0,
+        50.0,
         ge=0.0,
         le=1000.0,
         description="cache_aware: a request repeating a prompt sent to its engine less than this long ago by a "
