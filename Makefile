@@ -21,8 +21,11 @@ $(STAMP): pyproject.toml constraints.txt $(wildcard services/*/pyproject.toml)
 
 install: $(STAMP)
 
+# Two pytest-xdist workers, each taking whole test files (conftest.py); TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -m 'not faults'
+	$(PY) -m pytest -m 'not faults' -n $(TEST_WORKERS)
 
 # Every fault-injection case (tests/faults, about 3 minutes on 2 cores); `make test` runs only the fast ones.
 test-faults: $(STAMP)

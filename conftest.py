@@ -1,5 +1,6 @@
 """Fixtures shared by every test in the repository: a real Redis with a key prefix per test, a
-tiny model made once per session, and a whole fleet per module for the tests that cross services."""
+tiny model made once per session, and a whole fleet per module for the tests that cross services.
+Also how `make test` spreads the suite over pytest-xdist workers, and the fault cases' figures."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
+from xdist.scheduler import LoadScopeScheduling
 
 from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet
 from rlfleet.logs import SERVICE_HANDLER
@@ -21,6 +23,43 @@ from rlfleet.sample_stream import connect_redis
 
 FleetFactory = Callable[..., contextlib.AbstractContextManager[LocalFleet]]
 REDIS_URL = os.environ.get("RLFLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+FAULT_PACKAGE = "tests/faults/"
+"""Its cases share one fleet (a package fixture), so one worker runs them all."""
+FAULT_FIGURE = "fault_figure"
+"""The report property a fault case records its figures under (tests/faults/conftest.py)."""
+_fault_figures: list[dict[str, Any]] = []
+
+
+class _WholeFiles(LoadScopeScheduling):
+    """Hands each worker whole test files: a module's fleet (the `fleet` fixture) starts once, in one worker."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        path = nodeid.split("::", 1)[0]
+        return FAULT_PACKAGE if path.startswith(FAULT_PACKAGE) else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> LoadScopeScheduling:
+    return _WholeFiles(config, log)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Collects the figures fault cases measured; their reports reach this process from xdist workers too."""
+    if report.when == "call":
+        figures = [value for name, value in report.user_properties if name == FAULT_FIGURE]
+        _fault_figures.extend(cast(list[dict[str, Any]], figures))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _fault_figures:
+        return
+    terminalreporter.section("fault figures")
+    terminalreporter.write_line("| case | recovery s | step s | run s | trained | filtered (reasons) |")
+    for row in _fault_figures:
+        terminalreporter.write_line(
+            f"| {row['case']} | {row['recovery_s']} | {row['step_s']} | {row['run_s']} | {row['trained']} | "
+            f"{row['filtered']} {row['reasons'] or ''} |"
+        )
 
 
 @pytest.fixture(autouse=True)

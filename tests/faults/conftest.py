@@ -56,7 +56,8 @@ FAULT_FLEET_ENV = {
     "RLFLEET_TRAINER_WEIGHT_LOAD_TIMEOUT_S": "120",
 }
 
-_FIGURES = pytest.StashKey[list[dict[str, object]]]()
+FAULT_FIGURE = "fault_figure"
+"""The test report property under which a case records what it measured; the root conftest prints them."""
 
 
 @dataclass(frozen=True)
@@ -71,12 +72,13 @@ class Ledger:
 
 class FaultRuns:
     """Submits runs to the fault fleet, watches them through outages, checks their ledger, and records
-    what each case measured (printed at the end of the session; docs/reliability.md quotes it)."""
+    what each case measured in its test report (the root conftest prints them at the end of the session;
+    docs/reliability.md quotes them)."""
 
-    def __init__(self, fleet: LocalFleet, figures: list[dict[str, object]]) -> None:
+    def __init__(self, fleet: LocalFleet, report_properties: list[tuple[str, object]]) -> None:
         self.fleet = fleet
         self.api = RunsClient(fleet.api_url, timeout_s=10)
-        self.figures = figures
+        self.report_properties = report_properties
         self.submitted: list[str] = []
 
     def survive(self, case: str, inject: Callable[[], None], spec: RunSpec | None = None) -> tuple[Run, Ledger]:
@@ -92,16 +94,19 @@ class FaultRuns:
         run = self.wait_final(run_id)
         ledger = self.assert_ledger_balanced(run)
         seconds = run.finished_at.ToSeconds() - run.started_at.ToSeconds()
-        self.figures.append(
-            {
-                "case": case,
-                "recovery_s": round(recovered_at - fault_at, 1),
-                "step_s": round(seconds / run.spec.schedule.steps, 1),
-                "run_s": round(seconds, 1),
-                "trained": ledger.trained,
-                "filtered": ledger.filtered,
-                "reasons": ledger.by_reason,
-            }
+        self.report_properties.append(
+            (
+                FAULT_FIGURE,
+                {
+                    "case": case,
+                    "recovery_s": round(recovered_at - fault_at, 1),
+                    "step_s": round(seconds / run.spec.schedule.steps, 1),
+                    "run_s": round(seconds, 1),
+                    "trained": ledger.trained,
+                    "filtered": ledger.filtered,
+                    "reasons": ledger.by_reason,
+                },
+            )
         )
         return run, ledger
 
@@ -219,7 +224,7 @@ def reward_model_port() -> int:
 
 @pytest.fixture
 def runs(fault_fleet: LocalFleet, request: pytest.FixtureRequest) -> Iterator[FaultRuns]:
-    runs = FaultRuns(fault_fleet, request.config.stash.setdefault(_FIGURES, []))
+    runs = FaultRuns(fault_fleet, request.node.user_properties)
     yield runs
     restore(fault_fleet, runs)
     runs.api.close()
@@ -255,16 +260,3 @@ def wait_engines_routed(fleet: LocalFleet, count: int, timeout: float = 60.0) ->
             return
         time.sleep(0.5)
     raise AssertionError(f"{healthy} of {count} engines in routing after {timeout:.0f}s")
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-    rows = config.stash.get(_FIGURES, [])
-    if not rows:
-        return
-    terminalreporter.section("fault figures")
-    terminalreporter.write_line("| case | recovery s | step s | run s | trained | filtered (reasons) |")
-    for row in rows:
-        terminalreporter.write_line(
-            f"| {row['case']} | {row['recovery_s']} | {row['step_s']} | {row['run_s']} | {row['trained']} | "
-            f"{row['filtered']} {row['reasons'] or ''} |"
-        )
