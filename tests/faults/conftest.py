@@ -81,6 +81,11 @@ class FaultRuns:
         self.report_properties = report_properties
         self.submitted: list[str] = []
 
+    @property
+    def figures(self) -> list[dict[str, object]]:
+        """What this test's cases measured, in order."""
+        return [cast(dict[str, object], value) for name, value in self.report_properties if name == FAULT_FIGURE]
+
     def survive(self, case: str, inject: Callable[[], None], spec: RunSpec | None = None) -> tuple[Run, Ledger]:
         """Runs `spec` (the default spec when None), calls `inject` once FAULT_STEP steps are done, and
         checks that the run completes with its ledger balanced. Recovery is the time from the fault
