@@ -37,6 +37,14 @@ async def run_one(pool: WorkerPool, function: str, timeout: float, seconds: floa
     return result
 
 
+async def _until_busy(pool: WorkerPool, within_s: float = 5.0) -> None:
+    """Until a worker has a chunk: the item in flight, the rest still queued."""
+    deadline = time.monotonic() + within_s
+    while pool.busy == 0:
+        assert time.monotonic() < deadline, "no worker took a chunk"
+        await asyncio.sleep(0.005)
+
+
 def labelled(*labels: str) -> list[RewardInput]:
     return [RewardInput(label=label) for label in labels]
 
@@ -170,7 +178,7 @@ def test_a_batch_spreads_over_every_worker_and_ends_together() -> None:
 def test_queued_items_are_counted_until_a_worker_takes_them() -> None:
     async def body(pool: WorkerPool) -> None:
         task = asyncio.create_task(pool.run("sleep", {"seconds": 0.3}, labelled(*"abcdef"), timeout=5))
-        await asyncio.sleep(0.15)
+        await _until_busy(pool)  # not a fixed sleep: on a loaded machine it could outlast the 0.3 s item
         assert (pool.busy, pool.waiting) == (1, 5)  # a function not seen yet goes one item at a time
         await task
         assert (pool.busy, pool.waiting) == (0, 0)
@@ -220,7 +228,7 @@ def test_a_caller_that_goes_away_mid_chunk_gets_its_worker_replaced() -> None:
     async def body(pool: WorkerPool) -> None:
         pids = {w.process.pid for w in pool._workers}
         task = asyncio.create_task(pool.run("sleep", {"seconds": 0.3}, labelled(*"abcd"), timeout=5))
-        await asyncio.sleep(0.1)
+        await _until_busy(pool)  # mid-chunk: a fixed sleep could outlast the 0.3 s item on a loaded machine
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
