@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -253,20 +254,36 @@ class LocalFleet:
     def stop(self) -> None:
         """Stops every service in reverse order, each within its bound (stop_timeout_s), releases the claim of
         the Redis key prefix once every service that uses Redis has stopped (before a Redis of its own stops,
-        whose AOF would keep it), and removes fleet.json if this process wrote it."""
+        whose AOF would keep it), and removes fleet.json if this process wrote it. A service that cannot be
+        stopped (one still there after SIGKILL) is logged and the others are stopped all the same; fleet.json
+        then stays, naming it, for `rlfleet down`."""
+        left: list[str] = []
         for name in reversed(list(self.processes)):
             if name == "redis":
                 self._release_claim()
             process = self.processes.pop(name)
             running = process.alive()
-            code = process.stop(timeout=stop_timeout_s(name))
+            try:
+                code = process.stop(timeout=stop_timeout_s(name))
+            except (OSError, subprocess.SubprocessError) as exc:
+                logger.error("could not stop %s (pid %d): %s", name, process.pid, exc)
+                left.append(name)
+                continue
             # The code a stopped process exits with says nothing of how it ran (a service may exit non-zero on SIGTERM).
             if running:
                 logger.info("stopped %s", name)
             else:
                 logger.warning("%s had already exited (exit code %s)", name, code)
         self._release_claim()
-        remove_own_record(self.config.state_dir)
+        if left:
+            logger.error(
+                "%s still running: %s keeps them; `rlfleet down --state-dir %s` tries again",
+                ", ".join(left),
+                self.state_path,
+                self.config.state_dir,
+            )
+        else:
+            remove_own_record(self.config.state_dir)
 
     def _release_claim(self) -> None:
         if self._claim is not None:

@@ -6,6 +6,9 @@ that is gone, never from one whose services still run (nor removes a record it d
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -78,6 +81,30 @@ def test_down_stops_the_recorded_processes(tmp_path: Path, sleepers: list[Servic
     assert not (tmp_path / "fleet.json").exists()
 
 
+def test_down_resumes_an_up_suspended_with_ctrl_z_so_it_stops_its_fleet(
+    tmp_path: Path, sleepers: list[ServiceProcess]
+) -> None:
+    """A suspended owner kept the SIGTERM pending: `down` waited out its whole bound (30 s and more)."""
+    _, service = sleepers
+    removes_record_on_sigterm = (
+        "import pathlib, signal, sys, time\n"
+        f"def stop(*_):\n    pathlib.Path({str(tmp_path / 'fleet.json')!r}).unlink()\n    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "time.sleep(60)\n"
+    )
+    owner = ServiceProcess("up", [sys.executable, "-c", removes_record_on_sigterm], tmp_path / "up.log")
+    try:
+        time.sleep(0.5)  # its handler is installed
+        record(tmp_path, owner, service)
+        os.killpg(owner.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        assert stop_from_state(tmp_path, say=print)
+        assert time.monotonic() - started < 10
+        assert owner.proc.wait(timeout=5) == 0  # it stopped itself, through its handler
+    finally:
+        owner.stop(timeout=5)
+
+
 def test_up_refuses_a_state_dir_whose_fleet_runs_and_takes_over_a_stale_one(
     tmp_path: Path, sleepers: list[ServiceProcess]
 ) -> None:
@@ -120,6 +147,40 @@ def test_stop_reports_a_service_that_had_exited_and_not_the_exit_codes_of_those_
     messages = [r.getMessage() for r in caplog.records]
     assert "reward had already exited (exit code 3)" in messages
     assert "stopped trainer" in messages and not any("exit code 1" in m for m in messages)
+
+
+def test_a_service_that_cannot_be_stopped_leaves_the_others_stopped_and_the_record_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A service still there 10 s after SIGKILL (stuck in the kernel) made stop() raise: the services after
+    it were never stopped and fleet.json, which `rlfleet down` needs to try again, was left unmanaged."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    fleet = LocalFleet(FleetConfig(model_path=model, state_dir=tmp_path / "state"))
+    argv = [sys.executable, "-c", "import time; time.sleep(60)"]
+    for name in ("reward", "rollout", "router"):
+        fleet.processes[name] = ServiceProcess(name, argv, tmp_path / f"{name}.log")
+    procs = dict(fleet.processes)
+    fleet._write_state()
+    stuck = procs["rollout"]
+
+    def cannot_stop(timeout: float = 10.0) -> int | None:
+        raise subprocess.TimeoutExpired(stuck.argv, 10)
+
+    monkeypatch.setattr(stuck, "stop", cannot_stop)
+    try:
+        with caplog.at_level("INFO", logger="rlfleet.local_fleet"):
+            fleet.stop()
+        assert not procs["router"].alive() and not procs["reward"].alive()  # stopped before and after it
+        messages = [r.getMessage() for r in caplog.records]
+        assert any(m.startswith(f"could not stop rollout (pid {stuck.pid})") for m in messages), messages
+        assert any(m.startswith("rollout still running:") for m in messages), messages
+        state = json.loads((tmp_path / "state" / "fleet.json").read_text())
+        assert state["processes"]["rollout"] == stuck.pid
+    finally:
+        monkeypatch.undo()
+        stuck.stop(timeout=5)
 
 
 def test_up_refuses_a_state_dir_whose_up_was_killed_but_whose_services_run(

@@ -72,6 +72,7 @@ def _wait_for_owner(state_dir: Path, owner: int, say: Callable[[str], None]) -> 
     meanwhile, while the fleet starts) take its whole stop bound, one after the other, as the owner stops them."""
     try:
         os.kill(owner, signal.SIGTERM)
+        os.kill(owner, signal.SIGCONT)  # an `up` suspended with Ctrl-Z would hold the SIGTERM until resumed
     except ProcessLookupError:
         return False
     started = said = time.monotonic()
