@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from rlfleet.cli.main import main
 from rlfleet.cli.runs import progress_line
 from rlfleet.errors import Unavailable
+from rlfleet.local_fleet import record_starting, remove_own_record
 from rlfleet.processes import free_port
 from rlfleet.runs_client import RunsClient, load_spec_file
 from rlfleet.v1.runs_pb2 import EvalResult, Run, RunProgress
@@ -363,6 +364,23 @@ def test_without_a_recorded_fleet_an_unanswered_default_says_where_it_looked(
     assert f"`rlfleet up --state-dir {tmp_path}`" in error
     assert main(["runs", "--api", nothing_there, "--state-dir", str(tmp_path), "--timeout", "5"]) == 2
     assert "No fleet is recorded" not in capsys.readouterr().err  # the address was the user's own choice
+
+
+def test_a_fleet_still_making_its_model_is_not_taken_for_the_default_address(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Before its services start, `rlfleet up` records itself without a Runs API: a submit then went to the
+    default address, which may be another fleet's."""
+    monkeypatch.setattr("rlfleet.cli.runs.FALLBACK_URL", f"http://127.0.0.1:{free_port()}")
+    record_starting(tmp_path)
+    try:
+        for argv in (["runs"], ["cancel", "run-x"]):
+            assert main([*argv, "--state-dir", str(tmp_path), "--timeout", "5"]) == 2
+            error = capsys.readouterr().err
+            assert f"the fleet recorded in {tmp_path / 'fleet.json'} is still starting" in error, error
+            assert "did not answer" not in error
+    finally:
+        remove_own_record(tmp_path)
 
 
 def test_a_watch_reconnects_when_the_orchestrator_restarts(api: str, capsys: pytest.CaptureFixture) -> None:

@@ -30,6 +30,7 @@ from typing import TextIO
 from rlfleet.api_token import TOKEN_ENV, TOKEN_FILE_ENV, client_token, read_token_file
 from rlfleet.cli.arg_types import positive_float, positive_int
 from rlfleet.cli.fleet import DEFAULT_STATE_DIR
+from rlfleet.errors import Unavailable
 from rlfleet.local_fleet import read_state
 from rlfleet.runs_client import WATCH_READ_TIMEOUT_S, WATCH_RECONNECT_S, RunsClient, load_spec_file, spec_yaml
 from rlfleet.v1.runs_pb2 import Run, RunState
@@ -105,14 +106,22 @@ def register(areas: argparse._SubParsersAction) -> None:
 
 def api_url(args: argparse.Namespace) -> tuple[str, str] | None:
     """The Runs API that --api, $RLFLEET_API_URL or the fleet recorded in the state dir names, if any, and which
-    of them named it (`--api`, `$RLFLEET_API_URL`, `api_url in <state-dir>/fleet.json`)."""
+    of them named it (`--api`, `$RLFLEET_API_URL`, `api_url in <state-dir>/fleet.json`). A fleet recorded
+    before its Runs API is known (`rlfleet up` still making its model) is Unavailable: the default address
+    could be another fleet's."""
     if args.api:
         return str(args.api), "--api"
     if os.environ.get(API_URL_ENV):
         return os.environ[API_URL_ENV], f"${API_URL_ENV}"
     state = read_state(args.state_dir)
+    record = Path(args.state_dir) / "fleet.json"
     if state and state.get("api_url"):
-        return str(state["api_url"]), f"api_url in {Path(args.state_dir) / 'fleet.json'}"
+        return str(state["api_url"]), f"api_url in {record}"
+    if state:
+        raise Unavailable(
+            f"the fleet recorded in {record} is still starting and has no Runs API yet; "
+            'try again once `rlfleet up` prints "fleet is up"'
+        )
     return None
 
 
