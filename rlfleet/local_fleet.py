@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -291,8 +291,8 @@ class LocalFleet:
             self._claim = None
 
     def _start_all(self) -> None:
+        self._ensure_redis()  # may give the fleet a Redis port of its own: read the config after it
         c, p, py = self.config, self.config.ports, sys.executable
-        self._ensure_redis()
         claim = RedisClaim(c.resolved_redis_url(), c.redis_prefix, c.state_dir)
         claim.acquire()  # refuses a (Redis, prefix) pair another live fleet uses, before anything uses it
         self._claim = claim
@@ -420,8 +420,19 @@ class LocalFleet:
         url = self.config.resolved_redis_url()
         error = redis_error(url)
         if error is None:
-            return
-        if self.config.redis_url is not None or not _is_silent(error):
+            owner = None if self.config.redis_url is not None else fleet_owning_redis(url)
+            if owner is None or owner.resolve() == Path(self.config.state_dir).resolve():
+                return
+            # Another fleet's own Redis stops with that fleet: this one would lose its Redis under it.
+            self.config = replace(self.config, ports=replace(self.config.ports, redis=free_port()))
+            logger.warning(
+                "the Redis at %s was started by the fleet in %s and stops with it: this fleet starts its own at %s",
+                url,
+                owner,
+                self.config.resolved_redis_url(),
+            )
+            url = self.config.resolved_redis_url()
+        elif self.config.redis_url is not None or not _is_silent(error):
             raise ServiceStartError(describe_redis_error(url, error))
         server = shutil.which("redis-server")
         if server is None:
@@ -568,6 +579,23 @@ def redis_error(url: str) -> redis.RedisError | None:
             client.close()
     except redis.RedisError as exc:
         return exc
+    return None
+
+
+def fleet_owning_redis(url: str) -> Path | None:
+    """The state directory of the local fleet whose own Redis answers at `url` (one `up` started because none
+    answered, with its data in <state dir>/redis), else None: a Redis that runs anyway, or one that does not
+    say where it keeps its data."""
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        try:
+            data_dir = Path(str(client.config_get("dir").get("dir", "")))
+        finally:
+            client.close()
+    except redis.RedisError:  # CONFIG renamed or not allowed, or the Redis went away meanwhile
+        return None
+    if data_dir.name == "redis" and (data_dir.parent / "fleet.json").is_file():
+        return data_dir.parent
     return None
 
 

@@ -181,22 +181,33 @@ def test_a_fleet_claims_the_pair_before_its_first_service_and_releases_it_when_i
 def test_a_redis_the_fleet_started_holds_its_claim_and_a_clean_stop_frees_it_for_the_next_up(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The default: no Redis answers, so the fleet starts one (AOF in <state_dir>/redis). A second fleet on it
-    is refused; the claim is released before that Redis stops, so its AOF does not keep it for the next `up`."""
+    """The default: no Redis answers, so the fleet starts one (AOF in <state_dir>/redis). A second fleet on
+    the default address gets a Redis of its own instead of one that stops with the first; a third named on
+    the first's Redis with the same key prefix is refused. The claim is released before that Redis stops,
+    so its AOF does not keep it for the next `up`."""
     spawn = LocalFleet._spawn
     refusals: list[str] = []
+    second_redis: list[str] = []
 
-    def fleet(state: str) -> LocalFleet:
+    def fleet(state: str, redis_url: str | None = None) -> LocalFleet:
         return LocalFleet(
-            FleetConfig(model_path=stub_model(tmp_path), engines=1, state_dir=tmp_path / state, ports=ports)
+            FleetConfig(
+                model_path=stub_model(tmp_path), engines=1, state_dir=tmp_path / state, ports=ports, redis_url=redis_url
+            )
         )
 
     def engines_fail(self: LocalFleet, name: str, *args: object) -> None:
         if name == "redis":
             return spawn(self, name, *args)  # type: ignore[arg-type]
-        if self.config.state_dir == tmp_path / "first":  # while the first fleet starts, a second one tries
+        if self.config.state_dir == tmp_path / "first":  # while the first fleet starts, two others try
+            first_url = self.config.resolved_redis_url()
+            second = fleet("second")
+            with pytest.raises(ServiceStartError, match="engine-0 failed"):
+                second.start()
+            second_redis.append(second.config.resolved_redis_url())
+            assert redis.Redis.from_url(first_url).ping(), "the second fleet's stop left the first's Redis alone"
             with pytest.raises(ServiceStartError) as refused:
-                fleet("second").start()
+                fleet("third", redis_url=first_url).start()
             refusals.append(str(refused.value))
         raise ServiceStartError(f"{name} failed")
 
@@ -204,9 +215,11 @@ def test_a_redis_the_fleet_started_holds_its_claim_and_a_clean_stop_frees_it_for
     ports = replace(FleetPorts.free(1), redis=free_port())
     with pytest.raises(ServiceStartError, match="engine-0 failed"):
         fleet("first").start()
+    assert second_redis and second_redis[0] != f"redis://127.0.0.1:{ports.redis}/0", second_redis
+    assert (tmp_path / "second" / "redis" / "appendonlydir").is_dir(), "the second fleet's data is under its own"
     assert len(refusals) == 1 and f"state dir {tmp_path / 'first'}" in refusals[0], refusals
     assert f"Redis redis://127.0.0.1:{ports.redis}/0 with key prefix 'rlfleet:'" in refusals[0], refusals
-    assert not (tmp_path / "second" / "logs").exists(), "the refused fleet started no service"
+    assert not (tmp_path / "third" / "logs").exists(), "the refused fleet started no service"
     # The first fleet's Redis again, from its AOF: the claim was deleted before it stopped.
     with pytest.raises(ServiceStartError, match="engine-0 failed"):
         fleet("first").start()

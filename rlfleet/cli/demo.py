@@ -125,7 +125,6 @@ def train_on_fleet(
     """Starts the fleet, trains `spec` on it to the end, and stops it; a stop signal stops it sooner (as
     StopSignal). The fleet's Redis keys are deleted afterwards when `delete_keys_after` and the Redis is not
     the fleet's own (that one keeps its data under <out>, which the next demo deletes)."""
-    config = fleet.config
     with stop_on_signals(fleet) as received:  # a raise while the fleet starts could leave a child unrecorded
         try:
             try:
@@ -135,6 +134,7 @@ def train_on_fleet(
             except ServiceStartError as exc:
                 raise StepFailed(f"3/5 the fleet did not start: {exc}") from None
             say(f"    Runs API {fleet.api_url}, router {fleet.router_url}, logs in {fleet.log_dir}")
+            config = fleet.config  # as started: its Redis may have moved off another fleet's own
             say(f"    Redis keys {config.redis_prefix}* at {config.resolved_redis_url()}")
             say(f"    stop it from another shell: rlfleet down --state-dir {config.state_dir}")
             with raise_on_signals():  # the fleet is up: a stop signal ends the watch at once
@@ -145,7 +145,7 @@ def train_on_fleet(
         finally:
             fleet.stop()
             if delete_keys_after and not fleet.owns_redis:
-                delete_keys(config.resolved_redis_url(), config.redis_prefix)
+                delete_keys(fleet.config.resolved_redis_url(), fleet.config.redis_prefix)
 
 
 def fleet_config(args: argparse.Namespace, out: Path) -> FleetConfig:
