@@ -13,7 +13,8 @@ containers), while a TTL is counted by Redis's clock alone: a fleet whose `rlfle
 machine died, frees the pair within the TTL, without anyone's help. The stored value holds a random token, and
 taking, renewing and releasing compare it in one Lua script each: a claim that lapsed (its owner frozen for
 longer than the TTL) and was taken by another fleet is never renewed over nor deleted by the first. A renewal
-that finds the key gone (a Redis restarted without it) takes it again.
+that finds the key gone (a Redis restarted without it) takes it again. `rlfleet down`, on the owner's host,
+deletes the claim of a fleet whose owner is gone once it has stopped its services (`release_gone_owner`).
 """
 
 from __future__ import annotations
@@ -144,6 +145,30 @@ class RedisClaim:
                 return
 
 
+def release_gone_owner(redis_url: str, prefix: str, state_dir: Path, pid: int) -> bool:
+    """Deletes the claim of (`redis_url`, `prefix`) if the fleet of `state_dir` started by pid `pid` on this
+    host holds it, for `rlfleet down` once that process is gone (killed): the next fleet need not wait out
+    the TTL. Whether it deleted it; a redis.RedisError when Redis does not answer."""
+    client = redis.Redis.from_url(redis_url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
+    try:
+        held = client.get(claim_key(prefix))
+        if held is None:
+            return False
+        try:
+            owner = json.loads(held)
+            ours = (
+                owner["host"] == socket.gethostname()
+                and owner["pid"] == pid
+                and Path(owner["state_dir"]).resolve() == Path(state_dir).resolve()
+            )
+        except (ValueError, TypeError, KeyError):  # not written by RedisClaim
+            return False
+        # Deleted only while it still holds that value: a fleet that took the lapsed claim meanwhile keeps it.
+        return bool(ours and client.eval(_RELEASE, 1, claim_key(prefix), held))
+    finally:
+        client.close()
+
+
 def refuse_if_held(redis_url: str, prefix: str) -> None:
     """Conflict naming the fleet that holds the pair now, Unavailable when Redis does not answer: for a command with
     long work to do before its fleet starts and claims the pair (`rlfleet demo` trains its warm start first)."""
@@ -171,5 +196,5 @@ def refusal(redis_url: str, prefix: str, held: str, ttl_s: float) -> str:
         f"Redis {redis_url} with key prefix {prefix!r} is held by another fleet: {holder}, state dir "
         f"{state_dir}; stop it with `rlfleet down --state-dir {state_dir}` (on its host), or give this fleet "
         f"another --redis-prefix. Two fleets on one prefix would take each other's runs and samples. A fleet "
-        f"whose `rlfleet up` was killed frees it within {ttl_s:g} s"
+        f"whose `rlfleet up` was killed frees it within {ttl_s:g} s, or once `rlfleet down` has stopped it"
     )

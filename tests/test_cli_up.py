@@ -333,6 +333,9 @@ def test_a_fleet_whose_up_was_killed_is_kept_from_a_second_up_and_down_stops_it_
         assert "killed" not in down.stdout
         assert not [pid for pid in pids if group_runs(pid)]
         assert not (state_dir / "fleet.json").exists()
+        # The killed `up` renews its claim of the key prefix no more; down deleted it rather than let it hold 30 s.
+        assert f"released key prefix {prefix!r} at Redis {REDIS_URL}" in said
+        assert not redis_client.exists(claim_key(prefix))
     finally:
         stop_by_pid(up, state_dir)
         keys = list(redis_client.scan_iter(match=f"{prefix}*"))

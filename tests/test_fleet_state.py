@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,12 +16,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from rlfleet import local_fleet
 from rlfleet.cli.down import stop_from_state
 from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet
 from rlfleet.process_identity import start_time
-from rlfleet.processes import ServiceProcess, ServiceStartError
+from rlfleet.processes import ServiceProcess, ServiceStartError, process_runs
+from rlfleet.redis_claim import claim_key
+
+REDIS_URL = os.environ.get("RLFLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 @pytest.fixture
@@ -261,3 +266,28 @@ def test_the_trainer_has_time_to_checkpoint_before_it_is_killed() -> None:
     (rlfleet_trainer's serve, TrainerCore.shutdown); the orchestrator may wait out a trainer call of up to 30 s."""
     assert local_fleet.stop_timeout_s("trainer") >= 45 and local_fleet.stop_timeout_s("rollout") >= 45
     assert local_fleet.stop_timeout_s("engine-0") == local_fleet.STOP_TIMEOUT_S
+
+
+@pytest.mark.parametrize("holder", ["this fleet", "another fleet"])
+def test_down_after_a_killed_up_releases_its_claim_of_the_key_prefix_and_no_other(
+    tmp_path: Path, sleepers: list[ServiceProcess], redis_client: redis.Redis, redis_prefix: str, holder: str
+) -> None:
+    owner, service = sleepers
+    record(tmp_path, owner, service)
+    state = json.loads((tmp_path / "fleet.json").read_text())
+    state["config"] = {"redis_url": REDIS_URL, "redis_prefix": redis_prefix, "host": "127.0.0.1", "ports": {}}
+    (tmp_path / "fleet.json").write_text(json.dumps(state))
+    # What RedisClaim stores; another fleet's claim (the lapsed one taken over) names another state dir.
+    held_by = tmp_path if holder == "this fleet" else tmp_path / "elsewhere"
+    claim = json.dumps({"token": "t", "host": socket.gethostname(), "pid": owner.pid, "state_dir": str(held_by)})
+    redis_client.set(claim_key(redis_prefix), claim, px=30_000)
+    owner.stop(timeout=5)  # `rlfleet up` killed: its claim is renewed no more but would hold for up to 30 s
+    said: list[str] = []
+    assert stop_from_state(tmp_path, say=said.append)
+    assert not process_runs(service.pid)
+    if holder == "this fleet":
+        assert redis_client.get(claim_key(redis_prefix)) is None
+        assert said[-1] == f"released key prefix {redis_prefix!r} at Redis {REDIS_URL}", said
+    else:
+        assert redis_client.get(claim_key(redis_prefix)) == claim.encode()
+        assert not any("released" in line for line in said), said

@@ -16,9 +16,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import redis
 
 from rlfleet.local_fleet import owner_runs, read_state, running_services, stop_timeout_s
 from rlfleet.processes import group_runs, process_runs, send_stop
+from rlfleet.redis_claim import CLAIM_TTL_S, release_gone_owner
 
 DEFAULT_STATE_DIR = Path(".rlfleet")
 OWNER_STOP_MARGIN_S = 30.0
@@ -61,9 +65,29 @@ def stop_from_state(state_dir: Path, say: Callable[[str], None]) -> bool:
         say(f"the process that started the fleet (pid {owner}) did not stop it in time: stopping its services")
     else:
         say(f"the process that started the fleet (pid {owner}) is gone: stopping its services one by one")
-    stop_services(running_services(state), say)
+    services = running_services(state)
+    stop_services({name: pid for name, pid in services.items() if name != "redis"}, say)
+    if not owner_runs(state):  # its claim of the Redis key prefix is left: before a Redis of its own stops
+        release_claim(state, state_dir, say)
+    stop_services({name: pid for name, pid in services.items() if name == "redis"}, say)
     (Path(state_dir) / "fleet.json").unlink(missing_ok=True)
     return True
+
+
+def release_claim(state: dict[str, Any], state_dir: Path, say: Callable[[str], None]) -> None:
+    """Deletes the claim of the fleet's Redis key prefix that its killed owner left, if it still holds it,
+    so the next `up` on the prefix need not wait until it lapses."""
+    config: Any = state.get("config")
+    try:
+        url = config["redis_url"] or f"redis://{config['host']}:{config['ports']['redis']}/0"
+        prefix = str(config["redis_prefix"])
+    except (KeyError, TypeError):  # recorded before the fleet had claimed anything
+        return
+    try:
+        if release_gone_owner(url, prefix, state_dir, int(state["pid"])):
+            say(f"released key prefix {prefix!r} at Redis {url}")
+    except redis.RedisError as exc:
+        say(f"could not release key prefix {prefix!r} at Redis {url} ({exc}): it lapses within {CLAIM_TTL_S:g} s")
 
 
 def _wait_for_owner(state_dir: Path, owner: int, say: Callable[[str], None]) -> bool:
