@@ -328,3 +328,43 @@ def test_down_stops_a_running_demo_its_fleet_and_its_keys(tmp_path: Path, redis_
             keys = list(redis_client.scan_iter(match=f"{prefix}*"))
             if keys:
                 redis_client.delete(*keys)
+
+
+def test_down_stops_a_demo_still_in_its_sft_warm_start(tmp_path: Path) -> None:
+    """Before its fleet starts the demo records itself as a fleet that is starting, as `rlfleet up` does while
+    it makes its model: `rlfleet down --state-dir <out>/fleet` used to answer that no fleet was recorded."""
+    out = tmp_path / "demo"
+    log = tmp_path / "demo.out"
+    with log.open("w") as stdout:
+        demo = subprocess.Popen(
+            [sys.executable, "-m", "rlfleet.cli", "demo", "--out", str(out), "--sft-steps", "100000"]
+            + ["--redis-url", REDIS_URL],
+            stdout=stdout,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while "2/5 SFT warm start" not in log.read_text():
+            assert demo.poll() is None, f"the demo exited with {demo.returncode}:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"the demo did not reach its SFT within 120 s:\n{log.read_text()}"
+            time.sleep(0.2)
+        state = json.loads((out / "fleet" / "fleet.json").read_text())
+        assert (state["pid"], state["state"], state["processes"]) == (demo.pid, "starting", {})
+        down = subprocess.run(
+            [sys.executable, "-m", "rlfleet.cli", "down", "--state-dir", str(out / "fleet")],
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert "starting" in down.stdout and "fleet stopped" in down.stdout
+        assert demo.wait(timeout=30) == 128 + signal.SIGTERM, log.read_text()
+        assert "Traceback" not in log.read_text()
+        assert not (out / "fleet" / "fleet.json").exists()
+        assert not group_runs(demo.pid), "the SFT child outlived the demo"
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait(timeout=10)

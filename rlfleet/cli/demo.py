@@ -33,7 +33,7 @@ from rlfleet.cli.runs import progress_line
 from rlfleet.cli.steps import StepFailed, run_step, write_tiny_model
 from rlfleet.cli.stop_signals import StopSignal, raise_on_signals, stop_on_signals
 from rlfleet.errors import InvalidInput
-from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet, running_fleet
+from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet, record_starting, remove_own_record, running_fleet
 from rlfleet.local_spec_check import check_spec_here
 from rlfleet.processes import ServiceStartError, StartInterrupted, command_line
 from rlfleet.redis_claim import refuse_if_held
@@ -90,26 +90,12 @@ def run_demo(args: argparse.Namespace) -> int:
         refuse_if_held(args.redis_url, args.redis_prefix)
     with raise_on_signals():  # until the fleet starts, a stop signal ends the step in progress at once
         recreate(out, args.overwrite)
-        say("1/5 creating the tiny model")
-        write_tiny_model("1/5 creating the tiny model", out / "base")
-        say(f"2/5 SFT warm start ({args.sft_steps} steps)")
-        arith = spec.dataset.arithmetic
-        sft = command_line(
-            sys.executable,
-            "-m",
-            "rlfleet_trainer",
-            "sft",
-            model_path=out / "base",
-            out=out / "sft",
-            steps=args.sft_steps,
-            digits=arith.digits or 2,
-            ops=arith.ops or "+",
-            seed=spec.trainer.seed,
-        )
-        run_step("2/5 SFT warm start", sft, timeout_s=SFT_TIMEOUT_S)
-        say("3/5 bringing the fleet up (engines, router, reward hub, trainer, orchestrator)")
-        config = fleet_config(args, out)
-        fleet = LocalFleet(config)
+        record_starting(out / "fleet")  # from here on `rlfleet down --state-dir <out>/fleet` stops this process
+        try:
+            fleet = prepare(args, spec, out)
+        except BaseException:
+            remove_own_record(out / "fleet")
+            raise
     final, rewards, diffs = train_on_fleet(fleet, spec, delete_keys_after=args.redis_prefix is None)
     say("5/5 fleet stopped")
     summary = summarize(final, rewards, diffs, time.monotonic() - started, args.engines)
@@ -117,6 +103,29 @@ def run_demo(args: argparse.Namespace) -> int:
     print(json.dumps(summary, indent=2))
     say(f"summary written to {out / 'summary.json'}")
     return 0 if final.state == RunState.RUN_STATE_SUCCEEDED else 1
+
+
+def prepare(args: argparse.Namespace, spec: RunSpec, out: Path) -> LocalFleet:
+    """Steps 1-2, the tiny model and its SFT warm start, and the fleet that is to serve it (not started)."""
+    say("1/5 creating the tiny model")
+    write_tiny_model("1/5 creating the tiny model", out / "base")
+    say(f"2/5 SFT warm start ({args.sft_steps} steps)")
+    arith = spec.dataset.arithmetic
+    sft = command_line(
+        sys.executable,
+        "-m",
+        "rlfleet_trainer",
+        "sft",
+        model_path=out / "base",
+        out=out / "sft",
+        steps=args.sft_steps,
+        digits=arith.digits or 2,
+        ops=arith.ops or "+",
+        seed=spec.trainer.seed,
+    )
+    run_step("2/5 SFT warm start", sft, timeout_s=SFT_TIMEOUT_S)
+    say("3/5 bringing the fleet up (engines, router, reward hub, trainer, orchestrator)")
+    return LocalFleet(fleet_config(args, out))
 
 
 def train_on_fleet(
