@@ -521,6 +521,8 @@ def read_state(state_dir: Path) -> dict[str, Any] | None:
         state = json.loads((Path(state_dir) / "fleet.json").read_text())
     except FileNotFoundError:
         return None
+    except NotADirectoryError:
+        raise ValueError(f"state dir {state_dir} is a file, not a directory; choose another --state-dir") from None
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot read {Path(state_dir) / 'fleet.json'}: {exc}; delete it if no fleet runs") from exc
     return state if isinstance(state, dict) else None

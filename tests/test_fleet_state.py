@@ -20,6 +20,7 @@ import redis
 
 from rlfleet import local_fleet
 from rlfleet.cli.down import stop_from_state
+from rlfleet.cli.main import main
 from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet
 from rlfleet.process_identity import start_time
 from rlfleet.processes import ServiceProcess, ServiceStartError, process_runs
@@ -291,3 +292,14 @@ def test_down_after_a_killed_up_releases_its_claim_of_the_key_prefix_and_no_othe
     else:
         assert redis_client.get(claim_key(redis_prefix)) == claim.encode()
         assert not any("released" in line for line in said), said
+
+
+@pytest.mark.parametrize("command", [["down"], ["runs"], ["up", "--free-ports"]])
+def test_a_state_dir_that_is_a_file_is_named_as_such(
+    tmp_path: Path, command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    afile = tmp_path / "state"
+    afile.write_text("notes\n")
+    assert main([*command, "--state-dir", str(afile)]) != 0
+    assert f"state dir {afile} is a file, not a directory; choose another --state-dir" in capsys.readouterr().err
+    assert afile.read_text() == "notes\n"
