@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except WatchEnded as exc:
         print(f"rlfleet: {exc}", file=sys.stderr)
         return WATCH_ENDED_EXIT
-    except (RlfleetError, ValueError, FileExistsError, FileNotFoundError) as exc:
+    except (RlfleetError, ValueError, FileExistsError, FileNotFoundError, PermissionError, NotADirectoryError) as exc:
         logging.getLogger("rlfleet").debug("command failed", exc_info=True)
         print(f"rlfleet: error: {exc}", file=sys.stderr)
         return 2
