@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from google.protobuf import json_format
 from google.protobuf.message import Message
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import ClientDisconnect
 
 from rlfleet.client_gone import ClientGone, unless_client_leaves
 from rlfleet.errors import InvalidInput, ResourceExhausted, RlfleetError, Unavailable
@@ -46,11 +47,22 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+# Past this many digits an integer is beyond any double (1.8e308 has 309).
+_MAX_INT_DIGITS = 300
+
+
+def _json_int(text: str) -> int | float:
+    # Every number these messages hold is a double. An integer too long for one reads as an exponent does, as
+    # infinity, which the spec checks refuse naming the field; as an int it would overflow the conversion to a
+    # double, or pass int's limit on digits, both outside what the parser reports.
+    return int(text) if len(text) <= _MAX_INT_DIGITS else float(text)
+
+
 def parse_request(body: bytes, message: M) -> M:
     """`message` filled from the JSON mapping in `body`; unknown fields and wrong types are InvalidInput naming them."""
     kind = type(message).__name__
     try:
-        document = json.loads(body)
+        document = json.loads(body, parse_int=_json_int)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidInput(f"request body is not valid JSON: {exc}") from None
     except RecursionError:
@@ -77,6 +89,9 @@ def create_app(scorer: Scorer, metrics: RewardMetrics, max_request_bytes: int) -
     async def score(request: Request) -> Response:
         try:
             message = parse_request(await _read_body(request, max_request_bytes), reward_pb2.ScoreRequest())
+        except ClientDisconnect:  # the client left before its body was in: nobody to answer, no fault of ours
+            metrics.requests.labels("cancelled").inc()
+            return Response(status_code=499)
         except Exception as exc:  # refused before scoring: counted as the scorer counts its refusals
             metrics.requests.labels(exc.kind if isinstance(exc, RlfleetError) else "internal").inc()
             raise
@@ -88,8 +103,11 @@ def create_app(scorer: Scorer, metrics: RewardMetrics, max_request_bytes: int) -
 
     @app.post("/validate")
     async def validate(request: Request) -> Response:
-        message = parse_request(await _read_body(request, max_request_bytes), reward_pb2.ValidateSpecRequest())
-        return _json_response(scorer.validate_spec(message))
+        try:
+            body = await _read_body(request, max_request_bytes)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        return _json_response(scorer.validate_spec(parse_request(body, reward_pb2.ValidateSpecRequest())))
 
     @app.get("/functions")
     async def functions() -> Response:

@@ -36,7 +36,7 @@ class RewardMetrics:
         )
         self.timeouts = Counter(
             "rlfleet_reward_timeouts",
-            "Function calls that exceeded their time limit (each one cost a worker restart).",
+            "Function calls that exceeded their time limit (one running in a worker process cost it a restart).",
             ["function"],
             registry=self.registry,
         )

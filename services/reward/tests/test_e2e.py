@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -175,6 +176,16 @@ def test_a_hang_comes_back_timeout_within_its_limit_and_the_hub_keeps_serving(
             400,
             "spec.terms[0].params.x.0: must be a finite number, got -inf",
         ),
+        (
+            b'{"spec": {"terms": [{"function": "format", "params": {"x": ' + b"9" * 400 + b'}}]}, "items": [{}]}',
+            400,
+            "spec.terms[0].params.x: must be a finite number, got inf",
+        ),
+        (
+            b'{"spec": {"terms": [{"function": "arith_exact", "weight": -' + b"1" * 5000 + b'}]}, "items": [{}]}',
+            400,
+            'value too small, use quoted "-Infinity" instead at ScoreRequest.spec.terms[0].weight',
+        ),
     ],
 )
 def test_bad_http_input_is_a_4xx_naming_the_problem(hub: Hub, content: bytes, status: int, message: str) -> None:
@@ -327,6 +338,20 @@ def test_a_client_that_leaves_frees_the_workers_over_http_as_over_grpc(hub: Hub)
     assert [r["score"] for r in again.json()["results"]] == [1.0] * 4
     text = httpx.get(f"{hub.url}/metrics", timeout=10).text
     assert 'rlfleet_reward_requests_total{outcome="cancelled"} 1.0' in text
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_counted_as_cancelled(hub: Hub) -> None:
+    internal, cancelled = refused(hub, "internal"), refused(hub, "cancelled")
+    for route in ("/validate", "/score"):
+        head = f"POST {route} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        head += "Content-Length: 1000\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", hub.port), timeout=10) as client:
+            client.sendall(head.encode() + b'{"items": [')
+    deadline = time.monotonic() + 5
+    while refused(hub, "cancelled") == cancelled and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (refused(hub, "internal"), refused(hub, "cancelled")) == (internal, cancelled + 1)
+    assert "ClientDisconnect" not in hub.process.log_path.read_text(), "a client that left is no fault of the hub's"
 
 
 def test_with_port_0_the_log_names_the_ports_bound(tmp_path: Path) -> None:
