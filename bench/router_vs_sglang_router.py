@@ -422,9 +422,11 @@ def report(
             for seed in seeds:
                 each = runs[seed][spec]
                 hits, times = sorted(r.hit_rate for r in each), sorted(r.makespan for r in each)
+                balances = sorted(r.max_over_mean for r in each)
                 lines.append(
                     f"  {spec} seed {seed}, {len(each)} run{'s' if len(each) > 1 else ''}: "
-                    f"hit {' '.join(f'{h:.3f}' for h in hits)}, makespan {' '.join(f'{m:.2f}s' for m in times)}"
+                    f"hit {' '.join(f'{h:.3f}' for h in hits)}, makespan {' '.join(f'{m:.2f}s' for m in times)}, "
+                    f"max/mean {' '.join(f'{b:.2f}' for b in balances)}"
                 )
     return lines
 
@@ -482,6 +484,7 @@ def main() -> None:
                                 print(
                                     f"  {name} {count} engines {cache} cache seed {seed} {spec} run "
                                     f"{repeat + 1}/{args.repeats}: hit {r.hit_rate:.3f} makespan {r.makespan:.2f}s "
+                                    f"max/mean {r.max_over_mean:.2f} "
                                     f"({SIM})",
                                     flush=True,
                                 )

@@ -28,6 +28,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--balance-share-threshold", "cache_aware: no new prompt above this times the mean recent share (default 1.15)"
     ),
+    Flag(
+        "--balance-placement-slack",
+        "cache_aware: no new group or conversation above the mean placed since the last flush plus this (default 2)",
+    ),
     Flag("--max-tree-tokens", "cache_aware: global token budget of the prefix tree (default 2**24)"),
     Flag(
         "--prefill-stagger-ms",

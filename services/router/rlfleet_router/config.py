@@ -60,6 +60,12 @@ class RouterConfig(BaseSettings):
         ge=1.0,
         description="cache_aware: an engine whose recent requests exceed this times the mean (+1) takes no new prompt.",
     )
+    balance_placement_slack: float = Field(
+        POLICY_DEFAULTS.balance_placement_slack,
+        ge=1.0,
+        description="cache_aware: an engine takes a new group or conversation only while, with it, its groups and "
+        "conversations placed since the caches were last emptied stay within the mean per engine plus this many.",
+    )
     max_tree_tokens: int = Field(
         POLICY_DEFAULTS.max_tree_tokens,
         ge=1,

@@ -139,6 +139,11 @@ class PolicyOptions:
     """cache_aware: an engine whose recent requests (about the last 100 routed) exceed this factor times the
     fleet's mean, plus one, takes no new prompt: a popular prompt family spreads once its engines have served
     their share, not only when they are busy."""
+    balance_placement_slack: float = 2.0
+    """cache_aware: an engine takes a new group or conversation only while, with it, the groups and conversations
+    placed on it since the fleet's caches were last emptied (an RL step's weight update) stay within the mean
+    per engine plus this many: every engine ends the step with its part of the units, whose later requests
+    the share above counts only as they arrive."""
     max_tree_tokens: int = 2**24
     """cache_aware: global budget of the prefix tree, in tokens (characters for text prompts), all engines together."""
     seed: int | None = None
@@ -223,6 +228,46 @@ class PowerOfTwo:
         pass
 
 
+class DecayedCounts:
+    """Events per worker, each weighed `decay` ** (events counted for any worker since): with a decay below
+    1, about the last 1 / (1 - decay) events make up a worker's share; with 1, every event since `clear`."""
+
+    def __init__(self, decay: float, initial: float) -> None:
+        self._decay = decay
+        self._initial = initial  # what the counts of a fleet none of whose workers is known start at, together
+        self._counts: dict[str, tuple[float, int]] = {}  # worker id -> (score, event number it was taken at)
+        self._events = 0
+
+    def score(self, worker_id: str) -> float:
+        score, at = self._counts.get(worker_id, (0.0, self._events))
+        return score * self._decay ** (self._events - at)
+
+    def add(self, worker_id: str) -> None:
+        self._counts[worker_id] = (self.score(worker_id) + 1.0, self._events)
+        self._events += 1
+
+    def admit(self, worker_ids: Sequence[str]) -> None:
+        """Gives each worker not counted yet the mean score of the others, or at first an even part of the
+        initial total."""
+        new = [w for w in worker_ids if w not in self._counts]
+        if not new:
+            return
+        known = [self.score(w) for w in worker_ids if w in self._counts]
+        prior = sum(known) / len(known) if known else self._initial / len(worker_ids)
+        for worker_id in new:
+            self._counts[worker_id] = (prior, self._events)
+
+    def counts_only(self, worker_ids: Sequence[str]) -> bool:
+        """Whether every worker counted is among `worker_ids`."""
+        return set(self._counts) <= set(worker_ids)
+
+    def clear(self) -> None:
+        self._counts.clear()
+
+    def pop(self, worker_id: str) -> None:
+        self._counts.pop(worker_id, None)
+
+
 class CacheAware:
     """Follows the engines' prefix caches while the fleet stays balanced, placing a GRPO group or a
     conversation as one unit.
@@ -244,7 +289,10 @@ class CacheAware:
         engine, each weighed RECENT_DECAY ** (requests routed anywhere since): its part of about the last
         100 (an engine new to the policy starts at the mean). The first bound keeps the engines' queues
         even at each moment; the second keeps their shares of the traffic even over time, so a popular
-        prompt family spreads to another engine once its engines have served their share. Among them, cost
+        prompt family spreads to another engine once its engines have served their share. A third bound
+        counts what the second sees only as it arrives, a conversation's later turns: the groups and
+        conversations placed on the engine since the fleet's caches were last emptied (an RL step's weight
+        update) stay, with this one, within the mean per engine + `balance_placement_slack`. Among them, cost
         decides: requests in flight plus the prompt tokens the engine would have to prefill (what the tree
         says it does not hold; text in the engines' characters per token, see `CharsPerToken`) at
         `cache_tokens_per_request` tokens to one request. A prompt family therefore spreads only when its
@@ -262,8 +310,9 @@ class CacheAware:
         self.tree = RadixTree(self.options.max_tree_tokens)
         self._window: deque[bool] = deque(maxlen=GROUP_SIZE_WINDOW)  # per recent request: a new prompt?
         self._new_prompts = 0  # True entries in the window
-        self._recent: dict[str, tuple[float, int]] = {}  # worker id -> (score, request number it was taken at)
-        self._routed = 0
+        self._recent = DecayedCounts(RECENT_DECAY, 1 / (1 - RECENT_DECAY))  # requests routed to each engine
+        # Groups and conversations placed on each engine since the fleet's caches were last emptied.
+        self._placed = DecayedCounts(1.0, 0.0)
 
     @property
     def group_size(self) -> float:
@@ -286,33 +335,29 @@ class CacheAware:
         else:
             choice = self._choose(workers, request)
             self.tree.insert(key, choice.worker.id)
-        self._recent[choice.worker.id] = (self._recent_score(choice.worker) + 1.0, self._routed)
-        self._routed += 1
+        self._recent.add(choice.worker.id)
         return choice
 
     def forget_caches(self, workers: Sequence[Worker]) -> None:
         self.tree.remove_tenants([w.id for w in workers])
+        if self._placed.counts_only([w.id for w in workers]):
+            self._placed.clear()
 
     def forget(self, worker: Worker) -> None:
         self.forget_caches([worker])
-        self._recent.pop(worker.id, None)
+        self._recent.pop(worker.id)
+        self._placed.pop(worker.id)
 
     def _admit(self, workers: Sequence[Worker]) -> None:
-        """Gives each engine new to the policy the mean recent share, or at first an even part of the ~100
-        requests it covers: a fresh router or engine is judged against its share once it has had time to
-        serve one, so the first requests of a family do not spread it over an idle fleet."""
-        new = [w for w in workers if w.id not in self._recent]
-        if not new:
-            return
-        known = [self._recent_score(w) for w in workers if w.id in self._recent]
-        prior = sum(known) / len(known) if known else 1 / (1 - RECENT_DECAY) / len(workers)
-        for worker in new:
-            self._recent[worker.id] = (prior, self._routed)
+        """Gives each engine new to the policy the mean recent share, or at first an even part of what the
+        counts cover: a fresh router or engine is judged against its share once it has had time to serve
+        one, so the first requests of a family do not spread it over an idle fleet."""
+        ids = [w.id for w in workers]
+        self._recent.admit(ids)
+        self._placed.admit(ids)
 
     def _recent_score(self, worker: Worker) -> float:
-        """Requests routed to `worker`, each weighed RECENT_DECAY ** (requests routed anywhere since)."""
-        score, at = self._recent.get(worker.id, (0.0, self._routed))
-        return score * RECENT_DECAY ** (self._routed - at)
+        return self._recent.score(worker.id)
 
     def _choose(self, workers: Sequence[Worker], request: RoutingRequest) -> Choice:
         opts = self.options
@@ -340,18 +385,26 @@ class CacheAware:
         bound = max(slack + opts.balance_rel_threshold * (in_flight + group) / len(workers), group)
         recent = {w.id: self._recent_score(w) for w in workers}
         share = opts.balance_share_threshold * (sum(recent.values()) + group) / len(workers) + 1
-        room = [w for w in workers if w.in_flight + group <= bound and recent[w.id] <= share]
+        placed = {w.id: self._placed.score(w.id) for w in workers}
+        most_placed = (sum(placed.values()) + 1) / len(workers) + opts.balance_placement_slack
+        room = [
+            w
+            for w in workers
+            if w.in_flight + group <= bound and recent[w.id] <= share and placed[w.id] + 1 <= most_placed
+        ]
         if not room:
-            return Choice(min(workers, key=lambda w: (recent[w.id], w.in_flight)), "imbalance")
+            choice = Choice(min(workers, key=lambda w: (recent[w.id], w.in_flight)), "imbalance")
+        else:
 
-        def cost(w: Worker) -> tuple[float, int, float]:
-            prefill = request.key_tokens(size - held[w.id])
-            return w.in_flight + prefill / opts.cache_tokens_per_request, -held[w.id], recent[w.id]
+            def cost(w: Worker) -> tuple[float, int, float]:
+                prefill = request.key_tokens(size - held[w.id])
+                return w.in_flight + prefill / opts.cache_tokens_per_request, -held[w.id], recent[w.id]
 
-        best = min(room, key=cost)
-        if longest == 0:
-            return Choice(best, "low_match")
-        return Choice(best, "cache_hit" if held[best.id] == longest else "imbalance")
+            best = min(room, key=cost)
+            reason = "low_match" if longest == 0 else "cache_hit" if held[best.id] == longest else "imbalance"
+            choice = Choice(best, reason)
+        self._placed.add(choice.worker.id)
+        return choice
 
 
 BUILTIN_POLICIES: Mapping[str, Callable[[PolicyOptions], Policy]] = {

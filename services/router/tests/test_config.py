@@ -98,6 +98,7 @@ def test_every_cache_aware_setting_has_a_flag_that_reaches_the_policy() -> None:
         "--balance-abs-threshold": 3,
         "--balance-rel-threshold": 1.5,
         "--balance-share-threshold": 1.4,
+        "--balance-placement-slack": 3.5,
         "--max-tree-tokens": 4096,
     }
     config = config_from_args([arg for flag, value in settings.items() for arg in (flag, str(value))])

@@ -178,6 +178,51 @@ def test_cache_aware_keeps_a_conversation_where_its_history_is() -> None:
     assert policy.select(workers, generate([*turn, 60, 61, 4, 4, 70, 5])).worker is other
 
 
+def converse(policy: CacheAware, workers: list[Worker], system: list[int], conversation: int) -> Worker:
+    """Four turns of one conversation on `system`, each answered before the next; the engine of its first."""
+    turn = [*system, conversation, conversation]
+    first = policy.select(workers, generate(turn)).worker
+    for answer in range(3):
+        turn = [*turn, 50 + answer, 60 + answer, conversation]
+        assert policy.select(workers, generate(turn)).worker is first, "a conversation stays where its history is"
+    return first
+
+
+@pytest.mark.parametrize("slack", [2.0, 1000.0])
+def test_cache_aware_places_no_more_conversations_on_an_engine_than_the_mean_plus_the_slack(slack: float) -> None:
+    workers = make_workers(0, 0)
+    # The share of recent requests out of the way: with nothing in flight, only the placement bound spreads
+    # conversations that all start with one system prompt, which makes the engines holding it the cheapest.
+    policy = CacheAware(PolicyOptions(balance_share_threshold=100, balance_placement_slack=slack))
+    system = list(range(5000, 5300))
+    homes = [converse(policy, workers, system, conversation) for conversation in range(20)]
+    if slack > 20:
+        assert homes == [workers[0]] * 20
+        return
+    # Counted in conversations, not requests (4 each): at every point no engine is more than 2 above the mean.
+    for placed in range(1, 21):
+        assert all(homes[:placed].count(w) <= placed / 2 + slack for w in workers), homes
+    assert homes[:5] == [workers[0]] * 4 + [workers[1]], "4 + 1 <= (4 + 1) / 2 + 2 does not hold"
+
+
+def test_cache_aware_counts_placements_since_the_fleet_s_caches_were_last_emptied() -> None:
+    workers = make_workers(0, 0)
+    home, other = workers
+    policy = CacheAware(PolicyOptions(balance_share_threshold=100))
+    system = list(range(6000, 6300))
+    assert [converse(policy, workers, system, c) for c in range(5)] == [home] * 4 + [other]
+
+    def placed() -> list[float]:
+        return [policy._placed.score(w.id) for w in workers]
+
+    assert placed() == [4, 1]
+    policy.forget_caches([home])  # one engine emptied (a restart): what each took on this step still counts
+    assert placed() == [4, 1]
+    policy.forget_caches(workers)  # the whole fleet emptied (a weight update): a new step
+    assert placed() == [0, 0]
+    assert len({converse(policy, workers, system, c).id for c in range(5, 9)}) == 1
+
+
 def test_cache_aware_gives_prompts_of_one_request_a_slack_of_one_group() -> None:
     workers = make_workers(0, 0, 0, 0)
     policy = CacheAware()
