@@ -422,11 +422,11 @@ def report(
             for seed in seeds:
                 each = runs[seed][spec]
                 hits, times = sorted(r.hit_rate for r in each), sorted(r.makespan for r in each)
-                balances = sorted(r.max_over_mean for r in each)
+                loads = sorted(r.max_over_mean for r in each)
                 lines.append(
                     f"  {spec} seed {seed}, {len(each)} run{'s' if len(each) > 1 else ''}: "
                     f"hit {' '.join(f'{h:.3f}' for h in hits)}, makespan {' '.join(f'{m:.2f}s' for m in times)}, "
-                    f"max/mean {' '.join(f'{b:.2f}' for b in balances)}"
+                    f"max/mean {' '.join(f'{b:.2f}' for b in loads)}"
                 )
     return lines
 
