@@ -257,10 +257,6 @@ class DecayedCounts:
         for worker_id in new:
             self._counts[worker_id] = (prior, self._events)
 
-    def counts_only(self, worker_ids: Sequence[str]) -> bool:
-        """Whether every worker counted is among `worker_ids`."""
-        return set(self._counts) <= set(worker_ids)
-
     def clear(self) -> None:
         self._counts.clear()
 
@@ -313,6 +309,7 @@ class CacheAware:
         self._recent = DecayedCounts(RECENT_DECAY, 1 / (1 - RECENT_DECAY))  # requests routed to each engine
         # Groups and conversations placed on each engine since the fleet's caches were last emptied.
         self._placed = DecayedCounts(1.0, 0.0)
+        self._routable: frozenset[str] = frozenset()  # the engines the last request could go to
 
     @property
     def group_size(self) -> float:
@@ -328,6 +325,7 @@ class CacheAware:
     def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Choice:
         assert workers, "select() needs at least one worker"
         self._admit(workers)
+        self._routable = frozenset(w.id for w in workers)
         key = request.prompt_key
         if key is None:
             least_loaded = min(workers, key=lambda w: (w.in_flight, self._recent_score(w), w.in_flight_tokens))
@@ -340,7 +338,7 @@ class CacheAware:
 
     def forget_caches(self, workers: Sequence[Worker]) -> None:
         self.tree.remove_tenants([w.id for w in workers])
-        if self._placed.counts_only([w.id for w in workers]):
+        if self._routable <= {w.id for w in workers}:  # every engine routed to: a new step (a weight update)
             self._placed.clear()
 
     def forget(self, worker: Worker) -> None:

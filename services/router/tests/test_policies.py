@@ -221,6 +221,10 @@ def test_cache_aware_counts_placements_since_the_fleet_s_caches_were_last_emptie
     policy.forget_caches(workers)  # the whole fleet emptied (a weight update): a new step
     assert placed() == [0, 0]
     assert len({converse(policy, workers, system, c).id for c in range(5, 9)}) == 1
+    # An engine out of routing (failing its health checks) is not waited for: the healthy ones' update is a step.
+    converse(policy, [home], system, 9)
+    policy.forget_caches([home])
+    assert placed() == [0, 0]
 
 
 def test_cache_aware_gives_prompts_of_one_request_a_slack_of_one_group() -> None:
