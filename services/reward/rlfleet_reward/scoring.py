@@ -200,13 +200,14 @@ class Scorer:
         async with self._io_slots:
             self.metrics.io_calls_in_flight.inc()
             started = time.monotonic()
+            limit = asyncio.timeout(timeout)
             try:
-                async with asyncio.timeout(timeout):
+                async with limit:
                     value = await term.function.fn(sample, term.params)  # type: ignore[misc]  # async here
                 reply = None if finish is not None else checked_reply(value)
-            except TimeoutError:
-                return _timed_out(timeout)
             except Exception as exc:  # noqa: BLE001 - a function's failure is the item's ERROR
+                if limit.expired():  # the item's limit, not a TimeoutError the function raised itself
+                    return _timed_out(timeout)
                 reply = failure_reply(exc)
             finally:
                 self.metrics.io_calls_in_flight.dec()

@@ -94,6 +94,11 @@ def many_parts(sample: RewardInput, params: Mapping[str, Any]) -> Scored:
     return Scored(score=1.0, parts={f"part{i}": 1.0 for i in range(params["count"])})
 
 
+async def own_timeout(sample: RewardInput, params: Mapping[str, Any]) -> float:
+    """An async function whose own wait on something gives up: its error, not the hub's time limit."""
+    raise TimeoutError("the upstream did not answer within its 2 s")
+
+
 def _declare(fn: Any, inputs: set[str], description: str, params: type[BaseModel] | None = None) -> RewardFunction:
     return RewardFunction(fn=fn, inputs=frozenset(inputs), description=description, params=params)
 
@@ -109,4 +114,5 @@ TEST_FUNCTIONS = {
     "length_parts": _declare(length_parts, {"response"}, "0.5, with the response's size as parts"),
     "metadata_value": _declare(metadata_value, {"metadata"}, "the float in metadata['value']"),
     "many_parts": _declare(many_parts, {"response"}, "1.0 with `count` parts", PartsParams),
+    "own_timeout": _declare(own_timeout, {"response"}, "async; raises a TimeoutError of its own"),
 }

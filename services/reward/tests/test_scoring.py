@@ -320,3 +320,22 @@ def test_list_functions_declares_inputs(with_scorer: WithScorer) -> None:
     assert list(infos["arith_exact"].inputs) == ["response", "label"]
     assert list(infos["metadata_value"].inputs) == ["metadata"]
     assert "math-verify" in infos["math"].description
+
+
+def test_an_async_function_s_own_timeout_error_is_its_error_not_the_hub_s_limit(with_scorer: WithScorer) -> None:
+    req = request([{"function": "own_timeout"}], [{"response": "3"}], timeout=5.0)
+
+    async def body(scorer: Scorer) -> tuple[reward_pb2.ScoreResponse, float | None]:
+        response = await scorer.score(req)
+        timeouts = scorer.metrics.registry.get_sample_value(
+            "rlfleet_reward_timeouts_total", {"function": "own_timeout"}
+        )
+        return response, timeouts
+
+    response, timeouts = with_scorer(body)
+    (result,) = response.results
+    assert (result.status, result.error) == (
+        ERROR,
+        "own_timeout: TimeoutError: the upstream did not answer within its 2 s",
+    )
+    assert timeouts == 0.0
