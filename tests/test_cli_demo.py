@@ -352,6 +352,7 @@ def test_down_stops_a_demo_still_in_its_sft_warm_start(tmp_path: Path) -> None:
             time.sleep(0.2)
         state = json.loads((out / "fleet" / "fleet.json").read_text())
         assert (state["pid"], state["state"], state["processes"]) == (demo.pid, "starting", {})
+        assert f"stop it from another shell: rlfleet down --state-dir {out / 'fleet'}" in log.read_text()
         down = subprocess.run(
             [sys.executable, "-m", "rlfleet.cli", "down", "--state-dir", str(out / "fleet")],
             capture_output=True,

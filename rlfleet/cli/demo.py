@@ -91,6 +91,7 @@ def run_demo(args: argparse.Namespace) -> int:
     with raise_on_signals():  # until the fleet starts, a stop signal ends the step in progress at once
         recreate(out, args.overwrite)
         record_starting(out / "fleet")  # from here on `rlfleet down --state-dir <out>/fleet` stops this process
+        say(f"stop it from another shell: rlfleet down --state-dir {out / 'fleet'}")
         try:
             fleet = prepare(args, spec, out)
         except BaseException:
@@ -145,7 +146,6 @@ def train_on_fleet(
             say(f"    Runs API {fleet.api_url}, router {fleet.router_url}, logs in {fleet.log_dir}")
             config = fleet.config  # as started: its Redis may have moved off another fleet's own
             say(f"    Redis keys {config.redis_prefix}* at {config.resolved_redis_url()}")
-            say(f"    stop it from another shell: rlfleet down --state-dir {config.state_dir}")
             with raise_on_signals():  # the fleet is up: a stop signal ends the watch at once
                 client = RunsClient(fleet.api_url)
                 run = client.submit(spec)
