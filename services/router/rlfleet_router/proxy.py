@@ -54,6 +54,9 @@ logger = logging.getLogger(__name__)
 DROPPED_REQUEST_HEADERS = HOP_HEADERS | {"content-length", "authorization"}
 # Idle connections to an engine are kept this long for the next request.
 KEEPALIVE_SECS = 60.0
+# A request counts at most this many tokens in its engine's load: the largest integer a double holds exactly, so
+# the load stays a number Prometheus exports whatever budget a request names (the engine judges the budget).
+MAX_COUNTED_TOKENS = 2**53
 
 
 class RetryableFailure(Exception):
@@ -144,7 +147,7 @@ class Proxy:
         """
         deadline = time.monotonic() + self._request_timeout
         forwarded = forwardable_headers(headers)
-        tokens = routing.tokens if routing.body else 0
+        tokens = min(routing.tokens, MAX_COUNTED_TOKENS) if routing.body else 0
         tried: set[str] = set()
         retries = 0
         attempt: Attempt | None = None
@@ -170,8 +173,11 @@ class Proxy:
                 last_try = retries >= self._retry.max_retries
                 try:
                     if stagger := self._stagger.delay(worker.id, routing.prompt_key, attempt):
-                        await self._wait_to_send(attempt, stagger, client_gone)
+                        await self._wait_to_send(attempt, min(stagger, remaining), client_gone)
                         remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            attempt.end()
+                            raise DeadlineExceeded(f"{routing.route} ran out of time before it was sent to an engine")
                     return await self._send(attempt, method, routing, body, forwarded, remaining, last_try, on_answer)
                 except RetryableFailure as exc:
                     failure = str(exc)
@@ -247,9 +253,10 @@ class Proxy:
         worker = attempt.worker
         route = routing.route
         upstream: EngineAnswer | None = None
+        # The whole answer is bounded by the time left: the client's bound on the entire request.
+        connect = min(self._connect_timeout, remaining)
+        connect_deadline = time.monotonic() + connect
         try:
-            # The whole answer is bounded by the time left: the client's bound on the entire request.
-            connect = min(self._connect_timeout, remaining)
             upstream = await client.request(
                 method, worker.url, route, body, headers, connect, remaining, attempt.interrupt
             )
@@ -262,7 +269,11 @@ class Proxy:
             first = await upstream.read() if whole else await upstream.read_chunk()
         except EngineConnectionError as exc:
             # A connection lost once the request was written may leave the request running at the engine.
-            self._give_up(attempt, upstream, "its connection was lost" if isinstance(exc, EngineConnectionLost) else "")
+            lost = isinstance(exc, EngineConnectionLost)
+            self._give_up(attempt, upstream, "its connection was lost" if lost else "")
+            if not lost and connect < self._connect_timeout and time.monotonic() >= connect_deadline:
+                # The connect ran out of the request's time, not of the engine's: nothing to hold against the engine.
+                raise DeadlineExceeded(f"{route} ran out of time while connecting to {worker.url}") from exc
             self._metrics.engine_errors.inc(worker.url, "connection")
             reason = f"{worker.url}: {describe_error(exc)}"
             self._workers.record_failure(worker, reason)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from router_fakes import FakeEngine, RunningRouter, metric_value
 
@@ -63,3 +64,25 @@ def test_an_engines_counters_exist_at_zero_from_the_moment_it_joins(
             assert metric_value(text, f"rlfleet_router_{name}_total", {"engine": engine}) == 0, name
     for result in ("success", "partial", "failure"):
         assert metric_value(text, "rlfleet_router_weight_updates_total", {"result": result}) == 0
+
+
+def test_a_request_with_a_budget_beyond_a_double_leaves_metrics_readable(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """The router forwards a budget the engine will judge; its own load estimate must stay a number Prometheus
+    can export while the request is in flight."""
+    engine = start_engine("a")
+    router = start_router([engine.url])
+    router.wait_healthy(1)
+    huge = b'{"text": "x", "delay": 1.5, "sampling_params": {"max_new_tokens": 1' + b"0" * 400 + b"}}"
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        json_type = {"content-type": "application/json"}
+        pending = pool.submit(router.client.post, "/generate", content=huge, headers=json_type)
+        router.wait_for(lambda: engine.in_flight == 1, what="the request at the engine")
+        answer = router.client.get("/metrics")
+        assert answer.status_code == 200, answer.text
+        tokens = metric_value(answer.text, "rlfleet_router_engine_in_flight_tokens", {"engine": engine.url})
+        assert tokens is not None and 0 < tokens <= 2**53
+        assert pending.result(timeout=10).status_code == 200
+    assert engine.raw_bodies == [huge]
+    assert router.workers()[0]["in_flight_tokens"] == 0

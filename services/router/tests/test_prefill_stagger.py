@@ -153,3 +153,33 @@ def test_a_request_whose_client_leaves_while_it_waits_is_not_sent(
     text = router.client.get("/metrics").text
     assert metric_value(text, "rlfleet_router_requests_total", {"route": "/generate", "status": "499"}) == 1
     assert metric_value(text, "rlfleet_router_engine_in_flight", {"engine": engine.url}) == 0
+
+
+def test_a_request_whose_deadline_passes_while_it_waits_is_504_and_never_charges_its_engine(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    engine = start_engine("a")
+    router = start_router(
+        [engine.url],
+        policy="cache_aware",
+        prefill_stagger_ms=800,
+        request_timeout_secs=0.4,
+        health_check_interval_secs=60,
+        health_failure_threshold=1,
+    )
+    router.wait_healthy(1)
+    prompt = "solve: " + "d" * 200
+    first: list[httpx.Response] = []
+    sender = threading.Thread(target=lambda: first.append(_post(router, {"text": prompt, "delay": 1.0})[1]))
+    sender.start()
+    router.wait_for(lambda: engine.in_flight == 1, what="the first request at the engine")
+    took, answer = _post(router, {"text": prompt, "rid": "late/"})
+    sender.join(10)
+    assert answer.status_code == 504, answer.text
+    assert took < 0.75, f"given up at its deadline, not at the end of its 800 ms wait: {took:.3f}s"
+    assert [json.loads(raw).get("rid") for raw in engine.raw_bodies] == [None], "sent after its deadline"
+    [worker] = router.workers()
+    assert worker["healthy"] is True and worker["last_error"] is None, worker
+    text = router.client.get("/metrics").text
+    assert metric_value(text, "rlfleet_router_engine_errors_total", {"engine": engine.url, "kind": "connection"}) == 0
+    assert metric_value(text, "rlfleet_router_engine_in_flight", {"engine": engine.url}) == 0
