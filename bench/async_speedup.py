@@ -18,14 +18,18 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
+from rlfleet.cli.demo import delete_keys
 from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet
 from rlfleet.runs_client import FINAL_STATES, RunsClient, load_spec_file
 from rlfleet.tiny_model import create_tiny_model
 from rlfleet.v1.runs_pb2 import RunSpec, RunState
 
 REPO = Path(__file__).resolve().parents[1]
+# A prefix of this run's own: runs an earlier, killed bench left queued under its prefix are never resumed here.
+REDIS_PREFIX = f"rlfleet-bench-async-{uuid.uuid4().hex[:8]}:"
 
 
 def timed_run(client: RunsClient, spec: RunSpec) -> list[tuple[float, int, float]]:
@@ -38,6 +42,7 @@ def timed_run(client: RunsClient, spec: RunSpec) -> list[tuple[float, int, float
             started = time.monotonic()
         for ev in current.evals[len(seen) :]:
             seen.append((time.monotonic() - (started or time.monotonic()), int(ev.step), ev.accuracy))
+            print(f"[{spec.name}] eval at step {ev.step}: accuracy {ev.accuracy:.3f} ({seen[-1][0]:.0f} s)", flush=True)
         if current.state in FINAL_STATES:
             if current.state != RunState.RUN_STATE_SUCCEEDED:
                 raise SystemExit(f"run {run.id} ended {RunState.Name(current.state)}: {current.error}")
@@ -81,21 +86,25 @@ def main() -> int:
         engines=args.engines,
         state_dir=out / "fleet",
         ports=FleetPorts.free(args.engines),
-        redis_prefix="rlfleet-bench-async:",
+        redis_prefix=REDIS_PREFIX,
     )
     results: dict[int, list[tuple[float, int, float]]] = {}
-    with LocalFleet(config) as fleet:
-        client = RunsClient(fleet.api_url)
-        for staleness in (0, 1):
-            spec = RunSpec()
-            spec.CopyFrom(base)
-            spec.name = f"async-speedup-s{staleness}"
-            spec.model.path = spec.model.tokenizer_path = str(out / "sft")
-            spec.rollout.max_staleness = staleness
-            spec.schedule.steps, spec.schedule.eval_every = args.steps, args.eval_every
-            spec.dataset.eval_size = args.eval_size
-            results[staleness] = timed_run(client, spec)
-            print(f"max_staleness {staleness}: evals (seconds, step, accuracy) {results[staleness]}", flush=True)
+    try:
+        with LocalFleet(config) as fleet:
+            client = RunsClient(fleet.api_url)
+            for staleness in (0, 1):
+                spec = RunSpec()
+                spec.CopyFrom(base)
+                spec.name = f"async-speedup-s{staleness}"
+                spec.model.path = spec.model.tokenizer_path = str(out / "sft")
+                spec.rollout.max_staleness = staleness
+                spec.schedule.steps, spec.schedule.eval_every = args.steps, args.eval_every
+                spec.dataset.eval_size = args.eval_size
+                print(f"training with max_staleness {staleness} ({args.steps} steps)", flush=True)
+                results[staleness] = timed_run(client, spec)
+                print(f"max_staleness {staleness}: evals (seconds, step, accuracy) {results[staleness]}", flush=True)
+    finally:
+        delete_keys(config.resolved_redis_url(), REDIS_PREFIX)
     target = args.target
     if target is None:
         target = min(max(acc for _, _, acc in evals) for evals in results.values())

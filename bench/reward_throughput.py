@@ -167,6 +167,13 @@ def main() -> None:
     )
     parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
     args = parser.parse_args()
+    for flag in ("rounds", "batch", "in_flight", "workers"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.math_items < args.rounds:
+        parser.error(f"--math-items ({args.math_items}) must be at least --rounds ({args.rounds}): one item per round")
+    if args.code_items < 0:
+        parser.error(f"--code-items must be 0 or more, got {args.code_items}")
 
     per_round = args.math_items // args.rounds
     print(f"load average before: {os.getloadavg()}")

@@ -83,6 +83,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    for flag in ("sequences", "token_budget", "repeats", "threads"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         params = create_tiny_model(Path(tmp) / "model", TinyModelConfig())

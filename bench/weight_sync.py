@@ -78,13 +78,14 @@ def bench_model(name: str, config: TinyModelConfig, work: Path, repeats: int, bu
     params = create_tiny_model(model_dir, config)
     print(f"\n{name}: {params / 1e6:.1f}M parameters ({params * 4 / 2**20:.0f} MB in float32)", flush=True)
     fleet = start_engine_fleet(model_dir, work / name / "logs")
+    to_close: DistributedPublisher | None = None  # the weight update group, closed before the engines stop
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
         router = RouterClient(fleet.router_url, 600.0)
         weights_root = work / name / "weights"
         disk = DiskPublisher(router, weights_root, model_dir)
         broadcaster = WeightBroadcaster(router, "127.0.0.1", "gloo", bucket_mb, timeout_s=300.0)
-        distributed = DistributedPublisher(broadcaster, disk, weights_root, model_dir)
+        distributed = to_close = DistributedPublisher(broadcaster, disk, weights_root, model_dir)
         version = 0
 
         def next_version() -> int:
@@ -106,9 +107,12 @@ def bench_model(name: str, config: TinyModelConfig, work: Path, repeats: int, bu
             copied = time.perf_counter()
             distributed.write_disk_copy(model, model.state_dict(), v)
             copy_times.append(time.perf_counter() - copied)
-        distributed.close()
     finally:
-        fleet.stop()
+        try:
+            if to_close is not None:
+                to_close.close()
+        finally:
+            fleet.stop()
     step_times = [served + copied for served, copied in zip(dist_times, copy_times, strict=True)]
     result = {
         "params_m": params / 1e6,
@@ -134,6 +138,8 @@ def main() -> None:
     parser.add_argument("--skip-large", action="store_true", help="only the tiny model")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of this (trainer) process")
     args = parser.parse_args()
+    if args.repeats < 1 or args.bucket_mb <= 0 or args.threads < 1:
+        parser.error("--repeats and --threads must be at least 1, --bucket-mb positive")
     torch.set_num_threads(args.threads)
     print(f"load average at start: {os.getloadavg()}", flush=True)
     names = ["tiny"] if args.skip_large else list(MODELS)
