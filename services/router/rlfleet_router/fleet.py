@@ -198,7 +198,7 @@ class Fleet:
                     return
                 try:
                     turn = turn_from_answer(route, parsed, answer, worker.url, worker.weight_version)
-                except (ValueError, KeyError, TypeError, IndexError) as exc:
+                except ValueError as exc:
                     lost(worker, str(exc))
                     return
                 self.trajectories.record(trajectory, turn, self.weights.updates)

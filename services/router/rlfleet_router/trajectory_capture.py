@@ -83,8 +83,15 @@ def _ids(value: object, what: str) -> tuple[int, ...]:
 def turn_from_answer(
     route: str, request: Mapping[str, Any], answer: bytes, engine: str, engine_version: str | None
 ) -> Turn:
-    """The turn an engine's 200 answer to `request` holds; ValueError if the answer lacks a part."""
-    parsed = json.loads(answer)
+    """The turn an engine's 200 answer to `request` holds; ValueError if the answer lacks a part or is not
+    shaped as the route's answer is."""
+    try:
+        return _turn(route, request, json.loads(answer), engine, engine_version)
+    except (KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise ValueError(f"the answer is not a {route} answer with tokens and logprobs: {exc!r}") from exc
+
+
+def _turn(route: str, request: Mapping[str, Any], parsed: Any, engine: str, engine_version: str | None) -> Turn:
     rid = request.get("rid") if isinstance(request.get("rid"), str) else None
     sampled_by: tuple[str, ...] = ()
     if route == "/generate":

@@ -101,6 +101,21 @@ def test_token_ids_outside_32_bits_are_refused() -> None:
         turn_from_answer("/generate", {"input_ids": [1]}, answer, "e", None)
 
 
+@pytest.mark.parametrize(
+    ("route", "answer"),
+    [
+        ("/v1/completions", {"choices": [["not", "an", "object"]]}),
+        ("/generate", {"output_ids": [1], "meta_info": ["not", "an", "object"]}),
+        ("/generate", {"output_ids": [1]}),
+        ("/v1/chat/completions", {"choices": []}),
+    ],
+)
+def test_an_answer_of_another_shape_makes_its_turn_lost_not_an_error(route: str, answer: object) -> None:
+    """A malformed engine answer is the turn's loss (ValueError), never an exception the relay does not expect."""
+    with pytest.raises(ValueError, match=f"not a {route} answer"):
+        turn_from_answer(route, {"input_ids": [1]}, json.dumps(answer).encode(), "e", None)
+
+
 def test_the_store_keeps_a_token_in_a_few_bytes() -> None:
     """Before, ids, logprobs and mask were lists of Python objects, about 61 bytes a token: the default
     budget of 2**24 tokens alone filled the router's 1 GiB pod. Turns are parsed from JSON, as the router
