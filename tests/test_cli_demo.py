@@ -275,6 +275,18 @@ def recorded(state_dir: Path) -> dict[str, int]:
 
 @pytest.mark.e2e
 @pytest.mark.slow
+def rlfleet_down(state_dir: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """`rlfleet down --state-dir state_dir` in a process of its own, which must succeed."""
+    down = subprocess.run(
+        [sys.executable, "-m", "rlfleet.cli", "down", "--state-dir", str(state_dir)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert down.returncode == 0, down.stdout + down.stderr
+    return down
+
+
 def test_down_stops_a_running_demo_its_fleet_and_its_keys(tmp_path: Path, redis_client: redis.Redis) -> None:
     """Services run in sessions of their own: a demo ended by SIGTERM (`rlfleet down`, a closed terminal)
     without stopping them left the whole fleet training, its Redis keys in place."""
@@ -302,13 +314,7 @@ def test_down_stops_a_running_demo_its_fleet_and_its_keys(tmp_path: Path, redis_
         printed = log.read_text()
         prefix = re.findall(r"Redis keys (\S+)\* at", printed)[0]
         assert list(redis_client.scan_iter(match=f"{prefix}*")), "the run left no keys to delete"
-        down = subprocess.run(
-            [sys.executable, "-m", "rlfleet.cli", "down", "--state-dir", str(out / "fleet")],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert down.returncode == 0, down.stdout + down.stderr
+        rlfleet_down(out / "fleet", timeout_s=300)
         assert demo.wait(timeout=60) == 128 + signal.SIGTERM, log.read_text()
         assert "Traceback" not in log.read_text()
         assert not [name for name, pid in pids.items() if group_runs(pid)]
@@ -353,13 +359,7 @@ def test_down_stops_a_demo_still_in_its_sft_warm_start(tmp_path: Path) -> None:
         state = json.loads((out / "fleet" / "fleet.json").read_text())
         assert (state["pid"], state["state"], state["processes"]) == (demo.pid, "starting", {})
         assert f"stop it from another shell: rlfleet down --state-dir {out / 'fleet'}" in log.read_text()
-        down = subprocess.run(
-            [sys.executable, "-m", "rlfleet.cli", "down", "--state-dir", str(out / "fleet")],
-            capture_output=True,
-            text=True,
-            timeout=90,
-        )
-        assert down.returncode == 0, down.stdout + down.stderr
+        down = rlfleet_down(out / "fleet", timeout_s=90)
         assert "starting" in down.stdout and "fleet stopped" in down.stdout
         assert demo.wait(timeout=30) == 128 + signal.SIGTERM, log.read_text()
         assert "Traceback" not in log.read_text()
