@@ -187,9 +187,7 @@ def serve(settings: TrainerSettings) -> int:
             ranks.follow()  # any other failure here ends the process; torchrun then stops the other ranks
     except RanksBroken:
         leave_now(ranks.broken)
-    if not ranks.close():
-        leave_now(ranks.broken)
-    return 0
+    return leave_group(ranks)
 
 
 def serve_api(settings: TrainerSettings, ranks: RankGroup, registry: CollectorRegistry) -> int:
@@ -269,8 +267,19 @@ def serve_api(settings: TrainerSettings, ranks: RankGroup, registry: CollectorRe
         asyncio.run(run_servers())
     finally:
         # Bounded: a step still running past --shutdown-timeout-s is abandoned, not waited for.
-        if not (ranks.stop(RELEASE_WAIT_S) and ranks.close()):
+        if not ranks.stop(RELEASE_WAIT_S):
             leave_now(ranks.broken)
+    return leave_group(ranks)
+
+
+def leave_group(ranks: RankGroup) -> int:
+    """Meets the other ranks at the last barrier and leaves the process group, then ends the process (status 0).
+    A torchrun rank then skips Python's teardown, which can still abort it ("terminate called without an active
+    exception": a thread of the torn-down group destroyed while joinable) and turn a clean stop into status -6."""
+    if not ranks.close():
+        leave_now(ranks.broken)
+    if ranks.distributed:
+        exit_now(0)
     return 0
 
 
@@ -282,10 +291,15 @@ def leave_now(broken: str | None) -> NoReturn:
         logger.error("exiting with status %d so that the trainer is restarted: %s", EXIT_RANKS_BROKEN, broken)
     else:
         logger.warning("exiting with an op still running on the ranks: the step in progress is abandoned")
+    exit_now(EXIT_RANKS_BROKEN if broken is not None else 0)
+
+
+def exit_now(status: int) -> NoReturn:
+    """Ends the process with `status` once its logs and output are flushed, skipping Python's teardown."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(EXIT_RANKS_BROKEN if broken is not None else 0)
+    os._exit(status)
 
 
 if __name__ == "__main__":
