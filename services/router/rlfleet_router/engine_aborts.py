@@ -11,7 +11,10 @@ SGLang aborts every request whose rid starts with the one named, so an abort of 
 not sent: the closed connection stops its request. Clients get targeted aborts with prefix-free rids.
 
 Best effort, off the request's path: the aborts run in the background, each bounded, and the first that
-fails (a hung or dead engine) ends the others to that engine.
+fails (a hung or dead engine) ends the others to that engine. A retry of the request that goes back to the
+same engine under the same rid (a one-engine fleet, or every engine tried) waits for them first (`settle`):
+sent while the abort is under way, it could reach the engine first and be aborted by it, or be refused as a
+duplicate of the request not yet aborted.
 """
 
 from __future__ import annotations
@@ -47,15 +50,25 @@ class EngineAborts:
     def __init__(self, attempts: EngineAttempts, timeout_secs: float = ABORT_TIMEOUT_SECS) -> None:
         self._attempts = attempts
         self._timeout = timeout_secs
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: dict[asyncio.Task[None], Attempt] = {}  # the aborts under way, by the attempt each ends
 
     def send(self, client: EngineClient, attempt: Attempt, why: str) -> None:
         """Asks the engine of `attempt`, ended, to abort its request by the rids it names, if any; returns at once."""
         if not attempt.rids:
             return
         task = asyncio.get_running_loop().create_task(self._abort(client, attempt.worker, attempt.rids, why))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks[task] = attempt
+        task.add_done_callback(self._forget)
+
+    async def settle(self, worker: Worker, rids: tuple[str, ...], timeout_secs: float) -> None:
+        """Returns once the aborts under way at `worker` of any of `rids` are over, or after `timeout_secs`."""
+        wanted = set(rids)
+        tasks = [t for t, a in self._tasks.items() if a.worker.id == worker.id and wanted.intersection(a.rids)]
+        if tasks and timeout_secs > 0:
+            await asyncio.wait(tasks, timeout=timeout_secs)
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self._tasks.pop(task, None)
 
     async def close(self, timeout_secs: float = 5.0) -> None:
         """Stops the aborts still under way (bounded)."""

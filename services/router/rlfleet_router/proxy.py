@@ -166,6 +166,10 @@ class Proxy:
                 if arrived_at is not None and not tried:
                     self._metrics.added_latency.observe(time.perf_counter() - arrived_at)
                 tried.add(worker.id)
+                if retries and rids:  # back at an engine that may still be aborting an earlier attempt's rids
+                    await self._aborts.settle(worker, rids, deadline - time.monotonic())
+                    if client_gone is not None and client_gone.done():
+                        raise ClientGone(f"the client closed its connection while {routing.route} waited for a retry")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise DeadlineExceeded(f"{routing.route} ran out of time before an engine answered")

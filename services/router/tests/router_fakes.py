@@ -75,13 +75,14 @@ class FakeEngine:
     content_types: list[str | None] = field(default_factory=list)  # of each /generate request
     tags: list[list[str]] = field(default_factory=list)  # the X-Tag lines of each /generate request
     update_bodies: list[dict[str, object]] = field(default_factory=list)
-    events: list[str] = field(default_factory=list)  # "generate" / "update", in arrival order
+    events: list[str] = field(default_factory=list)  # "generate" / "update" as they arrive, "abort" as applied
     controls: list[tuple[str, str | None, bytes]] = field(default_factory=list)  # fan-out: route, type, body
     in_flight: int = 0
     max_in_flight: int = 0
     streams_cut: int = 0  # streams whose reader left before their end
     server: ThreadedServer | None = None
     _aborted: dict[str, asyncio.Event] = field(default_factory=dict)  # by rid, set by /abort_request
+    _died: set[str] = field(default_factory=set)  # rids whose plain answer stopped short ("dies_once" in a body)
 
     @property
     def url(self) -> str:
@@ -109,7 +110,8 @@ class FakeEngine:
                 await self._work(body, float(body.get("delay", 0)))
             finally:
                 self.in_flight -= 1
-            if self.dies_mid_answer:
+            if self.dies_mid_answer or (body.get("dies_once") and body.get("rid") not in self._died):
+                self._died.add(str(body.get("rid")))
                 whole = json.dumps(self._answer(body)).encode()
                 headers = {"content-length": str(len(whole))}
                 return StreamingResponse(_cut(whole, self.name), headers=headers, media_type="application/json")
@@ -164,6 +166,7 @@ class FakeEngine:
                 return JSONResponse({"detail": "refused"}, status_code=503)
             if request.url.path == "/abort_request":
                 self._aborted.setdefault(str(json.loads(body).get("rid", "")), asyncio.Event()).set()
+                self.events.append("abort")
             return JSONResponse({"success": True})
 
         for route in ("/abort_request", "/pause_generation", "/continue_generation", "/flush_cache"):

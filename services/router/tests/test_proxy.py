@@ -168,6 +168,20 @@ def test_a_connection_lost_after_the_request_was_sent_aborts_it_at_the_engine(
     router.wait_for(lambda: engine.aborted() == ["lost-1"], what="the engine asked to abort the request")
 
 
+def test_a_retry_back_at_the_same_engine_waits_for_the_abort_of_its_first_attempt(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    # One engine, so the retry goes back to it under the same rid, at once; its abort takes 0.5 s. Sent meanwhile,
+    # the retry could reach the engine first and be aborted, or be refused as a duplicate of the first attempt.
+    engine = start_engine("a", control_delay=0.5)
+    router = start_router([engine.url], retry_max_retries=1, retry_initial_backoff_ms=0)
+    router.wait_healthy(1)
+    answer = router.client.post("/generate", json={"text": "x", "rid": "again-1", "dies_once": True})
+    assert answer.status_code == 200, answer.text
+    assert engine.events == ["generate", "abort", "generate"]
+    assert engine.aborted() == ["again-1"]
+
+
 def test_bad_generate_bodies_are_400(
     start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
 ) -> None:
