@@ -4,9 +4,10 @@ Makes the tiny model, warm-starts it with SFT (as `rlfleet demo` does), brings t
 fleet up once, then trains the demo task (examples/runs/arith-grpo.yaml) twice from the same warm
 start and seed: with rollout.max_staleness 0, then 1. Each run's evaluations are timed from the run
 start; the target is the best accuracy both runs reach (or --target), and each run's time to
-target is the time of its first evaluation at or above it. Prints both times and their ratio.
+target is the time of its first evaluation at or above it. Prints both times and their ratio. A run
+still going after --run-timeout seconds (1800) is cancelled and ends the benchmark.
 
-    .venv/bin/python bench/async_speedup.py [--steps 40] [--eval-every 4] [--target 0.5]
+    .venv/bin/python bench/async_speedup.py [--steps 40] [--eval-every 4] [--target 0.5] [--run-timeout 1800]
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 import uuid
 from pathlib import Path
 
+from rlfleet.cli.arg_types import positive_float
 from rlfleet.cli.demo import delete_keys
 from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet
 from rlfleet.runs_client import FINAL_STATES, RunsClient, load_spec_file
@@ -32,21 +34,28 @@ REPO = Path(__file__).resolve().parents[1]
 REDIS_PREFIX = f"rlfleet-bench-async-{uuid.uuid4().hex[:8]}:"
 
 
-def timed_run(client: RunsClient, spec: RunSpec) -> list[tuple[float, int, float]]:
-    """Submits `spec` and follows it to the end; (seconds since RUNNING, step, accuracy) per evaluation."""
+def timed_run(client: RunsClient, spec: RunSpec, timeout_s: float) -> list[tuple[float, int, float]]:
+    """Submits `spec` and follows it to the end, cancelling it after `timeout_s`; (seconds since RUNNING, step,
+    accuracy) per evaluation."""
     run = client.submit(spec)
     started: float | None = None
     seen: list[tuple[float, int, float]] = []
-    for current in client.watch(run.id, timeout_s=900.0):
-        if started is None and current.state == RunState.RUN_STATE_RUNNING:
-            started = time.monotonic()
-        for ev in current.evals[len(seen) :]:
-            seen.append((time.monotonic() - (started or time.monotonic()), int(ev.step), ev.accuracy))
-            print(f"[{spec.name}] eval at step {ev.step}: accuracy {ev.accuracy:.3f} ({seen[-1][0]:.0f} s)", flush=True)
-        if current.state in FINAL_STATES:
-            if current.state != RunState.RUN_STATE_SUCCEEDED:
+    with client.cancel_after(run.id, timeout_s) as timed_out:
+        for current in client.watch(run.id, timeout_s=900.0):
+            if started is None and current.state == RunState.RUN_STATE_RUNNING:
+                started = time.monotonic()
+            for ev in current.evals[len(seen) :]:
+                seen.append((time.monotonic() - (started or time.monotonic()), int(ev.step), ev.accuracy))
+                print(
+                    f"[{spec.name}] eval at step {ev.step}: accuracy {ev.accuracy:.3f} ({seen[-1][0]:.0f} s)",
+                    flush=True,
+                )
+            if current.state in FINAL_STATES:
+                if current.state == RunState.RUN_STATE_SUCCEEDED:
+                    return seen
+                if timed_out.is_set():
+                    raise SystemExit(f"run {run.id} had not ended after {timeout_s:g} s; cancelled it")
                 raise SystemExit(f"run {run.id} ended {RunState.Name(current.state)}: {current.error}")
-            return seen
     raise SystemExit(f"run {run.id} did not end")
 
 
@@ -67,6 +76,9 @@ def main() -> int:
     parser.add_argument("--eval-every", type=int, default=4)
     parser.add_argument("--eval-size", type=int, default=100)
     parser.add_argument("--target", type=float, default=None, help="accuracy to reach (default: best both reach)")
+    parser.add_argument(
+        "--run-timeout", type=positive_float, default=1800.0, help="seconds a run may take before it is cancelled"
+    )
     args = parser.parse_args()
 
     out: Path = args.out.resolve()
@@ -101,7 +113,7 @@ def main() -> int:
                 spec.schedule.steps, spec.schedule.eval_every = args.steps, args.eval_every
                 spec.dataset.eval_size = args.eval_size
                 print(f"training with max_staleness {staleness} ({args.steps} steps)", flush=True)
-                results[staleness] = timed_run(client, spec)
+                results[staleness] = timed_run(client, spec, args.run_timeout)
                 print(f"max_staleness {staleness}: evals (seconds, step, accuracy) {results[staleness]}", flush=True)
     finally:
         delete_keys(config.resolved_redis_url(), REDIS_PREFIX)

@@ -28,10 +28,10 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlfleet.cli.arg_types import positive_float
 from rlfleet.cli.demo import delete_keys
 from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet
 from rlfleet.runs_client import FINAL_STATES, RunsClient, load_spec_file
@@ -94,29 +94,29 @@ def variant_spec(base: RunSpec, variant: Variant, model: Path, args: argparse.Na
 def train(client: RunsClient, spec: RunSpec, label: str, timeout_s: float) -> Record:
     """Submits `spec` and follows it to its end (each read of the watch is bounded, the whole run by `timeout_s`)."""
     run = client.submit(spec)
-    deadline = time.monotonic() + timeout_s
     record, last = Record(), Run()
-    for last in client.follow(run.id):
-        if last.progress.groups_produced:
-            record.rewards[int(last.progress.step)] = last.progress.mean_reward
-        if last.metrics and (not record.reports or dict(last.metrics) != record.reports[-1]):
-            metrics = dict(last.metrics)
-            record.reports.append(metrics)
-            print(
-                f"  [{label}] step report {len(record.reports)}/{last.progress.total_steps}: "
-                f"reward {metrics.get('reward_mean', 0.0):.3f} pg_clipfrac {metrics.get('pg_clipfrac', 0.0):.4f} "
-                f"logprob_diff {metrics.get('logprob_diff', 0.0):.2e} "
-                f"updates {metrics.get('optimizer_updates', 0.0):.0f} step {metrics.get('step_seconds', 0.0):.2f} s",
-                flush=True,
-            )
-        for ev in last.evals[len(record.evals) :]:
-            record.evals.append((int(ev.step), ev.accuracy))
-            print(f"  [{label}] eval at step {ev.step}: accuracy {ev.accuracy:.3f} ({ev.size} prompts)", flush=True)
-        if last.state in FINAL_STATES:
-            break
-        if time.monotonic() > deadline:
-            client.cancel(run.id)
-            raise SystemExit(f"run {run.id} ({label}) had not ended after {timeout_s:g} s; cancelled it")
+    with client.cancel_after(run.id, timeout_s) as timed_out:
+        for last in client.follow(run.id):
+            if last.progress.groups_produced:
+                record.rewards[int(last.progress.step)] = last.progress.mean_reward
+            if last.metrics and (not record.reports or dict(last.metrics) != record.reports[-1]):
+                metrics = dict(last.metrics)
+                record.reports.append(metrics)
+                print(
+                    f"  [{label}] step report {len(record.reports)}/{last.progress.total_steps}: "
+                    f"reward {metrics.get('reward_mean', 0.0):.3f} pg_clipfrac {metrics.get('pg_clipfrac', 0.0):.4f} "
+                    f"logprob_diff {metrics.get('logprob_diff', 0.0):.2e} "
+                    f"updates {metrics.get('optimizer_updates', 0.0):.0f} "
+                    f"step {metrics.get('step_seconds', 0.0):.2f} s",
+                    flush=True,
+                )
+            for ev in last.evals[len(record.evals) :]:
+                record.evals.append((int(ev.step), ev.accuracy))
+                print(f"  [{label}] eval at step {ev.step}: accuracy {ev.accuracy:.3f} ({ev.size} prompts)", flush=True)
+            if last.state in FINAL_STATES:
+                break
+    if timed_out.is_set() and last.state != RunState.RUN_STATE_SUCCEEDED:
+        raise SystemExit(f"run {run.id} ({label}) had not ended after {timeout_s:g} s; cancelled it")
     if last.state != RunState.RUN_STATE_SUCCEEDED:
         raise SystemExit(f"run {run.id} ({label}) ended {RunState.Name(last.state)}: {last.error}")
     record.wall_s = (last.finished_at.ToNanoseconds() - last.started_at.ToNanoseconds()) / 1e9
@@ -164,7 +164,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--eval-size", type=int, default=200)
-    parser.add_argument("--run-timeout", type=float, default=1800.0, help="seconds a variant's run may take")
+    parser.add_argument("--run-timeout", type=positive_float, default=1800.0, help="seconds a variant's run may take")
     args = parser.parse_args()
     variants: list[Variant] = args.variants
 

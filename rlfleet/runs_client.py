@@ -8,8 +8,11 @@ restarts (the orchestrator ends its watch streams when it stops; `rlfleet up` st
 from __future__ import annotations
 
 import builtins  # `list` names a method in RunsClient's scope
+import contextlib
 import json
+import logging
 import re
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -34,6 +37,8 @@ from rlfleet.errors import (
 )
 from rlfleet.proto_parse_errors import parse_json_message
 from rlfleet.v1.runs_pb2 import Run, RunSpec, RunState
+
+logger = logging.getLogger(__name__)
 
 STATUS_ERRORS: dict[int, type[RlfleetError]] = {400: InvalidInput, 401: Unauthenticated, 404: NotFound, 409: Conflict}
 FINAL_STATES = (RunState.RUN_STATE_SUCCEEDED, RunState.RUN_STATE_FAILED, RunState.RUN_STATE_CANCELLED)
@@ -222,6 +227,29 @@ class RunsClient:
 
     def cancel(self, run_id: str) -> Run:
         return self._run(self._request("POST", f"/v1/runs/{run_id}:cancel"))
+
+    @contextlib.contextmanager
+    def cancel_after(self, run_id: str, seconds: float) -> Iterator[threading.Event]:
+        """Cancels `run_id` if the block is still running `seconds` from now, however quiet the run is (a watch
+        of it then sees it end CANCELLED); the event it yields is set once that time came. A run may stall without a
+        change a watch would show, and keep-alives keep its watch up: a deadline checked only as changes arrive
+        would never come."""
+        due = threading.Event()
+
+        def cancel() -> None:
+            due.set()
+            try:
+                self.cancel(run_id)
+            except RlfleetError as exc:  # it ended meanwhile, or the orchestrator is away: the watch says which
+                logger.warning("could not cancel run %s after %g s: %s", run_id, seconds, exc)
+
+        timer = threading.Timer(seconds, cancel)
+        timer.daemon = True
+        timer.start()
+        try:
+            yield due
+        finally:
+            timer.cancel()
 
     def watch(self, run_id: str, timeout_s: float = WATCH_READ_TIMEOUT_S) -> Iterator[Run]:
         """The run now, then every change, until it ends; each read waits at most `timeout_s` (keep-alive

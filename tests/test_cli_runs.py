@@ -4,7 +4,8 @@ silent server (and off a terminal prints a progress line only when it changes), 
 while the run goes on (it restarts) reconnects, and says so with exit code 3 when it gives up, a server that
 never answers fails within --timeout saying the watch never started, the fleet `rlfleet up` recorded is found
 without --api, and with none recorded an unanswered default address says where it was looked for. `submit
---dry-run` prints the spec the orchestrator resolved and submits nothing."""
+--dry-run` prints the spec the orchestrator resolved and submits nothing. The client's `cancel_after` cancels a
+run still quiet past its time."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from rlfleet.errors import Unavailable
 from rlfleet.local_fleet import record_starting, remove_own_record
 from rlfleet.processes import free_port
 from rlfleet.runs_client import RunsClient, load_spec_file
-from rlfleet.v1.runs_pb2 import EvalResult, Run, RunProgress
+from rlfleet.v1.runs_pb2 import EvalResult, Run, RunProgress, RunState
 
 STALL = "no progress for 15 s at step 2 of 6: waiting for the trainer (at weight version 2)"
 PAGE_CAP = 50
@@ -84,6 +85,10 @@ WATCHES: dict[str, int] = {}
 """How many watches of each run the fake has answered."""
 
 
+CANCELS: list[str] = []
+"""The runs the fake was asked to cancel; a watch of run-0012 keeps it running (keep-alives only) until then."""
+
+
 SUBMITTED: list[dict[str, Any]] = []
 """The specs the fake was sent, as JSON."""
 VALIDATED: list[dict[str, Any]] = []
@@ -127,6 +132,8 @@ def build_api() -> FastAPI:
         script = scripts.get(run_id, [*quiet, (30.0, ": keep-alive")])
         if isinstance(script, int):
             return JSONResponse({"error": {"message": "starting"}}, status_code=script)
+        if run_id == "run-0012":
+            return StreamingResponse(quiet_until_cancelled(), media_type="text/event-stream")
 
         async def lines() -> AsyncIterator[str]:
             for delay, line in script:
@@ -134,6 +141,20 @@ def build_api() -> FastAPI:
                 yield line + "\n\n"
 
         return StreamingResponse(lines(), media_type="text/event-stream")
+
+    async def quiet_until_cancelled() -> AsyncIterator[str]:
+        yield "data: " + json.dumps(run_json(12, "RUN_STATE_RUNNING", step=2)) + "\n\n"
+        for _ in range(100):  # 10 s at most
+            if "run-0012" in CANCELS:
+                yield "data: " + json.dumps(run_json(12, "RUN_STATE_CANCELLED", step=2)) + "\n\n"
+                return
+            await asyncio.sleep(0.1)
+            yield ": keep-alive\n\n"
+
+    @app.post("/v1/runs/{run_id}:cancel")
+    async def cancel(run_id: str) -> JSONResponse:
+        CANCELS.append(run_id)
+        return JSONResponse(run_json(int(run_id.removeprefix("run-")), "RUN_STATE_CANCELLED", step=2))
 
     @app.get("/v1/runs/{run_id}")
     async def get(run_id: str) -> JSONResponse:
@@ -287,6 +308,19 @@ def test_a_watch_outlives_a_quiet_run_through_keepalives_but_not_a_silent_server
     assert [run.progress.step for run in client.watch("run-0007", timeout_s=0.3)] == [2, 2, 3, 6]
     with pytest.raises(Unavailable, match=r"nothing arrived for 0\.3 s, not even the keep-alive"):
         list(client.watch("run-0001", timeout_s=0.3))
+
+
+def test_cancel_after_cancels_a_run_that_stays_quiet_past_its_time_and_spares_one_that_ended(api: str) -> None:
+    client = RunsClient(api)
+    # Keep-alives only after its first state: nothing a deadline checked between changes would ever see.
+    with client.cancel_after("run-0012", 0.5) as due:
+        states = [run.state for run in client.watch("run-0012", timeout_s=5)]
+    assert due.is_set() and CANCELS == ["run-0012"]
+    assert states == [RunState.RUN_STATE_RUNNING, RunState.RUN_STATE_CANCELLED]
+    with client.cancel_after("run-0007", 1.5) as due:
+        assert [run.progress.step for run in client.watch("run-0007", timeout_s=5)][-1] == 6
+    time.sleep(1.5)  # past the time it had
+    assert not due.is_set() and CANCELS == ["run-0012"], "a run that ended within its time is left alone"
 
 
 def test_commands_find_the_fleet_recorded_in_the_state_dir(
