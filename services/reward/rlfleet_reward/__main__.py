@@ -104,11 +104,16 @@ async def serve(settings: RewardSettings, registry: Registry) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    pool.start()
-    metrics.watch_pool(pool)
-    if "code" in registry:
-        await asyncio.to_thread(_log_sandbox, logger)
     try:
+        try:
+            pool.start()
+        except RuntimeError as exc:  # a worker could not import the reward functions: nothing can be scored
+            await grpc_server.start()  # a grpc.aio server gives its port back only once started and stopped
+            await grpc_server.stop(None)
+            raise SystemExit(f"reward hub cannot start its worker pool: {exc}") from None
+        metrics.watch_pool(pool)
+        if "code" in registry:
+            await asyncio.to_thread(_log_sandbox, logger)
         await grpc_server.start()
         http_task = asyncio.create_task(http.serve(sockets=[http_socket]))
         stop_task = asyncio.create_task(stop.wait())
