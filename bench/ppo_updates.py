@@ -14,7 +14,8 @@ optimizer_updates of each trainer step report the run's watch shows
 (Run.metrics holds the latest step's; a watch may fold two quick changes into one, so a report can be
 missed), the trainer's step_seconds and the run's wall time (RUNNING to its end, evaluations
 included). The first variant is the baseline: the summary gives each other variant's accuracy gain
-(after - before) over the baseline's gain, and its wall time over the baseline's.
+(after - before) over the baseline's gain, and its wall time over the baseline's. A run still going
+after --run-timeout seconds (1800) is cancelled and ends the benchmark.
 
     .venv/bin/python bench/ppo_updates.py [--variants 1x1,4x1,4x1+tis,1x1+stale=1] [--steps 40] [--eval-every 10]
 """
