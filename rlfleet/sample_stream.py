@@ -97,6 +97,8 @@ return redis.call('XTRIM', KEYS[1], 'MINID', bound)
 # producer's: its id is in the id set KEYS[3]), its entry id and reason in the hash KEYS[4], which counting the lost
 # groups reads instead of every dead letter's payload. HSETNX: a move sent again after a lost reply writes a second
 # dead letter, not a second lost group. The dead letter's `lost` field says which it was (and that KEYS[4] has it).
+# Once the run has ended its stream expires (the orchestrator's data retention); keys this creates then (the first
+# dead letter, or lost group, read after the end) expire with it instead of staying for good.
 _MOVE_TO_DEAD_LETTERS = """
 local lost = ARGV[6] == '1' or (ARGV[4] ~= '' and redis.call('SISMEMBER', KEYS[3], ARGV[4]) == 1)
 redis.call('XADD', KEYS[1], '*', 'entry_id', ARGV[2], 'reason', ARGV[3], 'group_id', ARGV[4], 'payload', ARGV[5],
@@ -104,6 +106,14 @@ redis.call('XADD', KEYS[1], '*', 'entry_id', ARGV[2], 'reason', ARGV[3], 'group_
 redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
 if lost then
   redis.call('HSETNX', KEYS[4], ARGV[2], ARGV[3])
+end
+local ttl = redis.call('PTTL', KEYS[2])
+if ttl > 0 then
+  for _, key in ipairs({KEYS[1], KEYS[4]}) do
+    if redis.call('PTTL', key) == -1 then
+      redis.call('PEXPIRE', key, ttl)
+    end
+  end
 end
 return lost and 1 or 0
 """

@@ -253,6 +253,22 @@ def test_lost_groups_are_the_producers_own_dead_letters(stream: SampleStream, re
     ]
 
 
+def test_dead_letters_written_after_the_run_ended_expire_with_its_stream(
+    stream: SampleStream, redis_client: redis.Redis
+) -> None:
+    bad = make_group("run1", 0)
+    bad.samples[0].reward = float("nan")  # written past the producer's checks: untrainable, a lost group
+    redis_client.sadd(stream.ids_key, bad.group_id)
+    redis_client.xadd(stream.key, {"group_id": bad.group_id, "group": bad.SerializeToString()})
+    for key in (stream.key, stream.ids_key):  # the run ended: its data expires (run_store)
+        redis_client.expire(key, 3600)
+    assert redis_client.exists(stream.dead_key, stream.lost_key) == 0
+    assert stream.read("c", count=10) == []
+    assert [reason.split(":")[0] for _, reason in stream.lost_groups()] == ["untrainable"]
+    for key in (stream.dead_key, stream.lost_key):
+        assert 3590 < cast(int, redis_client.ttl(key)) <= 3600, key
+
+
 def test_lost_groups_are_counted_from_their_record_once_each(stream: SampleStream, redis_client: redis.Redis) -> None:
     """lost_group_count() (what each /metrics scrape of the trainer subtracts) reads no dead letter's payload but the
     oldest one's, and agrees with lost_groups(): a move retried after a lost reply counts once, with its first

@@ -9,7 +9,8 @@ Keys (under the configured prefix):
   expiring after 24 h (submit_requests.py).
 
 A run's working data (its sample stream, the stream's id set and dead letters, its data position) is given
-an expiry in the same transaction as the record that ends the run; the record stays.
+an expiry in the same transaction as the record that ends the run; the record stays. Dead letters a trainer
+writes after that take the stream's expiry (sample_stream.py).
 
 A record is changed by compare-and-set (`update`: WATCH, read, change, MULTI/EXEC, again if another writer came
 between), so two orchestrators, or an orchestrator and any other writer, never lose each other's change, and a
