@@ -18,6 +18,7 @@ from rlfleet_engine.metrics import EngineMetrics
 from rlfleet_reward.metrics import RewardMetrics
 from rlfleet_rollout.metrics import RolloutMetrics
 from rlfleet_router.metrics import RouterMetrics
+from rlfleet_router.trajectory_store import TrajectoryStore
 from rlfleet_router.workers import WorkerRegistry
 from rlfleet_trainer.metrics import TrainerMetrics
 from rlfleet_trainer.stream_lag import scrape_client
@@ -50,6 +51,11 @@ REQUIRED_PANELS = {
         "weight version",
         "router latency",
         "pauses the router ended",
+        "routing decisions",
+        "added latency",
+        "engine states",
+        "engine errors",
+        "prefix tree",
     ],
     "rlfleet-stream.json": ["lag", "produced"],
     "rlfleet-reward.json": ["per second", "errors", "latency by function", "timeouts"],
@@ -63,8 +69,10 @@ def exported() -> dict[str, str]:
     trainer = TrainerMetrics()
     # Rank 0 reads the stream lag at each scrape once it serves (no run here: NaN, no Redis asked).
     trainer.watch_stream_lag(scrape_client("redis://127.0.0.1:9"), "", lambda: None)
+    router = RouterMetrics(WorkerRegistry(failure_threshold=3, success_threshold=1), lambda: "1")
+    router.fleet.trajectories = TrajectoryStore(max_tokens=1, max_update_lag=0)  # every router has one (fleet.py)
     registries = [
-        RouterMetrics(WorkerRegistry(failure_threshold=3, success_threshold=1), lambda: "1").registry,
+        router.registry,
         RewardMetrics().registry,
         trainer.registry,
         RolloutMetrics().registry,

@@ -104,16 +104,21 @@ class FleetCollector(Collector):
                 "Trajectories evicted as stale or over the token budget.",
                 value=self.trajectories.evictions,
             )
-        if self.tree is not None:
-            yield GaugeMetricFamily(
-                "rlfleet_router_tree_tokens", "Tokens held by the cache-aware prefix tree.", value=self.tree.tokens
-            )
-            yield GaugeMetricFamily("rlfleet_router_tree_nodes", "Nodes of the prefix tree.", value=self.tree.nodes)
-            yield CounterMetricFamily(
-                "rlfleet_router_tree_evictions",
-                "Prefixes evicted from the tree to keep it within its token budget.",
-                value=self.tree.evictions,
-            )
+        # Exported under every policy (0 without a tree), so a dashboard shows the same series whatever routes.
+        tree = self.tree
+        yield GaugeMetricFamily(
+            "rlfleet_router_tree_tokens",
+            "Tokens held by the cache-aware prefix tree (0 under a policy without one).",
+            value=tree.tokens if tree is not None else 0,
+        )
+        yield GaugeMetricFamily(
+            "rlfleet_router_tree_nodes", "Nodes of the prefix tree.", value=tree.nodes if tree is not None else 0
+        )
+        yield CounterMetricFamily(
+            "rlfleet_router_tree_evictions",
+            "Prefixes evicted from the tree to keep it within its token budget.",
+            value=tree.evictions if tree is not None else 0,
+        )
         if self.chars_per_token is not None:
             yield GaugeMetricFamily(
                 "rlfleet_router_chars_per_token",
