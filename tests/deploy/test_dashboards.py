@@ -41,6 +41,8 @@ REQUIRED_PANELS = {
         "step time",
         "tokens",
         "staleness",
+        "pass@k",
+        "checkpoint time",
     ],
     "rlfleet-fleet.json": [
         "routing",
@@ -58,7 +60,7 @@ REQUIRED_PANELS = {
         "prefix tree",
     ],
     "rlfleet-stream.json": ["lag", "produced"],
-    "rlfleet-reward.json": ["per second", "errors", "latency by function", "timeouts"],
+    "rlfleet-reward.json": ["per second", "errors", "latency by function", "timeouts", "waiting for a worker"],
 }
 
 
