@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import time
 import uuid
@@ -24,9 +22,9 @@ from pathlib import Path
 
 from rlfleet.cli.arg_types import positive_float
 from rlfleet.cli.demo import delete_keys
+from rlfleet.cli.steps import warm_start
 from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet
 from rlfleet.runs_client import FINAL_STATES, RunsClient, load_spec_file
-from rlfleet.tiny_model import create_tiny_model
 from rlfleet.v1.runs_pb2 import RunSpec, RunState
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,6 +64,10 @@ def time_to(evals: list[tuple[float, int, float]], target: float) -> tuple[float
     return reached
 
 
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(".rlfleet/bench-async"))
@@ -85,16 +87,9 @@ def main() -> int:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     base = load_spec_file(args.spec)
-    create_tiny_model(out / "base")
-    arith = base.dataset.arithmetic
-    subprocess.run(
-        [sys.executable, "-m", "rlfleet_trainer", "sft", "--model-path", str(out / "base"), "--out", str(out / "sft"),
-         "--steps", str(args.sft_steps), "--digits", str(arith.digits or 2), "--ops", arith.ops or "+",
-         "--seed", str(base.trainer.seed)],
-        check=True, timeout=1800, env={**os.environ, "RLFLEET_LOG_FORMAT": "text"},
-    )  # fmt: skip
+    sft = warm_start(base, out, args.sft_steps, ("making the tiny model", "warm-starting it with SFT"), say)
     config = FleetConfig(
-        model_path=out / "sft",
+        model_path=sft,
         engines=args.engines,
         state_dir=out / "fleet",
         ports=FleetPorts.free(args.engines),
@@ -108,7 +103,7 @@ def main() -> int:
                 spec = RunSpec()
                 spec.CopyFrom(base)
                 spec.name = f"async-speedup-s{staleness}"
-                spec.model.path = spec.model.tokenizer_path = str(out / "sft")
+                spec.model.path = spec.model.tokenizer_path = str(sft)
                 spec.rollout.max_staleness = staleness
                 spec.schedule.steps, spec.schedule.eval_every = args.steps, args.eval_every
                 spec.dataset.eval_size = args.eval_size

@@ -24,19 +24,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlfleet.cli.arg_types import positive_float
 from rlfleet.cli.demo import delete_keys
+from rlfleet.cli.steps import warm_start
 from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet
 from rlfleet.runs_client import FINAL_STATES, RunsClient, load_spec_file
-from rlfleet.tiny_model import create_tiny_model
 from rlfleet.v1.runs_pb2 import Run, RunSpec, RunState
 
 REPO = Path(__file__).resolve().parents[1]
@@ -150,6 +148,10 @@ def summarize(variant: Variant, record: Record, steps: int) -> dict:
     }
 
 
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(".rlfleet/bench-ppo-updates"))
@@ -173,24 +175,16 @@ def main() -> int:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     base = load_spec_file(args.spec)
-    print(f"making the tiny model and warm-starting it ({args.sft_steps} SFT steps) in {out}", flush=True)
-    create_tiny_model(out / "base")
-    arith = base.dataset.arithmetic
-    subprocess.run(
-        [sys.executable, "-m", "rlfleet_trainer", "sft", "--model-path", str(out / "base"), "--out", str(out / "sft"),
-         "--steps", str(args.sft_steps), "--digits", str(arith.digits or 2), "--ops", arith.ops or "+",
-         "--seed", str(base.trainer.seed)],
-        check=True, timeout=1800, env={**os.environ, "RLFLEET_LOG_FORMAT": "text"},
-    )  # fmt: skip
+    sft = warm_start(base, out, args.sft_steps, ("making the tiny model", "warm-starting it with SFT"), say)
     config = FleetConfig(
-        model_path=out / "sft",
+        model_path=sft,
         engines=args.engines,
         state_dir=out / "fleet",
         ports=FleetPorts.free(args.engines),
         redis_prefix=REDIS_PREFIX,
     )
     delete_keys(config.resolved_redis_url(), REDIS_PREFIX)  # runs a killed earlier bench left queued
-    specs = {v.name: variant_spec(base, v, out / "sft", args) for v in variants}
+    specs = {v.name: variant_spec(base, v, sft, args) for v in variants}
     records: dict[str, Record] = {}
     try:
         with LocalFleet(config) as fleet:

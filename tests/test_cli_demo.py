@@ -196,7 +196,7 @@ def test_a_spec_the_fleet_would_refuse_is_refused_before_any_work(
     def no_model(*args: object) -> None:
         raise AssertionError("the demo made its model for a spec its fleet would refuse")
 
-    monkeypatch.setattr("rlfleet.cli.demo.write_tiny_model", no_model)
+    monkeypatch.setattr("rlfleet.cli.demo.warm_start", no_model)
     out = tmp_path / "demo"
     assert main(["demo", "--out", str(out), "--spec", str(spec)]) == 2
     error = capsys.readouterr().err

@@ -20,7 +20,6 @@ import argparse
 import json
 import shutil
 import signal
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -30,12 +29,12 @@ import redis
 from rlfleet.cli.arg_types import positive_int
 from rlfleet.cli.fleet import check_redis_url
 from rlfleet.cli.runs import progress_line
-from rlfleet.cli.steps import StepFailed, run_step, write_tiny_model
+from rlfleet.cli.steps import StepFailed, warm_start
 from rlfleet.cli.stop_signals import StopSignal, raise_on_signals, stop_on_signals
 from rlfleet.errors import InvalidInput
 from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet, record_starting, remove_own_record, running_fleet
 from rlfleet.local_spec_check import check_spec_here
-from rlfleet.processes import ServiceStartError, StartInterrupted, command_line
+from rlfleet.processes import ServiceStartError, StartInterrupted
 from rlfleet.redis_claim import refuse_if_held
 from rlfleet.runs_client import FINAL_STATES, RunsClient, load_spec_file
 from rlfleet.v1.runs_pb2 import Run, RunSpec, RunState
@@ -44,8 +43,6 @@ REPO = Path(__file__).resolve().parents[2]
 MARKER = ".rlfleet-demo"
 """Written first into the demo directory: only a directory holding it is deleted without --overwrite."""
 DEMO_OUTPUTS = frozenset({MARKER, "base", "sft", "fleet", "summary.json"})
-SFT_TIMEOUT_S = 1800.0
-"""Bound on the SFT warm start: its default 400 steps take minutes on two busy cores."""
 
 
 def register(areas: argparse._SubParsersAction) -> None:
@@ -108,23 +105,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def prepare(args: argparse.Namespace, spec: RunSpec, out: Path) -> LocalFleet:
     """Steps 1-2, the tiny model and its SFT warm start, and the fleet that is to serve it (not started)."""
-    say("1/5 creating the tiny model")
-    write_tiny_model("1/5 creating the tiny model", out / "base")
-    say(f"2/5 SFT warm start ({args.sft_steps} steps)")
-    arith = spec.dataset.arithmetic
-    sft = command_line(
-        sys.executable,
-        "-m",
-        "rlfleet_trainer",
-        "sft",
-        model_path=out / "base",
-        out=out / "sft",
-        steps=args.sft_steps,
-        digits=arith.digits or 2,
-        ops=arith.ops or "+",
-        seed=spec.trainer.seed,
-    )
-    run_step("2/5 SFT warm start", sft, timeout_s=SFT_TIMEOUT_S)
+    warm_start(spec, out, args.sft_steps, ("1/5 creating the tiny model", "2/5 SFT warm start"), say)
     say("3/5 bringing the fleet up (engines, router, reward hub, trainer, orchestrator)")
     return LocalFleet(fleet_config(args, out))
 

@@ -11,12 +11,17 @@ import os
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from rlfleet.errors import RlfleetError
+from rlfleet.processes import command_line
+from rlfleet.v1.runs_pb2 import RunSpec
 
 MODEL_TIMEOUT_S = 600.0
 """Bound on writing the tiny model (seconds on an idle machine; importing torch is most of it)."""
+SFT_TIMEOUT_S = 1800.0
+"""Bound on the SFT warm start: its default 400 steps take minutes on two busy cores."""
 
 
 class StepFailed(RlfleetError):
@@ -44,3 +49,26 @@ def write_tiny_model(name: str, out: Path, quiet: bool = False) -> None:
     output is shown, when `quiet`, only if it fails)."""
     argv = [sys.executable, "-m", "rlfleet.cli", "model", "init", "--out", str(out)]
     run_step(name, argv, MODEL_TIMEOUT_S, quiet=quiet)
+
+
+def warm_start(spec: RunSpec, out: Path, sft_steps: int, names: tuple[str, str], say: Callable[[str], None]) -> Path:
+    """The tiny model in `out`/base, then its SFT warm start on `spec`'s arithmetic task (its digits, operators and
+    seed) in `out`/sft, which it returns; `names` are the two steps' names, told to `say` as each starts."""
+    say(names[0])
+    write_tiny_model(names[0], out / "base")
+    say(f"{names[1]} ({sft_steps} steps)")
+    arith = spec.dataset.arithmetic
+    sft = command_line(
+        sys.executable,
+        "-m",
+        "rlfleet_trainer",
+        "sft",
+        model_path=out / "base",
+        out=out / "sft",
+        steps=sft_steps,
+        digits=arith.digits or 2,
+        ops=arith.ops or "+",
+        seed=spec.trainer.seed,
+    )
+    run_step(names[1], sft, timeout_s=SFT_TIMEOUT_S)
+    return out / "sft"
