@@ -187,7 +187,9 @@ def serve(settings: TrainerSettings) -> int:
             ranks.follow()  # any other failure here ends the process; torchrun then stops the other ranks
     except RanksBroken:
         leave_now(ranks.broken)
-    return leave_group(ranks)
+    if not ranks.close():
+        leave_now(ranks.broken)
+    return left_group(ranks)
 
 
 def serve_api(settings: TrainerSettings, ranks: RankGroup, registry: CollectorRegistry) -> int:
@@ -267,17 +269,15 @@ def serve_api(settings: TrainerSettings, ranks: RankGroup, registry: CollectorRe
         asyncio.run(run_servers())
     finally:
         # Bounded: a step still running past --shutdown-timeout-s is abandoned, not waited for.
-        if not ranks.stop(RELEASE_WAIT_S):
+        if not (ranks.stop(RELEASE_WAIT_S) and ranks.close()):
             leave_now(ranks.broken)
-    return leave_group(ranks)
+    return left_group(ranks)
 
 
-def leave_group(ranks: RankGroup) -> int:
-    """Meets the other ranks at the last barrier and leaves the process group, then ends the process (status 0).
-    A torchrun rank then skips Python's teardown, which can still abort it ("terminate called without an active
+def left_group(ranks: RankGroup) -> int:
+    """Status 0, once every rank met the others at the last barrier and left the process group (`RankGroup.close`).
+    A torchrun rank then ends at once: Python's teardown can still abort it ("terminate called without an active
     exception": a thread of the torn-down group destroyed while joinable) and turn a clean stop into status -6."""
-    if not ranks.close():
-        leave_now(ranks.broken)
     if ranks.distributed:
         exit_now(0)
     return 0
