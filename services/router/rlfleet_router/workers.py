@@ -149,10 +149,13 @@ class WorkerRegistry:
         return worker, True
 
     def get(self, key: str) -> Worker:
-        """By id, or by URL (sglang-router's older API names workers by URL)."""
+        """By id, or by URL in any spelling `add` takes for it (sglang-router's older API names workers by URL)."""
         if key in self._workers:
             return self._workers[key]
-        url = key.strip().rstrip("/")
+        try:
+            url = normalize_worker_url(key)
+        except InvalidInput:  # neither an id nor a URL: no worker has it
+            url = ""
         for worker in self._workers.values():
             if worker.url == url:
                 return worker

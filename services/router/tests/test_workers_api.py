@@ -52,3 +52,19 @@ def test_bad_worker_requests_are_4xx(start_router: Callable[..., RunningRouter])
     unknown = router.client.delete("/workers/no-such-worker")
     assert unknown.status_code == 404 and "no-such-worker" in unknown.json()["error"]["message"]
     assert router.client.get("/workers/no-such-worker").status_code == 404
+
+
+def test_a_worker_is_found_by_the_url_it_was_added_with(start_router: Callable[..., RunningRouter]) -> None:
+    """The fleet keeps one spelling of each URL (lower-case scheme and host, no default port); before, GET and
+    DELETE compared the key with that spelling as given, and answered 404 for the URL the worker was added with."""
+    router = start_router([])
+    for given, kept in (
+        ("HTTP://Engine-A:30001", "http://engine-a:30001"),
+        ("http://127.0.0.1:80/", "http://127.0.0.1"),
+    ):
+        added = router.client.post("/workers", json={"url": given})
+        assert added.status_code == 202 and added.json()["url"] == kept
+        assert router.client.get(f"/workers/{quote(given, safe='')}").json()["url"] == kept
+        assert router.client.delete(f"/workers/{quote(given, safe='')}").status_code == 200
+    assert router.client.get("/workers").json() == {"workers": [], "total": 0}
+    assert router.client.get(f"/workers/{quote('http://[::1', safe='')}").status_code == 404
