@@ -125,8 +125,9 @@ class RouterConfig(BaseSettings):
         2**23,
         ge=1,
         description="Token budget of the trajectory cache (least recently used trajectories go first). A token costs "
-        "about 12 bytes of router memory (4 in a prompt, 13 in a response, plus about 0.3 KB a turn): the default "
-        "holds about 100 MiB, leaving a 1 GiB router room for the cache_aware prefix tree (about 80 MiB by default).",
+        "about 12 bytes of router memory (4 in a prompt, 13 in a response); each trajectory is also charged 64 tokens "
+        "for its entry and 32 for each turn's record. The default holds about 100 MiB, leaving a 1 GiB router room "
+        "for the cache_aware prefix tree (about 80 MiB by default).",
     )
     trajectory_max_update_lag: int = Field(
         1, ge=0, description="Fleet weight updates after its last turn before a trajectory is evicted as stale."

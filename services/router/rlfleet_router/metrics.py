@@ -96,7 +96,7 @@ class FleetCollector(Collector):
             )
             yield GaugeMetricFamily(
                 "rlfleet_router_trajectory_tokens",
-                "Tokens held by the trajectory cache.",
+                "Tokens charged to the trajectory cache's budget: the ids it holds, 64 a trajectory and 32 a turn.",
                 value=self.trajectories.tokens,
             )
             yield CounterMetricFamily(

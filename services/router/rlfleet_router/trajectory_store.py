@@ -18,7 +18,10 @@ one with the model's earlier outputs inside its prompt.
 
 Ids are kept as 32-bit integers, logprobs as doubles (exactly as the engine sent them) and the mask as bytes:
 a stored token costs 4 bytes in the prompt and 13 in the response (lists of Python objects cost about 60).
-Memory is bounded by a token budget (least recently used trajectories go first) and by staleness:
+Memory is bounded by a token budget (least recently used trajectories go first), which also charges each
+trajectory for its entry and every turn's record (as 64 and 32 tokens), so trajectories with few tokens (a first
+turn that was lost, a diverged one taking turns) cannot pile up under it; a diverged trajectory gives back its
+tokens and records at once, since it can never be read. Memory is bounded by staleness as well:
 each trajectory remembers the fleet's weight update count at its last turn, and trajectories more
 than `max_update_lag` updates behind are dropped when the fleet loads new weights.
 """
@@ -52,6 +55,10 @@ class Turn:
 
 # Ids are stored in 32 bits; callers check them against this first (array raises OverflowError).
 TOKEN_ID_LIMIT = 2**31
+# What the budget charges, in stored tokens of about 12 bytes, for a trajectory's entry (about 0.7 KB of Python
+# objects) and for each turn's record (about 0.35 KB).
+ENTRY_TOKENS = 64
+TURN_TOKENS = 32
 
 
 def token_ids(ids: tuple[int, ...] = ()) -> array[int]:
@@ -73,7 +80,18 @@ class Trajectory:
 
     @property
     def tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.response_ids)
+        """What the store's budget charges: the ids held, plus the entry and each turn's record."""
+        return len(self.prompt_ids) + len(self.response_ids) + ENTRY_TOKENS + TURN_TOKENS * len(self.turns)
+
+    def diverge(self, reason: str) -> None:
+        """Marks the trajectory unreadable for `reason` and lets go of what it held: it can never be read again."""
+        self.diverged = reason
+        self.prompt_ids = token_ids()
+        self.response_ids = token_ids()
+        self.logprobs = array("d")
+        self.loss_mask = bytearray()
+        self.turns = []
+        self.weight_versions = []
 
     def describe(self) -> dict[str, object]:
         return {
@@ -114,18 +132,18 @@ class TrajectoryStore:
             trajectory.response_ids += between + token_ids(turn.output_ids)
             trajectory.logprobs += array("d", [0.0]) * len(between) + array("d", turn.output_logprobs)
             trajectory.loss_mask += bytes(len(between)) + b"\x01" * len(turn.output_ids)
-        trajectory.turns.append(
-            {
-                "rid": turn.rid,
-                "engine": turn.engine,
-                "weight_version": turn.weight_version,
-                "prompt_tokens": len(turn.prompt_ids),
-                "output_tokens": len(turn.output_ids),
-            }
-        )
-        for version in turn.weight_versions or (turn.weight_version,):
-            if version not in trajectory.weight_versions:
-                trajectory.weight_versions.append(version)
+            trajectory.turns.append(
+                {
+                    "rid": turn.rid,
+                    "engine": turn.engine,
+                    "weight_version": turn.weight_version,
+                    "prompt_tokens": len(turn.prompt_ids),
+                    "output_tokens": len(turn.output_ids),
+                }
+            )
+            for version in turn.weight_versions or (turn.weight_version,):
+                if version not in trajectory.weight_versions:
+                    trajectory.weight_versions.append(version)
         trajectory.fleet_update = fleet_update
         trajectory.updated_at = time.time()
         self._entries[trajectory_id] = trajectory
@@ -142,11 +160,10 @@ class TrajectoryStore:
         else:
             self.tokens -= trajectory.tokens
         if trajectory.diverged is None:
-            trajectory.diverged = (
+            trajectory.diverge(
                 f"turn {len(trajectory.turns) + 1} (rid {rid!r}) ran on {engine}, but its answer could not be "
                 f"recorded: {reason}"
             )
-        trajectory.turns.append({"rid": rid, "engine": engine, "recorded": False})
         trajectory.fleet_update = fleet_update
         trajectory.updated_at = time.time()
         self._entries[trajectory_id] = trajectory
@@ -193,7 +210,7 @@ class TrajectoryStore:
             return prompt[len(so_far) :]
         common = min(len(so_far), len(prompt))
         at = next((i for i in range(common) if so_far[i] != prompt[i]), common)
-        trajectory.diverged = (
+        trajectory.diverge(
             f"the prompt of turn {len(trajectory.turns) + 1} (rid {turn.rid!r}) differs from the trajectory so far "
             f"at token {at} of {len(so_far)}; send each turn's prompt as the previous prompt + output + new tokens"
         )

@@ -11,7 +11,7 @@ import pytest
 
 from rlfleet.errors import Conflict, InvalidInput, NotFound
 from rlfleet_router.trajectory_capture import check_trajectory_request, turn_from_answer
-from rlfleet_router.trajectory_store import TrajectoryStore, Turn
+from rlfleet_router.trajectory_store import ENTRY_TOKENS, TURN_TOKENS, TrajectoryStore, Turn
 
 
 def turn(prompt: list[int], output: list[int], version: str = "1") -> Turn:
@@ -64,15 +64,32 @@ def test_a_turn_the_router_could_not_read_makes_the_trajectory_a_conflict(lost_t
 
 
 def test_budget_evicts_least_recently_used_and_updates_evict_stale() -> None:
-    store = TrajectoryStore(max_tokens=10, max_update_lag=1)
+    record = ENTRY_TOKENS + TURN_TOKENS  # what a one-turn trajectory is charged besides its ids
+    store = TrajectoryStore(max_tokens=10 + 2 * record, max_update_lag=1)
     store.record("old", turn([1, 2, 3], [4, 5]), fleet_update=0)
     store.record("new", turn([6, 7, 8], [9]), fleet_update=1)
     store.record("newest", turn([1, 1], [2]), fleet_update=1)
     with pytest.raises(NotFound):
         store.get("old")
-    assert store.tokens == 7 and store.evictions == 1
+    assert store.tokens == 7 + 2 * record and store.evictions == 1
     assert store.evict_stale(fleet_update=2) == 0
     assert store.evict_stale(fleet_update=3) == 2 and len(store) == 0 and store.tokens == 0
+
+
+def test_trajectories_without_tokens_are_charged_for_their_records() -> None:
+    """Before, a trajectory whose first answer was lost held 0 tokens and a diverged one took turn records
+    without tokens, so neither counted against the budget: 10,000 of them stayed under a 100-token budget."""
+    store = TrajectoryStore(max_tokens=100 * ENTRY_TOKENS, max_update_lag=1)
+    for i in range(10_000):
+        store.record_lost(f"lost-{i}", f"r{i}", "http://e", "answer unreadable", fleet_update=0)
+    assert len(store) == 100 and store.tokens == 100 * ENTRY_TOKENS
+    store.record("t", turn([1, 2], [3]), fleet_update=0)
+    for _ in range(1000):  # every later prompt rewrites history: diverged, each turn is dropped
+        store.record("t", turn([9, 9, 9, 9], [3]), fleet_update=0)
+    with pytest.raises(Conflict, match="turn 2 "):
+        store.get("t")
+    # "t" took the room of two lost ones; diverged, it is charged for its entry alone, whatever turns followed.
+    assert len(store) == 99 and store.tokens == 99 * ENTRY_TOKENS
 
 
 def test_an_answer_lists_the_versions_that_sampled_it() -> None:
@@ -139,5 +156,5 @@ def test_the_store_keeps_a_token_in_a_few_bytes() -> None:
         held = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
-    assert store.tokens == 20 * 3600
+    assert store.tokens == 20 * (3600 + ENTRY_TOKENS + 4 * TURN_TOKENS)
     assert held / store.tokens < 16, f"{held / store.tokens:.1f} bytes a token"
