@@ -165,6 +165,8 @@ class _Command:
     """HTTP URL answering 200 once the service is up, or the Redis URL of the fleet's Redis."""
     ports: dict[int, str]
     """Every port the service binds, with what listens there (for errors)."""
+    env: dict[str, str]
+    """The service's own environment, under the fleet's `env`."""
 
 
 def router_policy(engine_backend: str) -> str:
@@ -336,6 +338,7 @@ class LocalFleet:
             command_line(py, "-m", "rlfleet_reward", host=c.host, port=p.reward, grpc_port=p.reward_grpc),
             f"{self.reward_url}/health",
             {p.reward: "reward hub HTTP", p.reward_grpc: "reward hub gRPC"},
+            {"RLFLEET_REWARD_JUDGE_ROUTER_URLS": json.dumps([self.router_url])},  # `judge` grades on this fleet
         )
         self._spawn(
             "trainer",
@@ -389,19 +392,22 @@ class LocalFleet:
             raise KeyError(f"{name!r} is not a service this fleet started; it has {sorted(self._commands)}")
         command = self._commands[name]
         self.processes[name].stop(timeout=stop_timeout_s(name))
-        self._spawn(name, command.argv, command.health_url, command.ports)
+        self._spawn(name, command.argv, command.health_url, command.ports, command.env)
         self._wait(name)
         self._write_state()
 
-    def _spawn(self, name: str, argv: list[str], health_url: str, ports: dict[int, str]) -> None:
+    def _spawn(
+        self, name: str, argv: list[str], health_url: str, ports: dict[int, str], env: dict[str, str] | None = None
+    ) -> None:
         """Starts `name` once its ports are free (another process may have taken one since the check at the
         start), and records it in fleet.json at once, so `rlfleet down` can stop it even mid-start."""
         if self.stopping.is_set():
             raise StartInterrupted(f"stopped before {name} started")
         check_ports_free(self.config.host, ports)
-        env = {"RLFLEET_LOG_FORMAT": "text", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.config.env}
-        self._commands[name] = _Command(argv, health_url, ports)
-        self.processes[name] = ServiceProcess(name, argv, self.log_dir / f"{name}.log", env=env)
+        own = env or {}
+        full = {"RLFLEET_LOG_FORMAT": "text", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **own, **self.config.env}
+        self._commands[name] = _Command(argv, health_url, ports, own)
+        self.processes[name] = ServiceProcess(name, argv, self.log_dir / f"{name}.log", env=full)
         self._started[name] = start_time(self.processes[name].pid)
         self._write_state()
 

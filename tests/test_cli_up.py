@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 
@@ -310,6 +311,11 @@ def test_a_fleet_whose_up_was_killed_is_kept_from_a_second_up_and_down_stops_it_
             assert up.poll() is None, f"rlfleet up exited with {up.returncode}: {up.communicate()}"
             assert time.monotonic() < deadline, "the fleet was not up within 300 s"
             time.sleep(0.5)
+        # Its reward hub lets `judge` grade on this fleet's router (on free ports, not the default 30000).
+        record = json.loads((state_dir / "fleet.json").read_text())
+        judge = {"function": "judge", "params": {"router_url": record["router_url"]}}
+        checked = httpx.post(f"{record['reward_url']}/validate", json={"spec": {"terms": [judge]}}, timeout=30)
+        assert checked.json() == {"problems": []}, checked.text
         up.kill()  # `up` alone: its services run on, in sessions of their own
         up.wait(timeout=10)
         recorded = (state_dir / "fleet.json").read_text()

@@ -12,7 +12,8 @@ backtracks for minutes (`(a+)+b` on a run of `a`s) would hold the event loop, wh
 it; in a worker it is an item TIMEOUT like any other function that runs too long.
 
 `router_url` must be one of the hub's `RLFLEET_REWARD_JUDGE_ROUTER_URLS` (by default the local fleet's
-router, http://127.0.0.1:30000), so a spec cannot point the hub's POSTs at another service.
+router, http://127.0.0.1:30000; `rlfleet up` lists its own), so a spec cannot point the hub's POSTs at another
+service; left out, it is the first router listed.
 """
 
 from __future__ import annotations
@@ -34,13 +35,19 @@ DEFAULT_TEMPLATE = (
 _FIELDS = re.compile(r"\{(prompt|response|label)\}")
 
 
+def first_listed_router() -> AnyHttpUrl:
+    """`router_url`'s default: the first router the hub lists (the fleet's own, wherever it runs)."""
+    listed = spec_caps().judge_router_urls
+    return listed[0] if listed else AnyHttpUrl(DEFAULT_ROUTER_URL)
+
+
 class JudgeParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     router_url: AnyHttpUrl = Field(
-        default=AnyHttpUrl(DEFAULT_ROUTER_URL),
-        validate_default=True,  # the operator may list other routers than the default
-        description="The router, one the hub lists in RLFLEET_REWARD_JUDGE_ROUTER_URLS.",
+        default_factory=lambda: first_listed_router(),
+        validate_default=True,  # a hub that lists no router refuses the default too, saying so
+        description="The router, one the hub lists in RLFLEET_REWARD_JUDGE_ROUTER_URLS (default: the first listed).",
     )
     template: str = Field(default=DEFAULT_TEMPLATE, max_length=100_000, description="The judge's prompt.")
     verdict_pattern: str = Field(default=r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)", description="Regex, one group.")

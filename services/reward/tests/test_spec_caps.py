@@ -18,6 +18,7 @@ from rlfleet.errors import InvalidInput
 from rlfleet.v1 import reward_pb2
 from rlfleet_reward.config import RewardSettings
 from rlfleet_reward.http_retry import MAX_ANSWER_BYTES, close_clients, post_json
+from rlfleet_reward.llm_judge import JudgeParams
 from rlfleet_reward.scoring import Scorer
 
 WithScorer = Callable[..., Any]
@@ -123,9 +124,14 @@ def test_judge_posts_only_to_listed_routers(with_scorer: WithScorer, monkeypatch
         found = problems(with_scorer, {"function": "judge", "params": {"router_url": router_url}})
         assert [field for field, _ in found] == ["terms[0].params.router_url"], (router_url, found)
         assert "RLFLEET_REWARD_JUDGE_ROUTER_URLS" in found[0][1]
-    monkeypatch.setenv("RLFLEET_REWARD_JUDGE_ROUTER_URLS", '["http://router:30000/"]')
+    monkeypatch.setenv("RLFLEET_REWARD_JUDGE_ROUTER_URLS", '["http://router:30000/", "http://router-b:30000"]')
     assert problems(with_scorer, {"function": "judge", "params": {"router_url": "http://router:30000"}}) == []
-    assert problems(with_scorer, {"function": "judge"}) != []
+    # Left out, router_url is the first router listed (before, 127.0.0.1:30000, refused here).
+    assert problems(with_scorer, {"function": "judge"}) == []
+    assert str(JudgeParams().router_url) == "http://router:30000/"
+    monkeypatch.setenv("RLFLEET_REWARD_JUDGE_ROUTER_URLS", "[]")
+    found = problems(with_scorer, {"function": "judge"})
+    assert [field for field, _ in found] == ["terms[0].params.router_url"] and "none" in found[0][1], found
 
 
 @pytest.fixture
