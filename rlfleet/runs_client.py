@@ -149,7 +149,10 @@ class RunsClient:
         self.timeout_s = timeout_s
         self.unreachable_hint = unreachable_hint
         self.not_runs_api_hint = not_runs_api_hint
-        self.http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=bearer_headers(token))
+        try:
+            self.http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=bearer_headers(token))
+        except httpx.InvalidURL as exc:
+            raise InvalidInput(f"{base_url!r} is not an address of the Runs API ({exc}){unreachable_hint}") from exc
 
     def close(self) -> None:
         self.http.close()
@@ -334,7 +337,14 @@ class RunsClient:
             silent = f"the orchestrator at {self.base_url} did not answer: {exc}"
             raise Unavailable(silent + self.unreachable_hint) from exc
         self._raise_for(response)
-        return response.json()
+        try:
+            return response.json()
+        except ValueError as exc:  # a web server of another kind answered
+            request = response.request
+            raise RlfleetError(
+                f"{self.base_url} does not serve the Runs API ({request.method} {request.url.path} answered "
+                f"{response.status_code} with something other than JSON)" + self.not_runs_api_hint
+            ) from exc
 
     def _raise_for(self, response: httpx.Response) -> None:
         if response.status_code < 400:

@@ -24,7 +24,7 @@ import pytest
 import uvicorn
 import yaml
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
 from rlfleet.cli.main import main
 from rlfleet.cli.runs import progress_line
@@ -98,6 +98,10 @@ NO_STEPS = {"kind": "invalid_input", "message": "schedule.steps: is required: se
 
 def build_api() -> FastAPI:
     app = FastAPI()
+
+    @app.get("/site/{page:path}")  # a web server of another kind: a page for every path
+    async def page(page: str) -> HTMLResponse:
+        return HTMLResponse(f"<html><body>{page}</body></html>")
 
     @app.get("/v1/runs")
     async def list_runs(page_size: int = 0, page_token: str = "", state: str = "") -> JSONResponse:
@@ -240,6 +244,39 @@ def test_an_api_url_that_does_not_serve_the_runs_api_is_named_as_such(
     error = capsys.readouterr().err
     assert error.startswith(f"rlfleet: error: {elsewhere} does not serve the Runs API ("), error
     assert f"--api wants the orchestrator's REST URL (api_url in {tmp_path / 'fleet.json'})" in error
+
+
+def test_a_server_answering_other_than_json_is_named_as_no_runs_api(
+    api: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Before, only the JSON decoder spoke: `rlfleet: error: Expecting value: line 1 column 1 (char 0)`."""
+    elsewhere = f"{api}/site"
+    assert main(["runs", "--api", elsewhere, "--state-dir", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(
+        f"rlfleet: error: {elsewhere} does not serve the Runs API (GET /site/v1/runs answered 200 with something "
+        "other than JSON); --api wants the orchestrator's REST URL"
+    ), error
+
+
+@pytest.mark.parametrize("source", ["--api", "$RLFLEET_API_URL", "fleet.json"])
+def test_a_malformed_address_is_one_line_naming_where_it_came_from(
+    source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Before, a traceback (httpx.InvalidURL) and exit 1, which `watch` gives a failed run."""
+    bad = "http://127.0.0.1:80a0"
+    argv = ["cancel", "run-0007", "--state-dir", str(tmp_path)]
+    if source == "--api":
+        argv += ["--api", bad]
+    elif source == "$RLFLEET_API_URL":
+        monkeypatch.setenv("RLFLEET_API_URL", bad)
+    else:
+        (tmp_path / "fleet.json").write_text(json.dumps({"pid": 1, "state": "up", "api_url": bad, "processes": {}}))
+        source = f"api_url in {tmp_path / 'fleet.json'}"
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"rlfleet: error: {bad!r} is not an address of the Runs API ("), error
+    assert error.rstrip().endswith(f"the address came from {source}") and "Traceback" not in error, error
 
 
 def test_a_run_the_orchestrator_does_not_hold_is_not_found(api: str, capsys: pytest.CaptureFixture) -> None:
