@@ -2,13 +2,15 @@
 
 The label is the reference answer itself. math-verify reads a text by searching it for its answer, which
 misreads a bare expression: `2\\pi` reads as 2, `[0, 1)` as 1, and `(x+1)^2` or `\\frac12` as nothing.
-So a label without `$`, `\\(`, `\\[` or `\\boxed` is read as `\\boxed{label}`, whole (as verl does); one that
-has them, or is a sentence, is read the way a response is. An escaped `\\$` is a dollar sign, not math
-mode (`\\$1.17`), and words inside `\\text{...}` are not a sentence (`\\text{no solution}`).
+So a label without `$`, `\\(`, `\\[` or `\\boxed` is read as `\\boxed{label}`, whole (as verl does), less a
+period closing it (`10.`: the sentence's, not the number's); one that has them, or is a sentence, is read the
+way a response is. An escaped `\\$` is a dollar sign, not math mode (`\\$1.17`), and words inside
+`\\text{...}` are not a sentence (`\\text{no solution}`).
 
 A response's answer is its last `\\boxed{...}`, as for `boxed`: math-verify would read every box in it as
 one set, so a response that tries 3 and then settles on 4 would match neither. A period closing the box
-(`\\boxed{12.}`: the sentence's, not the number's) is dropped. A response without a box is searched whole.
+(`\\boxed{12.}`) is dropped, as math-verify reads `12.` as no number. A response without a box is searched
+whole.
 
 math-verify bounds its own parsing and comparison with `signal.alarm`, which works only in a
 process's main thread: the hub calls reward functions in the main thread of its worker processes.
@@ -41,18 +43,20 @@ _DELIMITED = re.compile(r"(?<!\\)\$|\\\(|\\\[|\\boxed")
 # letters and match nothing. Words in `\text{...}` are part of the answer, so they are left out of the test.
 _SENTENCE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}\s+[A-Za-z]{2,}")
 _TEXT = re.compile(r"\\(?:text|textbf|textit|mathrm|mbox)\{[^{}]*\}")
+# A period ending a bare label (`10.`, `3.5.`), not the dots of `1, 2, \\ldots` written `...`.
+_CLOSING_PERIOD = re.compile(r"(?<=[^.\s])\.\s*$")
 
 
 def _gold_text(label: str) -> str:
     if _DELIMITED.search(label) or _SENTENCE.search(_TEXT.sub(" ", label)):
-        return label
-    return f"\\boxed{{{label}}}"
+        return _answer_text(label)
+    return f"\\boxed{{{_CLOSING_PERIOD.sub('', label.strip())}}}"
 
 
-def _answer_text(response: str) -> str:
-    """The response's last box alone, without a closing period, or the whole response when it has none."""
-    boxed = last_boxed(response)
-    return response if boxed is None else f"\\boxed{{{boxed.strip().removesuffix('.')}}}"
+def _answer_text(text: str) -> str:
+    """The text's last box alone, without a closing period, or the whole text when it has none."""
+    boxed = last_boxed(text)
+    return text if boxed is None else f"\\boxed{{{boxed.strip().removesuffix('.')}}}"
 
 
 def score_math(sample: RewardInput, params: Mapping[str, Any]) -> float:

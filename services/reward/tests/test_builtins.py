@@ -92,6 +92,13 @@ def test_math_label_with_an_escaped_dollar_or_text_is_the_answer_itself(
         ("Try \\boxed{4}. Final: \\boxed{3}", "4", 0.0),
         ("$\\boxed{12.}$", "12", 1.0),
         ("so $\\boxed{\\frac{1}{2}.}$", "0.5", 1.0),
+        # A label is read the same way: before, `10.` read as no number and every answer scored 0.
+        ("The answer is \\boxed{10}.", "10.", 1.0),
+        ("\\boxed{10}", "\\boxed{10.}", 1.0),
+        ("\\boxed{-7}", "-7.", 1.0),
+        ("\\boxed{3.5}", "3.5.", 1.0),
+        ("\\boxed{3}", "3.5.", 0.0),
+        ("\\boxed{4}", "Try \\boxed{3}, then \\boxed{4}.", 1.0),
     ],
 )
 def test_math_reads_the_last_box_as_the_answer_without_a_closing_period(
