@@ -43,12 +43,21 @@ _DELETED = "entry was deleted while pending"
 _ID_FIELD = b"group_id"
 
 # Append unless the group id was seen before, atomically (a crash between the two steps would
-# otherwise either lose the group or let it be written twice).
+# otherwise either lose the group or let it be written twice). Once the run has ended its keys expire; a key an
+# append after the end creates (the id set, at the first group of a run cancelled while it produced) expires
+# with the other instead of staying for good.
 _APPEND_ONCE = """
-if redis.call('SADD', KEYS[2], ARGV[1]) == 1 then
-  return redis.call('XADD', KEYS[1], '*', 'group_id', ARGV[1], 'group', ARGV[2])
+if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then
+  return false
 end
-return false
+local id = redis.call('XADD', KEYS[1], '*', 'group_id', ARGV[1], 'group', ARGV[2])
+local stream_ttl, ids_ttl = redis.call('PTTL', KEYS[1]), redis.call('PTTL', KEYS[2])
+if stream_ttl > 0 and ids_ttl == -1 then
+  redis.call('PEXPIRE', KEYS[2], stream_ttl)
+elseif ids_ttl > 0 and stream_ttl == -1 then
+  redis.call('PEXPIRE', KEYS[1], ids_ttl)
+end
+return id
 """
 
 

@@ -269,6 +269,25 @@ def test_dead_letters_written_after_the_run_ended_expire_with_its_stream(
         assert 3590 < cast(int, redis_client.ttl(key)) <= 3600, key
 
 
+def test_groups_appended_after_the_run_ended_expire_with_its_stream(
+    stream: SampleStream, redis_client: redis.Redis
+) -> None:
+    """A run cancelled while a step's groups went out: its end expired the stream the trainer had made, and the
+    first append then created the id set, which had no expiry and stayed in Redis for good."""
+    stream.ensure_consumer_group()
+    redis_client.expire(stream.key, 3600)  # the run ended: its data expires (run_store); no id set yet
+    assert stream.append(make_group("run1", 0)) is not None
+    assert 3590 < cast(int, redis_client.ttl(stream.ids_key)) <= 3600
+    redis_client.delete(stream.key)  # and the other way round: the id set outlived by a stream made again
+    redis_client.expire(stream.ids_key, 1800)
+    assert stream.append(make_group("run1", 1)) is not None
+    assert 1790 < cast(int, redis_client.ttl(stream.key)) <= 1800
+    redis_client.persist(stream.key)
+    redis_client.persist(stream.ids_key)
+    assert stream.append(make_group("run1", 2)) is not None  # a running run's keys do not expire
+    assert redis_client.ttl(stream.key) == redis_client.ttl(stream.ids_key) == -1
+
+
 def test_lost_groups_are_counted_from_their_record_once_each(stream: SampleStream, redis_client: redis.Redis) -> None:
     """lost_group_count() (what each /metrics scrape of the trainer subtracts) reads no dead letter's payload but the
     oldest one's, and agrees with lost_groups(): a move retried after a lost reply counts once, with its first
