@@ -75,6 +75,28 @@ def test_a_stall_is_reported_once_then_cleared_when_the_run_moves() -> None:
     assert messages[1] == "run run-1 makes progress again", messages
 
 
+def test_a_note_an_earlier_orchestrator_left_is_cleared_once_the_run_moves() -> None:
+    """After a restart or a lease taken over, the new watchdog cleared only notes it wrote itself: the run's
+    record said `no progress` until it ended, however it moved."""
+
+    async def scenario() -> Records:
+        run = running_run()
+        run.stalled = "no progress for 600 s at step 3 of 10: producing its groups"
+        records, metrics = Records(run), RolloutMetrics()
+        watchdog = asyncio.create_task(watch_progress(records, metrics, "run-1", stall_after_s=0.8))
+        await asyncio.sleep(0.5)  # looked at, not moved: the note stands
+        assert records.run.stalled.startswith("no progress for 600 s")
+        records.run.progress.groups_produced = 2
+        await asyncio.sleep(0.5)
+        watchdog.cancel()
+        await asyncio.gather(watchdog, return_exceptions=True)
+        return records
+
+    records = asyncio.run(scenario())
+    assert records.run.stalled == ""
+    assert [r.stalled for r in records.history[1:]] == [""], "cleared once, nothing else written"
+
+
 def test_samples_generated_count_as_progress() -> None:
     async def scenario() -> RolloutMetrics:
         records, metrics = Records(running_run()), RolloutMetrics()

@@ -5,7 +5,8 @@ produced or trained, an evaluation, a sample generated. When none of these chang
 `stall_after_s`, the watchdog
 
 - writes `Run.stalled` ("no progress for 300 s at step 4: ..."), which every watcher of the run
-  receives as a run event, and clears it once the run moves again;
+  receives as a run event, and clears it once the run moves again (a note an earlier orchestrator left
+  too);
 - counts `rlfleet_rollout_step_stalls_total` and keeps `rlfleet_rollout_seconds_without_progress`
   current, so an alert can fire on either;
 - logs a warning with the run id and step.
@@ -102,10 +103,12 @@ async def watch_progress(
                 mark = progress_mark(run, samples_generated(metrics))
                 now = clock()
                 if mark != last_mark:
-                    if stalled:
+                    # The record's note, not only this watchdog's: one an earlier orchestrator left (a restart, a
+                    # lease taken over) is cleared as the run moves too.
+                    if last_mark is not None and run.stalled:
                         await core.update(run_id, _set_stalled(""))
-                        stalled = False
                         logger.info("run %s moves again", run_id, extra=log)
+                    stalled = False
                     last_mark, last_moved = mark, now
                     metrics.seconds_without_progress.set(0)
                     pause = check_every
