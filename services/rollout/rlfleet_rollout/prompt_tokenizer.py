@@ -4,6 +4,7 @@ and its chat template (rendered with Jinja2 in a sandbox set up as transformers'
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -26,7 +27,7 @@ def tokenizer_file(tokenizer_path: str) -> Path:
     directory, which a client on another machine (or in another directory) cannot guess."""
     path = Path(tokenizer_path) / "tokenizer.json"
     if not path.is_file():
-        where = "" if Path(tokenizer_path).is_absolute() else f" (here {Path(tokenizer_path).resolve()})"
+        where = "" if os.path.isabs(tokenizer_path) else f" (here {os.path.abspath(tokenizer_path)})"
         raise InvalidInput(
             f"model.tokenizer_path: no tokenizer.json in {tokenizer_path!r}{where}; the orchestrator tokenizes "
             "prompts with it. Unset, model.tokenizer_path is model.path: point model.path at a Hugging Face model "

@@ -232,6 +232,7 @@ class RunStore:
 def _parse_page_token(token: str) -> int | None:
     if not token:
         return None
-    if not (token.isascii() and token.isdigit()):  # str.isdigit takes '²', which int() does not
+    # str.isdigit takes '²', which int() does not, and int() refuses over 4,300 digits; a creation number has 19.
+    if not (token.isascii() and token.isdigit()) or len(token) > 19:
         raise InvalidInput(f"page_token: {token[:40]!r} is not a token returned by List")
     return int(token)

@@ -31,6 +31,12 @@ def test_a_missing_tokenizer_names_model_path_and_where_a_relative_path_led(
     assert "Unset, model.tokenizer_path is model.path: point model.path at" in message
 
 
+def test_a_path_with_a_nul_byte_is_refused_naming_the_field() -> None:
+    """Before, spelling out where the relative path led raised ValueError (embedded null byte): a 500."""
+    with pytest.raises(InvalidInput, match=r"model\.tokenizer_path: no tokenizer\.json in 'tok\\x00'"):
+        tokenizer_file("tok\x00")
+
+
 def test_an_absolute_path_is_shown_as_given() -> None:
     with pytest.raises(InvalidInput, match=r"no tokenizer\.json in '/nonexistent'; the orchestrator"):
         tokenizer_file("/nonexistent")

@@ -49,6 +49,8 @@ def test_pages_follow_creation_order_and_filter_by_state(redis_prefix: str) -> N
                 await store.page(page_token="abc")
             with pytest.raises(InvalidInput, match="page_token"):  # a digit to str.isdigit, not to int()
                 await store.page(page_token="\u00b2")
+            with pytest.raises(InvalidInput, match="page_token"):  # past int()'s 4,300 digits: was a 500
+                await store.page(page_token="9" * 5000)
             with pytest.raises(InvalidInput, match="page_size"):
                 await store.page(page_size=5000)
         finally:
