@@ -303,6 +303,11 @@ class _Connection(asyncio.Protocol):
         return EngineReadTimeout(f"the engine's answer was not complete within {self._read_timeout:.3g}s")
 
 
+# Engine URLs whose parsed form is kept; past it the cache starts over, so engines that came and went do not
+# stay in it for good.
+MAX_ORIGINS = 1024
+
+
 class EngineClient:
     """Pools of idle keep-alive connections, one per engine, most recently used first; `close()` drops them all."""
 
@@ -338,6 +343,8 @@ class EngineClient:
             raise interrupt.error
         origin = self._origins.get(base_url)
         if origin is None:
+            if len(self._origins) >= MAX_ORIGINS:  # engines that came and went (pods by IP): parsed again on use
+                self._origins.clear()
             origin = self._origins[base_url] = Origin.of(base_url)
         head = request_head(method, path, origin.host_header, headers, len(body))
         deadline = time.monotonic() + read_timeout
@@ -375,6 +382,8 @@ class EngineClient:
         idle = self._idle.get(connection.origin)
         if idle is not None:
             idle.pop(connection, None)
+            if not idle:  # no pool is kept for an engine without idle connections
+                del self._idle[connection.origin]
 
     def _take(self, origin: Origin) -> _Connection | None:
         idle = self._idle.get(origin)

@@ -172,6 +172,22 @@ def test_a_refused_connection_is_a_connection_error() -> None:
     asyncio.run(main())
 
 
+def test_engines_that_came_and_went_are_not_kept_for_good(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, every engine URL ever used kept its parsed origin, and its pool once it had one, for the router's
+    lifetime: engines that come and go by pod IP grew both without bound."""
+    monkeypatch.setattr(engine_client, "MAX_ORIGINS", 8)
+
+    async def main() -> EngineClient:
+        client = EngineClient()
+        for _ in range(20):  # each engine gone: its connection refused
+            with pytest.raises(EngineConnectionError):
+                await client.request("POST", f"http://127.0.0.1:{free_port()}", "/generate", b"{}", {}, 5, 5)
+        await client.close()
+        return client
+
+    assert len(asyncio.run(main())._origins) <= 8
+
+
 def test_an_answer_cut_short_is_a_connection_error() -> None:
     async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> None:
         writer.write(answer(b'{"text": "the whole answer"}')[:-5])
@@ -199,6 +215,7 @@ def test_a_pooled_connection_the_engine_closed_is_replaced_without_an_error() ->
             assert await got.read() == b"{}"
             got.release()
             await asyncio.sleep(0.05)
+        assert not client._idle  # the engine's pool went with its last connection
 
     assert len(run(once, scenario)) == 2
 
