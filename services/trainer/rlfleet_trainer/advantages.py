@@ -14,31 +14,41 @@ import torch
 OutcomeEstimator = Callable[[torch.Tensor], torch.Tensor]
 
 
+def _no_signal(rewards: torch.Tensor) -> bool:
+    """A group of one, or whose rewards are all equal: nothing tells its responses apart, so every estimator
+    gives it exactly 0. Tested as such, not through the mean: in float32 the mean of n equal rewards can be an
+    ulp off (16 x 12.7), and GRPO's division by a std of the same size turned that into advantages of 0.1-0.5."""
+    return rewards.numel() < 2 or bool((rewards == rewards[0]).all())
+
+
 def group_normalized(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO: A_i = (r_i - mean(r)) / (std(r) + eps), over the n rewards (n,) of one group.
+    """GRPO: A_i = (r_i - mean(r)) / (std(r) + eps), over the n rewards (n,) of one group, in float64.
 
     A group whose rewards are all equal gets zero advantages: it carries no signal about which
     response is better.
     """
-    centered = rewards - rewards.mean()  # (n,)
-    std = rewards.std(unbiased=True) if rewards.numel() > 1 else torch.zeros(())
-    # An all-equal group has centered == 0 already; keep it 0 even when eps is 0.
-    return centered / (std + eps) if std > 0 else torch.zeros_like(centered)
+    if _no_signal(rewards):
+        return torch.zeros_like(rewards)
+    r = rewards.double()
+    return ((r - r.mean()) / (r.std(unbiased=True) + eps)).to(rewards.dtype)
 
 
 def group_centered(rewards: torch.Tensor) -> torch.Tensor:
     """Dr.GRPO: A_i = r_i - mean(r), no division by the std (which favours too-easy and too-hard
-    prompts), over the n rewards (n,) of one group."""
-    return rewards - rewards.mean()
+    prompts), over the n rewards (n,) of one group, in float64; 0 for an all-equal group."""
+    if _no_signal(rewards):
+        return torch.zeros_like(rewards)
+    r = rewards.double()
+    return (r - r.mean()).to(rewards.dtype)
 
 
 def leave_one_out(rewards: torch.Tensor) -> torch.Tensor:
-    """RLOO: A_i = r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean(r)), over (n,); a group
-    of one has no baseline and gets 0."""
-    n = rewards.numel()
-    if n < 2:
+    """RLOO: A_i = r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean(r)), over (n,) in float64; a group
+    of one has no baseline and gets 0, as does an all-equal group."""
+    if _no_signal(rewards):
         return torch.zeros_like(rewards)
-    return n / (n - 1) * (rewards - rewards.mean())
+    n, r = rewards.numel(), rewards.double()
+    return (n / (n - 1) * (r - r.mean())).to(rewards.dtype)
 
 
 def per_group(rewards: torch.Tensor, groups: torch.Tensor, estimator: OutcomeEstimator) -> torch.Tensor:

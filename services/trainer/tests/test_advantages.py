@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rlfleet_trainer.advantages import (
+    OutcomeEstimator,
     discounted_returns,
     gae,
     group_centered,
@@ -37,6 +38,22 @@ def test_rloo_subtracts_the_mean_of_the_others() -> None:
     # 1 - mean(0, 0, 1) = 2/3; 0 - mean(1, 0, 1) = -2/3
     assert leave_one_out(REWARDS).tolist() == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3])
     assert leave_one_out(torch.tensor([3.0])).tolist() == [0.0]
+
+
+@pytest.mark.parametrize("estimator", [group_normalized, group_centered, leave_one_out])
+@pytest.mark.parametrize("reward", [12.7, 2.9, 0.7, 3.7])
+@pytest.mark.parametrize("n", [8, 16])
+def test_an_all_equal_group_gets_exactly_zero(estimator: OutcomeEstimator, reward: float, n: int) -> None:
+    """In float32 the mean of n equal rewards can be an ulp off; GRPO divided that by a std of the same size, and
+    16 x 12.7 got advantages of +0.48 each: a group with no signal pushed all of its responses one way."""
+    assert estimator(torch.full((n,), reward)).tolist() == [0.0] * n
+
+
+def test_close_rewards_keep_their_order_and_scale() -> None:
+    """Rewards apart by less than float32's error in their mean (12.7 against its next float) are still told apart."""
+    rewards = torch.tensor([12.7, 12.7, 12.7, torch.nextafter(torch.tensor(12.7), torch.tensor(13.0)).item()])
+    advantages = group_normalized(rewards, eps=0.0)
+    assert advantages.tolist() == pytest.approx([-0.5, -0.5, -0.5, 1.5], rel=1e-5)
 
 
 def test_estimators_apply_within_each_group() -> None:
