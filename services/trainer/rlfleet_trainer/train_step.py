@@ -263,7 +263,10 @@ def train_step(
             stat_totals[name] += value
     trained_tokens = float(mask.sum())
     tokens_total = sum(r.tokens for r in results)
-    metrics.update({name: total / (len(sequences) * config.epochs) for name, total in stat_totals.items()})
+    # Per-sample means, averaged over the sequences with a trained token: one without (truncated under "mask")
+    # adds 0 to every statistic, and counted it diluted them all (tis_weight read 0.5 for 1.0).
+    trained_sequences = max(1, int((mask.sum(dim=1) > 0).sum()))
+    metrics.update({name: total / (trained_sequences * config.epochs) for name, total in stat_totals.items()})
     if config.critic is not None:
         metrics["value_loss"] = sum(r.value_loss for r in results) / updates
     metrics.update(

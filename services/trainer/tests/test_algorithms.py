@@ -95,8 +95,9 @@ def test_micro_batches_accumulate_to_one_pass(small_model_dir: Path, name: str) 
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo"])
 def test_responses_without_a_trained_token_do_not_count_among_the_sequences(small_model_dir: Path, name: str) -> None:
     """A group whose responses were all masked (truncated under rollout.truncated "mask") leaves the step as
-    if it were not there: counted among the sequences, it halved the other group's loss and gradient."""
-    resolved = spec({"name": name})
+    if it were not there: counted among the sequences, it halved the other group's loss and gradient, and then
+    every per-token statistic."""
+    resolved = spec({"name": name, "tis_cap": 2.0, "kl_coef": 0.05, "entropy_coef": 0.001})
     policy = load_policy(small_model_dir)
     kept, masked = groups_from(policy, 2)
     for sample in masked.samples:
@@ -106,11 +107,15 @@ def test_responses_without_a_trained_token_do_not_count_among_the_sequences(smal
         torch.manual_seed(0)
         model = load_policy(small_model_dir)
         optimizer, scheduler = optimizer_from_spec(model, resolved)
-        runs.append(train_step(model, optimizer, scheduler, groups, step_config_from_spec(resolved, model, pad_id=0)))
+        config = step_config_from_spec(resolved, model, pad_id=0)
+        ref = load_policy(small_model_dir).requires_grad_(False)
+        runs.append(train_step(model, optimizer, scheduler, groups, config, ref))
     alone, with_masked = runs
     assert with_masked["samples"] == 8
     assert with_masked["loss"] == pytest.approx(alone["loss"], abs=1e-6)
     assert with_masked["grad_norm"] == pytest.approx(alone["grad_norm"], rel=1e-4)
+    for stat in ("tis_weight", "kl", "entropy", "approx_kl", "pg_clipfrac"):
+        assert with_masked[stat] == pytest.approx(alone[stat], rel=1e-5, abs=1e-9), stat
 
 
 def test_failed_samples_do_not_count_in_the_mean_reward(small_model_dir: Path) -> None:
