@@ -27,6 +27,7 @@ from pydantic import ValidationError
 
 from rlfleet.errors import InvalidInput
 from rlfleet_engine.openai_schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAISampling
+from rlfleet_engine.request_expansion import unicode_text
 from rlfleet_engine.sampling_params import SamplingParams
 from rlfleet_engine.schemas import GenerateRequest
 
@@ -50,6 +51,9 @@ def chat_prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage]) -> list[int
         plain = [{"role": m.role, "content": m.text()} for m in messages]
     except ValueError as exc:
         raise InvalidInput(f"messages: {exc}") from exc
+    for i, message in enumerate(plain):
+        unicode_text(message["role"], f"messages[{i}].role")
+        unicode_text(message["content"], f"messages[{i}].content")
     if not getattr(tokenizer, "chat_template", None):
         layout = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in plain) + "<|assistant|>\n"
         return tokenizer.encode(layout)
@@ -93,11 +97,16 @@ class OpenAIServer:
             return [chat_prompt_ids(self._core.tokenizer, req.messages)]
         prompt = req.prompt
         if isinstance(prompt, str):
-            prompts = [encode(prompt)]
+            prompts = [encode(unicode_text(prompt, "prompt"))]
         elif all(isinstance(p, int) for p in prompt):
             prompts = [[p for p in prompt if isinstance(p, int)]]
         else:
-            prompts = [encode(p) if isinstance(p, str) else list(p) for p in prompt if not isinstance(p, int)]
+            prompts = []
+            for i, p in enumerate(prompt):
+                if isinstance(p, str):
+                    prompts.append(encode(unicode_text(p, f"prompt[{i}]")))
+                elif isinstance(p, list):
+                    prompts.append(list(p))
         if not all(prompts):
             raise InvalidInput("prompt: must not be empty")
         return prompts

@@ -7,6 +7,7 @@ rid of a batch (or of n > 1 samples) becomes `rid_<k>`, a list of rids gives one
 
 from __future__ import annotations
 
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -25,8 +26,24 @@ MAX_SEQUENCES_PER_REQUEST = 4096
 MAX_PROMPT_TOKENS_PER_REQUEST = 4_194_304
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 class Encoder(Protocol):
     def encode(self, text: str) -> list[int]: ...
+
+
+def unicode_text(text: str, field: str) -> str:
+    """`text`, unless it holds a lone UTF-16 surrogate (JSON lets one through escaped, `"\\ud800"`), which is no
+    Unicode text and which a Hugging Face tokenizer refuses: then InvalidInput naming `field`."""
+    if not text.isascii():
+        found = _SURROGATE.search(text)
+        if found is not None:
+            raise InvalidInput(
+                f"{field}: holds a lone UTF-16 surrogate ({found.group()!r} at character {found.start()}), "
+                "which is not Unicode text"
+            )
+    return text
 
 
 @dataclass(frozen=True)
@@ -115,9 +132,10 @@ def expand(req: GenerateRequest, tokenizer: Encoder, vocab_size: int, context_le
 
 def _prompts(req: GenerateRequest, tokenizer: Encoder) -> list[tuple[int, ...]]:
     """One immutable copy of each prompt's ids, for all its samples to share."""
+    if isinstance(req.text, str):
+        return [tuple(tokenizer.encode(unicode_text(req.text, "text")))]
     if req.text is not None:
-        texts = req.text if isinstance(req.text, list) else [req.text]
-        return [tuple(tokenizer.encode(t)) for t in texts]
+        return [tuple(tokenizer.encode(unicode_text(t, f"text[{i}]"))) for i, t in enumerate(req.text)]
     assert req.input_ids is not None
     if req.is_batch:
         return [tuple(ids) for ids in req.input_ids]  # type: ignore[arg-type]

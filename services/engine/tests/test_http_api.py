@@ -67,6 +67,25 @@ def test_requests_the_model_cannot_run_get_400(engine: RunningEngine, body: Any,
     assert fragment in response.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    ("route", "body", "field"),
+    [
+        ("/generate", {"text": "a\ud800b"}, "text"),
+        ("/generate", {"text": ["1+1=", "a\udc00"]}, "text[1]"),
+        ("/v1/completions", {"prompt": ["1+1=", "a\ud800b"]}, "prompt[1]"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages[0].content"),
+    ],
+)
+def test_a_lone_surrogate_in_a_prompt_is_a_400_naming_the_field(
+    engine: RunningEngine, route: str, body: dict[str, Any], field: str
+) -> None:
+    """JSON lets a lone surrogate through escaped; the tokenizer refused it with a TypeError, answered as a 500."""
+    sent = json.dumps(body)  # escaped, as a client's JSON would carry it
+    response = httpx.post(engine.url + route, content=sent, headers={"content-type": "application/json"}, timeout=30)
+    assert response.status_code == 400, response.text
+    assert f"{field}: holds a lone UTF-16 surrogate" in response.text
+
+
 @pytest.mark.parametrize("neutral", [{"logit_bias": {}}, {"custom_params": {}}, {"json_schema": ""}, {"regex": None}])
 def test_empty_values_of_unsupported_parameters_read_as_absent(engine: RunningEngine, neutral: dict[str, Any]) -> None:
     out = engine.generate({"text": "1+1=", "sampling_params": {"max_new_tokens": 1, **neutral}})
