@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from rlfleet.errors import InvalidInput
@@ -33,7 +34,12 @@ def read_safetensors_dir(model_path: str) -> dict[str, torch.Tensor]:
         raise InvalidInput(f"model_path {model_path!r} holds no *.safetensors files")
     state: dict[str, torch.Tensor] = {}
     for file in files:
-        state.update(load_file(str(file)))
+        try:
+            state.update(load_file(str(file)))
+        except (SafetensorError, OSError) as exc:  # cut short, not safetensors at all, unreadable
+            raise InvalidInput(
+                f"model_path {model_path!r}: {file.name} is not a readable safetensors file ({exc})"
+            ) from exc
     return state
 
 

@@ -74,6 +74,10 @@ def test_a_bad_checkpoint_is_refused_and_the_old_weights_keep_serving(
     save_file({"not.a.weight": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
     response = own_engine.post("/update_weights_from_disk", {"model_path": str(tmp_path)})
     assert response.status_code == 400 and "not.a.weight" in response.json()["message"]
+    (tmp_path / "model.safetensors").write_bytes(b"garbage")  # before, a 500 without SGLang's body
+    response = own_engine.post("/update_weights_from_disk", {"model_path": str(tmp_path)})
+    assert response.status_code == 400 and response.json()["success"] is False
+    assert "model.safetensors is not a readable safetensors file" in response.json()["message"]
     _, after, meta = logprobs(own_engine)
     assert after == before and meta["weight_version"] != "8"
 
