@@ -81,17 +81,19 @@ class KubernetesDiscovery:
     async def sync(self) -> None:
         """One round: add new addresses, remove the discovered workers whose address is gone."""
         urls = endpoint_urls(await self._api.list_endpoints(self._selector), self._port, self._api.namespace)
+        present: set[str] = set()  # as the fleet spells them (`http://10.0.0.1:80` is `http://10.0.0.1`)
         for url in sorted(urls):
             try:
                 worker, created = self._add(url)
             except InvalidInput as exc:  # one address the fleet refuses must not keep the others out
                 logger.warning("discovered address %s not added: %s", url, exc)
                 continue
+            present.add(worker.url)
             if created:
                 logger.info("discovered engine %s", url)
                 self._found.add(worker.id)
         for worker in self._workers.all():
-            if worker.id in self._found and worker.url not in urls and not worker.restarting:
+            if worker.id in self._found and worker.url not in present and not worker.restarting:
                 logger.info("engine %s left the Endpoints; removing it", worker.url)
                 self._found.discard(worker.id)
                 self._remove(worker.id)

@@ -475,6 +475,32 @@ def test_kubernetes_discovery_names_statefulset_engines_as_the_chart_lists_them(
         server.stop()
 
 
+def test_kubernetes_discovery_keeps_engines_on_the_default_port() -> None:
+    """The fleet spells `http://10.0.0.1:80` as `http://10.0.0.1`; before, discovery compared the Endpoints' spelling
+    with the fleet's and removed every engine on port 80 in the round that added it, every round."""
+    kube = FakeKubernetes()
+    kube.add_pod("engine-a", "10.0.0.1")
+    server = ThreadedServer(kube.app()).start()
+    workers = WorkerRegistry(failure_threshold=1, success_threshold=1)
+    try:
+
+        async def scenario() -> list[list[str]]:
+            api = KubernetesAPI(server.url, "rl", None, None, timeout_secs=5)
+            discovery = KubernetesDiscovery(api, SELECTOR, 80, 1.0, workers, workers.add, workers.remove)
+            rounds = []
+            for _ in range(2):
+                await discovery.sync()
+                rounds.append([w.id for w in workers.all()])
+            await api.close()
+            return rounds
+
+        first, second = asyncio.run(scenario())
+        assert len(first) == 1 and second == first
+        assert [w.url for w in workers.all()] == ["http://10.0.0.1"]
+    finally:
+        server.stop()
+
+
 def test_kubernetes_discovery_takes_ipv6_addresses_in_brackets() -> None:
     """An IPv6 pod address is a URL host in brackets; before, it made an invalid URL that ended discovery."""
     endpoints = [{"subsets": [{"ports": [{"port": 30000}], "addresses": [{"ip": "10.0.0.5"}, {"ip": "fd00::7"}]}]}]
