@@ -10,7 +10,9 @@ probe: the restart has then succeeded. Whether it enters routing is admission's 
 fleet's weights first, or waits for a disk copy of them): an engine held back there answers its probes, and
 restarting it again would not change that. An attempt that fails or times out is retried with exponential
 backoff for as long as the engine stays in the fleet and has not passed a probe; it reads as restarting all
-along, backoff included.
+along, backoff included. An engine that fails again within the restart timeout of coming back is in a crash
+loop (it passes a probe, then dies loading the fleet's weights, say): its backoff goes on from where it was,
+rather than starting over with an immediate restart each time.
 
 An engine removed from the fleet meanwhile (`forget`) stops being restarted at once, and what the restarter
 started for it is stopped (`Restarter.release`); nothing more is counted for it.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -58,6 +61,8 @@ class Healer:
         self._loading = loading
         self._remove = remove if remove is not None else self._drop
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        # Per worker: the attempts of its last restart and when it came back, for a crash loop's backoff to go on.
+        self._came_back: dict[str, tuple[int, float]] = {}
         self._cancelled: set[asyncio.Task[None]] = set()  # restarts of engines removed from the fleet, ending
 
     def on_failed(self, worker: Worker) -> None:
@@ -71,6 +76,7 @@ class Healer:
 
     def forget(self, worker: Worker) -> None:
         """`worker` left the fleet: its restart stops, and what the restarter started for it is stopped."""
+        self._came_back.pop(worker.id, None)
         task = self._tasks.pop(worker.id, None)
         if task is not None and task is not asyncio.current_task():
             task.cancel()
@@ -99,6 +105,11 @@ class Healer:
 
     async def _restart_until_back(self, worker: Worker) -> None:
         attempt = 0
+        attempts, back_at = self._came_back.pop(worker.id, (0, -math.inf))
+        if time.monotonic() - back_at < self._timeout:  # a crash loop: the backoff goes on growing
+            attempt = attempts
+            logger.warning("engine %s failed again %.0fs after its restart", worker.url, time.monotonic() - back_at)
+            await asyncio.sleep(self._backoff(attempt))
         while self._workers.contains(worker) and not worker.healthy:
             attempt += 1
             worker.restarts += 1
@@ -137,12 +148,17 @@ class Healer:
                 if not self._workers.contains(worker):
                     return
                 if back:
+                    self._came_back[worker.id] = (attempt, time.monotonic())
                     self._metrics.restarts.inc(old_url, "success")
                     logger.info("engine %s passes its probes after its restart", worker.url)
                     return
                 self._metrics.restarts.inc(old_url, "failure")
                 worker.last_error = f"did not pass a probe within {self._timeout:.0f}s of its restart"
-            await asyncio.sleep(min(self._max_backoff, self._initial_backoff * 2 ** (attempt - 1)))
+            await asyncio.sleep(self._backoff(attempt))
+
+    def _backoff(self, attempt: int) -> float:
+        """The wait after the `attempt`-th restart in a row that did not bring the engine back for good."""
+        return min(self._max_backoff, self._initial_backoff * 2 ** (attempt - 1))
 
     def _drop(self, worker: Worker) -> None:
         self._workers.remove(worker.id)

@@ -4,6 +4,7 @@ passes a probe again (whatever its restarter raised meanwhile), and counts each 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -71,6 +72,57 @@ def test_an_unexpected_restart_error_is_retried_after_the_backoff() -> None:
     failures = restarts(metrics, worker.url, "failure")
     assert failures == 1
     assert worker.last_error is None
+
+
+class TimedRestarter:
+    """Restarts at once, noting when; the engine comes back each time."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    async def start(self) -> list[str]:
+        return []
+
+    async def restart(self, url: str) -> str:
+        self.times.append(time.monotonic())
+        return url
+
+    async def release(self, url: str) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+def test_an_engine_in_a_crash_loop_is_restarted_with_a_growing_backoff() -> None:
+    """It comes back after each restart, passes a probe, then fails again (dying as it loads the fleet's weights).
+    Before, each failure started a new restart at the first attempt, at once: 18 restarts in 3 s, 0.17 s apart."""
+    workers = WorkerRegistry(failure_threshold=1, success_threshold=1)
+    worker, _ = workers.add("http://127.0.0.1:9")
+    workers.admit(worker)
+    restarter = TimedRestarter()
+    metrics = RouterMetrics(workers, lambda: None)
+    healer = Healer(restarter, workers, LeastLoad(), metrics, 5.0, initial_backoff_secs=0.2, max_backoff_secs=0.8)
+    workers.on_failed = healer.on_failed
+
+    async def scenario() -> None:
+        workers.record_failure(worker, "connection refused")
+        end = time.monotonic() + 2.5
+        seen = 0
+        while time.monotonic() < end:
+            await asyncio.sleep(0.01)
+            if len(restarter.times) > seen:
+                seen = len(restarter.times)
+                workers.record_success(worker)  # back: it passes a probe ...
+                await asyncio.sleep(0.05)
+                workers.record_failure(worker, "connection refused")  # ... and dies again
+        await healer.stop()
+
+    asyncio.run(scenario())
+    gaps = [b - a for a, b in itertools.pairwise(restarter.times)]
+    assert 3 <= len(restarter.times) <= 5, gaps  # waits of 0.2, 0.4, 0.8, 0.8 s between restarts
+    assert all(later > earlier for earlier, later in itertools.pairwise(gaps[:2])), gaps
+    assert gaps[0] >= 0.2, gaps
 
 
 class SlowLoadRestarter:
