@@ -145,6 +145,7 @@ class Fleet:
                 self.workers,
                 self.add_worker,
                 self.remove_worker,
+                gone_after_secs=config.restart_timeout_secs,
             )
         for url in config.worker_urls:
             worker, _ = self.workers.add(url)

@@ -8,14 +8,17 @@ which its address carries as `hostname`: the URL uses that name, so an engine ke
 place in the fleet) when its pod is recreated, and is the same worker as one listed under that name in
 `worker_urls`. Other addresses are URLs by IP.
 New URLs join the fleet (pending until healthy and on the fleet's weights); URLs this discovery
-added that are gone leave it, unless the engine is being restarted. Engines given any other way
-(`worker_urls`, `POST /workers`) are never removed by discovery.
+added that are gone leave it, unless the engine is being restarted (its pod recreated), for up to
+`gone_after_secs` (the restart timeout): one whose pod is gone for good (the StatefulSet scaled down) would
+otherwise be restarted for ever. Engines given any other way (`worker_urls`, `POST /workers`) are never
+removed by discovery.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +61,7 @@ class KubernetesDiscovery:
         workers: WorkerRegistry,
         add: Callable[[str], tuple[Worker, bool]],
         remove: Callable[[str], Worker],
+        gone_after_secs: float,
     ) -> None:
         self._api = api
         self._selector = label_selector
@@ -67,6 +71,8 @@ class KubernetesDiscovery:
         self._add = add
         self._remove = remove
         self._found: set[str] = set()  # ids of the workers discovery added
+        self._gone_after = gone_after_secs
+        self._missing_since: dict[str, float] = {}  # ids of restarting workers whose address is gone -> since when
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -92,11 +98,27 @@ class KubernetesDiscovery:
             if created:
                 logger.info("discovered engine %s", url)
                 self._found.add(worker.id)
+        now = time.monotonic()
         for worker in self._workers.all():
-            if worker.id in self._found and worker.url not in present and not worker.restarting:
+            if worker.id not in self._found:
+                continue
+            if worker.url in present or not worker.restarting:
+                self._missing_since.pop(worker.id, None)
+                if worker.url in present:
+                    continue
                 logger.info("engine %s left the Endpoints; removing it", worker.url)
-                self._found.discard(worker.id)
-                self._remove(worker.id)
+            else:
+                missing = now - self._missing_since.setdefault(worker.id, now)
+                if missing < self._gone_after:
+                    continue  # its pod is being recreated
+                del self._missing_since[worker.id]
+                logger.warning(
+                    "engine %s left the Endpoints %.0fs ago and its restart has not brought it back; removing it",
+                    worker.url,
+                    missing,
+                )
+            self._found.discard(worker.id)
+            self._remove(worker.id)
 
     async def _run(self) -> None:
         while True:

@@ -410,7 +410,7 @@ def test_kubernetes_discovery_follows_the_ready_endpoints() -> None:
 
         async def scenario() -> None:
             api = KubernetesAPI(server.url, "rl", None, None, timeout_secs=5)
-            discovery = KubernetesDiscovery(api, SELECTOR, None, 1.0, workers, workers.add, workers.remove)
+            discovery = KubernetesDiscovery(api, SELECTOR, None, 1.0, workers, workers.add, workers.remove, 60.0)
             await discovery.sync()
             assert {w.url for w in workers.all()} == {static.url, "http://10.0.0.1:30000", "http://10.0.0.2:30000"}
             del kube.pods["engine-a"]
@@ -465,7 +465,7 @@ def test_kubernetes_discovery_names_statefulset_engines_as_the_chart_lists_them(
 
         async def scenario() -> None:
             api = KubernetesAPI(server.url, "rl", None, None, timeout_secs=5)
-            discovery = KubernetesDiscovery(api, SELECTOR, None, 1.0, workers, workers.add, workers.remove)
+            discovery = KubernetesDiscovery(api, SELECTOR, None, 1.0, workers, workers.add, workers.remove, 60.0)
             await discovery.sync()
             await api.close()
 
@@ -486,7 +486,7 @@ def test_kubernetes_discovery_keeps_engines_on_the_default_port() -> None:
 
         async def scenario() -> list[list[str]]:
             api = KubernetesAPI(server.url, "rl", None, None, timeout_secs=5)
-            discovery = KubernetesDiscovery(api, SELECTOR, 80, 1.0, workers, workers.add, workers.remove)
+            discovery = KubernetesDiscovery(api, SELECTOR, 80, 1.0, workers, workers.add, workers.remove, 60.0)
             rounds = []
             for _ in range(2):
                 await discovery.sync()
@@ -497,6 +497,35 @@ def test_kubernetes_discovery_keeps_engines_on_the_default_port() -> None:
         first, second = asyncio.run(scenario())
         assert len(first) == 1 and second == first
         assert [w.url for w in workers.all()] == ["http://10.0.0.1"]
+    finally:
+        server.stop()
+
+
+def test_kubernetes_discovery_removes_a_restarting_engine_whose_address_stays_gone() -> None:
+    """A pod being recreated leaves the Endpoints for a while, and its engine, being restarted, stays; one gone for
+    good (its StatefulSet scaled down) stays only until the restart timeout: before, it was restarted for ever."""
+    kube = FakeKubernetes()
+    kube.add_pod("engine-a", "10.0.0.1")
+    kube.add_pod("engine-b", "10.0.0.2")
+    server = ThreadedServer(kube.app()).start()
+    workers = WorkerRegistry(failure_threshold=1, success_threshold=1)
+    try:
+
+        async def scenario() -> None:
+            api = KubernetesAPI(server.url, "rl", None, None, timeout_secs=5)
+            discovery = KubernetesDiscovery(api, SELECTOR, None, 1.0, workers, workers.add, workers.remove, 0.3)
+            await discovery.sync()
+            gone = workers.get("http://10.0.0.2:30000")
+            gone.restarting = True
+            del kube.pods["engine-b"]
+            await discovery.sync()
+            assert workers.contains(gone), "kept while its pod may be recreated"
+            await asyncio.sleep(0.3)
+            await discovery.sync()
+            assert [w.url for w in workers.all()] == ["http://10.0.0.1:30000"]
+            await api.close()
+
+        asyncio.run(scenario())
     finally:
         server.stop()
 
