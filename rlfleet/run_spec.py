@@ -88,6 +88,8 @@ def resolve(spec: RunSpec) -> RunSpec:
     ds.bad_rows = ds.bad_rows or "reject"
     ro = out.rollout
     ro.function = ro.function or "single_turn"
+    if ro.function == "single_turn":  # its settings are multi_turn's; kept, they made evaluation run episodes
+        ro.ClearField("multi_turn")
     if ro.function == "multi_turn":
         ro.multi_turn.environment = ro.multi_turn.environment or "calculator"
         if not ro.multi_turn.HasField("max_turns"):

@@ -50,6 +50,17 @@ def test_defaults_are_filled_and_the_input_is_untouched() -> None:
     assert ro.on_weight_update == "finish"
 
 
+@pytest.mark.parametrize("multi_turn", [{"max_turns": 2}, {"environment": "calculator"}])
+def test_single_turn_drops_the_multi_turn_settings_it_ignores(multi_turn: dict) -> None:
+    """Kept, the block gave the run an environment: its evaluation ran calculator episodes (with max_turns 0), and
+    a block of max_turns alone was refused at submit for an unknown environment ''."""
+    resolved = resolve(spec_from({"rollout": {"multi_turn": multi_turn}}))
+    validate(resolved)
+    assert resolved.rollout.function == "single_turn" and not resolved.rollout.HasField("multi_turn")
+    kept = resolve(spec_from({"rollout": {"function": "multi_turn", "multi_turn": multi_turn}})).rollout.multi_turn
+    assert kept.environment == "calculator" and kept.max_turns == multi_turn.get("max_turns", 3)
+
+
 def test_explicit_zero_is_kept_where_zero_means_something() -> None:
     resolved = resolve(spec_from({"rollout": {"sampling": {"temperature": 0}}, "algorithm": {"clip_low": 0.1}}))
     assert resolved.rollout.sampling.temperature == 0.0
