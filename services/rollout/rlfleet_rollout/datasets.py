@@ -10,6 +10,7 @@ and Arrow, 0-based) and either refuses the run or is skipped, as `dataset.bad_ro
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import random
@@ -198,11 +199,20 @@ def _as_text(value: Any, column: str) -> str:
 
 
 def _jsonl_records(path: Path, spec: FileDataset) -> Iterator[tuple[str, Any]]:
-    with path.open(encoding="utf-8") as fh:
-        for number, line in enumerate(fh, start=1):
+    # Read as bytes and decoded line by line, so that a line of invalid UTF-8 is a malformed row of its own, not
+    # the whole file's failure; a byte-order mark (as some editors write) is not part of the first row.
+    with path.open("rb") as fh:
+        for number, raw in enumerate(fh, start=1):
+            if number == 1:
+                raw = raw.removeprefix(codecs.BOM_UTF8)
+            # Reported like any other malformed row.
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield f"line {number}", _BadRow(f"not UTF-8 text: {exc}")
+                continue
             if not line.strip():
                 continue
-            # Reported like any other malformed row.
             try:
                 record = json.loads(line)
             except ValueError as exc:

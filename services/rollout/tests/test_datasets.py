@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 from pathlib import Path
 
@@ -101,6 +102,21 @@ def test_a_malformed_row_is_named_and_rejected_or_skipped(tmp_path: Path) -> Non
         load_dataset(_spec("parquet", parquet), 100)
     with pytest.raises(InvalidInput, match="no column 'level'"):
         load_dataset(_spec("parquet", _write("parquet", [{"prompt": "a", "answer": "b"}], tmp_path / "c.parquet")), 9)
+
+
+def test_a_line_of_invalid_utf8_is_one_malformed_row_and_a_byte_order_mark_none(tmp_path: Path) -> None:
+    """Before, one bad byte refused the whole file whatever bad_rows said, naming no line, and a file starting
+    with a byte-order mark lost its first row as not JSON."""
+    path = tmp_path / "mixed.jsonl"
+    lines = [json.dumps(r).encode() for r in ROWS]
+    lines[5] = lines[5].replace(b'"prompt": "', b'"prompt": "caf\xe9 ')  # Latin-1, not UTF-8
+    path.write_bytes(codecs.BOM_UTF8 + b"\n".join(lines) + b"\n")
+    with pytest.raises(InvalidInput, match=r"dataset\.jsonl\.path: .* line 6: not UTF-8 text"):
+        load_dataset(_spec("jsonl", path), 100)
+    loaded = load_dataset(_spec("jsonl", path, bad_rows="skip"), 100)
+    assert len(loaded.train) + len(loaded.eval) == len(ROWS) - 1
+    assert [m.split(" ", 1)[1].split(":")[0] for m in loaded.skipped] == ["line 6"]
+    assert ROWS[0]["prompt"] in {p.prompt for p in [*loaded.train, *loaded.eval]}
 
 
 def test_positions_run_through_seeded_epochs(tmp_path: Path) -> None:
