@@ -3,7 +3,9 @@
 The label is JSON: `{"tests": [{"stdin": "1 2\\n", "stdout": "3\\n"}, {"check": "assert add(1, 2) == 3"}]}`.
 A `stdout` test feeds `stdin` to the program and passes when it exits 0 and prints `stdout`
 (compared line by line, trailing whitespace and trailing blank lines ignored). A `check` test runs
-the program followed by the check's code and passes when that exits 0. The program is the last
+the program followed by the check's code and passes when the check ran to its end: the run ends with a
+status drawn anew for each test, so a program that exits before the check (`sys.exit(0)`, `os._exit(0)`)
+fails it, as `check_skipped`, instead of passing every check unasked. The program is the last
 fenced code block of the response (```python ... ```), or the whole response when it has none.
 
 The caller's limits (`memory_mb`, `max_processes`, `file_size_mb`, `disk_mb`) are bounded by the hub's caps
@@ -14,7 +16,7 @@ counted under its reason, so a hostile or broken program is an OK item scored 0 
 why: `code/passed`, `code/tests`, and `code/time_limit` (wall clock or CPU), `code/memory_limit`,
 `code/output_limit` (a file past `file_size_mb`, or the run's directory past `disk_mb` or 10,000 entries),
 `code/runtime_error` (a non-zero exit: an exception, or a refused operation such as opening a socket or
-writing outside its directory), `code/wrong_answer`.
+writing outside its directory), `code/wrong_answer`, `code/check_skipped`.
 See `sandbox.py` for what contains the program.
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import secrets
 import signal
 from collections import Counter
 from collections.abc import Mapping
@@ -34,7 +37,10 @@ from rlfleet_reward.config import spec_caps
 from rlfleet_reward.reward_function import RewardFunction, RewardInput, Scored
 from rlfleet_reward.sandbox import RunResult, SandboxLimits, probe_isolation, run_python
 
-_FENCED = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+# A fenced block with its info string (```python, ```bash, ``` alone): each fence pairs with the next, whatever
+# the language, so a shell block before the program cannot shift which text reads as code.
+_FENCED = re.compile(r"```[ \t]*([^\n`]*)\n(.*?)```", re.DOTALL)
+_PYTHON_TAGS = {"", "python", "py", "python3"}
 _MB = 1 << 20
 _CAPS = {
     "memory_mb": "code_max_memory_mb",
@@ -110,7 +116,8 @@ class CodeLabel(BaseModel):
 
 
 def extract_program(response: str) -> str:
-    blocks = _FENCED.findall(response)
+    """The last Python (or untagged) fenced block, or the whole response when it has none."""
+    blocks = [code for info, code in _FENCED.findall(response) if info.strip().split(" ")[0].lower() in _PYTHON_TAGS]
     return blocks[-1] if blocks else response
 
 
@@ -124,14 +131,16 @@ def _stdout_read(test: CodeCase) -> int:
     return 0 if test.stdout is None else 2 * len(test.stdout.encode()) + 4096
 
 
-def verdict(result: RunResult, test: CodeCase) -> str:
-    """`passed` or the reason the run failed."""
+def verdict(result: RunResult, test: CodeCase, check_exit: int = 0) -> str:
+    """`passed` or the reason the run failed; a check test's run passes by ending with `check_exit`."""
     # Before the time limit: the disk watchdog ends a run with SIGKILL.
     if result.disk_exceeded or result.exit_code == 128 + signal.SIGXFSZ:
         return "output_limit"
     if result.timed_out or result.exit_code in (128 + signal.SIGXCPU, 128 + signal.SIGKILL):
         return "time_limit"
-    if result.exit_code != 0:
+    if result.exit_code != (check_exit if test.check is not None else 0):
+        if result.exit_code == 0:
+            return "check_skipped"  # it ended before the check ran
         return "memory_limit" if "MemoryError" in result.stderr[-2000:] else "runtime_error"
     if test.stdout is not None and (result.stdout_truncated or _lines(result.stdout) != _lines(test.stdout)):
         return "wrong_answer"
@@ -155,10 +164,12 @@ def score_code(sample: RewardInput, params: Mapping[str, Any]) -> Scored:
     program = extract_program(sample.response)
     verdicts: Counter[str] = Counter()
     for test in label.tests:
-        source = program if test.check is None else f"{program}\n\n{test.check}\n"
-        verdicts[
-            verdict(run_python(source, test.stdin, limits, isolation, max_stdout_bytes=_stdout_read(test)), test)
-        ] += 1
+        source, check_exit = program, 0
+        if test.check is not None:
+            check_exit = 3 + secrets.randbelow(100)  # 3-102: no status a program or Python ends with unasked
+            source = f"{program}\n\n{test.check}\n\nraise SystemExit({check_exit})\n"
+        result = run_python(source, test.stdin, limits, isolation, max_stdout_bytes=_stdout_read(test))
+        verdicts[verdict(result, test, check_exit)] += 1
         if not params["partial_credit"] and verdicts["passed"] < sum(verdicts.values()):
             break  # the score is 0 whatever the remaining tests do
     total = len(label.tests)

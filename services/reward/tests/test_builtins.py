@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from rlfleet_reward.arith_exact import ARITH_EXACT, score_arith_exact
+from rlfleet_reward.code_execution import extract_program
 from rlfleet_reward.math_answer import MATH, MathParams, score_math
 from rlfleet_reward.reward_function import RewardInput
 
@@ -110,6 +111,22 @@ def test_math_reads_the_last_box_as_the_answer_without_a_closing_period(
 def test_math_rejects_a_label_without_an_answer() -> None:
     with pytest.raises(ValueError, match="no answer in the label"):
         score_math(RewardInput(response="4", label=""), MATH_DEFAULTS)
+
+
+@pytest.mark.parametrize(
+    ("response", "program"),
+    [
+        ("```python\nprint(1)\n```", "print(1)\n"),
+        ("Run it:\n```bash\npython main.py\n```\nSolution:\n```python\nprint(2)\n```", "print(2)\n"),
+        ("```py title=main.py\nprint(3)\n```\n```text\n3\n```", "print(3)\n"),
+        ("```\nprint(4)\n```", "print(4)\n"),
+        ("print(5)", "print(5)"),
+    ],
+)
+def test_the_program_is_the_last_python_block_whatever_blocks_come_before(response: str, program: str) -> None:
+    """Before, a fence with another language was not one: a bash block's closing fence opened the next block,
+    and the prose between the blocks (`Solution:`) was run as the program."""
+    assert extract_program(response) == program
 
 
 def test_builtins_declare_what_they_read() -> None:

@@ -73,6 +73,21 @@ def test_a_correct_program_passes_and_a_wrong_one_fails(hub: str) -> None:
     assert failed_because(wrong, "wrong_answer"), wrong
 
 
+def test_a_program_that_exits_before_its_check_fails_it(hub: str) -> None:
+    """Before, the check passed on an exit status of 0, so a wrong function followed by sys.exit(0) or os._exit(0)
+    passed every check test: a reward any policy could learn to take."""
+    wrong = "def add(a, b):\n    return a - b\n"
+    checks = [{"check": "assert add(1, 2) == 3"}, {"check": "assert add(2, 2) == 4"}]
+    right, *skipped = score_code(
+        hub,
+        [("def add(a, b):\n    return a + b\n", checks)]
+        + [(wrong + exit_early, checks) for exit_early in ("import sys\nsys.exit(0)\n", "import os\nos._exit(0)\n")],
+        partial_credit=True,
+    )
+    assert right["score"] == 1.0, right
+    assert all(failed_because(result, "check_skipped", tests=2) for result in skipped), skipped
+
+
 def test_output_past_file_size_mb_is_output_limit_and_output_within_it_is_read_whole(hub: str) -> None:
     chars = (1 << 20) + 10
     to_file, to_stdout, long_answer = score_code(
