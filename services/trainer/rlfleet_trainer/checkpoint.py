@@ -121,17 +121,30 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
+def _model_and_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Any, Any, bool]:
+    """`get_state_dict`'s two parts, and whether the optimizer had taken no update yet. Such an optimizer is given
+    state by a step at learning rate 0, which AdamW counts as its first: forgotten again here, so a checkpoint
+    taken before the first update (a stop while the run waits for its first groups) leaves training as it was."""
+    fresh = not optimizer.state
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    if fresh:
+        optimizer.state.clear()
+    return model_state, optimizer_state, fresh
+
+
 def _state_dict(parts: TrainingState, meta: CheckpointMeta | None) -> dict[str, Any]:
-    model_state, optimizer_state = get_state_dict(parts.model, parts.optimizer)
+    model_state, optimizer_state, fresh = _model_and_optimizer(parts.model, parts.optimizer)
     state: dict[str, Any] = {
         "model": model_state,
         "optimizer": optimizer_state,
         "scheduler": parts.scheduler.state_dict(),
         "rng": _rng_state(),
+        "fresh_optimizers": {"policy": fresh},
     }
     if parts.critic is not None:
-        head_state, head_optimizer_state = get_state_dict(parts.critic.head, parts.critic.optimizer)
+        head_state, head_optimizer_state, fresh = _model_and_optimizer(parts.critic.head, parts.critic.optimizer)
         state["critic"] = {"head": head_state, "optimizer": head_optimizer_state}
+        state["fresh_optimizers"]["critic"] = fresh
     if meta is not None:
         state["trainer"] = asdict(meta)
     return state
@@ -167,11 +180,16 @@ def load_checkpoint(path: Path, parts: TrainingState) -> CheckpointMeta:
     if not (path / ".metadata").exists():
         raise FileNotFoundError(f"no checkpoint at {path} (its .metadata file is missing)")
     state = _state_dict(parts, CheckpointMeta())
-    saved = _saved_rng_keys(path)
-    state["rng"] = {key: value for key, value in state["rng"].items() if key in saved}
+    saved = _saved_keys(path)
+    state["rng"] = {key: value for key, value in state["rng"].items() if f"rng.{key}" in saved}
+    if not any(key.startswith("fresh_optimizers.") for key in saved):  # written before it was recorded
+        del state["fresh_optimizers"]
     with _dcp_call(f"reading checkpoint {path}"):
         dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
+    fresh = state.get("fresh_optimizers", {})
     set_state_dict(parts.model, parts.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    if fresh.get("policy"):
+        parts.optimizer.state.clear()
     parts.scheduler.load_state_dict(state["scheduler"])
     if parts.critic is not None:
         critic = state["critic"]
@@ -181,13 +199,15 @@ def load_checkpoint(path: Path, parts: TrainingState) -> CheckpointMeta:
             model_state_dict=critic["head"],
             optim_state_dict=critic["optimizer"],
         )
+        if fresh.get("critic"):
+            parts.critic.optimizer.state.clear()
     _restore_rng(state["rng"], path)
     return CheckpointMeta(**state["trainer"])
 
 
-def _saved_rng_keys(path: Path) -> set[str]:
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    return {key.removeprefix("rng.") for key in metadata.state_dict_metadata if key.startswith("rng.")}
+def _saved_keys(path: Path) -> set[str]:
+    """The flattened keys the checkpoint at `path` holds (`rng.torch_rank0`, `fresh_optimizers.policy`, ...)."""
+    return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
 
 def _restore_rng(saved: dict[str, torch.Tensor], path: Path) -> None:

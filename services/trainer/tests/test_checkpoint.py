@@ -96,6 +96,27 @@ def test_round_trip_restores_model_optimizer_schedule_critic_and_rng(small_model
     assert_same_state(original, restored)
 
 
+def test_a_checkpoint_before_the_first_update_leaves_training_as_it_was(small_model_dir: Path, tmp_path: Path) -> None:
+    """Reading a state dict gives an optimizer without state a step at learning rate 0, which AdamW counted as its
+    first: a stop while the run waited for its first groups made every later update, continued or resumed, one step
+    further along its bias correction (step 2 where an uninterrupted run was at 1)."""
+    torch.manual_seed(0)
+    uninterrupted = fresh_state(small_model_dir)
+    torch.manual_seed(0)
+    continued = fresh_state(small_model_dir)
+    path = save_checkpoint(tmp_path / "checkpoints", continued, CheckpointMeta(step=0))
+    assert not continued.optimizer.state and continued.critic is not None and not continued.critic.optimizer.state
+    torch.manual_seed(1234)
+    resumed = fresh_state(small_model_dir)
+    load_checkpoint(path, resumed)
+    assert not resumed.optimizer.state and resumed.critic is not None and not resumed.critic.optimizer.state
+    for parts in (uninterrupted, continued, resumed):
+        torch.manual_seed(5)
+        train_once(parts)
+    assert_same_state(uninterrupted, continued)
+    assert_same_state(uninterrupted, resumed)
+
+
 def test_load_names_a_missing_checkpoint(small_model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         load_checkpoint(tmp_path / "step_9", fresh_state(small_model_dir))
