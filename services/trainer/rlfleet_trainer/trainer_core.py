@@ -109,28 +109,39 @@ class TrainerCore:
         spec = resolve(spec)
         validate(spec)
         deadline = time.monotonic() + join_wait_s
+        start: _Start | None = None  # this call's start, registered (STARTING to Status and StopRun) once it waits
         while True:
             with self._lock:
-                if self._closing:
-                    raise Unavailable(f"the trainer is shutting down; run {run_id} cannot start here")
                 current = self._runs.get(run_id)
-                if current is not None and not current.finished:
-                    return current.status()
                 under_way = self._starting.get(run_id)
                 releasing = None
-                if under_way is None:
-                    busy = [r.run_id for r in self._runs.values() if not r.finished] + sorted(self._starting)
+                if start is not None and (
+                    self._closing or (current is not None and not current.finished) or under_way is not start
+                ):
+                    self._give_up(start)
+                    start = None
+                if self._closing:
+                    raise Unavailable(f"the trainer is shutting down; run {run_id} cannot start here")
+                if current is not None and not current.finished:
+                    return current.status()
+                if under_way is None or under_way is start:
+                    busy = [r.run_id for r in self._runs.values() if not r.finished]
+                    busy += sorted(other for other in self._starting if other != run_id)
                     if busy:
+                        self._give_up(start)
                         raise Conflict(f"the trainer is busy with run {busy[0]}; stop it before starting {run_id}")
+                    if start is None:
+                        start = self._starting[run_id] = _Start()
                     # A run that has ended still holds its policy until its thread lets go of it: loaded now, this
                     # run's policy would be the one that thread unloads.
                     releasing = next((r for r in self._runs.values() if r.releasing), None)
                     if releasing is None:
-                        start = self._starting[run_id] = _Start()
                         break
             remaining = max(0.0, deadline - time.monotonic())
             if releasing is not None:
                 if not releasing.wait_released(remaining):
+                    with self._lock:
+                        self._give_up(start)
                     raise Unavailable(
                         f"run {releasing.run_id} has ended and the trainer is still letting go of it (closing its "
                         f"weight sync with the fleet, freeing its policy); run {run_id} starts once it has: ask again"
@@ -139,6 +150,7 @@ class TrainerCore:
             # that start's outcome, not "busy with" the run itself.
             elif under_way is not None and not under_way.done.wait(remaining):
                 raise Unavailable(f"run {run_id} is still starting (loading its policy, loading the fleet); ask again")
+        assert start is not None  # registered before the loop ends
         try:
             with _unavailable_dependencies(run_id, self.settings.work_dir / "runs" / run_id):
                 run = self._prepare(run_id, spec)
@@ -158,6 +170,14 @@ class TrainerCore:
         finally:
             with self._lock:
                 self._starting.pop(run_id, None)
+            start.done.set()
+
+    def _give_up(self, start: _Start | None) -> None:
+        """Withdraws this call's start, registered while it waited for the previous run's release (under `_lock`)."""
+        if start is not None:
+            for run_id, registered in list(self._starting.items()):
+                if registered is start:
+                    del self._starting[run_id]
             start.done.set()
 
     def _train(self, run: ActiveRun) -> None:

@@ -33,6 +33,7 @@ from rlfleet.v1.trainer_pb2 import (
 from rlfleet_trainer.policy import load_policy
 from rlfleet_trainer.run_state import RunStateStore
 from rlfleet_trainer.trainer_core import TrainerCore
+from rlfleet_trainer.weight_publisher import DiskPublisher
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -144,6 +145,33 @@ def test_a_stop_during_start_run_ends_the_run_once_it_is_loaded(
     wait_for(lambda: core.status("late").state == STOPPED, timeout=5)
     fake_router.delay_s = 0.0
     assert core.start_run("after", spec_for(small_model_dir, steps=1, groups_per_step=1)).state == TRAINING
+
+
+def test_a_stop_while_the_start_waits_for_the_previous_runs_release_ends_the_run(
+    core: TrainerCore, small_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start waiting for the previous run to let go (closing its weight sync can take minutes) was seen by nothing:
+    Status said IDLE, StopRun answered NotFound and recorded nothing, and the run then loaded and trained."""
+    closing = threading.Event()
+    monkeypatch.setattr(DiskPublisher, "close", lambda self: closing.wait(30))
+    core.start_run("first", spec_for(small_model_dir, steps=2, groups_per_step=1))
+    core.request_stop("first")
+    wait_for(lambda: core.status("first").state == STOPPED, timeout=30)
+    answers: list[TrainerStatus] = []
+    starting = threading.Thread(
+        target=lambda: answers.append(core.start_run("next", spec_for(small_model_dir, steps=2, groups_per_step=1)))
+    )
+    starting.start()
+    try:
+        wait_for(lambda: core.held().run_id == "next", timeout=10)  # while "first" still lets go
+        assert not closing.is_set() and core.status("next").state == STARTING
+        threading.Timer(0.5, closing.set).start()
+        stopped = core.stop_run("next", timeout_s=30)
+    finally:
+        closing.set()
+        starting.join(timeout=30)
+    assert stopped.state == STOPPED and [a.state for a in answers] == [STOPPED]
+    assert core.held() == TrainerStatus(state=IDLE)
 
 
 def test_checkpoint_and_watch_steps_without_a_run_id_name_the_missing_field(core: TrainerCore) -> None:
