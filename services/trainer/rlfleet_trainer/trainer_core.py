@@ -152,7 +152,7 @@ class TrainerCore:
                 raise Unavailable(f"run {run_id} is still starting (loading its policy, loading the fleet); ask again")
         assert start is not None  # registered before the loop ends
         try:
-            with _unavailable_dependencies(run_id, self.settings.work_dir / "runs" / run_id):
+            with _unavailable_dependencies(run_id, self.settings.work_dir / "runs" / run_id, spec.model.path):
                 run = self._prepare(run_id, spec)
             with self._lock:
                 # Checked under the lock StopRun looks the run up with: a stop either finds the run
@@ -459,11 +459,13 @@ class TrainerCore:
 
 
 @contextmanager
-def _unavailable_dependencies(run_id: str, run_dir: Path) -> Iterator[None]:
+def _unavailable_dependencies(run_id: str, run_dir: Path, model_path: str) -> Iterator[None]:
     """Raises a failure of Redis or of storage while run `run_id` starts as Unavailable naming it: the caller
     asks again (the orchestrator retries only UNAVAILABLE and DEADLINE_EXCEEDED), instead of failing the run for
     good with an "internal error". Redis counts as failing when it stays unreachable past its client's retries or
-    refuses writes (OOM, READONLY, MISCONF), storage when the OS reports an error (an `errno`) on a path."""
+    refuses writes (OOM, READONLY, MISCONF), storage when the OS reports an error (an `errno`) on a path. A
+    library's own "cannot load" (transformers on a directory without weights, or with a config.json that is not
+    JSON) is the spec's model: InvalidInput naming model.path."""
     try:
         yield
     except redis.RedisError as exc:
@@ -474,7 +476,7 @@ def _unavailable_dependencies(run_id: str, run_dir: Path) -> Iterator[None]:
         raise Unavailable(f"run {run_id} cannot start now: {why}; ask again once Redis serves") from exc
     except OSError as exc:
         if exc.errno is None:  # a library's own "cannot load" rather than the OS failing on a path
-            raise
+            raise InvalidInput(f"model.path: the model at {model_path} cannot be loaded: {exc}") from exc
         where = exc.filename or run_dir
         raise Unavailable(
             f"run {run_id} cannot start now: storage failed at {where}: {exc.strerror or exc}; ask again once it serves"

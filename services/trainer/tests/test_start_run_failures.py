@@ -196,3 +196,22 @@ def test_a_resume_whose_checkpoint_storage_fails_answers_unavailable_naming_the_
     assert code == grpc.StatusCode.UNAVAILABLE, (code, details)
     assert f"run c cannot start now: storage failed at {metadata}: Input/output error" in details, details
     assert_nothing_held(core)
+
+
+@pytest.mark.parametrize("damage", ["no weights", "config not JSON"])
+def test_a_model_directory_transformers_cannot_load_is_refused_naming_model_path(
+    core: TrainerCore, small_model_dir: Path, tmp_path: Path, damage: str
+) -> None:
+    """transformers raises an OSError of its own (no errno) for such a directory: it was answered INTERNAL
+    ("internal error; see the service log"), naming nothing the caller could fix."""
+    model = tmp_path / "model"
+    shutil.copytree(small_model_dir, model)
+    if damage == "no weights":
+        for weights in model.glob("*.safetensors"):
+            weights.unlink()
+    else:
+        (model / "config.json").write_text("{not json")
+    code, details = start_code(core, "m", model)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    assert details.startswith(f"model.path: the model at {model} cannot be loaded: "), details
+    assert_nothing_held(core)
