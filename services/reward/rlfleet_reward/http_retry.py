@@ -21,6 +21,7 @@ import logging
 import ssl
 import time
 import weakref
+import zlib
 from typing import Any
 
 import httpx
@@ -37,6 +38,8 @@ MAX_ANSWER_BYTES = 1 << 20
 
 # No bound on connections: the hub's max_concurrent_io_calls bounds the calls in flight.
 _LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+# Content-Encodings the hub reads, and whether each is inflated (zlib reads gzip and deflate's zlib stream alike).
+_INFLATED = {"identity": False, "": False, "gzip": True, "x-gzip": True, "deflate": True}
 _clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = weakref.WeakKeyDictionary()
 
 
@@ -96,20 +99,36 @@ async def post_json(url: str, body: Any, *, attempt_seconds: float, deadline_sec
 
 
 async def _post(client: httpx.AsyncClient, url: str, body: Any, timeout: float) -> tuple[int, bytes]:
-    """The status and, for a 2xx, the answer's bytes (decompressed), read no further than MAX_ANSWER_BYTES."""
-    async with client.stream("POST", url, json=body, timeout=timeout) as response:
+    """The status and, for a 2xx, the answer's bytes (decompressed), read no further than MAX_ANSWER_BYTES.
+
+    The hub asks for the answer uncompressed; one compressed anyway (gzip, deflate) is inflated here no further
+    than the bound either: httpx would inflate each network read whole first, 64 KiB of gzip into up to 64 MiB."""
+    headers = {"accept-encoding": "identity"}
+    async with client.stream("POST", url, json=body, timeout=timeout, headers=headers) as response:
         if not 200 <= response.status_code < 300:
             return response.status_code, b""  # not read: no error quotes it
+        encoding = response.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in _INFLATED:
+            raise InvalidInput(f"{url} answered in Content-Encoding {encoding!r}; the hub reads identity or gzip")
+        inflate = zlib.decompressobj(wbits=zlib.MAX_WBITS | 32) if _INFLATED[encoding] else None
         declared = response.headers.get("content-length", "")
         chunks: list[bytes] = []
-        size = int(declared) if declared.isdigit() else 0
+        size = int(declared) if declared.isdigit() and inflate is None else 0
         if size <= MAX_ANSWER_BYTES:
             size = 0
-            async for chunk in response.aiter_bytes():
-                size += len(chunk)
-                if size > MAX_ANSWER_BYTES:
-                    break
-                chunks.append(chunk)
+            try:
+                async for raw in response.aiter_raw():
+                    chunk = raw if inflate is None else inflate.decompress(raw, MAX_ANSWER_BYTES + 1 - size)
+                    size += len(chunk)
+                    if size > MAX_ANSWER_BYTES:
+                        break
+                    chunks.append(chunk)
+                else:
+                    rest = b"" if inflate is None else inflate.flush()
+                    size += len(rest)
+                    chunks.append(rest)
+            except zlib.error as exc:
+                raise InvalidInput(f"{url} answered with a body that is not {encoding} ({exc})") from None
         if size > MAX_ANSWER_BYTES:
             raise InvalidInput(f"{url} answered more than 1 MiB; the hub reads at most {MAX_ANSWER_BYTES} bytes")
         return response.status_code, b"".join(chunks)

@@ -4,8 +4,10 @@ sandbox's limits have caps, and `remote` / `judge` POST only to URLs the operato
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import threading
+import tracemalloc
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -145,6 +147,8 @@ def answers() -> Iterator[tuple[dict[str, tuple[int, bytes]], str]]:
             status, body = table[self.path]
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
+            if self.path.startswith(("/gzip", "/br")):  # compressed whatever the hub asked
+                self.send_header("Content-Encoding", self.path[1:].split("-")[0])
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             try:
@@ -182,6 +186,28 @@ def test_an_answer_is_read_up_to_a_cap(answers: tuple[dict[str, tuple[int, bytes
     assert post(f"{url}/small") == {"score": 1}
     with pytest.raises(InvalidInput, match="more than 1 MiB"):
         post(f"{url}/big")
+
+
+def test_a_compressed_answer_is_inflated_no_further_than_the_cap(
+    answers: tuple[dict[str, tuple[int, bytes]], str],
+) -> None:
+    """Before, httpx inflated each network read whole before the cap was checked: 64 KiB of gzip sat in memory as
+    64 MiB, in each of up to 64 calls at once."""
+    table, url = answers
+    table["/gzip-small"] = (200, gzip.compress(b'{"score": 1}'))
+    table["/gzip-bomb"] = (200, gzip.compress(b" " * (64 << 20)))  # 64 KiB that inflate to 64 MiB
+    table["/br"] = (200, b"not read")
+    assert post(f"{url}/gzip-small") == {"score": 1}
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidInput, match="more than 1 MiB"):
+            post(f"{url}/gzip-bomb")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, f"{peak >> 20} MiB held"
+    with pytest.raises(InvalidInput, match="Content-Encoding 'br'; the hub reads identity or gzip"):
+        post(f"{url}/br")
 
 
 def test_errors_name_the_status_and_never_echo_the_answer(
