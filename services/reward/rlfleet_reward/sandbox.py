@@ -75,6 +75,8 @@ _PROGRAM_START = (
 # A run's directory and streams are named `rlfleet-sandbox-<worker pid>-...`, so a run can tell a dead
 # worker's leftovers from a live one's.
 _PREFIX = "rlfleet-sandbox-"
+# Processes of the sandbox itself inside a run's user namespace: `unshare` and sandbox_init.
+_SANDBOX_PROCESSES = 2
 # The limits the hub enforces itself rather than the kernel, left out of what `sandbox_init` sets.
 _NOT_RLIMITS = frozenset({"wall_seconds", "disk_bytes", "disk_entries"})
 # RLIMIT_FSIZE bounds each file, not how many: the disk watchdog sums what the working directory holds this often
@@ -279,7 +281,11 @@ def run_python(
             for path in [work, *work.iterdir()]:
                 os.chown(path, *isolation.run_as)
         process_limit = limits.max_processes
-        if not isolation.namespaces:
+        if isolation.namespaces:
+            # In the run's own user namespace RLIMIT_NPROC counts `unshare` and the sandbox's init as well: without
+            # them the smallest limit a spec may ask (2) ran no program at all, and any other left it two fewer.
+            process_limit += _SANDBOX_PROCESSES
+        else:
             # RLIMIT_NPROC counts every task of the user, not only the sandbox's: add what it already runs.
             process_limit += _tasks_of(isolation.run_as[0] if isolation.run_as else os.getuid())
         rlimits = {key: int(value) for key, value in asdict(limits).items() if key not in _NOT_RLIMITS}

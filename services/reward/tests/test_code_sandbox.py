@@ -88,6 +88,15 @@ def test_a_program_that_exits_before_its_check_fails_it(hub: str) -> None:
     assert all(failed_because(result, "check_skipped", tests=2) for result in skipped), skipped
 
 
+def test_max_processes_counts_the_programs_processes_alone(hub: str) -> None:
+    """In its own user namespace the limit also counted the sandbox's two processes: at 2, the smallest a spec may
+    ask, no program ran at all (runtime_error), and at 3 a program could not start one child."""
+    forks = "import os\npid = os.fork()\nif pid == 0:\n    os._exit(0)\nos.waitpid(pid, 0)\nprint('ok')\n"
+    (alone,) = score_code(hub, [("print(3)", [{"stdout": "3"}])], max_processes=2)
+    (child,) = score_code(hub, [(forks, [{"stdout": "ok"}])], max_processes=3)
+    assert (alone["score"], child["score"]) == (1.0, 1.0), (alone, child)
+
+
 def test_output_past_file_size_mb_is_output_limit_and_output_within_it_is_read_whole(hub: str) -> None:
     chars = (1 << 20) + 10
     to_file, to_stdout, long_answer = score_code(
