@@ -42,6 +42,7 @@ from rlfleet_reward.sandbox import RunResult, SandboxLimits, probe_isolation, ru
 _FENCED = re.compile(r"```[ \t]*([^\n`]*)\n(.*?)```", re.DOTALL)
 _PYTHON_TAGS = {"", "python", "py", "python3"}
 _MB = 1 << 20
+_MIN_STDOUT_READ = _MB
 _CAPS = {
     "memory_mb": "code_max_memory_mb",
     "max_processes": "code_max_processes",
@@ -127,8 +128,10 @@ def _lines(text: str) -> list[str]:
 
 def _stdout_read(test: CodeCase) -> int:
     """How much of a run's stdout the hub reads: what the comparison needs (twice the expected output, for line ends
-    and spaces it ignores, and 4 KiB more), so a program printing up to its file-size limit costs the hub nothing."""
-    return 0 if test.stdout is None else 2 * len(test.stdout.encode()) + 4096
+    and spaces it ignores, and 4 KiB more; at least 1 MiB, for lines padded with spaces: 20,000 one-digit lines
+    printed 8 wide read as cut, and wrong, in twice their expected 40 KB), so a program printing up to its
+    file-size limit costs the hub no more than that."""
+    return 0 if test.stdout is None else max(2 * len(test.stdout.encode()) + 4096, _MIN_STDOUT_READ)
 
 
 def verdict(result: RunResult, test: CodeCase, check_exit: int = 0) -> str:

@@ -88,6 +88,14 @@ def test_a_program_that_exits_before_its_check_fails_it(hub: str) -> None:
     assert all(failed_because(result, "check_skipped", tests=2) for result in skipped), skipped
 
 
+def test_lines_padded_with_spaces_pass_however_many(hub: str) -> None:
+    """Trailing whitespace is ignored; before, stdout was read up to twice the expected output and 4 KiB, and 20,000
+    lines printed 8 wide ran past it and read as cut: a wrong_answer for a right program."""
+    padded = "for _ in range(20000):\n    print(f'{1:<8}')\n"
+    (result,) = score_code(hub, [(padded, [{"stdout": "1\n" * 20000}])])
+    assert result["score"] == 1.0, result
+
+
 def test_max_processes_counts_the_programs_processes_alone(hub: str) -> None:
     """In its own user namespace the limit also counted the sandbox's two processes: at 2, the smallest a spec may
     ask, no program ran at all (runtime_error), and at 3 a program could not start one child."""
