@@ -274,7 +274,9 @@ def test_a_group_member_that_died_is_restarted_and_one_paused_holding_part_of_a_
 
     assert dies.engine.server is not None
     dies.engine.server.stop()
-    assert router.client.post("/update_weights_from_distributed", json=FIRST_BUCKET).status_code == 502
+    # The bucket fails: 502 at the dead member, or 409 when its probes (0.1 s apart) took it out first, as they did
+    # on a loaded machine; either way the group is broken and the member out of routing, which is what follows.
+    assert router.client.post("/update_weights_from_distributed", json=FIRST_BUCKET).status_code in (502, 409)
     router.wait_for(lambda: bool(restarted), what="the dead member restarted")
     time.sleep(1.0)  # many failure windows of probes of the live member, waiting behind its pause
     assert restarter.restarts == [dies.url]
