@@ -36,7 +36,7 @@ def run_clients(url: str, clients: int, seconds: float, max_new_tokens: int) -> 
         try:
             with httpx.Client(timeout=120.0) as http:
                 k = 0
-                while time.monotonic() < deadline:
+                while k == 0 or time.monotonic() < deadline:  # at least one request, however late the thread starts
                     body = {
                         "input_ids": [10 + (index + k) % 50, 11, 12, 13],
                         "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True, "temperature": 1.0},
