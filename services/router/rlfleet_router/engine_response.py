@@ -182,11 +182,14 @@ class EngineResponse(StreamingResponse):
             error = DeadlineExceeded(f"stream cut short: {url} did not finish its answer within the request's deadline")
         elif isinstance(exc, EngineFailed):
             self._metrics.engine_errors.inc(url, "engine_failed")
+            # Taken out of routing, the engine may still be generating: the closed connection alone stops it late.
+            self._abort(self._attempt, "its engine failed")
             error = Unavailable(f"stream cut short: {exc}")
         else:
             reason = f"connection lost mid-response: {describe_error(exc)}"
             self._metrics.engine_errors.inc(url, "connection")
             self._workers.record_failure(self._worker, reason)
+            self._abort(self._attempt, "its connection was lost")
             error = Unavailable(f"stream cut short: {url}: {reason}")
         logger.warning("%s", error)
         return error

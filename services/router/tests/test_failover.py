@@ -89,7 +89,7 @@ def test_a_stream_under_way_at_an_engine_that_fails_ends_with_an_error(
     router = start_router([engine.url], request_timeout_secs=REQUEST_TIMEOUT_SECS)
     router.wait_healthy(1)
     lines: list[str] = []
-    body = {"text": "long", "stream": True, "chunks": 200, "chunk_delay": 0.05}
+    body = {"text": "long", "rid": "cut-1", "stream": True, "chunks": 200, "chunk_delay": 0.05}
     started = time.monotonic()
     with pytest.raises(httpx.HTTPError):  # a cut connection, never the stream's false end
         with router.client.stream("POST", "/generate", json=body) as response:
@@ -113,6 +113,8 @@ def test_a_stream_under_way_at_an_engine_that_fails_ends_with_an_error(
         == 1
     )
     assert metric_value(metrics, "rlfleet_router_requests_total", {"route": "/generate", "status": "200"}) is None
+    # Out of routing is not stopped: the engine is asked to drop the rest of the generation.
+    router.wait_for(lambda: engine.aborted() == ["cut-1"], what="the cut stream aborted at its engine by rid")
 
 
 @pytest.mark.parametrize("size", [1 << 10, 10 << 20])

@@ -69,8 +69,9 @@ def test_a_stream_cut_by_its_engine_dying_counts_as_a_failure(
     router = start_router([engine.url])
     router.wait_healthy(1)
     lines: list[str] = []
+    body = {"rid": "cut-2", "stream": True, "chunks": 10, "cut_after": 2}
     with pytest.raises(httpx.HTTPError):
-        with router.client.stream("POST", "/generate", json={"stream": True, "chunks": 10, "cut_after": 2}) as r:
+        with router.client.stream("POST", "/generate", json=body) as r:
             lines.extend(line for line in r.iter_lines() if line)
     assert [json.loads(line.removeprefix("data: ")).get("index") for line in lines[:2]] == [0, 1]
     error = json.loads(lines[-1].removeprefix("data: "))["error"]
@@ -84,3 +85,5 @@ def test_a_stream_cut_by_its_engine_dying_counts_as_a_failure(
     assert metric_value(metrics, "rlfleet_router_requests_total", {"route": "/generate", "status": "200"}) is None
     errors = {"engine": engine.url, "kind": "connection"}
     assert metric_value(metrics, "rlfleet_router_engine_errors_total", errors) == 1
+    # A connection lost may be the network's doing, not the engine's end: it is asked to stop the request too.
+    router.wait_for(lambda: engine.aborted() == ["cut-2"], what="the cut stream aborted at its engine by rid")
