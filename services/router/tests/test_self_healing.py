@@ -125,32 +125,12 @@ def test_an_engine_in_a_crash_loop_is_restarted_with_a_growing_backoff() -> None
     assert gaps[0] >= 0.2, gaps
 
 
-class SlowLoadRestarter:
-    """Restarts at once; the engine then spends longer than the restart timeout loading the fleet's weights."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    async def start(self) -> list[str]:
-        return []
-
-    async def restart(self, url: str) -> str:
-        self.calls += 1
-        return url
-
-    async def release(self, url: str) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
-
-
 def test_a_restarted_engine_loading_the_fleets_weights_is_not_restarted_again() -> None:
     """The restart timeout bounds the engine coming back, not the load of a large checkpoint after it."""
     workers = WorkerRegistry(failure_threshold=1, success_threshold=1)
     worker, _ = workers.add("http://127.0.0.1:9")
     workers.admit(worker)
-    restarter = SlowLoadRestarter()
+    restarter = TimedRestarter()
     loading = False
     healer = Healer(
         restarter,
@@ -168,7 +148,7 @@ def test_a_restarted_engine_loading_the_fleets_weights_is_not_restarted_again() 
         workers.on_failed = healer.on_failed
         workers.record_failure(worker, "connection refused")
         async with asyncio.timeout(5):
-            while not restarter.calls:
+            while not restarter.times:
                 await asyncio.sleep(0.01)
             loading = True  # the admission's load: five restart timeouts long
             await asyncio.sleep(1.0)
@@ -179,7 +159,7 @@ def test_a_restarted_engine_loading_the_fleets_weights_is_not_restarted_again() 
         await healer.stop()
 
     asyncio.run(scenario())
-    assert restarter.calls == 1
+    assert len(restarter.times) == 1
 
 
 class MovingRestarter:
