@@ -14,7 +14,8 @@ if each prompt starts with the trajectory so far; a turn whose prompt does not (
 history, or re-tokenisation changed a token) marks the trajectory diverged, and reading it is then a
 Conflict naming the turn, never a silently different sequence. So does a turn whose answer the router
 could not read (`record_lost`): the trajectory would miss its tokens, or its next turn would start a new
-one with the model's earlier outputs inside its prompt.
+one with the model's earlier outputs inside its prompt. So does a turn that arrives after its trajectory
+was evicted: the store remembers the last `MAX_EVICTED_IDS` ids it evicted, and why.
 
 Ids are kept as 32-bit integers, logprobs as doubles (exactly as the engine sent them) and the mask as bytes:
 a stored token costs 4 bytes in the prompt and 13 in the response (lists of Python objects cost about 60).
@@ -59,6 +60,9 @@ TOKEN_ID_LIMIT = 2**31
 # objects) and for each turn's record (about 0.35 KB).
 ENTRY_TOKENS = 64
 TURN_TOKENS = 32
+# The evicted ids remembered (about 0.15 KB each), so a conversation that goes on after its trajectory was evicted
+# is told apart from a new one: far more than the conversations under way at once.
+MAX_EVICTED_IDS = 65_536
 
 
 def token_ids(ids: tuple[int, ...] = ()) -> array[int]:
@@ -113,6 +117,7 @@ class TrajectoryStore:
         self.max_tokens = max_tokens
         self.max_update_lag = max_update_lag
         self._entries: OrderedDict[str, Trajectory] = OrderedDict()
+        self._evicted: OrderedDict[str, str] = OrderedDict()  # why each of the last evicted ids went
         self.tokens = 0
         self.evictions = 0
 
@@ -123,7 +128,7 @@ class TrajectoryStore:
         """Appends `turn` to the trajectory (created by its first turn); returns the trajectory."""
         trajectory = self._entries.pop(trajectory_id, None)
         if trajectory is None:
-            trajectory = Trajectory(id=trajectory_id, prompt_ids=token_ids(turn.prompt_ids))
+            trajectory = self._new(trajectory_id, turn.prompt_ids, turn.rid)
             between = token_ids()
         else:
             self.tokens -= trajectory.tokens
@@ -141,7 +146,8 @@ class TrajectoryStore:
                     "output_tokens": len(turn.output_ids),
                 }
             )
-            for version in turn.weight_versions or (turn.weight_version,):
+            # A turn aborted before its first token (to be resumed) names the version it waited on: it sampled nothing.
+            for version in (turn.weight_versions or (turn.weight_version,)) if turn.output_ids else ():
                 if version not in trajectory.weight_versions:
                     trajectory.weight_versions.append(version)
         trajectory.fleet_update = fleet_update
@@ -156,7 +162,7 @@ class TrajectoryStore:
         turn) can no longer be laid out, and reading it is a Conflict naming the turn."""
         trajectory = self._entries.pop(trajectory_id, None)
         if trajectory is None:
-            trajectory = Trajectory(id=trajectory_id, prompt_ids=token_ids())
+            trajectory = self._new(trajectory_id, (), rid)
         else:
             self.tokens -= trajectory.tokens
         if trajectory.diverged is None:
@@ -174,27 +180,27 @@ class TrajectoryStore:
         """The trajectory; NotFound if unknown or evicted, Conflict if a turn did not extend it."""
         trajectory = self._entries.get(trajectory_id)
         if trajectory is None:
-            raise NotFound(
-                f"trajectory {trajectory_id!r} is not in the router's cache (never seen, deleted, or evicted "
-                "as stale or over the token budget)"
-            )
+            why = self._evicted.get(trajectory_id, "never seen, deleted, or evicted as stale or over the token budget")
+            raise NotFound(f"trajectory {trajectory_id!r} is not in the router's cache ({why})")
         self._entries.move_to_end(trajectory_id)
         if trajectory.diverged is not None:
             raise Conflict(f"trajectory {trajectory_id!r} cannot be laid out as one sequence: {trajectory.diverged}")
         return trajectory
 
     def delete(self, trajectory_id: str) -> None:
+        """Forgets the trajectory: its id may then start a new one."""
         trajectory = self._entries.pop(trajectory_id, None)
+        evicted = self._evicted.pop(trajectory_id, None)
         if trajectory is None:
-            raise NotFound(f"trajectory {trajectory_id!r} is not in the router's cache")
+            why = evicted or "never seen, or deleted"
+            raise NotFound(f"trajectory {trajectory_id!r} is not in the router's cache ({why})")
         self.tokens -= trajectory.tokens
 
     def evict_stale(self, fleet_update: int) -> int:
         """Drops trajectories more than `max_update_lag` weight updates old; returns how many."""
         stale = [k for k, t in self._entries.items() if fleet_update - t.fleet_update > self.max_update_lag]
         for key in stale:
-            self.tokens -= self._entries.pop(key).tokens
-        self.evictions += len(stale)
+            self._evict(key, f"evicted as stale, its last turn more than {self.max_update_lag} weight updates old")
         if stale:
             logger.info("evicted %d trajectories older than %d weight updates", len(stale), self.max_update_lag)
         return len(stale)
@@ -220,6 +226,23 @@ class TrajectoryStore:
     def _fit_budget(self) -> None:
         # The newest trajectory (last in order) stays even if it alone exceeds the budget.
         while self.tokens > self.max_tokens and len(self._entries) > 1:
-            _, oldest = self._entries.popitem(last=False)
-            self.tokens -= oldest.tokens
-            self.evictions += 1
+            self._evict(next(iter(self._entries)), f"evicted over the token budget of {self.max_tokens}")
+
+    def _evict(self, trajectory_id: str, why: str) -> None:
+        self.tokens -= self._entries.pop(trajectory_id).tokens
+        self.evictions += 1
+        self._evicted[trajectory_id] = why
+        if len(self._evicted) > MAX_EVICTED_IDS:
+            self._evicted.popitem(last=False)
+
+    def _new(self, trajectory_id: str, prompt_ids: tuple[int, ...], rid: str | None) -> Trajectory:
+        """The trajectory a turn of an id not held starts: diverged if the id was evicted, as its earlier turns
+        are gone and this turn's prompt holds their outputs as if they were prompt."""
+        trajectory = Trajectory(id=trajectory_id, prompt_ids=token_ids(prompt_ids))
+        evicted = self._evicted.pop(trajectory_id, None)
+        if evicted is not None:
+            trajectory.diverge(
+                f"a turn (rid {rid!r}) arrived after the trajectory was {evicted}; its earlier turns are lost"
+            )
+            logger.warning("trajectory %s diverged: %s", trajectory_id, trajectory.diverged)
+        return trajectory

@@ -10,6 +10,7 @@ import tracemalloc
 import pytest
 
 from rlfleet.errors import Conflict, InvalidInput, NotFound
+from rlfleet_router import trajectory_store
 from rlfleet_router.trajectory_capture import check_trajectory_request, turn_from_answer
 from rlfleet_router.trajectory_store import ENTRY_TOKENS, TURN_TOKENS, TrajectoryStore, Turn
 
@@ -74,6 +75,54 @@ def test_budget_evicts_least_recently_used_and_updates_evict_stale() -> None:
     assert store.tokens == 7 + 2 * record and store.evictions == 1
     assert store.evict_stale(fleet_update=2) == 0
     assert store.evict_stale(fleet_update=3) == 2 and len(store) == 0 and store.tokens == 0
+
+
+@pytest.mark.parametrize("eviction", ["budget", "stale"])
+def test_a_conversation_going_on_after_its_trajectory_was_evicted_is_a_conflict(eviction: str) -> None:
+    """Before, its next turn started a new trajectory, read back 200 with the model's earlier output inside its
+    prompt, masked out and without logprobs."""
+    store = TrajectoryStore(max_tokens=2 * (ENTRY_TOKENS + TURN_TOKENS) + 10, max_update_lag=1)
+    store.record("conv", turn([1, 2], [3, 4]), fleet_update=0)
+    if eviction == "budget":
+        store.record("a", turn([5], [6]), fleet_update=0)
+        store.record("b", turn([7], [8]), fleet_update=0)
+        why = "over the token budget"
+    else:
+        store.evict_stale(fleet_update=2)
+        why = "as stale"
+    with pytest.raises(NotFound, match=f"evicted {why}"):
+        store.get("conv")
+    store.record("conv", turn([1, 2, 3, 4, 9], [5]), fleet_update=2)
+    with pytest.raises(Conflict, match=f"arrived after the trajectory was evicted {why}.*; its earlier turns are lost"):
+        store.get("conv")
+    store.delete("conv")  # the client is done with it: the id may start a new conversation
+    store.record("conv", turn([1, 2], [3]), fleet_update=2)
+    assert store.get("conv").describe()["response_ids"] == [3]
+
+
+def test_the_evicted_ids_remembered_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(trajectory_store, "MAX_EVICTED_IDS", 100)
+    store = TrajectoryStore(max_tokens=1, max_update_lag=1)
+    for i in range(1000):
+        store.record(f"t{i}", turn([1], [2]), fleet_update=0)
+    assert store.evictions == 999 and len(store._evicted) == 100
+    store.record("t0", turn([1], [2]), fleet_update=0)  # forgotten long ago: a new trajectory
+    assert store.get("t0").describe()["response_ids"] == [2]
+    store.record("t998", turn([1, 2, 5], [2]), fleet_update=0)
+    with pytest.raises(Conflict, match="after the trajectory was evicted"):
+        store.get("t998")
+
+
+def test_a_turn_aborted_before_its_first_token_adds_no_version() -> None:
+    """Under abort_resume a weight update aborts a turn still waiting for its first token, and the engine reports
+    the version it waited on; the resumed turn runs on the new one. Before, the old version was listed, and the
+    staleness rule dropped a sample that no old weights had sampled."""
+    store = TrajectoryStore(max_tokens=1000, max_update_lag=1)
+    store.record("t", turn([1, 2], [3, 4], version="4"), fleet_update=0)
+    store.record("t", Turn("r", (1, 2, 3, 4, 9), (), (), "3", "e", ("3",)), fleet_update=0)
+    store.record("t", turn([1, 2, 3, 4, 9], [5], version="4"), fleet_update=1)
+    got = store.get("t").describe()
+    assert got["weight_versions"] == ["4"] and got["response_ids"] == [3, 4, 9, 5] and got["num_turns"] == 3
 
 
 def test_trajectories_without_tokens_are_charged_for_their_records() -> None:
