@@ -96,5 +96,8 @@ class ReplyPool:
                 continue
             try:
                 future.set_result(call())
-            except BaseException as exc:  # noqa: BLE001 - handed to the episode, which fails its sample
+            except Exception as exc:  # noqa: BLE001 - handed to the episode, which fails its sample
                 future.set_exception(exc)
+            except BaseException as exc:  # noqa: BLE001 - a tool's sys.exit is its episode's failure, not ours
+                # Handed on as it is, SystemExit would end the orchestrator, and CancelledError look like a stop.
+                future.set_exception(RuntimeError(f"raised {type(exc).__name__}{exc.args!r}"))

@@ -293,6 +293,30 @@ class LosesItsSession:
         return calculator.reply(prompt, turns)
 
 
+class Exits:
+    """A tool that ends as a command line tool does on bad input (argparse calls sys.exit(2)), or with another
+    BaseException: an interrupt, or a CancelledError from its own event loop."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def reply(self, prompt: Prompt, turns: Sequence[str]) -> str | None:
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [SystemExit(2), KeyboardInterrupt(), asyncio.CancelledError()])
+def test_an_environment_that_exits_fails_its_sample_not_the_orchestrator(
+    tokenizer_dir: Path, replies: ReplyPool, error: BaseException
+) -> None:
+    """Before, the exception went up unchanged: SystemExit ended the orchestrator's event loop, and a
+    CancelledError looked like the group's own cancellation."""
+    ctx = replace(_context(tokenizer_dir, replies, FakeRouter(), max_turns=3), environment=Exits(error))
+    group = asyncio.run(multi_turn(ctx, _request()))
+    assert [s.status for s in group.samples] == [SampleStatus.SAMPLE_STATUS_FAILED] * 2
+    name = type(error).__name__
+    assert group.samples[0].error == f"turn 1: environment failed: RuntimeError: raised {name}{error.args!r}"
+
+
 def test_an_environment_that_raises_fails_its_sample_not_the_run(tokenizer_dir: Path, replies: ReplyPool) -> None:
     """The exception went up through the group to the run loop, which failed the run."""
     ctx = replace(_context(tokenizer_dir, replies, FakeRouter(), max_turns=3), environment=LosesItsSession())
