@@ -11,7 +11,7 @@
         stop, cut (finish reason length), when the reply would leave no room for another turn
         ids = ids + the tokens the engine generated + the reply's tokens
     read the trajectory back from the router's cache: the Sample's prompt ids, response ids,
-    rollout logprobs, loss mask (0 on the environment's tokens) and weight versions
+    rollout logprobs, loss mask (0 on the environment's tokens) and weight versions; then delete it there
 
 Each turn's prompt extends the previous one by exactly the generated ids, so the router lays the
 turns out as one sequence of the tokens the engines produced: nothing is re-tokenised. The last
@@ -22,6 +22,7 @@ its reply itself.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,8 @@ from rlfleet_rollout.environment import Environment, ReplyTimeout
 from rlfleet_rollout.group_producer import GroupRequest, RolloutContext, build_sample, finish_group, sample_seed
 from rlfleet_rollout.partial_rollout import generate_turn_resuming
 from rlfleet_rollout.router_client import Completion, sampling_body
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -154,10 +157,16 @@ async def run_episode(
             out_of_context = True
             break
         ids += list(last.output_ids) + reply_ids
+    turns = len(texts)
     try:
         trajectory = await ctx.router.trajectory(trajectory_id)
     except RlfleetError as exc:
-        return Episode(Completion(error=f"reading trajectory {trajectory_id} from the router failed: {exc}"))
+        error = f"reading trajectory {trajectory_id} from the router failed: {exc}"
+        return Episode(Completion(error=error), turns=turns)
+    try:
+        await ctx.router.forget_trajectory(trajectory_id)
+    except RlfleetError as exc:  # the router evicts it in time; the sample has what it needs
+        logger.warning("could not delete trajectory %s at the router: %s", trajectory_id, exc)
     if tuple(trajectory.prompt_ids) != tuple(prompt_ids):
         # The router dropped the trajectory between turns (evicted as stale or over its budget, or restarted):
         # a later turn began a new one, whose prompt holds the earlier turns with nothing to tell them apart.
@@ -165,10 +174,12 @@ async def run_episode(
             Completion(
                 error=f"the router's trajectory {trajectory_id} does not start at the episode's prompt "
                 f"({len(trajectory.prompt_ids)} prompt tokens, not {len(prompt_ids)}): it lost the earlier turns"
-            )
+            ),
+            turns=turns,
         )
     if trajectory.prompt_ids + trajectory.response_ids != (*ids, *last.output_ids):
-        return Episode(Completion(error=f"the router's trajectory {trajectory_id} differs from the episode's tokens"))
+        error = f"the router's trajectory {trajectory_id} differs from the episode's tokens"
+        return Episode(Completion(error=error), turns=turns)
     versions = tuple(v for v in trajectory.weight_versions if v is not None)
     whole = Completion(
         output_ids=trajectory.response_ids,
@@ -177,4 +188,4 @@ async def run_episode(
         weight_version=versions[-1] if versions else None,
         cached_tokens=first.cached_tokens,
     )
-    return Episode(whole, trajectory.loss_mask, versions, texts[-1], len(texts))
+    return Episode(whole, trajectory.loss_mask, versions, texts[-1], turns)

@@ -63,6 +63,8 @@ class Trajectory:
 
 
 TRAJECTORY_HEADER = "X-Rlfleet-Trajectory-Id"
+# A trajectory left behind costs the router's cache room until it is evicted, not a sample: worth a short wait.
+FORGET_TIMEOUT_S = 5.0
 
 
 def sampling_body(params: SamplingParams, *, greedy: bool = False) -> dict[str, Any]:
@@ -214,3 +216,14 @@ class RouterClient:
         if len(trajectory.logprobs) != n or len(trajectory.loss_mask) != n:
             raise Unavailable(f"router's trajectory {trajectory_id!r} has per-token lists of different lengths")
         return trajectory
+
+    async def forget_trajectory(self, trajectory_id: str) -> None:
+        """Frees the router's copy of a trajectory read for good, so finished episodes do not crowd out the ones
+        under way in its cache; one already gone (evicted, a router restarted since) is forgotten already."""
+        url = f"{self.base_url}/trajectories/{quote(trajectory_id, safe='')}"
+        try:  # once: the router answered the read just before
+            response = await self.client.delete(url, timeout=min(self.timeout_s, FORGET_TIMEOUT_S))
+        except httpx.HTTPError as exc:
+            raise Unavailable(f"DELETE {url} failed: {exc!r}") from exc
+        if response.status_code not in (200, 404):
+            raise Unavailable(f"DELETE {url} answered HTTP {response.status_code}: {response.text[:200]}")

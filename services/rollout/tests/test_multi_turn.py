@@ -77,6 +77,7 @@ class FakeRouter:
     def __init__(self, fail_turn: int | None = None) -> None:
         self.turns: dict[str, list[tuple[list[int], list[int], list[float]]]] = {}
         self.fail_turn = fail_turn
+        self.forgotten: list[str] = []
 
     async def generate_turn(self, prompt: list[int], sampling: dict[str, Any], rid: str, tid: str) -> Completion:
         turns = self.turns.setdefault(tid, [])
@@ -104,6 +105,9 @@ class FakeRouter:
             lps += [0.0] * len(between) + turn_logprobs
             mask += [0] * len(between) + [1] * len(turn_output)
         return Trajectory(tuple(prompt), tuple(response), tuple(lps), tuple(mask), (3,))
+
+    async def forget_trajectory(self, tid: str) -> None:
+        self.forgotten.append(tid)
 
 
 class FakeHub:
@@ -241,6 +245,7 @@ def test_a_trajectory_that_lost_its_earlier_turns_fails_its_sample(tokenizer_dir
     group = asyncio.run(multi_turn(_context(tokenizer_dir, replies, ForgetsBetweenTurns(), max_turns=3), _request()))
     assert [s.status for s in group.samples] == [SampleStatus.SAMPLE_STATUS_FAILED] * 2
     assert "does not start at the episode's prompt" in group.samples[0].error
+    assert group.samples[0].metadata["turns"] == "2", "the turns that ran, though the trajectory failed"
 
 
 def test_an_episode_ends_cut_where_the_models_context_does(tokenizer_dir: Path, replies: ReplyPool) -> None:
@@ -315,6 +320,14 @@ def test_an_environment_that_exits_fails_its_sample_not_the_orchestrator(
     assert [s.status for s in group.samples] == [SampleStatus.SAMPLE_STATUS_FAILED] * 2
     name = type(error).__name__
     assert group.samples[0].error == f"turn 1: environment failed: RuntimeError: raised {name}{error.args!r}"
+
+
+def test_an_episode_deletes_its_trajectory_at_the_router_once_read(tokenizer_dir: Path, replies: ReplyPool) -> None:
+    """Before, finished episodes stayed in the router's cache until evicted, and the least recently used went
+    first: an episode under way behind a slow tool could be evicted before them, and fail."""
+    router = FakeRouter()
+    group = asyncio.run(multi_turn(_context(tokenizer_dir, replies, router, max_turns=3), _request()))
+    assert sorted(router.forgotten) == sorted(s.metadata["trajectory_id"] for s in group.samples)
 
 
 def test_an_environment_that_raises_fails_its_sample_not_the_run(tokenizer_dir: Path, replies: ReplyPool) -> None:
