@@ -151,9 +151,15 @@ REDIS_RETRY_BUDGET_S = 30.0
 the sum of the backoffs between attempts; each attempt is bounded by the socket timeouts too."""
 REDIS_RETRY_ERRORS: tuple[type[redis.RedisError], ...] = (redis.ConnectionError, redis.TimeoutError)
 _BACKOFF_BASE_S, _BACKOFF_CAP_S = 0.1, 2.0
-# redis-py has no class for MISCONF; inside a transaction it prefixes the reply with the command that met it
+# redis-py has no class for these refusals; inside a transaction it prefixes the reply with the command that met it
 # ("Command # 1 (SET ...) of pipeline caused error: ('MISCONF ...',)").
-_MISCONF = re.compile(r"""(?:^|of pipeline caused error: \(?["']?)MISCONF """)
+_REFUSALS = {
+    "MISCONF": "Redis cannot persist to disk, and stops writes until it can (MISCONF; its log says why)",
+    "NOREPLICAS": "Redis reaches fewer replicas than its min-replicas-to-write, and stops writes until it does "
+    "(NOREPLICAS)",
+    "MASTERDOWN": "Redis is a replica cut off from its primary, and serves nothing until it is back (MASTERDOWN)",
+}
+_REFUSAL = re.compile(rf"""(?:^|of pipeline caused error: \(?["']?)({"|".join(_REFUSALS)}) """)
 _HEALTH_CHECK_INTERVAL_S = 10
 
 
@@ -196,14 +202,15 @@ def connect_redis(url: str, timeout_s: float = 10.0) -> redis.Redis:
 
 def redis_refusal(exc: BaseException) -> str | None:
     """Why Redis refused a write, when `exc` is Redis refusing it for a state of its own that lasts until an operator
-    (or a failover) ends it: full at its maxmemory, a read-only replica, unable to persist. None for any other error.
+    (or a failover) ends it: full at its maxmemory, a read-only replica, unable to persist, short of the replicas
+    it must write to, a replica cut off from its primary. None for any other error.
     The text is for logs and callers: the error's own may quote the command, a run's serialized record."""
     if isinstance(exc, redis.OutOfMemoryError):
         return "Redis is full: its used memory is over its maxmemory (OOM)"
     if isinstance(exc, redis.ReadOnlyError):
         return "Redis is a read-only replica (READONLY)"
-    if isinstance(exc, redis.ResponseError) and _MISCONF.search(str(exc)):
-        return "Redis cannot persist to disk, and stops writes until it can (MISCONF; its log says why)"
+    if isinstance(exc, redis.ResponseError) and (refusal := _REFUSAL.search(str(exc))):
+        return _REFUSALS[refusal.group(1)]
     return None
 
 

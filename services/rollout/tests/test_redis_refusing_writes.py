@@ -67,7 +67,17 @@ def _cannot_persist(client: redis.Redis) -> Callable[[], object]:
     return lambda: client.config_set("stop-writes-on-bgsave-error", "no", "save", "")
 
 
-REFUSALS = {"full": (_full, "(OOM)"), "read-only": (_read_only, "(READONLY)"), "no disk": (_cannot_persist, "(MISCONF")}
+def _too_few_replicas(client: redis.Redis) -> Callable[[], object]:
+    client.config_set("min-replicas-to-write", 1)  # and it has none: NOREPLICAS
+    return lambda: client.config_set("min-replicas-to-write", 0)
+
+
+REFUSALS = {
+    "full": (_full, "(OOM)"),
+    "read-only": (_read_only, "(READONLY)"),
+    "no disk": (_cannot_persist, "(MISCONF"),
+    "no replicas": (_too_few_replicas, "(NOREPLICAS)"),
+}
 
 
 @pytest.mark.parametrize("kind", REFUSALS)
@@ -109,6 +119,7 @@ def test_only_redis_refusing_writes_is_taken_for_it() -> None:
     )
     assert redis_refusal(wrong_type) is None and not redis_unavailable(wrong_type)
     assert redis_refusal(redis.ResponseError("MISCONF Redis is configured to save RDB snapshots")) is not None
+    assert "(MASTERDOWN)" in str(redis_refusal(redis.ResponseError("MASTERDOWN Link with MASTER is down and ...")))
 
 
 def test_a_run_that_meets_refused_writes_is_left_running_not_failed(

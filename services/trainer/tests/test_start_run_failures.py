@@ -136,7 +136,17 @@ def _cannot_persist(client: redis.Redis) -> None:
         time.sleep(0.05)
 
 
-REFUSALS = {"full": (_full, "(OOM)"), "read-only": (_read_only, "(READONLY)"), "no disk": (_cannot_persist, "(MISCONF")}
+def _too_few_replicas(client: redis.Redis) -> Callable[[], object]:
+    client.config_set("min-replicas-to-write", 1)  # and it has none: NOREPLICAS
+    return lambda: client.config_set("min-replicas-to-write", 0)
+
+
+REFUSALS = {
+    "full": (_full, "(OOM)"),
+    "read-only": (_read_only, "(READONLY)"),
+    "no disk": (_cannot_persist, "(MISCONF"),
+    "no replicas": (_too_few_replicas, "(NOREPLICAS)"),
+}
 
 
 @pytest.mark.parametrize("kind", REFUSALS)
