@@ -34,6 +34,26 @@ def parse_json_message(data: Mapping[str, Any], message: M, root: str) -> M:
         return json_format.ParseDict(data, message)
     except json_format.ParseError as exc:
         raise InvalidInput(describe_parse_error(str(exc), root)) from None
+    except OverflowError:  # an integer beyond a double where protobuf wants one (JSON numbers are unbounded)
+        where = _oversized_number(data) or root
+        raise InvalidInput(f"{where}: a number too large (a double holds at most about 1.8e308)") from None
+
+
+def _oversized_number(value: Any, path: str = "") -> str | None:
+    """The path of the first integer in `value` that no double can hold, if any."""
+    if isinstance(value, Mapping):
+        items: list[tuple[str, Any]] = [(f"{path}.{key}" if path else str(key), item) for key, item in value.items()]
+    elif isinstance(value, list):
+        items = [(f"{path}[{i}]", item) for i, item in enumerate(value)]
+    elif isinstance(value, int) and not isinstance(value, bool):
+        try:
+            float(value)
+        except OverflowError:
+            return path
+        return None
+    else:
+        return None
+    return next((found for where, item in items if (found := _oversized_number(item, where))), None)
 
 
 def misshapen_field(data: Mapping[str, Any], descriptor: Descriptor, path: str = "") -> str | None:

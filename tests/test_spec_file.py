@@ -40,6 +40,17 @@ def test_a_value_of_the_wrong_type_is_named_by_its_path(tmp_path: Path) -> None:
     assert refusal(tmp_path, "rollout: {group_size: many}\n").startswith("rollout.group_size: ")
 
 
+def test_a_number_beyond_a_double_is_named_by_its_path(tmp_path: Path) -> None:
+    """protobuf's OverflowError went up as a traceback (the CLI) or a 500 (the Runs API)."""
+    huge = "1" + "0" * 400
+    assert refusal(tmp_path, f"trainer: {{learning_rate: {huge}}}\n") == (
+        "trainer.learning_rate: a number too large (a double holds at most about 1.8e308)"
+    )
+    assert refusal(tmp_path, f"reward: {{terms: [{{function: f, params: {{x: [1, {huge}]}}}}]}}\n").startswith(
+        "reward.terms[0].params.x[1]: a number too large"
+    )
+
+
 MAPPING_EXPECTED = [
     ("model: /some/path\n", "model: expected a mapping (such as {path: ...}), got a string"),
     ("model: ''\n", "model: expected a mapping (such as {path: ...}), got a string"),
