@@ -114,7 +114,11 @@ def load_dataset(ds: DatasetSpec, train_prompts_wanted: int) -> LoadedDataset:
 def _read_rows(
     source: str, path: Path, spec: FileDataset, field_name: str, bad_rows: str, skipped: list[str]
 ) -> list[Prompt]:
-    if not path.exists():
+    try:
+        found = path.exists()
+    except OSError as exc:  # a name too long, a directory it may not search: not "not there"
+        raise InvalidInput(f"{field_name}: cannot read {str(path)!r}: {exc.strerror}") from None
+    if not found:
         raise InvalidInput(f"{field_name}: {str(path)!r} does not exist")
     try:
         splits = HELD_OUT_SPLITS if field_name.endswith(".eval_path") else ("train",)

@@ -49,7 +49,11 @@ def require_under_roots(spec: RunSpec, roots: Sequence[Path]) -> None:
 
 def require_model_config(model_path: str) -> None:
     """InvalidInput naming model.path unless it holds a Hugging Face model's config.json."""
-    if not (Path(model_path) / "config.json").is_file():
+    try:
+        found = (Path(model_path) / "config.json").is_file()
+    except OSError as exc:  # a name too long, a directory it may not search: not "not there"
+        raise InvalidInput(f"model.path: cannot read {model_path!r}: {exc.strerror}") from None
+    if not found:
         raise InvalidInput(
             f"model.path: no Hugging Face model at {model_path!r} (config.json missing); point it at the "
             "directory holding the policy's config.json and weights, on the storage the trainer shares"

@@ -26,7 +26,11 @@ def tokenizer_file(tokenizer_path: str) -> Path:
     `resolve`), and it spells out a relative path: it is this process's, resolved against its working
     directory, which a client on another machine (or in another directory) cannot guess."""
     path = Path(tokenizer_path) / "tokenizer.json"
-    if not path.is_file():
+    try:
+        found = path.is_file()
+    except OSError as exc:  # a name too long, a directory it may not search: not "not there"
+        raise InvalidInput(f"model.tokenizer_path: cannot read {tokenizer_path!r}: {exc.strerror}") from None
+    if not found:
         where = "" if os.path.isabs(tokenizer_path) else f" (here {os.path.abspath(tokenizer_path)})"
         raise InvalidInput(
             f"model.tokenizer_path: no tokenizer.json in {tokenizer_path!r}{where}; the orchestrator tokenizes "

@@ -84,6 +84,23 @@ def test_bad_specs_get_400_naming_the_field_and_nothing_is_stored(
             "dataset.chat_template",
         ),
         ("missing file", json.dumps({**good, "dataset": {"jsonl": {"path": "/nonexistent.jsonl"}}}).encode(), "path"),
+        # Python reads these as errors, not as absent files: each was a 500 naming nothing.
+        ("model name too long", json.dumps({**good, "model": {"path": "/" + "m" * 300}}).encode(), "model.path"),
+        (
+            "tokenizer name too long",
+            json.dumps({**good, "model": {**good["model"], "tokenizer_path": "/" + "t" * 300}}).encode(),
+            "model.tokenizer_path",
+        ),
+        (
+            "data file name too long",
+            json.dumps({**good, "dataset": {"jsonl": {"path": "/" + "d" * 300}}}).encode(),
+            "dataset.jsonl.path: cannot read",
+        ),
+        (
+            "number beyond a double",
+            json.dumps({**good, "trainer": {"learning_rate": 10**400}}).encode(),
+            "trainer.learning_rate: a number too large",
+        ),
         (
             "unknown rollout function",
             json.dumps({**good, "rollout": {**good["rollout"], "function": "nope"}}).encode(),
