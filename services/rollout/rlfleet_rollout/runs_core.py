@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -95,7 +96,9 @@ class RunsCore:
         self.data_roots = tuple(data_roots)
         self.run_counts = RunCounts(store, metrics)
         """The runs-by-state gauge; its task (`run_counts.serve()`) is the caller's to run and cancel."""
-        self._lock = asyncio.Lock()
+        # The run loop's writers of a run take turns (each retry of one would cost the others theirs); a lock for
+        # each run, gone once unused, so a write waiting out Redis holds up no other run's.
+        self._writing: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._closing = False
 
     # -- the API ------------------------------------------------------------------------------
@@ -183,7 +186,8 @@ class RunsCore:
 
         try:
             with records_reachable():
-                return await self.update(run_id, mark)
+                # Not in turn with the run loop's writers: a caller's wait is Redis's retries alone, never theirs too.
+                return await self.update(run_id, mark, in_turn=False)
         except RunEnded as exc:
             raise Conflict(f"{exc}: it cannot be cancelled") from None
 
@@ -215,11 +219,14 @@ class RunsCore:
 
     # -- used by the run loop -----------------------------------------------------------------
 
-    async def update(self, run_id: str, mutate: Callable[[Run], None], *, after_end: bool = False) -> Run:
+    async def update(
+        self, run_id: str, mutate: Callable[[Run], None], *, after_end: bool = False, in_turn: bool = True
+    ) -> Run:
         """Applies `mutate` to the stored run and writes it back, unless another writer came between (then it is
         applied again to what that one wrote); RunEnded if the run already finished, unless `after_end` (the
         trainer's final progress, known only once it has stopped the run: trainer_release.py). A final state is
-        never changed. Redis errors are raised as the client's (the run loop waits them out)."""
+        never changed. `in_turn`: after this process's other writers of the run are done. Redis errors are raised
+        as the client's (the run loop waits them out)."""
 
         def guarded(run: Run) -> None:
             state = run.state
@@ -229,8 +236,8 @@ class RunsCore:
             if is_terminal(state) and run.state != state:
                 raise RunEnded(f"run {run_id} already {state_name(state)}, which is final")
 
-        # The lock spares this process's writers each other's retries; the compare-and-set guards against the rest.
-        async with self._lock:
+        # Turns spare this process's writers each other's retries; the compare-and-set guards against the rest.
+        async with self._turn(run_id) if in_turn else contextlib.nullcontext():
             old, run = await self.store.update(run_id, guarded, expire_data_after_s=self.run_data_retention_s)
         if run is old:
             return run
@@ -240,6 +247,12 @@ class RunsCore:
             logger.info("run %s is %s", run_id, state_name(run.state), extra={"run_id": run_id})
         self.notifier.publish(run)
         return run
+
+    def _turn(self, run_id: str) -> asyncio.Lock:
+        lock = self._writing.get(run_id)
+        if lock is None:
+            lock = self._writing[run_id] = asyncio.Lock()
+        return lock
 
     async def _check_reward(self, spec: RunSpec) -> None:
         """The reward hub checks the spec's reward (functions, params, time limit) as its /score will, and the

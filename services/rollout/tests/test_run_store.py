@@ -165,3 +165,41 @@ def test_a_cancelled_run_keeps_no_stall_report(redis_prefix: str) -> None:
             return await core.cancel("r1")
 
     assert asyncio.run(scenario()).stalled == ""
+
+
+def test_a_write_waiting_out_redis_holds_up_no_other_runs_write_nor_a_cancel(redis_prefix: str) -> None:
+    """Before, one lock spanned every run of the orchestrator: while Redis was down each write held it for the
+    client's 30 s of retries, so the k-th Cancel answered after k x 30 s, and every run's progress waited too."""
+
+    async def scenario() -> tuple[Run, Run, Run]:
+        async with runs_core(redis_prefix) as core:
+            for run_id in ("slow", "other"):
+                await core.store.create(Run(id=run_id, state=RUNNING))
+            redis_back = asyncio.Event()
+            store_update = core.store.update
+            waiting: list[str] = []
+
+            async def update(run_id: str, *args: object, **kwargs: object) -> tuple[Run, Run]:
+                if run_id == "slow" and not waiting:
+                    waiting.append(run_id)
+                    await redis_back.wait()  # as a write retrying against a Redis that is down
+                return await store_update(run_id, *args, **kwargs)  # type: ignore[arg-type]
+
+            core.store.update = update  # type: ignore[method-assign]
+            held = asyncio.create_task(core.update("slow", lambda run: setattr(run.progress, "step", 1)))
+            queued = asyncio.create_task(core.update("slow", lambda run: setattr(run.progress, "step", 2)))
+            await asyncio.sleep(0.05)
+            async with asyncio.timeout(5):
+                progressed = await core.update("other", lambda run: setattr(run.progress, "step", 3))
+                cancelled = await core.cancel("other")
+                # A caller's Cancel waits for no writer of the run loop's either, only for Redis.
+                cancelled_slow = await core.cancel("slow")
+            assert not held.done() and not queued.done()
+            redis_back.set()
+            async with asyncio.timeout(5):
+                for late in await asyncio.gather(held, queued, return_exceptions=True):
+                    assert isinstance(late, RunEnded), late  # the run was cancelled meanwhile
+            return progressed, cancelled, cancelled_slow
+
+    progressed, cancelled, cancelled_slow = asyncio.run(scenario())
+    assert progressed.progress.step == 3 and cancelled.state == CANCELLED and cancelled_slow.state == CANCELLED
