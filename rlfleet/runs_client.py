@@ -281,9 +281,10 @@ class RunsClient:
     ) -> Iterator[Run]:
         """The run now, then every change, until it ends, across restarts of the orchestrator: a watch that
         ends or fails before the run did is started again, with backoff, for up to `reconnect_within_s` from
-        the first failure since the run last changed; then WatchEnded. `on_lost` is told of that first failure
-        (a line saying why and how long the watch is tried again): a silent orchestrator is noticed only after
-        WATCH_READ_TIMEOUT_S, and the watch would otherwise say nothing for minutes. Each watch starts only once
+        the first failure since a watch last worked (brought a change, or stayed up that long); then WatchEnded.
+        `on_lost` is told of that first failure (a line saying why and how long the watch is tried again): a silent
+        orchestrator is noticed only after WATCH_READ_TIMEOUT_S, and the watch would otherwise say nothing for
+        minutes. Each watch starts only once
         the orchestrator has answered a plain read within the client's timeout, so one that accepts connections
         but never answers fails that fast (a running watch may stay quiet for WATCH_READ_TIMEOUT_S)."""
         try:
@@ -292,6 +293,7 @@ class RunsClient:
             raise Unavailable(f"the watch of {run_id} never started: {exc}") from exc
         lost_since: float | None = None
         while True:
+            started = time.monotonic()
             try:
                 for run in self.watch(run_id, WATCH_READ_TIMEOUT_S):
                     if run != last:  # the run moved, so the watch works (each watch first repeats the run)
@@ -303,6 +305,8 @@ class RunsClient:
                 why = "the orchestrator ended the watch"
             except Unavailable as exc:  # unreachable, 5xx while it starts, or silent
                 why = str(exc)
+            if time.monotonic() - started >= reconnect_within_s:  # a quiet run's watch that held: a new loss
+                lost_since = None
             if lost_since is None and on_lost is not None:
                 on_lost(f"lost the watch of {run_id} ({why}); watching again for up to {reconnect_within_s:g} s")
             lost_since = lost_since or time.monotonic()

@@ -80,7 +80,9 @@ RESTART_SCRIPTS: list[list[tuple[float, str]] | int] = [
 """What each watch of run-0009 gets, one connection after the other: the orchestrator restarts under it."""
 ENDING = {10, 500}
 """Every watch of these runs (run-0500 is the one `submit` makes) ends at once while the run goes on."""
-RUNNING_IDS = {9} | ENDING
+QUIET_RESTARTS = 3
+"""run-0013 is quiet (keep-alives only) through this many restarts of the orchestrator, each 1.2 s apart."""
+RUNNING_IDS = {9, 13} | ENDING
 WATCHES: dict[str, int] = {}
 """How many watches of each run the fake has answered."""
 
@@ -132,6 +134,10 @@ def build_api() -> FastAPI:
             scripts[f"run-{i:04d}"] = [(0.0, "data: " + json.dumps(run_json(i, "RUN_STATE_RUNNING", step=2)))]
         if run_id == "run-0009":
             scripts[run_id] = RESTART_SCRIPTS[min(WATCHES[run_id], len(RESTART_SCRIPTS)) - 1]  # type: ignore[assignment]
+        if run_id == "run-0013":
+            up = [(0.0, "data: " + json.dumps(run_json(13, "RUN_STATE_RUNNING", step=2))), *[(0.2, ": keep-alive")] * 6]
+            done = [(0.0, "data: " + json.dumps(run_json(13, "RUN_STATE_SUCCEEDED", step=6)))]
+            scripts[run_id] = up if WATCHES[run_id] <= QUIET_RESTARTS else up[:1] + done
         quiet = [(0.0, "data: " + json.dumps(run_json(int(run_id[4:]), "RUN_STATE_RUNNING", step=2)))]
         script = scripts.get(run_id, [*quiet, (30.0, ": keep-alive")])
         if isinstance(script, int):
@@ -462,6 +468,16 @@ def test_a_watch_reconnects_when_the_orchestrator_restarts(api: str, capsys: pyt
     assert lines[1] == "lost the watch of run-0009 (the orchestrator ended the watch); watching again for up to 60 s"
     steps = [line.split("  ")[0].split()[-1] for line in lines if line.startswith("run-0009 [")]
     assert steps == ["2/6", "3/6", "6/6"] and lines[-1].endswith("succeeded")
+
+
+def test_a_watch_outlives_restarts_further_apart_than_its_reconnect_window(api: str) -> None:
+    """Each restart gets the window anew once a watch held for it. Before, a quiet run's window counted from the
+    first restart on: the second one, 1.2 s later, gave up at once with a 1 s window."""
+    client = RunsClient(api, timeout_s=5)
+    lost: list[str] = []
+    runs = list(client.follow("run-0013", reconnect_within_s=1.0, on_lost=lost.append))
+    assert runs[-1].state == RunState.RUN_STATE_SUCCEEDED
+    assert WATCHES["run-0013"] == QUIET_RESTARTS + 1 and len(lost) == QUIET_RESTARTS, lost
 
 
 @pytest.mark.parametrize("command", [["watch", "run-0010"], ["submit", "SPEC", "--watch"]])
