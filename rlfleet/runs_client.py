@@ -120,6 +120,20 @@ def _plain_ints(message: Message, data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
+_RUN_ID = re.compile(r"[A-Za-z0-9._~-]+")
+
+
+def run_path(run_id: str, action: str = "") -> str:
+    """The Runs API path of a run (and an action such as `:cancel`); InvalidInput for what no run id can be, which
+    in a path would name another route (an empty id lists runs, a slash is redirected)."""
+    if not _RUN_ID.fullmatch(run_id):
+        raise InvalidInput(
+            f"run id {run_id!r}: a run id is letters, digits and - _ . ~ (such as run-3f2a9c1b7d4e; `rlfleet runs` "
+            "lists them)"
+        )
+    return f"/v1/runs/{run_id}{action}"
+
+
 class WatchEnded(Unavailable):
     """The watch could not be kept up while the run went on; `run` is the run as last seen."""
 
@@ -195,7 +209,7 @@ class RunsClient:
             wait = min(2 * wait, longest)
 
     def get(self, run_id: str) -> Run:
-        return self._run(self._request("GET", f"/v1/runs/{run_id}"))
+        return self._run(self._request("GET", run_path(run_id)))
 
     def list(self, state: str | None = None) -> list[Run]:
         """Every run (in `state`, if given), oldest first, page after page."""
@@ -229,7 +243,7 @@ class RunsClient:
         return run
 
     def cancel(self, run_id: str) -> Run:
-        return self._run(self._request("POST", f"/v1/runs/{run_id}:cancel"))
+        return self._run(self._request("POST", run_path(run_id, ":cancel")))
 
     @contextlib.contextmanager
     def cancel_after(self, run_id: str, seconds: float) -> Iterator[threading.Event]:
@@ -258,7 +272,7 @@ class RunsClient:
         """The run now, then every change, until it ends; each read waits at most `timeout_s` (keep-alive
         comments count: a quiet run is not a lost watch)."""
         try:
-            with self.http.stream("GET", f"/v1/runs/{run_id}:watch", timeout=timeout_s) as response:
+            with self.http.stream("GET", run_path(run_id, ":watch"), timeout=timeout_s) as response:
                 if response.status_code != 200:
                     response.read()
                     self._raise_for(response)

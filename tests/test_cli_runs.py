@@ -290,6 +290,18 @@ def test_a_run_the_orchestrator_does_not_hold_is_not_found(api: str, capsys: pyt
     assert capsys.readouterr().err == "rlfleet: error: HTTP 404: run 'run-none' not found\n"
 
 
+@pytest.mark.parametrize("command", ["watch", "cancel"])
+@pytest.mark.parametrize("run_id", ["", "run-x/", "run x", "a:b"])
+def test_what_no_run_id_can_be_is_refused_naming_it(
+    api: str, command: str, run_id: str, capsys: pytest.CaptureFixture
+) -> None:
+    """In the path such an id named another route: an empty one read as the run list ("does not serve the Runs
+    API"), a slash was redirected, a colon read as an action of another run."""
+    assert main([command, run_id, "--api", api]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"rlfleet: error: run id {run_id!r}: a run id is letters, digits and - _ . ~"), error
+
+
 @pytest.mark.parametrize("source", ["--api", "$RLFLEET_API_URL", "fleet.json"])
 def test_an_unanswered_address_says_where_it_came_from(
     source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
