@@ -106,22 +106,25 @@ def test_each_demo_has_its_own_redis_prefix_unless_given_one(tmp_path: Path) -> 
     assert (given.redis_url, given.redis_prefix) == ("redis://127.0.0.1:6379/5", "mine:")
 
 
-def test_a_demo_directory_whose_fleet_still_runs_is_kept(tmp_path: Path) -> None:
-    """A second demo with the same --out would delete the first one's logs and weights under its running fleet."""
+@pytest.mark.parametrize("state_dir", ["fleet", ".", "runs/a"])
+def test_a_directory_holding_a_running_fleets_state_is_kept(tmp_path: Path, state_dir: str) -> None:
+    """A second demo with the same --out would delete the first one's logs and weights under its running fleet;
+    so would a demo over `rlfleet up --state-dir`, which was checked in out/fleet alone: with --overwrite the
+    fleet's record went, and `rlfleet down` could no longer find the fleet, which ran on."""
     out = tmp_path / "demo"
     recreate(out, overwrite=False)
     running = ServiceProcess("demo", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "demo.log")
     try:
-        (out / "fleet").mkdir()
+        (out / state_dir).mkdir(parents=True, exist_ok=True)
         record = {"pid": running.pid, "state": "up", "processes": {}, "started": {"up": start_time(running.pid)}}
-        (out / "fleet" / "fleet.json").write_text(json.dumps(record))
+        (out / state_dir / "fleet.json").write_text(json.dumps(record))
         for overwrite in (False, True):
-            with pytest.raises(FileExistsError, match=rf"rlfleet down --state-dir {out / 'fleet'}"):
+            with pytest.raises(FileExistsError, match=rf"rlfleet down --state-dir {re.escape(str(out / state_dir))}`"):
                 recreate(out, overwrite=overwrite)
-        assert (out / "fleet" / "fleet.json").exists() and (out / MARKER).exists()
+        assert (out / state_dir / "fleet.json").exists() and (out / MARKER).exists()
     finally:
         running.stop(timeout=5)
-    recreate(out, overwrite=False)  # its fleet gone, the directory is a previous demo's again
+    recreate(out, overwrite=True)  # its fleet gone, the directory may go
     assert [p.name for p in out.iterdir()] == [MARKER]
 
 

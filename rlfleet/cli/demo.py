@@ -166,11 +166,14 @@ def recreate(out: Path, overwrite: bool) -> None:
     runs, and for one that holds files and is not a previous demo's, unless `overwrite`."""
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {out} is a file; choose a directory")
-    if (fleet := running_fleet(out / "fleet")) is not None:
-        raise FileExistsError(
-            f"--out {out} belongs to a demo whose fleet {fleet}; stop it with "
-            f"`rlfleet down --state-dir {out / 'fleet'}`, or choose another --out"
-        )
+    # A running fleet's state anywhere under `out` (a demo's own in out/fleet, an `rlfleet up --state-dir` there):
+    # deleted, its fleet would run on where `rlfleet down` cannot find it.
+    for record in sorted(out.rglob("fleet.json")) if out.is_dir() else ():
+        if (fleet := running_fleet(record.parent)) is not None:
+            raise FileExistsError(
+                f"--out {out} holds the state of a fleet that {fleet}; stop it with "
+                f"`rlfleet down --state-dir {record.parent}`, or choose another --out"
+            )
     if out.exists() and any(out.iterdir()) and not is_previous_demo(out) and not overwrite:
         raise FileExistsError(
             f"--out {out} is not empty and is not a previous demo's directory (it has no {MARKER}); choose another "
