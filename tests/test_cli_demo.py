@@ -31,7 +31,7 @@ from rlfleet.local_spec_check import (
     registered,
 )
 from rlfleet.process_identity import start_time
-from rlfleet.processes import ServiceProcess, group_runs
+from rlfleet.processes import ServiceProcess, group_runs, process_runs
 from rlfleet.redis_claim import RedisClaim
 from rlfleet.runs_client import RunsClient, load_spec_file
 from rlfleet.v1.runs_pb2 import Run, RunProgress, RunState
@@ -227,6 +227,33 @@ def test_a_step_that_fails_is_one_line_naming_it() -> None:
 
     with pytest.raises(StepFailed, match=r"^2/5 SFT warm start failed: .* exited with code 3; its output is above$"):
         run_step("2/5 SFT warm start", [sys.executable, "-c", "raise SystemExit(3)"], timeout_s=60)
+
+
+def test_a_step_dies_with_the_command_that_runs_it(tmp_path: Path) -> None:
+    """A SIGKILLed `rlfleet demo` left its SFT warm start running for up to half an hour, where the `rlfleet down`
+    it printed could not see it."""
+    pid_file = tmp_path / "step.pid"
+    step = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    runner = (
+        "import sys; from rlfleet.cli.steps import run_step; "
+        f"run_step('1/5 a step', [sys.executable, '-c', {step!r}], timeout_s=120)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", runner])
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline and parent.poll() is None, "the step never started"
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        parent.kill()
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while process_runs(child):
+            assert time.monotonic() < deadline, f"the step (pid {child}) outlived the command that ran it"
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+        parent.wait(timeout=10)
 
 
 def test_the_demos_keys_and_only_they_are_deleted(redis_client: redis.Redis, redis_prefix: str) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rlfleet.errors import RlfleetError
-from rlfleet.processes import command_line
+from rlfleet.processes import command_line, killed_with_parent
 from rlfleet.v1.runs_pb2 import RunSpec
 
 MODEL_TIMEOUT_S = 600.0
@@ -33,7 +33,15 @@ def run_step(name: str, argv: list[str], timeout_s: float, quiet: bool = False) 
     one line naming the step, when it fails or outlasts `timeout_s`."""
     env = {**os.environ, "RLFLEET_LOG_FORMAT": "text"}
     try:
-        subprocess.run(argv, check=True, timeout=timeout_s, env=env, capture_output=quiet, text=True)
+        subprocess.run(
+            argv,
+            check=True,
+            timeout=timeout_s,
+            env=env,
+            capture_output=quiet,
+            text=True,
+            preexec_fn=killed_with_parent(),
+        )
     except subprocess.CalledProcessError as exc:
         if quiet:
             sys.stderr.write(exc.stdout + exc.stderr)
