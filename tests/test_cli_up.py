@@ -195,11 +195,24 @@ def test_up_names_the_default_model_where_it_ends_up(
         run_step(name, [sys.executable, "-c", program, str(out)], timeout_s=60, quiet=quiet)
 
     monkeypatch.setattr("rlfleet.cli.fleet.write_tiny_model", write_model)
+    # What a creation killed with its `up` left (its pid no longer runs), and one under way in another `up`.
+    killed, under_way = (tmp_path / "models" / f".tiny.{pid}" for pid in (dead_pid(), os.getppid()))
+    for partial in (killed, under_way):
+        partial.mkdir(parents=True)
+        (partial / "model.safetensors").write_text("half")
     model = default_model(tmp_path)
     out, err = capfd.readouterr()
     assert model == tmp_path / "models" / "tiny" and (model / "config.json").is_file()
     assert out.splitlines() == [f"creating the tiny model in {model}", f"created the tiny model in {model}"]
     assert ".tiny." not in out + err
+    assert not killed.exists() and under_way.exists()
+
+
+def dead_pid() -> int:
+    """The pid of a process that has ended."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=30)
+    return child.pid
 
 
 def test_the_router_follows_prefix_caches_only_where_the_engines_keep_them() -> None:

@@ -31,7 +31,7 @@ from rlfleet.local_fleet import (
     redis_error,
     remove_own_record,
 )
-from rlfleet.processes import ServiceStartError, StartInterrupted
+from rlfleet.processes import ServiceStartError, StartInterrupted, process_runs
 from rlfleet.runs_client import load_spec_file
 
 DEFAULT_STATE_DIR = Path(".rlfleet")
@@ -90,6 +90,10 @@ def default_model(state_dir: Path) -> Path:
     path = state_dir / "models" / "tiny"
     if not (path / "config.json").exists():
         print(f"creating the tiny model in {path}", flush=True)
+        for left in path.parent.glob(f".{path.name}.*"):  # of a creation whose `up` was killed
+            pid = left.name.rsplit(".", 1)[1]
+            if pid.isdigit() and not process_runs(int(pid)):
+                shutil.rmtree(left, ignore_errors=True)
         partial = path.with_name(f".{path.name}.{os.getpid()}")
         try:
             # Quiet: what it would print names `partial`, a path gone once the model is in place.
