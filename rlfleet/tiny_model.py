@@ -44,13 +44,15 @@ class TinyModelConfig:
 def create_tiny_model(out_dir: Path, config: TinyModelConfig = TinyModelConfig()) -> int:
     """Writes config.json, model.safetensors and the tokenizer files into `out_dir`.
 
-    Returns the parameter count. Refuses a directory that already holds a model, so an existing
-    checkpoint is never overwritten.
+    Returns the parameter count. Refuses a directory that holds anything, so no file of another (a
+    checkpoint, a tokenizer) is ever overwritten.
     """
     config.validate()
     out_dir = Path(out_dir)
     if (out_dir / "config.json").exists():
         raise FileExistsError(f"{out_dir} already holds a model (config.json); choose another --out or remove it")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} is not an empty directory; choose another --out (a new or empty directory)")
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 

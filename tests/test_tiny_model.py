@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlfleet.char_tokenizer import CHARACTERS
+from rlfleet.tiny_model import create_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +65,15 @@ def test_refuses_to_overwrite_a_model(model_dir: Path) -> None:
     )
     assert result.returncode == 2
     assert "already holds a model" in result.stderr
+
+
+def test_refuses_a_directory_that_holds_anything(tmp_path: Path) -> None:
+    """Only config.json was looked for: a tokenizer.json or weights of the user's there were written over."""
+    (tmp_path / "tokenizer.json").write_text("mine")
+    with pytest.raises(FileExistsError, match="is not an empty directory; choose another --out"):
+        create_tiny_model(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["tokenizer.json"]
+    assert (tmp_path / "tokenizer.json").read_text() == "mine"
 
 
 def test_bad_shape_is_refused_with_the_fix(tmp_path: Path) -> None:
