@@ -455,6 +455,22 @@ def test_without_a_recorded_fleet_an_unanswered_default_says_where_it_looked(
     assert "No fleet is recorded" not in capsys.readouterr().err  # the address was the user's own choice
 
 
+def test_a_fleet_whose_up_died_while_starting_is_said_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """An `rlfleet up` killed while it made its model left its record "starting": this said "still starting, try
+    again" for good."""
+    monkeypatch.setattr("rlfleet.cli.runs.FALLBACK_URL", f"http://127.0.0.1:{free_port()}")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=30)
+    record = {"pid": gone.pid, "state": "starting", "processes": {}, "started": {"up": 1}}
+    (tmp_path / "fleet.json").write_text(json.dumps(record))
+    assert main(["runs", "--state-dir", str(tmp_path), "--timeout", "5"]) == 2
+    error = capsys.readouterr().err
+    assert f"the `rlfleet up` that was starting it (pid {gone.pid}) is gone" in error, error
+    assert f"`rlfleet down --state-dir {tmp_path}`" in error and "still starting" not in error
+
+
 def test_a_fleet_still_making_its_model_is_not_taken_for_the_default_address(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:

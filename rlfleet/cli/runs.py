@@ -31,7 +31,7 @@ from rlfleet.api_token import TOKEN_ENV, TOKEN_FILE_ENV, client_token, read_toke
 from rlfleet.cli.arg_types import positive_float, positive_int
 from rlfleet.cli.fleet import DEFAULT_STATE_DIR
 from rlfleet.errors import Unavailable
-from rlfleet.local_fleet import read_state
+from rlfleet.local_fleet import owner_runs, read_state
 from rlfleet.runs_client import WATCH_READ_TIMEOUT_S, WATCH_RECONNECT_S, RunsClient, load_spec_file, spec_yaml
 from rlfleet.v1.runs_pb2 import Run, RunState
 
@@ -117,6 +117,12 @@ def api_url(args: argparse.Namespace) -> tuple[str, str] | None:
     record = Path(args.state_dir) / "fleet.json"
     if state and state.get("api_url"):
         return str(state["api_url"]), f"api_url in {record}"
+    if state and not owner_runs(state):
+        raise Unavailable(
+            f"the fleet recorded in {record} never got as far as its Runs API: the `rlfleet up` that was starting it "
+            f"(pid {state.get('pid')}) is gone; start the fleet again, or run `rlfleet down --state-dir "
+            f"{args.state_dir}` to clear what is left of it"
+        )
     if state:
         raise Unavailable(
             f"the fleet recorded in {record} is still starting and has no Runs API yet; "
