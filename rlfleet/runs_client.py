@@ -139,10 +139,16 @@ class WatchEnded(Unavailable):
 
     def __init__(self, run: Run, why: str) -> None:
         self.run = run
-        state = RunState.Name(run.state).removeprefix("RUN_STATE_")
-        super().__init__(
-            f"the watch ended while {run.id} is {state} at step {run.progress.step} ({why}); the run may go on: "
-            f"`rlfleet watch {run.id}` follows it again"
+        self.why = why
+        self.follow_again = f"rlfleet watch {run.id}"
+        """The command that follows the run again (a CLI adds the flags that found its fleet)."""
+        super().__init__(why)
+
+    def __str__(self) -> str:
+        state = RunState.Name(self.run.state).removeprefix("RUN_STATE_")
+        return (
+            f"the watch ended while {self.run.id} is {state} at step {self.run.progress.step} ({self.why}); the run "
+            f"may go on: `{self.follow_again}` follows it again"
         )
 
 

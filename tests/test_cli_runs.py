@@ -522,7 +522,8 @@ def test_a_watch_that_cannot_be_kept_up_says_where_the_run_was_with_exit_code_3(
     out, error = capsys.readouterr()
     assert f"lost the watch of {run_id} (the orchestrator ended the watch); watching again for up to 1 s" in out
     assert f"the watch ended while {run_id} is RUNNING at step 2" in error
-    assert f"`rlfleet watch {run_id}` follows it again" in error
+    # The command that follows it again finds the same fleet (it named the wrong one without the flag).
+    assert f"`rlfleet watch {run_id} --api {api}` follows it again" in error
 
 
 def test_a_watch_that_goes_silent_says_it_was_lost_and_how_long_it_tries_again(

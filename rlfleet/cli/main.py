@@ -43,6 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's flush at exit
         return code
     except WatchEnded as exc:
+        exc.follow_again += runs.address_flags(args)
         print(f"rlfleet: {exc}", file=sys.stderr)
         return WATCH_ENDED_EXIT
     except (RlfleetError, ValueError, FileExistsError, FileNotFoundError, PermissionError, NotADirectoryError) as exc:

@@ -131,6 +131,15 @@ def api_url(args: argparse.Namespace) -> tuple[str, str] | None:
     return None
 
 
+def address_flags(args: argparse.Namespace) -> str:
+    """The flags that found the Runs API `args` name, for a command to be run again: "" for the default fleet or
+    $RLFLEET_API_URL (both still there for the next command)."""
+    if getattr(args, "api", None):
+        return f" --api {args.api}"
+    state_dir = getattr(args, "state_dir", None)
+    return "" if state_dir is None or Path(state_dir) == DEFAULT_STATE_DIR else f" --state-dir {state_dir}"
+
+
 def client_for(args: argparse.Namespace) -> RunsClient:
     token = read_token_file(args.api_token_file) if args.api_token_file else client_token()
     record = Path(args.state_dir) / "fleet.json"
