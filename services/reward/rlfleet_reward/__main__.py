@@ -29,7 +29,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-timeout-seconds", "largest limit a spec may ask for (default 300)"),
     Flag("--max-batch-size", "most items per request (default 4096)"),
     Flag("--max-concurrent-io-calls", "remote/judge calls in flight at once (default 64)"),
-    Flag("--max-pending-jobs", "most (item, term) jobs held at once; more is refused with 429 (default 16384)"),
+    Flag("--max-pending-jobs", "most (item, term) jobs held at once; more waits its turn (default 16384)"),
+    Flag("--admission-wait-seconds", "longest wait for room under --max-pending-jobs, then 429 (default 5)"),
+    Flag("--max-waiting-requests", "most requests waiting for room at once; more get 429 at once (default 64)"),
     Flag("--max-request-bytes", "largest request body or message (default 64 MiB)"),
     Flag("--shutdown-grace-seconds", "time in-flight requests get on SIGTERM (default 10)"),
     Flag("--log-level", LOG_LEVEL_HELP),
@@ -82,6 +84,8 @@ async def serve(settings: RewardSettings, registry: Registry) -> None:
         settings.max_batch_size,
         settings.max_concurrent_io_calls,
         settings.max_pending_jobs,
+        settings.admission_wait_seconds,
+        settings.max_waiting_requests,
     )
     scorer = Scorer(registry, pool, limits, metrics)
     # Both ports are bound before any worker starts, so a taken port fails fast with nothing to undo.
@@ -118,7 +122,7 @@ async def serve(settings: RewardSettings, registry: Registry) -> None:
         http_task = asyncio.create_task(http.serve(sockets=[http_socket]))
         stop_task = asyncio.create_task(stop.wait())
         http_port = http_socket.getsockname()[1]  # the one bound, when --port 0 let the system pick
-        logger.info("reward hub serving HTTP on %s:%d, gRPC on port %d", settings.host, http_port, grpc_port)
+        logger.info("reward hub serving HTTP on %s, gRPC on port %d", host_port(settings.host, http_port), grpc_port)
         await asyncio.wait({http_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
         logger.info("reward hub stopping")
         stop_task.cancel()

@@ -149,8 +149,20 @@ class RewardSettings(SpecCaps):
     max_pending_jobs: int = Field(
         default=16384,
         ge=1,
-        description="Most (item, term) jobs held at once across requests, waiting or running; a request that would "
-        "pass it is refused (HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED) unless the hub holds none.",
+        description="Most (item, term) jobs held at once across requests, waiting for a worker or running; a request "
+        "that would pass it waits its turn for room (first come, first served) unless the hub holds none.",
+    )
+    admission_wait_seconds: float = Field(
+        default=5.0,
+        ge=0,
+        description="How long a request may wait for room under `max_pending_jobs` before it is refused (HTTP 429 "
+        "with Retry-After, gRPC RESOURCE_EXHAUSTED); 0 refuses at once.",
+    )
+    max_waiting_requests: int = Field(
+        default=64,
+        ge=0,
+        description="Most requests waiting for room at once; one more is refused at once (HTTP 429, gRPC "
+        "RESOURCE_EXHAUSTED). Each holds its parsed request in memory while it waits.",
     )
     max_request_bytes: int = Field(
         default=64 * 1024 * 1024, ge=1024, description="Largest request body (HTTP) or message (gRPC) accepted."

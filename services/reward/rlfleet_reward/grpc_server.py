@@ -1,4 +1,8 @@
-"""The hub's gRPC face: the rlfleet.v1.Reward servicer over the scoring core, errors mapped once."""
+"""The hub's gRPC face: the rlfleet.v1.Reward servicer over the scoring core, errors mapped once.
+
+An Overloaded refusal carries trailing metadata `grpc-retry-pushback-ms` (HTTP's Retry-After, in ms), so a
+client tells a full hub, worth retrying, from a request too large for it, which shares RESOURCE_EXHAUSTED.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +12,11 @@ from rlfleet.errors import InvalidInput
 from rlfleet.grpc_errors import ErrorInterceptor
 from rlfleet.grpc_limits import message_size_options
 from rlfleet.v1 import reward_pb2, reward_pb2_grpc
+from rlfleet_reward.admission import RETRY_AFTER_SECONDS, Overloaded
 from rlfleet_reward.scoring import Scorer
 
 _SCORE_METHOD = "/rlfleet.v1.Reward/Score"
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 
 
 class RewardServicer(reward_pb2_grpc.RewardServicer):
@@ -20,7 +26,13 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
     async def Score(  # noqa: N802 - the generated servicer's method name
         self, request: reward_pb2.ScoreRequest, context: aio.ServicerContext
     ) -> reward_pb2.ScoreResponse:
-        return await self.scorer.score(request)
+        try:
+            return await self.scorer.score(request)
+        except Overloaded:
+            # RESOURCE_EXHAUSTED also means "too large, never retry"; the pushback, gRPC's own retry-after, tells
+            # a client that this one is worth retrying, and when. The interceptor aborts with the error's status.
+            context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(RETRY_AFTER_SECONDS * 1000)),))
+            raise
 
     async def ListFunctions(  # noqa: N802 - the generated servicer's method name
         self, request: reward_pb2.ListFunctionsRequest, context: aio.ServicerContext

@@ -116,7 +116,9 @@ def create_app(scorer: Scorer, metrics: RewardMetrics, max_request_bytes: int) -
     @app.get("/health")
     async def health() -> dict[str, object]:
         pool = scorer.pool
-        if pool.live == 0:
+        if pool.down is not None:
+            raise Unavailable(str(pool.down))  # a fresh one: raised again, one error would grow its traceback
+        if pool.live == 0:  # all died a moment ago; new ones are starting
             raise Unavailable("no live reward worker processes")
         return {"status": "ok", "workers": pool.live, "busy_workers": pool.busy, "functions": list(scorer.registry)}
 

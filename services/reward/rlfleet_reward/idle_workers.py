@@ -62,13 +62,17 @@ class IdleWorkers(Generic[W]):
             self._idle.remove(worker)
             self._unwatch(worker)
 
-    def close(self, error: Exception) -> list[W]:
-        """Fails every waiting lane, and every later `get`, with `error`; returns the workers that were idle."""
-        self._closed = error
+    def fail_waiters(self, error: Exception) -> None:
+        """Fails every lane waiting now with `error`; later ones wait as before."""
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_exception(error)
+
+    def close(self, error: Exception) -> list[W]:
+        """Fails every waiting lane, and every later `get`, with `error`; returns the workers that were idle."""
+        self._closed = error
+        self.fail_waiters(error)
         idle = list(self._idle)
         self._idle.clear()
         for worker in idle:

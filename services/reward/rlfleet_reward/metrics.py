@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from rlfleet_reward.admission import Admission
 from rlfleet_reward.worker_pool import JobStatus, WorkerPool
 
 # Reward functions range from microseconds (string match) to seconds (symbolic math).
@@ -57,6 +58,16 @@ class RewardMetrics:
             buckets=_SECONDS_BUCKETS,
             registry=self.registry,
         )
+        self.admission_pending_jobs = Gauge(
+            "rlfleet_reward_admission_pending_jobs",
+            "(item, term) jobs of admitted requests, waiting for a worker or running; capped by max_pending_jobs.",
+            registry=self.registry,
+        )
+        self.admission_waiting_requests = Gauge(
+            "rlfleet_reward_admission_waiting_requests",
+            "Requests waiting for room under max_pending_jobs; above zero the hub is full.",
+            registry=self.registry,
+        )
         self.io_calls_in_flight = Gauge(
             "rlfleet_reward_io_calls_in_flight",
             "Network-bound function calls (remote, judge) running on the event loop now.",
@@ -67,7 +78,15 @@ class RewardMetrics:
         """Creates each function's series, and the common request outcomes', at 0: a counter series that appears
         only at its first increment hides that increment from rate() and increase(), so a first timeout or
         error would never show on a dashboard."""
-        for outcome in ("ok", "cancelled", "internal", "invalid_input", "resource_exhausted", "overloaded"):
+        for outcome in (
+            "ok",
+            "cancelled",
+            "internal",
+            "invalid_input",
+            "resource_exhausted",
+            "overloaded",
+            "unavailable",
+        ):
             self.requests.labels(outcome)
         for name in names:
             for status in JobStatus:
@@ -81,3 +100,8 @@ class RewardMetrics:
         self.pool_busy_workers.set_function(lambda: pool.busy)
         self.pool_queued_jobs.set_function(lambda: pool.waiting)
         pool.on_wait = self.pool_wait_seconds.observe
+
+    def watch_admission(self, admission: Admission) -> None:
+        """Reads the admission's gauges at scrape time."""
+        self.admission_pending_jobs.set_function(lambda: admission.pending)
+        self.admission_waiting_requests.set_function(lambda: admission.waiting)

@@ -7,8 +7,8 @@ it has one, in the pool. An item's result is OK only when all its terms are: the
 weighted sum and `components` holds each term's unweighted score (plus `<function>/<part>` sub-scores).
 Otherwise the item is TIMEOUT (some term exceeded the limit) or ERROR (some term failed, or the weighted
 sum overflowed), with score 0, no components, and `error` naming the function and the reason. One bad
-item never fails the batch; only a malformed request does, or one the hub has no room for
-(`admission`). An item's `seconds` is the time its function calls took, summed.
+item never fails the batch; only a malformed request does, or one the hub found no room for within its
+bounded wait (`admission`). An item's `seconds` is the time its function calls took, summed.
 
 `validate_spec` runs the same checks on a spec alone, without items: the orchestrator asks it at
 submit, so a spec `score` would refuse fails then rather than at the run's first step.
@@ -45,6 +45,8 @@ class ScoringLimits:
     max_batch_size: int
     max_concurrent_io_calls: int = 64
     max_pending_jobs: int = 16384
+    admission_wait_seconds: float = 5.0
+    max_waiting_requests: int = 64
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,9 @@ class Scorer:
         self.limits = limits
         self.metrics = metrics
         self._io_slots = asyncio.Semaphore(limits.max_concurrent_io_calls)
-        self.admission = Admission(limits.max_pending_jobs)
+        self.admission = Admission(limits.max_pending_jobs, limits.admission_wait_seconds, limits.max_waiting_requests)
         metrics.add_functions(registry)
+        metrics.watch_admission(self.admission)
 
     async def score(self, request: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
         """Every item scored by every term; each request is counted once by its outcome: ok, cancelled (the
@@ -71,7 +74,7 @@ class Scorer:
         outcome = "internal"
         try:
             terms, timeout = self._validate(request)
-            with self.admission.admit(len(request.items) * len(terms)):
+            async with self.admission.admit(len(request.items) * len(terms)):
                 by_term = await asyncio.gather(*(self._score_term(request.items, term, timeout) for term in terms))
             results = [
                 self._combine(item, terms, [outcomes[i] for outcomes in by_term])

@@ -11,6 +11,12 @@ Chunks keep the hub's event loop out of the way: a message or two per chunk rath
 per item, so the workers, not the hub, use the cores. A chunk is about 0.2 s of work (`chunk_sizes`), and a
 worker that finishes one goes to the lane that has waited longest (`idle_workers`), so a request behind a
 large batch waits for a chunk, not for the batch.
+
+A worker counts as live once it has said READY. When no worker is live and the last
+`_FAILED_STARTS_BEFORE_UNAVAILABLE` attempts to start one in a row failed (the fork server can no longer
+import a function's module, say), the pool is down: calls waiting for a worker, and every new one, fail at
+once with Unavailable naming the last error, rather than wait for a worker that may never come. The pool keeps
+trying to start workers meanwhile, and serves again as soon as one starts.
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ _EXIT_STATUS_WAIT_SECONDS = 1.0
 # A fork of the preloaded fork server is ready in milliseconds; the first start also imports modules.
 _READY_WAIT_SECONDS = 60.0
 _RESPAWN_BACKOFF_SECONDS = 1.0
+# Failed starts in a row, with no worker live, before waiting callers are told the pool is down: one failure
+# can be bad luck (a worker OOM-killed while starting), several in a row mean no worker will start soon.
+_FAILED_STARTS_BEFORE_UNAVAILABLE = 3
 
 
 class JobStatus(enum.Enum):
@@ -84,7 +93,10 @@ class WorkerPool:
         # The fork server is one per process: the first pool to start it decides what it preloads.
         modules = {fn.__module__ for fn in self._functions.values()} | {worker_main.__module__, *preload}
         self._context.set_forkserver_preload(sorted(modules))
-        self._workers: set[_Worker] = set()
+        self._workers: set[_Worker] = set()  # live: said READY
+        self._starting: set[_Worker] = set()
+        self._failed_starts = 0  # in a row
+        self._down: Unavailable | None = None
         self._idle: IdleWorkers[_Worker] = IdleWorkers(self._watch, self._unwatch)
         self._chunk_sizes = ChunkSizes()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -105,7 +117,13 @@ class WorkerPool:
 
     @property
     def live(self) -> int:
+        """Workers that said READY and have not died since."""
         return len(self._workers)
+
+    @property
+    def down(self) -> Unavailable | None:
+        """Why the pool fails every call now (no live worker, and starting one keeps failing); None when it serves."""
+        return self._down
 
     def start(self) -> None:
         """Starts the fork server (importing the functions' modules once) and every worker; call it on the
@@ -115,6 +133,7 @@ class WorkerPool:
             try:
                 ready = worker.conn.poll(_READY_WAIT_SECONDS) and worker.conn.recv() == READY
             except (EOFError, OSError):
+                worker.process.join(_EXIT_STATUS_WAIT_SECONDS)  # it closed its pipe exiting: for its exit code
                 ready = False
             self._check_ready(worker, ready)
             self._release(worker)
@@ -171,6 +190,8 @@ class WorkerPool:
     async def _acquire(self) -> _Worker:
         asked = time.monotonic()
         while True:
+            if self._down is not None:
+                raise Unavailable(str(self._down))  # a fresh one per call: each gets its own traceback
             worker = await self._idle.get()
             if worker not in self._workers:
                 continue  # handed over as the pool closed, which killed it
@@ -226,8 +247,9 @@ class WorkerPool:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        workers = list(self._workers)
+        workers = [*self._workers, *self._starting]  # a worker cut off while starting is not idle: killed
         self._workers.clear()
+        self._starting.clear()
         for worker in workers:
             if worker not in idle:
                 # Still busy after the servers' grace period: nobody is waiting for its reply.
@@ -248,14 +270,16 @@ class WorkerPool:
         process.start()
         child_conn.close()
         worker = _Worker(process, parent_conn, progress)
-        self._workers.add(worker)
+        self._starting.add(worker)
         return worker
 
     def _check_ready(self, worker: _Worker, ready: bool) -> None:
-        """A worker that did not say READY is removed, so one that cannot start fails loudly, once."""
+        """A worker that said READY is live; one that did not is stopped, so one that cannot start fails loudly,
+        once."""
+        self._starting.discard(worker)
         if ready:
+            self._workers.add(worker)
             return
-        self._workers.discard(worker)
         worker.process.kill()
         worker.conn.close()
         raise RuntimeError(f"a reward worker failed to start (exit code {worker.process.exitcode}); see the log")
@@ -298,15 +322,34 @@ class WorkerPool:
                 try:
                     await _readable(fresh.conn, _READY_WAIT_SECONDS)
                     ready = fresh.conn.recv() == READY
-                except (TimeoutError, EOFError, OSError):
+                except (EOFError, OSError):
+                    await asyncio.to_thread(fresh.process.join, _EXIT_STATUS_WAIT_SECONDS)  # for its exit code
+                    ready = False
+                except TimeoutError:
                     ready = False
                 self._check_ready(fresh, ready)
-            except Exception:  # noqa: BLE001 - logged; the pool keeps trying so it heals on its own
+            except Exception as exc:  # noqa: BLE001 - logged; the pool keeps trying so it heals on its own
                 logger.exception("could not start a reward worker; retrying in %g s", _RESPAWN_BACKOFF_SECONDS)
+                self._start_failed(exc)
                 await asyncio.sleep(_RESPAWN_BACKOFF_SECONDS)
                 continue
+            self._failed_starts = 0
+            if self._down is not None:
+                logger.info("a reward worker started again; the pool serves again")
+                self._down = None
             self._release(fresh)
             return
+
+    def _start_failed(self, error: Exception) -> None:
+        """Counts a failed start; past the limit, with no worker live, fails every call waiting for a worker."""
+        self._failed_starts += 1
+        if self._workers or self._failed_starts < _FAILED_STARTS_BEFORE_UNAVAILABLE:
+            return
+        self._down = Unavailable(
+            f"no reward worker is running: the last {self._failed_starts} attempts to start one failed (last error: "
+            f"{error or type(error).__name__}); the hub keeps trying every {_RESPAWN_BACKOFF_SECONDS:g} s"
+        )
+        self._idle.fail_waiters(self._down)
 
     async def _reap(self, worker: _Worker) -> None:
         await asyncio.to_thread(worker.process.join, _EXIT_WAIT_SECONDS)

@@ -39,6 +39,7 @@ def _with_scorer(
     max_batch_size: int = 64,
     default_timeout_seconds: float = 5.0,
     max_pending_jobs: int = 16384,
+    admission_wait_seconds: float = 5.0,
 ) -> T:
 
     async def main() -> T:
@@ -48,7 +49,13 @@ def _with_scorer(
         metrics = RewardMetrics()
         metrics.watch_pool(pool)
         try:
-            limits = ScoringLimits(default_timeout_seconds, 30.0, max_batch_size, max_pending_jobs=max_pending_jobs)
+            limits = ScoringLimits(
+                default_timeout_seconds,
+                30.0,
+                max_batch_size,
+                max_pending_jobs=max_pending_jobs,
+                admission_wait_seconds=admission_wait_seconds,
+            )
             return await body(Scorer(registry, pool, limits, metrics))
         finally:
             await pool.close()

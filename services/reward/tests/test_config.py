@@ -20,6 +20,15 @@ def test_environment_then_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     assert settings_from_args(["--max-pending-jobs", "100"]).max_pending_jobs == 100
 
 
+def test_admission_wait_settings_from_environment_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert (RewardSettings().admission_wait_seconds, RewardSettings().max_waiting_requests) == (5.0, 64)
+    monkeypatch.setenv("RLFLEET_REWARD_ADMISSION_WAIT_SECONDS", "0.5")
+    settings = settings_from_args(["--max-waiting-requests", "8"])
+    assert (settings.admission_wait_seconds, settings.max_waiting_requests) == (0.5, 8)
+    with pytest.raises(ValidationError, match="admission_wait_seconds"):
+        RewardSettings(admission_wait_seconds=-1)
+
+
 def test_inconsistent_limits_are_refused() -> None:
     with pytest.raises(ValidationError, match="raise the max or lower the default"):
         RewardSettings(default_timeout_seconds=60, max_timeout_seconds=30)

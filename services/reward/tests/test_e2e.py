@@ -26,6 +26,7 @@ LAUNCHER = Path(__file__).resolve().parent / "reward_hub_for_tests.py"
 MAX_BATCH = 16
 MAX_BYTES = 100_000
 MAX_PENDING_JOBS = 24  # a full batch of two terms (32 jobs) is taken only by an idle hub
+ADMISSION_WAIT_SECONDS = 0.3
 
 
 class Hub:
@@ -35,7 +36,7 @@ class Hub:
             sys.executable, str(LAUNCHER), "--host", "127.0.0.1", "--port", str(self.port),
             "--grpc-port", str(self.grpc_port), "--workers", "2", "--max-batch-size", str(MAX_BATCH),
             "--max-request-bytes", str(MAX_BYTES), "--shutdown-grace-seconds", "2",
-            "--max-pending-jobs", str(MAX_PENDING_JOBS),
+            "--max-pending-jobs", str(MAX_PENDING_JOBS), "--admission-wait-seconds", str(ADMISSION_WAIT_SECONDS),
         ]  # fmt: skip
         self.process = ServiceProcess(name, argv, tmp / f"{name}.log", env={"RLFLEET_LOG_FORMAT": "text"})
         self.url = f"http://127.0.0.1:{self.port}"
@@ -146,7 +147,10 @@ def test_a_hang_comes_back_timeout_within_its_limit_and_the_hub_keeps_serving(
         timeout=10,
     )
     assert grpc_hang.results[0].status == reward_pb2.SCORE_STATUS_TIMEOUT
-    assert httpx.get(f"{hub.url}/health", timeout=10).json()["workers"] == 2
+    deadline = time.monotonic() + 10
+    while (workers := httpx.get(f"{hub.url}/health", timeout=10).json()["workers"]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)  # live once it says READY: the replacement may be starting still
+    assert workers == 2
 
 
 @pytest.mark.parametrize(
@@ -241,6 +245,7 @@ def test_over_grpc_max_request_bytes_limits_requests_not_responses(stub: reward_
     with pytest.raises(grpc.RpcError) as raised:
         stub.Score(large, timeout=10)
     assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "grpc-retry-pushback-ms" not in dict(raised.value.trailing_metadata() or ())  # retrying will not help
 
 
 def test_a_grpc_score_request_that_does_not_decode_is_counted_as_invalid_input(hub: Hub) -> None:
@@ -273,16 +278,17 @@ def test_non_finite_params_are_named_over_grpc_and_by_validate(hub: Hub, stub: r
     assert over_http.json()["problems"] == [{"field": "terms[0].params.scale", "message": problems[0].message}]
 
 
-def test_a_busy_hub_refuses_what_would_pass_its_pending_jobs_limit_with_429_and_resource_exhausted(
+def test_a_busy_hub_refuses_what_would_pass_its_pending_jobs_limit_after_its_wait_with_429_and_resource_exhausted(
     hub: Hub, stub: reward_pb2_grpc.RewardStub
 ) -> None:
-    slow = {"spec": {"terms": [{"function": "sleep", "params": {"seconds": 0.8}}]}, "items": [{}] * 2}
+    # Busy for longer than the two refusals' waits (0.3 s each) take.
+    slow = {"spec": {"terms": [{"function": "sleep", "params": {"seconds": 2.0}}]}, "items": [{}] * 2}
     full = {"spec": {"terms": [{"function": "arith_exact"}, {"function": "exact"}]}, "items": [{}] * MAX_BATCH}
     before = refused(hub, "overloaded")
     with ThreadPoolExecutor(1) as executor:
         busy = executor.submit(hub.score, slow)
         deadline = time.monotonic() + 5
-        while httpx.get(f"{hub.url}/health", timeout=10).json()["busy_workers"] < 2 and time.monotonic() < deadline:
+        while (busy_workers(hub) or 0) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
         response = hub.score(full)
         with pytest.raises(grpc.RpcError) as over_grpc:
@@ -292,9 +298,11 @@ def test_a_busy_hub_refuses_what_would_pass_its_pending_jobs_limit_with_429_and_
     assert response.headers["retry-after"] == "1"
     error = response.json()["error"]
     assert (error["kind"], error["code"]) == ("overloaded", 429)
-    assert "this request adds 32, past its limit of 24 (max_pending_jobs)" in error["message"]
+    assert "this request adds 32, past its limit of 24 (max_pending_jobs); it waited 0.3 s for room" in error["message"]
     assert over_grpc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "past its limit of 24 (max_pending_jobs)" in over_grpc.value.details()
+    # What tells this refusal from a too-large request's over gRPC: the pushback, Retry-After in ms.
+    assert dict(over_grpc.value.trailing_metadata() or ()).get("grpc-retry-pushback-ms") == "1000"
     assert refused(hub, "overloaded") == before + 2
     # Idle again, the hub takes the same request, though it is more than the limit on its own.
     assert hub.score(full).status_code == 200
@@ -309,6 +317,7 @@ def test_every_functions_counters_exist_at_zero_before_its_first_item(hub: Hub) 
         assert f'rlfleet_reward_items_total{{function="code",status="{status}"}}' in samples
     assert 'rlfleet_reward_timeouts_total{function="remote"}' in samples
     assert 'rlfleet_reward_requests_total{outcome="invalid_input"}' in samples
+    assert 'rlfleet_reward_requests_total{outcome="unavailable"}' in samples
 
 
 def test_metrics_are_exported_after_scoring(hub: Hub) -> None:
@@ -322,6 +331,14 @@ def test_metrics_are_exported_after_scoring(hub: Hub) -> None:
     assert float(samples['rlfleet_reward_requests_total{outcome="ok"}']) >= 1
     assert float(samples["rlfleet_reward_pool_workers"]) == 2
     assert "rlfleet_reward_pool_busy_workers" in samples
+    assert "rlfleet_reward_admission_pending_jobs" in samples
+    assert "rlfleet_reward_admission_waiting_requests" in samples
+
+
+def busy_workers(hub: Hub) -> int | None:
+    """From /health; None while it answers 503: every worker was replaced and none has said READY yet."""
+    response = httpx.get(f"{hub.url}/health", timeout=10)
+    return response.json()["busy_workers"] if response.status_code == 200 else None
 
 
 def test_a_client_that_leaves_frees_the_workers_over_http_as_over_grpc(hub: Hub) -> None:
@@ -330,9 +347,9 @@ def test_a_client_that_leaves_frees_the_workers_over_http_as_over_grpc(hub: Hub)
     with pytest.raises(httpx.ReadTimeout):
         hub.score(body, timeout=0.5)
     deadline = time.monotonic() + 2.5
-    while httpx.get(f"{hub.url}/health", timeout=10).json()["busy_workers"] and time.monotonic() < deadline:
+    while busy_workers(hub) != 0 and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert httpx.get(f"{hub.url}/health", timeout=10).json()["busy_workers"] == 0
+    assert busy_workers(hub) == 0
     assert time.monotonic() < deadline
     again = hub.score(arith_request([{"response": "1", "label": "1"}] * 4))
     assert [r["score"] for r in again.json()["results"]] == [1.0] * 4

@@ -259,7 +259,9 @@ def test_a_weighted_sum_that_overflows_is_an_item_error(with_scorer: WithScorer)
     assert (one.status, one.score) == (OK, 1e308)
 
 
-def test_a_request_past_the_pending_jobs_limit_is_refused_while_the_hub_is_busy(with_scorer: WithScorer) -> None:
+def test_without_a_wait_a_request_past_the_pending_jobs_limit_is_refused_while_the_hub_is_busy(
+    with_scorer: WithScorer,
+) -> None:
     slow = request([{"function": "sleep", "params": {"seconds": 0.4}}], [ITEM] * 2)
     # 3 items x 2 terms: 6 jobs, more than the limit of 4 on their own, so taken only by an idle hub.
     more = request([{"function": "arith_exact"}, {"function": "exact"}], [ITEM] * 3)
@@ -282,11 +284,44 @@ def test_a_request_past_the_pending_jobs_limit_is_refused_while_the_hub_is_busy(
             "ok": value("rlfleet_reward_requests_total", {"outcome": "ok"}),
         }
 
-    outcome = with_scorer(body, workers=1, max_pending_jobs=4)
+    outcome = with_scorer(body, workers=1, max_pending_jobs=4, admission_wait_seconds=0)
     assert "scoring 2 jobs (items x terms) and this request adds 6, past its limit of 4 (max_pending_jobs)" in (
         outcome.pop("refusal")
     )
     assert outcome == {"held": 2, "taken": [OK] * 3, "pending after": 0, "overloaded": 1.0, "ok": 2.0}
+
+
+def test_a_request_past_the_pending_jobs_limit_waits_for_room_and_is_scored(with_scorer: WithScorer) -> None:
+    slow = request([{"function": "sleep", "params": {"seconds": 0.4}}], [ITEM] * 2)
+    more = request([{"function": "arith_exact"}, {"function": "exact"}], [ITEM] * 3)
+
+    async def body(scorer: Scorer) -> dict[str, Any]:
+        value = scorer.metrics.registry.get_sample_value
+        busy = asyncio.create_task(scorer.score(slow))
+        await asyncio.sleep(0.1)
+        waiting = asyncio.create_task(scorer.score(more))
+        await asyncio.sleep(0.05)
+        seen_waiting = (
+            value("rlfleet_reward_admission_pending_jobs", {}),
+            value("rlfleet_reward_admission_waiting_requests", {}),
+        )
+        await asyncio.wait_for(busy, 10)
+        taken = await asyncio.wait_for(waiting, 10)
+        return {
+            "while waiting (pending jobs, waiting requests)": seen_waiting,
+            "taken": [r.status for r in taken.results],
+            "after": (scorer.admission.pending, scorer.admission.waiting),
+            "ok": value("rlfleet_reward_requests_total", {"outcome": "ok"}),
+            "overloaded": value("rlfleet_reward_requests_total", {"outcome": "overloaded"}),
+        }
+
+    assert with_scorer(body, workers=1, max_pending_jobs=4, admission_wait_seconds=10) == {
+        "while waiting (pending jobs, waiting requests)": (2.0, 1.0),
+        "taken": [OK] * 3,
+        "after": (0, 0),
+        "ok": 2.0,
+        "overloaded": 0.0,
+    }
 
 
 def test_an_unexpected_fault_is_counted_as_internal(with_scorer: WithScorer, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 import time
 import types
@@ -12,6 +13,8 @@ from typing import Any, TypeVar
 import pytest
 from reward_test_functions import TEST_FUNCTIONS
 
+from rlfleet.errors import Unavailable
+from rlfleet_reward import worker_pool
 from rlfleet_reward.reward_function import RewardInput
 from rlfleet_reward.worker_pool import JobResult, JobStatus, WorkerPool
 
@@ -108,6 +111,9 @@ def test_workers_killed_while_idle_cost_no_item_and_are_replaced(noticed: bool) 
             assert pool.live == 2 and not killed & {w.process.pid for w in pool._workers}
         results = await pool.run("sleep", {"seconds": 0.0}, labelled(*"abcd"), timeout=5)
         assert [r.status for r in results] == [OK] * 4, [r.error for r in results]
+        deadline = time.monotonic() + 10
+        while pool.live < 2 and time.monotonic() < deadline:  # live once READY: the second may still be starting
+            await asyncio.sleep(0.05)
         assert pool.live == 2
 
     with_pool(body)
@@ -282,3 +288,46 @@ def test_a_worker_that_cannot_start_fails_start_instead_of_every_job() -> None:
         assert pool.live == 0
     finally:
         del sys.modules[ghost.__name__]
+
+
+def test_when_no_worker_can_start_calls_fail_unavailable_and_the_pool_recovers(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Importable here, not in a worker: a worker started with it dies unpickling its functions, before READY.
+    ghost = types.ModuleType("reward_ghost_module_respawn")
+
+    def score(sample: RewardInput, params: Mapping[str, Any]) -> float:
+        return 1.0
+
+    score.__module__, score.__qualname__ = ghost.__name__, "score"
+    ghost.score = score  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, ghost.__name__, ghost)
+    monkeypatch.setattr(worker_pool, "_RESPAWN_BACKOFF_SECONDS", 0.05)
+
+    async def body(pool: WorkerPool) -> None:
+        pool._functions = {**FUNCTIONS, "ghost": score}  # every worker started from now on fails to start
+        (worker,) = pool._workers
+        os.kill(worker.process.pid or 0, signal.SIGKILL)
+        async with asyncio.timeout(10):
+            while pool.live:  # the death noticed; a call sent before would be its item's ERROR
+                await asyncio.sleep(0.01)
+        started = time.monotonic()
+        with pytest.raises(Unavailable) as refused:
+            async with asyncio.timeout(20):  # without the limit on failed starts it would wait forever
+                await run_one(pool, "sleep", timeout=5)
+        assert time.monotonic() - started < 15
+        assert "no reward worker is running: the last 3 attempts to start one failed" in str(refused.value)
+        assert "a reward worker failed to start (exit code 1)" in str(refused.value)
+        # Steadily down: a worker that is starting but has not said READY is not live.
+        live: set[int] = set()
+        for _ in range(40):
+            live.add(pool.live)
+            await asyncio.sleep(0.01)
+        assert live == {0}
+        with pytest.raises(Unavailable):  # a new call fails at once too
+            await asyncio.wait_for(run_one(pool, "sleep", timeout=5), 1)
+        pool._functions = dict(FUNCTIONS)  # workers can start again
+        async with asyncio.timeout(20):
+            while pool.down is not None or pool.live == 0:
+                await asyncio.sleep(0.02)
+        assert (await asyncio.wait_for(run_one(pool, "sleep", timeout=5), 10)).status is OK
+
+    with_pool(body, size=1)
