@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from rlfleet_reward.registry import Registry
     from rlfleet_reward.reward_function import RewardFunction
 
+# What the answers of requests cut off at the end of the shutdown grace get to be written in.
+_ANSWER_BEFORE_CUTOFF_SECONDS = 0.5
 FLAGS: tuple[Flag, ...] = (
     Flag("--host", "interface to bind (default 127.0.0.1)"),
     Flag("--port", "HTTP port (default 8001)"),
@@ -128,6 +130,9 @@ async def serve(settings: RewardSettings, registry: Registry) -> None:
         stop_task.cancel()
         http.should_exit = True
         grace = settings.shutdown_grace_seconds
+        # Requests still scoring when the grace runs out are answered 503 / UNAVAILABLE, just before the servers
+        # would cut them off (uvicorn with a 500 and a traceback in the log, gRPC with "Cancelling all calls").
+        loop.call_later(max(0.0, grace - _ANSWER_BEFORE_CUTOFF_SECONDS), scorer.stop)
         await asyncio.gather(grpc_server.stop(grace), asyncio.wait_for(http_task, grace + 5))
     finally:
         await pool.close()

@@ -28,7 +28,7 @@ from typing import Any
 from google.protobuf import json_format, struct_pb2
 from pydantic import ValidationError
 
-from rlfleet.errors import InvalidInput, ResourceExhausted, RlfleetError
+from rlfleet.errors import InvalidInput, ResourceExhausted, RlfleetError, Unavailable
 from rlfleet.v1 import reward_pb2
 from rlfleet_reward.admission import Admission
 from rlfleet_reward.metrics import RewardMetrics
@@ -67,21 +67,36 @@ class Scorer:
         self.admission = Admission(limits.max_pending_jobs, limits.admission_wait_seconds, limits.max_waiting_requests)
         metrics.add_functions(registry)
         metrics.watch_admission(self.admission)
+        self._stopped = asyncio.Event()
+
+    def stop(self) -> None:
+        """Ends every request still being scored with Unavailable (at shutdown, once the grace period is spent), so
+        each gets an answer naming why rather than the cut connection, or the 500, of a server that gives up."""
+        self._stopped.set()
 
     async def score(self, request: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
         """Every item scored by every term; each request is counted once by its outcome: ok, cancelled (the
-        client left, or the hub is stopping), the kind of error that refused it, or internal (a fault of ours)."""
+        client left), the kind of error that refused it (unavailable when the hub stopped first), or internal
+        (a fault of ours)."""
         outcome = "internal"
         try:
-            terms, timeout = self._validate(request)
-            async with self.admission.admit(len(request.items) * len(terms)):
-                by_term = await asyncio.gather(*(self._score_term(request.items, term, timeout) for term in terms))
-            results = [
-                self._combine(item, terms, [outcomes[i] for outcomes in by_term])
-                for i, item in enumerate(request.items)
-            ]
+            work = asyncio.ensure_future(self._score(request))
+            stopped = asyncio.ensure_future(self._stopped.wait())
+            try:
+                await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stopped.cancel()
+                if not work.done():
+                    work.cancel()  # its workers are given back, its items still waiting dropped
+                    await asyncio.gather(work, return_exceptions=True)
+            if work.cancelled():
+                raise Unavailable(
+                    "the reward hub is shutting down and its grace period (--shutdown-grace-seconds) is over; "
+                    "send the request again, to another replica or once the hub is back"
+                )
+            response = work.result()
             outcome = "ok"
-            return reward_pb2.ScoreResponse(results=results)
+            return response
         except RlfleetError as exc:
             outcome = exc.kind
             raise
@@ -90,6 +105,15 @@ class Scorer:
             raise
         finally:
             self.metrics.requests.labels(outcome).inc()
+
+    async def _score(self, request: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
+        terms, timeout = self._validate(request)
+        async with self.admission.admit(len(request.items) * len(terms)):
+            by_term = await asyncio.gather(*(self._score_term(request.items, term, timeout) for term in terms))
+        results = [
+            self._combine(item, terms, [outcomes[i] for outcomes in by_term]) for i, item in enumerate(request.items)
+        ]
+        return reward_pb2.ScoreResponse(results=results)
 
     def list_functions(self) -> reward_pb2.ListFunctionsResponse:
         return reward_pb2.ListFunctionsResponse(

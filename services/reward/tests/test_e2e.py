@@ -420,6 +420,37 @@ def test_sigterm_lets_requests_finish_then_stops_the_hub_and_its_workers(tmp_pat
         hub.process.stop(timeout=5)
 
 
+def test_requests_still_scoring_when_the_grace_is_over_are_answered_unavailable(tmp_path: Path) -> None:
+    """Before, uvicorn cut the HTTP request off with a 500 (and a traceback in the log), gRPC's server with
+    "Cancelling all calls": neither said the hub had stopped, nor that the request may be sent again."""
+    hub = Hub(tmp_path, "reward-hub-grace")  # a grace of 2 s
+    try:
+        sleep = {"function": "sleep", "params": {"seconds": 30}}
+        slow = {"spec": {"terms": [sleep], "timeout_seconds": 60}, "items": [{}]}
+        with ThreadPoolExecutor(2) as executor, grpc.insecure_channel(f"127.0.0.1:{hub.grpc_port}") as channel:
+            over_http = executor.submit(hub.score, slow, 30)
+            stub = reward_pb2_grpc.RewardStub(channel)
+            over_grpc = executor.submit(stub.Score, json_format.ParseDict(slow, reward_pb2.ScoreRequest()), 30)
+            deadline = time.monotonic() + 10
+            while (busy_workers(hub) or 0) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            started = time.monotonic()
+            os.kill(hub.process.pid, signal.SIGTERM)
+            response = over_http.result(timeout=20)
+            with pytest.raises(grpc.RpcError) as refused:
+                over_grpc.result(timeout=20)
+        assert time.monotonic() - started < 5
+        assert response.status_code == 503, response.text
+        error = response.json()["error"]
+        assert error["kind"] == "unavailable" and "shutting down" in error["message"], error
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in str(refused.value.details())
+        assert hub.process.proc.wait(timeout=15) == 0, hub.process.log_tail()
+        log = hub.process.log_path.read_text()
+        assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
+    finally:
+        hub.process.stop(timeout=5)
+
+
 def _descendants(pid: int) -> list[int]:
     found: list[int] = []
     for task in Path(f"/proc/{pid}/task").iterdir():
