@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -260,3 +261,20 @@ def prune_checkpoints(root: Path, newest: int, keep: int) -> None:
     for step in steps:
         if step not in kept:
             shutil.rmtree(checkpoint_dir(root, step), ignore_errors=True)
+
+
+def set_aside(root: Path) -> Path | None:
+    """Moves the checkpoints under `root` aside, next to it (`<root>.unrecorded-<UTC time>`), when a run starts
+    afresh over them; returns where, or None when there were none. Its first checkpoint would otherwise delete
+    every later one (`prune_checkpoints`): checkpoints of a run whose record Redis lost (emptied, restored from an
+    old snapshot, another --redis-prefix), or that a trainer wrote before it died without recording them."""
+    if not root.is_dir() or not any(root.iterdir()):
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    aside = root.with_name(f"{root.name}.unrecorded-{stamp}")
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = root.with_name(f"{root.name}.unrecorded-{stamp}-{n}")
+    root.rename(aside)
+    return aside

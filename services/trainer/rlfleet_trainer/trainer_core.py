@@ -36,7 +36,7 @@ from rlfleet.sample_stream import SampleStream, redis_refusal, redis_unavailable
 from rlfleet.v1.runs_pb2 import RunSpec
 from rlfleet.v1.trainer_pb2 import CheckpointResponse, StepReport, TrainerState, TrainerStatus
 from rlfleet_trainer.active_run import ActiveRun
-from rlfleet_trainer.checkpoint import CheckpointFailed, prune_checkpoints
+from rlfleet_trainer.checkpoint import CheckpointFailed, checkpoint_steps, prune_checkpoints, set_aside
 from rlfleet_trainer.checkpoint_commit import CheckpointCommitter
 from rlfleet_trainer.config import SHUTDOWN_TIMEOUT_S, TrainerSettings
 from rlfleet_trainer.generation_pause import resume_generation
@@ -386,6 +386,19 @@ class TrainerCore:
         record = self.store.load(run_id)
         run_dir = self.settings.work_dir / "runs" / run_id
         weights_root, checkpoints_root = run_dir / "weights", run_dir / "checkpoints"
+        if record is None and (steps := checkpoint_steps(checkpoints_root)):
+            aside = set_aside(checkpoints_root)
+            logger.warning(
+                "run %s has no record in Redis but checkpoints of steps %s in %s: it starts from step 0, and they "
+                "were moved to %s. Redis lost the run's record (emptied, restored from an old snapshot, another "
+                "--redis-prefix), or a trainer died before recording them; to resume from them, restore Redis's "
+                "data and move them back",
+                run_id,
+                ", ".join(map(str, steps)),
+                checkpoints_root,
+                aside,
+                extra={"run_id": run_id},
+            )
         try:
             policy = self.ranks.call("load_run", spec)
             # A token id outside the model's vocabulary would fail every step holding it (an index error in the

@@ -108,6 +108,25 @@ def test_one_run_at_a_time_and_bad_specs(core, small_model_dir, tmp_path) -> Non
         core.status("never")
 
 
+def test_a_fresh_start_over_checkpoints_without_a_record_keeps_them_aside(
+    core, small_model_dir, fake_router, caplog
+) -> None:
+    """Redis lost the run's record (emptied, an old snapshot, another prefix) while its checkpoints stayed on disk.
+    Before, the run started from step 0 without a word, and its first checkpoint deleted every later one."""
+    root = core.settings.work_dir / "runs" / "lost" / "checkpoints"
+    for step in (2, 3):
+        (root / f"step_{step}").mkdir(parents=True)
+        (root / f"step_{step}" / "__0_0.distcp").write_text(f"shard of step {step}")
+    status = core.start_run("lost", spec_for(small_model_dir, steps=1, groups_per_step=1))
+    assert status.step == 0
+    (aside,) = root.parent.glob("checkpoints.unrecorded-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["step_2", "step_3"]
+    assert (aside / "step_3" / "__0_0.distcp").read_text() == "shard of step 3"
+    assert not root.exists() or not any(root.iterdir())
+    assert "has no record in Redis but checkpoints of steps 2, 3" in caplog.text
+    core.stop_run("lost")
+
+
 def test_router_refusal_fails_the_start(core, small_model_dir, fake_router) -> None:
     fake_router.fail_next = 100
     core.router.timeout_s = 1.0
