@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
+from safetensors import SafetensorError
 
 from rlfleet.errors import Conflict, DeadlineExceeded, InvalidInput, NotFound, Unavailable
 from rlfleet.run_spec import resolve, validate
@@ -400,7 +401,12 @@ class TrainerCore:
                 extra={"run_id": run_id},
             )
         try:
-            policy = self.ranks.call("load_run", spec)
+            try:
+                policy = self.ranks.call("load_run", spec)
+            except (ValueError, KeyError, SafetensorError) as exc:  # transformers', safetensors' "cannot load"
+                raise InvalidInput(
+                    f"model.path: the model at {base} cannot be loaded: {type(exc).__name__}: {exc}"
+                ) from exc
             # A token id outside the model's vocabulary would fail every step holding it (an index error in the
             # embedding or the log-prob gather): such an entry goes to the dead letters when it is read.
             vocab_size = int(policy.model.config.vocab_size)

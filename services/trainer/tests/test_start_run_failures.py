@@ -7,6 +7,7 @@ loaded. The tests that make Redis refuse writes use a redis-server of their own 
 from __future__ import annotations
 
 import errno
+import json
 import shutil
 import sys
 import time
@@ -208,19 +209,29 @@ def test_a_resume_whose_checkpoint_storage_fails_answers_unavailable_naming_the_
     assert_nothing_held(core)
 
 
-@pytest.mark.parametrize("damage", ["no weights", "config not JSON"])
+@pytest.mark.parametrize(
+    "damage", ["no weights", "config not JSON", "config empty", "unknown model type", "weights not safetensors"]
+)
 def test_a_model_directory_transformers_cannot_load_is_refused_naming_model_path(
     core: TrainerCore, small_model_dir: Path, tmp_path: Path, damage: str
 ) -> None:
-    """transformers raises an OSError of its own (no errno) for such a directory: it was answered INTERNAL
-    ("internal error; see the service log"), naming nothing the caller could fix."""
+    """transformers raises an OSError of its own (no errno), or a ValueError, for such a directory, and safetensors
+    an error of its own for weights it cannot read: each was answered INTERNAL ("internal error; see the service
+    log"), naming nothing the caller could fix."""
     model = tmp_path / "model"
     shutil.copytree(small_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
     if damage == "no weights":
         for weights in model.glob("*.safetensors"):
             weights.unlink()
-    else:
+    elif damage == "config not JSON":
         (model / "config.json").write_text("{not json")
+    elif damage == "config empty":  # transformers' ValueError: no model_type
+        (model / "config.json").write_text("{}")
+    elif damage == "unknown model type":  # transformers' ValueError (KeyError inside)
+        (model / "config.json").write_text(json.dumps({**config, "model_type": "no_such_architecture"}))
+    else:  # safetensors' own error
+        (model / "model.safetensors").write_bytes(b"garbage" * 10)
     code, details = start_code(core, "m", model)
     assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
     assert details.startswith(f"model.path: the model at {model} cannot be loaded: "), details
