@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from grpc import aio
 
-from rlfleet.errors import DeadlineExceeded
+from rlfleet.errors import DeadlineExceeded, InvalidInput
 from rlfleet.grpc_errors import ErrorInterceptor
 from rlfleet.grpc_limits import message_size_options
 from rlfleet.host_port import host_port
@@ -115,6 +115,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def WatchSteps(
         self, request: trainer_pb2.WatchStepsRequest, context: aio.ServicerContext
     ) -> AsyncIterator[trainer_pb2.StepReport]:  # noqa: N802,E501
+        if request.from_step < 0:
+            raise InvalidInput(f"from_step: must be >= 0 (0 starts with the next step), got {request.from_step}")
         next_step = request.from_step or self.core.status(request.run_id).step + 1
         while True:
             reports, finished = self.core.reports(request.run_id, next_step)

@@ -188,6 +188,11 @@ def test_checkpoint_and_watch_steps_without_a_run_id_name_the_missing_field(core
                     call()
                 assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
                 assert refused.value.details() == "run_id must be set", name
+            # Before, a step below 0 was taken as given: every report from the run's first on.
+            with pytest.raises(grpc.RpcError) as refused:
+                next(stub.WatchSteps(WatchStepsRequest(run_id="r", from_step=-5), timeout=10))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert refused.value.details() == "from_step: must be >= 0 (0 starts with the next step), got -5"
     finally:
         done.set()
 
