@@ -19,6 +19,7 @@ meets Redis or storage failing answers Unavailable naming it, so its caller asks
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import re
 import threading
@@ -400,6 +401,13 @@ class TrainerCore:
                 aside,
                 extra={"run_id": run_id},
             )
+        # A fresh run writes nothing before its first step: a work dir it cannot write would fail the run only
+        # then, a step of rollouts later, for good. Found now, the start is UNAVAILABLE and asked again.
+        for directory in (weights_root, checkpoints_root):
+            directory.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
         try:
             try:
                 policy = self.ranks.call("load_run", spec)

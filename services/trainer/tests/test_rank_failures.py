@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -295,11 +296,13 @@ def test_a_checkpoint_failing_on_rank_0_fails_at_once_with_its_cause_and_the_ran
     call waited out the collective timeout, answered with gloo's timeout instead of the cause, and the ranks
     were broken for good (the next StartRun: INTERNAL)."""
     timeout_s = 30.0
-    (tmp_path / "work" / "runs" / "ck").mkdir(parents=True)
-    (tmp_path / "work" / "runs" / "ck" / "checkpoints").write_text("not a directory")  # rank 0's mkdir fails
+    checkpoints = tmp_path / "work" / "runs" / "ck" / "checkpoints"
     spec = spec_for(small_model_dir, steps=5, groups_per_step=1)
     with trainer_ranks(tmp_path, fake_router.url, redis_prefix, timeout_s) as (job, stub, health_url):
         stub.StartRun(StartRunRequest(run_id="ck", spec=spec), timeout=START_TIMEOUT_S)
+        # Once the run is under way (a start checks that it can write there): rank 0's mkdir fails.
+        shutil.rmtree(checkpoints)
+        checkpoints.write_text("not a directory")
         failed, took = rpc_error(lambda: stub.Checkpoint(CheckpointRequest(run_id="ck"), timeout=90))
         status = stub.Status(StatusRequest(run_id="ck"), timeout=10)
         # The ranks are in step: another run starts, and checkpoints over both ranks.

@@ -236,3 +236,14 @@ def test_a_model_directory_transformers_cannot_load_is_refused_naming_model_path
     assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
     assert details.startswith(f"model.path: the model at {model} cannot be loaded: "), details
     assert_nothing_held(core)
+
+
+def test_a_work_dir_the_trainer_cannot_write_is_found_at_the_start(core: TrainerCore, small_model_dir: Path) -> None:
+    """A fresh run writes nothing before its first step: it was TRAINING, then FAILED a step of rollouts later."""
+    core.settings.work_dir.parent.mkdir(parents=True, exist_ok=True)
+    core.settings.work_dir.write_text("a file where the work dir should be")
+    code, details = start_code(core, "w", small_model_dir)
+    assert code == grpc.StatusCode.UNAVAILABLE, (code, details)
+    assert f"run w cannot start now: storage failed at {core.settings.work_dir}/runs/w/" in details, details
+    assert "Not a directory" in details, details
+    assert_nothing_held(core)
