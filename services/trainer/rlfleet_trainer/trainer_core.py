@@ -427,7 +427,7 @@ class TrainerCore:
                 weights_root=weights_root,
                 checkpoints_root=checkpoints_root,
                 tokenizer_dir=Path(spec.model.tokenizer_path),
-                weights_path=str(base),
+                weights_path=str(base.absolute()),  # the engines need not share this process's directory
             )
             if record is not None:  # last: restoring the RNG state must be the final use of the RNG
                 self._resume(run, record)

@@ -373,6 +373,18 @@ def test_a_relative_work_dir_gives_the_router_and_the_record_absolute_paths(
     assert record is not None and record.checkpoint_path == str(tmp_path / "trainer/runs/rel/checkpoints/step_1")
 
 
+def test_a_relative_model_path_reaches_the_router_as_the_absolute_path_the_trainer_loaded(
+    core, small_model_dir, fake_router, monkeypatch
+) -> None:
+    """Before, version 0's path went to the router, and through it to every engine, as given: relative to
+    whatever directory each engine runs in, a model of that name there or none."""
+    monkeypatch.chdir(small_model_dir.parent)
+    core.start_run("relm", spec_for(Path(small_model_dir.name), steps=1, groups_per_step=1))
+    assert fake_router.loads[-1]["model_path"] == str(small_model_dir)
+    assert core.status("relm").weights_path == str(small_model_dir)
+    core.stop_run("relm")
+
+
 def test_start_run_asked_again_while_the_run_starts_answers_with_that_start(core, small_model_dir, fake_router) -> None:
     """An orchestrator that restarted, or timed out, during a long StartRun (a large policy to load) asks
     again: the trainer is not "busy with" the very run it is starting."""
