@@ -60,9 +60,18 @@ class CheckpointFailed(RuntimeError):
         self.causes = causes
 
     @property
+    def damaged(self) -> bool:
+        """The checkpoint itself is broken for good: a shard missing, or one torch cannot read (truncated)."""
+        return any(
+            isinstance(cause, FileNotFoundError)
+            or (isinstance(cause, RuntimeError) and "PytorchStreamReader" in str(cause))
+            for cause in self.causes
+        )
+
+    @property
     def storage(self) -> bool:
         """The storage failed (disk full, EIO) rather than the checkpoint not fitting the state."""
-        return any(isinstance(cause, OSError) for cause in self.causes)
+        return any(isinstance(cause, OSError) and not isinstance(cause, FileNotFoundError) for cause in self.causes)
 
 
 @dataclass(frozen=True)

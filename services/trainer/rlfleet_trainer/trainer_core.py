@@ -456,6 +456,11 @@ class TrainerCore:
                 f"{exc}); it is damaged: restore it from a copy, or start the run under a new id"
             ) from exc
         except CheckpointFailed as exc:
+            if exc.damaged:  # asking again would meet the same; the checkpoint's model is not the question
+                raise Conflict(
+                    f"run {run.run_id} cannot be resumed: its checkpoint {path} is damaged ({exc}); restore it from "
+                    "a copy, or start the run under a new id"
+                ) from exc
             if exc.storage:
                 raise Unavailable(f"run {run.run_id} cannot be resumed now: {exc}") from exc
             raise Conflict(

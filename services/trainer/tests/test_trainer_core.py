@@ -199,6 +199,24 @@ def test_a_resume_whose_checkpoint_does_not_fit_or_cannot_be_read_is_refused_wit
             assert unreadable.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "No space left on device" in (unreadable.value.details() or "")
             assert core.ranks.state.policy is None and core.held().state == TrainerState.TRAINER_STATE_IDLE
+            monkeypatch.undo()
+
+            # Damage no retry mends: before, a missing shard was UNAVAILABLE (asked again for ever), a truncated
+            # one "does not fit that model (the run was trained from another one)".
+            (shard,) = Path(core.status("o").checkpoint_path).glob("*.distcp")
+            whole = shard.read_bytes()
+            for damage in ("truncated", "missing"):
+                if damage == "truncated":
+                    shard.write_bytes(whole[: len(whole) // 2])
+                else:
+                    shard.unlink()
+                with pytest.raises(grpc.RpcError) as damaged:
+                    stub.StartRun(trainer_pb2.StartRunRequest(run_id="o", spec=spec), timeout=60)
+                assert damaged.value.code() == grpc.StatusCode.FAILED_PRECONDITION, damage
+                details = damaged.value.details() or ""
+                assert f"its checkpoint {core.status('o').checkpoint_path} is damaged" in details, details
+                assert "start the run under a new id" in details and "another one" not in details, details
+                assert core.ranks.state.policy is None and core.held().state == TrainerState.TRAINER_STATE_IDLE
     finally:
         done.set()
 
