@@ -24,10 +24,13 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from functools import partial
+from typing import TypeVar
 
+import redis
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from rlfleet.sample_stream import SampleStream, StreamEntry, entry_order
+from rlfleet.sample_stream import SampleStream, StreamEntry, entry_order, redis_unavailable
 from rlfleet.v1.trainer_pb2 import StepReport, TrainerState
 from rlfleet_trainer.active_run import ActiveRun
 from rlfleet_trainer.checkpoint_commit import CheckpointCommitter
@@ -41,6 +44,9 @@ from rlfleet_trainer.weight_publisher import make_publisher
 from rlfleet_trainer.weights import prune_versions
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+# Between reads of a Redis that stays unavailable past its client's own retries (about 30 s each read).
+REDIS_WAIT_S = 5.0
 
 
 def collect_groups(
@@ -54,27 +60,67 @@ def collect_groups(
     checkpoint asked for meanwhile (the model is at a step boundary while it waits) and calls
     `while_waiting` between waits (the fleet's version check)."""
     stream: SampleStream = run.stream
-    entries = stream.read_own_pending(settings.consumer, needed, after=run.cursor)
+    consumer = settings.consumer
+    entries = _waiting_out_redis(run, partial(stream.read_own_pending, consumer, needed, after=run.cursor)) or []
     if entries:
         logger.info("run %s: %d group(s) were delivered before", run.run_id, len(entries))
     while len(entries) < needed and not run.stop.is_set():
         if run.checkpoint_wanted:
             checkpoints.commit(run, run.step, run.groups_trained)
         while_waiting(run)
-        if not stream.pending_elsewhere(settings.consumer):  # the usual case: one round trip, then read
-            entries += stream.read(settings.consumer, needed - len(entries), block_ms=settings.read_block_ms)
+        elsewhere = _waiting_out_redis(run, partial(stream.pending_elsewhere, consumer))
+        if elsewhere is None:  # told to stop while Redis was away
+            break
+        if not elsewhere:  # the usual case: one round trip, then read
+            read = partial(stream.read, consumer, needed - len(entries), settings.read_block_ms)
+            entries += _waiting_out_redis(run, read) or []
             continue
         # Another consumer (a dead one, or this trainer under an earlier name) holds older groups: new ones wait
         # until those can be claimed, or they would be trained first, in other steps than before the restart.
-        claimed = stream.claim_stale(settings.consumer, settings.claim_idle_ms, needed - len(entries))
+        claim = partial(stream.claim_stale, consumer, settings.claim_idle_ms, needed - len(entries))
+        claimed = _waiting_out_redis(run, claim) or []
         entries += claimed
         if not claimed:
             run.stop.wait(settings.read_block_ms / 1000)
-    entries = _with_undelivered_replies(stream, settings.consumer, run.cursor, entries, needed)
+    whole = _waiting_out_redis(run, partial(_with_undelivered_replies, stream, consumer, run.cursor, entries, needed))
+    entries = entries if whole is None else whole
     # Every entry taken is now pending on this consumer; the next step reads its pending ones after
     # them. (When own pending ones ran short, all of them were taken, and new ones come after all.)
     run.cursor = max([run.cursor, *(e.entry_id for e in entries)], key=entry_order)
     return entries
+
+
+def _waiting_out_redis(run: ActiveRun, call: Callable[[], T]) -> T | None:
+    """`call()`'s answer, asked again every REDIS_WAIT_S while Redis stays unreachable or refuses writes past its
+    client's own retries: a run waiting for groups loses nothing by waiting, and whether it ends is the
+    orchestrator's to say (a StopRun). None once the run is told to stop meanwhile."""
+    since: float | None = None
+    while True:
+        try:
+            answer = call()
+        except redis.RedisError as exc:
+            if not redis_unavailable(exc):
+                raise
+            if since is None:
+                since = time.monotonic()
+                logger.warning(
+                    "run %s: Redis is unavailable (%s: %s); the run waits for it",
+                    run.run_id,
+                    type(exc).__name__,
+                    exc,
+                    extra={"run_id": run.run_id},
+                )
+            if run.stop.wait(REDIS_WAIT_S):
+                return None
+            continue
+        if since is not None:
+            logger.info(
+                "run %s: Redis answers again after %.0f s",
+                run.run_id,
+                time.monotonic() - since,
+                extra={"run_id": run.run_id},
+            )
+        return answer
 
 
 def _with_undelivered_replies(

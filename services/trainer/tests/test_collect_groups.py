@@ -92,6 +92,41 @@ def test_groups_another_consumer_left_are_trained_before_new_ones(redis_client: 
     assert [e.entry_id for e in collect_groups(run, settings, 2, checkpoints=None)] == ids[2:4]  # type: ignore[arg-type]
 
 
+class AwayFor(SampleStream):
+    """Redis stays unreachable past the client's own retries for the first `outages` reads of new groups."""
+
+    outages = 2
+
+    def read(self, consumer: str, count: int, block_ms: int | None = None) -> list[StreamEntry]:
+        if self.outages:
+            self.outages -= 1
+            raise redis.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+        return super().read(consumer, count, block_ms)
+
+
+def test_a_redis_outage_while_the_run_waits_for_groups_is_waited_out(
+    redis_client: redis.Redis, redis_prefix: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before, a read that failed past the client's 30 s of retries failed the run for good (FAILED), while the
+    orchestrator, whose reads and writes wait Redis out, went on producing its groups."""
+    monkeypatch.setattr("rlfleet_trainer.run_loop.REDIS_WAIT_S", 0.05)
+    stream = AwayFor(redis_client, "run5", prefix=redis_prefix)
+    stream.ensure_consumer_group()
+    ids = [stream.append(group("run5", i)) for i in range(2)]
+    settings = SimpleNamespace(consumer=CONSUMER, claim_idle_ms=60_000, read_block_ms=50)
+    with caplog.at_level(logging.INFO, logger="rlfleet_trainer.run_loop"):
+        entries = collect_groups(run_on(stream), settings, 2, checkpoints=None)  # type: ignore[arg-type]
+    assert [e.entry_id for e in entries] == ids and stream.outages == 0
+    assert "run run: Redis is unavailable (ConnectionError:" in caplog.text and "Redis answers again" in caplog.text
+
+    stream.outages = 10**6  # away for good: a stop still ends the wait, with the groups delivered before
+    run = run_on(stream)
+    threading.Timer(0.3, run.stop.set).start()
+    started = time.monotonic()
+    stopped = collect_groups(run, settings, 3, checkpoints=None)  # type: ignore[arg-type]
+    assert [e.entry_id for e in stopped] == ids and time.monotonic() - started < 5
+
+
 @pytest.mark.parametrize("keep", [False, True])
 def test_a_commit_acknowledges_and_trims_what_its_checkpoint_covers(
     redis_client: redis.Redis, redis_prefix: str, keep: bool
