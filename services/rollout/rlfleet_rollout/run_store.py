@@ -39,6 +39,9 @@ from rlfleet_rollout.submit_requests import REQUEST_ID_RETENTION_S, RequestRecor
 
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000
+# A page ends early past this many bytes of records: a run holds its spec (inline prompts too) and evaluations,
+# and 50 such runs made a ListRuns answer larger than a gRPC client takes by default (4 MiB).
+MAX_PAGE_BYTES = 2 * 1024 * 1024
 # A write that lost the race for a record waits a random pause, up to this one doubled per loss (so that writers
 # in lockstep fall out of it), and tries again for this long before it gives up.
 _FIRST_RETRY_PAUSE_S, _MAX_RETRY_PAUSE_S, _UPDATE_WITHIN_S = 0.001, 0.05, 10.0
@@ -174,7 +177,8 @@ class RunStore:
 
         Returns the page and the token of the next one: the creation number of the page's last run, given
         only once a run of the same kind is found after it ("" when this page is the last), so a token
-        never leads to an empty page.
+        never leads to an empty page. A page ends early once its records pass MAX_PAGE_BYTES (it holds one
+        run at least).
         """
         if not 0 <= page_size <= MAX_PAGE_SIZE:
             raise InvalidInput(f"page_size: must be between 0 and {MAX_PAGE_SIZE} (0 means {DEFAULT_PAGE_SIZE})")
@@ -182,6 +186,7 @@ class RunStore:
         cursor = _parse_page_token(page_token)
         runs: list[Run] = []
         page_end = 0
+        page_bytes = 0
         batch = max(page_size, 100)
         # Each pass moves the cursor forward over the index, so the scan ends with the index.
         while True:
@@ -201,10 +206,11 @@ class RunStore:
                 run = Run.FromString(raw)
                 if state != RunState.RUN_STATE_UNSPECIFIED and run.state != state:
                     continue
-                if len(runs) == page_size:  # a run for the next page: this one is not the last
-                    return runs, str(page_end)
+                if len(runs) == page_size or (runs and page_bytes + len(raw) > MAX_PAGE_BYTES):
+                    return runs, str(page_end)  # a run for the next page: this one is not the last
                 runs.append(run)
                 page_end = cursor
+                page_bytes += len(raw)
             if len(members) < batch:
                 return runs, ""
 

@@ -60,8 +60,8 @@ def test_pages_follow_creation_order_and_filter_by_state(redis_prefix: str) -> N
 
 
 def test_a_next_page_token_is_given_only_when_a_run_of_the_page_kind_follows(redis_prefix: str) -> None:
-    """The audit's repro: with a state filter, a page that ended on the last matching run still handed
-    out a token (it counted every later run, matching or not), and that token led to an empty page."""
+    """Before, with a state filter, a page that ended on the last matching run still handed out a token (it
+    counted every later run, matching or not), and that token led to an empty page."""
     succeeded, failed = RunState.RUN_STATE_SUCCEEDED, RunState.RUN_STATE_FAILED
 
     async def scenario() -> None:
@@ -85,6 +85,30 @@ def test_a_next_page_token_is_given_only_when_a_run_of_the_page_kind_follows(red
             await client.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_page_of_large_runs_ends_early_and_its_token_leads_on(redis_prefix: str) -> None:
+    """Runs hold their specs (inline prompts too) and evaluations: before, a page of 50 of them could pass the
+    4 MiB a gRPC client takes by default, and ListRuns failed for it with RESOURCE_EXHAUSTED."""
+
+    async def scenario() -> list[list[str]]:
+        client = aioredis.Redis.from_url(REDIS_URL, socket_timeout=5)
+        store = RunStore(client, redis_prefix)
+        try:
+            for i in range(5):
+                await store.create(Run(id=f"big{i}", state=QUEUED, error="x" * (900 * 1024)))
+            await store.create(Run(id="huge", state=QUEUED, error="x" * (3 * 1024 * 1024)))
+            await store.create(Run(id="small", state=QUEUED))
+            pages, token = [], ""
+            while True:
+                page, token = await store.page(page_size=1000, page_token=token)
+                pages.append([r.id for r in page])
+                if not token:
+                    return pages
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(scenario()) == [["big0", "big1"], ["big2", "big3"], ["big4"], ["huge"], ["small"]]
 
 
 def test_a_run_that_ends_leaves_its_working_data_to_expire_and_keeps_its_record(
