@@ -4,11 +4,12 @@
 The trainer's weight load asks every engine to abort what it is generating
 (`abort_all_requests`); each aborted completion comes back with the tokens and logprobs it had
 produced under the old version. Such a completion is re-submitted as prompt + partial response
-with the remaining `max_new_tokens`, and the two halves are joined: the Sample's response is the
-concatenation, its logprobs those each half was sampled with, and its `weight_versions` both
-versions, oldest first, so the staleness rule and the trainer's off-policy correction see the old
-part for what it is. A stop string the cut splits (begun in the first half, completed in the
-second) ends the joined generation where the engine would have ended it had it made both halves.
+with the remaining `max_new_tokens` (and, when seeded, a seed of its own), and the two halves are
+joined: the Sample's response is the concatenation, its logprobs those each half was sampled with,
+and its `weight_versions` both versions, oldest first, so the staleness rule and the trainer's
+off-policy correction see the old part for what it is. A stop string the cut splits (begun in the
+first half, completed in the second) ends the joined generation where the engine would have ended
+it had it made both halves.
 
 A multi-turn episode's turn is resumed the same way under its trajectory id: the router then holds
 the aborted half and its continuation as two turns with nothing between them, which lay out as the
@@ -18,6 +19,7 @@ does, so there a stop string split by the cut is not matched.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -116,6 +118,23 @@ def _remaining_tokens(completion: Completion, sampling: dict[str, Any]) -> int:
     return int(sampling["max_new_tokens"]) - len(completion.output_ids)
 
 
+def continued_seed(seed: int, produced: int) -> int:
+    """The sampling seed of a continuation after `produced` tokens of a generation seeded `seed` (a non-negative
+    int32): as reproducible as the first, and its own."""
+    digest = hashlib.sha256(f"{seed}+{produced}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") >> 1
+
+
+def _continuation(completion: Completion, sampling: dict[str, Any]) -> dict[str, Any]:
+    """The sampling params of `completion`'s continuation: the tokens still allowed, and a seed of its own. Under
+    the aborted part's seed, an engine that seeds a request's generator as it starts (rlfleet-engine) drew the same
+    random numbers again from the continuation's first token on: token k + j repeated token j's draw."""
+    params = {**sampling, "max_new_tokens": _remaining_tokens(completion, sampling)}
+    if (seed := sampling.get("sampling_seed")) is not None:
+        params["sampling_seed"] = continued_seed(int(seed), len(completion.output_ids))
+    return params
+
+
 async def generate_turn_resuming(
     ctx: RolloutContext, prompt: list[int], sampling: dict[str, Any], rid: str, trajectory_id: str
 ) -> Completion:
@@ -130,7 +149,7 @@ async def generate_turn_resuming(
         ctx.metrics.resumed_generations.inc()
         tail = await ctx.generate_turn(
             prompt + list(completion.output_ids),
-            {**sampling, "max_new_tokens": remaining},
+            _continuation(completion, sampling),
             f"{rid}+resume{attempt}",
             trajectory_id,
         )
@@ -157,7 +176,7 @@ async def generate_resuming(
         try:
             tails = await ctx.generate(
                 [prompts[i] + list(completions[i].output_ids) for i in todo],
-                [{**sampling[i], "max_new_tokens": _remaining_tokens(completions[i], sampling[i])} for i in todo],
+                [_continuation(completions[i], sampling[i]) for i in todo],
                 [f"{rids[i]}+resume{attempt}" for i in todo],
             )
         except RlfleetError as exc:

@@ -30,6 +30,7 @@ from rlfleet_rollout.evaluation import evaluate as evaluate_run
 from rlfleet_rollout.group_producer import GroupRequest, RolloutContext
 from rlfleet_rollout.metrics import RolloutMetrics
 from rlfleet_rollout.multi_turn import multi_turn
+from rlfleet_rollout.partial_rollout import continued_seed
 from rlfleet_rollout.prompt_tokenizer import load_tokenizer
 from rlfleet_rollout.rollout_function import RolloutRegistry
 from rlfleet_rollout.router_client import Completion, Trajectory
@@ -125,6 +126,7 @@ class AbortsFirstTurns(FakeRouter):
         super().__init__()
         self.rest: dict[str, tuple[list[int], list[float]]] = {}
         self.resumed: list[tuple[list[int], dict[str, Any], str]] = []
+        self.seeds: dict[str, int] = {}  # of each trajectory's first call
 
     async def generate_turn(self, prompt: list[int], sampling: dict[str, Any], rid: str, tid: str) -> Completion:
         if tid in self.rest:
@@ -136,6 +138,7 @@ class AbortsFirstTurns(FakeRouter):
         whole = await super().generate_turn(prompt, sampling, rid, tid)
         if len(self.turns[tid]) > 1:
             return whole
+        self.seeds[tid] = sampling["sampling_seed"]
         head, logprobs = list(whole.output_ids[:3]), list(whole.logprobs[:3])
         self.turns[tid][0] = (list(prompt), head, logprobs)
         self.rest[tid] = (list(whole.output_ids[3:]), list(whole.logprobs[3:]))
@@ -207,6 +210,9 @@ def test_a_turn_aborted_by_a_weight_update_is_resumed_within_its_trajectory(
     for prompt, sampling, rid in router.resumed:
         assert prompt == _ids("12+7=") + call[:3] and sampling["max_new_tokens"] == 8 - 3
         assert rid.endswith("/0+resume1")
+        # A seed of its own: under the turn's, rlfleet-engine drew the same random numbers again from its start.
+        first = router.seeds[rid.removesuffix("/0+resume1")]
+        assert sampling["sampling_seed"] == continued_seed(first, 3) != first
     assert len(router.resumed) == 2
     assert ctx.metrics.registry.get_sample_value("rlfleet_rollout_resumed_generations_total") == 2
 

@@ -26,7 +26,13 @@ from rlfleet_rollout.datasets import Prompt
 from rlfleet_rollout.environment import ReplyPool
 from rlfleet_rollout.group_producer import GroupRequest, RolloutContext
 from rlfleet_rollout.metrics import RolloutMetrics
-from rlfleet_rollout.partial_rollout import MAX_RESUMES, generate_resuming, join, stop_across_the_cut
+from rlfleet_rollout.partial_rollout import (
+    MAX_RESUMES,
+    continued_seed,
+    generate_resuming,
+    join,
+    stop_across_the_cut,
+)
 from rlfleet_rollout.prompt_tokenizer import load_tokenizer
 from rlfleet_rollout.rollout_function import RolloutRegistry
 from rlfleet_rollout.router_client import Completion, RouterClient, parse_completion
@@ -268,13 +274,16 @@ def test_a_generation_aborted_by_a_weight_update_is_resumed_on_the_new_version(
 ) -> None:
     router, group = _group_across_an_update(tokenizer_dir, *sim_router, "abort_resume")
     assert len(router.calls) == 2, "one batch on version 0, one resuming it on version 1"
-    (prompts, _, partial), (resumed_prompts, resumed_sampling, continuation) = router.calls
+    (prompts, sampling, partial), (resumed_prompts, resumed_sampling, continuation) = router.calls
     for j, sample in enumerate(group.samples):
         head, tail = partial[j], continuation[j]
         assert head.finish_reason == ABORT and head.weight_versions == (0,)
         assert 0 < len(head.output_ids) < MAX_NEW_TOKENS
         assert resumed_prompts[j] == prompts[j] + list(head.output_ids)
         assert resumed_sampling[j]["max_new_tokens"] == MAX_NEW_TOKENS - len(head.output_ids)
+        assert resumed_sampling[j]["sampling_seed"] == continued_seed(
+            sampling[j]["sampling_seed"], len(head.output_ids)
+        )
         assert tail.weight_versions == (1,) and tail.finish_reason == LENGTH
         assert list(sample.response_token_ids) == list(head.output_ids + tail.output_ids)
         assert list(sample.rollout_logprobs) == pytest.approx(head.logprobs + tail.logprobs)
