@@ -56,6 +56,7 @@ from rlfleet_rollout.reward_client import RewardClient
 from rlfleet_rollout.rollout_function import RolloutRegistry
 from rlfleet_rollout.router_client import RouterClient
 from rlfleet_rollout.run_data import DataPosition, RunData, StepCounts
+from rlfleet_rollout.run_events import is_terminal
 from rlfleet_rollout.runs_core import RunEnded, RunsCore, now
 from rlfleet_rollout.step_producer import StepOutcome, produce_step, refill_step
 from rlfleet_rollout.step_reports import StepReportFollower
@@ -133,10 +134,25 @@ async def execute_run(run_id: str, deps: RunDeps) -> None:
         else:
             reason = f"internal error: {type(exc).__name__}: {exc}"
             logger.exception("run %s failed", run_id, extra=log)
-        await _record_final(deps, run_id, RunState.RUN_STATE_FAILED, reason)
-        await session.stop()
+        await _end(deps, run_id, session, RunState.RUN_STATE_FAILED, reason)
         return
-    await _record_final(deps, run_id, RunState.RUN_STATE_SUCCEEDED, "")
+    await _end(deps, run_id, session, RunState.RUN_STATE_SUCCEEDED, "")
+
+
+async def _end(deps: RunDeps, run_id: str, session: TrainerSession, state: RunState, error: str) -> None:
+    """Records the run's final state, then stops its trainer. Cancelled meanwhile (a Cancel, which writes its own
+    final state, or a shutdown), it still stops the trainer once the run's record says it ended: that stop was
+    owed, and skipped, the trainer held an ended run."""
+    try:
+        await _record_final(deps, run_id, state, error)
+    except asyncio.CancelledError:
+        try:
+            ended = is_terminal((await deps.core.get(run_id)).state)
+        except Exception:  # noqa: BLE001 - not known now: the run queue frees a trainer an ended run holds at start
+            ended = False
+        if ended:
+            await session.stop()
+        raise
     await session.stop()
 
 

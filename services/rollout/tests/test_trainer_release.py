@@ -191,3 +191,39 @@ def test_a_run_that_ends_is_recorded_over_before_the_trainer_is_stopped(
     assert RunState.Name(final.state) == f"RUN_STATE_{outcome}" and final.stalled == ""
     assert final.error == ("the trainer failed: boom" if outcome == "FAILED" else "")
     assert final.progress.step == 4, "the trainer's final progress is recorded once it has stopped"
+
+
+def test_a_run_cancelled_while_its_end_is_recorded_still_has_its_trainer_stopped(
+    redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Cancel lands while the run's final record is being written (a slow Redis): the run's task is cancelled
+    there. Before, that skipped the trainer's StopRun, and the trainer held the ended run."""
+
+    async def drive(run: Run, session: TrainerSession, deps: run_loop.RunDeps) -> None:
+        return None
+
+    monkeypatch.setattr(run_loop, "_drive", drive)
+
+    async def scenario() -> StopOnlyTrainer:
+        async with runs_core(redis_prefix) as core:
+            await core.store.create(Run(id="run-a", state=RunState.RUN_STATE_QUEUED))
+            trainer = StopOnlyTrainer(core)
+            update, writes, recording = core.update, [], asyncio.Event()
+
+            async def slow_final_record(run_id: str, mutate: Any, **options: Any) -> Run:
+                writes.append(options)
+                if len(writes) == 2:  # the final record (after RUNNING): Redis is slow
+                    recording.set()
+                    await asyncio.sleep(30)
+                return await update(run_id, mutate, **options)
+
+            monkeypatch.setattr(core, "update", slow_final_record)
+            task = asyncio.create_task(run_loop.execute_run("run-a", run_deps(core, trainer)))
+            await asyncio.wait_for(recording.wait(), timeout=10)
+            await core.cancel("run-a")
+            task.cancel()  # as the run queue does for a cancelled run
+            await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), timeout=10)
+            return trainer
+
+    trainer = asyncio.run(scenario())
+    assert trainer.states_seen == ["CANCELLED"], "the trainer was not stopped"
