@@ -55,8 +55,16 @@ class ArithmeticTask:
     def problems(self, split: Split, count: int, *, epoch: int = 0) -> list[Problem]:
         """`count` distinct problems of `split`; train problems are drawn anew for each epoch.
 
-        Raises ValueError when the split holds fewer than `count` distinct problems (at once, for a counted
-        space), or when its draws find fewer within their budget of 200 per problem asked for.
+        Raises ValueError as `stream` does.
+        """
+        return list(self.stream(split, count, epoch=epoch))
+
+    def stream(self, split: Split, count: int, *, epoch: int = 0) -> Iterator[Problem]:
+        """The problems of `problems`, one at a time as they are drawn, for an export too large to hold.
+
+        Raises ValueError when the split holds fewer than `count` distinct problems (before the first, for a
+        counted space), or when its draws find fewer within their budget of 200 per problem asked for (after
+        the last one found).
         """
         if split not in ("train", "test"):
             raise ValueError(f"split must be 'train' or 'test', got {split!r}")
@@ -68,15 +76,17 @@ class ArithmeticTask:
                 f"the {split} split of {self.digits}-digit {self.ops!r} problems holds {size} distinct problems, "
                 f"fewer than {count}; ask for fewer or use more digits or operators"
             )
-        out = self._collect(split, count, epoch)
-        if len(out) < count:
+        found = 0
+        for problem in self._distinct(split, count, epoch):
+            found += 1
+            yield problem
+        if found < count:
             # Only a split the draw nearly exhausts: uncounted, or with rare problems (small divisors).
-            found = f"{len(out)}" if size is None else f"{len(out)} of its {size}"
+            of = f"{found}" if size is None else f"{found} of its {size}"
             raise ValueError(
                 f"could not draw {count} distinct problems from the {split} split of {self.digits}-digit "
-                f"{self.ops!r} problems (found {found}); ask for fewer or use more digits or operators"
+                f"{self.ops!r} problems (found {of}); ask for fewer or use more digits or operators"
             )
-        return out
 
     def train_pool(self, at_most: int) -> list[Problem]:
         """Up to `at_most` distinct train problems (fewer when the split holds fewer), in draw order.
@@ -86,7 +96,7 @@ class ArithmeticTask:
         if at_most < 1:
             raise ValueError(f"at_most must be >= 1, got {at_most}")
         size = self.split_size("train")
-        return self._collect("train", at_most if size is None else min(at_most, size), 0)
+        return list(self._distinct("train", at_most if size is None else min(at_most, size), 0))
 
     def split_size(self, split: Split) -> int | None:
         """How many distinct problems `split` holds, or None for a space too large to count (see above)."""
@@ -95,21 +105,20 @@ class ArithmeticTask:
             return None
         return sizes[1] if split == "test" else sizes[0]
 
-    def _collect(self, split: Split, count: int, epoch: int) -> list[Problem]:
+    def _distinct(self, split: Split, count: int, epoch: int) -> Iterator[Problem]:
+        """Up to `count` distinct problems of `split` in draw order; fewer when the draw budget runs out."""
         rng = random.Random(f"{self.seed}/{split}/{epoch if split == 'train' else 0}")
         want_heldout = split == "test"
         seen: set[str] = set()
-        out: list[Problem] = []
         # Rejection sampling; the bound only trips when the split is (nearly) exhausted.
         for _ in range(max(1000, 200 * count)):
-            if len(out) == count:
-                break
+            if len(seen) == count:
+                return
             problem = self._draw(rng)
             if problem.prompt in seen or self.is_heldout(problem.prompt) != want_heldout:
                 continue
             seen.add(problem.prompt)
-            out.append(problem)
-        return out
+            yield problem
 
     def is_heldout(self, prompt: str) -> bool:
         digest = hashlib.sha256(prompt.encode()).digest()

@@ -94,3 +94,20 @@ def test_a_pool_larger_than_the_train_split_stops_at_its_last_problem(monkeypatc
     assert not any(task.is_heldout(p.prompt) for p in pool)
     assert pool[:5000] == smaller  # the same draw order whatever the size asked for
     assert drawn[0] < 200_000
+
+
+def test_a_stream_gives_each_problem_as_it_is_drawn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`rlfleet data arithmetic --count 1000000` writes its first line at once and holds no list of problems."""
+    draws = 0
+    draw = ArithmeticTask._draw
+
+    def counted(task: ArithmeticTask, rng: random.Random) -> Problem:
+        nonlocal draws
+        draws += 1
+        return draw(task, rng)
+
+    monkeypatch.setattr(ArithmeticTask, "_draw", counted)
+    task = ArithmeticTask(digits=6, ops="+")
+    first = next(task.stream("train", 1_000_000))
+    assert draws <= 3
+    assert first == ArithmeticTask(digits=6, ops="+").problems("train", 1)[0]

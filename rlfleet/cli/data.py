@@ -25,6 +25,6 @@ def register(areas: argparse._SubParsersAction) -> None:
 
 def run_arithmetic(args: argparse.Namespace) -> int:
     task = ArithmeticTask(digits=args.digits, ops=args.ops, seed=args.seed)
-    for problem in task.problems(args.split, args.count):
+    for problem in task.stream(args.split, args.count):
         sys.stdout.write(json.dumps({"prompt": problem.prompt, "answer": problem.answer}) + "\n")
     return 0
