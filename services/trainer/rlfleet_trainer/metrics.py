@@ -91,6 +91,13 @@ class TrainerMetrics:
         `client` a scrape client, `active` the run being trained as (run id, groups trained), or None."""
         self.registry.register(StreamLagCollector(client, prefix, active))
 
+    def start_run(self, step: int, weight_version: int, checkpoint_step: int) -> None:
+        """Shows a run that starts: where it stands, and no step values yet (NaN) rather than the last run's."""
+        self.step.set(step)
+        self.weight_version.set(weight_version)
+        self.checkpoint_step.set(checkpoint_step)
+        self.observe_step({})
+
     def observe_step(self, metrics: dict[str, float]) -> None:
         """Sets the step gauges from a step's metrics. A gauge the step has no value for (a step with no sample to
         train on has no loss; a run without PPO no value loss) is NaN, "none", rather than an earlier step's value

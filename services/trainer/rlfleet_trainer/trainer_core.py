@@ -188,9 +188,7 @@ class TrainerCore:
         self._starting.pop(run.run_id, None)
         self._runs[run.run_id] = run
         run.update(state=TrainerState.TRAINER_STATE_TRAINING)
-        self.metrics.step.set(run.step)
-        self.metrics.weight_version.set(run.weight_version)
-        self.metrics.checkpoint_step.set(run.checkpoint_step)
+        self.metrics.start_run(run.step, run.weight_version, run.checkpoint_step)
         run.thread = threading.Thread(
             target=train_run,
             args=(run, self.settings, self.router, self.checkpoints, self.metrics),

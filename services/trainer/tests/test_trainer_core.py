@@ -108,6 +108,19 @@ def test_one_run_at_a_time_and_bad_specs(core, small_model_dir, tmp_path) -> Non
         core.status("never")
 
 
+def test_a_run_that_starts_shows_no_step_values_of_the_run_before(core, small_model_dir) -> None:
+    core.metrics.step.set(7)
+    core.metrics.checkpoint_step.set(5)
+    core.metrics.observe_step({"loss": 0.25, "reward_mean": 0.5})
+    core.start_run("next", spec_for(small_model_dir, steps=5, groups_per_step=1))
+    try:
+        sample = core.metrics.registry.get_sample_value
+        assert (sample("rlfleet_trainer_step"), sample("rlfleet_trainer_checkpoint_step")) == (0, 0)
+        assert math.isnan(sample("rlfleet_trainer_loss")) and math.isnan(sample("rlfleet_trainer_reward_mean"))
+    finally:
+        core.stop_run("next")
+
+
 def test_a_fresh_start_over_checkpoints_without_a_record_keeps_them_aside(
     core, small_model_dir, fake_router, caplog
 ) -> None:
