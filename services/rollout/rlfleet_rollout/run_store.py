@@ -3,7 +3,9 @@
 Keys (under the configured prefix):
 - `run:<id>:record`: the serialized `Run`;
 - `runs:index`: sorted set of run ids scored by a creation sequence number (`runs:seq`), which
-  orders List and the run queue and doubles as the page cursor;
+  orders List and the run queue and doubles as the page cursor. The number is taken in the transaction that
+  writes the run, so runs enter the index in the order of their numbers, and a client paging past the last run
+  it saw misses none created since;
 - `submit-request:<request_id>`: the run a Submit with that request_id made and its spec's digest (JSON), written
   in the transaction that creates the run (WATCH on the key, so two Submits of one request_id store one run) and
   expiring after 24 h (submit_requests.py).
@@ -45,6 +47,13 @@ MAX_PAGE_BYTES = 2 * 1024 * 1024
 # A write that lost the race for a record waits a random pause, up to this one doubled per loss (so that writers
 # in lockstep fall out of it), and tries again for this long before it gives up.
 _FIRST_RETRY_PAUSE_S, _MAX_RETRY_PAUSE_S, _UPDATE_WITHIN_S = 0.001, 0.05, 10.0
+# Writes a new run's record and indexes it under the next creation number, at once (KEYS: record, seq, index;
+# ARGV: record bytes, run id). A number taken before the write let a run created later be listed first, and a
+# client paging on past it never saw the earlier one.
+_CREATE = """
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[2]), ARGV[2])
+"""
 
 
 class RunStore:
@@ -69,10 +78,9 @@ class RunStore:
         stored only if no run holds that request_id yet, and the request_id is recorded with the run, in one
         transaction, for `request_id_retention_s`: returns None when this call stored the run, else the record
         of the run an earlier Submit of the request_id made (nothing stored)."""
-        seq = await self.client.incr(self.seq_key)  # a number a lost race leaves unused is a harmless gap
         if request is None:
             async with self.client.pipeline(transaction=True) as pipe:
-                self._queue_create(pipe, run, seq)
+                self._queue_create(pipe, run)
                 await pipe.execute()
             return None
         key = self.request_key(request.request_id)
@@ -88,7 +96,7 @@ class RunStore:
                         # Our own write, when its EXEC went through but the reply was lost (see below).
                         return None if earlier == mine else earlier
                     pipe.multi()
-                    self._queue_create(pipe, run, seq)
+                    self._queue_create(pipe, run)
                     pipe.set(key, mine.to_bytes(), ex=math.ceil(self.request_id_retention_s))
                     await pipe.execute()
                     return None
@@ -106,9 +114,8 @@ class RunStore:
         raw = await self.client.get(self.request_key(request_id))
         return None if raw is None else RequestRecord.from_bytes(raw)
 
-    def _queue_create(self, pipe: aioredis.client.Pipeline, run: Run, seq: int) -> None:
-        pipe.set(self.record_key(run.id), run.SerializeToString())
-        pipe.zadd(self.index_key, {run.id: seq})
+    def _queue_create(self, pipe: aioredis.client.Pipeline, run: Run) -> None:
+        pipe.eval(_CREATE, 3, self.record_key(run.id), self.seq_key, self.index_key, run.SerializeToString(), run.id)
 
     async def get(self, run_id: str) -> Run:
         raw = await self.client.get(self.record_key(run_id)) if run_id else None

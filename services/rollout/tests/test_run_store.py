@@ -59,6 +59,38 @@ def test_pages_follow_creation_order_and_filter_by_state(redis_prefix: str) -> N
     asyncio.run(scenario())
 
 
+def test_a_run_created_while_another_is_listed_first_is_not_ordered_before_it(redis_prefix: str) -> None:
+    """A client that pages on from the last run it listed finds every run created since."""
+
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(REDIS_URL, socket_timeout=5)
+        store = RunStore(client, redis_prefix)
+        slow_write = asyncio.Event()
+        incr = client.incr
+
+        async def slow_after_the_first_number(name: bytes | str | memoryview, amount: int = 1) -> int:
+            number = await incr(name, amount)
+            if number == 1:
+                await slow_write.wait()
+            return number
+
+        client.incr = slow_after_the_first_number  # type: ignore[method-assign]
+        try:
+            first = asyncio.create_task(store.create(Run(id="first", state=QUEUED)))
+            await asyncio.sleep(0.05)
+            await store.create(Run(id="second", state=QUEUED))
+            listed = [run.id for run in (await store.page())[0]]
+            slow_write.set()
+            await asyncio.wait_for(first, 5)
+            final = [run.id for run in (await store.page())[0]]
+            assert final[: len(listed)] == listed, (listed, final)
+        finally:
+            slow_write.set()
+            await client.aclose()
+
+    asyncio.run(scenario())
+
+
 def test_a_next_page_token_is_given_only_when_a_run_of_the_page_kind_follows(redis_prefix: str) -> None:
     """Before, with a state filter, a page that ended on the last matching run still handed out a token (it
     counted every later run, matching or not), and that token led to an empty page."""
