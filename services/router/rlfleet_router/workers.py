@@ -21,7 +21,9 @@ out.
 from __future__ import annotations
 
 import enum
+import ipaddress
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -89,6 +91,8 @@ class Worker:
 
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
+# A host name's labels (RFC 1123, with the underscore Docker's container and compose service names may hold).
+_HOST_LABEL = re.compile(r"[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?")
 
 
 def normalize_worker_url(url: str) -> str:
@@ -112,10 +116,25 @@ def normalize_worker_url(url: str) -> str:
         raise InvalidInput(f"url: {url!r} must be the engine's base URL, without a path or query")
     if parts.username is not None or parts.password is not None:
         raise InvalidInput(f"url: {url!r} must not carry credentials")
+    if not _is_host(parts.hostname):
+        raise InvalidInput(f"url: {url!r}: {parts.hostname!r} is neither an IP address nor a host name")
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     scheme = parts.scheme.lower()
     port = "" if parts.port in (None, DEFAULT_PORTS[scheme]) else f":{parts.port}"
     return f"{scheme}://{host}{port}"
+
+
+def _is_host(host: str) -> bool:
+    """An IP address (dotted digits must make an IPv4 one), or a DNS name of at most 253 characters."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    labels = host.removesuffix(".").split(".")
+    if all(label.isdigit() for label in labels) or len(host) > 253:  # 10.0.0.256, 1.2.3.4.5
+        return False
+    return all(_HOST_LABEL.fullmatch(label) for label in labels)
 
 
 class WorkerRegistry:

@@ -349,6 +349,15 @@ def test_registry_finds_by_id_or_url_and_keeps_one_entry_per_url() -> None:
         "http://host:1/generate",
         "http://h:1?x=1",
         "http://user:secret@h:1",
+        # Hosts no engine can have: httpx refused each when a fan-out came to it (a 500 for the whole fleet).
+        "http://10.0.0.256:30001",
+        "http://1.2.3.4.5:30001",
+        "http://exa mple:30001",
+        "http://a<b>:30001",
+        "http://a..b:30001",
+        "http://%41:30001",
+        "http://-engine:30001",
+        "http://" + "x" * 64 + ":30001",
     ],
 )
 def test_bad_worker_urls_are_rejected(url: str) -> None:
@@ -364,6 +373,8 @@ def test_bad_worker_urls_are_rejected(url: str) -> None:
         ("http://engine:80", "http://engine"),
         ("https://engine:443/", "https://engine"),
         ("http://[FD00::7]:30000", "http://[fd00::7]:30000"),
+        ("http://rlfleet_engine_1:30000", "http://rlfleet_engine_1:30000"),  # a compose container name
+        ("http://engine.:30000", "http://engine.:30000"),
     ],
 )
 def test_one_engine_has_one_url_however_it_is_spelled(url: str, normal: str) -> None:
