@@ -79,7 +79,8 @@ class KubernetesRestarter:
                 if uid in known or uid in self._claimed or not pod_ready(pod) or not (by_ip or serves(pod)):
                     continue
                 self._claimed.add(uid)
-                new_url = f"{parts.scheme}://{url_host(pod['status']['podIP'])}:{parts.port}" if by_ip else url
+                port = "" if parts.port is None else f":{parts.port}"  # None: the scheme's default, left out
+                new_url = f"{parts.scheme}://{url_host(pod['status']['podIP'])}{port}" if by_ip else url
                 logger.info("pod %s replaced by %s at %s", name, pod["metadata"]["name"], new_url)
                 return new_url
         raise Unavailable(f"no replacement of pod {name} became Ready within {self._timeout:.0f}s")

@@ -30,7 +30,7 @@ from rlfleet.errors import Unavailable
 from rlfleet_router.metrics import RouterMetrics
 from rlfleet_router.policies import Policy
 from rlfleet_router.restarters import Restarter
-from rlfleet_router.workers import Worker, WorkerRegistry, WorkerState
+from rlfleet_router.workers import Worker, WorkerRegistry, WorkerState, normalize_worker_url
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class Healer:
             logger.warning("restarting engine %s (attempt %d): %s", old_url, attempt, worker.last_error)
             try:
                 async with asyncio.timeout(self._timeout):
-                    url = await self.restarter.restart(old_url)
+                    url = normalize_worker_url(await self.restarter.restart(old_url))
             except Exception as exc:  # whatever went wrong, the engine is still out: retry after the backoff
                 if not self._workers.contains(worker):
                     return

@@ -323,7 +323,8 @@ class FakeKubernetes:
         return address
 
 
-def test_kubernetes_restarter_deletes_the_pod_and_returns_its_replacement() -> None:
+@pytest.mark.parametrize("port", [":30000", ""])  # "": the scheme's default, which the fleet leaves out of a URL
+def test_kubernetes_restarter_deletes_the_pod_and_returns_its_replacement(port: str) -> None:
     kube = FakeKubernetes()
     kube.add_pod("engine-a", "10.0.0.1")
     kube.add_pod("engine-b", "10.0.0.2")
@@ -334,14 +335,14 @@ def test_kubernetes_restarter_deletes_the_pod_and_returns_its_replacement() -> N
             api = KubernetesAPI(server.url, "rl", None, None, timeout_secs=5)
             restarter = KubernetesRestarter(api, SELECTOR, timeout_secs=10, poll_secs=0.05)
             try:
-                return await restarter.restart("http://10.0.0.2:30000")
+                return await restarter.restart(f"http://10.0.0.2{port}")
             finally:
                 await restarter.close()
 
         new_url = asyncio.run(scenario())
         assert kube.deleted == ["engine-b"]
         replacement = next(p for n, p in kube.pods.items() if n not in ("engine-a",))
-        assert new_url == f"http://{replacement['status']['podIP']}:30000"
+        assert new_url == f"http://{replacement['status']['podIP']}{port}"
     finally:
         server.stop()
 

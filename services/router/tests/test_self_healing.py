@@ -21,11 +21,13 @@ from rlfleet_router.workers import Worker, WorkerRegistry
 
 
 class FlakyRestarter:
-    """Raises an error no restarter is documented to raise, then succeeds and lets the engine be admitted."""
+    """Fails its first restart as `first` says (an error no restarter is documented to raise, or an answer that is
+    not an engine's URL), then succeeds and lets the engine be admitted."""
 
-    def __init__(self, workers: WorkerRegistry) -> None:
+    def __init__(self, workers: WorkerRegistry, first: str) -> None:
         self.calls = 0
         self._workers = workers
+        self._first = first
 
     async def start(self) -> list[str]:
         return []
@@ -33,7 +35,9 @@ class FlakyRestarter:
     async def restart(self, url: str) -> str:
         self.calls += 1
         if self.calls == 1:
-            raise KeyError("model")  # e.g. a placeholder the command line does not fill in
+            if self._first == "raises":
+                raise KeyError("model")  # e.g. a placeholder the command line does not fill in
+            return self._first
         self._workers.admit(self._workers.get(url))  # the health checker's part: back in routing
         return url
 
@@ -59,11 +63,12 @@ def fail_and_heal(workers: WorkerRegistry, worker: Worker, restarter: Any, metri
     asyncio.run(scenario())
 
 
-def test_an_unexpected_restart_error_is_retried_after_the_backoff() -> None:
+@pytest.mark.parametrize("first", ["raises", "http://10.0.0.21:None"])
+def test_an_unexpected_restart_error_is_retried_after_the_backoff(first: str) -> None:
     workers = WorkerRegistry(failure_threshold=1, success_threshold=1)
     worker, _ = workers.add("http://127.0.0.1:9")
     workers.admit(worker)
-    restarter = FlakyRestarter(workers)
+    restarter = FlakyRestarter(workers, first)
     metrics = RouterMetrics(workers, lambda: None)
     metrics.add_engine(worker.url)  # as the fleet does: counts for an engine the metrics do not have go nowhere
     fail_and_heal(workers, worker, restarter, metrics)
