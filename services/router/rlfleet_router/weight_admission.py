@@ -67,6 +67,7 @@ class Admission:
         matched: int | None = None  # the pause turn the engine was last brought in line with
         for _ in range(ADMIT_ROUNDS):
             async with weights.lock:
+                worker.weight_version, worker.model_path = served.version, served.model_path  # as it reports now
                 self._adopt_if_finished(worker, served)
                 target, load = weights.target, weights.loads
                 if served.partial and (target is None or target.request_body is None):
@@ -83,8 +84,6 @@ class Admission:
                         f"this engine {held} and the fleet has no version to load into it; the next fleet weight "
                         "update brings it back"
                     )
-                if target is None:
-                    worker.weight_version, worker.model_path = served.version, served.model_path
                 holds = (target is None or worker.weight_load == load) and not served.partial
                 if holds and matched is not None and self._enters(worker, matched):
                     return

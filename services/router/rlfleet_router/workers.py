@@ -264,8 +264,10 @@ class WorkerRegistry:
 
     def restarted(self, worker: Worker) -> None:
         """The engine behind `worker` (out of routing) was restarted: a new process, holding nothing the router
-        recorded of the old one, and on probation until its probes pass again."""
+        recorded of the old one, and on probation until its probes pass again. What it serves is unknown until its
+        admission reads it."""
         worker.consecutive_successes = 0
+        worker.weight_version = worker.model_path = None
         self._forget_process(worker)
 
     def _forget_process(self, worker: Worker) -> None:

@@ -68,3 +68,34 @@ def test_an_engine_restarted_by_itself_during_a_pause_reloads_the_fleet_version_
         restarted.paused = False
         assert restarted.engine.server is not None
         restarted.engine.server.stop()
+
+
+def test_an_engine_that_cannot_load_the_fleet_version_shows_the_version_it_serves(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """/workers and rlfleet_router_engine_weight_version showed the fleet's version for an engine back on its boot
+    weights for as long as it stayed out of routing."""
+    steady, victim = start_engine("steady"), start_engine("victim")
+    router = start_router([steady.url, victim.url], health_failure_threshold=50)
+    router.wait_healthy(2)
+    body = {"model_path": "/ckpt/1", "weight_version": "1"}
+    assert router.client.post("/update_weights_from_disk", json=body).status_code == 200
+
+    assert victim.server is not None
+    victim.server.stop()
+    restarted = FakeEngine(name="victim", fail_updates=True)  # on its initial weights, version "0", for good
+    restarted.server = ThreadedServer(restarted.app(), port=victim.server.port).start()
+    try:
+        router.wait_for(lambda: bool(restarted.update_bodies), what="the restarted engine was asked to load version 1")
+
+        def shown() -> tuple[object, float | None]:
+            worker = next(w for w in router.workers() if w["url"] == victim.url)
+            exposition = router.client.get("/metrics").text
+            return worker["weight_version"], metric_value(
+                exposition, "rlfleet_router_engine_weight_version", {"engine": victim.url}
+            )
+
+        router.wait_for(lambda: shown() == ("0", 0.0), what="the engine's own version 0 shown")
+        assert next(w for w in router.workers() if w["url"] == victim.url)["state"] != "healthy"
+    finally:
+        restarted.server.stop()
