@@ -16,7 +16,7 @@ def register(areas: argparse._SubParsersAction) -> None:
         help="write a tiny random-init Llama causal LM and a character tokenizer (Hugging Face format)",
     )
     defaults = TinyModelConfig()
-    init.add_argument("--out", type=Path, required=True, help="directory to create (must not hold a model)")
+    init.add_argument("--out", type=Path, required=True, help="directory to create (new or empty)")
     init.add_argument("--hidden-size", type=int, default=defaults.hidden_size, help="width of the residual stream")
     init.add_argument("--layers", type=int, default=defaults.layers, help="transformer blocks")
     init.add_argument("--heads", type=int, default=defaults.heads, help="attention heads; must divide the hidden size")
