@@ -102,10 +102,12 @@ class Fanout:
         if route == CONTINUE_ROUTE:
             self._pauses.end()
             partial = {w.id for w in self._before_continue()}
-            outcomes = await asyncio.gather(*(self._continue(w, body, forwarded, w.id in partial) for w in workers))
+            outcomes = self._members(
+                await asyncio.gather(*(self._continue(w, body, forwarded, w.id in partial) for w in workers))
+            )
         else:
             pause = self._pauses.begin(workers, body, forwarded) if route == PAUSE_ROUTE else None
-            outcomes = await asyncio.gather(*(self._one(w, route, body, forwarded) for w in workers))
+            outcomes = self._members(await asyncio.gather(*(self._one(w, route, body, forwarded) for w in workers)))
             if pause is not None and not any(o.ok for o in outcomes):
                 self._pauses.end(pause)  # no engine paused (a body they all refused): neither is the fleet
         if route == FLUSH_ROUTE:
@@ -137,7 +139,9 @@ class Fanout:
         )
         self._expired_pauses.inc(len(workers))
         partial = {w.id for w in self._before_continue()}
-        outcomes = await asyncio.gather(*(self._continue(w, b"{}", JSON_HEADERS, w.id in partial) for w in workers))
+        outcomes = self._members(
+            await asyncio.gather(*(self._continue(w, b"{}", JSON_HEADERS, w.id in partial) for w in workers))
+        )
         self._pauses.record(CONTINUE_ROUTE, outcomes)
         for outcome in outcomes:
             if not outcome.ok:
@@ -186,4 +190,13 @@ class Fanout:
             )
 
     async def _one(self, worker: Worker, route: str, body: bytes, headers: Mapping[str, str]) -> EngineOutcome:
-        return await post_control(self._client, worker, route, body, headers, self._timeout)
+        """`worker`'s answer to `route`; not waited for once it is removed from the fleet (`REMOVED`)."""
+        post = post_control(self._client, worker, route, body, headers, self._timeout)
+        try:
+            return await self._workers.while_member(worker, post, "not waited for")
+        except Unavailable as exc:
+            return EngineOutcome(worker, None, str(exc))
+
+    def _members(self, outcomes: list[EngineOutcome]) -> list[EngineOutcome]:
+        """The outcomes of engines still in the fleet: one removed meanwhile is neither waited for nor counted."""
+        return [outcome for outcome in outcomes if self._workers.contains(outcome.worker)]

@@ -33,19 +33,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
-from typing import TypeVar
 
 from rlfleet.errors import Unavailable
 from rlfleet_router.busy_engines import LOADING
 from rlfleet_router.fleet_pause import FleetPause
-from rlfleet_router.weights import DISK_UPDATE_ROUTE, ROUTING_CHECK_SECS, FleetWeights, ServedWeights, WeightTarget
+from rlfleet_router.weights import DISK_UPDATE_ROUTE, FleetWeights, ServedWeights, WeightTarget
 from rlfleet_router.workers import Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
+STOPPED = "its admission stopped"
 ADMIT_ROUNDS = 3
 """Rounds of loading and matching the fleet's pause an engine may do to rejoin, when the fleet's version or pause
 moves on meanwhile."""
@@ -63,7 +60,7 @@ class Admission:
         weights = self._weights
         if weights.busy.reason(worker) == LOADING:
             raise Unavailable("a weight request of the router is still pending at this engine; it rejoins after it")
-        served = await self._while_member(worker, weights.served_weights(worker))
+        served = await self._workers.while_member(worker, weights.served_weights(worker), STOPPED)
         matched: int | None = None  # the pause turn the engine was last brought in line with
         for _ in range(ADMIT_ROUNDS):
             async with weights.lock:
@@ -100,7 +97,7 @@ class Admission:
                 assert target is not None
                 served = await self._load(worker, served, target, load)
             # Paused or continued only holding a whole version: an engine holding part of one must not generate.
-            matched = await self._while_member(worker, self._pauses.match(worker))
+            matched = await self._workers.while_member(worker, self._pauses.match(worker), STOPPED)
         raise Unavailable(
             f"the fleet's weight version or generation pause changed {ADMIT_ROUNDS} times while this engine "
             "rejoined; it tries again after its next successful probe"
@@ -144,7 +141,7 @@ class Admission:
         )
         with weights.busy.loading([worker]):
             load_call = weights.post_update(worker, DISK_UPDATE_ROUTE, request_body)
-            result = await self._while_member(worker, load_call)
+            result = await self._workers.while_member(worker, load_call, STOPPED)
         if not result.success:
             raise Unavailable(f"could not load weight version {target.version!r}: {result.message}")
         weights.loaded(DISK_UPDATE_ROUTE, request_body, [worker])
@@ -171,15 +168,3 @@ class Admission:
             )
             load = self._weights.adopt(unconfirmed)
         self._weights.record_served(worker, target, load)
-
-    async def _while_member(self, worker: Worker, call: Coroutine[object, object, T]) -> T:
-        """Awaits `call`, abandoned (Unavailable) once `worker` is removed from the fleet."""
-        task = asyncio.ensure_future(call)
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=ROUTING_CHECK_SECS)
-            if done:
-                return task.result()
-            if not self._workers.contains(worker):
-                task.cancel()
-                await asyncio.wait({task})
-                raise Unavailable(f"{worker.url} was removed from the fleet; its admission stopped")

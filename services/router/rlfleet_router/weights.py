@@ -273,7 +273,9 @@ class FleetWeights:
         started: float,
     ) -> FleetUpdateResult:
         version = target.version
-        pairs = list(zip(engines, answers, strict=True))
+        # An engine removed from the fleet meanwhile is neither waited for nor counted.
+        pairs = [(w, answer) for w, answer in zip(engines, answers, strict=True) if self._workers.contains(w)]
+        skipped = [w for w in skipped if self._workers.contains(w)]
         # Engines that may still be loading it: SGLang goes on with a load whose caller left.
         unsure = [w for w, answer in pairs if answer is None or not answer.answered]
         skipped += [w for w, answer in pairs if answer is None]
@@ -332,8 +334,9 @@ class FleetWeights:
 
     async def _update_one(self, worker: Worker, request_body: bytes, rejoining: bool) -> EngineUpdateResult | None:
         """`worker`'s answer to a fleet update, or None once its health checks take it out of routing
-        (it hangs, or died): the update stops waiting for it, and it loads the version before it rejoins.
-        A `rejoining` (stranded) engine is out of routing already: it is waited for while it is in the fleet."""
+        (it hangs, or died) or it is removed from the fleet: the update stops waiting for it, and it loads the
+        version before it rejoins. A `rejoining` (stranded) engine is out of routing already: it is waited for
+        while it is in the fleet."""
         post = asyncio.create_task(
             self.post_update(
                 worker, DISK_UPDATE_ROUTE, request_body, timeout=min(self._timeout, FANOUT_ENGINE_DEADLINE_SECS)
@@ -343,9 +346,12 @@ class FleetWeights:
             done, _ = await asyncio.wait({post}, timeout=ROUTING_CHECK_SECS)
             if done:
                 return post.result()
-            if not (self._workers.contains(worker) if rejoining else worker.healthy):
+            if not self._workers.contains(worker) or not (rejoining or worker.healthy):
                 post.cancel()
                 await asyncio.wait({post})
+                if not self._workers.contains(worker):
+                    logger.info("worker %s was removed from the fleet while loading weights", worker.url)
+                    return None
                 reason = worker.last_error
                 logger.warning("worker %s left routing while loading weights (%s); not waited for", worker.url, reason)
                 self._metrics.weight_update_engines_skipped.inc()

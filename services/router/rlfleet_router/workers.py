@@ -20,14 +20,16 @@ out.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import ipaddress
 import logging
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 from rlfleet.errors import InvalidInput, NotFound, Unavailable
@@ -90,6 +92,9 @@ class Worker:
         }
 
 
+T = TypeVar("T")
+MEMBERSHIP_CHECK_SECS = 0.2
+"""How often a wait on one engine (a control it was sent, a load to rejoin) looks whether it is still in the fleet."""
 DEFAULT_PORTS = {"http": 80, "https": 443}
 # A host name's labels (RFC 1123, with the underscore Docker's container and compose service names may hold).
 _HOST_LABEL = re.compile(r"[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?")
@@ -199,6 +204,21 @@ class WorkerRegistry:
 
     def contains(self, worker: Worker) -> bool:
         return self._workers.get(worker.id) is worker
+
+    async def while_member(self, worker: Worker, call: Coroutine[object, object, T], stopped: str) -> T:
+        """Awaits `call`, abandoned once `worker` is removed from the fleet: Unavailable saying what `stopped`."""
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=MEMBERSHIP_CHECK_SECS)
+                if done:
+                    return task.result()
+                if not self.contains(worker):
+                    raise Unavailable(f"{worker.url} was removed from the fleet; {stopped}")
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task})
 
     def all(self) -> list[Worker]:
         return list(self._workers.values())

@@ -109,3 +109,32 @@ def test_fanout_waits_no_engine_longer_than_its_deadline(
     late = next(r for r in result["engines"] if r["url"] == slow.url)
     assert late["success"] is False and "Timeout" in late["message"]
     assert {w["url"] for w in router.workers() if w["healthy"]} == {fast.url}
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [("/update_weights_from_disk", {"model_path": "/ckpt/1", "weight_version": "1"}), ("/pause_generation", {})],
+)
+def test_an_engine_removed_while_a_fanout_waits_for_it_is_waited_for_no_more(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter], route: str, body: dict
+) -> None:
+    """Removing a hung engine to free the trainer's fan-out made it wait out the engine's whole deadline (100 s for
+    a weight update, --control-timeout-secs for a control), and the answer counted the engine."""
+    kept, removed = start_engine("kept"), start_engine("removed", update_delay=30.0, control_delay=30.0)
+    router = start_router([kept.url, removed.url], control_timeout_secs=60.0, weight_update_timeout_secs=600.0)
+    router.wait_healthy(2)
+    removed_id = next(w["id"] for w in router.workers() if w["url"] == removed.url)
+    remove = threading.Timer(0.5, lambda: router.client.delete(f"/workers/{removed_id}"))
+    remove.start()
+    try:
+        start = time.monotonic()
+        answer = router.client.post(route, json=body)
+        elapsed = time.monotonic() - start
+    finally:
+        remove.join(5)
+    assert elapsed < 5, f"the fan-out waited {elapsed:.1f}s for an engine removed after 0.5 s"
+    assert answer.status_code == 200, answer.text
+    result = answer.json()
+    assert "1/1 engines" in result["message"], result["message"]
+    assert [e["url"] for e in result["engines"]] == [kept.url]
+    assert not result.get("skipped")
