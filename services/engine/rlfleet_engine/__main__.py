@@ -32,12 +32,12 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def serve(config: EngineConfig) -> None:
     import torch
-    import uvicorn
     from prometheus_client import CollectorRegistry
     from transformers import AutoTokenizer
 
     from rlfleet_engine.engine_core import EngineCore, Tokenizer
     from rlfleet_engine.http_app import create_app
+    from rlfleet_engine.serving import serve_http
     from rlfleet_engine.transformers_backend import TransformersBackend
 
     if config.torch_threads:
@@ -51,8 +51,7 @@ def serve(config: EngineConfig) -> None:
     app = create_app(core, registry)
     core.start()
     try:
-        # log_config=None keeps the handlers init_logging installed.
-        uvicorn.run(app, host=config.host, port=config.port, log_config=None, timeout_keep_alive=5)
+        serve_http(app, config, lambda: core.abort("", abort_all=True))
     finally:
         core.stop()
 

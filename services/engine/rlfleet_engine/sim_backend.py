@@ -510,12 +510,11 @@ class SimEngineCore(ScheduledGeneration):
 
 def serve_sim(config: EngineConfig) -> None:
     """Serves SGLang's HTTP API over a `SimEngineCore` until the process is stopped."""
-    import uvicorn
-
     from rlfleet_engine.http_app import create_app
+    from rlfleet_engine.serving import serve_http
 
     registry = CollectorRegistry()
     core = SimEngineCore(config, registry)
     # SimEngineCore has every member of EngineCore the HTTP layer uses.
     app = create_app(core, registry)  # type: ignore[arg-type]
-    uvicorn.run(app, host=config.host, port=config.port, log_config=None, timeout_keep_alive=5)
+    serve_http(app, config, lambda: core.abort("", abort_all=True))
