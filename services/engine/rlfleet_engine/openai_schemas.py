@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlfleet_engine.sampling_params import MAX_SEED
+from rlfleet_engine.schemas import UnicodeStr
 
 
 class StreamOptions(BaseModel):
@@ -28,7 +29,7 @@ class OpenAISampling(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str = "default"
+    model: UnicodeStr = "default"
     max_tokens: int | None = Field(default=None, gt=0)
     n: int = Field(default=1, ge=1)
     temperature: float = 1.0
@@ -47,7 +48,7 @@ class OpenAISampling(BaseModel):
     """Seeds the request's own sampling (SGLang's `sampling_seed`): the same seed draws the same tokens."""
     stream: bool = False
     stream_options: StreamOptions | None = None
-    rid: str | list[str] | None = None
+    rid: UnicodeStr | list[UnicodeStr] | None = None
     return_token_ids: bool = False
     # Read only to be refused: each changes what may be sampled, and ignoring it would hand back an answer
     # that silently breaks the constraint (SGLang honours both).

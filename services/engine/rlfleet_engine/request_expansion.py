@@ -7,14 +7,13 @@ rid of a batch (or of n > 1 samples) becomes `rid_<k>`, a list of rids gives one
 
 from __future__ import annotations
 
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from rlfleet.errors import InvalidInput, ResourceExhausted
 from rlfleet_engine.sampling_params import UNTIL_CONTEXT, SamplingParams
-from rlfleet_engine.schemas import GenerateRequest
+from rlfleet_engine.schemas import GenerateRequest, lone_surrogate
 
 T = TypeVar("T")
 # Sequences (prompts x n) one request may ask for: far above a GRPO group or an evaluation batch, far
@@ -26,23 +25,15 @@ MAX_SEQUENCES_PER_REQUEST = 4096
 MAX_PROMPT_TOKENS_PER_REQUEST = 4_194_304
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
 class Encoder(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
 
 def unicode_text(text: str, field: str) -> str:
-    """`text`, unless it holds a lone UTF-16 surrogate (JSON lets one through escaped, `"\\ud800"`), which is no
-    Unicode text and which a Hugging Face tokenizer refuses: then InvalidInput naming `field`."""
-    if not text.isascii():
-        found = _SURROGATE.search(text)
-        if found is not None:
-            raise InvalidInput(
-                f"{field}: holds a lone UTF-16 surrogate ({found.group()!r} at character {found.start()}), "
-                "which is not Unicode text"
-            )
+    """`text`, unless it holds a lone UTF-16 surrogate (`lone_surrogate`): then InvalidInput naming `field`."""
+    problem = lone_surrogate(text)
+    if problem is not None:
+        raise InvalidInput(f"{field}: {problem}")
     return text
 
 

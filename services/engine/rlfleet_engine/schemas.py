@@ -6,12 +6,36 @@ would change the result in a way this engine cannot honour are refused with a me
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+import re
+from typing import Annotated, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlfleet.http_errors import JSON_TYPE_NAMES
 from rlfleet_engine.sampling_params import SamplingParams
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(text: str) -> str | None:
+    """What is wrong with `text` if it holds a lone UTF-16 surrogate (JSON lets one through escaped, `"\\ud800"`),
+    which is no Unicode text, cannot be encoded as UTF-8 in an answer, and a Hugging Face tokenizer refuses; None
+    for Unicode text."""
+    found = None if text.isascii() else _SURROGATE.search(text)
+    if found is None:
+        return None
+    return f"holds a lone UTF-16 surrogate ({found.group()!r} at character {found.start()}), which is not Unicode text"
+
+
+def _unicode(text: str) -> str:
+    problem = lone_surrogate(text)
+    if problem is not None:
+        raise ValueError(problem)
+    return text
+
+
+UnicodeStr = Annotated[str, AfterValidator(_unicode)]
+"""A string the engine may send back (a rid, a weight version, a model name): refused unless it is Unicode text."""
 
 PauseMode = Literal["abort", "retract", "in_place"]
 """What /pause_generation does with the requests in flight (SGLang's PauseGenerationReqInput.mode)."""
@@ -25,7 +49,7 @@ class GenerateRequest(BaseModel):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: SamplingParams | list[SamplingParams] | None = None
-    rid: str | list[str] | None = None
+    rid: UnicodeStr | list[UnicodeStr] | None = None
     return_logprob: bool | list[bool] | None = None
     logprob_start_len: int | list[int] | None = None
     top_logprobs_num: int | list[int] | None = None
@@ -70,9 +94,9 @@ class UpdateWeightsFromDiskRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model_path: str
+    model_path: UnicodeStr
     load_format: str | None = None
-    weight_version: str | None = None
+    weight_version: UnicodeStr | None = None
     abort_all_requests: bool = False
     flush_cache: bool = True
 
@@ -109,7 +133,7 @@ class UpdateWeightsFromDistributedRequest(BaseModel):
     group_name: str = Field("weight_update_group", min_length=1)
     flush_cache: bool = True
     abort_all_requests: bool = False
-    weight_version: str | None = None
+    weight_version: UnicodeStr | None = None
     load_format: Literal["flattened_bucket"] | None = None
 
     _weight_version_text = field_validator("weight_version", mode="before")(_version_as_text)

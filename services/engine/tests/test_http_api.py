@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -74,6 +75,10 @@ def test_requests_the_model_cannot_run_get_400(engine: RunningEngine, body: Any,
         ("/generate", {"text": ["1+1=", "a\udc00"]}, "text[1]"),
         ("/v1/completions", {"prompt": ["1+1=", "a\ud800b"]}, "prompt[1]"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages[0].content"),
+        # Sent back in the answer, which could not be encoded: a 500 after the generation ran.
+        ("/generate", {"text": "1+1=", "rid": "r\ud800"}, "rid"),
+        ("/generate", {"text": ["1+1=", "2+2="], "rid": ["a", "b\udfff"]}, "rid.1"),
+        ("/v1/completions", {"prompt": "1+1=", "model": "m\ud800"}, "model"),
     ],
 )
 def test_a_lone_surrogate_in_a_prompt_is_a_400_naming_the_field(
@@ -351,3 +356,16 @@ def _sample(metrics_text: str, prefix: str) -> float:
     """Value of the first sample line starting with `prefix`."""
     line = next(line for line in metrics_text.splitlines() if line.startswith(prefix))
     return float(line.rsplit(" ", 1)[1])
+
+
+def test_a_weight_version_that_is_not_unicode_text_is_refused_and_the_engine_answers_on(
+    start_sim: Callable[..., str],
+) -> None:
+    """Applied, such a version made every later answer that carries it (/generate, /get_model_info) a 500."""
+    url = start_sim()
+    sent = json.dumps({"model_path": "/ckpt/1", "weight_version": "v\ud800"})
+    headers = {"content-type": "application/json"}
+    refused = httpx.post(f"{url}/update_weights_from_disk", content=sent, headers=headers, timeout=30)
+    assert refused.status_code == 400 and "weight_version: holds a lone UTF-16 surrogate" in refused.text
+    info = httpx.get(f"{url}/get_model_info", timeout=10)
+    assert info.status_code == 200 and info.json()["weight_version"] == "default"
