@@ -48,11 +48,18 @@ class TensorSpec:
         return count * self.element_size
 
 
+_INTEGER_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+
+
 def dtype_from_name(name: str) -> torch.dtype:
-    """`float32`, `bfloat16` or `torch.float16` as a torch dtype; ValueError naming the text otherwise."""
+    """`float32`, `bfloat16` or `torch.float16` as a torch dtype; ValueError naming the text otherwise, or for a
+    dtype no weight is sent in (quantized, complex, bit fields: gloo and NCCL cannot send them, and the failure
+    broke the group)."""
     dtype = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"{name!r} is not a torch dtype (e.g. float32, bfloat16, float16)")
+    if not (dtype.is_floating_point or dtype in _INTEGER_DTYPES):
+        raise ValueError(f"{name!r} is not a dtype weights are sent in (a floating-point or integer one)")
     return dtype
 
 

@@ -137,6 +137,8 @@ def test_bad_updates_are_refused_before_anything_is_received(own_engine: Running
         ({"names": ["not.a.weight"], "dtypes": ["float32"], "shapes": [[2]]}, "not.a.weight"),
         ({"names": [embed], "dtypes": ["float32"], "shapes": [[3, 3]]}, "shape"),
         ({"names": [embed], "dtypes": ["float33"], "shapes": [[3, 3]]}, "float33"),
+        # A torch dtype no weight is sent in: the receive failed, answered 503, and closed the group.
+        ({"names": [embed], "dtypes": ["qint8"], "shapes": [list(whole_state(small_model_dir)[embed].shape)]}, "qint8"),
         ({"names": [embed], "dtypes": ["float32"], "shapes": []}, "one entry per tensor"),
     ]
     for body, needle in cases:
