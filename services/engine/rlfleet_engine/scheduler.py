@@ -214,7 +214,7 @@ class Scheduler:
         # Running before the prefill, so a failing prefill fails these requests too instead of losing them.
         self._running.extend(admitted)
         logits = self.backend.add([job.input_ids for job in admitted])  # (n, V)
-        self.metrics.prompt_tokens.inc(sum(len(job.input_ids) for job in admitted))
+        self.metrics.prompt_tokens.inc(sum(len(job.input_ids) for job in admitted if job.log_metrics))
         self._advance(admitted, logits)
 
     def _decode_step(self) -> None:
@@ -242,7 +242,8 @@ class Scheduler:
                 job.finish_with(reason)
             if job.finish is not None or job.stream:
                 self._publish(job)
-        self.metrics.observe_generated(len(jobs))
+        if counted := sum(job.log_metrics for job in jobs):  # not the health probe's token
+            self.metrics.observe_generated(counted)
         self.last_step_at = time.monotonic()
         if any(job.finish is not None for job in jobs):
             self._drop_finished()

@@ -316,8 +316,9 @@ class SimScheduler:
             job.cached_tokens = job.lease.cached_tokens
             prefill += len(job.input_ids) - job.cached_tokens
             batch_prompt_tokens += len(job.input_ids)
-            self.metrics.prompt_tokens.inc(len(job.input_ids))
-            self.metrics.cached_tokens.inc(job.cached_tokens)
+            if job.log_metrics:
+                self.metrics.prompt_tokens.inc(len(job.input_ids))
+                self.metrics.cached_tokens.inc(job.cached_tokens)
         if batch_prompt_tokens:
             # As in SGLang, the hit rate of this prefill batch, not since start: a dashboard sees a flush or a
             # change of workload at once. An iteration that admits nothing leaves it as it was.
@@ -340,7 +341,8 @@ class SimScheduler:
                 job.finish_with(reason)
             if job.finish is not None or job.stream:
                 self._publish(job)
-        self.metrics.observe_generated(len(self._running))
+        if counted := sum(job.log_metrics for job in self._running):
+            self.metrics.observe_generated(counted)
         self.last_step_at = time.monotonic()
         for job in self._running:
             if job.finish is not None:

@@ -318,6 +318,20 @@ def test_a_pause_in_an_unknown_mode_is_refused_naming_the_field(
     assert engine.get("/get_server_info").json()["internal_states"][0]["paused"] is False
 
 
+def test_the_health_probes_generation_is_not_counted(engine: RunningEngine) -> None:
+    """/health_generate on an idle engine generates a token under log_metrics=False: it counted as prompt and
+    generated tokens (and throughput) all the same, so an idle engine under probes showed traffic."""
+
+    def counted() -> tuple[float, float]:
+        text = engine.get("/metrics").text
+        return metric_sum(text, "sglang:prompt_tokens_total"), metric_sum(text, "sglang:generation_tokens_total")
+
+    before = counted()
+    for _ in range(3):
+        assert engine.get("/health_generate").status_code == 200
+    assert counted() == before
+
+
 def test_health_info_and_cache_endpoints(engine: RunningEngine, tiny_model_dir: Any) -> None:
     assert engine.get("/health").status_code == 200
     assert engine.get("/health_generate").status_code == 200
@@ -369,3 +383,8 @@ def test_a_weight_version_that_is_not_unicode_text_is_refused_and_the_engine_ans
     assert refused.status_code == 400 and "weight_version: holds a lone UTF-16 surrogate" in refused.text
     info = httpx.get(f"{url}/get_model_info", timeout=10)
     assert info.status_code == 200 and info.json()["weight_version"] == "default"
+
+
+def metric_sum(exposition: str, name: str) -> float:
+    """The sum of `name`'s samples over their labels."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in exposition.splitlines() if line.startswith(name + "{"))
