@@ -389,7 +389,9 @@ class SimEngineCore(ScheduledGeneration):
     def __init__(self, config: EngineConfig, registry: CollectorRegistry) -> None:
         self.config = config
         self.model_path = config.model_path
-        self.backend = SimModel(context_length=config.context_length or 32768)
+        # No request can hold more KV than the whole budget: SGLang's max_req_len is bounded by it too, so a default
+        # or null max_new_tokens is clamped to what the budget leaves, and a longer explicit one is refused.
+        self.backend = SimModel(context_length=min(config.context_length or 32768, config.sim_cache_tokens))
         self.tokenizer = SimTokenizer()
         self.metrics = EngineMetrics(registry, config.served_model_name or config.model_path)
         self.in_flight = {}
@@ -405,14 +407,6 @@ class SimEngineCore(ScheduledGeneration):
 
     def _submit(self, req: GenerateRequest) -> tuple[list[SimJob], Outputs]:
         specs = expand(req, self.tokenizer, self.backend.vocab_size, self.backend.context_length)
-        budget = self.cache.max_tokens
-        for spec in specs:
-            if len(spec.input_ids) + spec.params.max_new_tokens > budget:
-                raise InvalidInput(
-                    f"The request needs {len(spec.input_ids)} prompt tokens + max_new_tokens "
-                    f"{spec.params.max_new_tokens} of KV memory, more than the engine's whole budget of {budget} "
-                    "tokens (--sim-cache-tokens); it could never run."
-                )
         queue: Outputs = asyncio.Queue()
         request = next(self._requests)
         keys = {spec.prompt_index: prompt_key(spec.input_ids) for spec in specs if spec.sample_index == 0}
