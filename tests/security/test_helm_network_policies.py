@@ -32,10 +32,11 @@ class Source:
 
     namespace: str
     labels: dict[str, str] = field(default_factory=dict)
+    namespace_extra_labels: dict[str, str] = field(default_factory=dict)
 
     @property
     def namespace_labels(self) -> dict[str, str]:
-        return {"kubernetes.io/metadata.name": self.namespace}
+        return {"kubernetes.io/metadata.name": self.namespace, **self.namespace_extra_labels}
 
 
 def fleet_pod(component: str, release: str = RELEASE) -> Source:
@@ -131,3 +132,20 @@ def test_api_from_narrows_the_runs_api_to_the_listed_sources() -> None:
         for port in (8000, 50051):
             assert not admits(rollout, stranger, port), (stranger, port)
     assert not admits(rollout, Source("monitoring"), 50051), "scrapes reach the metrics port only"
+
+
+def test_metrics_from_given_replaces_the_default_whole() -> None:
+    """A selector of the user's own was merged into the default one (Helm merges maps), so its scrapes stayed shut
+    out unless they also came from a namespace named monitoring."""
+    own = {"networkPolicy": {"metricsFrom": [{"namespaceSelector": {"matchLabels": {"team": "observability"}}}]}}
+    rendered = policies(own)
+    scraper = Source("obs", {"app.kubernetes.io/name": "prometheus"}, {"team": "observability"})
+    for component, port in METRICS_PORTS.items():
+        assert admits(rendered[component], scraper, port), f"their Prometheus cannot scrape {component}"
+        if component != "rollout":  # apiFrom [] (the default) admits every source to the Runs API's port
+            assert not admits(rendered[component], Source("monitoring"), port), f"the default still in: {component}"
+
+    every = policies({"networkPolicy": {"metricsFrom": []}})
+    for component, port in METRICS_PORTS.items():
+        assert admits(every[component], Source("anywhere"), port), component
+    assert not admits(every["trainer"], Source("anywhere"), 50052), "the metrics port only"
