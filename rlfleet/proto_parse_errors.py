@@ -3,7 +3,9 @@ JSON body spell their fields.
 
 Before protobuf sees the data, every message-typed field is checked to hold a mapping (a repeated one: a list
 of mappings), at any depth: protobuf reads a string where a message belongs as the string's characters, each
-an unknown field (`model: /some/path` became `model./: unknown field of rlfleet.v1.ModelSpec`).
+an unknown field (`model: /some/path` became `model./: unknown field of rlfleet.v1.ModelSpec`). A float or double
+field is checked not to hold true or false, which protobuf reads as 1.0 or 0.0 (`learning_rate: true` was a
+learning rate of 1).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from google.protobuf import json_format
-from google.protobuf.descriptor import Descriptor
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from rlfleet.errors import InvalidInput
@@ -24,6 +26,7 @@ _NESTED = re.compile(r"Failed to parse (\w+) field: ")
 _UNKNOWN = re.compile(r'Message type "([\w.]+)" has no field named "([^"]+)"')
 _AVAILABLE = re.compile(r"Available Fields\(except extensions\): \"\[(.*)\]\"")
 _STRUCT = "google.protobuf.Struct"
+_FLOATING = frozenset({FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT})
 
 
 def parse_json_message(data: Mapping[str, Any], message: M, root: str) -> M:
@@ -59,13 +62,20 @@ def _oversized_number(value: Any, path: str = "") -> str | None:
 def misshapen_field(data: Mapping[str, Any], descriptor: Descriptor, path: str = "") -> str | None:
     """`reward.terms[0]: expected a mapping (such as {function: ...}), got a string` for the first field of `data`
     (a `descriptor` message) that should hold a mapping, or a list of mappings, and does not; None when each
-    does. Unknown names and scalar values are protobuf's to judge."""
+    does, or for a float or double field holding true or false. Unknown names and other scalar values are
+    protobuf's to judge."""
     fields = {name: field for field in descriptor.fields for name in (field.json_name, field.name)}
     for key, value in data.items():
         field = fields.get(key)
-        if field is None or field.message_type is None or value is None:
+        if field is None or value is None:
             continue
         name = f"{path}.{field.name}" if path else field.name
+        if field.message_type is None:
+            if field.type in _FLOATING and any(
+                isinstance(v, bool) for v in (value if isinstance(value, list) else [value])
+            ):
+                return f"{name}: expected a number, got true or false"
+            continue
         if field.is_repeated and not field.message_type.GetOptions().map_entry:
             if not isinstance(value, list):
                 example = _example(field.message_type)

@@ -51,6 +51,16 @@ def test_a_number_beyond_a_double_is_named_by_its_path(tmp_path: Path) -> None:
     )
 
 
+def test_true_or_false_for_a_floating_point_field_is_refused_naming_it(tmp_path: Path) -> None:
+    """protobuf reads true as 1.0: `learning_rate: true` trained at a learning rate of 1."""
+    assert refusal(tmp_path, "trainer: {learning_rate: true}\n") == (
+        "trainer.learning_rate: expected a number, got true or false"
+    )
+    assert refusal(tmp_path, "reward: {terms: [{function: f, weight: false}]}\n") == (
+        "reward.terms[0].weight: expected a number, got true or false"
+    )
+
+
 MAPPING_EXPECTED = [
     ("model: /some/path\n", "model: expected a mapping (such as {path: ...}), got a string"),
     ("model: ''\n", "model: expected a mapping (such as {path: ...}), got a string"),

@@ -17,6 +17,7 @@ from starlette.requests import ClientDisconnect
 from rlfleet.client_gone import ClientGone, unless_client_leaves
 from rlfleet.errors import InvalidInput, ResourceExhausted, RlfleetError, Unavailable
 from rlfleet.http_errors import error_body, install_error_handlers
+from rlfleet.proto_parse_errors import misshapen_field
 from rlfleet.v1 import reward_pb2
 from rlfleet_reward.admission import RETRY_AFTER_SECONDS, Overloaded
 from rlfleet_reward.metrics import RewardMetrics
@@ -74,6 +75,8 @@ def parse_request(body: bytes, message: M) -> M:
         raise InvalidInput("request body nests arrays or objects too deeply to read") from None
     if not isinstance(document, dict):
         raise InvalidInput(f"request body must be a JSON object (a {kind}), got {type(document).__name__}")
+    if problem := misshapen_field(document, message.DESCRIPTOR):  # true for a weight read as 1.0, among others
+        raise InvalidInput(f"invalid {kind}: {problem}")
     try:
         return json_format.ParseDict(document, message)
     except json_format.ParseError as exc:

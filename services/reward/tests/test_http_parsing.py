@@ -1,4 +1,5 @@
-"""The REST face's request parsing: a large body is parsed off the event loop, a small one on it."""
+"""The REST face's request parsing: a large body is parsed off the event loop, a small one on it; a field of the
+wrong type is refused naming it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import threading
 import httpx
 import pytest
 
+from rlfleet.errors import InvalidInput
 from rlfleet.v1 import reward_pb2
 from rlfleet_reward import http_app
 from rlfleet_reward.metrics import RewardMetrics
@@ -54,3 +56,11 @@ def test_a_body_past_a_mebibyte_is_parsed_off_the_event_loop(
     assert response.status_code == 200, response.text
     assert len(response.json()["results"]) == 64
     assert len(threads) == 1 and (threads[0] is not loop_thread) == off_loop
+
+
+def test_true_or_false_for_a_weight_is_refused_naming_it() -> None:
+    """protobuf reads true for a double as 1.0: a term's weight of true was a weight of 1."""
+    spec = {"terms": [{"function": "exact", "weight": True}]}
+    sent = json.dumps({"spec": spec, "items": [{"id": "0", "response": "x"}]}).encode()
+    with pytest.raises(InvalidInput, match=r"spec\.terms\[0\]\.weight: expected a number, got true or false"):
+        http_app.parse_request(sent, reward_pb2.ScoreRequest())
