@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 
 from rlfleet.cli.arg_types import positive_float
-from rlfleet.cli.demo import delete_keys
+from rlfleet.cli.down import delete_keys
 from rlfleet.cli.steps import warm_start
 from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet
 from rlfleet.runs_client import FINAL_STATES, RunsClient, load_spec_file
@@ -111,7 +111,7 @@ def main() -> int:
                 results[staleness] = timed_run(client, spec, args.run_timeout)
                 print(f"max_staleness {staleness}: evals (seconds, step, accuracy) {results[staleness]}", flush=True)
     finally:
-        delete_keys(config.resolved_redis_url(), REDIS_PREFIX)
+        delete_keys(config.resolved_redis_url(), REDIS_PREFIX, print)
     target = args.target
     if target is None:
         target = min(max(acc for _, _, acc in evals) for evals in results.values())

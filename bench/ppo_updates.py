@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlfleet.cli.arg_types import positive_float
-from rlfleet.cli.demo import delete_keys
+from rlfleet.cli.down import delete_keys
 from rlfleet.cli.steps import warm_start
 from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet
 from rlfleet.runs_client import FINAL_STATES, RunsClient, load_spec_file
@@ -183,7 +183,7 @@ def main() -> int:
         ports=FleetPorts.free(args.engines),
         redis_prefix=REDIS_PREFIX,
     )
-    delete_keys(config.resolved_redis_url(), REDIS_PREFIX)  # runs a killed earlier bench left queued
+    delete_keys(config.resolved_redis_url(), REDIS_PREFIX, print)  # runs a killed earlier bench left queued
     specs = {v.name: variant_spec(base, v, sft, args) for v in variants}
     records: dict[str, Record] = {}
     try:
@@ -197,7 +197,7 @@ def main() -> int:
                 print(f"  [{variant.name}] done: {json.dumps(summarize(variant, record, args.steps))}", flush=True)
             client.close()
     finally:
-        delete_keys(config.resolved_redis_url(), REDIS_PREFIX)
+        delete_keys(config.resolved_redis_url(), REDIS_PREFIX, print)
 
     results = {v.name: summarize(v, records[v.name], args.steps) for v in variants}
     baseline = results[variants[0].name]

@@ -143,6 +143,10 @@ class FleetConfig:
     """Redis to use; unset means 127.0.0.1:<ports.redis>, started here if none answers (AOF on, data in
     <state_dir>/redis). Only a Redis started here is the fleet's own: `restart("redis")` needs one."""
     redis_prefix: str = "rlfleet:"
+    scratch_keys: bool = False
+    """The fleet's Redis keys under `redis_prefix` are its own scratch (a demo's prefix): deleted once it stops,
+    by the command that started it or by `rlfleet down` after that command was killed. A Redis of the fleet's own
+    keeps them, under <state_dir>/redis."""
     engine_threads: int = 1
     engine_backend: str = "transformers"
     """rlfleet_engine's --backend: transformers (CPU) or sglang (the real SGLang server, GPU)."""

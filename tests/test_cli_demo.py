@@ -20,7 +20,8 @@ from typing import cast
 import pytest
 import redis
 
-from rlfleet.cli.demo import MARKER, delete_keys, fleet_config, recreate, watch
+from rlfleet.cli.demo import MARKER, fleet_config, recreate, watch
+from rlfleet.cli.down import delete_keys
 from rlfleet.cli.main import build_parser, main
 from rlfleet.local_spec_check import (
     ENVIRONMENTS,
@@ -102,8 +103,10 @@ def test_each_demo_has_its_own_redis_prefix_unless_given_one(tmp_path: Path) -> 
     first, second = (fleet_config(demo_args(), tmp_path) for _ in range(2))
     assert first.redis_prefix.startswith("rlfleet-demo-") and first.redis_prefix != second.redis_prefix
     assert first.redis_url is None  # as `rlfleet up`: 127.0.0.1:6379, started when none answers
+    assert first.scratch_keys, "its keys are deleted when it stops, by `rlfleet down` too"
     given = fleet_config(demo_args("--redis-url", "redis://127.0.0.1:6379/5", "--redis-prefix", "mine:"), tmp_path)
     assert (given.redis_url, given.redis_prefix) == ("redis://127.0.0.1:6379/5", "mine:")
+    assert not given.scratch_keys, "a prefix given is the user's: kept"
 
 
 @pytest.mark.parametrize("state_dir", ["fleet", ".", "runs/a"])
@@ -261,7 +264,7 @@ def test_the_demos_keys_and_only_they_are_deleted(redis_client: redis.Redis, red
     redis_url = f"redis://{url['host']}:{url['port']}/{url.get('db', 0)}"
     redis_client.set(f"{redis_prefix}demo:run:1", "x")
     redis_client.set(f"{redis_prefix}other", "y")
-    delete_keys(redis_url, f"{redis_prefix}demo:")
+    delete_keys(redis_url, f"{redis_prefix}demo:", print)
     assert redis_client.get(f"{redis_prefix}demo:run:1") is None
     assert redis_client.get(f"{redis_prefix}other") == b"y"
 

@@ -303,3 +303,28 @@ def test_a_state_dir_that_is_a_file_is_named_as_such(
     assert main([*command, "--state-dir", str(afile)]) != 0
     assert f"state dir {afile} is a file, not a directory; choose another --state-dir" in capsys.readouterr().err
     assert afile.read_text() == "notes\n"
+
+
+@pytest.mark.parametrize("scratch", [True, False])
+def test_down_after_a_killed_demo_deletes_its_scratch_keys(
+    tmp_path: Path, sleepers: list[ServiceProcess], redis_client: redis.Redis, redis_prefix: str, scratch: bool
+) -> None:
+    """A demo deletes its keys when it stops; killed, it left them for good, as `down` stopped its services only."""
+    owner, service = sleepers
+    record(tmp_path, owner, service)
+    state = json.loads((tmp_path / "fleet.json").read_text())
+    prefix = f"{redis_prefix}demo:"
+    state["config"] = {
+        "redis_url": REDIS_URL,
+        "redis_prefix": prefix,
+        "host": "127.0.0.1",
+        "ports": {},
+        "scratch_keys": scratch,
+    }
+    (tmp_path / "fleet.json").write_text(json.dumps(state))
+    redis_client.set(f"{prefix}run:r1:record", "x")
+    redis_client.set(f"{redis_prefix}other", "y")
+    owner.stop(timeout=5)
+    assert stop_from_state(tmp_path, say=print)
+    assert (redis_client.get(f"{prefix}run:r1:record") is None) == scratch
+    assert redis_client.get(f"{redis_prefix}other") == b"y"

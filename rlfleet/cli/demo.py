@@ -24,9 +24,8 @@ import time
 import uuid
 from pathlib import Path
 
-import redis
-
 from rlfleet.cli.arg_types import positive_int
+from rlfleet.cli.down import delete_keys
 from rlfleet.cli.fleet import check_redis_url
 from rlfleet.cli.runs import progress_line
 from rlfleet.cli.steps import StepFailed, warm_start
@@ -94,7 +93,7 @@ def run_demo(args: argparse.Namespace) -> int:
         except BaseException:
             remove_own_record(out / "fleet")
             raise
-    final, rewards, diffs = train_on_fleet(fleet, spec, delete_keys_after=args.redis_prefix is None)
+    final, rewards, diffs = train_on_fleet(fleet, spec)
     say("5/5 fleet stopped")
     summary = summarize(final, rewards, diffs, time.monotonic() - started, args.engines)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -110,11 +109,9 @@ def prepare(args: argparse.Namespace, spec: RunSpec, out: Path) -> LocalFleet:
     return LocalFleet(fleet_config(args, out))
 
 
-def train_on_fleet(
-    fleet: LocalFleet, spec: RunSpec, delete_keys_after: bool
-) -> tuple[Run, dict[int, float], list[float]]:
+def train_on_fleet(fleet: LocalFleet, spec: RunSpec) -> tuple[Run, dict[int, float], list[float]]:
     """Starts the fleet, trains `spec` on it to the end, and stops it; a stop signal stops it sooner (as
-    StopSignal). The fleet's Redis keys are deleted afterwards when `delete_keys_after` and the Redis is not
+    StopSignal). The fleet's Redis keys are deleted afterwards when they are its scratch and the Redis is not
     the fleet's own (that one keeps its data under <out>, which the next demo deletes)."""
     with stop_on_signals(fleet) as received:  # a raise while the fleet starts could leave a child unrecorded
         try:
@@ -134,8 +131,8 @@ def train_on_fleet(
                 return watch(client, run.id)
         finally:
             fleet.stop()
-            if delete_keys_after and not fleet.owns_redis:
-                delete_keys(fleet.config.resolved_redis_url(), fleet.config.redis_prefix)
+            if fleet.config.scratch_keys and not fleet.owns_redis:
+                delete_keys(fleet.config.resolved_redis_url(), fleet.config.redis_prefix, say)
 
 
 def fleet_config(args: argparse.Namespace, out: Path) -> FleetConfig:
@@ -149,6 +146,7 @@ def fleet_config(args: argparse.Namespace, out: Path) -> FleetConfig:
         ports=FleetPorts.free(args.engines),
         redis_url=args.redis_url,
         redis_prefix=args.redis_prefix or f"rlfleet-demo-{uuid.uuid4().hex[:8]}:",
+        scratch_keys=args.redis_prefix is None,
     )
 
 
@@ -182,20 +180,6 @@ def recreate(out: Path, overwrite: bool) -> None:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     (out / MARKER).write_text("written by `rlfleet demo`: a later `rlfleet demo --out` here deletes this directory\n")
-
-
-def delete_keys(redis_url: str, prefix: str) -> None:
-    """Removes the demo's run records and streams (only its own: the prefix is the demo's). A Redis that
-    does not answer (the fleet never reached it) leaves nothing to remove."""
-    client = redis.Redis.from_url(redis_url, socket_timeout=5.0, socket_connect_timeout=5.0)
-    try:
-        keys = list(client.scan_iter(match=f"{prefix}*", count=500))
-        if keys:
-            client.delete(*keys)
-    except redis.RedisError as exc:
-        say(f"    could not delete the demo's Redis keys {prefix}* at {redis_url}: {exc}")
-    finally:
-        client.close()
 
 
 def watch(client: RunsClient, run_id: str) -> tuple[Run, dict[int, float], list[float]]:

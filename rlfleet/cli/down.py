@@ -67,8 +67,9 @@ def stop_from_state(state_dir: Path, say: Callable[[str], None]) -> bool:
         say(f"the process that started the fleet (pid {owner}) is gone: stopping its services one by one")
     services = running_services(state)
     stop_services({name: pid for name, pid in services.items() if name != "redis"}, say)
-    if not owner_runs(state):  # its claim of the Redis key prefix is left: before a Redis of its own stops
+    if not owner_runs(state):  # what its owner would have cleared is left: before a Redis of its own stops
         release_claim(state, state_dir, say)
+        delete_scratch_keys(state, say)
     stop_services({name: pid for name, pid in services.items() if name == "redis"}, say)
     (Path(state_dir) / "fleet.json").unlink(missing_ok=True)
     return True
@@ -77,17 +78,49 @@ def stop_from_state(state_dir: Path, say: Callable[[str], None]) -> bool:
 def release_claim(state: dict[str, Any], state_dir: Path, say: Callable[[str], None]) -> None:
     """Deletes the claim of the fleet's Redis key prefix that its killed owner left, if it still holds it,
     so the next `up` on the prefix need not wait until it lapses."""
-    config: Any = state.get("config")
-    try:
-        url = config["redis_url"] or f"redis://{config['host']}:{config['ports']['redis']}/0"
-        prefix = str(config["redis_prefix"])
-    except (KeyError, TypeError):  # recorded before the fleet had claimed anything
+    where = _redis_keys(state)
+    if where is None:  # recorded before the fleet had claimed anything
         return
+    url, prefix = where
     try:
         if release_gone_owner(url, prefix, state_dir, int(state["pid"])):
             say(f"released key prefix {prefix!r} at Redis {url}")
     except redis.RedisError as exc:
         say(f"could not release key prefix {prefix!r} at Redis {url} ({exc}): it lapses within {CLAIM_TTL_S:g} s")
+
+
+def delete_scratch_keys(state: dict[str, Any], say: Callable[[str], None]) -> None:
+    """Deletes the keys of a fleet whose keys were its scratch (a demo's), which its killed owner left, unless the
+    Redis is the fleet's own (it keeps them with its data)."""
+    where = _redis_keys(state)
+    if where is not None and state["config"].get("scratch_keys") and "redis" not in state.get("processes", {}):
+        delete_keys(*where, say)
+
+
+def _redis_keys(state: dict[str, Any]) -> tuple[str, str] | None:
+    """The URL of the fleet's Redis and its key prefix, as recorded; None when the record has no config yet."""
+    config: Any = state.get("config")
+    try:
+        return config["redis_url"] or f"redis://{config['host']}:{config['ports']['redis']}/0", str(
+            config["redis_prefix"]
+        )
+    except (KeyError, TypeError):
+        return None
+
+
+def delete_keys(redis_url: str, prefix: str, say: Callable[[str], None]) -> None:
+    """Removes every key under `prefix` (a demo's own); a Redis that does not answer (the fleet never reached it)
+    leaves nothing to remove, which `say` tells."""
+    client = redis.Redis.from_url(redis_url, socket_timeout=5.0, socket_connect_timeout=5.0)
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}*", count=500))
+        if keys:
+            client.delete(*keys)
+            say(f"deleted {len(keys)} Redis keys {prefix}* at {redis_url}")
+    except redis.RedisError as exc:
+        say(f"could not delete the Redis keys {prefix}* at {redis_url}: {exc}")
+    finally:
+        client.close()
 
 
 def _wait_for_owner(state_dir: Path, owner: int, say: Callable[[str], None]) -> bool:
