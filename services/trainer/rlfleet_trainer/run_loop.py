@@ -47,6 +47,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 # Between reads of a Redis that stays unavailable past its client's own retries (about 30 s each read).
 REDIS_WAIT_S = 5.0
+# Entries claimed from other consumers per round trip.
+CLAIM_BATCH = 1000
 
 
 def collect_groups(
@@ -61,27 +63,35 @@ def collect_groups(
     `while_waiting` between waits (the fleet's version check)."""
     stream: SampleStream = run.stream
     consumer = settings.consumer
-    entries = _waiting_out_redis(run, partial(stream.read_own_pending, consumer, needed, after=run.cursor)) or []
-    if entries:
-        logger.info("run %s: %d group(s) were delivered before", run.run_id, len(entries))
+    entries: list[StreamEntry] = []
+    own_taken = False  # whether the groups already pending on this consumer were taken
+    waited = False
     while len(entries) < needed and not run.stop.is_set():
-        if run.checkpoint_wanted:
-            checkpoints.commit(run, run.step, run.groups_trained)
-        while_waiting(run)
+        if waited:
+            if run.checkpoint_wanted:
+                checkpoints.commit(run, run.step, run.groups_trained)
+            while_waiting(run)
+        waited = True
         elsewhere = _waiting_out_redis(run, partial(stream.pending_elsewhere, consumer))
         if elsewhere is None:  # told to stop while Redis was away
             break
-        if not elsewhere:  # the usual case: one round trip, then read
-            read = partial(stream.read, consumer, needed - len(entries), settings.read_block_ms)
-            entries += _waiting_out_redis(run, read) or []
+        if elsewhere:
+            # Another consumer (a dead one, or this trainer under an earlier name) holds groups, which may be older
+            # than this one's own: all are claimed, once idle enough, before any is taken, so each step is made of
+            # the run's pending groups in id order whoever held them, the steps it was made of before the restart.
+            claim = partial(stream.claim_stale, consumer, settings.claim_idle_ms, CLAIM_BATCH)
+            if not _waiting_out_redis(run, claim):
+                run.stop.wait(settings.read_block_ms / 1000)
             continue
-        # Another consumer (a dead one, or this trainer under an earlier name) holds older groups: new ones wait
-        # until those can be claimed, or they would be trained first, in other steps than before the restart.
-        claim = partial(stream.claim_stale, consumer, settings.claim_idle_ms, needed - len(entries))
-        claimed = _waiting_out_redis(run, claim) or []
-        entries += claimed
-        if not claimed:
-            run.stop.wait(settings.read_block_ms / 1000)
+        if not own_taken:
+            own = partial(stream.read_own_pending, consumer, needed, after=run.cursor)
+            entries = _waiting_out_redis(run, own) or []
+            own_taken = True
+            if entries:
+                logger.info("run %s: %d group(s) were delivered before", run.run_id, len(entries))
+            continue
+        read = partial(stream.read, consumer, needed - len(entries), settings.read_block_ms)
+        entries += _waiting_out_redis(run, read) or []
     whole = _waiting_out_redis(run, partial(_with_undelivered_replies, stream, consumer, run.cursor, entries, needed))
     entries = entries if whole is None else whole
     # Every entry taken is now pending on this consumer; the next step reads its pending ones after

@@ -92,6 +92,23 @@ def test_groups_another_consumer_left_are_trained_before_new_ones(redis_client: 
     assert [e.entry_id for e in collect_groups(run, settings, 2, checkpoints=None)] == ids[2:4]  # type: ignore[arg-type]
 
 
+def test_groups_held_elsewhere_older_than_the_own_ones_are_trained_first(
+    redis_client: redis.Redis, redis_prefix: str
+) -> None:
+    """A trainer back under a name it ran under before took its own pending groups first, so step 0's groups, held
+    by the name it ran under in between, were trained in a later step than newer ones (past max_staleness)."""
+    stream = SampleStream(redis_client, "run4", prefix=redis_prefix)
+    stream.ensure_consumer_group()
+    ids = [stream.append(group("run4", i)) for i in range(6)]
+    stream.read(CONSUMER, 4)  # steps 0 and 1, then the trainer died before a checkpoint
+    time.sleep(0.05)
+    assert [e.entry_id for e in stream.claim_stale("trainer-between", 10, 2)] == ids[:2]  # step 0 again; died
+    settings = SimpleNamespace(consumer=CONSUMER, claim_idle_ms=200, read_block_ms=50)
+    run = run_on(stream)
+    steps = [[e.entry_id for e in collect_groups(run, settings, 2, checkpoints=None)] for _ in range(3)]  # type: ignore[arg-type]
+    assert steps == [ids[:2], ids[2:4], ids[4:]]
+
+
 class AwayFor(SampleStream):
     """Redis stays unreachable past the client's own retries for the first `outages` reads of new groups."""
 
