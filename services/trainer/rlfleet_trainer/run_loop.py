@@ -251,7 +251,7 @@ def report(run: ActiveRun, version: int, groups: int, step_metrics: dict[str, fl
         version,
         run.spec.schedule.steps,
         step_metrics.get("loss", math.nan),  # none when the step had no sample to train on
-        step_metrics["reward_mean"],
+        step_metrics.get("reward_mean", math.nan),
         step_metrics.get("logprob_diff", 0.0),
         step_metrics.get("step_seconds", 0.0),
         step_metrics["weight_sync_seconds"],

@@ -202,11 +202,9 @@ def train_step(
     started = time.perf_counter()
     sequences = sequences_from_groups(groups)
     rewards = [s.reward for g in groups for s in g.samples if s.status in TRAINABLE]  # failed ones have none
-    metrics: dict[str, float] = {
-        "reward_mean": sum(rewards) / max(1, len(rewards)),
-        "samples": float(len(sequences)),
-        "lr": float(scheduler.get_last_lr()[0]),
-    }
+    metrics: dict[str, float] = {"samples": float(len(sequences)), "lr": float(scheduler.get_last_lr()[0])}
+    if rewards:  # none scored: no mean to report (NaN on /metrics), rather than a 0 that reads as a collapse
+        metrics["reward_mean"] = sum(rewards) / len(rewards)
     if not sequences:
         # No sample to train on (every one failed): no update, but the schedule, which counts mini_batches x epochs
         # updates a step, moves on by them, so it still ends at the run's last step. No loss, gradient or

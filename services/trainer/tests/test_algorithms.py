@@ -132,6 +132,13 @@ def test_failed_samples_do_not_count_in_the_mean_reward(small_model_dir: Path) -
     scored = [s.reward for s in groups[0].samples] + [s.reward for s in groups[1].samples[2:]]
     assert metrics["samples"] == 6 and metrics["reward_mean"] == pytest.approx(sum(scored) / 6)
 
+    # A step none of whose samples was scored has no mean reward: it was 0, which read as a collapse.
+    for group in groups:
+        for sample in group.samples:
+            sample.status = SampleStatus.SAMPLE_STATUS_FAILED
+    metrics = train_step(model, optimizer, scheduler, groups, step_config_from_spec(resolved, model, pad_id=0))
+    assert "reward_mean" not in metrics
+
 
 def test_kl_in_the_reward_changes_the_advantages_not_the_loss_terms(small_model_dir: Path) -> None:
     in_loss = spec({"name": "rloo", "kl_coef": 0.5, "kl_mode": "loss"})
