@@ -140,6 +140,25 @@ def test_every_series_is_scoped_to_the_chosen_namespace(path: Path) -> None:
             assert match.group(1) and 'namespace=~"$namespace"' in match.group(1), f"{path.name} / {title}"
 
 
+# Events minutes apart: a window of a few scrapes ($__rate_interval, about 20 s) holds none most of the time, and the
+# panel showed "No data" but for the moments just after a step or a checkpoint ended.
+RARE_EVENTS = (
+    "rlfleet_trainer_step_seconds",
+    "rlfleet_trainer_weight_sync_seconds",
+    "rlfleet_trainer_checkpoint_seconds",
+)
+RANGE = re.compile(r"\[(\d+)m\]")
+
+
+def test_queries_of_events_minutes_apart_look_back_minutes() -> None:
+    dashboard = json.loads((REPO / "deploy" / "grafana" / "rlfleet-run.json").read_text())
+    rare = [(title, t["expr"]) for title, t in targets(dashboard) if any(e in t["expr"] for e in RARE_EVENTS)]
+    assert rare
+    for title, expr in rare:
+        windows = [int(minutes) for minutes in RANGE.findall(expr)]
+        assert windows and min(windows) >= 10 and "$__rate_interval" not in expr, (title, expr)
+
+
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")
 def test_compose_prometheus_config_passes_promtool() -> None:
     config = REPO / "deploy" / "compose" / "prometheus.yml"
