@@ -54,6 +54,7 @@ class GenerationJob:
     """Every version that sampled a token of `output_ids`, oldest first."""
     finish: FinishReason | None = None
     first_token_at: float | None = None
+    last_token_at: float | None = None
     finished_at: float | None = None
     _stop_at: int | None = None  # where a matched stop string starts in the text decoded with special tokens
     _checked_chars: int = 0  # decoded length at the previous stop-string check
@@ -62,8 +63,9 @@ class GenerationJob:
         """Records one token sampled under `weight_version`."""
         if not self.weight_versions or self.weight_versions[-1] != weight_version:
             self.weight_versions.append(weight_version)
+        self.last_token_at = time.monotonic()
         if self.first_token_at is None:
-            self.first_token_at = time.monotonic()
+            self.first_token_at = self.last_token_at
         self.output_ids.append(token_id)
         self.output_logprobs.append(logprob)
         if self.top_logprobs_num:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -123,14 +124,19 @@ class EngineMetrics:
         while self._recent and now - self._recent[0][0] > _THROUGHPUT_WINDOW_S:
             self._recent.popleft()
 
+    def observe_token_gaps(self, jobs: Iterable[GenerationJob]) -> None:
+        """Before a step appends a token to each of `jobs`: the inter-token latency, one observation per token as
+        SGLang counts it (the time since the job's previous token), so a stall (a pause, a weight load) shows in
+        the tail rather than averaged into the request's mean."""
+        now = time.monotonic()
+        for job in jobs:
+            if job.log_metrics and job.last_token_at is not None:
+                self.inter_token_latency.observe(now - job.last_token_at)
+
     def observe_finished(self, job: GenerationJob) -> None:
-        """A finished job's request count, time to first token, inter-token and end-to-end latency."""
+        """A finished job's request count, time to first token and end-to-end latency."""
         e2e = (job.finished_at or time.monotonic()) - job.created_at
         self.num_requests.inc()
-        completion_tokens = len(job.output_ids)
         if job.first_token_at is not None:
-            ttft = job.first_token_at - job.created_at
-            self.time_to_first_token.observe(ttft)
-            if completion_tokens > 1:
-                self.inter_token_latency.observe((e2e - ttft) / (completion_tokens - 1))
+            self.time_to_first_token.observe(job.first_token_at - job.created_at)
         self.e2e_request_latency.observe(e2e)

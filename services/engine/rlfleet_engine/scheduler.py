@@ -233,6 +233,7 @@ class Scheduler:
             top_logprobs_nums=[job.top_logprobs_num for job in jobs],
             row_generators=[job.generator for job in jobs],
         )
+        self.metrics.observe_token_gaps(jobs)
         for i, job in enumerate(jobs):
             job.append(drawn.token_ids[i], drawn.logprobs[i], drawn.top_logprobs[i], self.weight_version)
             reason = token_finish(job.output_ids, job.params, self.backend.eos_token_ids)

@@ -328,6 +328,7 @@ class SimScheduler:
         return prefill
 
     def _advance(self) -> None:
+        self.metrics.observe_token_gaps(self._running)
         for job in self._running:
             token = job.rng.choice(_OUTPUT_ALPHABET)
             logprob = -2.0 * job.rng.random()

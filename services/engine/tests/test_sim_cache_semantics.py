@@ -189,3 +189,27 @@ def test_used_tokens_count_the_kv_in_use_not_the_reservation() -> None:
     assert generated > 3
     assert used == pytest.approx(10 + generated), "prompt + tokens generated so far, not + max_new_tokens 5000"
     assert after == 0
+
+
+def test_inter_token_latency_is_observed_per_token_and_shows_a_stall() -> None:
+    """It was one observation per request, its mean gap: a 0.3 s pause between two tokens vanished into the mean."""
+
+    async def scenario() -> CollectorRegistry:
+        core, registry = sim_core(sim_decode_ms_per_step=1.0)
+        body = {"input_ids": [1, 2, 3], "stream": True, "sampling_params": {"max_new_tokens": 20}}
+        chunks = 0
+        async for _ in core.generate_stream(GenerateRequest.model_validate(body)):
+            chunks += 1
+            if chunks == 5:
+                await core.pause("in_place")
+                await asyncio.sleep(0.3)
+                core.resume()
+        await core.scheduler.stop()
+        return registry
+
+    registry = asyncio.run(scenario())
+    labels = {"model_name": "sim"}
+    count = registry.get_sample_value("sglang:inter_token_latency_seconds_count", labels)
+    under = registry.get_sample_value("sglang:inter_token_latency_seconds_bucket", {**labels, "le": "0.2"})
+    assert count == 19, "one gap per token after the first"
+    assert under == 18, "the stall is one gap of its own, past 0.2 s"
