@@ -25,13 +25,14 @@ from rlfleet.http_errors import error_response
 from rlfleet_router.config import RouterConfig
 from rlfleet_router.engine_attempts import ClientGone
 from rlfleet_router.fleet import Fleet
+from rlfleet_router.metrics import GENERATION_ROUTES
 from rlfleet_router.workers import NoHealthyEngine
 
 logger = logging.getLogger(__name__)
 # Counted (as nginx does) for a client that closed its connection before its request was whole.
 CLIENT_CLOSED_REQUEST = 499
 # The methods each generation path takes, as SGLang's: /generate also PUT, which reaches the engine as a POST.
-GENERATION_METHODS = {"/generate": ("POST", "PUT"), "/v1/completions": ("POST",), "/v1/chat/completions": ("POST",)}
+GENERATION_METHODS = {route: ("POST", "PUT") if route == "/generate" else ("POST",) for route in GENERATION_ROUTES}
 
 
 class GenerationRelay:

@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rlfleet_router.chars_per_token import CharsPerToken
 from rlfleet_router.engine_counter import EngineCounter
+from rlfleet_router.policies import ROUTING_REASONS
 from rlfleet_router.radix_tree import RadixTree
 from rlfleet_router.trajectory_store import TrajectoryStore
 from rlfleet_router.workers import WorkerRegistry, WorkerState
@@ -154,6 +155,9 @@ class Children(Generic[MetricT]):
 MOVED_ENGINE_SERIES_SECS = 600.0
 
 
+GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+
+
 class RouterMetrics:
     def __init__(self, workers: WorkerRegistry, weight_version: Callable[[], str | None]) -> None:
         self.registry = CollectorRegistry()
@@ -254,8 +258,13 @@ class RouterMetrics:
             "(--weight-update-timeout-secs) without one: whoever paused them (a trainer) died or lost it.",
             registry=self.registry,
         )
-        for result in WEIGHT_UPDATE_RESULTS:  # at 0 from the start, for the reason add_engine gives
+        # At 0 from the start, for the reason add_engine gives: a first update, routing decision or answer shows.
+        for result in WEIGHT_UPDATE_RESULTS:
             self.weight_updates.labels(result=result)
+        for reason in ROUTING_REASONS:
+            self.routing_decisions.labels(reason=reason)
+        for route in GENERATION_ROUTES:
+            self.requests.labels(route=route, status="200")
         self.fleet = FleetCollector(workers, weight_version)
         self.registry.register(self.fleet)
         # Children of the metrics every generation request updates, by label values in declaration order.

@@ -150,6 +150,10 @@ class PolicyOptions:
     """power_of_two: seed of its random draws (None: not reproducible)."""
 
 
+ROUTING_REASONS = ("cache_hit", "imbalance", "low_match", "no_prompt", "least_load", "round_robin", "power_of_two")
+"""The reasons the built-in policies give for a choice (`Choice.reason`)."""
+
+
 class Policy(Protocol):
     def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Choice:
         """Picks one of `workers` (never empty, all healthy) for `request`."""

@@ -64,6 +64,11 @@ def test_an_engines_counters_exist_at_zero_from_the_moment_it_joins(
             assert metric_value(text, f"rlfleet_router_{name}_total", {"engine": engine}) == 0, name
     for result in ("success", "partial", "failure"):
         assert metric_value(text, "rlfleet_router_weight_updates_total", {"result": result}) == 0
+    # Nor a first routing decision or answer: "Routing decisions by reason" showed none of a fresh router's.
+    for reason in ("cache_hit", "imbalance", "low_match", "least_load", "round_robin"):
+        assert metric_value(text, "rlfleet_router_routing_decisions_total", {"reason": reason}) == 0, reason
+    for route in ("/generate", "/v1/completions", "/v1/chat/completions"):
+        assert metric_value(text, "rlfleet_router_requests_total", {"route": route, "status": "200"}) == 0, route
 
 
 def test_a_request_with_a_budget_beyond_a_double_leaves_metrics_readable(

@@ -82,7 +82,7 @@ def test_a_stream_cut_by_its_engine_dying_counts_as_a_failure(
         what="the cut stream counted as a 503",
     )
     metrics = router.client.get("/metrics").text
-    assert metric_value(metrics, "rlfleet_router_requests_total", {"route": "/generate", "status": "200"}) is None
+    assert metric_value(metrics, "rlfleet_router_requests_total", {"route": "/generate", "status": "200"}) == 0
     errors = {"engine": engine.url, "kind": "connection"}
     assert metric_value(metrics, "rlfleet_router_engine_errors_total", errors) == 1
     # A connection lost may be the network's doing, not the engine's end: it is asked to stop the request too.
