@@ -116,8 +116,16 @@ def policy_loss(
     mask = mask.to(logp.dtype)
     before = logp.detach() if pre_update_logp is None else pre_update_logp  # pi_train before the step's updates
     old_logp = before if config.tis_cap > 0 else rollout_logp
+    band: torch.Tensor | None = None
+    if config.ratio_mask_low > 0 or config.ratio_mask_high > 0:
+        band = ratio_band_mask(before, rollout_logp, config.ratio_mask_low, config.ratio_mask_high)
     if config.sequence_ratio:
-        pg, clipped = clipped_sequence_surrogate(logp, old_logp, advantages, mask, config.clip_low, config.clip_high)
+        # A token the band leaves out takes no part in its sequence's ratio either: one outlier token pushed the
+        # ratio past GSPO's narrow clip and silenced the whole sequence (or scaled its gradient up, itself included).
+        in_ratio = mask if band is None else mask * band
+        pg, clipped = clipped_sequence_surrogate(
+            logp, old_logp, advantages, in_ratio, config.clip_low, config.clip_high
+        )
         dual_clipped = None
     else:
         pg, clipped, dual_clipped = clipped_token_surrogate(
@@ -138,9 +146,8 @@ def policy_loss(
     if config.entropy_coef != 0:
         assert entropy is not None, "entropy_coef != 0 needs the per-token entropy"
         per_token = per_token - config.entropy_coef * entropy
-    if config.ratio_mask_low > 0 or config.ratio_mask_high > 0:
+    if band is not None:
         # The band zeroes tokens' losses; normalisers still count them, as tokens whose gradient is dropped.
-        band = ratio_band_mask(before, rollout_logp, config.ratio_mask_low, config.ratio_mask_high)
         per_token = per_token * band
         trained = mask * band
         stats["ratio_masked_frac"] = masked_mean_per_row(1.0 - band, mask).sum()

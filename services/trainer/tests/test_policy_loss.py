@@ -111,6 +111,20 @@ def test_ratio_band_masks_tokens_out_of_the_loss() -> None:
     assert stats["ratio_masked_frac"].item() == pytest.approx(2 / 3)
 
 
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+def test_a_token_the_band_leaves_out_takes_no_part_in_gspos_sequence_ratio(advantage: float) -> None:
+    """The outlier (ratio e^3) stayed in the geometric mean: with A > 0 the ratio passed GSPO's clip and the whole
+    sequence got no gradient, with A < 0 every token's gradient was scaled up, the banded token's included."""
+    rollout = log([[0.5, 0.5, 0.5, 0.5]])
+    logp = (rollout + torch.tensor([[0.0, 0.0, 0.0, 3.0]])).requires_grad_(True)
+    cfg = PolicyLossConfig(clip_low=3e-4, clip_high=4e-4, sequence_ratio=True, ratio_mask_low=0.5, ratio_mask_high=2.0)
+    loss, _ = policy_loss(logp, rollout, torch.full((1, 4), advantage), torch.ones(1, 4), cfg)
+    loss.backward()
+    assert logp.grad is not None
+    # The three kept tokens' ratio is 1: each gets -A / 3 of the sequence's term, over the sample's 4 tokens.
+    assert logp.grad[0].tolist() == pytest.approx([-advantage / 4] * 3 + [0.0])
+
+
 def test_kl_estimators_by_hand() -> None:
     logp = log([[0.5]])
     ref = log([[0.25]])
