@@ -11,11 +11,13 @@ and Arrow, 0-based) and either refuses the run or is skipped, as `dataset.bad_ro
 from __future__ import annotations
 
 import codecs
+import datetime
 import json
 import logging
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from decimal import Decimal
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -187,19 +189,43 @@ def _kind(value: Any) -> str:
 
 
 def _as_text(value: Any, column: str) -> str:
-    """The text of a column's value (JSON for what is not a string). A bad row when the value is nested too deeply
-    to write out, or is not valid Unicode: a lone surrogate, which JSON's "\\ud800" escape writes, reaches the
-    tokenizer and protobuf, which refuse it hours into the run."""
+    """The text of a column's value: a string as it is; a decimal, date or time as it reads (`3.14`, `2024-01-01`);
+    bytes decoded as UTF-8; anything else (numbers, lists, mappings) as JSON. A bad row when the value is nested too
+    deeply to write out, or is not valid Unicode: a lone surrogate, which JSON's "\\ud800" escape writes, reaches the
+    tokenizer and protobuf, which refuse it hours into the run. (Parquet's decimal, date and binary columns were
+    JSON strings, quotes and all, so no answer matched `"3.14"`.)"""
     try:
-        text = value if isinstance(value, str) else json.dumps(value, default=str)
+        text = _scalar_text(value)
+        if text is None:
+            text = json.dumps(value, default=_json_default)
         text.encode("utf-8")
     except RecursionError:
         raise _BadRow(f"column {column!r} is nested too deeply") from None
+    except UnicodeDecodeError as exc:
+        raise _BadRow(f"column {column!r} holds bytes that are not UTF-8 text (byte {exc.start})") from None
     except UnicodeEncodeError as exc:
         raise _BadRow(
             f"column {column!r} is not valid Unicode text (lone surrogate at character {exc.start})"
         ) from None
     return text
+
+
+def _scalar_text(value: Any) -> str | None:
+    """The text of a string, decimal, date, time or bytes value; None for any other (written as JSON)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Decimal):
+        return str(value)
+    if isinstance(value, (datetime.date, datetime.time)):  # a datetime is a date
+        return value.isoformat()
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).decode("utf-8")  # UnicodeDecodeError: a bad row (_as_text)
+    return None
+
+
+def _json_default(value: Any) -> Any:
+    text = _scalar_text(value)
+    return str(value) if text is None else text
 
 
 def _jsonl_records(path: Path, spec: FileDataset) -> Iterator[tuple[str, Any]]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import codecs
+import datetime
+import decimal
 import json
 from pathlib import Path
 
@@ -117,6 +119,30 @@ def test_a_line_of_invalid_utf8_is_one_malformed_row_and_a_byte_order_mark_none(
     assert len(loaded.train) + len(loaded.eval) == len(ROWS) - 1
     assert [m.split(" ", 1)[1].split(":")[0] for m in loaded.skipped] == ["line 6"]
     assert ROWS[0]["prompt"] in {p.prompt for p in [*loaded.train, *loaded.eval]}
+
+
+def test_decimal_date_and_binary_columns_read_as_their_text(tmp_path: Path) -> None:
+    """They were written as JSON strings, quotes and all: no response matched an answer of `"3.14"`."""
+    table = pa.table(
+        {
+            "prompt": [f"{i}+1=" for i in range(6)],
+            "answer": pa.array([decimal.Decimal(f"{i}.25") for i in range(6)], pa.decimal128(6, 2)),
+            "level": pa.array([datetime.date(2024, 1, i + 1) for i in range(6)], pa.date32()),
+        }
+    )
+    path = tmp_path / "typed.parquet"
+    pq.write_table(table, path)
+    loaded = load_dataset(_spec("parquet", path), 100)
+    prompts = sorted([*loaded.train, *loaded.eval], key=lambda p: p.prompt)
+    assert [(p.answer, p.metadata["level"]) for p in prompts] == [(f"{i}.25", f"2024-01-0{i + 1}") for i in range(6)]
+
+    answers = [b"42", b"7", b"\xff", b"1", b"5", b"6"]
+    binary = pa.table({"prompt": [f"{c}=" for c in "abcdef"], "answer": answers, "level": [1] * 6})
+    pq.write_table(binary, path)
+    with pytest.raises(InvalidInput, match=r"row 2: column 'answer' holds bytes that are not UTF-8 text"):
+        load_dataset(_spec("parquet", path), 100)
+    loaded = load_dataset(_spec("parquet", path, bad_rows="skip"), 100)
+    assert sorted(p.answer for p in [*loaded.train, *loaded.eval]) == ["1", "42", "5", "6", "7"]
 
 
 def test_positions_run_through_seeded_epochs(tmp_path: Path) -> None:
