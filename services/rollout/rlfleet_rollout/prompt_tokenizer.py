@@ -54,8 +54,9 @@ def load_tokenizer(tokenizer_path: str) -> Tokenizer:
 
 
 def load_chat_template(tokenizer_path: str) -> Callable[[str], str]:
-    """The tokenizer's chat template as prompt -> rendered user turn: tokenizer_config.json `chat_template`, or
-    chat_template.jinja beside it (where transformers saves it since 4.43).
+    """The tokenizer's chat template as prompt -> rendered user turn, as transformers' apply_chat_template renders
+    it: chat_template.jinja (where transformers saves it since 4.43, and which it prefers), else tokenizer_config.json
+    `chat_template`; rendered with `tools` and `documents` None and every special token the config names.
 
     InvalidInput naming dataset.chat_template when the tokenizer has none: the run asked for one.
     """
@@ -68,7 +69,7 @@ def load_chat_template(tokenizer_path: str) -> Callable[[str], str]:
             raise InvalidInput(f"model.tokenizer_path: cannot read {config_path}: {exc}") from exc
     source = config.get("chat_template")
     jinja = Path(tokenizer_path) / "chat_template.jinja"
-    if not source and jinja.is_file():
+    if jinja.is_file():
         try:
             source = jinja.read_text(encoding="utf-8")
         except (OSError, ValueError) as exc:
@@ -85,12 +86,21 @@ def load_chat_template(tokenizer_path: str) -> Callable[[str], str]:
         template = _jinja_environment().from_string(source)
     except TemplateError as exc:
         raise InvalidInput(f"dataset.chat_template: the tokenizer's chat template does not parse: {exc}") from exc
-    specials = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token")}
+    # transformers passes its special_tokens_map: every token the config names (a template may use pad_token).
+    specials: dict[str, Any] = {name: _token_text(config.get(name)) for name in _SPECIAL_TOKENS if name in config}
+    specials.setdefault("bos_token", "")
+    specials.setdefault("eos_token", "")
+    if isinstance(extra := config.get("additional_special_tokens"), list):
+        specials["additional_special_tokens"] = [_token_text(token) for token in extra]
 
     def render(prompt: str) -> str:
         try:
             return template.render(
-                messages=[{"role": "user", "content": prompt}], add_generation_prompt=True, **specials
+                messages=[{"role": "user", "content": prompt}],
+                tools=None,  # a template testing `tools is not none` rendered an empty tool list into every prompt
+                documents=None,
+                add_generation_prompt=True,
+                **specials,
             )
         except TemplateError as exc:  # raise_exception's message included: the template says what it refused
             raise InvalidInput(f"dataset.chat_template: rendering the tokenizer's chat template failed: {exc}") from exc
@@ -140,6 +150,9 @@ def _tojson(
 
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
+
+
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 def _token_text(value: object) -> str:

@@ -103,6 +103,24 @@ def test_a_chat_template_renders_as_transformers_renders_it(tmp_path: Path) -> N
     assert '"note": "<é & \\"x\\">"' in render("1+2=")  # not HTML-escaped, not ASCII-escaped
 
 
+def test_the_template_and_the_variables_are_those_transformers_loads_and_passes(tmp_path: Path) -> None:
+    """The config's template won over chat_template.jinja, which transformers prefers; and the template saw only
+    bos_token and eos_token: `tools is not none` was true (an empty tool list in every prompt), pad_token empty."""
+    transformers = pytest.importorskip("transformers")
+    template = (
+        "{% if tools is not none %}[TOOLS]{{ tools }}[/TOOLS]{% endif %}{% if documents %}DOCS{% endif %}"
+        "{% for m in messages %}user: {{ m.content }}{{ pad_token }}{% endfor %}assistant:"
+    )
+    path = _bos_tokenizer(tmp_path / "tok", template)
+    config = {"bos_token": "<s>", "pad_token": "<pad>", "chat_template": "OLD {{ messages[0].content }}"}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    reference = transformers.AutoTokenizer.from_pretrained(str(path))
+    expected = reference.apply_chat_template(
+        [{"role": "user", "content": "1+2="}], tokenize=False, add_generation_prompt=True
+    )
+    assert load_chat_template(str(path))("1+2=") == expected == "user: 1+2=<pad>assistant:"
+
+
 def test_a_template_that_raises_is_refused_with_its_message(tmp_path: Path) -> None:
     render = load_chat_template(str(_bos_tokenizer(tmp_path / "tok", HUB_TEMPLATE)))
     with pytest.raises(InvalidInput, match="rendering the tokenizer's chat template failed: the prompt is empty"):
