@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
+from typing import Any
+
 import httpx
 from google.protobuf import json_format
 
@@ -9,7 +13,6 @@ from rlfleet.errors import Unavailable
 from rlfleet.v1.reward_pb2 import (
     RewardSpec,
     ScoreItem,
-    ScoreRequest,
     ScoreResponse,
     ScoreResult,
     SpecProblem,
@@ -17,6 +20,12 @@ from rlfleet.v1.reward_pb2 import (
     ValidateSpecResponse,
 )
 from rlfleet_rollout.http_retry import request_json
+
+# A /score request's bounds, well within the hub's defaults (64 MiB bodies, 4096 items): a group repeats its answer
+# and metadata in each of its items, and a large one (a code task's tests) passed the hub's limit, whose 413 failed
+# the run.
+SCORE_REQUEST_BYTES = 8 * 1024 * 1024
+SCORE_REQUEST_ITEMS = 1024
 
 
 class RewardClient:
@@ -44,14 +53,21 @@ class RewardClient:
         return list(answer.problems)
 
     async def score(self, spec: RewardSpec, items: list[ScoreItem]) -> list[ScoreResult]:
-        """One result per item, in order."""
-        request = ScoreRequest(spec=spec, items=items)
+        """One result per item, in order; sent in requests of at most SCORE_REQUEST_ITEMS items and about
+        SCORE_REQUEST_BYTES of JSON each, one after the other (an item larger alone goes alone)."""
+        spec_json = json_format.MessageToDict(spec, preserving_proto_field_name=True)
+        results: list[ScoreResult] = []
+        for chunk in _chunks([json_format.MessageToDict(item, preserving_proto_field_name=True) for item in items]):
+            results += await self._score(spec_json, chunk)
+        return results
+
+    async def _score(self, spec: dict[str, Any], items: list[dict[str, Any]]) -> list[ScoreResult]:
         body = await request_json(
             self.client,
             "POST",
             f"{self.base_url}/score",
             deadline_s=self.score_timeout_s,
-            body=json_format.MessageToDict(request, preserving_proto_field_name=True),
+            body={"spec": spec, "items": items},
         )
         try:
             response = json_format.ParseDict(body, ScoreResponse(), ignore_unknown_fields=True)
@@ -60,3 +76,18 @@ class RewardClient:
         if len(response.results) != len(items):
             raise Unavailable(f"reward hub returned {len(response.results)} results for {len(items)} items")
         return list(response.results)
+
+
+def _chunks(items: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+    """`items` in runs of at most SCORE_REQUEST_ITEMS and, but for a lone item, SCORE_REQUEST_BYTES of JSON."""
+    chunk: list[dict[str, Any]] = []
+    size = 0
+    for item in items:
+        item_size = len(json.dumps(item))
+        if chunk and (len(chunk) == SCORE_REQUEST_ITEMS or size + item_size > SCORE_REQUEST_BYTES):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(item)
+        size += item_size
+    if chunk:
+        yield chunk
