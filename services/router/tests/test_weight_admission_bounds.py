@@ -130,7 +130,9 @@ def test_a_removed_engine_stops_loading_weights_to_rejoin(start_engine: Callable
 def test_an_update_whose_caller_left_before_it_started_is_never_applied(
     start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
 ) -> None:
-    engines = [start_engine(name, update_delay=1.0) for name in "ab"]
+    # Version 1 loads for 2 s: the waiting update looks for its caller every 0.2 s, and on a loaded machine (CI's
+    # workers on two cores) the 1 s load it used to wait behind could end before the caller's leaving was seen.
+    engines = [start_engine(name, update_delay=2.0) for name in "ab"]
     router = start_router([e.url for e in engines])
     router.wait_healthy(2)
 
@@ -140,7 +142,7 @@ def test_an_update_whose_caller_left_before_it_started_is_never_applied(
     with pytest.raises(httpx.TimeoutException):
         load(router, "2", timeout=0.3)  # the caller gives up while it waits
     first.join(10)
-    time.sleep(1.5)  # a queued update would have run and finished by now
+    time.sleep(2.5)  # a queued update would have run and finished by now
 
     for engine in engines:
         assert [b["weight_version"] for b in engine.update_bodies] == ["1"]
