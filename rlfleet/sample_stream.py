@@ -106,12 +106,17 @@ return redis.call('XTRIM', KEYS[1], 'MINID', bound)
 # producer's: its id is in the id set KEYS[3]), its entry id and reason in the hash KEYS[4], which counting the lost
 # groups reads instead of every dead letter's payload. HSETNX: a move sent again after a lost reply writes a second
 # dead letter, not a second lost group. The dead letter's `lost` field says which it was (and that KEYS[4] has it).
+# ARGV[7..]: the entry's other fields, name and value in turn (another writer's entry), kept in the dead letter.
 # Once the run has ended its stream expires (the orchestrator's data retention); keys this creates then (the first
 # dead letter, or lost group, read after the end) expire with it instead of staying for good.
 _MOVE_TO_DEAD_LETTERS = """
 local lost = ARGV[6] == '1' or (ARGV[4] ~= '' and redis.call('SISMEMBER', KEYS[3], ARGV[4]) == 1)
-redis.call('XADD', KEYS[1], '*', 'entry_id', ARGV[2], 'reason', ARGV[3], 'group_id', ARGV[4], 'payload', ARGV[5],
-  'lost', lost and '1' or '0')
+local letter = {'entry_id', ARGV[2], 'reason', ARGV[3], 'group_id', ARGV[4], 'payload', ARGV[5],
+  'lost', lost and '1' or '0'}
+for i = 7, #ARGV do
+  letter[#letter + 1] = ARGV[i]
+end
+redis.call('XADD', KEYS[1], '*', unpack(letter))
 redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
 if lost then
   redis.call('HSETNX', KEYS[4], ARGV[2], ARGV[3])
@@ -542,9 +547,16 @@ class SampleStream:
         return entries
 
     def _move_to_dead_letters(self, entry_id: str, fields: dict[bytes, bytes], reason: str) -> None:
-        """Copies the entry (its group id and payload, empty when it was deleted) to the dead letters with
-        `reason`, acknowledges it, and records it as lost when the run is short of it (_MOVE_TO_DEAD_LETTERS)."""
+        """Copies the entry (its group id and payload, empty when it was deleted; any other field it holds as
+        `entry.<name>`) to the dead letters with `reason`, acknowledges it, and records it as lost when the run is
+        short of it (_MOVE_TO_DEAD_LETTERS)."""
         logger.error("stream %s entry %s moved to %s: %s", self.key, entry_id, self.dead_key, reason)
+        others = [
+            part
+            for name, value in fields.items()
+            if name not in (_ID_FIELD, _GROUP_FIELD)
+            for part in (b"entry." + name, value)
+        ]
         self._move_aside(
             keys=[self.dead_key, self.key, self.ids_key, self.lost_key],
             args=[
@@ -554,5 +566,6 @@ class SampleStream:
                 fields.get(_ID_FIELD, b""),
                 fields.get(_GROUP_FIELD, b""),
                 "1" if reason == _DELETED else "0",
+                *others,
             ],
         )

@@ -147,6 +147,18 @@ def test_undecodable_entry_goes_to_dead_letters(stream: SampleStream, redis_clie
     assert stream.pending_count() == 1  # the bad entry was acknowledged when moved aside
 
 
+def test_another_writers_entry_keeps_its_fields_in_the_dead_letter(
+    stream: SampleStream, redis_client: redis.Redis
+) -> None:
+    """An entry without a group field went to the dead letters with an empty payload: what it held was gone."""
+    entry_id = cast(bytes, redis_client.xadd(stream.key, {"kind": "note", "body": b"\x00\xffraw"}))
+    assert stream.read("c", count=10) == []
+    [(_, letter)] = cast(list[tuple[bytes, dict[bytes, bytes]]], redis_client.xrange(stream.dead_key))
+    assert letter[b"entry_id"] == entry_id and letter[b"payload"] == b""
+    assert letter[b"entry.kind"] == b"note" and letter[b"entry.body"] == b"\x00\xffraw"
+    assert stream.pending_count() == 0
+
+
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
