@@ -4,8 +4,11 @@ The label is JSON: `{"tests": [{"stdin": "1 2\\n", "stdout": "3\\n"}, {"check": 
 A `stdout` test feeds `stdin` to the program and passes when it exits 0 and prints `stdout`
 (compared line by line, trailing whitespace and trailing blank lines ignored). A `check` test runs
 the program followed by the check's code and passes when the check ran to its end: the run ends with a
-status drawn anew for each test, so a program that exits before the check (`sys.exit(0)`, `os._exit(0)`)
-fails it, as `check_skipped`, instead of passing every check unasked. The program is the last
+status drawn anew for each test and kept out of the program's reach (not in its source, its directory or its
+arguments), so a program that exits before the check (`sys.exit(0)`, `os._exit(0)`, or the status read from its own
+file) fails it, as `check_skipped`, instead of passing every check unasked. The check runs in the program's own
+process, so it is a test, not a proof: a program set on it can still defeat one (an object equal to anything, or
+the status found by walking the interpreter's frames). The program is the last
 fenced code block of the response (```python ... ```), or the whole response when it has none.
 
 The caller's limits (`memory_mb`, `max_processes`, `file_size_mb`, `disk_mb`) are bounded by the hub's caps
@@ -170,8 +173,10 @@ def score_code(sample: RewardInput, params: Mapping[str, Any]) -> Scored:
         source, check_exit = program, 0
         if test.check is not None:
             check_exit = 3 + secrets.randbelow(100)  # 3-102: no status a program or Python ends with unasked
-            source = f"{program}\n\n{test.check}\n\nraise SystemExit({check_exit})\n"
-        result = run_python(source, test.stdin, limits, isolation, max_stdout_bytes=_stdout_read(test))
+            source = f"{program}\n\n{test.check}\n"
+        result = run_python(
+            source, test.stdin, limits, isolation, max_stdout_bytes=_stdout_read(test), end_status=check_exit
+        )
         verdicts[verdict(result, test, check_exit)] += 1
         if not params["partial_credit"] and verdicts["passed"] < sum(verdicts.values()):
             break  # the score is 0 whatever the remaining tests do

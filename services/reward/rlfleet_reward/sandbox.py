@@ -67,11 +67,22 @@ _READ_CHUNK_BYTES = 1 << 16
 _PR_SET_DUMPABLE = 4
 # How the program starts, in place of `python -I main.py`: Python ignores SIGXFSZ at start-up, so a write past
 # RLIMIT_FSIZE would be an OSError (EFBIG), ending the program as any exception does, or caught. With the default
-# restored, the kernel ends the program with SIGXFSZ, which `code` counts as output_limit.
-_PROGRAM_START = (
-    "import os, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_DFL); del sys.argv[0]; "
-    "runpy.run_path(os.path.abspath(sys.argv[0]), run_name='__main__')"
-)
+# restored, the kernel ends the program with SIGXFSZ, which `code` counts as output_limit. The status a run that
+# reaches the end of main.py exits with is read from _STATUS_FILE and the file deleted before main.py starts: it is
+# in no file, argument or variable of the program's own, so reading its directory or its source does not reveal it.
+_STATUS_FILE = ".exit-status"
+_PROGRAM_START = f"""
+import os, runpy, signal, sys
+def _run():
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+    del sys.argv[0]
+    with open({_STATUS_FILE!r}) as status_file:
+        status = int(status_file.read())
+    os.unlink({_STATUS_FILE!r})
+    runpy.run_path(os.path.abspath(sys.argv[0]), run_name="__main__")
+    sys.exit(status)
+_run()
+"""
 # A run's directory and streams are named `rlfleet-sandbox-<worker pid>-...`, so a run can tell a dead
 # worker's leftovers from a live one's.
 _PREFIX = "rlfleet-sandbox-"
@@ -263,10 +274,11 @@ def run_python(
     stdin: str,
     limits: SandboxLimits,
     isolation: Isolation,
-    files: Mapping[str, str] | None = None,
     max_stdout_bytes: int | None = None,
+    end_status: int = 0,
 ) -> RunResult:
-    """Runs `source` as `main.py` in a fresh directory under `limits`; the directory is deleted afterwards.
+    """Runs `source` as `main.py` in a fresh directory under `limits`; the directory is deleted afterwards. A run
+    that reaches the end of main.py exits with `end_status`, which the program cannot read (_PROGRAM_START).
 
     stdout is read up to `max_stdout_bytes` (None: the file-size limit, which the program cannot pass anyway):
     a caller comparing it with an expected output passes that output's length and a margin, and a longer output
@@ -275,7 +287,7 @@ def run_python(
     _remove_leftovers()
     with tempfile.TemporaryDirectory(prefix=f"{_PREFIX}{os.getpid()}-") as workdir:
         work = Path(workdir)
-        for name, text in {"main.py": source, **(files or {})}.items():
+        for name, text in {"main.py": source, _STATUS_FILE: str(end_status)}.items():
             (work / name).write_text(text)
         if isolation.run_as:
             for path in [work, *work.iterdir()]:

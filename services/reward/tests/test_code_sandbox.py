@@ -88,6 +88,23 @@ def test_a_program_that_exits_before_its_check_fails_it(hub: str) -> None:
     assert all(failed_because(result, "check_skipped", tests=2) for result in skipped), skipped
 
 
+def test_a_program_cannot_read_the_status_its_check_ends_with(hub: str) -> None:
+    """The status was the last line of main.py (`raise SystemExit(N)`): a program defining no `add` read its own
+    file, exited with N before the check, and passed every check test."""
+    read_and_exit = (
+        "import os, re, sys\n"
+        "seen = open(__file__).read() + ' '.join(sys.orig_argv)\n"
+        "for name in os.listdir('.'):\n"
+        "    if name != os.path.basename(__file__):\n"
+        "        seen += open(name).read()\n"
+        "found = re.findall(r'SystemExit\\((\\d+)\\)|^(\\d+)$', seen, re.M)\n"
+        "os._exit(int(''.join(found[-1])) if found else 0)\n"
+    )
+    checks = [{"check": "assert add(1, 2) == 3"}, {"check": "assert add(2, 2) == 4"}]
+    (result,) = score_code(hub, [(read_and_exit, checks)], partial_credit=True)
+    assert failed_because(result, "check_skipped", tests=2), result
+
+
 def test_lines_padded_with_spaces_pass_however_many(hub: str) -> None:
     """Trailing whitespace is ignored; before, stdout was read up to twice the expected output and 4 KiB, and 20,000
     lines printed 8 wide ran past it and read as cut: a wrong_answer for a right program."""
