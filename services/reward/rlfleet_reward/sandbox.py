@@ -6,7 +6,8 @@ and open-file limits; a disk bound on the working directory (bytes allocated and
 checks every `_DISK_POLL_SECONDS` while the program runs and once after it, killing the group past it; a
 scrubbed environment (PATH, LANG, HOME and TMPDIR only) and `python -I`;
 a fresh working directory, deleted afterwards (or, when the hub killed the worker mid-run, by the next
-run of another worker); seccomp refusing `socket()` (AF_UNIX too), and, where neither a PID namespace nor
+run of another worker); seccomp refusing `socket()` (AF_UNIX too), memory outside the address-space limit
+(`memfd_create`, `shmget`), and, where neither a PID namespace nor
 Landlock ABI >= 6 does it, signals to processes outside the sandbox (see `sandbox_init`). Importing this module
 makes the process undumpable: its /proc/<pid>/environ and memory are then closed to its own user's
 other processes, a sandboxed program among them where Landlock (which also hides /proc) is missing.
@@ -146,7 +147,7 @@ class Isolation:
             landlock += ", signals and abstract sockets scoped" if scoped else ", NOT signals (ABI < 6)"
         seccomp = "NO seccomp (unsupported machine)"
         if self.seccomp:
-            seccomp = "seccomp: socket() (AF_UNIX too), io_uring, setsid/setpgid refused"
+            seccomp = "seccomp: socket() (AF_UNIX too), io_uring, setsid/setpgid, memfd_create/shmget refused"
             seccomp += ", signals to other processes refused" if self.signals_confined_by_seccomp else ""
         elif not self.namespaces and self.landlock < sandbox_init._FIRST_SIGNAL_SCOPING_ABI:
             seccomp += ", signals to the hub's processes NOT stopped"

@@ -13,8 +13,9 @@ before, and outside, any site-packages). In order, it
    abstract-socket connections to processes outside the sandbox (ABI >= 6),
 4. installs a seccomp filter (x86_64, aarch64): `socket()` (of every family: AF_UNIX too, or the program could
    connect to any Unix socket its user may reach, an SSH agent, a D-Bus bus, docker.sock; `socketpair()` stays),
-   `io_uring` (which can open sockets too) and leaving the process group (`setsid`, `setpgid`) fail with EPERM,
-   so the parent's group kill reaches every descendant; syscalls of another ABI kill the process,
+   `io_uring` (which can open sockets too), leaving the process group (`setsid`, `setpgid`: so the parent's group
+   kill reaches every descendant), and memory no address-space limit counts (`memfd_create`, System V `shmget`:
+   pages held without being mapped) fail with EPERM; syscalls of another ABI kill the process,
 5. turns its parent's death into the death of its whole process group: the hub SIGKILLs a worker whose
    item overran, mid-run, and where no PID namespace ends the program with this process, nothing else
    would (the program and its children would live on under init),
@@ -61,10 +62,10 @@ _FS_REFER, _FS_TRUNCATE, _FS_IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15
 _NET_BIND_TCP, _NET_CONNECT_TCP = 1 << 0, 1 << 1
 _SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1 << 0, 1 << 1
 
-# (audit arch, socket, setsid, setpgid, io_uring_setup) per machine.
+# (audit arch, socket, setsid, setpgid, io_uring_setup, memfd_create, shmget) per machine.
 _SYSCALLS = {
-    "x86_64": (0xC000003E, 41, 112, 109, 425),
-    "aarch64": (0xC00000B7, 198, 157, 154, 425),
+    "x86_64": (0xC000003E, 41, 112, 109, 425, 319, 29),
+    "aarch64": (0xC00000B7, 198, 157, 154, 425, 279, 194),
 }
 # (kill, rt_sigqueueinfo, tgkill, rt_tgsigqueueinfo, tkill, pidfd_send_signal, fcntl, ioctl) per machine.
 _SIGNAL_SYSCALLS = {
@@ -155,20 +156,17 @@ def seccomp_program(machine: str) -> bytes | None:
     """The filter described in the module docstring, for `machine`; None when it is not supported."""
     if machine not in _SYSCALLS:
         return None
-    arch, socket, setsid, setpgid, io_uring_setup = _SYSCALLS[machine]
+    arch, *refused = _SYSCALLS[machine]
     load, jeq, jge, ret = _BPF_LOAD, _BPF_JEQ, _BPF_JGE, _BPF_RET
     return b"".join([
-        _bpf(load, 0, 0, 4),                   # 0: arch
-        _bpf(jeq, 1, 0, arch),                 # 1: our ABI -> 3
-        _bpf(ret, 0, 0, _KILL),                # 2
-        _bpf(load, 0, 0, 0),                   # 3: syscall number
-        _bpf(jge, 5, 0, _X32_SYSCALL_BIT),     # 4: x32 ABI -> deny
-        _bpf(jeq, 4, 0, socket),               # 5: -> deny
-        _bpf(jeq, 3, 0, setsid),               # 6: -> deny
-        _bpf(jeq, 2, 0, setpgid),              # 7: -> deny
-        _bpf(jeq, 1, 0, io_uring_setup),       # 8: -> deny
-        _bpf(ret, 0, 0, _ALLOW),               # 9
-        _bpf(ret, 0, 0, _DENY),                # 10
+        _bpf(load, 0, 0, 4),                                   # arch
+        _bpf(jeq, 1, 0, arch),                                 # our ABI -> the syscall number
+        _bpf(ret, 0, 0, _KILL),
+        _bpf(load, 0, 0, 0),                                   # the syscall number
+        _bpf(jge, len(refused) + 1, 0, _X32_SYSCALL_BIT),      # x32 ABI -> deny
+        *(_bpf(jeq, len(refused) - i, 0, number) for i, number in enumerate(refused)),  # -> deny
+        _bpf(ret, 0, 0, _ALLOW),
+        _bpf(ret, 0, 0, _DENY),
     ])  # fmt: skip
 
 

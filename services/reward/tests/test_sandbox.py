@@ -48,6 +48,26 @@ def test_sockets_and_leaving_the_process_group_are_refused(isolation: Isolation)
     listener.close()
 
 
+def test_memory_outside_the_address_space_limit_is_refused(isolation: Isolation) -> None:
+    """A memfd's pages, never mapped, count against no RLIMIT_AS: 60 memfds of 16 MiB held 960 MiB under a
+    64 MiB limit, and no file the disk bound sees holds them. System V shared memory is the same."""
+    if not isolation.seccomp:
+        pytest.skip("seccomp is not supported on this machine")
+    program = (
+        "import ctypes, os\n"
+        "try:\n"
+        "    fd = os.memfd_create('held')\n"
+        "    os.posix_fallocate(fd, 0, 1 << 19)\n"
+        "    print('memfd allowed')\n"
+        "except OSError as exc:\n"
+        "    print(type(exc).__name__)\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(libc.shmget(0, 1 << 19, 0o1600), ctypes.get_errno() == 1)\n"  # IPC_PRIVATE, IPC_CREAT | 0600
+    )
+    result = run_python(program, "", LIMITS, isolation)
+    assert result.stdout.split() == ["PermissionError", "-1", "True"], (result.stdout, result.stderr)
+
+
 def test_environment_is_scrubbed_and_files_stay_in_the_working_directory(isolation: Isolation) -> None:
     program = (
         "import os\n"
