@@ -275,8 +275,12 @@ class ServiceProcess:
         """SIGTERM the service (`send_stop`), SIGKILL what is left of its process group (the service, and helpers
         it started, which can outlive it or a crash of it) after `timeout`; returns the exit code."""
         deadline = time.monotonic() + timeout
-        self.proc.poll()  # reaps a service that has exited, so that send_stop signals the helpers it left
-        send_stop(self.pid)
+        # Its pid is its own until it is reaped: once it has been, the kernel may have given the number to another
+        # process, and only its group (which keeps its id while a helper of it runs) is signalled.
+        if self.proc.poll() is None:
+            send_stop(self.pid)
+        elif group_runs(self.pid):
+            self._signal_group(signal.SIGTERM)
         try:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

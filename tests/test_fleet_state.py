@@ -155,6 +155,46 @@ def test_stop_reports_a_service_that_had_exited_and_not_the_exit_codes_of_those_
     assert "stopped trainer" in messages and not any("exit code 1" in m for m in messages)
 
 
+def spawn_with_pid(pid: int) -> subprocess.Popen[bytes] | None:
+    """A process of this test (another program, as far as the fleet knows) given `pid` by the kernel, as pid reuse
+    would; None where this user cannot choose the next pid, or another process took it first each time."""
+    last_pid = Path("/proc/sys/kernel/ns_last_pid")
+    for _ in range(5):
+        try:
+            last_pid.write_text(str(pid - 1))
+        except OSError:
+            return None
+        other = subprocess.Popen(["sleep", "30"])
+        if other.pid == pid:
+            return other
+        other.kill()
+        other.wait(timeout=10)
+    return None
+
+
+def test_stopping_a_crashed_service_does_not_signal_the_process_that_took_its_pid(
+    tmp_path: Path,
+) -> None:
+    """The supervisor reaps a crashed service, waits its backoff, then restarts it: stopping it first sent SIGTERM to
+    its pid, which by then the kernel could have given to any other process of the user."""
+    fleet = fleet_in(tmp_path)
+    crashed = fleet.processes["reward"] = ServiceProcess(
+        "reward", [sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "r.log"
+    )
+    crashed.proc.wait(timeout=30)
+    other = spawn_with_pid(crashed.pid)
+    if other is None:
+        pytest.skip("the next pid cannot be chosen here (/proc/sys/kernel/ns_last_pid)")
+    try:
+        assert crashed.stop(timeout=5) == 3
+        fleet.stop()
+        time.sleep(0.3)
+        assert other.poll() is None, "the process that took the crashed service's pid was signalled"
+    finally:
+        other.kill()
+        other.wait(timeout=10)
+
+
 def test_a_service_that_cannot_be_stopped_leaves_the_others_stopped_and_the_record_kept(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
