@@ -157,6 +157,22 @@ def test_a_bad_base_port_is_refused_before_the_model_is_written(tmp_path: Path) 
     assert not state_dir.exists()
 
 
+@pytest.mark.parametrize("argv", [["up"], ["up", "--free-ports"], ["demo"]])
+def test_more_engines_than_ports_is_refused_naming_engines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    """--engines 30000 ran the engines' ports past 65535: `up` left fleet.json behind with an error naming no flag,
+    and --free-ports (as `demo`) failed with randrange's `empty range for randrange() (15000, 12769, -2231)`."""
+    state_dir = tmp_path / "state"
+    where = ["--state-dir", str(state_dir)] if argv[0] == "up" else ["--out", str(tmp_path / "demo")]
+    with pytest.raises(SystemExit) as refused:  # argparse's refusal
+        main([*argv, "--engines", "30000", *where])
+    status = refused.value.code
+    assert status == 2
+    assert "argument --engines: one machine's fleet runs at most 256 engines, got 30000" in capsys.readouterr().err
+    assert not state_dir.exists() and not (tmp_path / "demo").exists()
+
+
 def test_a_busy_port_is_refused_before_the_model_is_made(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     state_dir = tmp_path / "state"
     with socket.socket() as taken:

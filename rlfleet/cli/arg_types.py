@@ -17,6 +17,19 @@ def positive_int(text: str) -> int:
     return value
 
 
+# Engines of one fleet on one machine: their ports run on from the first engine's (30001 by default), clear of
+# the fleet's other default ports and inside what --free-ports draws from.
+MAX_ENGINES = 256
+
+
+def engine_count(text: str) -> int:
+    """positive_int, at most MAX_ENGINES (`argument --engines: one machine's fleet runs at most 256 engines`)."""
+    value = positive_int(text)
+    if value > MAX_ENGINES:
+        raise argparse.ArgumentTypeError(f"one machine's fleet runs at most {MAX_ENGINES} engines, got {value}")
+    return value
+
+
 def positive_float(text: str) -> float:
     """A finite float > 0, e.g. a timeout in seconds (`inf` would overflow the socket timeouts it becomes)."""
     try:

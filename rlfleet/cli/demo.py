@@ -24,7 +24,7 @@ import time
 import uuid
 from pathlib import Path
 
-from rlfleet.cli.arg_types import positive_int
+from rlfleet.cli.arg_types import engine_count, positive_int
 from rlfleet.cli.down import delete_keys
 from rlfleet.cli.fleet import check_redis_url
 from rlfleet.cli.runs import progress_line
@@ -55,7 +55,7 @@ def register(areas: argparse._SubParsersAction) -> None:
     demo.add_argument("--overwrite", action="store_true", help="delete --out even when it is not a previous demo's")
     demo.add_argument("--spec", type=Path, default=REPO / "examples/runs/arith-grpo.yaml", help="run spec to train")
     demo.add_argument("--sft-steps", type=positive_int, default=400, help="SFT warm-start steps")
-    demo.add_argument("--engines", type=positive_int, default=2, help="engines to start")
+    demo.add_argument("--engines", type=engine_count, default=2, help="engines to start")
     demo.add_argument("--redis-url", default=None, help="use this Redis instead of 127.0.0.1:6379 / a started one")
     demo.add_argument(
         "--redis-prefix",

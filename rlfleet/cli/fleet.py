@@ -17,7 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
-from rlfleet.cli.arg_types import positive_int
+from rlfleet.cli.arg_types import MAX_ENGINES, engine_count, positive_int
 from rlfleet.cli.steps import write_tiny_model
 from rlfleet.cli.stop_signals import StopSignal, raise_on_signals, stop_on_signals
 from rlfleet.fleet_supervisor import GaveUp, RestartPolicy, Supervisor
@@ -49,7 +49,9 @@ def register(areas: argparse._SubParsersAction) -> None:
         default=None,
         help="model the engines serve (default: <state-dir>/models/tiny, created when missing)",
     )
-    up.add_argument("--engines", type=positive_int, default=2, help="engines to start (default 2)")
+    up.add_argument(
+        "--engines", type=engine_count, default=2, help=f"engines to start (default 2, at most {MAX_ENGINES})"
+    )
     up.add_argument(
         "--engine",
         choices=["transformers", "sglang"],
@@ -135,6 +137,7 @@ def check_redis_url(url: str | None) -> None:
 
 def run_up(args: argparse.Namespace) -> int:
     ports = fleet_ports(args)  # bad flags are refused before anything is written or started
+    named_ports = ports.named(args.engines)
     check_model_path(args.model_path)
     check_redis_url(args.redis_url)
     try:
@@ -143,7 +146,7 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"rlfleet: error: the fleet did not start: {exc}", file=sys.stderr)
         return 1
     try:  # before the model is made: a busy port is known at once (the fleet checks again as it starts)
-        check_ports_free(FleetConfig.host, ports.named(args.engines))
+        check_ports_free(FleetConfig.host, named_ports)
     except ServiceStartError as exc:
         remove_own_record(args.state_dir)
         print(f"rlfleet: error: the fleet did not start: {exc}", file=sys.stderr)
