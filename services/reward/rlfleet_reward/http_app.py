@@ -118,7 +118,11 @@ def create_app(scorer: Scorer, metrics: RewardMetrics, max_request_bytes: int) -
             body = await _read_body(request, max_request_bytes)
         except ClientDisconnect:
             return Response(status_code=499)
-        return _json_response(scorer.validate_spec(parse_request(body, reward_pb2.ValidateSpecRequest())))
+        if len(body) > PARSE_OFF_LOOP_BYTES:
+            message = await asyncio.to_thread(parse_request, body, reward_pb2.ValidateSpecRequest())
+        else:
+            message = parse_request(body, reward_pb2.ValidateSpecRequest())
+        return _json_response(scorer.validate_spec(message))
 
     @app.get("/functions")
     async def functions() -> Response:

@@ -154,6 +154,15 @@ class Scorer:
 
         if not spec.terms:
             problem("terms", f"name at least one reward function (known: {', '.join(self.registry)})")
+        if len(spec.terms) > len(self.registry):
+            # Each function may appear once: no more terms can be right, and a problem per term, each naming every
+            # function, made a small request's answer many times its size.
+            problem(
+                "terms",
+                f"has {len(spec.terms)} entries, but each reward function may appear once and the hub has "
+                f"{len(self.registry)} (known: {', '.join(self.registry)})",
+            )
+            return [], 0.0, problems
         terms: list[_Term] = []
         for i, term in enumerate(spec.terms):
             where = f"terms[{i}]"

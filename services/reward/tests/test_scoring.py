@@ -244,6 +244,24 @@ def test_non_finite_params_are_refused_naming_the_field(with_scorer: WithScorer)
     assert refusal == "; ".join(f"spec.{field}: {message}" for field, message in problems)
 
 
+def test_more_terms_than_functions_is_one_problem_not_one_per_term(with_scorer: WithScorer) -> None:
+    """Each term was checked, and each unknown one gave a problem naming every function: an 8 MiB spec of
+    unknown terms answered 88 MiB after 15 s on the event loop, and /score refused it with a 77 MiB message."""
+    spec = reward_pb2.RewardSpec(terms=[reward_pb2.RewardTerm(function=f"f{i}") for i in range(10_000)])
+
+    async def body(scorer: Scorer) -> tuple[list[tuple[str, str]], str, int]:
+        with pytest.raises(InvalidInput) as raised:
+            await scorer.score(reward_pb2.ScoreRequest(spec=spec, items=[reward_pb2.ScoreItem(response="1")]))
+        problems = scorer.validate_spec(reward_pb2.ValidateSpecRequest(spec=spec)).problems
+        return [(p.field, p.message) for p in problems], str(raised.value), len(scorer.registry)
+
+    problems, refusal, functions = with_scorer(body, workers=1)
+    [(field, message)] = problems
+    assert field == "terms" and message.startswith(f"has 10000 entries, but each reward function may appear once and "
+                                                   f"the hub has {functions} (known: ")  # fmt: skip
+    assert len(refusal) < 2000, len(refusal)
+
+
 def test_a_weighted_sum_that_overflows_is_an_item_error(with_scorer: WithScorer) -> None:
     req = request(
         [{"function": "arith_exact", "weight": 1e308}, {"function": "exact", "weight": 1e308}],
