@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import logging
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -28,6 +29,13 @@ logger = logging.getLogger(__name__)
 TOKEN_ENV = "RLFLEET_API_TOKEN"
 TOKEN_FILE_ENV = "RLFLEET_API_TOKEN_FILE"
 _SCHEME = "bearer"
+# A token file others may read leaks the token; one its group or others may write lets them set it. A group may
+# read it: Kubernetes mounts the Secret 0440 for the pod's fsGroup.
+_EXPOSURES = (
+    (stat.S_IROTH, "any user can read it"),
+    (stat.S_IWOTH, "any user can change it"),
+    (stat.S_IWGRP, "its group can change it"),
+)
 
 
 def read_token_file(path: str | Path | None) -> str | None:
@@ -40,6 +48,15 @@ def read_token_file(path: str | Path | None) -> str | None:
         raise InvalidInput(f"api_token_file: cannot read the API token from {path}: {exc.strerror or exc}") from exc
     if not token:
         raise InvalidInput(f"api_token_file: {path} is empty; write the token into it or unset api_token_file")
+    mode = Path(path).stat().st_mode
+    exposed = [what for bit, what in _EXPOSURES if mode & bit]
+    if exposed:
+        logger.warning(
+            "api_token_file: %s has mode %s: %s; chmod it 0400 (0440 for a group that needs it)",
+            path,
+            oct(stat.S_IMODE(mode)),
+            ", ".join(exposed),
+        )
     return token
 
 

@@ -62,6 +62,33 @@ def test_token_files_are_read_once_and_bad_ones_named(tmp_path: Path) -> None:
     assert client_token({}) is None
 
 
+@pytest.mark.parametrize(
+    ("mode", "warning"),
+    [
+        (0o400, None),
+        (0o440, None),  # Kubernetes mounts the Secret so, for the pod's fsGroup
+        (0o644, "mode 0o644: any user can read it"),
+        (0o666, "mode 0o666: any user can read it, any user can change it, its group can change it"),
+        (0o460, "mode 0o460: its group can change it"),
+    ],
+)
+def test_a_token_file_others_may_read_or_change_is_warned_of(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, mode: int, warning: str | None
+) -> None:
+    """A token file at 0666 was used without a word: every user of the machine could read the token or set it."""
+    path = tmp_path / "token"
+    path.write_text("abc")
+    path.chmod(mode)
+    with caplog.at_level("WARNING", logger="rlfleet.api_token"):
+        assert read_token_file(path) == "abc"
+    messages = [record.getMessage() for record in caplog.records]
+    if warning is None:
+        assert messages == []
+    else:
+        [message] = messages
+        assert f"api_token_file: {path} has {warning}; chmod it 0400" in message
+
+
 def test_runs_api_rest_needs_the_token_and_probes_do_not(
     orchestrator: Service, api_token: tuple[str, Path], redis_client: redis.Redis, runs_prefix: str
 ) -> None:
