@@ -18,6 +18,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from rlfleet.http_head_limit import HeadLimitedHttpProtocol
 from rlfleet_engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ def serve_http(app: FastAPI, config: EngineConfig, abort_all: Callable[[], None]
         host=config.host,
         port=config.port,
         log_config=None,
+        http=HeadLimitedHttpProtocol,
         timeout_keep_alive=5,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )

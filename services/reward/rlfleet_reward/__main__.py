@@ -63,6 +63,7 @@ async def serve(settings: RewardSettings, registry: Registry) -> None:
 
     import uvicorn
 
+    from rlfleet.http_head_limit import HeadLimitedHttpProtocol
     from rlfleet_reward.grpc_server import create_grpc_server
     from rlfleet_reward.http_app import create_app
     from rlfleet_reward.http_listener import tcp_listener
@@ -102,6 +103,7 @@ async def serve(settings: RewardSettings, registry: Registry) -> None:
         uvicorn.Config(
             create_app(scorer, metrics, settings.max_request_bytes),
             log_config=None,
+            http=HeadLimitedHttpProtocol,
             lifespan="off",
             timeout_graceful_shutdown=max(1, math.ceil(settings.shutdown_grace_seconds)),
         )

@@ -22,6 +22,7 @@ import httpx
 import uvicorn
 
 from rlfleet.api_token import ApiTokenGuard, bearer_headers, read_token_file
+from rlfleet.http_head_limit import HeadLimitedHttpProtocol
 from rlfleet.sample_stream import connect_redis, connect_redis_async
 from rlfleet_rollout.concurrency import cancel_and_wait
 from rlfleet_rollout.config import RolloutConfig
@@ -115,6 +116,7 @@ async def serve(config: RolloutConfig) -> None:
             host=config.host,
             port=config.port,
             log_config=None,
+            http=HeadLimitedHttpProtocol,
             timeout_graceful_shutdown=max(1, int(config.shutdown_grace_s)),
         )
     )

@@ -1,5 +1,5 @@
-"""The router's HTTP/1.1 server protocol: uvicorn's httptools protocol, with generation requests served
-from the parser.
+"""The router's HTTP/1.1 server protocol: uvicorn's httptools protocol (with the services' bound on a request's
+head, `rlfleet.http_head_limit`), with generation requests served from the parser.
 
 A generation request (POST `/generate` and the OpenAI routes, PUT `/generate`) is most of a router's
 traffic, and uvicorn's per-request ASGI machinery (scope, request-response cycle, event, message dicts,
@@ -24,10 +24,11 @@ from typing import Any
 
 import httptools
 from starlette.types import Message, Scope
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from rlfleet.errors import Internal, RlfleetError
 from rlfleet.http_errors import error_response
+from rlfleet.http_head_limit import HeadLimitedHttpProtocol
 from rlfleet_router.generation_relay import (
     CLIENT_CLOSED_REQUEST,
     GenerationRelay,
@@ -40,12 +41,13 @@ from rlfleet_router.generation_relay import (
 ASGI = {"version": "3.0", "spec_version": "2.3"}
 
 
-class RouterHttpProtocol(HttpToolsProtocol):
+class RouterHttpProtocol(HeadLimitedHttpProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.relay = find_relay(self.app)
 
     def on_headers_complete(self) -> None:
+        self.end_head()
         relay = self.relay
         method = self.parser.get_method()
         if (

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from router_fakes import FakeEngine, RunningRouter, metric_value
 
+from rlfleet.http_head_limit import MAX_HEAD_BYTES
 from rlfleet_router import http_protocol
 
 
@@ -290,3 +291,25 @@ def test_an_abort_by_rid_that_would_stop_other_requests_is_not_sent(
         sock.sendall(post("/generate", {"text": "leaving again", "rid": "run/1", "delay": 20}))
         router.wait_for(lambda: router.workers()[0]["in_flight"] == 1, what="the request at the engine")
     router.wait_for(lambda: engine.aborted() == ["run/1"], timeout=3, what="the abort")
+
+
+def test_generation_requests_are_bound_by_their_head_not_their_body(
+    one_engine: tuple[FakeEngine, RunningRouter], served: list[str]
+) -> None:
+    """The router's protocol bounds heads as every service's does (rlfleet.http_head_limit), generation requests
+    served from the parser included: a long prompt is body, and a 256 MiB header is refused as it arrives."""
+    _, router = one_engine
+    long_prompt = post("/generate", {"text": "x" * (4 * MAX_HEAD_BYTES)})
+    with socket.create_connection(("127.0.0.1", router.server.port)) as sock:
+        for raw in (post("/generate", {"text": "q"}), long_prompt, post("/generate", {"text": "r"})):
+            sock.sendall(raw)
+            [(status, _, _)] = read_answers(sock, 1)
+            assert status == 200
+    assert served == ["/generate"] * 3
+    with socket.create_connection(("127.0.0.1", router.server.port)) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nhost: r\r\nx-padding: ")
+        with pytest.raises(OSError):
+            for _ in range(1024):
+                sock.sendall(b"p" * 4096)
+        [(status, _, body)] = read_answers(sock, 1)
+    assert status == 431 and b"request line and headers are over" in body

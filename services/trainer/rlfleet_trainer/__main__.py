@@ -197,6 +197,7 @@ def serve_api(settings: TrainerSettings, ranks: RankGroup, registry: CollectorRe
     import uvicorn
 
     from rlfleet.api_token import read_token_file
+    from rlfleet.http_head_limit import HeadLimitedHttpProtocol
     from rlfleet.sample_stream import connect_redis
     from rlfleet_trainer.grpc_server import make_grpc_server
     from rlfleet_trainer.http_app import make_http_app
@@ -222,6 +223,7 @@ def serve_api(settings: TrainerSettings, ranks: RankGroup, registry: CollectorRe
                 host=settings.host,
                 port=settings.http_port,
                 log_config=None,
+                http=HeadLimitedHttpProtocol,
             )
         )
         logger.info(

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 import uvicorn
 from fastapi import FastAPI
 
+from rlfleet.http_head_limit import HeadLimitedHttpProtocol
+
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.05
@@ -37,7 +39,7 @@ def serving_in_thread(app: FastAPI, host: str, port: int, start_timeout_s: float
             f"the trainer node's HTTP server (/health, /metrics) cannot listen on {host}:{port} "
             f"({exc.strerror or exc}); choose another port with --http-port"
         ) from exc
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None))
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, http=HeadLimitedHttpProtocol))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, name="node-http", daemon=True)
     thread.start()
     try:
