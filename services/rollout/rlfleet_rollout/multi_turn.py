@@ -116,7 +116,25 @@ async def run_episode(
     trajectory_id: str,
 ) -> Episode:
     """One episode of `prompt` under `trajectory_id`, with SGLang `sampling` params (seeded per turn unless
-    `seed` is None, e.g. greedy evaluation)."""
+    `seed` is None, e.g. greedy evaluation). However it ends, the router's copy of its trajectory is deleted
+    then, so an episode that failed does not crowd the ones under way out of the router's cache either."""
+    episode = await _play_episode(ctx, env, prompt, prompt_ids, sampling, seed, trajectory_id)
+    try:
+        await ctx.router.forget_trajectory(trajectory_id)
+    except RlfleetError as exc:  # the router evicts it in time; the sample has what it needs
+        logger.warning("could not delete trajectory %s at the router: %s", trajectory_id, exc)
+    return episode
+
+
+async def _play_episode(
+    ctx: RolloutContext,
+    env: Environment,
+    prompt: Prompt,
+    prompt_ids: list[int],
+    sampling: dict[str, Any],
+    seed: int | None,
+    trajectory_id: str,
+) -> Episode:
     replies = ctx.replies
     if replies is None:
         raise Internal("an episode needs the orchestrator's ReplyPool (RolloutContext.replies)")
@@ -163,10 +181,6 @@ async def run_episode(
     except RlfleetError as exc:
         error = f"reading trajectory {trajectory_id} from the router failed: {exc}"
         return Episode(Completion(error=error), turns=turns)
-    try:
-        await ctx.router.forget_trajectory(trajectory_id)
-    except RlfleetError as exc:  # the router evicts it in time; the sample has what it needs
-        logger.warning("could not delete trajectory %s at the router: %s", trajectory_id, exc)
     if tuple(trajectory.prompt_ids) != tuple(prompt_ids):
         # The router dropped the trajectory between turns (evicted as stale or over its budget, or restarted):
         # a later turn began a new one, whose prompt holds the earlier turns with nothing to tell them apart.

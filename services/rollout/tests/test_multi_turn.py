@@ -346,6 +346,16 @@ def test_an_environment_that_raises_fails_its_sample_not_the_run(tokenizer_dir: 
     assert ok.reward == 1.0 and ok.metadata["turns"] == "2"
 
 
+def test_a_failed_episode_deletes_its_trajectory_at_the_router_too(tokenizer_dir: Path, replies: ReplyPool) -> None:
+    """An episode that ended early (its environment raised, a turn failed) left its trajectory in the router's
+    cache until evicted, crowding out the episodes under way as a finished one did before it was deleted."""
+    router = FakeRouter()
+    ctx = replace(_context(tokenizer_dir, replies, router, max_turns=3), environment=LosesItsSession())
+    group = asyncio.run(multi_turn(ctx, _request()))
+    assert any(s.status == SampleStatus.SAMPLE_STATUS_FAILED for s in group.samples)
+    assert sorted(router.forgotten) == sorted(s.metadata["trajectory_id"] for s in group.samples)
+
+
 class WaitsForTheLoop:
     """A slow tool: its reply waits until a coroutine of the event loop has seen it start, which a reply that
     runs on the loop itself would wait for in vain."""
