@@ -17,8 +17,10 @@ from fractions import Fraction
 
 from rlfleet_rollout.datasets import Prompt
 
-MAX_EXPRESSION_CHARS = 64
-TOOL_CALL = re.compile(rf"\[([^\[\]]{{1,{MAX_EXPRESSION_CHARS}}})\]")
+MAX_EXPRESSION_CHARS = 64  # longer is `=error`: it bounds the parser's depth and the numbers' size
+TOOL_CALL = re.compile(r"\[([^\[\]]+)\]")
+# A decimal shows this many places, or more for a value under 0.1, as many as show this many significant digits.
+DECIMAL_DIGITS = 6
 _TOKEN = re.compile(r"\s*(?:([0-9]+)|(.))")
 
 
@@ -27,6 +29,8 @@ class CalculatorEnvironment:
         call = TOOL_CALL.search(turns[-1])
         if call is None:
             return None
+        if len(call.group(1)) > MAX_EXPRESSION_CHARS:
+            return "=error\n"
         try:
             value = evaluate(call.group(1))
         except ValueError:
@@ -38,8 +42,18 @@ calculator = CalculatorEnvironment()
 
 
 def format_value(value: Fraction) -> str:
-    """An integer as is, any other value as a decimal of at most 6 significant digits."""
-    return str(value.numerator) if value.denominator == 1 else f"{float(value):.6g}"
+    """An integer as is, any other value as a decimal, never in exponent notation, rounded to DECIMAL_DIGITS
+    places (more for a value under 0.1: as many as show DECIMAL_DIGITS significant digits), trailing zeros
+    dropped: 617283.5, 0.333333, 0.000000333333. A point always shows the value is not a whole number."""
+    if value.denominator == 1:
+        return str(value.numerator)
+    places = DECIMAL_DIGITS
+    while abs(value) * 10**places < 10 ** (DECIMAL_DIGITS - 1):
+        places += 1
+    scaled = round(value * 10**places)
+    digits = str(abs(scaled)).rjust(places + 1, "0")
+    whole, fraction = digits[:-places], digits[-places:].rstrip("0")
+    return f"{'-' if scaled < 0 else ''}{whole}.{fraction or '0'}"
 
 
 def evaluate(expression: str) -> Fraction:
@@ -98,7 +112,7 @@ class _Parser:
 
     def atom(self) -> Fraction:
         token = self._take()
-        if token.isdigit():
+        if token.isascii() and token.isdigit():  # str.isdigit takes every script's digits: '١' is not a number here
             return Fraction(int(token))
         if token == "(":
             value = self.sum()

@@ -58,7 +58,7 @@ def test_the_calculator_parses_arithmetic(expression: str, value: Fraction) -> N
     assert evaluate(expression) == value
 
 
-@pytest.mark.parametrize("expression", ["1/0", "2+", "(1", "1)", "a+1", "__import__('os')", ""])
+@pytest.mark.parametrize("expression", ["1/0", "2+", "(1", "1)", "a+1", "__import__('os')", "", "\u0661+\u0662"])
 def test_the_calculator_rejects_what_is_not_arithmetic(expression: str) -> None:
     with pytest.raises(ValueError):
         evaluate(expression)
@@ -70,6 +70,25 @@ def test_the_calculator_answers_a_bracketed_call_and_ends_on_an_answer() -> None
     assert calculator.reply(prompt, ["[1/4]"]) == "=0.25\n"
     assert calculator.reply(prompt, ["[12+x]"]) == "=error\n"
     assert calculator.reply(prompt, ["19"]) is None
+
+
+@pytest.mark.parametrize(
+    ("expression", "shown"),
+    [
+        ("1234567/2", "617283.5"),  # was 617284: a rounded value that read as exact
+        ("2469135/2", "1234567.5"),  # was 1.23457e+06
+        ("1/3000000", "0.000000333333"),  # was 3.33333e-07
+        ("-2/3", "-0.666667"),
+        ("(10000000000+1)/10000000000", "1.0"),  # rounded, but still not whole
+    ],
+)
+def test_the_calculator_shows_a_decimal_never_an_exponent_nor_a_rounded_whole(expression: str, shown: str) -> None:
+    assert calculator.reply(Prompt(prompt="", answer=""), [f"[{expression}]"]) == f"={shown}\n"
+
+
+def test_a_call_past_the_expression_bound_is_an_error_not_an_answer() -> None:
+    """A bracketed call of 65 characters matched no call: the turn was taken for the final answer."""
+    assert calculator.reply(Prompt(prompt="", answer=""), ["[" + "1+" * 32 + "1]"]) == "=error\n"
 
 
 class FakeRouter:
