@@ -56,17 +56,12 @@ def load_tokenizer(tokenizer_path: str) -> Tokenizer:
 def load_chat_template(tokenizer_path: str) -> Callable[[str], str]:
     """The tokenizer's chat template as prompt -> rendered user turn, as transformers' apply_chat_template renders
     it: chat_template.jinja (where transformers saves it since 4.43, and which it prefers), else tokenizer_config.json
-    `chat_template`; rendered with `tools` and `documents` None and every special token the config names.
+    `chat_template`; rendered with `tools` and `documents` None and every special token the config (or
+    special_tokens_map.json) names.
 
     InvalidInput naming dataset.chat_template when the tokenizer has none: the run asked for one.
     """
-    config_path = Path(tokenizer_path) / "tokenizer_config.json"
-    config: dict[str, Any] = {}
-    if config_path.is_file():
-        try:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise InvalidInput(f"model.tokenizer_path: cannot read {config_path}: {exc}") from exc
+    config = _json_file(Path(tokenizer_path) / "tokenizer_config.json")
     source = config.get("chat_template")
     jinja = Path(tokenizer_path) / "chat_template.jinja"
     if jinja.is_file():
@@ -86,11 +81,13 @@ def load_chat_template(tokenizer_path: str) -> Callable[[str], str]:
         template = _jinja_environment().from_string(source)
     except TemplateError as exc:
         raise InvalidInput(f"dataset.chat_template: the tokenizer's chat template does not parse: {exc}") from exc
-    # transformers passes its special_tokens_map: every token the config names (a template may use pad_token).
-    specials: dict[str, Any] = {name: _token_text(config.get(name)) for name in _SPECIAL_TOKENS if name in config}
+    # transformers passes its special_tokens_map: every token the config names (a template may use pad_token), or,
+    # where the config does not, special_tokens_map.json (many tokenizers name their bos and eos there alone).
+    named = {**_json_file(Path(tokenizer_path) / "special_tokens_map.json"), **config}
+    specials: dict[str, Any] = {name: _token_text(named.get(name)) for name in _SPECIAL_TOKENS if name in named}
     specials.setdefault("bos_token", "")
     specials.setdefault("eos_token", "")
-    if isinstance(extra := config.get("additional_special_tokens"), list):
+    if isinstance(extra := named.get("additional_special_tokens"), list):
         specials["additional_special_tokens"] = [_token_text(token) for token in extra]
 
     def render(prompt: str) -> str:
@@ -153,6 +150,19 @@ def _strftime_now(fmt: str) -> str:
 
 
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _json_file(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`, {} when there is none; InvalidInput naming the file when it cannot be read."""
+    if not path.is_file():
+        return {}
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise InvalidInput(f"model.tokenizer_path: cannot read {path}: {exc}") from exc
+    if not isinstance(document, dict):
+        raise InvalidInput(f"model.tokenizer_path: {path} holds a JSON {type(document).__name__}, not an object")
+    return document
 
 
 def _token_text(value: object) -> str:

@@ -121,6 +121,22 @@ def test_the_template_and_the_variables_are_those_transformers_loads_and_passes(
     assert load_chat_template(str(path))("1+2=") == expected == "user: 1+2=<pad>assistant:"
 
 
+def test_special_tokens_named_only_in_special_tokens_map_are_rendered_as_transformers_renders_them(
+    tmp_path: Path,
+) -> None:
+    """Many tokenizers name their bos and eos in special_tokens_map.json alone: {{ bos_token }} rendered '' where
+    transformers renders '<s>', and every prompt differed from the model's own template."""
+    transformers = pytest.importorskip("transformers")
+    path = _bos_tokenizer(tmp_path / "tok", "{{ bos_token }}{% for m in messages %}[{{ m.content }}]{% endfor %}>")
+    (path / "tokenizer_config.json").write_text("{}")  # the config names no token
+    (path / "special_tokens_map.json").write_text(json.dumps({"bos_token": {"content": "<s>"}, "eos_token": "</s>"}))
+    reference = transformers.AutoTokenizer.from_pretrained(str(path))
+    expected = reference.apply_chat_template(
+        [{"role": "user", "content": "1+2="}], tokenize=False, add_generation_prompt=True
+    )
+    assert load_chat_template(str(path))("1+2=") == expected == "<s>[1+2=]>"
+
+
 def test_a_template_that_raises_is_refused_with_its_message(tmp_path: Path) -> None:
     render = load_chat_template(str(_bos_tokenizer(tmp_path / "tok", HUB_TEMPLATE)))
     with pytest.raises(InvalidInput, match="rendering the tokenizer's chat template failed: the prompt is empty"):
