@@ -6,7 +6,7 @@ the engine reports (`engine_usage`) and, for a trajectory, the whole answer. A s
 its first piece cannot move to another engine (part of it was delivered): it ends with an error, an
 SSE error event in the router's error shape when the stream stands between two events, then a cut
 connection rather than a false end. A stream given up at the request's deadline (its engine too slow, or
-its client not reading) is also aborted at its engine by rid.
+its client not reading), or whose client left, is also aborted at its engine by rid.
 """
 
 from __future__ import annotations
@@ -111,7 +111,13 @@ class EngineResponse(StreamingResponse):
             self._abort(self._attempt, "past its deadline")
             raise
         finally:
-            self.release()
+            if not self._released:
+                # Ended before its answer did, unasked by the engine (whose failures release it first): the client
+                # left mid-stream. The closed connection alone stops the engine late, or never.
+                cut_short = not self._complete
+                self.release()
+                if cut_short:
+                    self._abort(self._attempt, "its client left")
 
     def release(self) -> None:
         """Ends the attempt; the connection goes back to the engine's pool if the answer was read to its end."""

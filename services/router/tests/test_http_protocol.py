@@ -151,8 +151,10 @@ def test_a_body_larger_than_uvicorns_read_buffer_is_read_whole(
 def test_a_client_leaving_a_stream_ends_the_engines_stream(
     one_engine: tuple[FakeEngine, RunningRouter], served: list[str], path: str
 ) -> None:
+    """And asks the engine to abort it by rid, as a plain request's: the closed connection alone stops SGLang
+    only when it next looks, and the stream went on generating for nobody."""
     engine, router = one_engine
-    body = {"text": "long", "stream": True, "chunks": 200, "chunk_delay": 0.05}
+    body = {"text": "long", "rid": "stream-left-1", "stream": True, "chunks": 200, "chunk_delay": 0.05}
     head, payload = post("/generate", body, extra="expect: 100-continue\r\n" if path == "uvicorn" else "").split(
         b"\r\n\r\n", 1
     )
@@ -176,6 +178,7 @@ def test_a_client_leaving_a_stream_ends_the_engines_stream(
     ):
         assert time.monotonic() < deadline, f"engine streams cut: {engine.streams_cut}; the router kept relaying"
         time.sleep(0.05)
+    router.wait_for(lambda: engine.aborted() == ["stream-left-1"], timeout=3, what="the abort at the engine")
     assert served == (["/generate"] if path == "parser" else [])
 
 
