@@ -37,6 +37,11 @@ class RolloutFunction(Protocol):
 class RolloutRegistry:
     def __init__(self, functions: Mapping[str, RolloutFunction], environments: Mapping[str, Environment]) -> None:
         for name, env in environments.items():
+            if isinstance(env, type):  # the protocol check passes a class: its reply is an unbound function
+                raise TypeError(
+                    f"environment {name!r} is the class {env.__name__}, not an instance of it: register an object, "
+                    f"e.g. `{name} = {env.__name__}()`"
+                )
             if not isinstance(env, Environment):
                 raise TypeError(f"environment {name!r} is a {type(env).__name__} without a reply(prompt, turns) method")
         self._functions = dict(functions)

@@ -308,6 +308,13 @@ def test_an_environment_without_a_reply_method_is_refused_at_start_up() -> None:
         RolloutRegistry({}, {"broken": object()})
 
 
+def test_an_environment_registered_as_its_class_is_refused_at_start_up() -> None:
+    """The class passed the protocol check (it has a reply attribute), then every episode failed: `reply()
+    missing 1 required positional argument: 'turns'`."""
+    with pytest.raises(TypeError, match=r"'calc' is the class CalculatorEnvironment, not an instance of it"):
+        RolloutRegistry({}, {"calc": type(calculator)})
+
+
 class LosesItsSession:
     """The calculator, except that its first reply raises, as a tool backend that lost its session would."""
 
