@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 # Weight updates come once per training step, far apart next to one generation: a completion aborted
 # more often than this is failing for another reason, and is recorded as aborted.
 MAX_RESUMES = 4
+_REPLACEMENT = "\ufffd"  # what a decoder gives for the bytes of a character not all there
 
 
 def join(head: Completion, tail: Completion, decode: Callable[[list[int]], str]) -> Completion:
@@ -43,14 +44,16 @@ def join(head: Completion, tail: Completion, decode: Callable[[list[int]], str])
 
     The text is the engine's text of `head`, then the tail's tokens decoded after the head's (`decode`), less
     what the engine cut from the tail's end (a stop string): decoded alone, a SentencePiece tail loses the
-    space its first token begins with, and "is 42" would follow "the answer" as "the answeris 42".
+    space its first token begins with, and "is 42" would follow "the answer" as "the answeris 42". A head cut
+    between the byte tokens of one character ends in U+FFFD, as does the tail decoded alone: the character is
+    whole only in the tokens decoded together, so the head's text is taken without it.
     """
     versions = list(head.weight_versions)
     versions += [v for v in tail.weight_versions if not versions or v != versions[-1]]
     return Completion(
         output_ids=head.output_ids + tail.output_ids,
         logprobs=head.logprobs + tail.logprobs,
-        text=head.response_text(decode) + _tail_text(head, tail, decode),
+        text=_head_text(head, decode) + _tail_text(head, tail, decode),
         finish_reason=tail.finish_reason,
         weight_version=tail.weight_version,
         weight_versions=tuple(versions),
@@ -59,10 +62,15 @@ def join(head: Completion, tail: Completion, decode: Callable[[list[int]], str])
     )
 
 
+def _head_text(head: Completion, decode: Callable[[list[int]], str]) -> str:
+    """The head's text less the replacement characters a character cut at its end decodes to."""
+    return head.response_text(decode).rstrip(_REPLACEMENT)
+
+
 def _tail_text(head: Completion, tail: Completion, decode: Callable[[list[int]], str]) -> str:
     alone = decode(list(tail.output_ids))
     text = tail.response_text(decode)
-    before = decode(list(head.output_ids))
+    before = decode(list(head.output_ids)).rstrip(_REPLACEMENT)
     together = decode(list(head.output_ids + tail.output_ids))
     in_context = together[len(before) :]
     trimmed = alone[len(text) :]  # what the engine cut from the end (a matched stop string)
@@ -77,7 +85,7 @@ def stop_across_the_cut(
     """`whole` (`head` joined with its continuation) cut at the earliest stop string that begins in
     `head`'s text and ends after it, as the engine cuts a generation: the tokens up to the one that
     completes the match, the text up to where the match begins, finish reason stop. Unchanged if none."""
-    cut = len(head.response_text(decode))
+    cut = len(_head_text(head, decode))
     text = whole.response_text(decode)
     hits = []
     for stop in stops:

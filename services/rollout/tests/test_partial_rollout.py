@@ -125,6 +125,20 @@ def test_the_continuations_text_is_decoded_after_the_aborted_tokens() -> None:
     assert join(head, replace(stopped, output_ids=(5,), logprobs=(-0.2,), text=""), _sentencepiece).text == "the answer"
 
 
+def test_a_character_the_cut_splits_is_whole_in_the_joined_text() -> None:
+    """A byte-level tokenizer spells a character it lacks in 2-4 byte tokens: cut between them, the head's text
+    ended in U+FFFD and the tail's began with one, and the reward read '5\ufffd\ufffd per day' for '5€ per day'."""
+    euro = list("€".encode())
+
+    def byte_level(ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    head_ids, tail_ids = list(b"is 5") + euro[:2], euro[2:] + list(b" a day")
+    head = Completion(tuple(head_ids), (-0.1,) * 6, byte_level(head_ids), ABORT, 4, (4,), error="generation aborted")
+    tail = Completion(tuple(tail_ids), (-0.2,) * 7, byte_level(tail_ids), LENGTH, 5, (5,))
+    assert join(head, tail, byte_level).text == "is 5€ a day"
+
+
 class AlwaysAborts:
     """A router whose engines abort every request after one token."""
 
