@@ -56,7 +56,8 @@ def test_help_lists_the_orchestrator_settings_without_a_flag() -> None:
     text = SERVICES["rollout"][1].format_help()
     for variable in ("RLFLEET_ROLLOUT_REWARD_LIST_TIMEOUT_S", "RLFLEET_ROLLOUT_EVAL_BATCH_SIZE"):
         assert f"\n  {variable}\n" in text
-    assert "Held-out prompts per greedy /generate request during evaluation (default 32)" in " ".join(text.split())
+    evaluation = "Held-out samples per /generate request during evaluation; of a multi_turn run, episodes under way"
+    assert f"{evaluation} at once (default 32)" in " ".join(text.split())
 
 
 def test_no_service_prefix_begins_another() -> None:

@@ -66,7 +66,7 @@ class RolloutConfig(BaseSettings):
     """Bound on one environment reply, a wait for a free thread included: past it the episode's sample fails
     (`turn N: environment did not reply within 60s`) and the reply keeps its thread (a thread cannot be stopped)."""
     eval_batch_size: int = Field(default=32, gt=0)
-    """Held-out prompts per greedy /generate request during evaluation."""
+    """Held-out samples per /generate request during evaluation; of a multi_turn run, episodes under way at once."""
     watch_keepalive_s: float = Field(default=15.0, gt=0)
     """A REST watch stream (`GET /v1/runs/{id}:watch`) sends a `: keep-alive` comment after this long without a
     change, so proxies and clients keep a quiet run's stream open (`rlfleet watch` gives up after 60 s of silence)."""

@@ -12,6 +12,7 @@ environment token of an episode).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from rlfleet.v1.samples_pb2 import FinishReason
 from rlfleet_rollout.concurrency import gather_cancelling
 from rlfleet_rollout.datasets import Prompt
 from rlfleet_rollout.group_producer import RolloutContext, full_marks, sample_seed, seeded_sampling
-from rlfleet_rollout.multi_turn import run_episode
+from rlfleet_rollout.multi_turn import Episode, run_episode
 from rlfleet_rollout.router_client import Completion, sampling_body
 
 logger = logging.getLogger(__name__)
@@ -75,27 +76,35 @@ async def _evaluate_batch(
 
 
 async def _evaluate_episodes(
-    ctx: RolloutContext, run_id: str, step: int, start: int, prompts: list[Prompt], k: int
+    ctx: RolloutContext,
+    run_id: str,
+    step: int,
+    start: int,
+    prompts: list[Prompt],
+    k: int,
+    under_way: asyncio.Semaphore,
 ) -> list[_Outcome]:
-    """As `_evaluate_batch`, one episode with the run's environment per held-out prompt and sample."""
-    assert ctx.environment is not None
+    """As `_evaluate_batch`, one episode with the run's environment per held-out prompt and sample; an episode
+    starts once `under_way` lets it (the evaluation's bound on episodes under way at once)."""
+    environment = ctx.environment
+    assert environment is not None
     cells = [(start + i, p, j) for i, p in enumerate(prompts) for j in range(k)]
     sampling = sampling_body(ctx.spec.rollout.sampling, greedy=k == 1)
     attempt = uuid.uuid4().hex[:8]
-    episodes = await gather_cancelling(
-        [
-            run_episode(
+
+    async def episode(index: int, prompt: Prompt, j: int) -> Episode:
+        async with under_way:
+            return await run_episode(
                 ctx,
-                ctx.environment,
-                p,
-                ctx.encode(ctx.render(p.prompt)),
+                environment,
+                prompt,
+                ctx.encode(ctx.render(prompt.prompt)),
                 sampling,
                 None if k == 1 else sample_seed(ctx.spec.dataset.seed, -1 - index, j),
                 f"{run_id}:eval:{step}:{index}:{j}@{attempt}",
             )
-            for index, p, j in cells
-        ]
-    )
+
+    episodes = await gather_cancelling([episode(index, p, j) for index, p, j in cells])
     return await _judge(ctx, cells, [e.completion for e in episodes], [e.final_turn for e in episodes])
 
 
@@ -128,10 +137,21 @@ async def evaluate(
     k = ctx.spec.schedule.eval_samples
     per_request = max(1, batch_size // k)  # a request holds about batch_size samples
     batches = [prompts[i : i + per_request] for i in range(0, len(prompts), per_request)]
-    evaluate_batch = _evaluate_batch if ctx.environment is None else _evaluate_episodes
-    per_batch = await gather_cancelling(
-        [evaluate_batch(ctx, run_id, step, i * per_request, batch, k) for i, batch in enumerate(batches)]
-    )
+    if ctx.environment is None:
+        per_batch = await gather_cancelling(
+            [_evaluate_batch(ctx, run_id, step, i * per_request, batch, k) for i, batch in enumerate(batches)]
+        )
+    else:
+        # At most a batch of episodes under way: started all at once, every episode's first turn ran before any
+        # second one, and their trajectories together passed the router's cache budget, which evicted the
+        # episodes waiting for their next turn (a thousand held-out prompts lost a third of their samples).
+        under_way = asyncio.Semaphore(batch_size)
+        per_batch = await gather_cancelling(
+            [
+                _evaluate_episodes(ctx, run_id, step, i * per_request, batch, k, under_way)
+                for i, batch in enumerate(batches)
+            ]
+        )
     outcomes = [o for batch in per_batch for o in batch]
     answered = [o.completion for o in outcomes if not o.completion.error]
     if not answered:

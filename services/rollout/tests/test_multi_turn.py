@@ -293,6 +293,37 @@ def test_an_episode_ends_cut_where_the_models_context_does(tokenizer_dir: Path, 
     assert failed.status == SampleStatus.SAMPLE_STATUS_FAILED and "leaves no room" in failed.error
 
 
+class CountsEpisodesUnderWay(FakeRouter):
+    """Counts trajectories begun and not yet forgotten, the most at once; each turn takes a moment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.under_way: set[str] = set()
+        self.most = 0
+
+    async def generate_turn(self, prompt: list[int], sampling: dict[str, Any], rid: str, tid: str) -> Completion:
+        self.under_way.add(tid)
+        self.most = max(self.most, len(self.under_way))
+        await asyncio.sleep(0.01)
+        return await super().generate_turn(prompt, sampling, rid, tid)
+
+    async def forget_trajectory(self, tid: str) -> None:
+        self.under_way.discard(tid)
+        await super().forget_trajectory(tid)
+
+
+def test_an_evaluation_has_at_most_a_batch_of_episodes_under_way(tokenizer_dir: Path, replies: ReplyPool) -> None:
+    """Every episode of an evaluation started at once: their first turns all ran before any second one, and
+    together their trajectories passed the router's cache budget, which evicted the episodes still under way
+    (1000 held-out prompts lost a third of their samples)."""
+    router = CountsEpisodesUnderWay()
+    ctx = _context(tokenizer_dir, replies, router, max_turns=3)
+    prompts = [Prompt(prompt=f"{a}+1=", answer=str(a + 1)) for a in range(24)]
+    result = asyncio.run(evaluate_run(ctx, "run-1", 0, prompts, batch_size=4, trainer_version=0))
+    assert result.accuracy == 1.0 and len(router.forgotten) == 24
+    assert router.most == 4
+
+
 def test_a_multi_turn_run_is_evaluated_in_episodes(tokenizer_dir: Path, replies: ReplyPool) -> None:
     router = FakeRouter()
     ctx = _context(tokenizer_dir, replies, router, max_turns=3)
