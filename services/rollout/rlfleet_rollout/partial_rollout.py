@@ -87,6 +87,11 @@ def stop_across_the_cut(
     completes the match, the text up to where the match begins, finish reason stop. Unchanged if none."""
     cut = len(_head_text(head, decode))
     text = whole.response_text(decode)
+    untrimmed = decode(list(whole.output_ids))
+    if untrimmed.startswith(text):
+        # The continuation's engine cut a stop string of its own from the end, which may have completed the one
+        # the cut split: the search reads what it cut too.
+        text = untrimmed
     hits = []
     for stop in stops:
         start = text.find(stop, max(0, cut - len(stop) + 1))

@@ -184,6 +184,15 @@ def test_a_stop_string_the_cut_splits_ends_the_joined_generation_where_the_engin
         assert stop_across_the_cut(join(head, tail, _decode), head, stops, _decode) == join(head, tail, _decode)
 
 
+def test_a_stop_string_the_cut_splits_is_found_when_the_continuation_ended_on_its_own() -> None:
+    """The continuation "\n\n" matched the stop on its own and came back trimmed to "": the search read the
+    trimmed text, missed the "\n\n" across the cut, and the sample kept a token and read "42\n"."""
+    head = Completion(_chars("42\n"), (-0.1,) * 3, "42\n", ABORT, 4, (4,), error="generation aborted")
+    tail = Completion(_chars("\n\n"), (-0.2,) * 2, "", FinishReason.FINISH_REASON_STOP, 5, (5,))
+    cut = stop_across_the_cut(join(head, tail, _decode), head, ["\n\n"], _decode)
+    assert (cut.text, cut.output_ids, cut.finish_reason) == ("42", _chars("42\n\n"), FinishReason.FINISH_REASON_STOP)
+
+
 class AbortsThenFinishesTheStop:
     """Aborts a generation after "x [EN"; its continuation is "D] y"."""
 
