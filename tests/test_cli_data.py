@@ -36,3 +36,17 @@ def test_a_reader_gone_before_the_first_line_ends_the_output_quietly() -> None:
     err = data.stderr.read().decode()
     assert data.wait(timeout=120) == 128 + signal.SIGPIPE, err
     assert err == ""
+
+
+def test_an_output_that_cannot_be_written_is_one_line_not_a_traceback() -> None:
+    """`> /dev/full` (a full disk) ended in an OSError traceback."""
+    with open("/dev/full", "wb") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "rlfleet.cli", "data", "arithmetic", "--count", "5000"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            timeout=120,
+        )
+    err = done.stderr.decode()
+    assert done.returncode == 2, err
+    assert err == "rlfleet: error: [Errno 28] No space left on device\n"

@@ -61,3 +61,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # flush at exit does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
+    except OSError as exc:  # a disk full, an I/O error: of the output (`> /dev/full`) or of a file written
+        print(f"rlfleet: error: {exc}", file=sys.stderr)
+        try:
+            sys.stdout.flush()
+        except OSError:  # the output itself failed: what is still buffered would fail again at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 2
