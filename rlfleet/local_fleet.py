@@ -90,6 +90,11 @@ class FleetPorts:
         last = base + 7 + engines - 1
         if base < 1024 or last > 65535:
             raise ValueError(f"--base-port {base}: the fleet needs ports {base}-{last}, which must lie in 1024-65535")
+        if base <= cls.redis <= last:
+            raise ValueError(
+                f"--base-port {base}: the fleet's ports {base}-{last} include Redis's {cls.redis}; choose a range "
+                "without it"
+            )
         return cls(
             rollout=base,
             reward=base + 1,

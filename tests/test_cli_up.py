@@ -151,9 +151,15 @@ def test_up_names_the_runs_api_on_both_transports(tmp_path: Path) -> None:
     )
 
 
-def test_a_bad_base_port_is_refused_before_the_model_is_written(tmp_path: Path) -> None:
+def test_a_bad_base_port_is_refused_before_the_model_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     state_dir = tmp_path / "state"
     assert main(["up", "--base-port", "65530", "--state-dir", str(state_dir)]) == 2
+    assert not state_dir.exists()
+    # A range over Redis's port was blamed on another fleet ("port already in use: 6379 (trainer gRPC)").
+    assert main(["up", "--base-port", "6375", "--state-dir", str(state_dir)]) == 2
+    assert "--base-port 6375: the fleet's ports 6375-6383 include Redis's 6379" in capsys.readouterr().err
     assert not state_dir.exists()
 
 
