@@ -484,6 +484,14 @@ def test_a_fleet_still_making_its_model_is_not_taken_for_the_default_address(
             error = capsys.readouterr().err
             assert f"the fleet recorded in {tmp_path / 'fleet.json'} is still starting" in error, error
             assert "did not answer" not in error
+        # Starting its services, the record names the Runs API that does not answer yet: said so, not "Connection
+        # refused; the address came from api_url".
+        record = json.loads((tmp_path / "fleet.json").read_text())
+        record["api_url"] = f"http://127.0.0.1:{free_port()}"
+        (tmp_path / "fleet.json").write_text(json.dumps(record))
+        assert main(["runs", "--state-dir", str(tmp_path), "--timeout", "5"]) == 2
+        error = capsys.readouterr().err
+        assert "is still starting and its Runs API is not up yet" in error and "did not answer" not in error, error
     finally:
         remove_own_record(tmp_path)
 

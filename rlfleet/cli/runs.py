@@ -106,16 +106,17 @@ def register(areas: argparse._SubParsersAction) -> None:
 
 def api_url(args: argparse.Namespace) -> tuple[str, str] | None:
     """The Runs API that --api, $RLFLEET_API_URL or the fleet recorded in the state dir names, if any, and which
-    of them named it (`--api`, `$RLFLEET_API_URL`, `api_url in <state-dir>/fleet.json`). A fleet recorded
-    before its Runs API is known (`rlfleet up` still making its model) is Unavailable: the default address
-    could be another fleet's."""
+    of them named it (`--api`, `$RLFLEET_API_URL`, `api_url in <state-dir>/fleet.json`). A fleet still starting
+    (`rlfleet up` making its model, or starting its services) is Unavailable, saying so: its Runs API does not
+    answer yet, and before its address is known the default one could be another fleet's."""
     if args.api:
         return str(args.api), "--api"
     if os.environ.get(API_URL_ENV):
         return os.environ[API_URL_ENV], f"${API_URL_ENV}"
     state = read_state(args.state_dir)
     record = Path(args.state_dir) / "fleet.json"
-    if state and state.get("api_url"):
+    starting = state is not None and state.get("state") == "starting" and owner_runs(state)
+    if state and state.get("api_url") and not starting:
         return str(state["api_url"]), f"api_url in {record}"
     if state and not owner_runs(state):
         raise Unavailable(
@@ -125,7 +126,7 @@ def api_url(args: argparse.Namespace) -> tuple[str, str] | None:
         )
     if state:
         raise Unavailable(
-            f"the fleet recorded in {record} is still starting and has no Runs API yet; "
+            f"the fleet recorded in {record} is still starting and its Runs API is not up yet; "
             'try again once `rlfleet up` prints "fleet is up"'
         )
     return None
