@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,9 +21,11 @@ from typing import cast
 import pytest
 import redis
 
-from rlfleet.cli.demo import MARKER, fleet_config, recreate, watch
+from rlfleet.cli.demo import MARKER, fleet_config, recreate, supervised_watch, watch
 from rlfleet.cli.down import delete_keys
 from rlfleet.cli.main import build_parser, main
+from rlfleet.cli.steps import StepFailed
+from rlfleet.fleet_supervisor import RestartPolicy, SupervisedFleet
 from rlfleet.local_spec_check import (
     ENVIRONMENTS,
     GROUP_FILTERS,
@@ -34,7 +37,7 @@ from rlfleet.local_spec_check import (
 from rlfleet.process_identity import start_time
 from rlfleet.processes import ServiceProcess, group_runs, process_runs
 from rlfleet.redis_claim import RedisClaim
-from rlfleet.runs_client import RunsClient, load_spec_file
+from rlfleet.runs_client import RunsClient, WatchEnded, load_spec_file
 from rlfleet.v1.runs_pb2 import Run, RunProgress, RunState
 from rlfleet_reward.registry import ENTRY_POINT_GROUP as REWARD_FUNCTION_GROUP
 from rlfleet_rollout.environment import ENTRY_POINT_GROUP as ENVIRONMENT_GROUP
@@ -402,3 +405,60 @@ def test_down_stops_a_demo_still_in_its_sft_warm_start(tmp_path: Path) -> None:
         if demo.poll() is None:
             os.killpg(demo.pid, signal.SIGKILL)
             demo.wait(timeout=10)
+
+
+class SilentRuns(ScriptedRuns):
+    """A watch that hears nothing until `released` (a run whose trainer died: no step ever comes)."""
+
+    def __init__(self, events: list[Run]) -> None:
+        super().__init__(events)
+        self.released = threading.Event()
+
+    def follow(self, run_id: str, on_lost: object = None) -> Iterator[Run]:
+        self.released.wait(timeout=30)
+        yield from self.events
+
+
+class OneService:
+    def __init__(self, process: ServiceProcess) -> None:
+        self.processes = {"trainer": process}
+
+    def restart(self, name: str) -> None:
+        raise AssertionError("the policy allows no restart")
+
+
+def test_a_service_that_dies_while_the_demo_watches_ends_the_demo_naming_it(tmp_path: Path) -> None:
+    """The demo's fleet had no supervisor: a trainer killed mid-run left the demo waiting, saying nothing."""
+    dead = ServiceProcess("trainer", [sys.executable, "-c", "raise SystemExit(9)"], tmp_path / "trainer.log")
+    dead.proc.wait(timeout=30)
+    runs = SilentRuns([Run(id="run-1", state=RunState.RUN_STATE_RUNNING)])
+    started = time.monotonic()
+    try:
+        with pytest.raises(StepFailed, match=r"4/5 the fleet lost a service: trainer exited with code 9"):
+            supervised_watch(
+                cast(SupervisedFleet, OneService(dead)), cast(RunsClient, runs), "run-1", RestartPolicy(max_restarts=0)
+            )
+    finally:
+        runs.released.set()
+    assert time.monotonic() - started < 10
+
+
+def test_a_watch_lost_while_the_demo_watches_ends_the_demo_without_saying_to_follow_again(tmp_path: Path) -> None:
+    """The demo stops its fleet when it ends: `rlfleet watch run-1 follows it again` pointed at nothing."""
+    run = Run(id="run-1", state=RunState.RUN_STATE_RUNNING, progress=RunProgress(step=4))
+
+    class LosesTheWatch(ScriptedRuns):
+        def follow(self, run_id: str, on_lost: object = None) -> Iterator[Run]:
+            yield run
+            raise WatchEnded(run, "Connection refused; no watch again within 60 s")
+
+    alive = ServiceProcess("trainer", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "t.log")
+    try:
+        with pytest.raises(StepFailed) as failed:
+            supervised_watch(
+                cast(SupervisedFleet, OneService(alive)), cast(RunsClient, LosesTheWatch([run])), "run-1",
+                RestartPolicy(),
+            )  # fmt: skip
+    finally:
+        alive.stop(timeout=5)
+    assert str(failed.value) == "4/5 lost run run-1 at step 4: Connection refused; no watch again within 60 s"

@@ -20,6 +20,7 @@ import argparse
 import json
 import shutil
 import signal
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -31,11 +32,12 @@ from rlfleet.cli.runs import progress_line
 from rlfleet.cli.steps import StepFailed, warm_start
 from rlfleet.cli.stop_signals import StopSignal, raise_on_signals, stop_on_signals
 from rlfleet.errors import InvalidInput
+from rlfleet.fleet_supervisor import GaveUp, RestartPolicy, SupervisedFleet, Supervisor
 from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet, record_starting, remove_own_record, running_fleet
 from rlfleet.local_spec_check import check_spec_here
 from rlfleet.processes import ServiceStartError, StartInterrupted
 from rlfleet.redis_claim import refuse_if_held
-from rlfleet.runs_client import FINAL_STATES, RunsClient, load_spec_file
+from rlfleet.runs_client import FINAL_STATES, RunsClient, WatchEnded, load_spec_file
 from rlfleet.v1.runs_pb2 import Run, RunSpec, RunState
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,11 +130,41 @@ def train_on_fleet(fleet: LocalFleet, spec: RunSpec) -> tuple[Run, dict[int, flo
                 client = RunsClient(fleet.api_url)
                 run = client.submit(spec)
                 say(f"4/5 GRPO run {run.id}: {spec.schedule.steps} steps")
-                return watch(client, run.id)
+                return supervised_watch(fleet, client, run.id, RestartPolicy())
         finally:
             fleet.stop()
             if fleet.config.scratch_keys and not fleet.owns_redis:
                 delete_keys(fleet.config.resolved_redis_url(), fleet.config.redis_prefix, say)
+
+
+def supervised_watch(
+    fleet: SupervisedFleet, client: RunsClient, run_id: str, policy: RestartPolicy
+) -> tuple[Run, dict[int, float], list[float]]:
+    """`watch`, while the fleet's services are restarted as `rlfleet up` restarts them; StepFailed naming the
+    service when one cannot be kept running, or when the watch is lost (the fleet stops with the demo, so the
+    run cannot be followed again). Without it a dead trainer left the demo waiting, saying nothing."""
+    done = threading.Event()
+    ended: list[tuple[Run, dict[int, float], list[float]] | BaseException] = []
+
+    def follow() -> None:
+        try:
+            ended.append(watch(client, run_id))
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which raises it
+            ended.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=follow, name="demo-watch", daemon=True).start()
+    try:
+        Supervisor(fleet, policy, say=lambda line: say(f"    {line}")).run(done)  # the main thread: signals reach it
+    except GaveUp as exc:
+        raise StepFailed(f"4/5 the fleet lost a service: {exc}") from None
+    [result] = ended
+    if isinstance(result, WatchEnded):
+        raise StepFailed(f"4/5 lost run {run_id} at step {result.run.progress.step}: {result.why}") from None
+    if isinstance(result, BaseException):
+        raise result
+    return result
 
 
 def fleet_config(args: argparse.Namespace, out: Path) -> FleetConfig:
