@@ -173,6 +173,8 @@ class Proxy:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise DeadlineExceeded(f"{routing.route} ran out of time before an engine answered")
+                if not worker.healthy or not self._workers.contains(worker):
+                    continue  # it left routing while the retry waited there: another engine, the same attempt
                 attempt = self._attempts.start(worker, tokens, rids)
                 last_try = retries >= self._retry.max_retries
                 try:

@@ -133,3 +133,32 @@ def test_a_plain_answer_cut_short_at_its_engine_is_retried_whole_on_another(
     cut = [json.loads(raw)["rid"] for raw in dying.raw_bodies]
     assert cut and len(set(cut)) == len(cut), "each went to the dying engine at most once"
     assert metric_value(router.client.get("/metrics").text, "rlfleet_router_retries_total") == len(cut)
+
+
+def test_a_retry_waiting_for_an_abort_at_an_engine_that_then_fails_goes_to_another(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    # The retry goes back to the one engine in routing and waits there for its first attempt's abort (3 s); the
+    # engine fails meanwhile and a spare joins: the retry goes to the spare, not to the engine out of routing.
+    first = start_engine("first", control_delay=3.0, dies_mid_answer=True)
+    spare = start_engine("spare", healthy=False)
+    router = start_router(
+        [first.url, spare.url],
+        request_timeout_secs=REQUEST_TIMEOUT_SECS,
+        retry_max_retries=1,
+        retry_initial_backoff_ms=0,
+    )
+    router.wait_healthy(1)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(router.client.post, "/generate", json={"text": "x", "rid": "wait-1"})
+        router.wait_for(lambda: first.aborted() == ["wait-1"], what="the first attempt's abort under way")
+        first.healthy, spare.healthy = False, True
+        router.wait_for(
+            lambda: [w["healthy"] for w in router.workers()] == [False, True], what="the engines swapping places"
+        )
+        started = time.monotonic()
+        answer = pending.result(timeout=REQUEST_TIMEOUT_SECS + 5)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["meta_info"]["engine"] == "spare"
+    assert time.monotonic() - started < 3, "sent to the spare once the abort was over, not at its deadline"
+    assert len(first.raw_bodies) == 1, "nothing more was sent to the failed engine"
