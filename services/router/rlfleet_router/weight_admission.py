@@ -60,11 +60,15 @@ class Admission:
         weights = self._weights
         if weights.busy.reason(worker) == LOADING:
             raise Unavailable("a weight request of the router is still pending at this engine; it rejoins after it")
+        reported_at = worker.weight_load  # the fleet load last recorded at the engine when `served` was read
         served = await self._workers.while_member(worker, weights.served_weights(worker), STOPPED)
         matched: int | None = None  # the pause turn the engine was last brought in line with
         for _ in range(ADMIT_ROUNDS):
             async with weights.lock:
-                worker.weight_version, worker.model_path = served.version, served.model_path  # as it reports now
+                if worker.weight_load == reported_at:
+                    worker.weight_version, worker.model_path = served.version, served.model_path  # as it reports now
+                else:  # a fleet load reached the engine after it reported: what that load recorded is newer
+                    served, reported_at = ServedWeights(worker.weight_version, worker.model_path), worker.weight_load
                 self._adopt_if_finished(worker, served)
                 target, load = weights.target, weights.loads
                 if served.partial and (target is None or target.request_body is None):
@@ -96,6 +100,7 @@ class Admission:
             if not holds:
                 assert target is not None
                 served = await self._load(worker, served, target, load)
+                reported_at = worker.weight_load
             # Paused or continued only holding a whole version: an engine holding part of one must not generate.
             matched = await self._workers.while_member(worker, self._pauses.match(worker), STOPPED)
         raise Unavailable(

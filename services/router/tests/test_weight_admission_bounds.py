@@ -170,3 +170,44 @@ def test_an_update_that_cannot_start_within_its_queue_deadline_is_refused(
     time.sleep(0.3)
     assert [b["weight_version"] for b in engine.update_bodies] == ["1"]
     assert router.client.get("/weight_version").json()["weight_version"] == "1"
+
+
+def test_a_fleet_load_that_reaches_an_engine_while_admission_reads_its_version_is_what_is_recorded(
+    start_engine: Callable[..., FakeEngine],
+) -> None:
+    """The engine reports version 0; before admission decides, a fleet load (a stranded engine's disk fallback)
+    brings it to version 2. It enters routing recorded as serving 2, which it does, not as the 0 it reported."""
+    engine = start_engine("a")
+
+    async def admit() -> Worker:
+        registry = WorkerRegistry(failure_threshold=2, success_threshold=2)
+        worker, _ = registry.add(engine.url)
+        async with httpx.AsyncClient(trust_env=False) as client:
+            fleet_weights = FleetWeights(
+                client,
+                registry,
+                600.0,
+                RouterMetrics(registry, lambda: None),
+                lambda _: None,
+                info_timeout_secs=2.0,
+                rejoin=no_rejoin,
+            )
+            body = b'{"model_path": "/ckpt/2", "weight_version": "2"}'
+            target = WeightTarget(version="2", model_path="/ckpt/2", request_body=body)
+            fleet_weights.set_target(target)
+            read = fleet_weights.served_weights
+
+            async def read_then_loaded(worker: Worker) -> weights.ServedWeights:
+                served = await read(worker)
+                engine.weight_version, engine.model_path = "2", "/ckpt/2"
+                fleet_weights.record_served(worker, target, fleet_weights.loads)
+                return served
+
+            fleet_weights.served_weights = read_then_loaded  # type: ignore[method-assign]
+            pauses = FleetPause(client, fleet_weights.busy, timeout_secs=2.0)
+            await Admission(fleet_weights, registry, pauses).admit(worker)
+            return worker
+
+    worker = asyncio.run(asyncio.wait_for(admit(), timeout=10))
+    assert (worker.weight_version, worker.model_path) == ("2", "/ckpt/2")
+    assert worker.healthy and engine.update_bodies == [], "it holds the version: admitted without loading it again"
