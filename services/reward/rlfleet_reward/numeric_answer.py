@@ -2,7 +2,8 @@
 
 Numbers may carry a sign (the ASCII `-` or the Unicode minus `−` that typeset text uses), thousands
 separators (`1,234`), decimals, an exponent, or be a fraction `3/4`. The comparison is
-`math.isclose(answer, label, rel_tol, abs_tol)`.
+`math.isclose(answer, label, rel_tol, abs_tol)`: by default relative only (1e-9), so a label of any magnitude
+is matched to its own digits, and a label of 0 by 0 alone.
 """
 
 from __future__ import annotations
@@ -26,7 +27,12 @@ _NUMBER = re.compile(
 class NumericParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    abs_tol: float = Field(default=1e-6, ge=0, description="Absolute tolerance.")
+    abs_tol: float = Field(
+        default=0.0,
+        ge=0,
+        description="Absolute tolerance; none by default, as it would accept any answer near 0 for a label smaller "
+        "than it (0 for 6.626e-34).",
+    )
     rel_tol: float = Field(default=1e-9, ge=0, description="Relative tolerance.")
     extract: Literal["last", "whole"] = Field(
         default="last", description="`last`: the last number in the response; `whole`: the stripped response."

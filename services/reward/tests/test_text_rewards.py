@@ -96,6 +96,11 @@ def test_exact(response: str, label: str, options: dict, expected: float) -> Non
         ("so 2 + 2 = 4", "4", {}, 1.0),
         ("about 3.1415", "3.14159", {"abs_tol": 1e-3}, 1.0),
         ("about 3.1415", "3.14159", {}, 0.0),
+        ("The answer is 0", "6.626e-34", {}, 0.0),  # a small label is matched by its digits, not by anything near 0
+        ("-5e-7", "3e-7", {}, 0.0),
+        ("h = 6.626e-34", "6.626e-34", {}, 1.0),
+        ("0.0", "0", {}, 1.0),
+        ("0.0000001", "0", {"abs_tol": 1e-6}, 1.0),
         ("total: 1,234,567 apples", "1234567", {}, 1.0),
         ("it is 3/4", "0.75", {}, 1.0),
         ("-2.5e3", "-2500", {"extract": "whole"}, 1.0),
