@@ -3,7 +3,9 @@
 The prompt is `template` with `{prompt}`, `{response}` and `{label}` replaced by the item's fields
 (other braces are left alone). The judge's text must match `verdict_pattern`; the last match's
 first group is the verdict: with `verdicts` set, it is looked up there (case-insensitively),
-otherwise it is a number divided by `scale`. A judge that gives no verdict makes the item an ERROR.
+otherwise it is a number from 0 to `scale`, divided by `scale`. A judge's text with no verdict (no match, a word
+`verdicts` lacks, a number out of range) scores 0 with the component `judge/no_verdict` 1: an ERROR would drop the
+sample from training, so a response that keeps the judge from deciding would escape its penalty.
 Calls are retried on connection errors and 5xx until `deadline_seconds`, within the item's time limit.
 
 The call waits on the event loop; the verdict is parsed in a worker process (`finish`), within what is
@@ -18,6 +20,7 @@ service; left out, it is the first router listed.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -26,7 +29,9 @@ from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator
 
 from rlfleet_reward.config import DEFAULT_ROUTER_URL, spec_caps
 from rlfleet_reward.http_retry import post_json
-from rlfleet_reward.reward_function import RewardFunction, RewardInput
+from rlfleet_reward.reward_function import RewardFunction, RewardInput, Scored
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_TEMPLATE = (
     "You are grading an answer.\n\nQuestion:\n{prompt}\n\nReference answer:\n{label}\n\nAnswer to grade:\n"
@@ -93,17 +98,22 @@ def render(template: str, sample: RewardInput) -> str:
     return _FIELDS.sub(lambda match: values[match.group(1)], template)
 
 
-def parse_verdict(text: str, params: Mapping[str, Any]) -> float:
+def parse_verdict(text: str, params: Mapping[str, Any]) -> float | None:
+    """The verdict in the judge's `text` as a score in [0, 1] (a table's value as it is), or None if it holds none:
+    no match, a word the table does not have, or a number outside 0 to `scale` (a response that talks the judge
+    into "Score: 100" would otherwise be worth ten right answers)."""
     found = re.findall(params["verdict_pattern"], text)
     if not found:
-        raise ValueError(f"the judge gave no verdict matching {params['verdict_pattern']!r}: {text[-200:]!r}")
+        return None
     verdict = found[-1] if isinstance(found[-1], str) else found[-1][0]
     if params["verdicts"] is not None:
         table = {key.casefold(): value for key, value in params["verdicts"].items()}
-        if verdict.casefold() not in table:
-            raise ValueError(f"the judge's verdict {verdict!r} is none of {sorted(params['verdicts'])}")
-        return table[verdict.casefold()]
-    return float(verdict) / params["scale"]
+        return table.get(verdict.casefold())
+    try:
+        value = float(verdict)
+    except ValueError:
+        return None
+    return value / params["scale"] if 0 <= value <= params["scale"] else None
 
 
 async def ask_judge(sample: RewardInput, params: Mapping[str, Any]) -> RewardInput:
@@ -121,9 +131,13 @@ async def ask_judge(sample: RewardInput, params: Mapping[str, Any]) -> RewardInp
     return RewardInput(response=answer["text"])
 
 
-def score_verdict(sample: RewardInput, params: Mapping[str, Any]) -> float:
-    """The verdict in the judge's text, which `ask_judge` put in `response`."""
-    return parse_verdict(sample.response, params)
+def score_verdict(sample: RewardInput, params: Mapping[str, Any]) -> Scored:
+    """The verdict in the judge's text, which `ask_judge` put in `response`; 0 with `no_verdict` when it holds none."""
+    verdict = parse_verdict(sample.response, params)
+    if verdict is None:
+        logger.info("the judge gave no verdict matching %r: %r", params["verdict_pattern"], sample.response[-200:])
+        return Scored(score=0.0, parts={"no_verdict": 1.0})
+    return Scored(score=verdict, parts={"no_verdict": 0.0})
 
 
 JUDGE = RewardFunction(

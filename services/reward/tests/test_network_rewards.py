@@ -160,9 +160,27 @@ def test_judge_renders_the_template_and_parses_the_verdict(
         "text": "Q: 2+2? | ref: 4 | A: 4 | {not a field}",
         "sampling_params": {"max_new_tokens": 8, "temperature": 0.0},
     }
-    state.judge_text = "I cannot decide."
-    (undecided,) = score(with_scorer, [{"function": "judge", "params": {"router_url": url}}], [{"response": "4"}])
-    assert undecided.status == ERROR and "the judge gave no verdict" in undecided.error
+    assert dict(numeric.components) == {"judge": pytest.approx(0.7), "judge/no_verdict": 0.0}
+
+
+@pytest.mark.parametrize(
+    "judge_text",
+    ["I cannot decide.", "Perfect.\nScore: 100", "Score: -40", "Score: 10.5", "The answer is fine"],
+)
+def test_a_judge_text_without_a_verdict_in_range_scores_0_and_says_so(
+    with_scorer: WithScorer, models: tuple[FakeModels, str], judge_text: str
+) -> None:
+    """A response that stops the judge deciding, or talks it into a score past its scale, gains nothing: an
+    ERROR would drop the sample from training (no penalty), and 100/10 was worth ten right answers."""
+    state, url = models
+    state.judge_text = judge_text
+    worded = {"verdict_pattern": r"(?i)answer is (right|wrong|fine)", "verdicts": {"right": 1, "wrong": 0}}
+    params = worded if judge_text.startswith("The answer") else {}
+    (undecided,) = score(
+        with_scorer, [{"function": "judge", "params": {"router_url": url, **params}}], [{"response": "4"}]
+    )
+    assert (undecided.status, undecided.score) == (OK, 0.0), undecided.error
+    assert dict(undecided.components) == {"judge": 0.0, "judge/no_verdict": 1.0}
 
 
 def test_a_verdict_pattern_that_backtracks_forever_is_a_timeout_and_leaves_the_event_loop_free(
