@@ -19,7 +19,9 @@ counted under its reason, so a hostile or broken program is an OK item scored 0 
 why: `code/passed`, `code/tests`, and `code/time_limit` (wall clock or CPU), `code/memory_limit`,
 `code/output_limit` (a file past `file_size_mb`, or the run's directory past `disk_mb` or 10,000 entries),
 `code/runtime_error` (a non-zero exit: an exception, or a refused operation such as opening a socket or
-writing outside its directory), `code/wrong_answer`, `code/check_skipped`.
+writing outside its directory), `code/wrong_answer`, `code/check_skipped`. A test that runs out of time ends
+the item: the tests after it are not run and count as `code/time_limit` too, so a program that hangs is scored
+(0) within the item's time limit rather than making the item a TIMEOUT, which training would drop.
 See `sandbox.py` for what contains the program.
 """
 
@@ -180,6 +182,11 @@ def score_code(sample: RewardInput, params: Mapping[str, Any]) -> Scored:
         verdicts[verdict(result, test, check_exit)] += 1
         if not params["partial_credit"] and verdicts["passed"] < sum(verdicts.values()):
             break  # the score is 0 whatever the remaining tests do
+        if verdicts["time_limit"]:
+            # A program that hangs would hang on every test, and their timeouts together pass the item's time
+            # limit: an item TIMEOUT, dropped from training, where a hang should be an answer scored 0.
+            verdicts["time_limit"] += len(label.tests) - sum(verdicts.values())
+            break
     total = len(label.tests)
     passed = verdicts.pop("passed", 0)
     score = passed / total if params["partial_credit"] else float(passed == total)

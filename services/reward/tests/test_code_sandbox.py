@@ -178,6 +178,23 @@ def test_hostile_programs_are_contained_and_scored_as_failures(hub: str, tmp_pat
     assert_still_serving(hub)
 
 
+def test_a_program_that_hangs_is_scored_within_the_item_time_limit(hub: str) -> None:
+    """It passes its first test and hangs on the others: three 1 s test timeouts pass the item's 2.5 s limit, and
+    the item was a TIMEOUT, which training drops, where the hang should cost the sample its reward."""
+    program = "n = int(input())\nwhile n:\n    pass\nprint(n)\n"
+    tests = [{"stdin": str(n), "stdout": str(n)} for n in range(4)]
+    body = {
+        "spec": {"terms": [{"function": "code", "params": {"timeout_seconds": 1}}], "timeout_seconds": 2.5},
+        "items": [{"id": "0", "response": program, "label": json.dumps({"tests": tests})}],
+    }
+    response = httpx.post(f"{hub}/score", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    (result,) = response.json()["results"]
+    assert (result["status"], result["score"]) == ("SCORE_STATUS_OK", 0.25), result
+    components = result["components"]
+    assert (components["code/passed"], components["code/time_limit"], components["code/tests"]) == (1, 3, 4)
+
+
 def test_zz_a_fork_bomb_is_held_and_killed(hub: str) -> None:
     """Runs last (by name, in this module): RLIMIT_NPROC caps it, the group kill ends it, nothing survives."""
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
