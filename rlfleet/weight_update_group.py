@@ -1,9 +1,13 @@
 """The process group of a distributed weight update (SGLang's `/init_weights_update_group`) and its wire format.
 
 The trainer is rank 0 and hosts the rendezvous, a TCPStore on master_address:master_port; engine
-ranks join as rank_offset + their local rank. The group is a process group of its own, never the
-default one, so a trainer under torchrun or an engine with tensor parallelism keeps its own. gloo
-on CPU and NCCL on GPU go through the same calls.
+ranks join as rank_offset + their local rank. Every side builds the group as SGLang's engines do
+(`init_custom_process_group` in sglang/srt/utils/common.py): the store under a prefix of the group's name,
+then torch's own group constructor, registered under that name. Their keys must meet: gloo, say, connects
+one group per device type torch gives it (cpu and cuda), each under its own prefix, and a group built any other
+way waits on keys the engines never write. The group is a process group of its own, never the default one, so
+a trainer under torchrun or an engine with tensor parallelism keeps its own. gloo on CPU and NCCL on GPU go
+through the same calls.
 
 The trainer and the engines must agree on the bytes, so both sides use `send` and `receive` here:
 one broadcast per tensor in the order of `names`, or, with load_format "flattened_bucket", one
@@ -20,6 +24,7 @@ from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import Backend, GroupName, _new_process_group_helper, _world
 
 logger = logging.getLogger(__name__)
 
@@ -73,14 +78,12 @@ def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
 
 
 class Collective(Protocol):
-    """What a group uses of its gloo or NCCL process group, called directly (it is never a registered or
+    """What a group uses of its process group, called directly rather than through `dist.broadcast` (never the
     default group). torch's type stubs declare `broadcast` only on ProcessGroup, hence this protocol."""
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> dist.Work: ...
 
     def abort(self) -> None: ...
-
-    def shutdown(self) -> None: ...
 
 
 @dataclass
@@ -100,12 +103,15 @@ class WeightUpdateGroup:
         self.process_group.broadcast(tensor, 0).wait(self.timeout)
 
     def close(self) -> None:
-        """Releases the group's connections; broadcasts on a closed group fail."""
-        self.process_group.shutdown()
+        """Releases the group's connections and its name (a group may open again under it); broadcasts on a
+        closed group fail."""
+        dist.destroy_process_group(cast(dist.ProcessGroup, self.process_group))
 
     def abort(self) -> None:
-        """Tears the group down after a failed broadcast, without waiting for peers that may be gone."""
+        """Tears the group down after a failed broadcast, without waiting for peers that may be gone; its name is
+        free at once (a broadcast still pending ends at the group's timeout)."""
         self.process_group.abort()
+        self.close()
 
 
 def rendezvous(master_address: str, master_port: int, host: bool, timeout_s: float) -> dist.TCPStore:
@@ -122,17 +128,28 @@ def join_group(
         raise ValueError(f"backend {backend!r} is not supported; use one of {', '.join(BACKENDS)}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a group of world_size {world_size}")
+    if group_name in _world.pg_names.values():
+        raise ValueError(f"a weight update group named {group_name!r} is open in this process already")
     timeout = datetime.timedelta(seconds=timeout_s)
-    # The prefix keeps two groups that share a master from reading each other's keys.
-    prefixed = dist.PrefixStore(f"rlfleet-weights/{group_name}", store)
-    if backend == "gloo":
-        process_group = cast(Collective, dist.ProcessGroupGloo(prefixed, rank, world_size, timeout))
-    else:
+    options = None
+    if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        process_group = cast(Collective, dist.ProcessGroupNCCL(prefixed, rank, world_size, options))
+    # As SGLang's engines build it (see the module's docstring): no global ranks, so torch takes the group for a
+    # world of its own rather than a subgroup of this process's default group.
+    process_group, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        dist.PrefixStore(group_name, store),
+        group_name=GroupName(group_name),
+        backend_options=options,
+        timeout=timeout,
+    )
+    _world.pg_group_ranks[process_group] = {r: r for r in range(world_size)}
     logger.info("joined weight update group %s as rank %d of %d (%s)", group_name, rank, world_size, backend)
-    return WeightUpdateGroup(group_name, rank, world_size, backend, process_group, store, timeout)
+    return WeightUpdateGroup(group_name, rank, world_size, backend, cast(Collective, process_group), store, timeout)
 
 
 def open_group(
