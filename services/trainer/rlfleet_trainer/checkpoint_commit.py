@@ -3,7 +3,9 @@
 The commit is what acknowledges groups: the run's record is pointed at the new checkpoint and every
 group trained since the previous one is acknowledged in one Redis transaction. A trainer killed
 after the write but before the commit resumes from the previous checkpoint, whose groups are the
-acknowledged ones; the unrecorded directory is replaced when the step is reached again.
+acknowledged ones; the unrecorded directory is replaced when the step is reached again. A Redis that is
+unavailable is waited out, as the run's reads wait it out: the commit is safe to repeat, and a run whose
+checkpoint could not be recorded must not fail for good over an outage that ends.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from rlfleet_trainer.active_run import ActiveRun
 from rlfleet_trainer.checkpoint import CheckpointMeta, prune_checkpoints
 from rlfleet_trainer.metrics import TrainerMetrics
+from rlfleet_trainer.redis_wait import waiting_out_redis
 from rlfleet_trainer.run_state import RunRecord, RunStateStore
 
 logger = logging.getLogger(__name__)
@@ -46,7 +49,22 @@ class CheckpointCommitter:
             groups_trained=groups_trained,
             last_entry_id=last_entry_id,
         )
-        self.store.commit(run.run_id, record, run.stream, run.uncommitted)
+
+        def committed() -> bool:
+            self.store.commit(run.run_id, record, run.stream, run.uncommitted)
+            return True
+
+        if waiting_out_redis(run, committed) is None:
+            logger.warning(
+                "run %s: the checkpoint of step %d at %s is not recorded (Redis stayed unavailable until the run was "
+                "told to stop); the run resumes from its last recorded checkpoint, and the groups since are trained "
+                "again",
+                run.run_id,
+                step,
+                path,
+                extra={"run_id": run.run_id, "step": step},
+            )
+            return
         prune_checkpoints(run.checkpoints_root, newest=step, keep=self.keep)
         elapsed = time.perf_counter() - started
         logger.info(

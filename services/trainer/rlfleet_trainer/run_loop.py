@@ -25,12 +25,10 @@ import math
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import TypeVar
 
-import redis
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from rlfleet.sample_stream import SampleStream, StreamEntry, entry_order, redis_unavailable
+from rlfleet.sample_stream import SampleStream, StreamEntry, entry_order
 from rlfleet.v1.trainer_pb2 import StepReport, TrainerState
 from rlfleet_trainer.active_run import ActiveRun
 from rlfleet_trainer.checkpoint_commit import CheckpointCommitter
@@ -39,14 +37,12 @@ from rlfleet_trainer.fleet_version import FleetVersionCheck
 from rlfleet_trainer.metrics import TrainerMetrics
 from rlfleet_trainer.rank_group import RankGroup
 from rlfleet_trainer.rank_ops import Policy
+from rlfleet_trainer.redis_wait import waiting_out_redis
 from rlfleet_trainer.router_client import RouterClient
 from rlfleet_trainer.weight_publisher import make_publisher
 from rlfleet_trainer.weights import prune_versions
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
-# Between reads of a Redis that stays unavailable past its client's own retries (about 30 s each read).
-REDIS_WAIT_S = 5.0
 # Entries claimed from other consumers per round trip.
 CLAIM_BATCH = 1000
 
@@ -72,7 +68,7 @@ def collect_groups(
                 checkpoints.commit(run, run.step, run.groups_trained)
             while_waiting(run)
         waited = True
-        elsewhere = _waiting_out_redis(run, partial(stream.pending_elsewhere, consumer))
+        elsewhere = waiting_out_redis(run, partial(stream.pending_elsewhere, consumer))
         if elsewhere is None:  # told to stop while Redis was away
             break
         if elsewhere:
@@ -80,57 +76,24 @@ def collect_groups(
             # than this one's own: all are claimed, once idle enough, before any is taken, so each step is made of
             # the run's pending groups in id order whoever held them, the steps it was made of before the restart.
             claim = partial(stream.claim_stale, consumer, settings.claim_idle_ms, CLAIM_BATCH)
-            if not _waiting_out_redis(run, claim):
+            if not waiting_out_redis(run, claim):
                 run.stop.wait(settings.read_block_ms / 1000)
             continue
         if not own_taken:
             own = partial(stream.read_own_pending, consumer, needed, after=run.cursor)
-            entries = _waiting_out_redis(run, own) or []
+            entries = waiting_out_redis(run, own) or []
             own_taken = True
             if entries:
                 logger.info("run %s: %d group(s) were delivered before", run.run_id, len(entries))
             continue
         read = partial(stream.read, consumer, needed - len(entries), settings.read_block_ms)
-        entries += _waiting_out_redis(run, read) or []
-    whole = _waiting_out_redis(run, partial(_with_undelivered_replies, stream, consumer, run.cursor, entries, needed))
+        entries += waiting_out_redis(run, read) or []
+    whole = waiting_out_redis(run, partial(_with_undelivered_replies, stream, consumer, run.cursor, entries, needed))
     entries = entries if whole is None else whole
     # Every entry taken is now pending on this consumer; the next step reads its pending ones after
     # them. (When own pending ones ran short, all of them were taken, and new ones come after all.)
     run.cursor = max([run.cursor, *(e.entry_id for e in entries)], key=entry_order)
     return entries
-
-
-def _waiting_out_redis(run: ActiveRun, call: Callable[[], T]) -> T | None:
-    """`call()`'s answer, asked again every REDIS_WAIT_S while Redis stays unreachable or refuses writes past its
-    client's own retries: a run waiting for groups loses nothing by waiting, and whether it ends is the
-    orchestrator's to say (a StopRun). None once the run is told to stop meanwhile."""
-    since: float | None = None
-    while True:
-        try:
-            answer = call()
-        except redis.RedisError as exc:
-            if not redis_unavailable(exc):
-                raise
-            if since is None:
-                since = time.monotonic()
-                logger.warning(
-                    "run %s: Redis is unavailable (%s: %s); the run waits for it",
-                    run.run_id,
-                    type(exc).__name__,
-                    exc,
-                    extra={"run_id": run.run_id},
-                )
-            if run.stop.wait(REDIS_WAIT_S):
-                return None
-            continue
-        if since is not None:
-            logger.info(
-                "run %s: Redis answers again after %.0f s",
-                run.run_id,
-                time.monotonic() - since,
-                extra={"run_id": run.run_id},
-            )
-        return answer
 
 
 def _with_undelivered_replies(

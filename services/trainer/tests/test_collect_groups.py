@@ -10,6 +10,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Sequence
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,6 +21,7 @@ from prometheus_client import generate_latest
 
 from rlfleet.sample_stream import SampleStream, StreamEntry
 from rlfleet.v1.samples_pb2 import Sample, SampleGroup
+from rlfleet_trainer.checkpoint_commit import CheckpointCommitter
 from rlfleet_trainer.metrics import TrainerMetrics
 from rlfleet_trainer.run_loop import collect_groups
 from rlfleet_trainer.run_state import RunRecord, RunStateStore
@@ -126,12 +129,12 @@ def test_a_redis_outage_while_the_run_waits_for_groups_is_waited_out(
 ) -> None:
     """Before, a read that failed past the client's 30 s of retries failed the run for good (FAILED), while the
     orchestrator, whose reads and writes wait Redis out, went on producing its groups."""
-    monkeypatch.setattr("rlfleet_trainer.run_loop.REDIS_WAIT_S", 0.05)
+    monkeypatch.setattr("rlfleet_trainer.redis_wait.REDIS_WAIT_S", 0.05)
     stream = AwayFor(redis_client, "run5", prefix=redis_prefix)
     stream.ensure_consumer_group()
     ids = [stream.append(group("run5", i)) for i in range(2)]
     settings = SimpleNamespace(consumer=CONSUMER, claim_idle_ms=60_000, read_block_ms=50)
-    with caplog.at_level(logging.INFO, logger="rlfleet_trainer.run_loop"):
+    with caplog.at_level(logging.INFO, logger="rlfleet_trainer.redis_wait"):
         entries = collect_groups(run_on(stream), settings, 2, checkpoints=None)  # type: ignore[arg-type]
     assert [e.entry_id for e in entries] == ids and stream.outages == 0
     assert "run run: Redis is unavailable (ConnectionError:" in caplog.text and "Redis answers again" in caplog.text
@@ -237,3 +240,54 @@ def test_the_stream_lag_is_none_without_a_run_and_when_redis_fails_a_scrape_stil
             assert len(caplog.records) == 1, [r.getMessage() for r in caplog.records]
     finally:
         silent.close()
+
+
+class CommitsAfter(RunStateStore):
+    """Redis stays unreachable past the client's own retries for the first `outages` commits."""
+
+    outages = 2
+
+    def commit(self, run_id: str, record: RunRecord, stream: SampleStream, entry_ids: Sequence[str]) -> None:
+        if self.outages:
+            self.outages -= 1
+            raise redis.ConnectionError("Error 104 while writing to socket. Connection reset by peer.")
+        super().commit(run_id, record, stream, entry_ids)
+
+
+def test_a_redis_outage_while_a_checkpoint_is_committed_is_waited_out(
+    redis_client: redis.Redis, redis_prefix: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Before, the commit's failure past the client's retries failed the run for good (FAILED), though the same
+    outage while it waited for groups was waited out; a stop still ends the wait, the checkpoint unrecorded."""
+    monkeypatch.setattr("rlfleet_trainer.redis_wait.REDIS_WAIT_S", 0.05)
+    stream = SampleStream(redis_client, "run6", prefix=redis_prefix)
+    stream.ensure_consumer_group()
+    stream.append(group("run6", 0))
+    (taken,) = stream.read(CONSUMER, 1)
+    store = CommitsAfter(redis_client, redis_prefix)
+    updates: list[dict[str, object]] = []
+    run = SimpleNamespace(
+        run_id="run6",
+        stream=stream,
+        stop=threading.Event(),
+        checkpoint_path="",
+        checkpoint_step=0,
+        last_entry_id="0",
+        uncommitted=[taken.entry_id],
+        checkpoints_root=tmp_path,
+        ranks=SimpleNamespace(call=lambda _op, root, meta: Path(root) / f"step-{meta.step}"),
+        update=lambda **fields: updates.append(fields),
+    )
+    committer = CheckpointCommitter(store, keep=2, metrics=TrainerMetrics())
+    committer.commit(run, 1, 1)  # type: ignore[arg-type]
+    recorded = store.load("run6")
+    assert store.outages == 0 and recorded is not None and recorded.checkpoint_path == str(tmp_path / "step-1")
+    assert stream.pending_count() == 0 and updates[-1]["checkpoint_step"] == 1
+
+    store.outages, updates[:] = 10**6, []  # away for good: a stop ends the wait, and nothing is recorded
+    run.checkpoint_path, run.uncommitted = str(tmp_path / "step-1"), []
+    threading.Timer(0.3, run.stop.set).start()
+    started = time.monotonic()
+    committer.commit(run, 2, 1)  # type: ignore[arg-type]
+    assert time.monotonic() - started < 5
+    assert store.load("run6") == recorded and updates == []
