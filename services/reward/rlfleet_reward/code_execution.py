@@ -8,8 +8,8 @@ status drawn anew for each test and kept out of the program's reach (not in its 
 arguments), so a program that exits before the check (`sys.exit(0)`, `os._exit(0)`, or the status read from its own
 file) fails it, as `check_skipped`, instead of passing every check unasked. The check runs in the program's own
 process, so it is a test, not a proof: a program set on it can still defeat one (an object equal to anything, or
-the status found by walking the interpreter's frames). The program is the last
-fenced code block of the response (```python ... ```), or the whole response when it has none.
+the status found by walking the interpreter's frames). The program is the last fenced block of the response
+tagged Python (```python, ```py, ```python3), else its last untagged one (```), else the whole response.
 
 The caller's limits (`memory_mb`, `max_processes`, `file_size_mb`, `disk_mb`) are bounded by the hub's caps
 (`RLFLEET_REWARD_CODE_MAX_*`, see `config.SpecCaps`): a spec asking past one is refused when validated.
@@ -45,7 +45,7 @@ from rlfleet_reward.sandbox import RunResult, SandboxLimits, probe_isolation, ru
 # A fenced block with its info string (```python, ```bash, ``` alone): each fence pairs with the next, whatever
 # the language, so a shell block before the program cannot shift which text reads as code.
 _FENCED = re.compile(r"```[ \t]*([^\n`]*)\n(.*?)```", re.DOTALL)
-_PYTHON_TAGS = {"", "python", "py", "python3"}
+_PYTHON_TAGS = {"python", "py", "python3"}
 _MB = 1 << 20
 _MIN_STDOUT_READ = _MB
 _CAPS = {
@@ -122,9 +122,12 @@ class CodeLabel(BaseModel):
 
 
 def extract_program(response: str) -> str:
-    """The last Python (or untagged) fenced block, or the whole response when it has none."""
-    blocks = [code for info, code in _FENCED.findall(response) if info.strip().split(" ")[0].lower() in _PYTHON_TAGS]
-    return blocks[-1] if blocks else response
+    """The last block tagged Python; without one, the last untagged block; without either, the whole response.
+    An untagged block after the program is most often its output or a shell session (```\n3\n```), not code."""
+    blocks = [(info.strip().split(" ")[0].lower(), code) for info, code in _FENCED.findall(response)]
+    tagged = [code for tag, code in blocks if tag in _PYTHON_TAGS]
+    untagged = [code for tag, code in blocks if not tag]
+    return (tagged or untagged or [response])[-1]
 
 
 def _lines(text: str) -> list[str]:

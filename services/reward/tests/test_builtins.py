@@ -121,6 +121,9 @@ def test_math_rejects_a_label_without_an_answer() -> None:
         ("```py title=main.py\nprint(3)\n```\n```text\n3\n```", "print(3)\n"),
         ("```\nprint(4)\n```", "print(4)\n"),
         ("print(5)", "print(5)"),
+        ("```python\nprint(6)\n```\nIt prints:\n```\n6\n```", "print(6)\n"),  # an untagged output block
+        ("```python\nprint(7)\n```\n```\n$ python main.py\n7\n```", "print(7)\n"),
+        ("```\nprint(8)\n```\n```text\n8\n```", "print(8)\n"),
     ],
 )
 def test_the_program_is_the_last_python_block_whatever_blocks_come_before(response: str, program: str) -> None:
