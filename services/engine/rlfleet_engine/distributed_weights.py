@@ -19,6 +19,9 @@ whole version the engine holds a mix of two versions under its old label, and sa
 `weights_partial` in the update's answer, /get_model_info and /get_server_info), so a router that
 did not see the buckets (it restarted) still keeps it out of routing.
 
+As SGLang from 0.5.23, updates are taken only inside a weight-update session, between `/begin_weight_update`
+and `/end_weight_update` (one open at a time); outside one they are refused before anything is received.
+
 Network waits run in worker threads, never on the event loop or the scheduler thread, so the
 engine keeps generating while a bucket is on the wire.
 """
@@ -99,6 +102,7 @@ class WeightReceiver:
         # Names applied since the version on its way began: its label waits until they cover `parameters`.
         self._delivered: set[str] = set()
         self._partial = False
+        self._session_open = False
 
     @property
     def groups(self) -> list[str]:
@@ -148,8 +152,25 @@ class WeightReceiver:
         self._delivered.clear()
         return f"Succeeded to initialize custom process group {req.group_name!r} (rank {req.rank_offset})."
 
+    def begin_session(self) -> str:
+        """Opens the weight-update session updates need; one at a time, as SGLang."""
+        if self._session_open:
+            raise InvalidInput("a weight-update session is already open; call end_weight_update() first")
+        self._session_open = True
+        return "Success"
+
+    def end_session(self) -> str:
+        if not self._session_open:
+            raise InvalidInput("no weight-update session is open; call begin_weight_update() first")
+        self._session_open = False
+        return "Success"
+
     async def update(self, req: UpdateWeightsFromDistributedRequest) -> ReceivedUpdate:
         """Receives and loads the announced tensors, under the request's weight_version if they complete it."""
+        if not self._session_open:
+            raise InvalidInput(
+                "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+            )
         group = self._groups.get(req.group_name)
         if group is None:
             raise InvalidInput(

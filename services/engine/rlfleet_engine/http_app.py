@@ -159,6 +159,22 @@ def create_app(core: EngineCore, registry: CollectorRegistry) -> FastAPI:
         }
         return JSONResponse(answer)
 
+    @app.post("/begin_weight_update")
+    async def begin_weight_update() -> JSONResponse:
+        try:
+            message = core.weight_receiver.begin_session()
+        except RlfleetError as exc:
+            return _weight_failure(exc, "Failed to begin the weight update")
+        return JSONResponse({"success": True, "message": message})
+
+    @app.post("/end_weight_update")
+    async def end_weight_update() -> JSONResponse:
+        try:
+            message = core.weight_receiver.end_session()
+        except RlfleetError as exc:
+            return _weight_failure(exc, "Failed to end the weight update")
+        return JSONResponse({"success": True, "message": message})
+
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(req: DestroyWeightsUpdateGroupRequest) -> JSONResponse:
         try:

@@ -57,6 +57,9 @@ def open_trainer_group(engine: RunningEngine, name: str) -> WeightUpdateGroup:
     group = open_group("127.0.0.1", port, 0, 2, name, "gloo", TIMEOUT_S)
     response = answer()
     assert response.status_code == 200 and response.json()["success"] is True, response.text
+    # Updates need a weight-update session, as on SGLang from 0.5.23 (one an earlier test left open is ended).
+    engine.post("/end_weight_update", {})
+    assert engine.post("/begin_weight_update", {}).json()["success"] is True
     return group
 
 
@@ -97,6 +100,20 @@ def greedy_logprobs(engine: RunningEngine) -> tuple[list[int], list[float], dict
     return out["output_ids"], [t[0] for t in out["meta_info"]["output_token_logprobs"]], out["meta_info"]
 
 
+def test_updates_are_taken_only_inside_a_weight_update_session(own_engine: RunningEngine) -> None:
+    """As SGLang from 0.5.23, whose refusals these are: a router that keeps no sessions fails here, not on GPUs."""
+    own_engine.post("/end_weight_update", {})  # whatever an earlier test left open
+    body = {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "none"}
+    outside = own_engine.post("/update_weights_from_distributed", body)
+    assert outside.status_code == 400 and "between begin_weight_update() and end_weight_update()" in outside.text
+    assert own_engine.post("/begin_weight_update", {}).status_code == 200
+    again = own_engine.post("/begin_weight_update", {})
+    assert again.status_code == 400 and "already open" in again.json()["message"]
+    assert own_engine.post("/end_weight_update", {}).status_code == 200
+    unopened = own_engine.post("/end_weight_update", {})
+    assert unopened.status_code == 400 and "no weight-update session is open" in unopened.json()["message"]
+
+
 def test_received_buckets_change_the_logprobs_to_the_senders(own_engine: RunningEngine, small_model_dir: Path) -> None:
     group = open_trainer_group(own_engine, "buckets")
     model = AutoModelForCausalLM.from_pretrained(small_model_dir).eval()
@@ -128,6 +145,8 @@ def test_received_buckets_change_the_logprobs_to_the_senders(own_engine: Running
 
 
 def test_bad_updates_are_refused_before_anything_is_received(own_engine: RunningEngine, small_model_dir: Path) -> None:
+    own_engine.post("/end_weight_update", {})
+    assert own_engine.post("/begin_weight_update", {}).status_code == 200
     none = own_engine.post("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]})
     assert none.status_code == 400 and "init_weights_update_group" in none.json()["message"]
 

@@ -22,6 +22,9 @@ SGLang's contract is per engine; the router turns it into one fleet-wide group:
     for, or holds only some buckets) leaves routing, stranded (`FleetWeights.strand`): it serves again
     only once it has loaded a whole version, which the trainer's disk fallback of that version does.
     So does generation continuing, or a new group opening, before a version's last bucket.
+  * Each member takes a version's buckets inside a weight-update session of its own (SGLang 0.5.23 on), which
+    the router opens before the first reaches it and ends once the last is applied, or when the group closes
+    (weight_sessions.py); the trainer knows nothing of it.
   * A group the router closes is destroyed on its engines by the router, each once it is done with its
     last request through it (a destroy behind a pending collective would wait for it, or break it): the
     trainer forgets a group whose broadcast failed, and a later destroy of it from the trainer is
@@ -34,7 +37,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, replace
 
 import httpx
@@ -42,6 +45,7 @@ import httpx
 from rlfleet.errors import Conflict, NotFound, Unavailable
 from rlfleet_router.busy_engines import LIVENESS_ROUTE
 from rlfleet_router.lock_turns import NoTurn, turn
+from rlfleet_router.weight_sessions import WeightSessions
 from rlfleet_router.weights import (
     DISTRIBUTED_UPDATE_ROUTE,
     FANOUT_QUEUE_DEADLINE_SECS,
@@ -119,6 +123,7 @@ class DistributedWeights:
         # Groups the router closed, by name: their destroy on the engines (the latest close of each name).
         self._closed: dict[str, asyncio.Task[GroupResult]] = {}
         self._tasks: set[asyncio.Task[GroupResult]] = set()
+        self._sessions = WeightSessions(weights)
 
     def group(self, name: str) -> WeightGroup:
         group = self.groups.get(name)
@@ -162,7 +167,9 @@ class DistributedWeights:
 
         # Each member's scheduler waits in the group's rendezvous, and its generation probes with it.
         with self._weights.busy.loading(engines):
-            results, pending = await self._post_all(group.members, "/init_weights_update_group", body)
+            results, pending = await self._post_all(
+                group.members, lambda m: self._weights.post_update(m.worker, "/init_weights_update_group", body(m))
+            )
         for task in pending.values():
             task.cancel()
         failed = [r for r in results if not r.success]
@@ -214,7 +221,9 @@ class DistributedWeights:
         members = [m.worker for m in group.members]
         # Members are busy (their generation probes wait) until what they received is recorded.
         with self._weights.busy.loading(members):
-            results, pending = await self._post_all(group.members, DISTRIBUTED_UPDATE_ROUTE, lambda _: request_body)
+            results, pending = await self._post_all(
+                group.members, lambda m: self._deliver(m.worker, version, request_body)
+            )
         took = {r.worker_id for r in results if r.success}
         self._weights.loaded(DISTRIBUTED_UPDATE_ROUTE, request_body, [w for w in members if w.id in took])
         if version is not None:
@@ -291,15 +300,31 @@ class DistributedWeights:
             return None
         return f"{worker.url}: {LIVENESS_ROUTE} answered {response.status_code}"
 
+    async def _deliver(self, worker: Worker, version: str | None, request_body: bytes) -> EngineUpdateResult:
+        """One bucket to one member, inside its weight-update session (weight_sessions.py): opened before the
+        bucket if it is not, ended once the bucket carrying `version` is applied whole."""
+        refused = await self._sessions.begin(worker)
+        if refused is not None:
+            return refused
+        result = await self._weights.post_update(worker, DISTRIBUTED_UPDATE_ROUTE, request_body)
+        if version is not None and result.success and not result.weights_partial:
+            return await self._sessions.end(worker) or result
+        return result
+
+    async def _leave(self, worker: Worker, request_body: bytes) -> EngineUpdateResult:
+        """Destroys the group on `worker`, its weight-update session ended first (a broken group leaves it open)."""
+        await self._sessions.end(worker)
+        return await self._weights.post_update(worker, DESTROY_ROUTE, request_body)
+
     async def _post_all(
-        self, members: tuple[Member, ...], route: str, body: Callable[[Member], bytes]
+        self, members: tuple[Member, ...], call: Callable[[Member], Coroutine[object, object, EngineUpdateResult]]
     ) -> tuple[list[EngineUpdateResult], dict[str, asyncio.Task[EngineUpdateResult]]]:
-        """POSTs to every member at once and stops waiting at the first failure.
+        """Calls every member at once (a POST, or a bucket's) and stops waiting at the first failure.
 
         Returns one result per member, and the requests not waited for by member id: still under way, as
         they are at the engines whatever the router does, for the caller to wait for or cancel.
         """
-        tasks = {asyncio.create_task(self._weights.post_update(m.worker, route, body(m))): m for m in members}
+        tasks = {asyncio.create_task(call(m)): m for m in members}
         results: dict[str, EngineUpdateResult] = {}
         try:
             for next_done in asyncio.as_completed(tasks):
@@ -329,9 +354,7 @@ class DistributedWeights:
             del self._closed[name]
             return closed.result()
         self._forget(group)
-        results = await asyncio.gather(
-            *(self._weights.post_update(m.worker, DESTROY_ROUTE, request_body) for m in group.members)
-        )
+        results = await asyncio.gather(*(self._leave(m.worker, request_body) for m in group.members))
         done = sum(r.success for r in results)
         return GroupResult(done == len(results), f"{done}/{len(results)} engines left group {name!r}", tuple(results))
 
@@ -368,7 +391,7 @@ class DistributedWeights:
                 finally:
                     task.cancel()
                     self._weights.busy.end_loading([member.worker])
-            return await self._weights.post_update(member.worker, DESTROY_ROUTE, body)
+            return await self._leave(member.worker, body)
 
         results = await asyncio.gather(*(destroy_on(m) for m in group.members))
         done = sum(r.success for r in results)

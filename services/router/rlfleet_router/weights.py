@@ -108,6 +108,7 @@ class EngineUpdateResult:
     # It says it holds part of a weight version after this request (rlfleet-engine's `weights_partial`; SGLang
     # does not say): a bucket that carries a version did not complete it there.
     weights_partial: bool = False
+    status: int | None = None  # the engine's HTTP status; None without an answer
 
     def describe(self) -> dict[str, object]:
         return {
@@ -455,6 +456,7 @@ class FleetWeights:
         success = False
         answered = True
         partial = False
+        status = None
         try:
             response = await self._client.post(
                 f"{worker.url}{route}",
@@ -467,6 +469,7 @@ class FleetWeights:
             # Sent but unanswered: the engine may be loading still. (A connect timeout never reached it.)
             answered = not isinstance(exc, (httpx.ReadTimeout, httpx.WriteTimeout))
         else:
+            status = response.status_code
             # SGLang answers {success, message}; success needs both HTTP 200 and `success: true`.
             body = parse_json_object(response)
             if body is None:
@@ -478,7 +481,7 @@ class FleetWeights:
         if not success:
             logger.warning("worker %s failed %s: %s", worker.url, route, message)
         seconds = time.monotonic() - start
-        return EngineUpdateResult(worker.id, worker.url, success, message, seconds, answered, partial)
+        return EngineUpdateResult(worker.id, worker.url, success, message, seconds, answered, partial, status)
 
 
 def parse_json_object(response: httpx.Response) -> dict[str, object] | None:

@@ -46,6 +46,9 @@ class GroupEngine:
     # keeps its old label and says it holds part of one.
     incomplete: bool = False
     update_delay: float = 0.0
+    # As SGLang 0.5.23 on: buckets only inside a weight-update session; "begin" and "end" join `ended` as answered.
+    sessions: bool = False
+    session_open: bool = False
 
     @property
     def url(self) -> str:
@@ -56,9 +59,29 @@ class GroupEngine:
 def start_group_engine() -> Iterator[Callable[..., GroupEngine]]:
     started: list[ThreadedServer] = []
 
-    def start(name: str, port: int | None = None) -> GroupEngine:
-        fake = GroupEngine(FakeEngine(name=name))
+    def start(name: str, port: int | None = None, sessions: bool = False) -> GroupEngine:
+        fake = GroupEngine(FakeEngine(name=name), sessions=sessions)
         app = fake.engine.app()
+
+        if sessions:  # without them, the routes are unknown: 404, as on SGLang before 0.5.23
+
+            @app.post("/begin_weight_update")
+            async def begin() -> JSONResponse:
+                if fake.session_open:
+                    refusal = "a weight-update session is already open; call end_weight_update() first"
+                    return JSONResponse({"success": False, "message": refusal}, status_code=400)
+                fake.session_open = True
+                fake.ended.append("begin")
+                return JSONResponse({"success": True, "message": "Success"})
+
+            @app.post("/end_weight_update")
+            async def end() -> JSONResponse:
+                if not fake.session_open:
+                    refusal = "no weight-update session is open; call begin_weight_update() first"
+                    return JSONResponse({"success": False, "message": refusal}, status_code=400)
+                fake.session_open = False
+                fake.ended.append("end")
+                return JSONResponse({"success": True, "message": "Success"})
 
         @app.post("/init_weights_update_group")
         async def init(request: Request) -> JSONResponse:
@@ -68,6 +91,11 @@ def start_group_engine() -> Iterator[Callable[..., GroupEngine]]:
         @app.post("/update_weights_from_distributed")
         async def update(request: Request) -> JSONResponse:
             body = await request.json()
+            if fake.sessions and not fake.session_open:
+                refusal = (
+                    "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+                )
+                return JSONResponse({"success": False, "message": refusal}, status_code=400)
             fake.updates.append(body)
             await asyncio.sleep(fake.update_delay)
             fake.ended.append("update")
@@ -449,3 +477,49 @@ def test_an_engine_in_routing_that_reports_part_of_a_version_leaves_and_loads_th
     assert engines[0].weights_partial is False and len(engines[1].update_bodies) == 1
     exposition = router.client.get("/metrics").text
     assert metric_value(exposition, "rlfleet_router_engine_version_drifts_total", {"engine": engines[0].url}) == 1
+
+
+def test_buckets_reach_engines_with_weight_update_sessions_inside_one_per_version(
+    start_group_engine: Callable[..., GroupEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """SGLang 0.5.23 refuses a bucket outside a session (400): every bucket failed, and every version came from
+    disk. The router opens each member's session before a version's first bucket and ends it after the last; an
+    engine without sessions (the other fake: 404) takes the buckets as before."""
+    new, old = start_group_engine("new", sessions=True), start_group_engine("old")
+    router = start_router([new.url, old.url])
+    router.wait_healthy(2)
+    assert router.client.post("/init_weights_update_group", json={**INIT, "world_size": 3}).status_code == 200
+    for version in ("1", "2"):
+        for part in (bucket(["w1"]), bucket(["w2"], version=version)):
+            answer = router.client.post("/update_weights_from_distributed", json=part)
+            assert answer.status_code == 200, answer.text
+    assert new.ended == ["begin", "update", "update", "end"] * 2 and not new.session_open
+    assert old.ended == ["update"] * 4
+    assert {w["weight_version"] for w in router.workers()} == {"2"}
+
+
+def test_a_session_a_broken_group_left_open_is_ended_before_the_next_version(
+    start_group_engine: Callable[..., GroupEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """A member fails a bucket: the group closes and its session is ended with it; a session left open anyway (a
+    router restarted mid-version) is ended before the next begins, which SGLang refuses while one is open."""
+    good, bad = start_group_engine("good", sessions=True), start_group_engine("bad", sessions=True)
+    router = start_router([good.url, bad.url])
+    router.wait_healthy(2)
+    assert router.client.post("/init_weights_update_group", json={**INIT, "world_size": 3}).status_code == 200
+    bad.fail_updates = True
+    assert router.client.post("/update_weights_from_distributed", json=bucket(["w"], version="2")).status_code == 502
+    router.wait_for(lambda: "destroy" in good.ended and "destroy" in bad.ended, what="the group destroyed")
+    assert not good.session_open and not bad.session_open
+    assert good.ended[-2:] == ["end", "destroy"] and bad.ended[-2:] == ["end", "destroy"]
+
+    good.session_open = True  # left open behind the router's back
+    bad.fail_updates = False
+    fallback = router.client.post("/update_weights_from_disk", json={"model_path": "/w/v2", "weight_version": "2"})
+    assert fallback.status_code == 200, fallback.text
+    router.wait_healthy(2)
+    assert router.client.post("/init_weights_update_group", json={**INIT, "world_size": 3}).status_code == 200
+    good.ended.clear()
+    answer = router.client.post("/update_weights_from_distributed", json=bucket(["w"], version="3"))
+    assert answer.status_code == 200, answer.text
+    assert good.ended == ["end", "begin", "update", "end"]
