@@ -4,9 +4,10 @@ Output shape (non-incremental, as SGLang streams by default: every chunk is cumu
     {"text": str, "output_ids": [int], "meta_info": {"id", "finish_reason", "prompt_tokens",
      "completion_tokens", "cached_tokens", "weight_version", "weight_versions", "e2e_latency" (when finished),
      "input_token_logprobs" + "output_token_logprobs" (when return_logprob), ...}}
-`weight_version` is the engine's version when the output was published (SGLang's field);
-`weight_versions` (an rlfleet extension) lists, oldest first, every version that sampled one of
-the output's tokens, so a sequence that ran across a weight load is labelled with both versions.
+`weight_version` is the engine's version when the output was published; `weight_versions`, as SGLang's
+(sglang/srt/utils/weight_versions.py), lists oldest first the spans of output tokens each version sampled,
+`{"version", "start", "end"}` (token indices, end exclusive), so a sequence that ran across a weight load
+is labelled with both versions.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class GenerationJob:
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     weight_versions: list[str] = field(default_factory=list)
     """Every version that sampled a token of `output_ids`, oldest first."""
+    version_starts: list[int] = field(default_factory=list)
+    """Where in `output_ids` each of `weight_versions` began sampling."""
     finish: FinishReason | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -63,6 +66,7 @@ class GenerationJob:
         """Records one token sampled under `weight_version`."""
         if not self.weight_versions or self.weight_versions[-1] != weight_version:
             self.weight_versions.append(weight_version)
+            self.version_starts.append(len(self.output_ids))
         self.last_token_at = time.monotonic()
         if self.first_token_at is None:
             self.first_token_at = self.last_token_at
@@ -128,6 +132,15 @@ class GenerationJob:
             text += full[len(head) : end]
         return text
 
+    def _version_spans(self, weight_version: str) -> list[dict[str, Any]]:
+        if not self.weight_versions:  # produced by nothing yet: the version it would have used, over no token
+            return [{"version": weight_version, "start": 0, "end": 0}]
+        ends = [*self.version_starts[1:], len(self.output_ids)]
+        return [
+            {"version": version, "start": start, "end": end}
+            for version, start, end in zip(self.weight_versions, self.version_starts, ends, strict=True)
+        ]
+
     def output(self, tokenizer: Detokenizer, weight_version: str) -> dict[str, Any]:
         meta: dict[str, Any] = {
             "id": self.rid,
@@ -136,8 +149,7 @@ class GenerationJob:
             "completion_tokens": len(self.output_ids),
             "cached_tokens": 0,
             "weight_version": weight_version,
-            # A job without tokens was produced by nothing yet: it reports the version it would have used.
-            "weight_versions": list(self.weight_versions) or [weight_version],
+            "weight_versions": self._version_spans(weight_version),
         }
         if self.return_logprob:
             meta["input_token_logprobs"] = []

@@ -121,4 +121,5 @@ def test_the_sim_answers_a_pause_only_once_the_iteration_in_flight_has_ended() -
     at_pause, after, versions, out = asyncio.run(scenario())
     assert after == at_pause == 2, "the token of the iteration under way came out before the pause answered"
     assert versions == ["default"], "no token of the old weights' iteration is labelled with the new version"
-    assert out["meta_info"]["weight_versions"] == ["default", "new"] and len(out["output_ids"]) == 3
+    spans = [{"version": "default", "start": 0, "end": 2}, {"version": "new", "start": 2, "end": 3}]
+    assert out["meta_info"]["weight_versions"] == spans and len(out["output_ids"]) == 3

@@ -102,9 +102,11 @@ def test_requests_in_flight_are_paused_not_broken(own_engine: RunningEngine, tin
     out = result["out"]
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 300}
     assert out["meta_info"]["weight_version"] == "9"
-    # Tokens were sampled before and after the load: the output names both versions, oldest first.
-    versions = out["meta_info"]["weight_versions"]
-    assert len(versions) == 2 and versions[0] != "9" and versions[1] == "9"
+    # Tokens were sampled before and after the load: the output names both versions, oldest first, each with the
+    # tokens it sampled (SGLang's spans: start inclusive, end exclusive).
+    first, second = out["meta_info"]["weight_versions"]
+    assert first["version"] != "9" and second["version"] == "9"
+    assert first["start"] == 0 and 0 < first["end"] == second["start"] < second["end"] == 300
     assert own_engine.get("/get_weight_version").json() == {"weight_version": "9"}
 
 
@@ -136,7 +138,8 @@ def test_a_load_with_abort_all_requests_answers_the_partial_output_with_the_old_
     assert meta["finish_reason"]["type"] == "abort"
     assert 0 < len(result["out"]["output_ids"]) < 300
     assert len(meta["output_token_logprobs"]) == len(result["out"]["output_ids"])
-    assert meta["weight_version"] == old and meta["weight_versions"] == [old]
+    spans = [{"version": old, "start": 0, "end": len(result["out"]["output_ids"])}]
+    assert meta["weight_version"] == old and meta["weight_versions"] == spans
     assert own_engine.get("/get_weight_version").json() == {"weight_version": "10"}
 
 
@@ -163,7 +166,7 @@ def test_a_pause_in_abort_mode_leaves_the_load_nothing_to_hold(own_engine: Runni
     worker.join(timeout=10)  # answered by the pause, before any load
     meta = result["out"]["meta_info"]
     assert meta["finish_reason"]["type"] == "abort" and 0 < meta["completion_tokens"] < 300
-    assert meta["weight_versions"] == [old]
+    assert meta["weight_versions"] == [{"version": old, "start": 0, "end": meta["completion_tokens"]}]
     try:
         response = own_engine.post(
             "/update_weights_from_disk", {"model_path": str(tiny_model_dir), "weight_version": "12"}

@@ -92,10 +92,12 @@ def parse_weight_version(value: object) -> int | None:
 
 
 def parse_weight_versions(value: object, version: int | None) -> tuple[int, ...]:
-    """meta_info.weight_versions (rlfleet-engine: every version that sampled a token, oldest first);
-    engines that report only `weight_version` (SGLang) name that one."""
+    """The versions that sampled the output's tokens, oldest first, from meta_info.weight_versions (SGLang's spans
+    `{"version", "start", "end"}`, rlfleet-engine's too); an engine that reports only `weight_version` (SGLang
+    before the spans) names that one."""
     if isinstance(value, list):
-        versions = tuple(v for v in (parse_weight_version(item) for item in value) if v is not None)
+        labels = (span.get("version") if isinstance(span, dict) else None for span in value)
+        versions = tuple(v for v in (parse_weight_version(label) for label in labels) if v is not None)
         if versions:
             return versions
     return (version,) if version is not None else ()

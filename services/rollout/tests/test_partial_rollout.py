@@ -72,7 +72,7 @@ def _context(
 
 
 def test_an_aborted_answer_keeps_its_tokens_and_versions_are_read_oldest_first() -> None:
-    meta = {
+    meta: dict[str, object] = {
         "finish_reason": {"type": "abort", "message": "Abort in running batch"},
         "weight_version": "3",
         "output_token_logprobs": [[-0.5, 20, None], [-0.25, 21, None]],
@@ -80,7 +80,8 @@ def test_an_aborted_answer_keeps_its_tokens_and_versions_are_read_oldest_first()
     aborted = parse_completion({"text": "ab", "output_ids": [20, 21], "meta_info": meta})
     assert aborted.finish_reason == ABORT and "aborted" in aborted.error
     assert aborted.output_ids == (20, 21) and aborted.logprobs == (-0.5, -0.25) and aborted.weight_versions == (3,)
-    meta = {**meta, "finish_reason": {"type": "length"}, "weight_versions": ["2", "3"]}
+    spans = [{"version": "2", "start": 0, "end": 1}, {"version": "3", "start": 1, "end": 2}]  # SGLang's
+    meta = {**meta, "finish_reason": {"type": "length"}, "weight_versions": spans}
     spanning = parse_completion({"text": "ab", "output_ids": [20, 21], "meta_info": meta})
     assert spanning.weight_versions == (2, 3) and spanning.weight_version == 3 and not spanning.error
 

@@ -91,6 +91,15 @@ def turn_from_answer(
         raise ValueError(f"the answer is not a {route} answer with tokens and logprobs: {exc!r}") from exc
 
 
+def _sampled_by(spans: object) -> tuple[str, ...]:
+    """The versions that sampled a turn's tokens, oldest first, from SGLang's meta_info.weight_versions (spans
+    `{"version", "start", "end"}`, rlfleet-engine's too); () when the engine reports only weight_version."""
+    if not isinstance(spans, list) or not all(isinstance(s, dict) and isinstance(s.get("version"), (str, int))
+                                              for s in spans):  # fmt: skip
+        return ()
+    return tuple(str(span["version"]) for span in spans)
+
+
 def _turn(route: str, request: Mapping[str, Any], parsed: Any, engine: str, engine_version: str | None) -> Turn:
     rid = request.get("rid") if isinstance(request.get("rid"), str) else None
     sampled_by: tuple[str, ...] = ()
@@ -100,9 +109,7 @@ def _turn(route: str, request: Mapping[str, Any], parsed: Any, engine: str, engi
         logprobs = tuple(float(entry[0]) for entry in meta["output_token_logprobs"])
         prompt = _ids(request.get("input_ids"), "input_ids")
         version = meta.get("weight_version")
-        versions = meta.get("weight_versions")  # rlfleet's CPU engine: every version that sampled a token
-        if isinstance(versions, list) and all(isinstance(v, (str, int)) for v in versions):
-            sampled_by = tuple(str(v) for v in versions)
+        sampled_by = _sampled_by(meta.get("weight_versions"))
         rid = rid or meta.get("id")
     else:
         choice = parsed["choices"][0]

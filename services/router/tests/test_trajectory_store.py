@@ -142,10 +142,12 @@ def test_trajectories_without_tokens_are_charged_for_their_records() -> None:
 
 
 def test_an_answer_lists_the_versions_that_sampled_it() -> None:
-    """rlfleet's CPU engine reports meta_info.weight_versions; SGLang only weight_version."""
+    """SGLang (and rlfleet's CPU engine) report meta_info.weight_versions as spans of tokens; SGLang before them,
+    only weight_version."""
     request = {"input_ids": [1, 2], "rid": "r"}
     meta = {"weight_version": "2", "output_token_logprobs": [[-0.5, 3, None], [-1.0, 4, None]]}
-    both = json.dumps({"output_ids": [3, 4], "meta_info": {**meta, "weight_versions": ["1", "2"]}}).encode()
+    spans = [{"version": "1", "start": 0, "end": 1}, {"version": 2, "start": 1, "end": 2}]
+    both = json.dumps({"output_ids": [3, 4], "meta_info": {**meta, "weight_versions": spans}}).encode()
     one = json.dumps({"output_ids": [3, 4], "meta_info": meta}).encode()
     assert turn_from_answer("/generate", request, both, "e", None).weight_versions == ("1", "2")
     assert turn_from_answer("/generate", request, one, "e", None).weight_versions == ()
