@@ -139,9 +139,6 @@ class WeightBroadcaster:
             logger.info("reopening weight update group %s: %s", self.group_name, exc)
             return False
 
-    def bucket_count(self, state: Mapping[str, torch.Tensor]) -> int:
-        return len(buckets(unique_tensors(state), self._bucket_bytes))
-
     def broadcast(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Sends `state` to every engine in buckets; they serve `version` once this returns."""
         group = self.group
@@ -175,8 +172,8 @@ class WeightBroadcaster:
 
     @contextlib.contextmanager
     def engines_paused(self) -> Iterator[None]:
-        """Generation paused fleet-wide while a version travels in several buckets, so no engine samples
-        from a half-updated model (one bucket needs no pause: an engine loads it between two steps); see
+        """Generation paused fleet-wide while a version travels: no engine samples from a half-updated model, and
+        SGLang takes an update while not paused only once every generation under way has ended; see
         `generation_paused` for how the pause is sure to end. Generations in flight are held, or aborted when the
         run resumes them itself (`abort_all_requests`)."""
         with generation_paused(self._router, "abort" if self._abort_all_requests else "retract"):

@@ -3,9 +3,10 @@
 disk: the version is written as a Hugging Face directory and the router has every engine load it.
 distributed: the version is broadcast to the engines through a weight update group the trainer
 opens once per run (and again when the fleet's membership changed). If the broadcast fails, the
-same version goes the disk way, so a step never ends with the fleet behind it; when the version
-travels in several buckets, generation stays paused fleet-wide until that load has ended, since an
-engine that took some buckets holds a mix of two versions meanwhile. Once the engines serve a
+same version goes the disk way, so a step never ends with the fleet behind it. Generation is paused
+fleet-wide while a version travels, and until that disk load has ended: an engine that took some buckets holds
+a mix of two versions meanwhile, and SGLang takes an update while it is not paused only once every generation
+under way has ended, which the broadcast would wait for past its timeout. Once the engines serve a
 broadcast version (generation resumed), the trainer writes it to disk too, before `publish` returns:
 the copy restarted engines load and a resumed trainer starts from. That write is part of the
 trainer's step time (bench/weight_sync.md), not of the time engines wait.
@@ -13,7 +14,6 @@ trainer's step time (bench/weight_sync.md), not of the time engines wait.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -104,8 +104,7 @@ class DistributedPublisher:
         """Brings every engine to `version`: over the group, or from disk if the broadcast fails (the group is
         closed then). Returns the version's directory when it came from disk; None when it was broadcast
         (its disk copy is still to write)."""
-        several = self._broadcaster.bucket_count(state) > 1
-        with self._broadcaster.engines_paused() if several else contextlib.nullcontext():
+        with self._broadcaster.engines_paused():
             try:
                 if not self._broadcaster.is_current():
                     self._broadcaster.open()
