@@ -1,12 +1,14 @@
 """The fleet side of the distributed weight path: one weight update group spanning the trainer and the engines.
 
 SGLang's contract is per engine; the router turns it into one fleet-wide group:
-  * `init_group`: the healthy engines become the members, engine i of k with rank_offset 1 + i (one
-    rank per engine: tensor-parallel engines are not supported here). A world_size other than
-    1 + k, or a member that does not answer (`LIVENESS_ROUTE`), is refused before any engine is asked to
-    join (an engine that joins blocks until every rank has, so a refusal after that would leave
-    the others waiting out their timeout). Every member gets its init at once; each blocks until
-    the trainer (rank 0) has joined too, so the trainer calls this while it opens its own end.
+  * `init_group`: the healthy engines become the members. SGLang joins an engine's tensor-parallel workers
+    each as rank rank_offset + its tp_rank, so an engine takes as many ranks as its tp_size (`/get_server_info`):
+    engine i's rank_offset is 1 plus the ranks of the engines before it, and the world is 1 + every engine's
+    ranks (`world`, which the trainer asks first). A world_size other than that, or a member that does not
+    answer, is refused before any engine is asked to join (an engine that joins blocks until every rank has,
+    so a refusal after that would leave the others waiting out their timeout). Every member gets its init at
+    once; each blocks until the trainer (rank 0) has joined too, so the trainer calls this while it opens its own
+    end.
   * `update`: one bucket's request goes to every member at once while the trainer broadcasts. The
     request that carries a weight_version makes it the fleet's version, as a disk load does; until it
     comes, the members hold part of a version (`FleetWeights.receiving`). Engines that are healthy but
@@ -43,7 +45,6 @@ from dataclasses import dataclass, replace
 import httpx
 
 from rlfleet.errors import Conflict, NotFound, Unavailable
-from rlfleet_router.busy_engines import LIVENESS_ROUTE
 from rlfleet_router.lock_turns import NoTurn, turn
 from rlfleet_router.weight_sessions import WeightSessions
 from rlfleet_router.weights import (
@@ -54,6 +55,7 @@ from rlfleet_router.weights import (
     FleetWeights,
     WeightTarget,
     describe_error,
+    parse_json_object,
 )
 from rlfleet_router.workers import Worker, WorkerRegistry
 
@@ -64,10 +66,15 @@ STOP_SECS = 5.0
 """How long stopping the router waits for the destroys of groups it closed."""
 
 
+SERVER_INFO_ROUTE = "/get_server_info"
+"""Where an engine says its tp_size (SGLang's and rlfleet-engine's; SGLang also answers it as /server_info)."""
+
+
 @dataclass(frozen=True)
 class Member:
     worker: Worker
     rank_offset: int
+    ranks: int = 1  # the engine's tp_size: its workers join as rank_offset .. rank_offset + ranks - 1
 
 
 @dataclass(frozen=True)
@@ -82,7 +89,10 @@ class WeightGroup:
             "group_name": self.name,
             "world_size": self.world_size,
             "backend": self.backend,
-            "engines": [{"id": m.worker.id, "url": m.worker.url, "rank_offset": m.rank_offset} for m in self.members],
+            "engines": [
+                {"id": m.worker.id, "url": m.worker.url, "rank_offset": m.rank_offset, "ranks": m.ranks}
+                for m in self.members
+            ],
             # False once an engine left routing or a new one joined: the trainer should open the group again.
             "current": {m.worker.id for m in self.members} == {w.id for w in healthy},
         }
@@ -137,22 +147,18 @@ class DistributedWeights:
         """Opens the group on every healthy engine; returns once each has joined (or failed to)."""
         self._weights.strand_receiving("a weight update group opened before the last bucket of the version on its way")
         self._closed.pop(name, None)  # a destroy of this name now means the group opened here
-        engines = self._workers.healthy()
-        if not engines:
-            raise Unavailable("no healthy engine to join a weight update group; GET /workers shows why")
-        if world_size != 1 + len(engines):
+        members = await self.world()
+        expected = 1 + sum(m.ranks for m in members)
+        if world_size != expected:
+            tensor_parallel = sum(m.ranks > 1 for m in members)
+            ranks = f" ({tensor_parallel} of them with tensor parallelism)" if tensor_parallel else ""
             raise Conflict(
-                f"world_size: {world_size} does not match the fleet: the trainer (rank 0) and {len(engines)} healthy "
-                f"engines make {1 + len(engines)}; GET /health counts the healthy engines"
+                f"world_size: {world_size} does not match the fleet: the trainer (rank 0) and the ranks of "
+                f"{len(members)} healthy engines{ranks} make {expected}; GET /weights_update_world_size says it"
             )
-        silent = [problem for problem in await asyncio.gather(*(self._probe(w) for w in engines)) if problem]
-        if silent:
-            raise Unavailable(
-                f"engines of the fleet do not answer, so no group can form: {'; '.join(silent)}; "
-                "open the group again once the health checker has taken them out of routing"
-            )
+        engines = [m.worker for m in members]
         self.groups.pop(name, None)
-        group = WeightGroup(name, world_size, backend, tuple(Member(w, 1 + i) for i, w in enumerate(engines)))
+        group = WeightGroup(name, world_size, backend, members)
 
         def body(member: Member) -> bytes:
             fields: dict[str, object] = {
@@ -290,15 +296,41 @@ class DistributedWeights:
         self._version_started = None
         logger.info("weight version %r arrived over group %s", version, group.name)
 
-    async def _probe(self, worker: Worker) -> str | None:
-        # Not /health: SGLang's runs a generation, which waits while the trainer has generation paused.
+    async def world(self) -> tuple[Member, ...]:
+        """The members a group opened now would have (the healthy engines) and their ranks; Unavailable when there
+        is none, or one does not answer."""
+        engines = self._workers.healthy()
+        if not engines:
+            raise Unavailable("no healthy engine to join a weight update group; GET /workers shows why")
+        answers = await asyncio.gather(*(self._ranks_of(w) for w in engines))
+        silent = [answer for answer in answers if isinstance(answer, str)]
+        if silent:
+            raise Unavailable(
+                f"engines of the fleet do not answer, so no group can form: {'; '.join(silent)}; "
+                "open the group again once the health checker has taken them out of routing"
+            )
+        members: list[Member] = []
+        offset = 1
+        for worker, ranks in zip(engines, answers, strict=True):
+            assert isinstance(ranks, int)
+            members.append(Member(worker, offset, ranks))
+            offset += ranks
+        return tuple(members)
+
+    async def _ranks_of(self, worker: Worker) -> int | str:
+        """The ranks `worker` takes in a group (its tp_size; 1 when it does not say), or why it did not answer.
+        Not /health: SGLang's runs a generation, which waits while the trainer has generation paused."""
         try:
-            response = await self._client.get(f"{worker.url}{LIVENESS_ROUTE}", timeout=self._probe_timeout)
+            response = await self._client.get(f"{worker.url}{SERVER_INFO_ROUTE}", timeout=self._probe_timeout)
         except httpx.HTTPError as exc:
             return f"{worker.url}: {describe_error(exc)}"
-        if response.status_code == 200:
-            return None
-        return f"{worker.url}: {LIVENESS_ROUTE} answered {response.status_code}"
+        if response.status_code != 200:
+            return f"{worker.url}: {SERVER_INFO_ROUTE} answered {response.status_code}"
+        info = parse_json_object(response) or {}
+        tp_size = info.get("tp_size", 1)
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            return f"{worker.url}: {SERVER_INFO_ROUTE} gave tp_size {tp_size!r}, not a whole number of ranks"
+        return tp_size
 
     async def _deliver(self, worker: Worker, version: str | None, request_body: bytes) -> EngineUpdateResult:
         """One bucket to one member, inside its weight-update session (weight_sessions.py): opened before the

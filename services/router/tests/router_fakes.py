@@ -70,6 +70,7 @@ class FakeEngine:
     fail_updates: bool = False
     update_delay: float = 0.0
     control_delay: float = 0.0  # before answering /abort_request, /pause_generation, ...
+    tp_size: int = 1  # /get_server_info's: the ranks it takes in a weight update group
     refused_controls: set[str] = field(default_factory=set)  # control routes answered 503 (and not applied)
     raw_bodies: list[bytes] = field(default_factory=list)
     content_types: list[str | None] = field(default_factory=list)  # of each /generate request
@@ -140,7 +141,7 @@ class FakeEngine:
 
         @app.get("/get_server_info")
         async def get_server_info() -> dict[str, object]:
-            return {"engine": self.name, "weight_version": self.weight_version}
+            return {"engine": self.name, "weight_version": self.weight_version, "tp_size": self.tp_size}
 
         @app.post("/update_weights_from_disk")
         async def update_weights(request: Request) -> Response:

@@ -523,3 +523,27 @@ def test_a_session_a_broken_group_left_open_is_ended_before_the_next_version(
     answer = router.client.post("/update_weights_from_distributed", json=bucket(["w"], version="3"))
     assert answer.status_code == 200, answer.text
     assert good.ended == ["end", "begin", "update", "end"]
+
+
+def test_an_engine_with_tensor_parallelism_takes_as_many_ranks_as_its_tp_size(
+    start_group_engine: Callable[..., GroupEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """SGLang joins each tensor-parallel worker as rank rank_offset + tp_rank: with one rank per engine, a TP-2
+    engine's second worker took the next engine's rank and the world was too small, so no group ever formed."""
+    wide, narrow = start_group_engine("wide"), start_group_engine("narrow")
+    wide.engine.tp_size = 2
+    router = start_router([wide.url, narrow.url])
+    router.wait_healthy(2)
+    world = router.client.get("/weights_update_world_size").json()
+    assert world["world_size"] == 4
+    offsets = {e["url"]: (e["rank_offset"], e["ranks"]) for e in world["engines"]}
+    assert sorted(offsets.values()) in ([(1, 2), (3, 1)], [(1, 1), (2, 2)])
+
+    short = router.client.post("/init_weights_update_group", json={**INIT, "world_size": 3})
+    assert short.status_code == 409 and "make 4" in short.json()["error"]["message"], short.text
+    assert not wide.inits and not narrow.inits
+    opened = router.client.post("/init_weights_update_group", json={**INIT, "world_size": 4})
+    assert opened.status_code == 200, opened.text
+    assert {e.url: (e.inits[0]["rank_offset"], e.inits[0]["world_size"]) for e in (wide, narrow)} == {
+        url: (offset, 4) for url, (offset, _) in offsets.items()
+    }

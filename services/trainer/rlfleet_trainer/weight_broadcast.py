@@ -1,7 +1,8 @@
 """Rank 0 of the distributed weight path: a group with every engine (through the router), versions sent in buckets.
 
-Opening: the trainer hosts the rendezvous on a free port, asks the router to have its k healthy
-engines join (world_size 1 + k), and joins as rank 0; everyone returns once all have joined.
+Opening: the trainer hosts the rendezvous on a free port, asks the router to have its healthy engines join
+(world_size 1 + their ranks, which the router counts: an engine with tensor parallelism takes tp_size), and
+joins as rank 0; everyone returns once all have joined.
 Publishing a version: the state is cut into buckets of at most `bucket_mb`; for each, the router
 is asked to have every engine receive it (names, dtypes, shapes; one flat byte tensor per bucket,
 SGLang's "flattened_bucket") while this process broadcasts it. Only the last bucket carries the
@@ -110,8 +111,9 @@ class WeightBroadcaster:
     def open(self) -> None:
         """Opens the group with every healthy engine; raises Unavailable naming what failed."""
         self.close()
-        engines = int(self._get("/health")["healthy"])
-        world_size = 1 + engines
+        # The router counts the ranks: an engine with tensor parallelism takes one per tp worker.
+        world = self._get("/weights_update_world_size")
+        world_size, engines = int(world["world_size"]), len(world["engines"])
         store = rendezvous(self._master_address, 0, host=True, timeout_s=self._timeout_s)
         body = {
             "master_address": self._master_address,
