@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 
 from rlfleet.errors import Conflict, DeadlineExceeded, InvalidInput, NotFound, Unavailable
@@ -409,7 +410,8 @@ class TrainerCore:
         try:
             try:
                 policy = self.ranks.call("load_run", spec)
-            except (ValueError, KeyError, SafetensorError) as exc:  # transformers', safetensors' "cannot load"
+            # transformers', safetensors' and huggingface_hub's (a config field of the wrong type) "cannot load"
+            except (ValueError, KeyError, SafetensorError, StrictDataclassError) as exc:
                 raise InvalidInput(
                     f"model.path: the model at {base} cannot be loaded: {type(exc).__name__}: {exc}"
                 ) from exc

@@ -210,7 +210,15 @@ def test_a_resume_whose_checkpoint_storage_fails_answers_unavailable_naming_the_
 
 
 @pytest.mark.parametrize(
-    "damage", ["no weights", "config not JSON", "config empty", "unknown model type", "weights not safetensors"]
+    "damage",
+    [
+        "no weights",
+        "config not JSON",
+        "config empty",
+        "unknown model type",
+        "config field type",
+        "weights not safetensors",
+    ],
 )
 def test_a_model_directory_transformers_cannot_load_is_refused_naming_model_path(
     core: TrainerCore, small_model_dir: Path, tmp_path: Path, damage: str
@@ -230,6 +238,8 @@ def test_a_model_directory_transformers_cannot_load_is_refused_naming_model_path
         (model / "config.json").write_text("{}")
     elif damage == "unknown model type":  # transformers' ValueError (KeyError inside)
         (model / "config.json").write_text(json.dumps({**config, "model_type": "no_such_architecture"}))
+    elif damage == "config field type":  # huggingface_hub's StrictDataclassFieldValidationError
+        (model / "config.json").write_text(json.dumps({**config, "vocab_size": "x"}))
     else:  # safetensors' own error
         (model / "model.safetensors").write_bytes(b"garbage" * 10)
     code, details = start_code(core, "m", model)
