@@ -23,6 +23,7 @@ the run still says it trains. Both directions raise `CheckpointFailed`, an ordin
 from __future__ import annotations
 
 import logging
+import pickle
 import shutil
 import time
 import warnings
@@ -61,9 +62,10 @@ class CheckpointFailed(RuntimeError):
 
     @property
     def damaged(self) -> bool:
-        """The checkpoint itself is broken for good: a shard missing, or one torch cannot read (truncated)."""
+        """The checkpoint itself is broken for good: a shard missing, or one torch cannot read (truncated: the
+        stream ends early, EOFError or PytorchStreamReader; overwritten: what is read is no pickle)."""
         return any(
-            isinstance(cause, FileNotFoundError)
+            isinstance(cause, (FileNotFoundError, EOFError, pickle.UnpicklingError))
             or (isinstance(cause, RuntimeError) and "PytorchStreamReader" in str(cause))
             for cause in self.causes
         )

@@ -214,13 +214,17 @@ def test_a_resume_whose_checkpoint_does_not_fit_or_cannot_be_read_is_refused_wit
             assert core.ranks.state.policy is None and core.held().state == TrainerState.TRAINER_STATE_IDLE
             monkeypatch.undo()
 
-            # Damage no retry mends: before, a missing shard was UNAVAILABLE (asked again for ever), a truncated
-            # one "does not fit that model (the run was trained from another one)".
+            # Damage no retry mends: before, a missing shard was UNAVAILABLE (asked again for ever), a truncated or
+            # overwritten one "does not fit that model (the run was trained from another one)".
             (shard,) = Path(core.status("o").checkpoint_path).glob("*.distcp")
             whole = shard.read_bytes()
-            for damage in ("truncated", "missing"):
+            for damage in ("truncated", "cut short", "overwritten", "missing"):
                 if damage == "truncated":
                     shard.write_bytes(whole[: len(whole) // 2])
+                elif damage == "cut short":  # EOFError
+                    shard.write_bytes(whole[:100])
+                elif damage == "overwritten":  # no pickle where one should be
+                    shard.write_bytes(b"\xff" * 4096 + whole[4096:])
                 else:
                     shard.unlink()
                 with pytest.raises(grpc.RpcError) as damaged:
