@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import math
 import re
-import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -231,15 +230,15 @@ def connect_redis_async(url: str, timeout_s: float = 10.0) -> aioredis.Redis:
     return aioredis.Redis.from_url(url, retry=retry, **_client_options(timeout_s))
 
 
-def _finite_in_float32(value: float) -> bool:
-    """Whether `value` stays finite as the float32 the trainer computes in (a double up to 1.8e308 need not)."""
-    if not math.isfinite(value):
-        return False
-    try:
-        struct.pack("<f", value)
-    except OverflowError:
-        return False
-    return True
+MAX_MAGNITUDE = 1e9
+"""The largest reward or group weight, in magnitude: far beyond any reward scale in use, and small enough that the
+trainer's float32 arithmetic on it stays finite (a reward finite in float32, 3e38, made its group's advantages
+infinite, and with them the step's gradient: the whole step was skipped, its other groups with it)."""
+
+
+def _in_range(value: float) -> bool:
+    """Whether `value` is finite and within MAX_MAGNITUDE (a double up to 1.8e308 need not be)."""
+    return math.isfinite(value) and abs(value) <= MAX_MAGNITUDE
 
 
 def _token_out_of_range(ids: Sequence[int], vocab_size: int | None) -> tuple[int, int] | None:
@@ -254,17 +253,18 @@ def validate_group(group: SampleGroup, vocab_size: int | None = None) -> None:
     """Raises InvalidInput naming the first field that would make the group untrainable: one that would fail
     every step holding it (lengths that disagree, a response with no prompt token to score it from, a token id
     outside the vocabulary: below 0, or from `vocab_size` on when it is given) or silently corrupt the step's
-    loss (a loss_mask value other than 0 or 1, a number that is not finite in float32, which the trainer
-    computes in)."""
+    loss (a loss_mask value other than 0 or 1, a reward or weight not finite or past MAX_MAGNITUDE, where the
+    trainer's float32 arithmetic overflows)."""
     if not group.group_id:
         raise InvalidInput("SampleGroup.group_id must be set")
     if not group.run_id:
         raise InvalidInput(f"SampleGroup {group.group_id}: run_id must be set")
     if not group.samples:
         raise InvalidInput(f"SampleGroup {group.group_id}: samples must not be empty")
-    if not (_finite_in_float32(group.weight) and group.weight >= 0):
+    if not (_in_range(group.weight) and group.weight >= 0):
         raise InvalidInput(
-            f"SampleGroup {group.group_id}: weight must be a finite number >= 0 (in float32), got {group.weight}"
+            f"SampleGroup {group.group_id}: weight must be a finite number from 0 to {MAX_MAGNITUDE:g}, "
+            f"got {group.weight}"
         )
     for i, sample in enumerate(group.samples):
         n = len(sample.response_token_ids)
@@ -292,9 +292,10 @@ def validate_group(group: SampleGroup, vocab_size: int | None = None) -> None:
                 f"SampleGroup {group.group_id}: samples[{i}].loss_mask[{bad_mask}] is {sample.loss_mask[bad_mask]}, "
                 "not 0 or 1"
             )
-        if not _finite_in_float32(sample.reward):
+        if not _in_range(sample.reward):
             raise InvalidInput(
-                f"SampleGroup {group.group_id}: samples[{i}].reward is {sample.reward}, not finite in float32"
+                f"SampleGroup {group.group_id}: samples[{i}].reward is {sample.reward}, not a finite number within "
+                f"+-{MAX_MAGNITUDE:g}"
             )
         bad = next((j for j, logprob in enumerate(sample.rollout_logprobs) if not math.isfinite(logprob)), None)
         if bad is not None:

@@ -170,9 +170,12 @@ def test_another_writers_entry_keeps_its_fields_in_the_dead_letter(
         (lambda g: g.samples[1].rollout_logprobs.__setitem__(0, float("-inf")), r"rollout_logprobs\[0\] is -inf"),
         (lambda g: setattr(g.samples[0], "reward", float("nan")), "reward is nan"),
         (lambda g: g.samples[0].ClearField("prompt_token_ids"), "no prompt token"),
-        (lambda g: setattr(g, "weight", -1.0), "weight must be a finite number >= 0"),
-        (lambda g: setattr(g, "weight", 1e39), r"weight must be a finite number >= 0 \(in float32\), got 1e\+39"),
-        (lambda g: setattr(g.samples[1], "reward", -1e39), r"samples\[1\].reward is -1e\+39, not finite in float32"),
+        (lambda g: setattr(g, "weight", -1.0), "weight must be a finite number from 0 to"),
+        (lambda g: setattr(g, "weight", 1e39), r"weight must be a finite number from 0 to 1e\+09, got 1e\+39"),
+        (lambda g: setattr(g.samples[1], "reward", -1e39), r"samples\[1\].reward is -1e\+39, not a finite number"),
+        # Finite in float32, but its group's advantages were not: the step's gradient was, and the step skipped.
+        (lambda g: setattr(g.samples[1], "reward", 3e38), r"samples\[1\].reward is 3e\+38, not a finite number within"),
+        (lambda g: setattr(g, "weight", 2e9), r"weight must be a finite number from 0 to 1e\+09, got 2000000000"),
         (lambda g: g.samples[0].loss_mask.__setitem__(1, 2), r"samples\[0\].loss_mask\[1\] is 2, not 0 or 1"),
         (lambda g: g.samples[1].prompt_token_ids.__setitem__(2, -1), r"prompt_token_ids\[2\] is -1, not a token id"),
         (lambda g: g.samples[0].response_token_ids.__setitem__(0, -5), r"response_token_ids\[0\] is -5, not a token"),
@@ -196,8 +199,9 @@ def test_malformed_groups_are_refused_and_nothing_is_written(stream: SampleStrea
         (lambda g: setattr(g, "weight", float("nan")), "weight must be a finite number"),
         (lambda g: setattr(g, "run_id", "other"), "belongs to run other"),
         # Finite as the proto's double, infinite as the trainer's float32: the step's loss would be NaN.
-        (lambda g: setattr(g.samples[0], "reward", 1e39), "samples[0].reward is 1e+39, not finite in float32"),
-        (lambda g: setattr(g, "weight", 1e39), "weight must be a finite number >= 0 (in float32), got 1e+39"),
+        (lambda g: setattr(g.samples[0], "reward", 1e39), "samples[0].reward is 1e+39, not a finite number within"),
+        (lambda g: setattr(g, "weight", 1e39), "weight must be a finite number from 0 to 1e+09, got 1e+39"),
+        (lambda g: setattr(g.samples[0], "reward", -3e38), "samples[0].reward is -3e+38, not a finite number within"),
         # A token weight of 1000 instead of the documented 1 (trained) or 0 (not).
         (lambda g: g.samples[1].loss_mask.__setitem__(0, 1000), "samples[1].loss_mask[0] is 1000, not 0 or 1"),
         (lambda g: g.samples[0].response_token_ids.__setitem__(1, -1), "samples[0].response_token_ids[1] is -1"),
