@@ -1,9 +1,10 @@
 """`multiple_choice`: the option letter the response chose equals the label's.
 
-The choice is read, in order of preference, from the last `\\boxed{B}`, the last "answer is (B)" /
-"Answer: B" (markdown emphasis around them allowed: "**Answer:** B"), a response that is only a letter
+The choice is read, in order of preference, from the last `\\boxed{B}` (or `\\boxed{\\text{B}}`), the last
+"answer is (B)" / "Answer: B" (markdown emphasis around them allowed: "**Answer:** B"), a response that is only a letter
 ("B", "(B)", "B."), the last parenthesized letter, or a letter that ends the response ("... so it is B.").
-Only letters among `choices` count. `A` and `I` are also words: after "Answer:", one followed on its line
+Only letters among `choices` count. After "answer is" the letter is the choice ("the answer is A as shown
+above"). `A` and `I` are also words: after "Answer:", one followed on its line
 by a lower-case word ("Answer: I think it is B", "Answer: A careful reading gives C") starts a sentence and
 is not the choice, nor is a letter opening a contraction ("I'm"), unless that word is one the article "A"
 or the pronoun "I" cannot be followed by ("Answer: A is correct", "Answer: I because ..."). Other letters are
@@ -33,13 +34,17 @@ CHOICE_FOLLOWERS = r"(?:is|because|since)"
 
 def chosen(response: str, choices: str) -> str | None:
     letter = f"[{choices}]"
+    after = rf"[*_]*+\s*+:?\s*+[*_]*+\(?({letter})\)?[*_]*(?![A-Za-z'’])"  # the letter after "answer is" or "Answer:"
     patterns = (
-        rf"\\boxed\{{\s*\(?({letter})\)?\s*\}}",
+        # In a box, alone or as text: \boxed{B}, \boxed{\text{B}}, \boxed{\textbf{(B)}}.
+        rf"\\boxed\{{\s*(?:\\(?:text|textbf|mathrm|mathbf)\{{\s*)?\(?({letter})\)?\s*\}}?\s*\}}",
         # Markdown emphasis may wrap the word, the colon or the letter: "**Answer:** B", "answer is **(C)**".
         # The runs are possessive (`*+`): no match needs a run to leave characters to a later run of the same
         # characters, and backtracking into them made "answer" and 1,500 spaces take 10 s (cubic in the run).
-        rf"(?i:answer)[*_]*+\s*+(?:(?i:is)|:)?[*_]*+\s*+:?\s*+[*_]*+\(?({letter})\)?[*_]*(?![A-Za-z'’])"
-        rf"(?!(?<=[AI])[ \t]+(?!{CHOICE_FOLLOWERS}\b)[a-z])",
+        # After "is" the letter is the choice whatever follows ("the answer is A as shown"); after "Answer:" (or
+        # "Answer") "A" or "I" before a lower-case word starts a sentence.
+        rf"(?i:answer)[*_]*+\s*+(?i:is){after}"
+        rf"|(?i:answer)[*_]*+\s*+:?{after}(?!(?<=[AI])[ \t]+(?!{CHOICE_FOLLOWERS}\b)[a-z])",
         rf"^\s*\(?({letter})[).:]?\s*$",
         rf"\(({letter})\)",
         rf"(?<![A-Za-z'’])({letter})[*_]*[).]?\s*$",
@@ -47,7 +52,8 @@ def chosen(response: str, choices: str) -> str | None:
     for pattern in patterns:
         found = re.findall(pattern, response)
         if found:
-            return found[-1]
+            last = found[-1]
+            return last if isinstance(last, str) else next(group for group in last if group)
     return None
 
 

@@ -169,6 +169,14 @@ def test_multiple_choice(response: str, label: str, expected: float) -> None:
         ("Answer: A isolated case shows C", "C", (1.0, {"found": 1.0})),
         # An explicit box wins over a passing "the answer is".
         ("If the answer is A, then x < 0, which fails. So $\\boxed{B}$", "B", (1.0, {"found": 1.0})),
+        # After "answer is", A is the choice whatever word follows: it was never read, and a (C) the response
+        # ruled out earlier was taken instead.
+        ("After checking each option, the answer is A as shown above.", "A", (1.0, {"found": 1.0})),
+        ("The answer is A for sure", "A", (1.0, {"found": 1.0})),
+        ("Option (C) is tempting, but the answer is A as shown above.", "C", (0.0, {"found": 1.0})),
+        # A letter boxed as text.
+        ("So the final answer is $\\boxed{\\text{A}}$", "A", (1.0, {"found": 1.0})),
+        ("So the final answer is $\\boxed{\\textbf{(B)}}$", "B", (1.0, {"found": 1.0})),
     ],
 )
 def test_multiple_choice_tells_the_words_a_and_i_from_choices(
