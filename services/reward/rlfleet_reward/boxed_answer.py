@@ -1,11 +1,12 @@
 """`boxed`: the response's last `\\boxed{...}` answer compared with the label, after light LaTeX normalization.
 
 Braces are matched, so `\\boxed{\\frac{1}{2}}` yields `\\frac{1}{2}`. The label may be boxed itself or
-plain. Normalization drops `$` and `\\$`, spacing commands (`\\!`, `\\,`, `\\;`, `\\ `), `\\left`/`\\right`,
-`^\\circ`, `\\text{...}` wrappers, thousands separators (`1,000`, `1{,}000`: a comma between digits and
-followed by exactly three, so the lists `1,2` and `2, 345` keep theirs), whitespace and a trailing period, and
-reads `\\dfrac`/`\\tfrac` as `\\frac`; it is string equality after that, not symbolic equivalence (that is
-the `math` function).
+plain. Normalization drops `$` and `\\$`, spacing commands (`\\!`, `\\,`, `\\;`, `\\ `), `\\left`/`\\right` (not
+`\\leftarrow`), `^\\circ`, `%` and `\\%`, `\\text{...}` wrappers, thousands separators in an answer that is one
+number (`1,000`, `1{,}000`: a comma between digits and followed by exactly three, so the lists `1,2` and `2, 345`
+and the point `(2,100)` keep theirs), whitespace and a trailing period; it reads `\\dfrac`/`\\tfrac` as `\\frac`,
+`\\frac12` as `\\frac{1}{2}`, the Unicode minus as `-` and `.5` as `0.5`. It is string equality after that, not
+symbolic equivalence (that is the `math` function).
 """
 
 from __future__ import annotations
@@ -17,9 +18,15 @@ from typing import Any
 from rlfleet_reward.reward_function import RewardFunction, RewardInput, Scored
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
-_DROPPED = re.compile(r"\\[!,;: $]|\\left|\\right|\^\{?\\circ\}?|\$")
-# Before whitespace is dropped, so that the list `2, 345` does not read as 2345.
+# `\left(`, not the `\left` of `\leftarrow`; a percent sign, as verl's normalization drops it.
+_DROPPED = re.compile(r"\\[!,;: $]|\\(?:left|right)(?![A-Za-z])|\^\{?\\circ\}?|\$|\\?%")
+# Only in an answer that is one number, so that the point `(2,100)` does not read as (2100); checked before
+# whitespace is dropped, so that the list `2, 345` does not read as 2345.
+_GROUPED_NUMBER = re.compile(r"[-+]?\d{1,3}(?:(?:,|\{,\})\d{3})+(?:\.\d+)?")
 _THOUSANDS = re.compile(r"(?<=\d)(?:,|\{,\})(?=\d{3}(?!\d))")
+# `\frac12` and `\frac1{2}` as `\frac{1}{2}`: LaTeX reads one character as an argument.
+_FRAC = re.compile(r"\\frac(\{[^{}]*\}|[0-9A-Za-z])(\{[^{}]*\}|[0-9A-Za-z])")
+_BARE_DECIMAL = re.compile(r"(?<![\w}])\.(?=\d)")  # `.5` as `0.5`
 _SPACE = re.compile(r"\s+")
 _BRACE = re.compile(r"[{}]")
 _TOKEN = re.compile(r"[^\s$]+")  # `\boxed 7`: up to a space or the closing `$`
@@ -55,9 +62,16 @@ def _closing_braces(text: str) -> dict[int, int]:
 
 
 def normalize(answer: str) -> str:
-    answer = _THOUSANDS.sub("", _DROPPED.sub("", _TEXT.sub(r"\1", answer)))
+    answer = _DROPPED.sub("", _TEXT.sub(r"\1", answer)).replace("\u2212", "-")
+    if _GROUPED_NUMBER.fullmatch(answer.strip()):
+        answer = _THOUSANDS.sub("", answer)
     answer = _SPACE.sub("", answer).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    return answer.rstrip(".")
+    answer = _FRAC.sub(lambda m: "\\frac" + "".join(_braced(arg) for arg in m.groups()), answer)
+    return _BARE_DECIMAL.sub("0.", answer).rstrip(".")
+
+
+def _braced(argument: str) -> str:
+    return argument if argument.startswith("{") else "{" + argument + "}"
 
 
 def score_boxed(sample: RewardInput, params: Mapping[str, Any]) -> Scored:

@@ -55,6 +55,16 @@ def test_last_boxed_is_linear_in_a_degenerate_response() -> None:
         ("\\boxed{\\text{Paris}}", "Paris", (1.0, {"found": 1.0})),
         ("\\boxed{3}", "4", (0.0, {"found": 1.0})),
         ("4", "4", (0.0, {"found": 0.0})),  # no boxed answer, no credit
+        # Wrong answers normalization made right: \left and \right were dropped out of \leftarrow and
+        # \rightarrow, and the comma of a point was read as a thousands separator.
+        ("so \\boxed{x \\leftarrow 0^{+}}", "x \\rightarrow 0^{+}", (0.0, {"found": 1.0})),
+        ("The point is \\boxed{(2100)}", "(2,100)", (0.0, {"found": 1.0})),
+        ("\\boxed{\\left( 2, 100 \\right)}", "(2,100)", (1.0, {"found": 1.0})),
+        # Right answers it made wrong.
+        ("\\boxed{\\frac12}", "\\frac{1}{2}", (1.0, {"found": 1.0})),
+        ("\\boxed{50}", "50\\%", (1.0, {"found": 1.0})),
+        ("\\boxed{\u22125}", "-5", (1.0, {"found": 1.0})),
+        ("\\boxed{.5}", "0.5", (1.0, {"found": 1.0})),
     ],
 )
 def test_boxed(response: str, label: str, expected: tuple[float, dict[str, float]]) -> None:
