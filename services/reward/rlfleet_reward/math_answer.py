@@ -3,8 +3,10 @@
 The label is the reference answer itself. math-verify reads a text by searching it for its answer, which
 misreads a bare expression: `2\\pi` reads as 2, `[0, 1)` as 1, and `(x+1)^2` or `\\frac12` as nothing.
 So a label without `$`, `\\(`, `\\[` or `\\boxed` is read as `\\boxed{label}`, whole (as verl does), less a
-period closing it (`10.`: the sentence's, not the number's); one that has them, or is a sentence, is read the
-way a response is. An escaped `\\$` is a dollar sign, not math mode (`\\$1.17`), and words inside
+period closing it (`10.`: the sentence's, not the number's); a single word as `\\boxed{\\text{word}}` (boxed bare,
+its letters are multiplied, and `May` matched `Amy`), and a number with a unit (`12 dollars`, `4 cm^2`) with the
+unit as text, so that the number alone matches. One that has them, or is a sentence, is read the way a response
+is. An escaped `\\$` is a dollar sign, not math mode (`\\$1.17`), and words inside
 `\\text{...}` are not a sentence (`\\text{no solution}`).
 
 A response's answer is its last `\\boxed{...}`, as for `boxed`: math-verify would read every box in it as
@@ -47,10 +49,23 @@ _TEXT = re.compile(r"\\(?:text|textbf|textit|mathrm|mbox)\{[^{}]*\}")
 _CLOSING_PERIOD = re.compile(r"(?<=[^.\s])\.\s*$")
 
 
+# A bare label of one word ("Amy", "no", the vertices "ACB"): boxed, math-verify reads it as a product of letters,
+# so any anagram matched it ("May", "on", "ABC"); as `\text{...}` it is compared as the word it is.
+_WORD = re.compile(r"[A-Za-z]{2,}")
+# A number and its unit ("12 dollars", "4 cm^2", "5 km/h"): boxed whole, the unit's letters were multiplied in and
+# the number alone matched nothing; with the unit in `\text{...}` math-verify compares the number.
+_WITH_UNIT = re.compile(r"([-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:/\d+)?)\s+([A-Za-z]{2,}[A-Za-z0-9^/ ]*)")
+
+
 def _gold_text(label: str) -> str:
     if _DELIMITED.search(label) or _SENTENCE.search(_TEXT.sub(" ", label)):
         return _answer_text(label)
-    return f"\\boxed{{{_CLOSING_PERIOD.sub('', label.strip())}}}"
+    bare = _CLOSING_PERIOD.sub("", label.strip())
+    if _WORD.fullmatch(bare):
+        return f"\\boxed{{\\text{{{bare}}}}}"
+    if unit := _WITH_UNIT.fullmatch(bare):
+        return f"\\boxed{{{unit[1]} \\text{{ {unit[2]}}}}}"
+    return f"\\boxed{{{bare}}}"
 
 
 def _answer_text(text: str) -> str:

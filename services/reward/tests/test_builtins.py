@@ -78,6 +78,17 @@ def test_math(response: str, label: str, expected: float) -> None:
         # Words inside \text{} are the answer, not a sentence to search.
         ("$\\boxed{\\text{no solution}}$", "\\text{no solution}", 1.0),
         ("$\\boxed{5}$", "\\text{no solution}", 0.0),
+        # A bare word is compared as a word: read as a product of letters, any anagram of it matched.
+        ("So the winner is \\boxed{May}.", "Amy", 0.0),
+        ("\\boxed{ABC}", "ACB", 0.0),
+        ("\\boxed{on}", "no", 0.0),
+        ("So the winner is \\boxed{Amy}.", "Amy", 1.0),
+        ("\\boxed{\\text{No}}", "no", 1.0),
+        # A number with its unit: the number alone matches (its unit's letters were multiplied in).
+        ("He pays \\boxed{12}.", "12 dollars", 1.0),
+        ("He pays \\boxed{13}.", "12 dollars", 0.0),
+        ("The area is \\boxed{4}", "4 cm^2", 1.0),
+        ("\\boxed{5 \\text{ km/h}}", "5 km/h", 1.0),
     ],
 )
 def test_math_label_with_an_escaped_dollar_or_text_is_the_answer_itself(
