@@ -27,8 +27,11 @@ from prometheus_client.registry import Collector
 
 from rlfleet_router.workers import Worker
 
-LIVENESS_ROUTE = "/get_model_info"
-"""Answered by SGLang's HTTP process from memory (no model lock, no scheduler round trip), during loads and pauses."""
+LIVENESS_ROUTE = "/model_info"
+"""Answered by SGLang's HTTP process from memory (no model lock, no scheduler round trip), during loads and pauses.
+SGLang before /model_info answers it as /get_model_info, which later ones log as deprecated at every call; an
+engine that answers 404 here is asked there (`LEGACY_LIVENESS_ROUTE`)."""
+LEGACY_LIVENESS_ROUTE = "/get_model_info"
 LOADING = "loading"
 PAUSED = "paused"
 
@@ -113,7 +116,7 @@ class BusyEngines(Collector):
         busy = GaugeMetricFamily(
             "rlfleet_router_engine_busy",
             "1 while the router keeps an engine busy (reason: loading weights it sent, paused by a "
-            "/pause_generation it relayed); its health is then checked with /get_model_info.",
+            "/pause_generation it relayed); its health is then checked with /model_info.",
             labels=["engine", "reason"],
         )
         now = time.monotonic()

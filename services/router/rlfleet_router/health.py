@@ -181,7 +181,8 @@ class HealthChecker:
 
     async def _liveness(self, worker: Worker, reason: str) -> str | None:
         """None if `worker`, busy for `reason`, answered LIVENESS_ROUTE within the timeout, else why not."""
-        return await self._answers(worker, LIVENESS_ROUTE, f"{LIVENESS_ROUTE} ({reason})")
+        failure, _ = await self._served(worker, reason)
+        return failure
 
     async def _probe(self, worker: Worker) -> str | None:
         """None if the engine answered its health probe with 200 within the timeout, else why not."""

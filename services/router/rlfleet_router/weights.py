@@ -34,12 +34,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
+from http import HTTPStatus
 
 import httpx
 from prometheus_client import Histogram
 
 from rlfleet.errors import Conflict, Unavailable
-from rlfleet_router.busy_engines import LIVENESS_ROUTE, LOADING, BusyEngines
+from rlfleet_router.busy_engines import LEGACY_LIVENESS_ROUTE, LIVENESS_ROUTE, LOADING, BusyEngines
 from rlfleet_router.lock_turns import turn
 from rlfleet_router.metrics import RouterMetrics
 from rlfleet_router.workers import Worker, WorkerRegistry
@@ -173,6 +174,7 @@ class FleetWeights:
         self._workers = workers
         self._timeout = timeout_secs
         self._info_timeout = info_timeout_secs
+        self._legacy_info: set[str] = set()  # engines (worker ids) that answer only LEGACY_LIVENESS_ROUTE
         self._metrics = metrics
         self._on_caches_emptied = on_caches_emptied
         self._rejoin = rejoin
@@ -429,14 +431,21 @@ class FleetWeights:
         logger.info("disk copy of weight version %r registered at %s", version, model_path)
 
     async def served_weights(self, worker: Worker) -> ServedWeights:
-        """What `worker` reports it serves; Unavailable if it does not answer."""
+        """What `worker` reports it serves (`LIVENESS_ROUTE`, or the legacy route where that is unknown: 404);
+        Unavailable if it does not answer."""
+        route = LEGACY_LIVENESS_ROUTE if worker.id in self._legacy_info else LIVENESS_ROUTE
         try:
-            response = await self._client.get(f"{worker.url}{LIVENESS_ROUTE}", timeout=self._info_timeout)
+            response = await self._client.get(f"{worker.url}{route}", timeout=self._info_timeout)
+            if response.status_code == HTTPStatus.NOT_FOUND:  # an SGLang that has the other route only
+                route = LIVENESS_ROUTE if route == LEGACY_LIVENESS_ROUTE else LEGACY_LIVENESS_ROUTE
+                response = await self._client.get(f"{worker.url}{route}", timeout=self._info_timeout)
+                if response.status_code != HTTPStatus.NOT_FOUND:
+                    self._legacy_info.symmetric_difference_update({worker.id})
             response.raise_for_status()
             info = response.json()
         except (httpx.HTTPError, ValueError) as exc:
             raise Unavailable(
-                f"could not read the weight version of {worker.url}: {LIVENESS_ROUTE}: {describe_error(exc)}"
+                f"could not read the weight version of {worker.url}: {route}: {describe_error(exc)}"
             ) from exc
         if not isinstance(info, dict):
             return ServedWeights(None, None)

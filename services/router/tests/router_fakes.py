@@ -71,6 +71,10 @@ class FakeEngine:
     update_delay: float = 0.0
     control_delay: float = 0.0  # before answering /abort_request, /pause_generation, ...
     tp_size: int = 1  # /get_server_info's: the ranks it takes in a weight update group
+    # The routes that answer what it serves: SGLang before 0.5 has only the legacy one, 0.5.23 both (logging the
+    # legacy one as deprecated at every call), a later one may have only /model_info.
+    info_routes: tuple[str, ...] = ("/get_model_info",)
+    info_calls: list[str] = field(default_factory=list)  # the paths asked, in order
     refused_controls: set[str] = field(default_factory=set)  # control routes answered 503 (and not applied)
     raw_bodies: list[bytes] = field(default_factory=list)
     content_types: list[str | None] = field(default_factory=list)  # of each /generate request
@@ -130,14 +134,19 @@ class FakeEngine:
         async def health() -> Response:
             return Response(status_code=200 if self.healthy else 503)
 
+        @app.get("/model_info")
         @app.get("/get_model_info")
-        async def get_model_info() -> dict[str, object]:
-            return {
+        async def get_model_info(request: Request) -> Response:
+            self.info_calls.append(request.url.path)
+            if request.url.path not in self.info_routes:
+                return JSONResponse({"detail": "Not Found"}, status_code=404)
+            info = {
                 "model_path": self.model_path,
                 "weight_version": self.weight_version,
                 "is_generation": True,
                 "weights_partial": self.weights_partial,
             }
+            return JSONResponse(info)
 
         @app.get("/get_server_info")
         async def get_server_info() -> dict[str, object]:

@@ -99,3 +99,22 @@ def test_an_engine_that_cannot_load_the_fleet_version_shows_the_version_it_serve
         assert next(w for w in router.workers() if w["url"] == victim.url)["state"] != "healthy"
     finally:
         restarted.server.stop()
+
+
+def test_what_an_engine_serves_is_read_from_model_info_or_where_its_sglang_has_it(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """SGLang 0.5.23 logs /get_model_info as deprecated at every call, which the router made every health round,
+    and will drop it: /model_info is asked first, and an engine without it (404: an older SGLang) keeps its own."""
+    current = start_engine("current", info_routes=("/model_info", "/get_model_info"))
+    older = start_engine("older")  # /get_model_info only
+    later = start_engine("later", info_routes=("/model_info",))
+    router = start_router([current.url, older.url, later.url])
+    router.wait_healthy(3)
+    load = {"model_path": "/c/1", "weight_version": "1"}
+    assert router.client.post("/update_weights_from_disk", json=load).is_success
+    router.wait_for(lambda: all(len(e.info_calls) >= 6 for e in (current, older, later)), what="health rounds")
+    assert set(current.info_calls) == {"/model_info"} and set(later.info_calls) == {"/model_info"}
+    assert older.info_calls[:2] == ["/model_info", "/get_model_info"]
+    assert set(older.info_calls[2:]) == {"/get_model_info"}, "asked where it answers, once found"
+    assert {w["weight_version"] for w in router.workers()} == {"1"} and all(w["healthy"] for w in router.workers())
