@@ -157,6 +157,7 @@ class DistributedWeights:
                 f"{len(members)} healthy engines{ranks} make {expected}; GET /weights_update_world_size says it"
             )
         engines = [m.worker for m in members]
+        self._sessions.forget(engines)
         self.groups.pop(name, None)
         group = WeightGroup(name, world_size, backend, members)
 

@@ -12,6 +12,7 @@ begins: SGLang refuses a second begin.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import replace
 from http import HTTPStatus
 
@@ -31,6 +32,13 @@ class WeightSessions:
         self._weights = weights
         self._open: set[str] = set()  # engines (worker ids) with a session this router opened
         self._sessionless: set[str] = set()  # engines without the routes (SGLang before sessions)
+
+    def forget(self, workers: Iterable[Worker]) -> None:
+        """What the router knows of `workers`' sessions may be stale (a group opens with them: an engine restarted,
+        and maybe upgraded, since their last): their next begin asks them again."""
+        for worker in workers:
+            self._open.discard(worker.id)
+            self._sessionless.discard(worker.id)
 
     async def begin(self, worker: Worker) -> EngineUpdateResult | None:
         """Opens `worker`'s session unless it has one open or needs none; the failure if it could not."""

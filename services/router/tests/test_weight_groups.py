@@ -63,25 +63,30 @@ def start_group_engine() -> Iterator[Callable[..., GroupEngine]]:
         fake = GroupEngine(FakeEngine(name=name), sessions=sessions)
         app = fake.engine.app()
 
-        if sessions:  # without them, the routes are unknown: 404, as on SGLang before 0.5.23
+        # Without sessions, the routes are unknown: 404, as on SGLang before 0.5.23.
+        not_found = JSONResponse({"detail": "Not Found"}, status_code=404)
 
-            @app.post("/begin_weight_update")
-            async def begin() -> JSONResponse:
-                if fake.session_open:
-                    refusal = "a weight-update session is already open; call end_weight_update() first"
-                    return JSONResponse({"success": False, "message": refusal}, status_code=400)
-                fake.session_open = True
-                fake.ended.append("begin")
-                return JSONResponse({"success": True, "message": "Success"})
+        @app.post("/begin_weight_update")
+        async def begin() -> JSONResponse:
+            if not fake.sessions:
+                return not_found
+            if fake.session_open:
+                refusal = "a weight-update session is already open; call end_weight_update() first"
+                return JSONResponse({"success": False, "message": refusal}, status_code=400)
+            fake.session_open = True
+            fake.ended.append("begin")
+            return JSONResponse({"success": True, "message": "Success"})
 
-            @app.post("/end_weight_update")
-            async def end() -> JSONResponse:
-                if not fake.session_open:
-                    refusal = "no weight-update session is open; call begin_weight_update() first"
-                    return JSONResponse({"success": False, "message": refusal}, status_code=400)
-                fake.session_open = False
-                fake.ended.append("end")
-                return JSONResponse({"success": True, "message": "Success"})
+        @app.post("/end_weight_update")
+        async def end() -> JSONResponse:
+            if not fake.sessions:
+                return not_found
+            if not fake.session_open:
+                refusal = "no weight-update session is open; call begin_weight_update() first"
+                return JSONResponse({"success": False, "message": refusal}, status_code=400)
+            fake.session_open = False
+            fake.ended.append("end")
+            return JSONResponse({"success": True, "message": "Success"})
 
         @app.post("/init_weights_update_group")
         async def init(request: Request) -> JSONResponse:
@@ -547,3 +552,19 @@ def test_an_engine_with_tensor_parallelism_takes_as_many_ranks_as_its_tp_size(
     assert {e.url: (e.inits[0]["rank_offset"], e.inits[0]["world_size"]) for e in (wide, narrow)} == {
         url: (offset, 4) for url, (offset, _) in offsets.items()
     }
+
+
+def test_an_engine_that_gained_sessions_since_the_last_group_gets_them_in_the_next(
+    start_group_engine: Callable[..., GroupEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """An engine restarted on a newer SGLang under its address: the router had found it without sessions (404),
+    and a group opened since must ask again, or every bucket is refused outside a session."""
+    engine = start_group_engine("upgraded")
+    router = start_router([engine.url])
+    router.wait_healthy(1)
+    for version, sessions in (("1", False), ("2", True)):
+        engine.sessions = sessions
+        assert router.client.post("/init_weights_update_group", json={**INIT, "world_size": 2}).status_code == 200
+        answer = router.client.post("/update_weights_from_distributed", json=bucket(["w"], version=version))
+        assert answer.status_code == 200, answer.text
+    assert engine.ended[-3:] == ["begin", "update", "end"]
