@@ -40,13 +40,15 @@ class EngineConfig(BaseSettings):
     context_length: int | None = Field(default=None, gt=0)
     """Longest prompt + completion in tokens; defaults to the model's max_position_embeddings."""
     max_running_requests: int = Field(default=16, gt=0)
-    """Most sequences decoded together in one batch; further requests wait in the queue."""
+    """Most sequences decoded together in one batch; further requests wait in the queue. The sglang backend
+    passes it on only when set: SGLang sizes its batch from the KV pool."""
     max_prefill_tokens: int = Field(default=16384, gt=0)
     """`sim` backend: most uncached prompt tokens one prefill batch computes (SGLang's --max-prefill-tokens and
     its default); the requests behind wait for the next iteration, and find the prefixes this one computed
     cached. A single request over it still runs, alone."""
     random_seed: int = 0
-    """Seed of the sampler's random generator."""
+    """Seed of the sampler's random generator. The sglang backend passes it on only when set: SGLang seeds each
+    server at random."""
     log_level: LogLevel = "info"
     """Root log level (debug, info, warning, error, critical)."""
     backend: BackendName = "transformers"
@@ -55,7 +57,8 @@ class EngineConfig(BaseSettings):
     torch_threads: int | None = Field(default=None, gt=0)
     """Intra-op threads torch may use; unset leaves torch's default (all cores)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Precision the weights are held and run in."""
+    """Precision the weights are held and run in. The sglang backend passes it on only when set: SGLang runs the
+    checkpoint's."""
     weight_version: str = "default"
     """Version label of the weights loaded at start (SGLang's `--weight-version`)."""
     health_check_timeout_s: float = Field(default=20.0, gt=0)
@@ -103,13 +106,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--port", "Port to bind (default 30000)."),
     Flag("--served-model-name", "Model name reported to clients (default: the model path)."),
     Flag("--context-length", "Longest prompt + completion in tokens (default: the model's)."),
-    Flag("--max-running-requests", "Most sequences in one decode batch (default 16)."),
+    Flag("--max-running-requests", "Most sequences in one decode batch (default 16); sglang sizes it unless set."),
     Flag("--max-prefill-tokens", "sim backend: most uncached prompt tokens per prefill batch (default 16384)."),
-    Flag("--random-seed", "Seed of the sampler (default 0)."),
+    Flag("--random-seed", "Seed of the sampler (default 0); sglang draws one unless set."),
     Flag("--log-level", LOG_LEVEL_HELP),
     Flag("--backend", "transformers (default), sglang (the real SGLang server) or sim (no model)."),
     Flag("--torch-threads", "Intra-op threads for torch (default: torch's choice)."),
-    Flag("--dtype", "float32 (default), bfloat16 or float16."),
+    Flag("--dtype", "float32 (default), bfloat16 or float16; sglang runs the checkpoint's unless set."),
     Flag("--weight-version", "Version label of the initial weights (default 'default')."),
     Flag("--health-check-timeout", "Seconds /health_generate may take (default 20).", field="health_check_timeout_s"),
     Flag("--max-pause", "Seconds paused before /health_generate answers 503 (default 600).", field="max_pause_s"),

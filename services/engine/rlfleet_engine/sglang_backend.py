@@ -27,6 +27,13 @@ def sglang_argv(config: EngineConfig, python: str = sys.executable) -> list[str]
     """The `sglang.launch_server` command line that serves what `config` describes."""
     # _fill_defaults always sets these two; unset, they would reach SGLang as the word None.
     assert config.tokenizer_path is not None and config.served_model_name is not None
+    # The CPU engine's defaults of these fit a CPU (16 sequences, float32, seed 0): SGLang sizes its batch from the
+    # KV pool, runs the checkpoint's dtype and seeds each server at random, so they reach it only when set.
+    chosen = {
+        name: getattr(config, name)
+        for name in ("max_running_requests", "random_seed", "dtype", "context_length")
+        if name in config.model_fields_set and getattr(config, name) is not None
+    }
     argv = command_line(
         python,
         "-m",
@@ -36,14 +43,10 @@ def sglang_argv(config: EngineConfig, python: str = sys.executable) -> list[str]
         host=config.host,
         port=config.port,
         served_model_name=config.served_model_name,
-        max_running_requests=config.max_running_requests,
-        random_seed=config.random_seed,
         log_level=config.log_level.lower(),
-        dtype=config.dtype,
         weight_version=config.weight_version,
+        **chosen,
     )
-    if config.context_length is not None:
-        argv += ["--context-length", str(config.context_length)]
     return [*argv, "--enable-metrics"]
 
 

@@ -62,9 +62,18 @@ def test_settings_become_launch_server_flags() -> None:
     assert "--enable-metrics" in argv
 
 
-def test_context_length_is_left_to_sglang_when_unset() -> None:
-    argv = sglang_argv(config_from_args(["--model-path", "/m", "--backend", "sglang"]))
-    assert "--context-length" not in argv
+def test_what_the_engine_was_not_given_is_left_to_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU engine's defaults are a CPU's: 16 sequences a batch, float32, seed 0. Passed on, every GPU engine
+    decoded at most 16 sequences, held float32 weights (twice the memory, a smaller KV pool, numerics unlike the
+    bfloat16 trainer's), and sampled from the same seed as every other engine."""
+    config = config_from_args(["--model-path", "/m", "--backend", "sglang"])
+    assert (config.max_running_requests, config.dtype, config.random_seed) == (16, "float32", 0)  # the CPU's
+    argv = sglang_argv(config)
+    for flag in ("--context-length", "--max-running-requests", "--dtype", "--random-seed"):
+        assert flag not in argv, argv
+    monkeypatch.setenv("RLFLEET_ENGINE_DTYPE", "bfloat16")  # set, by flag or variable: passed on
+    argv = sglang_argv(config_from_args(["--model-path", "/m", "--backend", "sglang", "--random-seed", "0"]))
+    assert argv[argv.index("--dtype") + 1] == "bfloat16" and argv[argv.index("--random-seed") + 1] == "0"
 
 
 def test_health_check_timeout_goes_through_sglangs_variable() -> None:
