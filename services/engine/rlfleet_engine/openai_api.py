@@ -7,10 +7,12 @@ prompt ids can be returned with `return_token_ids`), and each /generate output b
                         finish_reason, matched_stop[, token_ids, prompt_token_ids]}
     chat choice:       {index, message: {role: "assistant", content, reasoning_content: null, tool_calls: null},
                         logprobs: {content: [{token, bytes, logprob, top_logprobs}]} | null,
-                        finish_reason, matched_stop[, token_ids, prompt_token_ids]}
+                        finish_reason, matched_stop[, prompt_token_ids, response_token_ids]}
 
-Both answers carry `usage` (prompt tokens counted once per prompt, as SGLang does) and
-`metadata.weight_version`. Streams send deltas as server-sent events, then `data: [DONE]`.
+(SGLang names a chat choice's output ids `response_token_ids`, a completion choice's `token_ids`.) Both answers
+carry `usage` (prompt tokens counted once per prompt, as SGLang does) and `metadata`, the first output's
+`weight_version` and `weight_versions` spans. Streams send deltas as server-sent events, then `data: [DONE]`;
+a streamed chat answer cannot return token ids (400), as SGLang's cannot.
 """
 
 from __future__ import annotations
@@ -148,7 +150,7 @@ class OpenAIServer:
             prompt_ids = prompts[index // req.n]
             choice = self._chat_choice(out, index) if chat else self._completion_choice(out, index)
             if req.return_token_ids:
-                choice["token_ids"] = list(out["output_ids"])
+                choice["response_token_ids" if chat else "token_ids"] = list(out["output_ids"])
                 choice["prompt_token_ids"] = prompt_ids
             choices.append(choice)
         return {
@@ -158,7 +160,7 @@ class OpenAIServer:
             "model": req.model,
             "choices": choices,
             "usage": self._usage(outputs, prompts, req.n),
-            "metadata": {"weight_version": self._core.weight_version},
+            "metadata": {key: outputs[0]["meta_info"][key] for key in ("weight_version", "weight_versions")},
         }
 
     def _completion_choice(self, out: dict[str, Any], index: int) -> dict[str, Any]:
@@ -230,6 +232,11 @@ class OpenAIServer:
 
     def stream(self, req: CompletionRequest | ChatCompletionRequest) -> AsyncIterator[bytes]:
         """Submits `req` now (bad input raises before the response starts) and returns its SSE byte stream."""
+        if isinstance(req, ChatCompletionRequest) and req.return_token_ids:
+            raise InvalidInput(
+                "return_token_ids is not supported with streaming on /v1/chat/completions. Please set stream=false "
+                "when using return_token_ids=true."
+            )
         prompts = self._prompts(req)
         chunks = self._core.generate_stream(self._generate_request(req, prompts))
         return self._events(req, prompts, chunks)

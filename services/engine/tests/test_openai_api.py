@@ -69,7 +69,17 @@ def test_completion_returns_text_logprobs_token_ids_and_usage(client: TestClient
     assert answer["usage"] == {
         "prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9, "prompt_tokens_details": {"cached_tokens": 0}
     }  # fmt: skip
-    assert answer["metadata"] == {"weight_version": "3"}
+    assert answer["metadata"] == {"weight_version": "3", "weight_versions": [{"version": "3", "start": 0, "end": 4}]}
+
+
+def test_a_chat_choice_names_its_output_ids_as_sglang_does(client: TestClient) -> None:
+    """SGLang's chat choice carries `response_token_ids` (a completion choice `token_ids`), and refuses them on a
+    stream: a router reading `token_ids` lost every chat turn of a trajectory on SGLang, never here."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "return_token_ids": True}
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert len(choice["response_token_ids"]) == 3 and "token_ids" not in choice and choice["prompt_token_ids"]
+    streamed = client.post("/v1/chat/completions", json={**body, "stream": True})
+    assert streamed.status_code == 400 and "return_token_ids is not supported with streaming" in streamed.text
 
 
 def test_chat_with_n_samples_and_a_stream(client: TestClient) -> None:

@@ -8,7 +8,10 @@ request that does not is refused before it reaches an engine, with the field to 
     /v1/completions       return_token_ids: true, logprobs: 0 (or more), one prompt
     /v1/chat/completions  return_token_ids: true, logprobs: true
 
-and in every case n = 1 and stream false (a trajectory follows one sample, read whole).
+and in every case n = 1 and stream false (a trajectory follows one sample, read whole). The output ids are read
+where SGLang answers them: `output_ids` (/generate), a completion choice's `token_ids`, a chat choice's
+`response_token_ids`; the versions that sampled them from `weight_versions` spans (meta_info, or an OpenAI
+answer's metadata).
 """
 
 from __future__ import annotations
@@ -113,14 +116,16 @@ def _turn(route: str, request: Mapping[str, Any], parsed: Any, engine: str, engi
         rid = rid or meta.get("id")
     else:
         choice = parsed["choices"][0]
-        outputs = _ids(choice.get("token_ids"), "token_ids")
         prompt = _ids(choice.get("prompt_token_ids"), "prompt_token_ids")
-        if route == "/v1/chat/completions":
+        if route == "/v1/chat/completions":  # SGLang names a chat choice's output ids apart from a completion's
+            outputs = _ids(choice.get("response_token_ids"), "response_token_ids")
             logprobs = tuple(float(c["logprob"]) for c in choice["logprobs"]["content"])
         else:
+            outputs = _ids(choice.get("token_ids"), "token_ids")
             logprobs = tuple(float(lp) for lp in choice["logprobs"]["token_logprobs"])
-        metadata = parsed.get("metadata")
-        version = metadata.get("weight_version") if isinstance(metadata, dict) else None
+        metadata = parsed.get("metadata") if isinstance(parsed.get("metadata"), dict) else {}
+        version = metadata.get("weight_version")
+        sampled_by = _sampled_by(metadata.get("weight_versions"))
         rid = rid or parsed.get("id")
     if len(logprobs) != len(outputs):
         raise ValueError(f"the answer has {len(outputs)} output tokens but {len(logprobs)} logprobs")

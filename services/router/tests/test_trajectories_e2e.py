@@ -83,7 +83,7 @@ def test_three_turn_chat_trajectory_holds_the_engines_tokens_and_logprobs(router
         prompt = choice["prompt_token_ids"]
         assert prompt[: len(so_far)] == so_far, "each turn's prompt extends the conversation's tokens"
         between = prompt[len(so_far) :]
-        outputs = choice["token_ids"]
+        outputs = choice["response_token_ids"]  # a chat choice's, as SGLang names them
         logprobs = [c["logprob"] for c in choice["logprobs"]["content"]]
         assert len(outputs) == len(logprobs) > 0
         expected_ids += between + outputs

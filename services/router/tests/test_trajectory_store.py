@@ -153,6 +153,20 @@ def test_an_answer_lists_the_versions_that_sampled_it() -> None:
     assert turn_from_answer("/generate", request, one, "e", None).weight_versions == ()
 
 
+def test_an_openai_chat_turn_is_read_as_sglang_answers_it() -> None:
+    """SGLang's chat choice names its output ids `response_token_ids` (a completion choice `token_ids`), and its
+    metadata carries the weight_versions spans: read as `token_ids`, every chat turn was lost on SGLang."""
+    request = {"messages": [{"role": "user", "content": "hi"}], "return_token_ids": True, "logprobs": True}
+    content = [{"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}, {"token": "b", "logprob": -1.0}]
+    choice = {"index": 0, "message": {"role": "assistant", "content": "ab"}, "logprobs": {"content": content},
+              "finish_reason": "stop", "prompt_token_ids": [1, 2], "response_token_ids": [3, 4]}  # fmt: skip
+    spans = [{"version": "1", "start": 0, "end": 1}, {"version": "2", "start": 1, "end": 2}]
+    answer = {"id": "r", "choices": [choice], "metadata": {"weight_version": "2", "weight_versions": spans}}
+    turn = turn_from_answer("/v1/chat/completions", request, json.dumps(answer).encode(), "e", None)
+    assert (turn.prompt_ids, turn.output_ids, turn.output_logprobs) == ((1, 2), (3, 4), (-0.5, -1.0))
+    assert (turn.weight_version, turn.weight_versions, turn.rid) == ("2", ("1", "2"), "r")
+
+
 def test_logprobs_come_back_exactly_as_the_engine_sent_them() -> None:
     """Kept as doubles: an engine's logprob need not be a float32 value (-0.1 is not one)."""
     store = TrajectoryStore(max_tokens=1000, max_update_lag=1)
