@@ -143,9 +143,11 @@ def resolve(spec: RunSpec) -> RunSpec:
         al.clip_low = defaults.clip_low
     if not al.HasField("clip_high"):
         al.clip_high = defaults.clip_high if defaults.clip_high is not None else al.clip_low
-    al.kl_estimator = al.kl_estimator or "k3"
     al.loss_aggregation = al.loss_aggregation or defaults.loss_aggregation
     al.kl_mode = al.kl_mode or defaults.kl_mode
+    # In the reward only k1's expectation has the gradient of the KL (E[grad log p * k1] = grad KL); k3's is
+    # grad KL(pi||ref) - grad KL(ref||pi), which nearly cancels near the reference: a penalty that barely pulls.
+    al.kl_estimator = al.kl_estimator or ("k1" if al.kl_mode == "reward" else "k3")
     if not al.HasField("gamma"):
         al.gamma = 1.0
     if not al.HasField("gae_lambda"):

@@ -88,6 +88,24 @@ def test_each_algorithm_fills_its_own_defaults() -> None:
     assert resolve(spec_from({})).trainer.lr_schedule == "constant"
 
 
+def test_the_kl_estimator_follows_where_the_penalty_goes() -> None:
+    """In the reward only k1's expectation has the KL's gradient; k3 there nearly cancels near the reference (a
+    penalty that barely pulls), yet it was the default for ppo, rloo and reinforce_pp, whose KL is in the reward."""
+
+    def algorithm(name: str, **extra: object):
+        return resolve(spec_from({"algorithm": {"name": name, **extra}})).algorithm
+
+    assert [(algorithm(n).kl_mode, algorithm(n).kl_estimator) for n in ("grpo", "ppo", "rloo", "reinforce_pp")] == [
+        ("loss", "k3"),
+        ("reward", "k1"),
+        ("reward", "k1"),
+        ("reward", "k1"),
+    ]
+    assert algorithm("grpo", kl_mode="reward").kl_estimator == "k1"
+    assert algorithm("ppo", kl_mode="loss").kl_estimator == "k3"
+    assert algorithm("ppo", kl_estimator="k3").kl_estimator == "k3"  # asked for: kept
+
+
 def test_one_update_per_batch_unless_asked_and_as_many_mini_batches_as_samples() -> None:
     trainer = resolve(spec_from({})).trainer
     assert (trainer.mini_batches, trainer.epochs) == (1, 1)
