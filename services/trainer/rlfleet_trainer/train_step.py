@@ -156,20 +156,21 @@ def score_before_update(
         for rows in plan:
             batch = micro_batch(sequences, rows, config.pad_id)
             ids, width = batch.seq_ids, batch.mask.shape[1]
+            scored = token_logprobs(model, batch, config.temperature, with_hidden=values is not None)
             if config.reward_kl_coef > 0:
                 assert ref_model is not None, "a KL in the reward needs a reference model"
                 reference = token_logprobs(ref_model, batch, config.temperature).logp
                 if rows is not None:
-                    # Only tokens the policy sampled: others (a tool's reply) carry a placeholder rollout
-                    # log-prob, whose "KL" would penalise the response for text it did not write.
-                    kl[ids, :width] = kl_penalty(batch.old_logp, reference, config.kl_estimator) * batch.mask
-            if values is not None or logp is not None:
-                scored = token_logprobs(model, batch, config.temperature, with_hidden=values is not None)
-                if rows is not None and values is not None and config.critic is not None:
-                    assert scored.hidden is not None
-                    values[ids, :width] = config.critic.values(scored.hidden) * batch.present
-                if rows is not None and logp is not None:
-                    logp[ids, :width] = scored.logp * batch.present
+                    # The policy's own log-probs, computed here as the reference's are: against the engines', their
+                    # numerical mismatch with the trainer (other kernels, bf16) read as KL, and the advantages of a
+                    # policy still equal to the reference carried it as signal. Only tokens the policy sampled:
+                    # others (a tool's reply) would penalise the response for text it did not write.
+                    kl[ids, :width] = kl_penalty(scored.logp, reference, config.kl_estimator) * batch.mask
+            if rows is not None and values is not None and config.critic is not None:
+                assert scored.hidden is not None
+                values[ids, :width] = config.critic.values(scored.hidden) * batch.present
+            if rows is not None and logp is not None:
+                logp[ids, :width] = scored.logp * batch.present
     for grid in (kl, values, logp):
         if grid is not None:
             sum_tensor_over_ranks(grid, ranks)

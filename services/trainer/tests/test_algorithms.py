@@ -51,14 +51,26 @@ def groups_from(model: torch.nn.Module, count: int = 2) -> list[SampleGroup]:
     return scored_groups(model, count, noise=0.01)
 
 
+def drifted_reference(model_dir: Path) -> torch.nn.Module:
+    """A reference the policy has moved away from: the checkpoint after a random step."""
+    ref = load_policy(model_dir).requires_grad_(False)
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for param in ref.parameters():
+            param.add_(0.02 * torch.randn(param.shape, generator=generator))
+    return ref
+
+
 def step(
-    model_dir: Path, resolved: RunSpec, with_ref: bool, groups: int = 2
+    model_dir: Path, resolved: RunSpec, with_ref: bool, groups: int = 2, same_ref: bool = False
 ) -> tuple[torch.nn.Module, dict[str, float], StepConfig]:
     torch.manual_seed(0)
     model = load_policy(model_dir)
     optimizer, scheduler = optimizer_from_spec(model, resolved)
     config = step_config_from_spec(resolved, model, pad_id=0)
-    ref = load_policy(model_dir).requires_grad_(False) if with_ref else None
+    ref = None
+    if with_ref:
+        ref = load_policy(model_dir).requires_grad_(False) if same_ref else drifted_reference(model_dir)
     metrics = train_step(model, optimizer, scheduler, groups_from(load_policy(model_dir), groups), config, ref)
     return model, metrics, config
 
@@ -148,6 +160,17 @@ def test_kl_in_the_reward_changes_the_advantages_not_the_loss_terms(small_model_
     _, reward_metrics, _ = step(small_model_dir, in_reward, with_ref=True)
     assert "kl" in loss_metrics and "kl" not in reward_metrics
     assert reward_metrics["advantage_abs_mean"] != pytest.approx(loss_metrics["advantage_abs_mean"])
+
+
+@pytest.mark.parametrize("name", ["rloo", "reinforce_pp", "ppo"])
+def test_a_policy_equal_to_its_reference_has_no_kl_in_the_reward_whatever_the_engines_numerics(
+    small_model_dir: Path, name: str
+) -> None:
+    """The rollout log-probs carry the engines' numerics (noise of 0.01 here): taken as the policy's in the
+    reward's KL, that noise read as a KL to a reference the policy still equals, and became advantage signal."""
+    with_kl = step(small_model_dir, spec({"name": name, "kl_coef": 0.5}), with_ref=True, same_ref=True)[1]
+    without = step(small_model_dir, spec({"name": name}), with_ref=False)[1]
+    assert with_kl["advantage_abs_mean"] == pytest.approx(without["advantage_abs_mean"], rel=1e-5, abs=1e-7)
 
 
 def test_the_critic_is_kept_across_steps(small_model_dir: Path) -> None:
