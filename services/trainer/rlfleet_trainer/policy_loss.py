@@ -111,11 +111,15 @@ def policy_loss(
     """Returns this micro-batch's loss numerator (see aggregation.py: the caller divides by the
     global denominator) and detached statistics summed over the B samples of per-sample means.
 
-    `pre_update_logp` is needed only when the step takes several updates and TIS or the ratio band is
-    on; None means this is the step's only update, whose current log-probs are the pre-update ones."""
+    `pre_update_logp` is needed only when the step takes several updates and TIS, the ratio band or a sequence
+    ratio (GSPO) is on; None means this is the step's only update, whose current log-probs are the pre-update
+    ones."""
     mask = mask.to(logp.dtype)
     before = logp.detach() if pre_update_logp is None else pre_update_logp  # pi_train before the step's updates
-    old_logp = before if config.tis_cap > 0 else rollout_logp
+    # GSPO's clip (3e-4) is far narrower than the engines' numerical mismatch with the trainer: against the
+    # rollout's log-probs it silenced a quarter of the sequences of a bf16 fleet before the policy had moved. Its
+    # old policy is the trainer's, as in verl and slime; a token-level ratio's clip is wide enough for either.
+    old_logp = before if config.tis_cap > 0 or config.sequence_ratio else rollout_logp
     band: torch.Tensor | None = None
     if config.ratio_mask_low > 0 or config.ratio_mask_high > 0:
         band = ratio_band_mask(before, rollout_logp, config.ratio_mask_low, config.ratio_mask_high)

@@ -216,7 +216,14 @@ def train_step(
         return metrics
     ranks = current_ranks()
     mask, present = response_grid(sequences)  # (S, T)
-    off_policy = config.loss.tis_cap > 0 or config.loss.ratio_mask_low > 0 or config.loss.ratio_mask_high > 0
+    # What compares the policy before the updates with something: the rollout (TIS, the band), or each update (GSPO's
+    # sequence ratio, whose old policy is the trainer's).
+    off_policy = (
+        config.loss.tis_cap > 0
+        or config.loss.ratio_mask_low > 0
+        or config.loss.ratio_mask_high > 0
+        or config.loss.sequence_ratio
+    )
     # In the updates' mode from the start: the pre-update log-probs and the values come from the model the updates
     # train (a model loaded for the run is in eval mode, which would score the first step without its dropout).
     model.train()

@@ -52,20 +52,32 @@ def test_clipped_tokens_get_no_gradient() -> None:
 
 
 def test_gspo_clips_the_geometric_mean_of_the_sequence() -> None:
-    old = log([[0.5, 0.5]])
+    old = log([[0.5, 0.5]])  # the trainer's log-probs before the step's first update (a later update)
     new = log([[0.6, 0.45]])  # token ratios 1.2 and 0.9: s = sqrt(1.08) = 1.03923
     cfg = PolicyLossConfig(clip_low=3e-4, clip_high=4e-4, sequence_ratio=True)
-    pos, stats = policy_loss(new, old, torch.ones(1, 2), torch.ones(1, 2), cfg)
+    pos, stats = policy_loss(new, old, torch.ones(1, 2), torch.ones(1, 2), cfg, pre_update_logp=old)
     assert pos.item() == pytest.approx(-1.0004)  # min(1.03923, 1.0004)
     assert stats["pg_clipfrac"].item() == 1.0
-    neg, _ = policy_loss(new, old, -torch.ones(1, 2), torch.ones(1, 2), cfg)
+    neg, _ = policy_loss(new, old, -torch.ones(1, 2), torch.ones(1, 2), cfg, pre_update_logp=old)
     assert neg.item() == pytest.approx(math.sqrt(1.08))  # -min(-1.03923, -1.0004)
     # Unclipped, every token gets the gradient s * A / |y| of the sequence ratio.
     new = log([[0.5, 0.5]]).requires_grad_(True)
-    loss, _ = policy_loss(new, old, torch.ones(1, 2), torch.ones(1, 2), cfg)
+    loss, _ = policy_loss(new, old, torch.ones(1, 2), torch.ones(1, 2), cfg, pre_update_logp=old)
     loss.backward()
     assert new.grad is not None
     assert new.grad[0].tolist() == pytest.approx([-0.5, -0.5])  # d(-s)/dlogp_t = -s / |y| with s = 1
+
+
+def test_gspos_old_policy_is_the_trainers_not_the_rollouts() -> None:
+    """The engines' numerics differ from the trainer's: a sequence whose mean log-prob gap passed GSPO's 4e-4 got
+    no gradient before the policy had moved at all. In the step's first update the ratio is 1, as in verl."""
+    rollout = log([[0.5, 0.5]])
+    trainer = log([[0.51, 0.5]])  # a gap of 0.01 on one token: s = 1.00995, far past 1 + 4e-4
+    cfg = PolicyLossConfig(clip_low=3e-4, clip_high=4e-4, sequence_ratio=True)
+    loss, stats = policy_loss(trainer.requires_grad_(True), rollout, torch.ones(1, 2), torch.ones(1, 2), cfg)
+    assert loss.item() == pytest.approx(-1.0) and stats["pg_clipfrac"].item() == 0.0
+    loss.backward()
+    assert trainer.grad is not None and trainer.grad[0].tolist() == pytest.approx([-0.5, -0.5])
 
 
 def test_tis_weights_by_hand() -> None:
