@@ -9,6 +9,9 @@ DCP reshards the model and optimizer, so a run can resume on a different number 
 states are per rank: a rank that had none saved (the run resumes on more ranks) keeps the state the
 run's seed gave it, and the states of ranks that are gone are not read.
 
+Every file is summed (SHA-256, `checkpoint_checksums`) as it is written and checked before a load: DCP
+would load a shard with a flipped bit as slightly different weights without a word.
+
 The state dicts come from `torch.distributed.checkpoint.state_dict`, so the same code saves a plain
 module (one process, no process group) and an FSDP2-sharded one (every rank calls `save_checkpoint`
 and writes its own shards). A checkpoint is written under a temporary name and renamed into place,
@@ -44,9 +47,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from rlfleet_trainer.checkpoint_checksums import ChecksumMismatch, check_share, read_sums, sum_own_files, write_sums
 from rlfleet_trainer.critic import Critic
 from rlfleet_trainer.directory_swap import replace_directory
-from rlfleet_trainer.rank_group import on_rank_0
+from rlfleet_trainer.rank_group import on_every_rank, on_rank_0
 
 STEP_PREFIX = "step_"
 
@@ -62,10 +66,11 @@ class CheckpointFailed(RuntimeError):
 
     @property
     def damaged(self) -> bool:
-        """The checkpoint itself is broken for good: a shard missing, or one torch cannot read (truncated: the
-        stream ends early, EOFError or PytorchStreamReader; overwritten: what is read is no pickle)."""
+        """The checkpoint itself is broken for good: a shard missing, one torch cannot read (truncated: the
+        stream ends early, EOFError or PytorchStreamReader; overwritten: what is read is no pickle), or one
+        that differs from the sum it was saved with."""
         return any(
-            isinstance(cause, (FileNotFoundError, EOFError, pickle.UnpicklingError))
+            isinstance(cause, (FileNotFoundError, EOFError, pickle.UnpicklingError, ChecksumMismatch))
             or (isinstance(cause, RuntimeError) and "PytorchStreamReader" in str(cause))
             for cause in self.causes
         )
@@ -108,6 +113,10 @@ def _distributed() -> bool:
 
 def _rank() -> int:
     return dist.get_rank() if _distributed() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if _distributed() else 1
 
 
 @contextmanager
@@ -182,8 +191,15 @@ def save_checkpoint(root: Path, parts: TrainingState, meta: CheckpointMeta) -> P
     state = _state_dict(parts, meta if _rank() == 0 else None)
     with _dcp_call(f"writing checkpoint {dest}"):
         dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed())
-    # dcp.save returns on rank 0 after every rank's shards and the metadata are written.
-    on_rank_0(lambda: replace_directory(tmp, dest))
+    # dcp.save returns on rank 0 after every rank's shards and the metadata are written; each rank wrote its own.
+    rank = _rank()
+    sums = {name: digest for part in on_every_rank(lambda: sum_own_files(tmp, rank)) for name, digest in part.items()}
+
+    def finish() -> None:
+        write_sums(tmp, sums)
+        replace_directory(tmp, dest)
+
+    on_rank_0(finish)
     return dest
 
 
@@ -191,6 +207,7 @@ def load_checkpoint(path: Path, parts: TrainingState) -> CheckpointMeta:
     """Restores `parts` (and this rank's RNG) from the checkpoint at `path`; returns its position."""
     if not (path / ".metadata").exists():
         raise FileNotFoundError(f"no checkpoint at {path} (its .metadata file is missing)")
+    _check_sums(path)
     state = _state_dict(parts, CheckpointMeta())
     saved = _saved_keys(path)
     state["rng"] = {key: value for key, value in state["rng"].items() if f"rng.{key}" in saved}
@@ -215,6 +232,25 @@ def load_checkpoint(path: Path, parts: TrainingState) -> CheckpointMeta:
             parts.critic.optimizer.state.clear()
     _restore_rng(state["rng"], path)
     return CheckpointMeta(**state["trainer"])
+
+
+def _check_sums(path: Path) -> None:
+    """Every rank checks its share of the checkpoint's files against their saved sums; a file missing or changed
+    is CheckpointFailed (damaged) on every rank. A checkpoint saved before the sums were kept loads unchecked."""
+    rank, world_size = _rank(), _world_size()
+
+    def check() -> bool:
+        sums = read_sums(path)
+        if sums is not None:
+            check_share(path, sums, rank, world_size)
+        return sums is not None
+
+    try:
+        summed = on_every_rank(check)
+    except (ChecksumMismatch, FileNotFoundError) as exc:
+        raise CheckpointFailed(f"reading checkpoint {path} failed: {exc}", [exc]) from exc
+    if not all(summed) and rank == 0:
+        logger.warning("checkpoint %s carries no SHA-256 sums (saved by an older trainer): loading it unchecked", path)
 
 
 def _saved_keys(path: Path) -> set[str]:
@@ -242,6 +278,7 @@ def load_model_weights(path: Path, model: torch.nn.Module) -> None:
     """Loads only the policy's weights of the checkpoint at `path` into `model` (any sharding)."""
     if not (path / ".metadata").exists():
         raise FileNotFoundError(f"no checkpoint at {path} (its .metadata file is missing)")
+    _check_sums(path)
     state = {"model": get_model_state_dict(model)}
     with _dcp_call(f"reading checkpoint {path}"):
         dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())

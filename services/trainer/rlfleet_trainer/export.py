@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rlfleet_trainer.checkpoint import load_model_weights
+from rlfleet_trainer.checkpoint import CheckpointFailed, load_model_weights
 from rlfleet_trainer.weights import write_model_dir
 
 
@@ -29,6 +29,8 @@ def export_checkpoint(checkpoint: Path, base_model: Path, out: Path) -> Path:
     try:
         load_model_weights(checkpoint, model)
     except RuntimeError as exc:  # CheckpointFailed among them
+        if isinstance(exc, CheckpointFailed) and exc.damaged:
+            raise ValueError(f"checkpoint {checkpoint} is damaged, restore it from a copy: {exc}") from exc
         raise ValueError(
             f"{checkpoint} does not hold the weights of the {config.model_type} model at {base_model}: {exc}"
         ) from exc

@@ -133,6 +133,33 @@ def on_rank_0(step: Callable[[], T]) -> T | None:
     return result
 
 
+def on_every_rank(step: Callable[[], T]) -> list[T]:
+    """Inside an op: runs `step` on every rank and hands every rank the results of all, in rank order. A
+    rank's failure is raised on every rank (that rank its own error, the others a copy of it), so none waits
+    in the op's next collective for a rank that left the op."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [step()]
+    result, error = None, None
+    try:
+        result = step()
+    except Exception as exc:  # noqa: BLE001 - every rank hears of it below, then raises it
+        error = exc
+    boxes: list[Any] = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(boxes, (result, _portable(error)))
+    except Exception as exc:  # noqa: BLE001 - the ranks are out of step; the step's own error is kept as its cause
+        if error is not None:
+            raise exc from error
+        raise
+    if error is not None:
+        raise error
+    for rank, (_, rank_error) in enumerate(boxes):
+        if rank_error is not None:
+            rank_error.add_note(f"raised by rank {rank}'s part of the op")
+            raise rank_error
+    return [rank_result for rank_result, _ in boxes]
+
+
 def _portable(error: Exception | None) -> Exception | None:
     """`error` as the other ranks can receive it: itself when it pickles, else its type and message."""
     if error is None:

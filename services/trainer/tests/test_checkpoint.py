@@ -24,10 +24,15 @@ from rlfleet_trainer.checkpoint import (
     prune_checkpoints,
     save_checkpoint,
 )
+from rlfleet_trainer.checkpoint_checksums import SUMS_FILE
 from rlfleet_trainer.critic import Critic
 from rlfleet_trainer.export import export_checkpoint
 from rlfleet_trainer.optim import LrSchedule, make_optimizer
 from rlfleet_trainer.policy import load_policy
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from checkpoint_files import flip_a_bit  # noqa: E402
 
 SCHEDULE = LrSchedule(warmup_steps=2, kind="cosine", total_steps=10, min_lr_ratio=0.1)
 
@@ -144,6 +149,48 @@ def test_dcp_failures_arrive_as_ordinary_exceptions_naming_the_cause(
     with pytest.raises(CheckpointFailed, match="Size mismatch") as mismatch:
         load_checkpoint(saved, fresh_state(tmp_path / "narrower"))
     assert not mismatch.value.storage
+
+
+def test_a_checkpoint_carries_the_sums_sha256sum_checks(small_model_dir: Path, tmp_path: Path) -> None:
+    path = save_checkpoint(tmp_path / "checkpoints", fresh_state(small_model_dir), CheckpointMeta(step=1))
+    listed = [line.split("  ")[1] for line in (path / SUMS_FILE).read_text().splitlines()]
+    assert sorted(listed) == sorted(p.name for p in path.iterdir() if p.name != SUMS_FILE)
+    assert ".metadata" in listed and any(name.endswith(".distcp") for name in listed)
+    done = subprocess.run(["sha256sum", "--check", "--strict", SUMS_FILE], cwd=path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_flipped_bit_or_a_missing_shard_is_refused_as_damaged(small_model_dir: Path, tmp_path: Path) -> None:
+    """DCP keeps tensors as raw bytes: a bit flipped on disk loaded as other weights, without an error."""
+    torch.manual_seed(0)
+    parts = fresh_state(small_model_dir)
+    train_once(parts)
+    path = save_checkpoint(tmp_path / "checkpoints", parts, CheckpointMeta(step=1))
+    shard = flip_a_bit(path)
+    with pytest.raises(CheckpointFailed, match=f"{shard} has SHA-256 .* changed on disk") as flipped:
+        load_checkpoint(path, fresh_state(small_model_dir))
+    assert flipped.value.damaged and not flipped.value.storage
+    with pytest.raises(ValueError, match=f"checkpoint {path} is damaged, restore it from a copy: .*{shard}"):
+        export_checkpoint(path, small_model_dir, tmp_path / "hf")
+
+    shard.unlink()
+    with pytest.raises(CheckpointFailed, match=f"{shard} is missing") as missing:
+        load_checkpoint(path, fresh_state(small_model_dir))
+    assert missing.value.damaged
+
+
+def test_a_checkpoint_saved_without_sums_loads_unchecked(
+    small_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    torch.manual_seed(0)
+    parts = fresh_state(small_model_dir)
+    train_once(parts)
+    path = save_checkpoint(tmp_path / "checkpoints", parts, CheckpointMeta(step=1, weight_version=1))
+    (path / SUMS_FILE).unlink()
+    restored = fresh_state(small_model_dir)
+    assert load_checkpoint(path, restored) == CheckpointMeta(step=1, weight_version=1)
+    assert_same_state(parts, restored)
+    assert f"checkpoint {path} carries no SHA-256 sums" in caplog.text
 
 
 def test_prune_keeps_the_latest_up_to_the_recorded_one(tmp_path: Path) -> None:

@@ -4,6 +4,8 @@ the saving job took (model, optimizer moments and schedule restored, resharded b
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from rlfleet_trainer.policy import load_policy
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from checkpoint_files import flip_a_bit  # noqa: E402
 from torchrun_jobs import SCRIPTS, finish, torchrun  # noqa: E402
 
 SCRIPT = str(SCRIPTS / "checkpoint_ranks.py")
@@ -38,13 +41,25 @@ def test_checkpoint_resumes_on_more_and_on_fewer_ranks(small_model_dir: Path, tm
         },
         tmp_path,
     )
+    saved2 = Path(roots[2]) / "step_1"
+    listed = sorted(line.split("  ")[1] for line in (saved2 / "SHA256SUMS").read_text().splitlines())
+    assert listed == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # each rank summed the shard it wrote
+    summed = subprocess.run(["sha256sum", "--check", "--strict", "SHA256SUMS"], cwd=saved2, capture_output=True)
+    assert summed.returncode == 0, summed
+    damaged = tmp_path / "damaged"
+    shutil.copytree(roots[2], damaged)
+    shard = flip_a_bit(damaged / "step_1", "__0_0.distcp")  # rank 1's share of the check on 2 ranks
     run_all(
         {
             "loaded2": (2, ["load", model, roots[1], out["loaded2"]]),
             "loaded1": (1, ["load", model, roots[2], out["loaded1"]]),
+            "refused2": (2, ["refuse", model, str(damaged), str(tmp_path / "refused")]),
         },
         tmp_path,
     )
+    for rank in (0, 1):  # each rank hears of the file, whichever rank checked it, instead of waiting in DCP's load
+        raised = (tmp_path / f"refused.rank{rank}").read_text()
+        assert raised.startswith("damaged=True") and f"{shard} has SHA-256" in raised, raised
 
     weights = {name: torch.load(path) for name, path in out.items()}
     base = load_policy(small_model_dir).state_dict()

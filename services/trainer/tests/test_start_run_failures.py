@@ -26,6 +26,7 @@ from rlfleet.processes import ServiceProcess, free_port
 from rlfleet.sample_stream import connect_redis
 from rlfleet.v1 import trainer_pb2_grpc
 from rlfleet.v1.trainer_pb2 import StartRunRequest, StopRunRequest, TrainerState
+from rlfleet_trainer.checkpoint_checksums import SUMS_FILE
 from rlfleet_trainer.config import TrainerSettings
 from rlfleet_trainer.metrics import TrainerMetrics
 from rlfleet_trainer.router_client import RouterClient
@@ -178,17 +179,25 @@ def stopped_with_checkpoint(core: TrainerCore, small_model_dir: Path) -> Path:
     return Path(stopped.checkpoint_path)
 
 
-@pytest.mark.parametrize("damage", ["truncated", "empty"])
+@pytest.mark.parametrize("damage", ["truncated", "empty", "truncated, saved without sums"])
 def test_a_resume_whose_checkpoint_is_damaged_is_refused_naming_it(
     core: TrainerCore, small_model_dir: Path, stopped_with_checkpoint: Path, damage: str
 ) -> None:
     """Its .metadata (a pickle) cut short, as a copy of the work dir that was interrupted leaves it: asking again
-    cannot help, so FAILED_PRECONDITION, naming the checkpoint."""
+    cannot help, so FAILED_PRECONDITION, naming the checkpoint. Its sums name the file; a checkpoint saved before
+    they were kept is refused by what DCP meets."""
     metadata = stopped_with_checkpoint / ".metadata"
-    metadata.write_bytes(metadata.read_bytes()[:100] if damage == "truncated" else b"")
+    metadata.write_bytes(metadata.read_bytes()[:100] if damage.startswith("truncated") else b"")
+    if damage.endswith("without sums"):
+        (stopped_with_checkpoint / SUMS_FILE).unlink()
     code, details = start_code(core, "c", small_model_dir)
     assert code == grpc.StatusCode.FAILED_PRECONDITION, (code, details)
-    assert f"its checkpoint {stopped_with_checkpoint} cannot be read" in details, details
+    if damage.endswith("without sums"):
+        assert f"its checkpoint {stopped_with_checkpoint} cannot be read" in details, details
+    else:
+        assert f"its checkpoint {stopped_with_checkpoint} is damaged" in details, details
+        assert f"checkpoint file {metadata} has SHA-256" in details, details
+    assert "restore it from a copy" in details, details
     assert_nothing_held(core)
 
 

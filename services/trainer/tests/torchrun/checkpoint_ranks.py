@@ -3,10 +3,12 @@ from one saved by another number of ranks; rank 0 writes what the other side com
 
     torchrun --standalone --nproc_per_node=N checkpoint_ranks.py save MODEL_DIR ROOT OUT_FILE
     torchrun --standalone --nproc_per_node=N checkpoint_ranks.py load MODEL_DIR ROOT OUT_FILE
+    torchrun --standalone --nproc_per_node=N checkpoint_ranks.py refuse MODEL_DIR ROOT OUT_FILE
 
 `save` trains one step, checkpoints it, and writes the full weights after a second step; `load`
 restores the checkpoint, takes that second step on the same batch and writes the full weights, so
-equal outputs mean the model, the optimizer's moments and the schedule all came back.
+equal outputs mean the model, the optimizer's moments and the schedule all came back. `refuse` loads
+a damaged checkpoint: each rank writes what it raised to OUT_FILE.rank<N>.
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlfleet_trainer.checkpoint import CheckpointMeta, TrainingState, checkpoint_dir, load_checkpoint, save_checkpoint
+from rlfleet_trainer.checkpoint import (
+    CheckpointFailed,
+    CheckpointMeta,
+    TrainingState,
+    checkpoint_dir,
+    load_checkpoint,
+    save_checkpoint,
+)
 from rlfleet_trainer.optim import LrSchedule, make_optimizer
 from rlfleet_trainer.policy import load_policy
 from rlfleet_trainer.sharding import full_state_dict, shard_model
@@ -44,6 +53,14 @@ def main(mode: str, model_dir: str, root: str, out: str) -> None:
         shard_model(model)
     optimizer, scheduler = make_optimizer(model, 1e-2, 0.01, LrSchedule(warmup_steps=2, kind="cosine", total_steps=9))
     parts = TrainingState(model, optimizer, scheduler)
+    if mode == "refuse":
+        try:
+            load_checkpoint(checkpoint_dir(Path(root), 1), parts)
+        except CheckpointFailed as exc:
+            Path(f"{out}.rank{dist.get_rank()}").write_text(f"damaged={exc.damaged} {exc}")
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     if mode == "save":
         step(parts, seed=1)
         save_checkpoint(Path(root), parts, CheckpointMeta(step=1, weight_version=1))
