@@ -146,6 +146,7 @@ RARE_EVENTS = (
     "rlfleet_trainer_step_seconds",
     "rlfleet_trainer_weight_sync_seconds",
     "rlfleet_trainer_checkpoint_seconds",
+    "rlfleet_rollout_group_staleness",
 )
 RANGE = re.compile(r"\[(\d+)m\]")
 

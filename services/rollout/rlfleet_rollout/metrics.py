@@ -70,6 +70,13 @@ class RolloutMetrics:
             registry=self.registry,
         )
         self.step = Gauge("rlfleet_rollout_step", "Optimizer steps the trainer has taken.", registry=self.registry)
+        self.group_staleness = Histogram(
+            "rlfleet_rollout_group_staleness",
+            "Weight versions the oldest sample of each group appended to a run's stream lags behind the step it is "
+            "trained in (0: on-policy; at most rollout.max_staleness, unless stale_groups down-weights it).",
+            buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32),
+            registry=self.registry,
+        )
         self.step_stalls = Counter(
             "rlfleet_rollout_step_stalls",
             "Times the running run made no progress for stall_after_s (the step watchdog's reports).",

@@ -58,7 +58,7 @@ from rlfleet_rollout.router_client import RouterClient
 from rlfleet_rollout.run_data import DataPosition, RunData, StepCounts
 from rlfleet_rollout.run_events import is_terminal
 from rlfleet_rollout.runs_core import RunEnded, RunsCore, now
-from rlfleet_rollout.step_producer import StepOutcome, produce_step, refill_step
+from rlfleet_rollout.step_producer import StepOutcome, produce_step, refill_step, staleness
 from rlfleet_rollout.step_reports import StepReportFollower
 from rlfleet_rollout.step_watchdog import watch_progress
 from rlfleet_rollout.trainer_client import TrainerClient
@@ -295,6 +295,7 @@ async def _produce_step(
     for group in groups:
         if await asyncio.to_thread(stream.append, group) is not None:
             deps.metrics.groups_produced.inc()
+            deps.metrics.group_staleness.observe(staleness(group, step))
     # Over every sample generated for the step, filtered groups' too: zero_variance drops the groups all right and
     # all wrong, and the trained ones alone would stay near the middle however the policy does. Failed and aborted
     # samples have no reward (0 on the wire): counted, an engine fault would read as a worse policy.

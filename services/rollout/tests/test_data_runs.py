@@ -113,6 +113,7 @@ def test_zero_variance_groups_are_refilled_and_counted(
 def test_staleness_bound_holds_and_lagging_groups_are_down_weighted(
     orchestrator: Orchestrator, fleet: FakeFleet, tokenizer_dir: Path
 ) -> None:
+    counted = _staleness_counted(orchestrator.url)
     rollout = {"group_size": 4, "groups_per_step": 2, "sampling": {"max_new_tokens": 4}, "max_staleness": 1}
     final = _run(orchestrator.url, spec_json(tokenizer_dir, rollout=rollout, schedule={"steps": 4}))
     ages = [step - min(v for s in g.samples for v in s.weight_versions) for step, g in _trained(fleet, final["id"])]
@@ -126,6 +127,16 @@ def test_staleness_bound_holds_and_lagging_groups_are_down_weighted(
     weights = [(step, g.weight) for step, g in _trained(fleet, final["id"])]
     assert weights == [(0, 1.0), (0, 1.0), (1, 0.25), (1, 0.25), (2, 0.25), (2, 0.25)]
     assert final["progress"]["groups_downweighted"] == "4"
+    # The lag of every group appended, as the dashboard charts it: the first run's, then 0, 0, 1, 1, 1, 1.
+    count, total = _staleness_counted(orchestrator.url)
+    assert (count - counted[0], total - counted[1]) == (14, sum(ages) + 4)
+
+
+def _staleness_counted(url: str) -> tuple[float, float]:
+    """The orchestrator's rlfleet_rollout_group_staleness: (groups observed, their lags summed)."""
+    lines = httpx.get(f"{url}/metrics", timeout=5).text.splitlines()
+    value = {line.split()[0]: float(line.split()[1]) for line in lines if line.startswith("rlfleet_rollout_group_")}
+    return value["rlfleet_rollout_group_staleness_count"], value["rlfleet_rollout_group_staleness_sum"]
 
 
 @pytest.mark.e2e
