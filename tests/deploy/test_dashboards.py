@@ -8,28 +8,21 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry
 
-from rlfleet_engine.metrics import EngineMetrics
-from rlfleet_reward.metrics import RewardMetrics
-from rlfleet_rollout.metrics import RolloutMetrics
-from rlfleet_router.metrics import RouterMetrics
-from rlfleet_router.trajectory_store import TrajectoryStore
-from rlfleet_router.workers import WorkerRegistry
-from rlfleet_trainer.metrics import TrainerMetrics
-from rlfleet_trainer.stream_lag import scrape_client
+sys.path.insert(0, str(Path(__file__).parent))
+
+from exported_series import exported  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((REPO / "deploy" / "grafana").glob("*.json"))
 METRIC = re.compile(r"\b(rlfleet_[a-z0-9_]+|sglang:[a-z0-9_:]+)")
 SELECTOR = re.compile(r"\b(?:rlfleet_[a-z0-9_]+|sglang:[a-z0-9_:]+)(\{[^}]*\})?")
 RATE_OF = re.compile(r"\b(?:rate|irate|increase)\(\s*([a-zA-Z_:][a-zA-Z0-9_:]*)")
-# Series names prometheus_client exports per metric type.
-TYPE_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
 REQUIRED_PANELS = {
     "rlfleet-run.json": [
         "reward",
@@ -62,30 +55,6 @@ REQUIRED_PANELS = {
     "rlfleet-stream.json": ["lag", "produced"],
     "rlfleet-reward.json": ["per second", "errors", "latency by function", "timeouts", "waiting for a worker"],
 }
-
-
-def exported() -> dict[str, str]:
-    """Every series name the services export (with its type's suffixes: _total, _bucket, ...) -> its type."""
-    engine_registry = CollectorRegistry()
-    EngineMetrics(engine_registry, "model")
-    trainer = TrainerMetrics()
-    # Rank 0 reads the stream lag at each scrape once it serves (no run here: NaN, no Redis asked).
-    trainer.watch_stream_lag(scrape_client("redis://127.0.0.1:9"), "", lambda: None)
-    router = RouterMetrics(WorkerRegistry(failure_threshold=3, success_threshold=1), lambda: "1")
-    router.fleet.trajectories = TrajectoryStore(max_tokens=1, max_update_lag=0)  # every router has one (fleet.py)
-    registries = [
-        router.registry,
-        RewardMetrics().registry,
-        trainer.registry,
-        RolloutMetrics().registry,
-        engine_registry,
-    ]
-    names: dict[str, str] = {}
-    for registry in registries:
-        for family in registry.collect():
-            for suffix in TYPE_SUFFIXES.get(family.type, ("",)):
-                names[family.name + suffix] = family.type
-    return names
 
 
 def targets(dashboard: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:

@@ -34,7 +34,7 @@ GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__range": "1h", "$__interval": 
 
 
 def scrape_config(fleet: LocalFleet) -> dict[str, Any]:
-    """deploy/compose/prometheus.yml with its targets moved to the local fleet and 1 s scrapes."""
+    """deploy/compose/prometheus.yml with its targets moved to the local fleet, 1 s scrapes, and the alert rules."""
     config = yaml.safe_load((REPO / "deploy" / "compose" / "prometheus.yml").read_text())
     p = fleet.config.ports
     local = {
@@ -45,8 +45,10 @@ def scrape_config(fleet: LocalFleet) -> dict[str, Any]:
         "trainer": [f"127.0.0.1:{p.trainer_http}"],
     }
     config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    config["rule_files"] = [str(REPO / "deploy" / "prometheus" / "rlfleet-alerts.yml")]  # mounted there in compose
     for job in config["scrape_configs"]:
-        job["static_configs"] = [{"targets": local.pop(job["job_name"])}]
+        [static] = job["static_configs"]
+        job["static_configs"] = [{"targets": local.pop(job["job_name"]), "labels": static["labels"]}]
     assert not local, f"compose's prometheus.yml scrapes no {sorted(local)}"
     return config
 
@@ -135,3 +137,11 @@ def test_the_run_shows_on_the_dashboards(after_a_short_run: str) -> None:
     assert value("sum(rlfleet_rollout_groups_produced_total)") >= 6
     assert value("sum(rlfleet_router_engine_healthy)") == 2
     assert value("max(rlfleet_trainer_weight_version) - max(rlfleet_router_weight_version)") == 0
+
+
+def test_the_alerts_evaluate_and_none_fires_on_a_healthy_fleet(after_a_short_run: str) -> None:
+    groups = httpx.get(f"{after_a_short_run}/api/v1/rules", timeout=10).json()["data"]["groups"]
+    rules = [rule for group in groups for rule in group["rules"]]
+    assert len(rules) == 8 and all(rule["type"] == "alerting" for rule in rules)
+    assert [(r["name"], r["lastError"]) for r in rules if r["health"] != "ok"] == []
+    assert [(r["name"], r["alerts"]) for r in rules if r["state"] == "firing"] == []
