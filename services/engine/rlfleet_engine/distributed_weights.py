@@ -126,10 +126,11 @@ class WeightReceiver:
                 f"backend: {req.backend!r} is not available on this engine; it joins groups over "
                 f"{', '.join(self._backends)} (NCCL needs the GPU engine, SGLang)"
             )
-        old = self._groups.pop(req.group_name, None)
-        if old is not None:  # a trainer that restarted opens its group again under the same name
-            logger.info("replacing weight update group %s", req.group_name)
-            old.abort()
+        if req.group_name in self._groups:  # as SGLang: torch registers process groups by name
+            raise InvalidInput(
+                f"Failed to initialize custom process group: the group name {req.group_name!r} has already been "
+                "created; destroy it first (/destroy_weights_update_group)"
+            )
         where = f"{req.master_address}:{req.master_port}"
         try:
             group = await asyncio.to_thread(

@@ -254,6 +254,11 @@ def test_a_group_opened_again_and_a_load_from_disk_each_start_a_version_afresh(
     assert weight_state(own_engine) == ("8", True)
     # A version travels through one group: what came before the group opened (again) does not count towards it.
     group.close()
+    # As on SGLang, a name the engine holds cannot be opened again before it is destroyed (the router does it).
+    body = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2}
+    refused = own_engine.post("/init_weights_update_group", {**body, "group_name": "short", "backend": "gloo"})
+    assert refused.status_code == 400 and "'short' has already been created" in refused.json()["message"]
+    assert own_engine.post("/destroy_weights_update_group", {"group_name": "short"}).status_code == 200
     group = open_trainer_group(own_engine, "short")
     rest = {name: t for name, t in whole_state(small_model_dir).items() if name != "model.norm.weight"}
     answer = push(own_engine, group, rest, weight_version="9")

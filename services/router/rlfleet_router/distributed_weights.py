@@ -50,6 +50,7 @@ from rlfleet_router.weight_sessions import WeightSessions
 from rlfleet_router.weights import (
     DISTRIBUTED_UPDATE_ROUTE,
     FANOUT_QUEUE_DEADLINE_SECS,
+    JSON_HEADERS,
     EngineUpdateResult,
     FleetUpdateResult,
     FleetWeights,
@@ -174,6 +175,7 @@ class DistributedWeights:
 
         # Each member's scheduler waits in the group's rendezvous, and its generation probes with it.
         with self._weights.busy.loading(engines):
+            await self._drop_held(group)
             results, pending = await self._post_all(
                 group.members, lambda m: self._weights.post_update(m.worker, "/init_weights_update_group", body(m))
             )
@@ -181,6 +183,7 @@ class DistributedWeights:
             task.cancel()
         failed = [r for r in results if not r.success]
         if failed:
+            self._close(group)  # the members that joined leave it, or their next init of the name fails
             message = f"{len(failed)}/{len(results)} engines could not join weight update group {name!r}"
             return GroupResult(False, message, tuple(results)), group
         self.groups[name] = group
@@ -343,6 +346,26 @@ class DistributedWeights:
         if version is not None and result.success and not result.weights_partial:
             return await self._sessions.end(worker) or result
         return result
+
+    async def _drop_held(self, group: WeightGroup) -> None:
+        """Destroys a group of `group`'s name its members may still hold: SGLang refuses to create a group under a
+        name it holds (torch's process groups are registered by name), and one is left behind by a trainer that
+        died without destroying it, by this router's restart, or by an init that failed elsewhere. A member
+        without it answers that it does not exist, which is what is wanted."""
+        body = json.dumps({"group_name": group.name}).encode()
+
+        async def drop(worker: Worker) -> None:
+            try:
+                response = await self._client.post(
+                    f"{worker.url}{DESTROY_ROUTE}", content=body, headers=JSON_HEADERS, timeout=self._probe_timeout
+                )
+            except httpx.HTTPError as exc:  # the init that follows finds out what is wrong with the engine
+                logger.debug("engine %s: %s before joining %r: %s", worker.url, DESTROY_ROUTE, group.name, exc)
+                return
+            if response.status_code == 200 and (parse_json_object(response) or {}).get("success") is True:
+                logger.info("engine %s left weight update group %r it still held", worker.url, group.name)
+
+        await asyncio.gather(*(drop(m.worker) for m in group.members))
 
     async def _leave(self, worker: Worker, request_body: bytes) -> EngineUpdateResult:
         """Destroys the group on `worker`, its weight-update session ended first (a broken group leaves it open)."""

@@ -39,13 +39,16 @@ class GroupEngine:
     engine: FakeEngine
     inits: list[dict[str, Any]] = field(default_factory=list)
     updates: list[dict[str, Any]] = field(default_factory=list)
-    destroys: list[dict[str, Any]] = field(default_factory=list)
+    destroys: list[dict[str, Any]] = field(default_factory=list)  # of groups it held
     ended: list[str] = field(default_factory=list)  # "update" (answered) and "destroy", in order
+    # The groups it holds: as SGLang, it refuses to create one under a name it holds, and to destroy one it does not.
+    held: set[str] = field(default_factory=set)
     fail_updates: bool = False
     # As rlfleet-engine when some parameter of the version never came: takes the bucket carrying the version, but
     # keeps its old label and says it holds part of one.
     incomplete: bool = False
     update_delay: float = 0.0
+    fail_init: bool = False
     # As SGLang 0.5.23 on: buckets only inside a weight-update session; "begin" and "end" join `ended` as answered.
     sessions: bool = False
     session_open: bool = False
@@ -90,7 +93,18 @@ def start_group_engine() -> Iterator[Callable[..., GroupEngine]]:
 
         @app.post("/init_weights_update_group")
         async def init(request: Request) -> JSONResponse:
-            fake.inits.append(await request.json())
+            body = await request.json()
+            if fake.fail_init:
+                refusal = "Failed to initialize custom process group: timed out waiting for the rendezvous."
+                return JSONResponse({"success": False, "message": refusal}, status_code=400)
+            if body["group_name"] in fake.held:
+                refusal = (
+                    "Failed to initialize custom process group: The specified group name has already been created, "
+                    "please use a different group name."
+                )
+                return JSONResponse({"success": False, "message": refusal}, status_code=400)
+            fake.inits.append(body)
+            fake.held.add(body["group_name"])
             return JSONResponse({"success": True, "message": "joined"})
 
         @app.post("/update_weights_from_distributed")
@@ -116,7 +130,12 @@ def start_group_engine() -> Iterator[Callable[..., GroupEngine]]:
 
         @app.post("/destroy_weights_update_group")
         async def destroy(request: Request) -> JSONResponse:
-            fake.destroys.append(await request.json())
+            body = await request.json()
+            if body["group_name"] not in fake.held:
+                refusal = "The group to be destroyed does not exist."
+                return JSONResponse({"success": False, "message": refusal}, status_code=400)
+            fake.held.remove(body["group_name"])
+            fake.destroys.append(body)
             fake.ended.append("destroy")
             return JSONResponse({"success": True, "message": "destroyed"})
 
@@ -179,6 +198,33 @@ def test_group_ranks_buckets_and_the_version_they_carry(
     assert router.client.post("/destroy_weights_update_group", json={"group_name": "g"}).status_code == 200
     assert all(e.destroys == [{"group_name": "g"}] for e in engines)
     assert router.client.get("/weights_update_groups/g").status_code == 404
+
+
+def test_a_group_left_on_the_engines_is_dropped_before_the_name_opens_again(
+    start_group_engine: Callable[[str], GroupEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """A trainer that died without destroying its group (or a router restarted since) leaves the engines holding
+    it; SGLang refuses to create a group under a name it holds, so every later open failed and each version went
+    to disk. An open that fails on one engine leaves none holding the name either."""
+    engines = [start_group_engine(n) for n in "ab"]
+    router = start_router([e.url for e in engines])
+    router.wait_healthy(2)
+    assert router.client.post("/init_weights_update_group", json={**INIT, "world_size": 3}).status_code == 200
+    assert all(e.held == {"g"} for e in engines)
+
+    reopened = router.client.post("/init_weights_update_group", json={**INIT, "world_size": 3})
+    assert reopened.status_code == 200, reopened.text
+    assert all(len(e.inits) == 2 and e.destroys == [{"group_name": "g"}] and e.held == {"g"} for e in engines)
+
+    engines[1].fail_init = True
+    failed = router.client.post("/init_weights_update_group", json={**INIT, "world_size": 3})
+    assert failed.status_code == 502
+    deadline = time.monotonic() + 10
+    while engines[0].held:
+        assert time.monotonic() < deadline, "the engine that joined the failed group still holds it"
+        time.sleep(0.05)
+    engines[1].fail_init = False
+    assert router.client.post("/init_weights_update_group", json={**INIT, "world_size": 3}).status_code == 200
 
 
 def test_a_failed_bucket_strands_every_member_not_holding_the_version_until_a_disk_load(
