@@ -69,7 +69,11 @@ def unique_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 
 def buckets(state: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[dict[str, torch.Tensor]]:
-    """Consecutive groups of tensors of at most `bucket_bytes` each (a larger tensor is a bucket by itself)."""
+    """Consecutive groups of tensors of at most `bucket_bytes` each (a larger tensor is a bucket by itself).
+
+    Within a bucket the tensors go widest dtype first (in their order otherwise), so each starts in the flat
+    bucket at a multiple of its element size: SGLang views its slice of the bytes as the dtype without a copy,
+    which fails on a misaligned one (a float32 after an odd number of bfloat16 values)."""
     out: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in state.items():
@@ -79,7 +83,7 @@ def buckets(state: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[dict[s
             size = 0
         out[-1][name] = tensor
         size += nbytes
-    return [bucket for bucket in out if bucket]
+    return [dict(sorted(bucket.items(), key=lambda item: -item[1].element_size())) for bucket in out if bucket]
 
 
 class WeightBroadcaster:

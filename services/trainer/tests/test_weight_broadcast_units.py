@@ -28,6 +28,26 @@ def test_buckets_keep_order_and_size_and_a_large_tensor_travels_alone() -> None:
     assert [n for p in parts for n in p] == list(state)
 
 
+def test_every_tensor_of_a_bucket_starts_aligned_to_its_dtype() -> None:
+    """SGLang unpacks a flattened bucket with `flat[start:end].view(dtype)`, no copy: a float32 after an odd number
+    of bfloat16 values failed there (storage offset not a multiple of 4)."""
+    state = {
+        "odd_half": torch.randn(3, 5).to(torch.bfloat16),
+        "f": torch.randn(7),
+        "i": torch.arange(3, dtype=torch.int64),
+        "byte": torch.ones(3, dtype=torch.uint8),
+        "g": torch.randn(2),
+    }
+    [bucket] = buckets(state, bucket_bytes=1 << 20)
+    assert list(bucket) == ["i", "f", "g", "odd_half", "byte"]
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in bucket.values()])
+    start = 0
+    for name, tensor in bucket.items():
+        end = start + tensor.numel() * tensor.element_size()
+        assert torch.equal(flat[start:end].view(tensor.dtype).reshape(tensor.shape), tensor), name  # no clone
+        start = end
+
+
 def test_tied_weights_travel_once() -> None:
     embed = torch.nn.Parameter(torch.ones(4, 2))
     state = {"embed": embed, "lm_head": embed, "norm": torch.ones(2), "half": embed[2:]}
