@@ -87,6 +87,11 @@ class EngineConfig(BaseSettings):
     """`sim` backend: time each token of KV the batch holds adds to a decode step, in microseconds (a decode
     step reads every running sequence's whole KV). Off by default so the other sim_* figures keep their
     meaning; ~0.17 us is a 7B fp16 model (0.5 MB per token) on an H100 (3 TB/s)."""
+    trust_remote_code: bool = False
+    """`sglang` backend: passed on, for a model whose code comes with its checkpoint; the CPU backends load only the
+    architectures transformers ships and ignore it."""
+    skip_server_warmup: bool = False
+    """`sglang` backend: passed on (no warm-up request before the server reports ready); the CPU backends ignore it."""
 
     @model_validator(mode="after")
     def _fill_defaults(self) -> EngineConfig:
@@ -126,6 +131,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--sim-decode-ms-per-step", "sim backend: ms per decode step of one sequence (default 5)."),
     Flag("--sim-decode-us-per-sequence", "sim backend: us each batched sequence adds (default 100)."),
     Flag("--sim-decode-us-per-kv-token", "sim backend: us each KV token adds to a step (default 0)."),
+    Flag("--trust-remote-code", "sglang backend: passed on; the CPU backends ignore it.", kind="switch"),
+    Flag("--skip-server-warmup", "sglang backend: passed on; the CPU backends ignore it.", kind="switch"),
 )
 
 
@@ -135,9 +142,6 @@ def build_arg_parser() -> argparse.ArgumentParser:
         description="rlfleet CPU engine: SGLang's HTTP API over a Hugging Face causal LM.",
     )
     add_flags(parser, FLAGS, EngineConfig)
-    # Accepted for command-line compatibility with sglang.launch_server; they change nothing here.
-    parser.add_argument("--trust-remote-code", action="store_true", help="Accepted for SGLang compatibility.")
-    parser.add_argument("--skip-server-warmup", action="store_true", help="Accepted for SGLang compatibility.")
     return parser
 
 

@@ -47,7 +47,10 @@ def sglang_argv(config: EngineConfig, python: str = sys.executable) -> list[str]
         weight_version=config.weight_version,
         **chosen,
     )
-    return [*argv, "--enable-metrics"]
+    switches = [
+        f"--{name.replace('_', '-')}" for name in ("trust_remote_code", "skip_server_warmup") if getattr(config, name)
+    ]
+    return [*argv, *switches, "--enable-metrics"]
 
 
 def sglang_env(config: EngineConfig, base: Mapping[str, str]) -> dict[str, str]:

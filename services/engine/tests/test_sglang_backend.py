@@ -60,6 +60,14 @@ def test_settings_become_launch_server_flags() -> None:
     assert argv[argv.index("--context-length") + 1] == "4096"
     # The dashboards read SGLang's own metrics.
     assert "--enable-metrics" in argv
+    assert "--trust-remote-code" not in argv and "--skip-server-warmup" not in argv
+
+
+def test_sglangs_switches_reach_it() -> None:
+    """They were accepted and dropped: a model whose code comes with its checkpoint failed to load on SGLang."""
+    switches = ["--trust-remote-code", "--skip-server-warmup"]
+    argv = sglang_argv(config_from_args(["--model-path", "/m", "--backend", "sglang", *switches]), python="/py")
+    assert [flag for flag in argv if flag in switches] == switches
 
 
 def test_what_the_engine_was_not_given_is_left_to_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
