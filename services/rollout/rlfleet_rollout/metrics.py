@@ -9,6 +9,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from rlfleet.v1.runs_pb2 import RunState
 from rlfleet.v1.samples_pb2 import SampleStatus
 
+RUN_QUEUE, FINAL_RECORD = "run queue", "final run record"
+REDIS_WAITERS = (RUN_QUEUE, FINAL_RECORD)
+"""What waits out a Redis outage (`until_redis_answers`), the values of rlfleet_rollout_redis_outage_waits' label."""
+
 
 class RolloutMetrics:
     def __init__(self) -> None:
@@ -89,6 +93,8 @@ class RolloutMetrics:
             ["waiter"],
             registry=self.registry,
         )
+        for waiter in REDIS_WAITERS:  # at 0 from the start: a first wait shows in rate() and increase()
+            self.redis_outage_waits.labels(waiter=waiter)
         self.seconds_without_progress = Gauge(
             "rlfleet_rollout_seconds_without_progress",
             "Seconds since the running run last made progress (0 when it just moved or none runs).",

@@ -48,7 +48,7 @@ from rlfleet_rollout.environment import ReplyPool
 from rlfleet_rollout.evaluation import evaluate
 from rlfleet_rollout.group_filters import FilterRegistry, usable_rewards
 from rlfleet_rollout.group_producer import RolloutContext
-from rlfleet_rollout.metrics import RolloutMetrics
+from rlfleet_rollout.metrics import FINAL_RECORD, RolloutMetrics
 from rlfleet_rollout.model_directory import context_length
 from rlfleet_rollout.prompt_tokenizer import load_chat_template, load_tokenizer
 from rlfleet_rollout.redis_outage import until_redis_answers
@@ -161,7 +161,7 @@ async def _record_final(deps: RunDeps, run_id: str, state: RunState, error: str)
     trainer is stopped: the record is what says the stop is owed."""
     try:
         await until_redis_answers(
-            lambda: deps.core.update(run_id, _mark_finished(state, error)), "final run record", deps.metrics
+            lambda: deps.core.update(run_id, _mark_finished(state, error)), FINAL_RECORD, deps.metrics
         )
     except RunEnded:
         pass

@@ -26,6 +26,7 @@ from rlfleet.errors import RlfleetError
 from rlfleet.sample_stream import redis_refusal, redis_unavailable
 from rlfleet.v1.runs_pb2 import Run, RunState
 from rlfleet_rollout.concurrency import cancel_and_wait, finish
+from rlfleet_rollout.metrics import RUN_QUEUE
 from rlfleet_rollout.redis_outage import until_redis_answers
 from rlfleet_rollout.run_lease import RunLease
 from rlfleet_rollout.run_loop import RunDeps, execute_run
@@ -60,7 +61,7 @@ class RunQueue:
         await self._free_trainer()
         while True:
             self._wake.clear()
-            run = await until_redis_answers(self._next_run, "run queue", self.deps.metrics)
+            run = await until_redis_answers(self._next_run, RUN_QUEUE, self.deps.metrics)
             if run is None:
                 try:
                     # asyncio.timeout, not wait_for, which on Python 3.11 can lose a cancellation (concurrency.py).

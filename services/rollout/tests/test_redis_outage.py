@@ -26,7 +26,7 @@ from rlfleet.v1.runs_pb2 import Run, RunProgress, RunSpec, RunState
 from rlfleet.v1.samples_pb2 import Sample, SampleGroup
 from rlfleet.v1.trainer_pb2 import StepReport
 from rlfleet_rollout import run_loop
-from rlfleet_rollout.metrics import RolloutMetrics
+from rlfleet_rollout.metrics import REDIS_WAITERS, RolloutMetrics
 from rlfleet_rollout.redis_outage import until_redis_answers
 from rlfleet_rollout.run_events import RunNotifier
 from rlfleet_rollout.run_queue import RunQueue
@@ -309,3 +309,10 @@ def test_step_reports_outlive_redis_errors_and_lose_none(
     assert asyncio.run(scenario()), "the report of step 3 never reached the record"
     assert records.run.metrics["loss"] == pytest.approx(1 / 3)
     assert "the trainer's step reports of run run-1 cannot be recorded" in caplog.text
+
+
+def test_every_waiter_is_counted_at_0_from_the_start() -> None:
+    """A first wait shows in rate() and increase() only if its series existed before it."""
+    registry = RolloutMetrics().registry
+    for waiter in REDIS_WAITERS:
+        assert registry.get_sample_value("rlfleet_rollout_redis_outage_waits_total", {"waiter": waiter}) == 0

@@ -223,6 +223,8 @@ class RankGroup:
             ["op"],
             registry=registry,
         )
+        for name in self.ops:  # at 0 from the start: a first failure shows in rate() and increase()
+            self._op_failures.labels(op=name)
         Gauge("rlfleet_trainer_ranks", "ranks of the trainer's process group", registry=registry).set(self.ranks.world)
         if self.ranks.rank == 0 and self._commands is not None:
             self._heartbeat = threading.Thread(target=self._beat, name="rank-heartbeat", daemon=True)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from rlfleet_trainer.batch import TrainSequence, plan_micro_batches
 from rlfleet_trainer.data_parallel import Ranks, micro_batch, rank_plan, split_across_ranks
@@ -55,8 +56,11 @@ def test_rank_group_without_torchrun_calls_locally(monkeypatch: pytest.MonkeyPat
     def fail(state: list[str]) -> None:
         raise KeyError("no such thing")
 
-    group = RankGroup({"add": add, "fail": fail}, log)
+    registry = CollectorRegistry()
+    group = RankGroup({"add": add, "fail": fail}, log, registry=registry)
     assert (group.rank, group.ranks.world, group.distributed) == (0, 1, False)
+    # Every op's failure count is there at 0 from the start, so a first failure shows in rate() and increase().
+    assert registry.get_sample_value("rlfleet_trainer_rank_op_failures_total", {"op": "fail"}) == 0
     assert group.call("add", "a") == 1 and group.call("add", "b") == 2 and log == ["a", "b"]
     with pytest.raises(KeyError, match="no such thing"):
         group.call("fail")
