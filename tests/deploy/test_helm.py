@@ -210,6 +210,19 @@ def test_trainer_rank_0_is_on_the_pod_the_trainer_service_selects(rendered: tupl
     assert limits.get("nvidia.com/gpu", 0) == gpus
 
 
+def test_generations_in_flight_keep_gpu_engines_busy(rendered: tuple[dict, list[dict[str, Any]]]) -> None:
+    """The orchestrator's own 8 groups in flight fit the CPU engine; on SGLang they left GPUs idle between a step's
+    groups (with 6 engines, about 10 sequences each of the hundreds they run at once)."""
+    values, docs = rendered
+    [rollout] = [spec for name, spec in pod_specs(docs).items() if name.endswith("-rollout")]
+    env = {var["name"]: var.get("value") for var in rollout["containers"][0]["env"]}
+    wanted = 32 * values["engine"]["replicas"] if values["engine"]["backend"] == "sglang" else None
+    assert env.get("RLFLEET_ROLLOUT_MAX_CONCURRENT_GENERATIONS") == (None if wanted is None else str(wanted))
+    _, chosen = render({"engine": {"backend": "sglang"}, "rollout": {"maxConcurrentGenerations": 100}})
+    [rollout] = [spec for name, spec in pod_specs(chosen).items() if name.endswith("-rollout")]
+    assert {"name": "RLFLEET_ROLLOUT_MAX_CONCURRENT_GENERATIONS", "value": "100"} in rollout["containers"][0]["env"]
+
+
 def test_dashboards_ship_as_configmaps_for_the_grafana_sidecar(rendered: tuple[dict, list[dict[str, Any]]]) -> None:
     _, docs = rendered
     maps = [doc for doc in docs if doc["kind"] == "ConfigMap" and doc["metadata"]["labels"].get("grafana_dashboard")]
