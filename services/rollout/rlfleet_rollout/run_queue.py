@@ -28,6 +28,7 @@ from rlfleet.v1.runs_pb2 import Run, RunState
 from rlfleet_rollout.concurrency import cancel_and_wait, finish
 from rlfleet_rollout.metrics import RUN_QUEUE
 from rlfleet_rollout.redis_outage import until_redis_answers
+from rlfleet_rollout.run_events import is_terminal
 from rlfleet_rollout.run_lease import RunLease
 from rlfleet_rollout.run_loop import RunDeps, execute_run
 
@@ -54,6 +55,8 @@ class RunQueue:
         self._left: dict[str, str] = {}
         """The runs last left to other orchestrators, with theirs (to log each once, not at every look)."""
         self._next_look_s = _IDLE_RECHECK_S
+        self._free_owed = False
+        """A run not driven here ended here: the trainer is asked at the next look whether it still holds it."""
         deps.core.notifier.add_listener(self._on_change)
 
     async def serve(self) -> None:
@@ -125,6 +128,12 @@ class RunQueue:
         when there is none, or while another orchestrator drives one of them."""
         self._next_look_s = _IDLE_RECHECK_S
         runs = await self.deps.core.store.all_in_order([RunState.RUN_STATE_RUNNING, RunState.RUN_STATE_QUEUED])
+        if self._free_owed:
+            # A run this orchestrator does not drive ended here (a Cancel it answered): its driver stops the trainer
+            # if it lives, but one that died (its lease still running) never will, and the trainer would train the
+            # cancelled run on until the next run's start.
+            self._free_owed = False
+            await self._free_trainer()
         running = [r for r in runs if r.state == RunState.RUN_STATE_RUNNING]
         candidates = running or runs[:1]
         if not candidates:
@@ -157,6 +166,9 @@ class RunQueue:
             )
 
     def _on_change(self, run: Run) -> None:
+        if is_terminal(run.state) and run.id != self._active_id:
+            self._free_owed = True
+            self._wake.set()
         if run.state == RunState.RUN_STATE_QUEUED:
             self._wake.set()
         elif run.state == RunState.RUN_STATE_CANCELLED and run.id == self._active_id and self._active_task:

@@ -10,9 +10,10 @@ run is over (its record says CANCELLED, FAILED or SUCCEEDED), so it has to get t
   That write is best effort: the run's outcome is recorded before the stop, and Redis being away then
   only leaves the record a step behind (logged).
 - `free` asks the trainer which run it holds and stops that run when the records say it is over or do
-  not know it. The run queue calls it at start-up and a run whose StartRun finds the trainer busy calls
-  it, so a stop that never got through (its bound passed, or the orchestrator died before sending it) is
-  made up then: the run's record is the durable note of the stop owed.
+  not know it. The run queue calls it at start-up and after it answers the Cancel of a run it does not
+  drive, and a run whose StartRun finds the trainer busy calls it, so a stop that never got through (its
+  bound passed, or the orchestrator died before sending it) is made up then: the run's record is the
+  durable note of the stop owed.
 
 A run the records say is QUEUED or RUNNING is never stopped here: something else drives it.
 """

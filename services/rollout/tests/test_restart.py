@@ -96,6 +96,33 @@ def test_two_orchestrators_on_one_redis_drive_a_run_one_at_a_time(
         fleet.stop()
 
 
+@pytest.mark.e2e
+def test_a_run_cancelled_while_its_dead_drivers_lease_runs_is_stopped_on_the_trainer(
+    redis_client: redis.Redis, redis_prefix: str, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """Its driver would have stopped the trainer; killed, it never does, and the orchestrator that answered the
+    Cancel left the run (its lease was another's) and never asked: the trainer trained the cancelled run on."""
+    fleet = start_fake_fleet(redis_client, redis_prefix)
+    first = second = None
+    try:
+        first = start_orchestrator(fleet, tmp_path / "first.log")
+        fleet.trainer.paused.set()
+        run_id = httpx.post(f"{first.url}/v1/runs", json=spec_json(tokenizer_dir), timeout=10).json()["id"]
+        wait_until(lambda: run_id in fleet.trainer.start_calls, 20, "StartRun")
+        first.process.kill()  # its lease on the run runs on for its 15 s
+        second = start_orchestrator(fleet, tmp_path / "second.log")
+        cancel = httpx.post(f"{second.url}/v1/runs/{run_id}:cancel", timeout=10)
+        assert cancel.status_code == 200 and cancel.json()["state"] == "RUN_STATE_CANCELLED", cancel.text
+        wait_until(lambda: run_id in fleet.trainer.stop_calls, 10, "StopRun of the cancelled run")
+        assert "the trainer was freed from run" in second.process.log_tail()
+    finally:
+        fleet.trainer.paused.clear()
+        for orch in (first, second):
+            if orch is not None:
+                orch.process.stop(timeout=15)
+        fleet.stop()
+
+
 def _run_state(client: redis.Redis, prefix: str, run_id: str) -> str:
     from rlfleet.v1.runs_pb2 import Run, RunState
 
