@@ -66,11 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sft.add_argument("--model-path", type=Path, required=True, help="Hugging Face model directory to start from")
     sft.add_argument("--out", type=Path, required=True, help="directory to write the trained model to")
-    sft.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    sft.add_argument("--steps", type=int, default=400, help="optimizer steps (as the demo's --sft-steps)")
     sft.add_argument("--batch-size", type=int, default=64, help="problems per step")
     sft.add_argument("--learning-rate", type=float, default=1e-3, help="AdamW learning rate")
     sft.add_argument("--digits", type=int, default=2, help="digits per operand of the arithmetic problems")
-    sft.add_argument("--ops", default="+", help="operators to draw from, a subset of +-*/")
+    sft.add_argument(
+        "--ops", default="+", help="operators to draw from, a subset of +-*/ (--ops=-+ when - comes first)"
+    )
     sft.add_argument("--seed", type=int, default=0, help="seed of the problems and the batches")
     sft.add_argument("--torch-threads", type=int, default=2, help="intra-op threads of torch on CPU")
     export = commands.add_parser("export", help="write a checkpoint as a Hugging Face model (safetensors)")
@@ -100,6 +102,10 @@ def run_sft_command(args: argparse.Namespace) -> int:
     from rlfleet_trainer.sft import SftConfig, run_sft
 
     torch.set_num_threads(args.torch_threads)
+    if not (args.model_path / "config.json").is_file():
+        error = f"--model-path: no Hugging Face model at {args.model_path} (config.json missing; `rlfleet model init`)"
+        print(f"rlfleet_trainer sft: error: {error}", file=sys.stderr)
+        return 2
     if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
         error = f"{args.out} is not an empty directory; choose another --out"
         print(f"rlfleet_trainer sft: error: {error}", file=sys.stderr)

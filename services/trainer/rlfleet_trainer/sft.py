@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SftConfig:
-    steps: int = 200
+    steps: int = 400
     """Optimizer steps."""
     batch_size: int = 64
     """Problems per step."""

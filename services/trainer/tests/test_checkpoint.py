@@ -256,3 +256,10 @@ def test_export_refuses_an_out_that_is_a_file(tmp_path: Path, capsys: pytest.Cap
     args = ["export", "--checkpoint", str(tmp_path), "--base-model", str(tmp_path), "--out", str(taken)]
     assert main(args) == 2
     assert f"{taken} is not an empty directory; choose another --out" in capsys.readouterr().err
+
+
+def test_sft_refuses_a_model_path_without_a_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A path that is not there was taken for a hub id: a 77-line traceback, or 50 s of trying to download it."""
+    missing = tmp_path / "tiny"
+    assert main(["sft", "--model-path", str(missing), "--out", str(tmp_path / "out")]) == 2
+    assert f"--model-path: no Hugging Face model at {missing} (config.json missing" in capsys.readouterr().err
