@@ -171,11 +171,17 @@ def killed_with_parent() -> Callable[[], None]:
 
 def command_line(*head: str, **flags: object) -> list[str]:
     """`head`, then `--name value` for each keyword in order: underscores in a name become dashes, a list
-    or tuple gives its items after the flag, any other value its `str`."""
+    or tuple gives its items after the flag, any other value its `str` (as `--name=value` when it starts with
+    '-', which argparse would take for a flag: arithmetic's operators `-+`)."""
     argv = list(head)
     for name, value in flags.items():
-        argv.append("--" + name.replace("_", "-"))
-        argv += [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, (list, tuple)):
+            argv += [flag, *(str(v) for v in value)]
+        elif str(value).startswith("-"):
+            argv.append(f"{flag}={value}")
+        else:
+            argv += [flag, str(value)]
     return argv
 
 

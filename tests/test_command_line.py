@@ -19,3 +19,8 @@ def test_flags_follow_the_head_in_order_with_dashes_and_strings() -> None:
 
 def test_no_flags_is_the_head() -> None:
     assert command_line("redis-server") == ["redis-server"]
+
+
+def test_a_value_starting_with_a_dash_is_joined_to_its_flag() -> None:
+    """`--ops -+` is a flag with no value to argparse: a warm start on subtraction first failed to start."""
+    assert command_line("sft", ops="-+", digits=2) == ["sft", "--ops=-+", "--digits", "2"]

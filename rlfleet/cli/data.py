@@ -18,7 +18,9 @@ def register(areas: argparse._SubParsersAction) -> None:
     arith.add_argument("--split", choices=("train", "test"), default="train", help="train, or the held-out test split")
     arith.add_argument("--count", type=int, default=10, help="problems to write")
     arith.add_argument("--digits", type=int, default=2, help="digits per operand (1-9)")
-    arith.add_argument("--ops", default="+", help="operators to draw from, a subset of +-*/")
+    arith.add_argument(
+        "--ops", default="+", help="operators to draw from, a subset of +-*/ (--ops=-+ when - comes first)"
+    )
     arith.add_argument("--seed", type=int, default=0, help="seed of the draw")
     arith.set_defaults(func=run_arithmetic)
 
