@@ -131,6 +131,7 @@ def _read_rows(
         }
         records = readers[source]
         out: list[Prompt] = []
+        left_out = len(skipped)
         for where, record in records(path, spec):
             try:
                 out.append(_to_prompt(record, spec))
@@ -141,6 +142,10 @@ def _read_rows(
                         f'{field_name}: {message} (set dataset.bad_rows to "skip" to leave such rows out)'
                     ) from exc
                 skipped.append(message)
+        if not out and len(skipped) > left_out:  # a column misnamed: said so, not as rows too few for eval_size
+            raise InvalidInput(
+                f"{field_name}: none of the {len(skipped) - left_out} rows is usable; the first: {skipped[left_out]}"
+            )
         return out
     except InvalidInput:
         raise

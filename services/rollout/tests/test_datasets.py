@@ -89,6 +89,19 @@ def test_a_dataset_dicts_held_out_rows_come_from_its_test_split(tmp_path: Path) 
         load_dataset(spec, 100)
 
 
+def test_a_column_no_row_has_is_named_when_rows_are_skipped(tmp_path: Path) -> None:
+    """Skipping every row left none, refused as too few for eval_size: a misnamed column read as a small dataset."""
+    path = _write("jsonl", ROWS, tmp_path / "train.jsonl")
+    spec = _spec("jsonl", path, bad_rows="skip")
+    spec.jsonl.prompt_column = "question"
+    with pytest.raises(
+        InvalidInput,
+        match=r"dataset\.jsonl\.path: none of the 10 rows is usable; the first: .* line 1: "
+        r"column 'question' is missing",
+    ):
+        load_dataset(spec, 100)
+
+
 def test_a_malformed_row_is_named_and_rejected_or_skipped(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
     lines = [json.dumps(r) for r in ROWS[:4]] + ["{not json", json.dumps({"answer": "1", "level": 0})]
