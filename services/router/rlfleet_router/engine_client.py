@@ -42,6 +42,10 @@ class EngineConnectionError(ConnectionError):
     """No answer over this connection: refused, connect timed out, reset, closed early or malformed."""
 
 
+class EngineConnectTimeout(EngineConnectionError):
+    """The connection was not open within the connect bound."""
+
+
 class EngineConnectionLost(EngineConnectionError):
     """The connection broke, or the answer was malformed, after the request was written: the engine may have it."""
 
@@ -408,7 +412,7 @@ class EngineClient:
                     lambda: _Connection(self, origin), origin.host, origin.port, ssl=self._tls if origin.tls else None
                 )
         except TimeoutError as exc:
-            raise EngineConnectionError(
+            raise EngineConnectTimeout(
                 f"connecting to {origin.host}:{origin.port} timed out after {timeout:.3g}s"
             ) from exc
         except OSError as exc:

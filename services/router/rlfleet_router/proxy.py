@@ -38,6 +38,7 @@ from rlfleet_router.engine_client import (
     EngineClient,
     EngineConnectionError,
     EngineConnectionLost,
+    EngineConnectTimeout,
     EngineReadTimeout,
 )
 from rlfleet_router.engine_response import HOP_HEADERS, AnswerReader, EngineResponse
@@ -261,7 +262,6 @@ class Proxy:
         upstream: EngineAnswer | None = None
         # The whole answer is bounded by the time left: the client's bound on the entire request.
         connect = min(self._connect_timeout, remaining)
-        connect_deadline = time.monotonic() + connect
         try:
             upstream = await client.request(
                 method, worker.url, route, body, headers, connect, remaining, attempt.interrupt
@@ -277,8 +277,10 @@ class Proxy:
             # A connection lost once the request was written may leave the request running at the engine.
             lost = isinstance(exc, EngineConnectionLost)
             self._give_up(attempt, upstream, "its connection was lost" if lost else "")
-            if not lost and connect < self._connect_timeout and time.monotonic() >= connect_deadline:
+            if isinstance(exc, EngineConnectTimeout) and connect < self._connect_timeout:
                 # The connect ran out of the request's time, not of the engine's: nothing to hold against the engine.
+                # (Told by the error, not by the clock: the event loop's timers may fire a little before
+                # time.monotonic() reaches their deadline, uvloop's by up to a millisecond.)
                 raise DeadlineExceeded(f"{route} ran out of time while connecting to {worker.url}") from exc
             self._metrics.engine_errors.inc(worker.url, "connection")
             reason = f"{worker.url}: {describe_error(exc)}"

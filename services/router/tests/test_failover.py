@@ -12,6 +12,8 @@ import httpx
 import pytest
 from router_fakes import FakeEngine, RunningRouter, metric_value
 
+from rlfleet_router.engine_client import EngineClient, EngineConnectTimeout
+
 # Far above what a failover takes: a request still at the hung engine would run into it.
 REQUEST_TIMEOUT_SECS = 8.0
 
@@ -162,3 +164,23 @@ def test_a_retry_waiting_for_an_abort_at_an_engine_that_then_fails_goes_to_anoth
     assert answer.json()["meta_info"]["engine"] == "spare"
     assert time.monotonic() - started < 3, "sent to the spare once the abort was over, not at its deadline"
     assert len(first.raw_bodies) == 1, "nothing more was sent to the failed engine"
+
+
+def test_a_connect_cut_short_by_the_requests_deadline_is_not_held_against_the_engine(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Told by the clock, a connect that timed out on the request's last moments counted as the engine's failure
+    whenever the event loop's timer fired before time.monotonic() reached it (uvloop's, by up to a millisecond):
+    the engine left routing for a request that simply ran out of time."""
+    engine = start_engine("a")
+    router = start_router([engine.url], request_timeout_secs=0.4, health_check_interval_secs=60)
+    router.wait_healthy(1)
+
+    async def timed_out(self: EngineClient, origin: object, timeout: float) -> None:
+        raise EngineConnectTimeout(f"connecting timed out after {timeout:.3g}s")
+
+    monkeypatch.setattr(EngineClient, "_connect", timed_out)
+    answer = router.client.post("/generate", json={"text": "hi"})
+    assert answer.status_code == 504 and "ran out of time while connecting" in answer.text, answer.text
+    [worker] = router.workers()
+    assert worker["healthy"] is True and worker["last_error"] is None, worker
