@@ -171,6 +171,8 @@ def train_run(
         logger.exception("run %s failed at step %d", run.run_id, run.step, extra={"run_id": run.run_id})
         run.update(state=TrainerState.TRAINER_STATE_FAILED, error=f"{type(exc).__name__}: {exc}")
     finally:
+        # No step values while no run trains: the last step's tokens per second, loss, ... read as live otherwise.
+        metrics.observe_step({})
         # The run reports its end above, before this: TrainerCore starts no other run while this thread lives
         # (closing a distributed weight sync asks the router, which can take minutes).
         try:

@@ -60,6 +60,10 @@ def test_trains_publishes_and_acknowledges(core, small_model_dir, redis_client, 
     before = load_policy(small_model_dir).state_dict()
     after = load_policy(final.weights_path).state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
+    # Once the run has ended its step values are gone (NaN), not the last step's passed off as live; its position stays.
+    sample = core.metrics.registry.get_sample_value
+    wait_for(lambda: math.isnan(sample("rlfleet_trainer_tokens_per_second") or 0.0))
+    assert math.isnan(sample("rlfleet_trainer_loss") or 0.0) and sample("rlfleet_trainer_step") == 2
 
 
 def test_graceful_shutdown_checkpoints_and_a_restart_resumes_from_it(
