@@ -25,7 +25,7 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from rlfleet.api_token import bearer_headers
+from rlfleet.api_token import TOKEN_ENV, TOKEN_FILE_ENV, bearer_headers
 from rlfleet.errors import (
     Conflict,
     DeadlineExceeded,
@@ -388,4 +388,6 @@ class RunsClient:
                 + self.not_runs_api_hint
             )
         error = STATUS_ERRORS.get(status, Unavailable if status >= 500 else RlfleetError)
+        if status == 401:  # the server names its header; the client's user sets the token elsewhere
+            message += f" (the token sent is read from --api-token-file, ${TOKEN_FILE_ENV}, or ${TOKEN_ENV})"
         raise error(f"HTTP {status}: {message}")

@@ -101,6 +101,14 @@ NO_STEPS = {"kind": "invalid_input", "message": "schedule.steps: is required: se
 def build_api() -> FastAPI:
     app = FastAPI()
 
+    @app.get("/guarded/v1/runs")  # an orchestrator with an API token, asked without it
+    async def guarded() -> JSONResponse:
+        refusal = {
+            "kind": "unauthenticated",
+            "message": "missing API token: send the header 'Authorization: Bearer <token>'",
+        }
+        return JSONResponse({"error": refusal}, status_code=401)
+
     @app.get("/site/{page:path}")  # a web server of another kind: a page for every path
     async def page(page: str) -> HTMLResponse:
         return HTMLResponse(f"<html><body>{page}</body></html>")
@@ -250,6 +258,16 @@ def test_an_api_url_that_does_not_serve_the_runs_api_is_named_as_such(
     error = capsys.readouterr().err
     assert error.startswith(f"rlfleet: error: {elsewhere} does not serve the Runs API ("), error
     assert f"--api wants the orchestrator's REST URL (api_url in {tmp_path / 'fleet.json'})" in error
+
+
+def test_a_refusal_for_want_of_a_token_says_where_the_cli_reads_it(
+    api: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The server names its header; a CLI user sets a file or a variable, which the refusal never named."""
+    assert main(["runs", "--api", f"{api}/guarded", "--state-dir", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert "missing API token" in error
+    assert "read from --api-token-file, $RLFLEET_API_TOKEN_FILE, or $RLFLEET_API_TOKEN" in error, error
 
 
 def test_a_server_answering_other_than_json_is_named_as_no_runs_api(
