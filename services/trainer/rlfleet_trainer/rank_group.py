@@ -102,35 +102,14 @@ def collective_failure(exc: BaseException) -> bool:
     return False
 
 
-def on_rank_0(step: Callable[[], T]) -> T | None:
+def on_rank_0(step: Callable[[], object]) -> None:
     """Inside an op: runs `step` on rank 0 only and hands its outcome to every rank before any goes
     on, so its failure is raised on every rank (rank 0 its own error, the others a copy of it) and
     the op fails at once with its real cause. Without that, rank 0 would leave the op while the others
     waited for it in the op's next collective, until the collective timeout. It also stands for a
-    barrier after the step: no rank goes on before rank 0 has taken it. Rank 0 gets `step`'s result,
-    the other ranks None."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return step()
-    result, error = None, None
-    if dist.get_rank() == 0:
-        try:
-            result = step()
-        except Exception as exc:  # noqa: BLE001 - every rank hears of it below, then raises it
-            error = exc
-    box: list[Exception | None] = [_portable(error)]
-    try:
-        dist.broadcast_object_list(box, src=0)
-    except Exception as exc:  # noqa: BLE001 - the ranks are out of step; the step's own error is kept as its cause
-        if error is not None:
-            raise exc from error
-        raise
-    if error is not None:
-        raise error
-    rank_0_error = box[0]
-    if rank_0_error is not None:
-        rank_0_error.add_note("raised by rank 0's part of the op")
-        raise rank_0_error
-    return result
+    barrier after the step: no rank goes on before rank 0 has taken it."""
+    rank_0 = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    on_every_rank(lambda: step() if rank_0 else None)
 
 
 def on_every_rank(step: Callable[[], T]) -> list[T]:
