@@ -2,11 +2,9 @@
 
 Every orchestrator on one Redis shows the store's counts, not its own share of the changes: runs are submitted,
 driven and cancelled through any of them (the run lease), so counts moved by one process's changes went negative
-on one and stale on the other. The task counts every record again every REFRESH_EVERY_S, and at once after this
-process changes a run's state (`changed`). A scrape reads the gauge only: counting at scrape time would read every
-record once per scrape and per scraper, and a slow Redis would slow /metrics; here it costs one pass over the
-records (MAX_PAGE_SIZE a round trip) per interval, whoever scrapes. A Redis error leaves the last counts, logged
-once per outage.
+on one and stale on the other. The task reads the store's counts (the sizes of its state sets, one round trip)
+every REFRESH_EVERY_S, and at once after this process changes a run's state (`changed`). A scrape reads the gauge
+only, so a slow Redis does not slow /metrics. A Redis error leaves the last counts, logged once per outage.
 """
 
 from __future__ import annotations

@@ -6,6 +6,13 @@ Keys (under the configured prefix):
   orders List and the run queue and doubles as the page cursor. The number is taken in the transaction that
   writes the run, so runs enter the index in the order of their numbers, and a client paging past the last run
   it saw misses none created since;
+- `runs:state:<STATE>` (QUEUED, RUNNING, SUCCEEDED, ...): the runs in that state, scored as in the index, moved
+  in the transaction that writes the record's new state. The run queue reads its QUEUED and RUNNING runs, a
+  List by state reads its state's runs, and the runs-by-state counts are their sizes: the cost follows the runs
+  asked for, not every run ever stored (records are kept). A store written before these sets existed gets them
+  built once, from every record, by the first reader that needs them (`runs:state-sets` marks them built;
+  deleting it has them built again). Only writers that keep them may write runs: stop orchestrators of a
+  release without them before starting one with them (the chart and compose replace the orchestrator);
 - `submit-request:<request_id>`: the run a Submit with that request_id made and its spec's digest (JSON), written
   in the transaction that creates the run (WATCH on the key, so two Submits of one request_id store one run) and
   expiring after 24 h (submit_requests.py).
@@ -22,6 +29,7 @@ change whose EXEC went through is not applied again when only its reply was lost
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import random
 import time
@@ -36,8 +44,10 @@ from rlfleet.errors import InvalidInput, NotFound, Unavailable
 from rlfleet.sample_stream import stream_keys
 from rlfleet.v1.runs_pb2 import Run, RunState
 from rlfleet_rollout.run_data import data_position_key
-from rlfleet_rollout.run_events import is_terminal
+from rlfleet_rollout.run_events import is_terminal, state_name
 from rlfleet_rollout.submit_requests import REQUEST_ID_RETENTION_S, RequestRecord, SubmitRequest
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000
@@ -47,13 +57,27 @@ MAX_PAGE_BYTES = 2 * 1024 * 1024
 # A write that lost the race for a record waits a random pause, up to this one doubled per loss (so that writers
 # in lockstep fall out of it), and tries again for this long before it gives up.
 _FIRST_RETRY_PAUSE_S, _MAX_RETRY_PAUSE_S, _UPDATE_WITHIN_S = 0.001, 0.05, 10.0
-# Writes a new run's record and indexes it under the next creation number, at once (KEYS: record, seq, index;
-# ARGV: record bytes, run id). A number taken before the write let a run created later be listed first, and a
-# client paging on past it never saw the earlier one.
+# Writes a new run's record and indexes it, and under its state, with the next creation number, at once (KEYS:
+# record, seq, index, state set; ARGV: record bytes, run id). A number taken before the write let a run created
+# later be listed first, and a client paging on past it never saw the earlier one.
 _CREATE = """
+local number = redis.call('INCR', KEYS[2])
 redis.call('SET', KEYS[1], ARGV[1])
-redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[2]), ARGV[2])
+redis.call('ZADD', KEYS[3], number, ARGV[2])
+redis.call('ZADD', KEYS[4], number, ARGV[2])
 """
+# Writes a run's record and moves it from its old state's set to its new one's, keeping its creation number
+# (KEYS: record, old state set, new state set, index; ARGV: record bytes, run id).
+_MOVE = """
+redis.call('SET', KEYS[1], ARGV[1])
+local number = redis.call('ZSCORE', KEYS[4], ARGV[2])
+redis.call('ZREM', KEYS[2], ARGV[2])
+if number then redis.call('ZADD', KEYS[3], number, ARGV[2]) end
+"""
+# Building the state sets of a store written before them: records whose MGETs share a round trip (and WATCH).
+_BUILD_BATCH = 1000
+_BUILD_WITHIN_S = 60.0
+_STATES = [cast(RunState, state) for state in RunState.values()]
 
 
 class RunStore:
@@ -66,9 +90,15 @@ class RunStore:
         self.request_id_retention_s = request_id_retention_s
         self.index_key = f"{prefix}runs:index"
         self.seq_key = f"{prefix}runs:seq"
+        self.state_sets_built_key = f"{prefix}runs:state-sets"
+        self._state_sets_built = False
+        self._building = asyncio.Lock()
 
     def record_key(self, run_id: str) -> str:
         return f"{self.prefix}run:{run_id}:record"
+
+    def state_key(self, state: RunState) -> str:
+        return f"{self.prefix}runs:state:{state_name(state)}"
 
     def request_key(self, request_id: str) -> str:
         return f"{self.prefix}submit-request:{request_id}"
@@ -115,20 +145,14 @@ class RunStore:
         return None if raw is None else RequestRecord.from_bytes(raw)
 
     def _queue_create(self, pipe: aioredis.client.Pipeline, run: Run) -> None:
-        pipe.eval(_CREATE, 3, self.record_key(run.id), self.seq_key, self.index_key, run.SerializeToString(), run.id)
+        keys = (self.record_key(run.id), self.seq_key, self.index_key, self.state_key(run.state))
+        pipe.eval(_CREATE, len(keys), *keys, run.SerializeToString(), run.id)
 
     async def get(self, run_id: str) -> Run:
         raw = await self.client.get(self.record_key(run_id)) if run_id else None
         if raw is None:
             raise NotFound(f"run {run_id!r} not found")
         return Run.FromString(raw)
-
-    async def put(self, run: Run, *, expire_data_after_s: float | None = None) -> None:
-        """Overwrites the record of an existing run; with `expire_data_after_s`, the run's working data expires
-        that long after, in the same transaction."""
-        async with self.client.pipeline(transaction=True) as pipe:
-            self._write(pipe, run, expire_data_after_s)
-            await pipe.execute()
 
     async def update(
         self, run_id: str, mutate: Callable[[Run], None], *, expire_data_after_s: float
@@ -153,7 +177,7 @@ class RunStore:
                         return before, before
                     ends = is_terminal(after.state) and not is_terminal(before.state)
                     pipe.multi()
-                    sent = self._write(pipe, after, expire_data_after_s if ends else None)
+                    sent = self._write(pipe, before, after, expire_data_after_s if ends else None)
                     await pipe.execute()
                     return before, after
                 except WatchError:
@@ -168,10 +192,14 @@ class RunStore:
             await asyncio.sleep(random.uniform(0, pause))
             pause = min(2 * pause, _MAX_RETRY_PAUSE_S)
 
-    def _write(self, pipe: aioredis.client.Pipeline, run: Run, expire_data_after_s: float | None) -> bytes:
-        """Queues the writes of `run`'s record; returns the record as written."""
+    def _write(self, pipe: aioredis.client.Pipeline, before: Run, run: Run, expire_data_after_s: float | None) -> bytes:
+        """Queues the writes of `run`'s record (stored as `before`); returns the record as written."""
         record = run.SerializeToString()
-        pipe.set(self.record_key(run.id), record)
+        if run.state == before.state:
+            pipe.set(self.record_key(run.id), record)
+        else:
+            keys = (self.record_key(run.id), self.state_key(before.state), self.state_key(run.state), self.index_key)
+            pipe.eval(_MOVE, len(keys), *keys, record, run.id)
         if expire_data_after_s is not None:
             for key in (*stream_keys(run.id, self.prefix), data_position_key(run.id, self.prefix)):
                 pipe.expire(key, math.ceil(expire_data_after_s))
@@ -180,7 +208,8 @@ class RunStore:
     async def page(
         self, state: RunState = RunState.RUN_STATE_UNSPECIFIED, page_size: int = 0, page_token: str = ""
     ) -> tuple[list[Run], str]:
-        """Runs in creation order (oldest first), only those in `state` unless it is unspecified.
+        """Runs in creation order (oldest first); with a `state`, only that state's runs, read from its set rather
+        than from every run.
 
         Returns the page and the token of the next one: the creation number of the page's last run, given
         only once a run of the same kind is found after it ("" when this page is the last), so a token
@@ -191,6 +220,10 @@ class RunStore:
             raise InvalidInput(f"page_size: must be between 0 and {MAX_PAGE_SIZE} (0 means {DEFAULT_PAGE_SIZE})")
         page_size = page_size or DEFAULT_PAGE_SIZE
         cursor = _parse_page_token(page_token)
+        index = self.index_key
+        if state != RunState.RUN_STATE_UNSPECIFIED:
+            await self._build_state_sets()
+            index = self.state_key(state)
         runs: list[Run] = []
         page_end = 0
         page_bytes = 0
@@ -201,7 +234,7 @@ class RunStore:
             # redis-py types this reply loosely; with withscores=True it is (member, score) pairs.
             members = cast(
                 list[tuple[bytes, float]],
-                await self.client.zrangebyscore(self.index_key, low, "+inf", start=0, num=batch, withscores=True),
+                await self.client.zrangebyscore(index, low, "+inf", start=0, num=batch, withscores=True),
             )
             if not members:
                 return runs, ""
@@ -212,7 +245,7 @@ class RunStore:
                     continue
                 run = Run.FromString(raw)
                 if state != RunState.RUN_STATE_UNSPECIFIED and run.state != state:
-                    continue
+                    continue  # changed between the two reads: it is in its new state's set now
                 if len(runs) == page_size or (runs and page_bytes + len(raw) > MAX_PAGE_BYTES):
                     return runs, str(page_end)  # a run for the next page: this one is not the last
                 runs.append(run)
@@ -222,24 +255,79 @@ class RunStore:
                 return runs, ""
 
     async def all_in_order(self, states: Sequence[RunState]) -> list[Run]:
-        """Every run in one of `states`, oldest first (for the queue at start-up)."""
-        out: list[Run] = []
-        token = ""
-        while True:
-            page, token = await self.page(page_size=MAX_PAGE_SIZE, page_token=token)
-            out.extend(run for run in page if run.state in states)
-            if not token:
-                return out
+        """Every run in one of `states`, oldest first (the run queue's QUEUED and RUNNING runs)."""
+        numbered: list[tuple[int, Run]] = []
+        for state in states:
+            token = ""
+            while True:
+                page, token = await self.page(state, MAX_PAGE_SIZE, token)
+                numbered.extend((number, run) for number, run in zip(await self._numbers(page), page, strict=True))
+                if not token:
+                    break
+        return [run for _, run in sorted(numbered, key=lambda pair: pair[0])]
 
     async def count_by_state(self) -> Counter[RunState]:
-        """How many runs each state holds, read from every record (MAX_PAGE_SIZE records a round trip)."""
-        counts: Counter[RunState] = Counter()
-        token = ""
-        while True:
-            page, token = await self.page(page_size=MAX_PAGE_SIZE, page_token=token)
-            counts.update(run.state for run in page)
-            if not token:
-                return counts
+        """How many runs each state holds: the sizes of the state sets, one round trip."""
+        await self._build_state_sets()
+        states = [state for state in _STATES if state != RunState.RUN_STATE_UNSPECIFIED]
+        async with self.client.pipeline(transaction=False) as pipe:
+            for state in states:
+                pipe.zcard(self.state_key(state))
+            sizes = await pipe.execute()
+        return Counter({state: size for state, size in zip(states, sizes, strict=True) if size})
+
+    async def _numbers(self, runs: list[Run]) -> list[int]:
+        """The runs' creation numbers (a run missing from the index sorts first)."""
+        if not runs:
+            return []
+        scores = await self.client.zmscore(self.index_key, [run.id for run in runs])
+        return [int(score or 0) for score in scores]
+
+    async def _build_state_sets(self) -> None:
+        """Builds the state sets from every record, once per store (a store written before they existed): read
+        and written in one transaction watching the records, so a run changed or created meanwhile has them
+        built again from its new state."""
+        if self._state_sets_built:
+            return
+        async with self._building:
+            deadline, pause = time.monotonic() + _BUILD_WITHIN_S, _FIRST_RETRY_PAUSE_S
+            while not self._state_sets_built:
+                try:
+                    self._state_sets_built = await self._try_building_state_sets()
+                except WatchError:
+                    pass
+                if self._state_sets_built:
+                    return
+                if time.monotonic() + pause > deadline:
+                    raise Unavailable("the runs' state sets: runs kept changing under each attempt to build them")
+                await asyncio.sleep(random.uniform(0, pause))
+                pause = min(2 * pause, _MAX_RETRY_PAUSE_S)
+
+    async def _try_building_state_sets(self) -> bool:
+        async with self.client.pipeline(transaction=True) as pipe:
+            await pipe.watch(self.state_sets_built_key, self.seq_key)
+            if await pipe.exists(self.state_sets_built_key):
+                return True
+            members = cast(list[tuple[bytes, float]], await pipe.zrange(self.index_key, 0, -1, withscores=True))
+            if members:
+                logger.info("building the run store's state sets from its %d runs (once)", len(members))
+            by_state: dict[RunState, dict[bytes, float]] = {}
+            for start in range(0, len(members), _BUILD_BATCH):
+                batch = members[start : start + _BUILD_BATCH]
+                keys = [self.record_key(member.decode()) for member, _ in batch]
+                await pipe.watch(*keys)
+                for (member, score), raw in zip(batch, await pipe.mget(keys), strict=True):
+                    if raw is not None:
+                        by_state.setdefault(Run.FromString(raw).state, {})[member] = score
+            pipe.multi()
+            pipe.delete(*(self.state_key(state) for state in _STATES))
+            for state, runs in by_state.items():
+                items = list(runs.items())
+                for start in range(0, len(items), _BUILD_BATCH):
+                    pipe.zadd(self.state_key(state), dict(items[start : start + _BUILD_BATCH]))
+            pipe.set(self.state_sets_built_key, "1")
+            await pipe.execute()
+        return True
 
 
 def _parse_page_token(token: str) -> int | None:

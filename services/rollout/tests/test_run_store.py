@@ -39,9 +39,7 @@ def test_pages_follow_creation_order_and_filter_by_state(redis_prefix: str) -> N
             assert [r.id for r in queued + rest] == ["r1", "r3", "r5"] and qtoken2 == ""
             exact, last = await store.page(RUNNING, page_size=4)
             assert len(exact) == 4 and last == ""  # no empty page after the last run
-            run = await store.get("r3")
-            run.state = RUNNING
-            await store.put(run)
+            await store.update("r3", lambda run: setattr(run, "state", RUNNING), expire_data_after_s=60)
             assert [r.id for r in await store.all_in_order([QUEUED])] == ["r1", "r5"]
             with pytest.raises(NotFound):
                 await store.get("r99")
@@ -167,7 +165,7 @@ def test_a_run_that_ends_leaves_its_working_data_to_expire_and_keeps_its_record(
 def test_a_write_that_read_the_run_before_another_process_cancelled_it_does_not_undo_the_cancel(
     redis_prefix: str, redis_client: redis.Redis
 ) -> None:
-    """The review's race between two orchestrators: A's progress write read the run RUNNING, B's Cancel wrote
+    """The race between two orchestrators: A's progress write read the run RUNNING, B's Cancel wrote
     CANCELLED (and answered so), then A's write put RUNNING back. The write is now a compare-and-set: A reads
     the run again, finds it over, and gets RunEnded."""
     seen: list[int] = []
@@ -259,3 +257,120 @@ def test_a_write_waiting_out_redis_holds_up_no_other_runs_write_nor_a_cancel(red
 
     progressed, cancelled, cancelled_slow = asyncio.run(scenario())
     assert progressed.progress.step == 3 and cancelled.state == CANCELLED and cancelled_slow.state == CANCELLED
+
+
+def test_the_queue_and_the_counts_read_the_runs_of_their_states_not_every_run(redis_prefix: str) -> None:
+    """Records are kept for ever, and the run queue (every look) and the runs-by-state counts read every one of
+    them: 150 ms a look with 5,000 runs. They now read the state sets, which each write keeps."""
+
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(REDIS_URL, socket_timeout=5)
+        store = RunStore(client, redis_prefix)
+        read: list[str] = []
+        mget = client.mget
+
+        async def counted_mget(keys: list[str]) -> list[bytes | str | None]:
+            read.extend(keys)
+            return await mget(keys)
+
+        try:
+            for i in range(300):
+                await store.create(Run(id=f"r{i:03}", state=QUEUED))
+            for i in range(297):
+                await store.update(f"r{i:03}", lambda run: setattr(run, "state", CANCELLED), expire_data_after_s=60)
+            await store.update("r298", lambda run: setattr(run, "state", RUNNING), expire_data_after_s=60)
+            await store.update("r299", lambda run: setattr(run, "state", FAILED), expire_data_after_s=60)
+            client.mget = counted_mget  # type: ignore[method-assign,assignment]
+            queue = await store.all_in_order([RUNNING, QUEUED])
+            assert [(run.id, run.state) for run in queue] == [("r297", QUEUED), ("r298", RUNNING)]
+            assert len(read) == 2, read
+            assert await store.count_by_state() == {CANCELLED: 297, QUEUED: 1, RUNNING: 1, FAILED: 1}
+            assert len(read) == 2
+            assert [run.id for run in (await store.page(FAILED))[0]] == ["r299"] and len(read) == 3
+            assert len((await store.page(CANCELLED, page_size=1000))[0]) == 297
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def write_records_without_state_sets(client: redis.Redis, prefix: str, runs: list[Run]) -> None:
+    """Stores `runs` as a release without the state sets did: the record and the creation index only."""
+    for run in runs:
+        number = client.incr(f"{prefix}runs:seq")
+        client.set(f"{prefix}run:{run.id}:record", run.SerializeToString())
+        client.zadd(f"{prefix}runs:index", {run.id: number})
+
+
+def test_a_store_written_before_the_state_sets_has_them_built_once(
+    redis_prefix: str, redis_client: redis.Redis
+) -> None:
+    states = [QUEUED, CANCELLED, RUNNING, RunState.RUN_STATE_SUCCEEDED, QUEUED, FAILED, CANCELLED]
+    write_records_without_state_sets(
+        redis_client, redis_prefix, [Run(id=f"old{i}", state=state) for i, state in enumerate(states)]
+    )
+
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(REDIS_URL, socket_timeout=5)
+        try:
+            store = RunStore(client, redis_prefix)
+            queue = await store.all_in_order([RUNNING, QUEUED])
+            assert [run.id for run in queue] == ["old0", "old2", "old4"]
+            assert await store.count_by_state() == {
+                QUEUED: 2,
+                CANCELLED: 2,
+                RUNNING: 1,
+                RunState.RUN_STATE_SUCCEEDED: 1,
+                FAILED: 1,
+            }
+            await store.create(Run(id="new", state=QUEUED))
+            assert redis_client.exists(f"{redis_prefix}runs:state-sets")
+            # Built once: a store that comes later keeps what the writes since made of them.
+            redis_client.zadd(f"{redis_prefix}runs:state:QUEUED", {"not-rebuilt": 99})
+            later = RunStore(client, redis_prefix)
+            assert (await later.count_by_state())[QUEUED] == 4
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_state_sets_built_while_runs_are_created_and_changed_hold_every_run_in_its_state(
+    redis_prefix: str, redis_client: redis.Redis
+) -> None:
+    """A build reads every record before it writes the sets; runs created or changed meanwhile make it start
+    again rather than be written over with what it read."""
+    write_records_without_state_sets(
+        redis_client, redis_prefix, [Run(id=f"old{i:04}", state=QUEUED) for i in range(3000)]
+    )
+
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(REDIS_URL, socket_timeout=5)
+        writer = RunStore(client, redis_prefix)
+        building = asyncio.Event()
+
+        async def write_meanwhile() -> None:
+            await building.wait()
+            for i in range(40):
+                await writer.create(Run(id=f"new{i}", state=QUEUED))
+                await writer.update(f"old{i:04}", lambda run: setattr(run, "state", CANCELLED), expire_data_after_s=60)
+                await asyncio.sleep(0.002)
+
+        try:
+            store = RunStore(client, redis_prefix)
+            writes = asyncio.create_task(write_meanwhile())
+            building.set()
+            await store.count_by_state()
+            await writes
+            everything, token = await store.page(page_size=1000)
+            while token:
+                page, token = await store.page(page_size=1000, page_token=token)
+                everything += page
+            truth: dict[RunState, int] = {}
+            for run in everything:
+                truth[run.state] = truth.get(run.state, 0) + 1
+            assert await store.count_by_state() == truth == {QUEUED: 3000, CANCELLED: 40}
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
