@@ -156,6 +156,9 @@ MOVED_ENGINE_SERIES_SECS = 600.0
 
 
 GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+# What a generation route answers besides an engine's own refusals: served, refused as malformed, the router's own
+# fault, no engine answered (none to try, or it failed on every one tried), out of the request's deadline.
+GENERATION_STATUSES = ("200", "400", "500", "503", "504")
 
 
 class RouterMetrics:
@@ -264,7 +267,8 @@ class RouterMetrics:
         for reason in ROUTING_REASONS:
             self.routing_decisions.labels(reason=reason)
         for route in GENERATION_ROUTES:
-            self.requests.labels(route=route, status="200")
+            for status in GENERATION_STATUSES:
+                self.requests.labels(route=route, status=status)
         self.fleet = FleetCollector(workers, weight_version)
         self.registry.register(self.fleet)
         # Children of the metrics every generation request updates, by label values in declaration order.

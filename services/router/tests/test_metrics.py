@@ -67,8 +67,12 @@ def test_an_engines_counters_exist_at_zero_from_the_moment_it_joins(
     # Nor a first routing decision or answer: "Routing decisions by reason" showed none of a fresh router's.
     for reason in ("cache_hit", "imbalance", "low_match", "least_load", "round_robin"):
         assert metric_value(text, "rlfleet_router_routing_decisions_total", {"reason": reason}) == 0, reason
+    # A first refusal or failure too: what a generation route answers when it refuses a request (400), fails itself
+    # (500), finds no engine to answer (503) or runs out of the request's deadline (504).
     for route in ("/generate", "/v1/completions", "/v1/chat/completions"):
-        assert metric_value(text, "rlfleet_router_requests_total", {"route": route, "status": "200"}) == 0, route
+        for status in ("200", "400", "500", "503", "504"):
+            labels = {"route": route, "status": status}
+            assert metric_value(text, "rlfleet_router_requests_total", labels) == 0, labels
 
 
 def test_a_request_with_a_budget_beyond_a_double_leaves_metrics_readable(
