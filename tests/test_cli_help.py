@@ -45,7 +45,7 @@ def test_every_option_with_a_default_shows_it() -> None:
         (["submit"], "seconds to wait for connecting and for each answer; a watch starts only once"),
         (["watch"], "then waits up to 60 s for each event or keep-alive (default 30.0)"),
         (["down"], "the state directory `rlfleet up` used (default .rlfleet)"),
-        (["runs"], "only runs in this state: queued, running, stalled (running, but making no progress), succeeded"),
+        (["runs"], "only runs in this state: queued, running, stalled, succeeded, failed, cancelled (stalled: running"),
     ],
 )
 def test_help_text(argv: list[str], shown: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -235,6 +235,17 @@ def test_runs_state_filters_and_stalled_is_a_running_run_without_progress(
     assert listed_ids(capsys.readouterr().out) == ["run-0119", "run-0117"]
 
 
+def test_runs_refuses_an_unknown_state_naming_those_it_takes(capsys: pytest.CaptureFixture) -> None:
+    """It was sent to the orchestrator, whose refusal listed the API's names (RUN_STATE_QUEUED, ...), none of
+    which `runs` shows, and needed an orchestrator to answer."""
+    with pytest.raises(SystemExit) as usage:
+        main(["runs", "--api", f"http://127.0.0.1:{free_port()}", "--state", "bogus"])
+    assert usage.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --state: invalid choice: 'bogus'" in err
+    assert "'queued', 'running', 'stalled', 'succeeded', 'failed', 'cancelled'" in err, err
+
+
 @pytest.mark.parametrize("value", ["inf", "1e400", "-inf", "nan", "0"])
 def test_a_timeout_must_be_a_finite_number_above_0(value: str, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as usage:

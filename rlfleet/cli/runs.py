@@ -42,14 +42,13 @@ WATCH_ENDED_EXIT = 3
 STALLED = "stalled"
 """What `runs` shows for a running run that makes no progress, and takes as a --state, though the API has no
 such state: the runs listed are the running ones that are stalled."""
-STATES = ", ".join(
-    f"running, {STALLED} (running, but making no progress)"
-    if name == "RUN_STATE_RUNNING"
-    else name.removeprefix("RUN_STATE_").lower()
+STATES = [
+    state
     for name in RunState.keys()
     if name != "RUN_STATE_UNSPECIFIED"
-)
-"""What --state takes, for its help."""
+    for state in ((name.removeprefix("RUN_STATE_").lower(),) + ((STALLED,) if name == "RUN_STATE_RUNNING" else ()))
+]
+"""What --state takes (in any case), as `runs` shows them."""
 
 
 def register(areas: argparse._SubParsersAction) -> None:
@@ -71,7 +70,13 @@ def register(areas: argparse._SubParsersAction) -> None:
     )
     submit.set_defaults(func=run_submit)
     runs = areas.add_parser("runs", help="list runs, newest first")
-    runs.add_argument("--state", help=f"only runs in this state: {STATES}")
+    runs.add_argument(
+        "--state",
+        type=str.lower,
+        choices=STATES,
+        metavar="STATE",
+        help=f"only runs in this state: {', '.join(STATES)} ({STALLED}: running, but making no progress)",
+    )
     runs.add_argument("--limit", type=positive_int, default=20, help="show at most this many runs, the newest")
     runs.add_argument("--all", action="store_true", help="show every run")
     runs.set_defaults(func=run_list)
