@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import h11
 import httpx
 import yaml
 from google.protobuf import json_format
@@ -358,6 +359,11 @@ class RunsClient:
             silent = f"the orchestrator at {self.base_url} accepted the connection but did not answer within "
             raise Unavailable(f"{silent}{self.timeout_s:g} s{self.unreachable_hint}") from exc
         except httpx.TransportError as exc:
+            if _not_http1(exc):
+                raise RlfleetError(
+                    f"{self.base_url} does not serve the Runs API: it answered in something other than HTTP/1.1 "
+                    f"({exc}), as a gRPC port does (the Runs API's REST port is another)" + self.not_runs_api_hint
+                ) from exc
             silent = f"the orchestrator at {self.base_url} did not answer: {exc}"
             raise Unavailable(silent + self.unreachable_hint) from exc
         self._raise_for(response)
@@ -391,3 +397,13 @@ class RunsClient:
         if status == 401:  # the server names its header; the client's user sets the token elsewhere
             message += f" (the token sent is read from --api-token-file, ${TOKEN_FILE_ENV}, or ${TOKEN_ENV})"
         raise error(f"HTTP {status}: {message}")
+
+
+def _not_http1(exc: BaseException) -> bool:
+    """Whether the server's answer broke HTTP/1.1 (h11 refused its bytes), rather than the connection failing."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, h11.RemoteProtocolError):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False

@@ -10,6 +10,7 @@ run still quiet past its time."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import subprocess
@@ -17,9 +18,11 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import uvicorn
 import yaml
@@ -292,6 +295,44 @@ def test_a_server_answering_other_than_json_is_named_as_no_runs_api(
         f"rlfleet: error: {elsewhere} does not serve the Runs API (GET /site/v1/runs answered 200 with something "
         "other than JSON); --api wants the orchestrator's REST URL"
     ), error
+
+
+def test_a_grpc_port_given_for_the_runs_api_is_named_as_such(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The orchestrator's gRPC port (50051) beside its REST one: the error was `did not answer: illegal request
+    line`, as though nothing listened there."""
+    server = grpc.server(ThreadPoolExecutor(1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        assert main(["runs", "--api", f"127.0.0.1:{port}", "--state-dir", str(tmp_path), "--timeout", "5"]) == 2
+    finally:
+        server.stop(0)
+    error = capsys.readouterr().err
+    assert error.startswith(
+        f"rlfleet: error: http://127.0.0.1:{port} does not serve the Runs API: it answered in something other than "
+        "HTTP/1.1 ("
+    ), error
+    assert "as a gRPC port does" in error and "--api wants the orchestrator's REST URL" in error, error
+
+
+def test_a_server_that_closes_the_connection_is_unavailable_not_another_protocol(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+
+        def close_each() -> None:
+            with contextlib.suppress(OSError):
+                connection, _ = listener.accept()
+                connection.recv(4096)
+                connection.close()
+
+        closer = threading.Thread(target=close_each, daemon=True)
+        closer.start()
+        assert main(["runs", "--api", f"127.0.0.1:{port}", "--state-dir", str(tmp_path), "--timeout", "5"]) == 2
+        closer.join(5)
+    error = capsys.readouterr().err
+    assert error.startswith(f"rlfleet: error: the orchestrator at http://127.0.0.1:{port} did not answer: "), error
 
 
 @pytest.mark.parametrize("source", ["--api", "$RLFLEET_API_URL", "fleet.json"])
