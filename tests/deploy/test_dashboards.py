@@ -20,8 +20,9 @@ from exported_series import exported  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((REPO / "deploy" / "grafana").glob("*.json"))
-METRIC = re.compile(r"\b(rlfleet_[a-z0-9_]+|sglang:[a-z0-9_:]+)")
-SELECTOR = re.compile(r"\b(?:rlfleet_[a-z0-9_]+|sglang:[a-z0-9_:]+)(\{[^}]*\})?")
+# A series name, not a label named like one (`up{rlfleet_service!=""}`).
+METRIC = re.compile(r"\b(rlfleet_[a-z0-9_]+|sglang:[a-z0-9_:]+)\b(?!\s*(?:=|!=|=~|!~))")
+SELECTOR = re.compile(r"\b(?:rlfleet_[a-z0-9_]+|sglang:[a-z0-9_:]+)\b(?!\s*(?:=|!=|=~|!~))(\{[^}]*\})?")
 RATE_OF = re.compile(r"\b(?:rate|irate|increase)\(\s*([a-zA-Z_:][a-zA-Z0-9_:]*)")
 REQUIRED_PANELS = {
     "rlfleet-run.json": [
@@ -51,8 +52,10 @@ REQUIRED_PANELS = {
         "engine states",
         "engine errors",
         "prefix tree",
+        "between tokens",
+        "services up",
     ],
-    "rlfleet-stream.json": ["lag", "produced"],
+    "rlfleet-stream.json": ["lag", "produced", "resumed", "turns per multi-turn episode"],
     "rlfleet-reward.json": ["per second", "errors", "latency by function", "timeouts", "waiting for a worker"],
 }
 
@@ -90,7 +93,8 @@ def test_every_query_charts_exported_series_and_rates_only_counters(path: Path) 
     assert "sglang:num_queue_reqs" in names and "rlfleet_trainer_entropy" in names
     for title, target in targets(json.loads(path.read_text())):
         expr = target["expr"]
-        assert METRIC.findall(expr), f"{title}: {expr}"
+        # Prometheus's own `up`, of the fleet's targets (which carry rlfleet_service), or the services' series.
+        assert METRIC.findall(expr) or expr.startswith('up{rlfleet_service!=""'), f"{title}: {expr}"
         for series in METRIC.findall(expr):
             assert series in names, f"{path.name} / {title}: {series} is not exported by any service ({expr})"
         for series in RATE_OF.findall(expr):
