@@ -88,8 +88,11 @@ def collect_groups(
             continue
         read = partial(stream.read, consumer, needed - len(entries), settings.read_block_ms)
         entries += waiting_out_redis(run, read) or []
-    whole = waiting_out_redis(run, partial(_with_undelivered_replies, stream, consumer, run.cursor, entries, needed))
-    entries = entries if whole is None else whole
+        # After each read, returned or not: one whose reply was lost may have been the last before the stream went
+        # quiet, and the entries taken in its place may fall short (one of them dead-lettered), so reading goes on.
+        undelivered = partial(_with_undelivered_replies, stream, consumer, run.cursor, entries, needed)
+        whole = waiting_out_redis(run, undelivered)
+        entries = entries if whole is None else whole
     # Every entry taken is now pending on this consumer; the next step reads its pending ones after
     # them. (When own pending ones ran short, all of them were taken, and new ones come after all.)
     run.cursor = max([run.cursor, *(e.entry_id for e in entries)], key=entry_order)
@@ -103,9 +106,8 @@ def _with_undelivered_replies(
     after a lost connection: the entries are pending here but were never seen), the pending ones in id
     order instead, so none is skipped by the cursor and left unacknowledged until a restart."""
     after = [e for e in entries if entry_order(e.entry_id) > entry_order(cursor)]
-    if not after:
-        return entries
-    last = max((e.entry_id for e in after), key=entry_order)
+    # Up to the last entry taken: own pending ones past it were not asked for yet (a step takes `needed`).
+    last = max((e.entry_id for e in after), key=entry_order) if after else "+"
     pending = stream.own_pending_between(consumer, cursor, last, len(after) + 1)
     if pending <= len(after):
         return entries
@@ -143,7 +145,7 @@ def train_run(
         needed = run.spec.rollout.groups_per_step
         while run.step < total_steps and not run.stop.is_set():
             entries = collect_groups(run, settings, needed, checkpoints, check_fleet)
-            if len(entries) < needed:  # stopped while waiting
+            if len(entries) < needed:  # stopped while waiting: nothing else ends the wait short
                 break
             groups = [e.group for e in entries]
             version = run.step + 1

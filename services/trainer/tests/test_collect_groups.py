@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
@@ -69,6 +69,55 @@ def test_entries_whose_reply_was_lost_are_trained_first_and_none_is_skipped(
     assert [e.entry_id for e in first] == ids[:3]
     second = collect_groups(run, settings, 3, checkpoints=None)  # type: ignore[arg-type]
     assert [e.entry_id for e in second] == ids[3:]
+
+
+def test_a_lost_reply_holding_an_untrainable_entry_leaves_the_step_whole(
+    redis_client: redis.Redis, redis_prefix: str
+) -> None:
+    """The pending entries read in place of a lost reply fell one short when one of them went to the dead letters
+    (here another run's group), and the run loop took the short step for a stop: the run ended STOPPED, silently."""
+
+    class LosesFirstRawReply(SampleStream):
+        """Redis delivers the first read, whose reply (never decoded) is lost."""
+
+        lost: list[str]
+
+        def read(self, consumer: str, count: int, block_ms: int | None = None) -> list[StreamEntry]:
+            if not hasattr(self, "lost"):
+                reply = cast(Any, self.client.xreadgroup(self.consumer_group, consumer, {self.key: ">"}, count=count))
+                self.lost = [entry_id.decode() for entry_id, _ in reply[0][1]]
+            return super().read(consumer, count, block_ms)
+
+    stream = LosesFirstRawReply(redis_client, "run5", prefix=redis_prefix)
+    stream.ensure_consumer_group()
+    redis_client.xadd(stream.key, {"group_id": "other/0/0", "group": group("other", 0).SerializeToString()})
+    ids = [stream.append(group("run5", i)) for i in range(6)]
+    settings = SimpleNamespace(consumer=CONSUMER, claim_idle_ms=60_000, read_block_ms=100)
+    run = run_on(stream)
+
+    first = collect_groups(run, settings, 3, checkpoints=None)  # type: ignore[arg-type]
+    assert len(stream.lost) == 3 and stream.lost[1:] == ids[:2]
+    assert [e.entry_id for e in first] == ids[:3] and not run.stop.is_set()
+    assert [reason[:40] for _, reason in stream.dead_letters()] == ["untrainable: SampleGroup other/0/0 belon"]
+    second = collect_groups(run, settings, 3, checkpoints=None)  # type: ignore[arg-type]
+    assert [e.entry_id for e in second] == ids[3:]
+
+
+def test_a_lost_reply_before_the_stream_goes_quiet_is_taken(redis_client: redis.Redis, redis_prefix: str) -> None:
+    """The lost reply held the step's last groups and nothing came after it: the entries it delivered were found
+    only once a later read returned some."""
+    stream = LosesFirstReply(redis_client, "run6", prefix=redis_prefix)
+    stream.ensure_consumer_group()
+    ids = [stream.append(group("run6", i)) for i in range(2)]
+    settings = SimpleNamespace(consumer=CONSUMER, claim_idle_ms=60_000, read_block_ms=100)
+    run = run_on(stream)
+    done = threading.Timer(10, run.stop.set)  # a bound on the wait, were the entries never found
+    done.start()
+    try:
+        taken = collect_groups(run, settings, 2, checkpoints=None)  # type: ignore[arg-type]
+    finally:
+        done.cancel()
+    assert stream.lost == ids and [e.entry_id for e in taken] == ids and not run.stop.is_set()
 
 
 def test_a_step_without_lost_replies_reads_as_before(redis_client: redis.Redis, redis_prefix: str) -> None:
