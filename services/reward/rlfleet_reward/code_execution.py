@@ -65,7 +65,7 @@ class CodeParams(BaseModel):
         default=512, validate_default=True, ge=64, le=16384, description="Address-space limit of each process."
     )
     file_size_mb: int = Field(
-        default=16, validate_default=True, ge=0, le=1024, description="Largest file a run may write."
+        default=16, validate_default=True, ge=1, le=1024, description="Largest file a run may write."
     )
     disk_mb: int = Field(
         default=64,

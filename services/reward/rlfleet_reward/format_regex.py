@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlfleet_reward.reward_function import RewardFunction, RewardInput
+from rlfleet_reward.spec_regex import MAX_PATTERN_CHARS, compiled
 
 THINK_ANSWER = r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*"
 
@@ -21,7 +22,7 @@ THINK_ANSWER = r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*"
 class FormatParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    pattern: str = Field(default=THINK_ANSWER, max_length=10_000, description="A Python regular expression.")
+    pattern: str = Field(default=THINK_ANSWER, max_length=MAX_PATTERN_CHARS, description="A Python regular expression.")
     mode: Literal["fullmatch", "search"] = Field(
         default="fullmatch", description="`fullmatch`: the whole response; `search`: anywhere in it."
     )
@@ -30,10 +31,7 @@ class FormatParams(BaseModel):
     @field_validator("pattern")
     @classmethod
     def _compiles(cls, pattern: str) -> str:
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise ValueError(f"not a valid regular expression: {exc}") from None
+        compiled(pattern)
         return pattern
 
 

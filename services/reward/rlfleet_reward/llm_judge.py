@@ -30,6 +30,7 @@ from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator
 from rlfleet_reward.config import DEFAULT_ROUTER_URL, spec_caps
 from rlfleet_reward.http_retry import post_json
 from rlfleet_reward.reward_function import RewardFunction, RewardInput, Scored
+from rlfleet_reward.spec_regex import MAX_PATTERN_CHARS, compiled
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,11 @@ class JudgeParams(BaseModel):
         description="The router, one the hub lists in RLFLEET_REWARD_JUDGE_ROUTER_URLS (default: the first listed).",
     )
     template: str = Field(default=DEFAULT_TEMPLATE, max_length=100_000, description="The judge's prompt.")
-    verdict_pattern: str = Field(default=r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)", description="Regex, one group.")
+    verdict_pattern: str = Field(
+        default=r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)",
+        max_length=MAX_PATTERN_CHARS,
+        description="Regex with one capturing group, the verdict (group others with (?:...)).",
+    )
     verdicts: dict[str, float] | None = Field(default=None, description='e.g. {"correct": 1, "incorrect": 0}.')
     scale: float = Field(default=10.0, gt=0, description="A numeric verdict is divided by this.")
     max_new_tokens: int = Field(default=512, ge=1, le=32768)
@@ -84,12 +89,13 @@ class JudgeParams(BaseModel):
     @field_validator("verdict_pattern")
     @classmethod
     def _one_group(cls, pattern: str) -> str:
-        try:
-            groups = re.compile(pattern).groups
-        except re.error as exc:
-            raise ValueError(f"not a valid regular expression: {exc}") from None
-        if groups < 1:
-            raise ValueError("the pattern needs a group capturing the verdict")
+        groups = compiled(pattern).groups
+        if groups != 1:
+            # With more, the verdict would be read from the first alone: one captured by another read as none.
+            raise ValueError(
+                f"the pattern needs exactly one capturing group, the verdict; it has {groups} "
+                "(write other groups as (?:...))"
+            )
         return pattern
 
 
@@ -105,7 +111,7 @@ def parse_verdict(text: str, params: Mapping[str, Any]) -> float | None:
     found = re.findall(params["verdict_pattern"], text)
     if not found:
         return None
-    verdict = found[-1] if isinstance(found[-1], str) else found[-1][0]
+    verdict = found[-1]  # one group (checked): findall gives its text
     if params["verdicts"] is not None:
         table = {key.casefold(): value for key, value in params["verdicts"].items()}
         return table.get(verdict.casefold())

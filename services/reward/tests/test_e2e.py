@@ -232,6 +232,21 @@ def test_bad_grpc_input_is_invalid_argument(
     assert message in raised.value.details()
 
 
+def test_a_pattern_nested_too_deeply_to_compile_is_the_callers_error(hub: Hub) -> None:
+    """re.compile raises RecursionError, not re.error, for such a pattern: it was answered 500 and counted as the
+    hub's own fault."""
+    pattern = "(" * 1000 + "a" + ")" * 1000
+    spec = {"terms": [{"function": "format", "params": {"pattern": pattern}}]}
+    internal = refused(hub, "internal")
+    response = httpx.post(f"{hub.url}/validate", json={"spec": spec}, timeout=10)
+    assert response.status_code == 200, response.text
+    [problem] = response.json()["problems"]
+    assert problem["field"] == "terms[0].params.pattern" and "nested too deeply" in problem["message"], problem
+    scored = hub.score({"spec": spec, "items": [{"response": "a"}]})
+    assert scored.status_code == 400 and "nested too deeply" in scored.text, scored.text
+    assert refused(hub, "internal") == internal
+
+
 def test_over_grpc_max_request_bytes_limits_requests_not_responses(stub: reward_pb2_grpc.RewardStub) -> None:
     term = reward_pb2.RewardTerm(function="many_parts")
     term.params.update({"count": 1000})

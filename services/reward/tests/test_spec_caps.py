@@ -246,3 +246,25 @@ def test_errors_name_the_status_and_never_echo_the_answer(
     errors = with_scorer(body, workers=1)
     assert all(error and SECRET not in error for error in errors), errors
     assert "'score'" in errors[0] and "text" in errors[1], errors
+
+
+def test_a_judge_pattern_needs_exactly_one_group_within_its_length(with_scorer: WithScorer) -> None:
+    """With two groups the verdict was read from the first alone, so `Grade: (\\d+)|Score: (\\d+)` read every
+    `Score: 7` as no verdict (0) while /validate said the spec was fine; the pattern had no length bound (2 MB of
+    it held the hub's event loop 4 s compiling)."""
+    judge = {"function": "judge"}
+    assert problems(with_scorer, {**judge, "params": {"verdict_pattern": r"(?i)verdict: (\w+)"}}) == []
+    for pattern, message in [
+        (r"Grade: (\d+)|Score: (\d+)", "exactly one capturing group, the verdict; it has 2"),
+        (r"Score: \d+", "exactly one capturing group, the verdict; it has 0"),
+        ("(" * 1000 + "a" + ")" * 1000, "nested too deeply"),
+        ("a" * 10_001, "at most 10000 characters"),
+    ]:
+        [(field, found)] = problems(with_scorer, {**judge, "params": {"verdict_pattern": pattern}})
+        assert field == "terms[0].params.verdict_pattern" and message in found, (pattern[:30], found)
+
+
+def test_code_refuses_a_file_size_of_0(with_scorer: WithScorer) -> None:
+    """The sandbox could write no output: every test of every item failed (`code/output_limit`), scoring 0."""
+    [(field, message)] = problems(with_scorer, code(file_size_mb=0))
+    assert field == "terms[0].params.file_size_mb" and "greater than or equal to 1" in message, message

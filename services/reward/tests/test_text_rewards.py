@@ -226,3 +226,5 @@ def test_format(response: str, options: dict, expected: float) -> None:
 def test_format_refuses_a_pattern_that_does_not_compile() -> None:
     with pytest.raises(ValidationError, match="not a valid regular expression"):
         FormatParams(pattern="(unclosed")
+    with pytest.raises(ValidationError, match="nested too deeply"):
+        FormatParams(pattern="(" * 1000 + "a" + ")" * 1000)
