@@ -1,7 +1,8 @@
 """`numeric`: the response's last number (or the whole response) within a tolerance of the label's.
 
 Numbers may carry a sign (the ASCII `-` or the Unicode minus `−` that typeset text uses), thousands
-separators (`1,234`), decimals, an exponent, or be a fraction `3/4`. The comparison is
+separators (`1,234`; a comma elsewhere, as in `1,2,3` or `12,5`, is no number), decimals, an exponent, or be a
+fraction `3/4`. The comparison is
 `math.isclose(answer, label, rel_tol, abs_tol)`: by default relative only (1e-9), so a label of any magnitude
 is matched to its own digits, and a label of 0 by 0 alone.
 """
@@ -40,6 +41,10 @@ class NumericParams(BaseModel):
 
 
 def to_number(text: str) -> float | None:
+    """`text` as a number, None if it is none; a comma only between groups of three digits (a list `1,2,3` or a
+    decimal comma `12,5` is no number, not 123 or 125)."""
+    if "," in text and not _NUMBER.fullmatch(text):
+        return None
     text = text.replace(",", "").replace(_MINUS, "-")
     try:
         return float(Fraction(text)) if "/" in text else float(text)

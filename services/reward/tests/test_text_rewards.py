@@ -119,6 +119,10 @@ def test_exact(response: str, label: str, options: dict, expected: float) -> Non
         ("so x = \u22125", "-5", {}, 1.0),  # a Unicode minus sign
         ("so x = \u22125", "5", {}, 0.0),
         ("\u22122.5", "\u22122.5", {"extract": "whole"}, 1.0),
+        # Commas only between groups of three digits: a list or a decimal comma is no number (they read as 123, 1234).
+        ("1,2,3", "123", {"extract": "whole"}, 0.0),
+        ("12,34", "1234", {"extract": "whole"}, 0.0),
+        ("1,234.5", "1234.5", {"extract": "whole"}, 1.0),
     ],
 )
 def test_numeric(response: str, label: str, options: dict, expected: float) -> None:
@@ -129,6 +133,8 @@ def test_numeric(response: str, label: str, options: dict, expected: float) -> N
 def test_numeric_refuses_a_label_that_is_not_a_number() -> None:
     with pytest.raises(ValueError, match="is not a number"):
         score_numeric(RewardInput(response="1", label="one"), params(NumericParams))
+    with pytest.raises(ValueError, match="is not a number"):  # a list, which read as 12
+        score_numeric(RewardInput(response="12", label="1,2"), params(NumericParams))
 
 
 def test_f1_overlap_and_several_references() -> None:
