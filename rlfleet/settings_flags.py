@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings
+from pydantic_settings import BaseSettings, SettingsError
 
 from rlfleet.settings_env import setting_variables, unknown_variables
 
@@ -87,10 +88,31 @@ def settings_from_flags(
     if unknown := unknown_variables(settings_class, os.environ):
         parser.error(_unknown(unknown, settings_class.model_config.get("env_prefix", "")))
     given = {flag.field: getattr(args, flag.field) for flag in flags if hasattr(args, flag.field)}
+    env_prefix = settings_class.model_config.get("env_prefix", "")
     try:
         return settings_class(**given)
     except ValidationError as exc:
-        parser.error(_problems(exc, flags, given, settings_class.model_config.get("env_prefix", "")))
+        parser.error(_problems(exc, flags, given, env_prefix))
+    except SettingsError as exc:
+        parser.error(_unparsed(exc, flags, setting_variables(settings_class)))
+
+
+def _unparsed(exc: SettingsError, flags: Sequence[Flag], variables: Mapping[str, str]) -> str:
+    """A variable pydantic-settings could not read: one of a list or mapping, which it takes as JSON only."""
+    found = re.search(r'field "([^"]+)"', str(exc))
+    if found is None or found.group(1) not in variables:
+        return str(exc)
+    field = found.group(1)
+    variable = variables[field]
+    flag = next((f.name for f in flags if f.field == field), None)
+    value = os.environ.get(variable, "")
+    cause = f" ({exc.__cause__})" if exc.__cause__ else ""
+    where = f"{flag} or {variable}" if flag else variable
+    return (
+        f"{field} ({where}): {value[:80]!r} is not JSON{cause}; a variable holding a list or a mapping is written "
+        'in JSON, e.g. ["http://a:8000", "http://b:8000"]'
+        + (f", or give {flag} one value after another" if flag else "")
+    )
 
 
 class _LinesKept(argparse.HelpFormatter):

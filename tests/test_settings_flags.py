@@ -142,3 +142,17 @@ def test_help_names_the_variable_of_every_setting(capsys: pytest.CaptureFixture[
     text = parser.format_help()
     assert "seconds to wait (env RLFLEET_DEMO_TIMEOUT_S)" in " ".join(text.split())
     assert "settings without a flag:\n  RLFLEET_DEMO_RETRIES\n      Attempts after the first (default 3)\n" in text
+
+
+def test_a_list_variable_that_is_not_json_names_the_variable_and_how_to_write_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """pydantic-settings reads a list from the environment as JSON only, and its SettingsError escaped as a
+    traceback (exit 1) where every other bad value is a usage error naming the variable (exit 2)."""
+    monkeypatch.setenv("RLFLEET_DEMO_URLS", "http://a:8000")
+    with pytest.raises(SystemExit) as exit_info:
+        settings([])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "urls (--urls or RLFLEET_DEMO_URLS): 'http://a:8000' is not JSON" in err, err
+    assert 'written in JSON, e.g. ["http://a:8000", "http://b:8000"], or give --urls one value after another' in err
