@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import logging
 import math
 import signal
 import sys
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from rlfleet.logs import init_logging
 from rlfleet_reward.reward_function import RewardInput, Scored, ScoreFn
 
 _PR_SET_PDEATHSIG = 1
@@ -135,8 +137,11 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def worker_main(conn: Connection, functions: Mapping[str, ScoreFn], progress: Progress) -> None:
+def worker_main(conn: Connection, functions: Mapping[str, ScoreFn], progress: Progress, log_level: int) -> None:
     _die_with_parent()
+    # A process of the fork server, which configured no logging: what the functions log (a judge's text without a
+    # verdict, at INFO) went nowhere below WARNING, and in Python's own format above.
+    init_logging("reward", logging.getLevelName(log_level))
     # Ctrl-C reaches the whole process group; the hub, not each worker, decides how to shut down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # The scorers' imports (sympy, parsers) are long-lived: move them out of the collector's view so

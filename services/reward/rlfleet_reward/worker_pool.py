@@ -263,7 +263,7 @@ class WorkerPool:
         progress = Progress(self._context.RawArray("d", 2))
         process = self._context.Process(
             target=worker_main,
-            args=(child_conn, self._functions, progress),
+            args=(child_conn, self._functions, progress, logging.getLogger().getEffectiveLevel()),
             name="rlfleet-reward-worker",
             daemon=True,
         )

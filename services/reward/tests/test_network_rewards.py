@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from google.protobuf import json_format
 
+from rlfleet.processes import ServiceProcess, free_port
 from rlfleet.v1 import reward_pb2
 from rlfleet_reward.scoring import Scorer
 
@@ -181,6 +185,27 @@ def test_a_judge_text_without_a_verdict_in_range_scores_0_and_says_so(
     )
     assert (undecided.status, undecided.score) == (OK, 0.0), undecided.error
     assert dict(undecided.components) == {"judge": 0.0, "judge/no_verdict": 1.0}
+
+
+def test_a_judge_text_without_a_verdict_is_logged_by_the_hub_from_its_worker(
+    models: tuple[FakeModels, str], tmp_path: Path
+) -> None:
+    """The README promises the line; it was logged in a worker process, which had no logging set up, so it went
+    nowhere (anything a function logged below WARNING did)."""
+    state, url = models
+    state.judge_text = "I cannot decide."
+    port = free_port()
+    argv = [sys.executable, "-m", "rlfleet_reward", "--host", "127.0.0.1", "--port", str(port), "--grpc-port", "0"]
+    env = {"RLFLEET_LOG_FORMAT": "text", "RLFLEET_REWARD_JUDGE_ROUTER_URLS": json.dumps([url])}
+    hub = ServiceProcess("reward-hub", [*argv, "--workers", "1", "--log-level", "info"], tmp_path / "hub.log", env=env)
+    try:
+        hub.wait_healthy(f"http://127.0.0.1:{port}/health", timeout=30)
+        body = {"spec": {"terms": [{"function": "judge", "params": {"router_url": url}}]}, "items": [{"response": "4"}]}
+        answer = httpx.post(f"http://127.0.0.1:{port}/score", json=body, timeout=30)
+        assert answer.status_code == 200 and answer.json()["results"][0]["components"]["judge/no_verdict"] == 1.0
+    finally:
+        hub.stop(timeout=10)
+    assert "INFO rlfleet_reward.llm_judge: the judge gave no verdict matching" in hub.log_tail(200), hub.log_tail()
 
 
 def test_a_verdict_pattern_that_backtracks_forever_is_a_timeout_and_leaves_the_event_loop_free(
