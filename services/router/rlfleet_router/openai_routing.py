@@ -21,12 +21,19 @@ def _message_text(message: object) -> str:
     return f"{message.get('role', '')}:{content or ''}\n"
 
 
+COMPLETIONS_MAX_TOKENS = 16
+"""What /v1/completions generates without max_tokens (OpenAI's default, and SGLang's): load counted as /generate's
+default of 128 made such a request weigh eight times its size."""
+
+
 def routing_body(route: str, body: Mapping[str, Any]) -> Mapping[str, Any]:
     """`body` as the policies read it."""
     if route == "/generate":
         return body
     params: dict[str, Any] = {}
     budget = body.get("max_completion_tokens") or body.get("max_tokens")
+    if budget is None and route == "/v1/completions":
+        budget = COMPLETIONS_MAX_TOKENS
     if isinstance(budget, int):
         params["max_new_tokens"] = budget
     if isinstance(body.get("n"), int):

@@ -8,6 +8,7 @@ from array import array
 import pytest
 
 from rlfleet.errors import InvalidInput, NotFound
+from rlfleet_router.openai_routing import routing_body
 from rlfleet_router.policies import (
     CacheAware,
     Choice,
@@ -394,3 +395,11 @@ def test_cache_aware_forgets_what_an_emptied_engine_held_and_keeps_its_share_of_
     policy.forget_caches([holder])
     assert holder.id not in policy.tree.match((*range(100, 400), 9)).matched
     assert policy._recent_score(holder) == share, "a flush empties the cache, not the engine's recent traffic"
+
+
+def test_an_openai_request_without_a_budget_counts_the_routes_default() -> None:
+    """/v1/completions generates 16 tokens without max_tokens; it was counted as /generate's 128."""
+    prompt = {"prompt": [1, 2, 3]}
+    assert RoutingRequest("/v1/completions", routing_body("/v1/completions", prompt)).tokens == 3 + 16
+    sized = {**prompt, "max_tokens": 40}
+    assert RoutingRequest("/v1/completions", routing_body("/v1/completions", sized)).tokens == 3 + 40
