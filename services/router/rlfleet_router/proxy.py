@@ -163,7 +163,7 @@ class Proxy:
             client_gone.add_done_callback(client_left)  # a callback, not a task: nothing runs until the client leaves
         try:
             while True:
-                worker = self._choose(routing, tried)
+                worker = self._choose(routing, tried, generates=method != "GET")
                 if arrived_at is not None and not tried:
                     self._metrics.added_latency.observe(time.perf_counter() - arrived_at)
                 tried.add(worker.id)
@@ -227,12 +227,16 @@ class Proxy:
                 raise RetryableFailure(str(error))
             raise error
 
-    def _choose(self, routing: RoutingRequest, tried: set[str]) -> Worker:
+    def _choose(self, routing: RoutingRequest, tried: set[str], generates: bool) -> Worker:
         healthy = self._workers.healthy()
         if not healthy:
             raise NoHealthyEngine(len(self._workers.all()))
         # Prefer engines not tried yet; with all of them tried, any healthy one may have recovered.
         untried = [w for w in healthy if w.id not in tried]
+        if not generates:
+            # A question any engine answers (its model, its server): to the least busy one, outside the policy, which
+            # counted each as a routing decision and as traffic it had sent there (polled /v1/models skewed both).
+            return min(untried or healthy, key=lambda w: w.in_flight)
         choice = self._policy.select(untried or healthy, routing)
         self._metrics.routing_decision(choice.reason).inc()
         return choice.worker

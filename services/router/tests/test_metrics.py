@@ -95,3 +95,17 @@ def test_a_request_with_a_budget_beyond_a_double_leaves_metrics_readable(
         assert pending.result(timeout=10).status_code == 200
     assert engine.raw_bodies == [huge]
     assert router.workers()[0]["in_flight_tokens"] == 0
+
+
+def test_questions_about_the_engines_are_no_routing_decisions(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """A client that polls /v1/models (the OpenAI SDK's models.list, a gateway's check) counted one `no_prompt`
+    routing decision per call, and each weighed in the policy's recent traffic as a request sent there."""
+    router = start_router([start_engine("a").url, start_engine("b").url])
+    router.wait_healthy(2)
+    for route in ("/v1/models", "/get_model_info", "/get_server_info") * 3:
+        assert router.client.get(route).status_code in (200, 404), route
+    text = router.client.get("/metrics").text
+    for reason in ("cache_hit", "imbalance", "low_match", "least_load", "no_prompt"):
+        assert not metric_value(text, "rlfleet_router_routing_decisions_total", {"reason": reason}), reason
