@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 
 from pydantic import AnyHttpUrl, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -116,9 +117,15 @@ def _trimmed(path: str | None) -> str:
 
 
 def _under(path: str | None, prefix: str | None) -> bool:
-    # Whole segments: /score admits /score and /score/batch, not /scoreboard. Both paths are normalized (no `..`).
+    # Whole segments: /score admits /score and /score/batch, not /scoreboard. Both paths are normalized (no `..`),
+    # but an encoded slash is left as it is: a server that decodes it before routing would read /score/..%2fx as /x.
     path, prefix = path or "/", _trimmed(prefix)
+    if _ENCODED_SLASH.search(path):
+        return False
     return path == prefix or path.startswith(prefix + "/")
+
+
+_ENCODED_SLASH = re.compile(r"%(?:2f|5c)", re.IGNORECASE)
 
 
 class RewardSettings(SpecCaps):

@@ -110,6 +110,8 @@ def test_remote_posts_to_no_url_the_operator_did_not_list(
         "http://rm:80801/score",
         "https://rm:8080/score",
         "http://rm:8080/score/../pause_generation",
+        "http://rm:8080/score/..%2fpause_generation",  # a server that decodes %2F before routing reads `..`
+        "http://rm:8080/score/..%5Cpause_generation",
         "http://rm2/v1/a",
         "http://engine:30001/score",
     ):
