@@ -51,7 +51,7 @@ class CheckpointCommitter:
         )
 
         def committed() -> bool:
-            self.store.commit(run.run_id, record, run.stream, run.uncommitted)
+            self.store.commit(run.run_id, record, run.stream, run.uncommitted, replaces=run.checkpoint_path)
             return True
 
         if waiting_out_redis(run, committed) is None:

@@ -60,22 +60,52 @@ class RunStateStore:
             last_entry_id=fields.get("last_entry_id", ""),
         )
 
-    def commit(self, run_id: str, record: RunRecord, stream: SampleStream, entry_ids: Sequence[str]) -> None:
-        """Saves `record` and acknowledges `entry_ids` atomically (MULTI/EXEC), then trims what is acknowledged."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hset(
-            self.key(run_id),
-            mapping={
-                "step": record.step,
-                "weight_version": record.weight_version,
-                "checkpoint_path": record.checkpoint_path,
-                "groups_trained": record.groups_trained,
-                "last_entry_id": record.last_entry_id,
-            },
-        )
-        if entry_ids:
-            pipe.xack(stream.key, stream.consumer_group, *entry_ids)
-        pipe.execute()
+    def commit(
+        self, run_id: str, record: RunRecord, stream: SampleStream, entry_ids: Sequence[str], *, replaces: str = ""
+    ) -> None:
+        """Saves `record` and acknowledges `entry_ids` atomically (MULTI/EXEC), then trims what is acknowledged.
+
+        `replaces` is the checkpoint path of the record this one follows ("" for a run's first): the record is
+        written only while it still says so (WATCH), or already says `record` (this commit, its reply lost).
+        Anything else means Redis lost writes it had acknowledged (a restart from a snapshot or an AOF missing its
+        last second, a failover to a replica behind): the groups acknowledged with the later checkpoints are
+        pending again and the orchestrator's appends since may be gone, so training on would train groups twice
+        or steps of the wrong groups, and the run fails (Conflict) rather than do so silently."""
+        key = self.key(run_id)
+        while True:
+            with self.client.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(key)
+                    raw = pipe.hget(key, "checkpoint_path")
+                    stored = raw.decode() if isinstance(raw, bytes) else ""
+                    if stored == record.checkpoint_path:
+                        break
+                    if stored != replaces:
+                        raise Conflict(
+                            f"run {run_id}: Redis lost writes it had acknowledged: its record of the run "
+                            f"({key}) names checkpoint {stored or 'none'!r}, not {replaces or 'none'!r}, which "
+                            "this trainer committed after it; the run's stream no longer holds what was trained "
+                            "(a Redis restarted without its last writes, or a failover to a replica behind). "
+                            "Start the run again, or export that checkpoint (rlfleet_trainer export) and warm-start a "
+                            "new run from it"
+                        )
+                    pipe.multi()
+                    pipe.hset(
+                        key,
+                        mapping={
+                            "step": record.step,
+                            "weight_version": record.weight_version,
+                            "checkpoint_path": record.checkpoint_path,
+                            "groups_trained": record.groups_trained,
+                            "last_entry_id": record.last_entry_id,
+                        },
+                    )
+                    if entry_ids:
+                        pipe.xack(stream.key, stream.consumer_group, *entry_ids)
+                    pipe.execute()
+                    break
+                except redis.WatchError:
+                    continue  # written meanwhile (by this commit, its reply lost): the next look tells
         if self.keep_trained_groups:
             return
         try:

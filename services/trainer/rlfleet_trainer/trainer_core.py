@@ -475,7 +475,12 @@ class TrainerCore:
         # Checkpoints after the recorded one were written by a trainer that died before recording them.
         prune_checkpoints(run.checkpoints_root, newest=record.step, keep=self.settings.keep_checkpoints)
         run.step, run.weight_version, run.groups_trained = meta.step, meta.weight_version, meta.groups_trained
-        run.checkpoint_step, run.checkpoint_path, run.last_entry_id = meta.step, str(path), meta.last_entry_id
+        # The path as recorded: the next commit writes only over the record that names it (run_state.py).
+        run.checkpoint_step, run.checkpoint_path, run.last_entry_id = (
+            meta.step,
+            record.checkpoint_path,
+            meta.last_entry_id,
+        )
         if meta.weight_version > 0:
             full = self.ranks.call("full_state_dict")
             weights = save_version(run.model, run.weights_root, meta.weight_version, run.tokenizer_dir, full)

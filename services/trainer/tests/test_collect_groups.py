@@ -19,6 +19,7 @@ import pytest
 import redis
 from prometheus_client import generate_latest
 
+from rlfleet.errors import Conflict
 from rlfleet.sample_stream import SampleStream, StreamEntry
 from rlfleet.v1.samples_pb2 import Sample, SampleGroup
 from rlfleet_trainer.checkpoint_commit import CheckpointCommitter
@@ -211,11 +212,40 @@ def test_a_commit_acknowledges_and_trims_what_its_checkpoint_covers(
     assert stream.pending_count() == 2
     assert stream.length() == (5 if keep else 4)  # trained but not yet covered by a checkpoint: kept
     store.commit(
-        "run1", RunRecord(step=2, checkpoint_path="/c/2", groups_trained=3), stream, [e.entry_id for e in taken]
+        "run1",
+        RunRecord(step=2, checkpoint_path="/c/2", groups_trained=3),
+        stream,
+        [e.entry_id for e in taken],
+        replaces="/c/1",
     )
     assert stream.pending_count() == 0
     assert [e.group.group_id for e in stream.entries()] == [f"run1/0/{i}" for i in (range(5) if keep else (3, 4))]
     assert stream.appended_count() == 5
+
+
+def test_a_commit_over_a_record_redis_rolled_back_fails_and_one_repeated_is_taken(
+    redis_client: redis.Redis, redis_prefix: str
+) -> None:
+    """Redis restarted without its last writes (AOF fsync'd each second, a host crash; a failover): the record went
+    back to an earlier checkpoint, the groups acknowledged since were pending again, and the trainer trained on over
+    it, acknowledging nothing of them: they blocked trimming for the rest of the run, and were trained twice after
+    the next restart. The commit now finds the record is not the one it follows."""
+    stream = SampleStream(redis_client, "run7", prefix=redis_prefix)
+    stream.ensure_consumer_group()
+    for i in range(4):
+        stream.append(group("run7", i))
+    taken = [e.entry_id for e in stream.read(CONSUMER, 4)]
+    store = RunStateStore(redis_client, redis_prefix)
+    first = RunRecord(step=1, checkpoint_path="/c/1", groups_trained=2)
+    store.commit("run7", first, stream, taken[:2])
+    store.commit("run7", first, stream, taken[:2])  # the same commit again (its reply was lost): done already
+    store.commit(
+        "run7", RunRecord(step=2, checkpoint_path="/c/2", groups_trained=4), stream, taken[2:], replaces="/c/1"
+    )
+    redis_client.hset(store.key("run7"), mapping={"step": 1, "checkpoint_path": "/c/1", "groups_trained": 2})
+    with pytest.raises(Conflict, match=r"Redis lost writes .* names checkpoint '/c/1', not '/c/2'"):
+        store.commit("run7", RunRecord(step=3, checkpoint_path="/c/3", groups_trained=4), stream, [], replaces="/c/2")
+    assert store.load("run7") == first
 
 
 def test_the_wait_for_groups_calls_its_hook_between_reads(redis_client: redis.Redis, redis_prefix: str) -> None:
@@ -296,11 +326,13 @@ class CommitsAfter(RunStateStore):
 
     outages = 2
 
-    def commit(self, run_id: str, record: RunRecord, stream: SampleStream, entry_ids: Sequence[str]) -> None:
+    def commit(
+        self, run_id: str, record: RunRecord, stream: SampleStream, entry_ids: Sequence[str], *, replaces: str = ""
+    ) -> None:
         if self.outages:
             self.outages -= 1
             raise redis.ConnectionError("Error 104 while writing to socket. Connection reset by peer.")
-        super().commit(run_id, record, stream, entry_ids)
+        super().commit(run_id, record, stream, entry_ids, replaces=replaces)
 
 
 def test_a_redis_outage_while_a_checkpoint_is_committed_is_waited_out(
