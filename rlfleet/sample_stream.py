@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -151,8 +152,10 @@ class StreamEntry:
 
 
 REDIS_RETRY_BUDGET_S = 30.0
-"""How long a Redis command keeps retrying a lost connection (a Redis restart) before it raises:
-the sum of the backoffs between attempts; each attempt is bounded by the socket timeouts too."""
+"""How long a Redis command keeps retrying a lost connection or a timeout (a Redis restart) before it raises,
+from its first attempt: no retry starts past it, so the command ends within it and one more attempt's socket
+timeout. (Counting retries alone, a Redis that accepts connections but does not answer cost each attempt its
+socket timeout: 18 attempts of 10 s and the backoffs between them, three and a half minutes.)"""
 REDIS_RETRY_ERRORS: tuple[type[redis.RedisError], ...] = (redis.ConnectionError, redis.TimeoutError)
 _BACKOFF_BASE_S, _BACKOFF_CAP_S = 0.1, 2.0
 # redis-py has no class for these refusals; inside a transaction it prefixes the reply with the command that met it
@@ -169,6 +172,63 @@ _HEALTH_CHECK_INTERVAL_S = 10
 
 def _backoff() -> ExponentialBackoff:
     return ExponentialBackoff(cap=_BACKOFF_CAP_S, base=_BACKOFF_BASE_S)
+
+
+class _Spent(Exception):
+    """The retry budget ran out: raised by the backoff in place of a wait, after the failed attempt's connection
+    was dropped, with the attempt's error as its context."""
+
+
+class _BackoffWithin(ExponentialBackoff):
+    """`_backoff()`'s waits, within `within_s` of the outermost call's start. redis-py resets a connection's backoff
+    as each call begins, and calls again inside a command's call to reconnect (its handshake can time out too): the
+    deadline is the command's. A connection runs one command at a time and holds a copy of its client's retry."""
+
+    def __init__(self, within_s: float) -> None:
+        super().__init__(cap=_BACKOFF_CAP_S, base=_BACKOFF_BASE_S)
+        self._within_s = within_s
+        self._deadline = math.inf
+        self.calls = 0
+        """Calls under way on this connection, the outermost first."""
+
+    def reset(self) -> None:
+        super().reset()
+        if self.calls <= 1:
+            self._deadline = time.monotonic() + self._within_s
+
+    def compute(self, failures: int) -> float:
+        wait = super().compute(failures)
+        if time.monotonic() + wait > self._deadline:
+            raise _Spent
+        return wait
+
+
+class _RetryWithin(Retry):
+    """Retry whose retries end with REDIS_RETRY_BUDGET_S from the call's start, raising the last error."""
+
+    def call_with_retry(self, *args: Any, **kwargs: Any) -> Any:
+        backoff = cast(_BackoffWithin, self._backoff)
+        backoff.calls += 1
+        try:
+            return super().call_with_retry(*args, **kwargs)
+        except _Spent as spent:
+            raise cast(BaseException, spent.__context__) from None
+        finally:
+            backoff.calls -= 1
+
+
+class _AsyncRetryWithin(AsyncRetry):
+    """`_RetryWithin` for the asyncio client."""
+
+    async def call_with_retry(self, *args: Any, **kwargs: Any) -> Any:
+        backoff = cast(_BackoffWithin, self._backoff)
+        backoff.calls += 1
+        try:
+            return await super().call_with_retry(*args, **kwargs)
+        except _Spent as spent:
+            raise cast(BaseException, spent.__context__) from None
+        finally:
+            backoff.calls -= 1
 
 
 def _retries_within(budget_s: float) -> int:
@@ -200,7 +260,8 @@ def connect_redis(url: str, timeout_s: float = 10.0) -> redis.Redis:
     retried append of a group already written is a no-op), acknowledgements and the trainer's
     record (absolute values, MULTI/EXEC) can be applied twice, and a WATCHed transaction is never
     retried by the client (it raises WatchError)."""
-    retry = Retry(_backoff(), _retries_within(REDIS_RETRY_BUDGET_S), supported_errors=REDIS_RETRY_ERRORS)
+    budget = REDIS_RETRY_BUDGET_S
+    retry = _RetryWithin(_BackoffWithin(budget), _retries_within(budget), supported_errors=REDIS_RETRY_ERRORS)
     return redis.Redis.from_url(url, retry=retry, **_client_options(timeout_s))
 
 
@@ -226,7 +287,8 @@ def redis_unavailable(exc: BaseException) -> bool:
 
 def connect_redis_async(url: str, timeout_s: float = 10.0) -> aioredis.Redis:
     """The asyncio twin of `connect_redis`, with the same timeouts and retry policy."""
-    retry = AsyncRetry(_backoff(), _retries_within(REDIS_RETRY_BUDGET_S), supported_errors=REDIS_RETRY_ERRORS)
+    budget = REDIS_RETRY_BUDGET_S
+    retry = _AsyncRetryWithin(_BackoffWithin(budget), _retries_within(budget), supported_errors=REDIS_RETRY_ERRORS)
     return aioredis.Redis.from_url(url, retry=retry, **_client_options(timeout_s))
 
 
