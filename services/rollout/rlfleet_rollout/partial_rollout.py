@@ -82,9 +82,10 @@ def _tail_text(head: Completion, tail: Completion, decode: Callable[[list[int]],
 def stop_across_the_cut(
     whole: Completion, head: Completion, stops: Sequence[str], decode: Callable[[list[int]], str]
 ) -> Completion:
-    """`whole` (`head` joined with its continuation) cut at the earliest stop string that begins in
-    `head`'s text and ends after it, as the engine cuts a generation: the tokens up to the one that
-    completes the match, the text up to where the match begins, finish reason stop. Unchanged if none."""
+    """`whole` (`head` joined with its continuation) cut at the first stop string that begins in `head`'s
+    text and ends after it, as the engine cuts a generation: at the token that completes a match (two completed
+    by the same token: the one listed first), the text up to where that match begins, finish reason stop.
+    Unchanged if none."""
     cut = len(_head_text(head, decode))
     text = whole.response_text(decode)
     untrimmed = decode(list(whole.output_ids))
@@ -92,16 +93,19 @@ def stop_across_the_cut(
         # The continuation's engine cut a stop string of its own from the end, which may have completed the one
         # the cut split: the search reads what it cut too.
         text = untrimmed
-    hits = []
-    for stop in stops:
+    ids = list(whole.output_ids)
+    hits = []  # (tokens up to the one completing the match, the stop's place in the list, where the match begins)
+    for place, stop in enumerate(stops):
         start = text.find(stop, max(0, cut - len(stop) + 1))
         if 0 <= start < cut < start + len(stop):
-            hits.append((start, start + len(stop)))
+            end = start + len(stop)
+            count = next(
+                (k for k in range(len(head.output_ids) + 1, len(ids) + 1) if len(decode(ids[:k])) >= end), len(ids)
+            )
+            hits.append((count, place, start))
     if not hits:
         return whole
-    start, end = min(hits)
-    ids = list(whole.output_ids)
-    count = next((k for k in range(len(head.output_ids) + 1, len(ids) + 1) if len(decode(ids[:k])) >= end), len(ids))
+    count, _, start = min(hits)
     return Completion(
         output_ids=tuple(ids[:count]),
         logprobs=whole.logprobs[:count],

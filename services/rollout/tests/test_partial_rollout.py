@@ -194,6 +194,20 @@ def test_a_stop_string_the_cut_splits_is_found_when_the_continuation_ended_on_it
     assert (cut.text, cut.output_ids, cut.finish_reason) == ("42", _chars("42\n\n"), FinishReason.FINISH_REASON_STOP)
 
 
+def test_of_two_stop_strings_the_cut_splits_the_one_completed_first_ends_the_generation() -> None:
+    """An engine stops at the token completing any stop string; the stop beginning first ("abcd") was taken,
+    which kept "d", a token the engine never generated, in the sample with loss mask 1."""
+    head = Completion(_chars("x ab"), (-0.1,) * 4, "x ab", ABORT, 4, (4,), error="generation aborted")
+    tail = Completion(_chars("cd y"), (-0.2,) * 4, "cd y", LENGTH, 5, (5,))
+    for stops in (["abcd", "bc"], ["bc", "abcd"]):
+        cut = stop_across_the_cut(join(head, tail, _decode), head, stops, _decode)
+        assert (cut.output_ids, cut.text) == (_chars("x abc"), "x a")
+    # Two completed by the same token: the one listed first, as the engine checks them.
+    for stops, text in ((["abc", "bc"], "x "), (["bc", "abc"], "x a")):
+        cut = stop_across_the_cut(join(head, tail, _decode), head, stops, _decode)
+        assert (cut.output_ids, cut.text) == (_chars("x abc"), text)
+
+
 class AbortsThenFinishesTheStop:
     """Aborts a generation after "x [EN"; its continuation is "D] y"."""
 
