@@ -12,11 +12,12 @@
 Slot i of step s is the group `<run>/<s>/<i>`, so the stream holds at most groups_per_step groups
 per step even when a restarted orchestrator re-produces a step; a re-produced step whose slots were
 recorded (run_data.DataPosition) fills only the slots the stream lacks, each with its recorded prompt
-(refill_step).
+(refill_step), generated once more when it gave no usable sample.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 from collections.abc import Mapping
@@ -29,8 +30,14 @@ from rlfleet_rollout.group_filters import UNUSABLE, FilterRegistry, usable_rewar
 from rlfleet_rollout.group_producer import GroupRequest, RolloutContext, rename_group
 from rlfleet_rollout.run_data import RunData
 
+logger = logging.getLogger(__name__)
+
 # Why a group is dropped besides the run's filters (each filter's name is its reason).
 STEP_REASONS = ("prompt_too_long", "stale", "surplus")
+# Generations of a re-produced step's slot before one with no usable sample fails the run: its prompt is fixed, so
+# a group lost to one passing fault (an engine restarting, one reward call failing) cannot be filtered and
+# replaced as in a first production, and failed the run.
+REFILL_ATTEMPTS = 2
 
 
 @dataclass
@@ -142,18 +149,31 @@ async def refill_step(
     async def fill(slot: int) -> SampleGroup:
         position = slots[slot]
         group = have.get(position)
-        if group is None:
+        attempt = 0
+        while group is None or _unusable(group):
+            if group is not None:
+                if attempt == REFILL_ATTEMPTS:
+                    raise Unavailable(
+                        f"step {step}: slot {slot}'s prompt could not be generated again in {attempt} attempts "
+                        f"(first error: {group.samples[0].error})"
+                    )
+                logger.warning(
+                    "run %s step %d: slot %d's prompt gave no usable sample (%s); generating it again",
+                    run_id, step, slot, group.samples[0].error,
+                )  # fmt: skip
+            attempt += 1
             request = GroupRequest(
                 run_id, f"{run_id}/{step}/p{position}", position, data.prompt_at(position), fallback_version
             )
             group = await ctx.rollout(ctx, request)
-        if group.samples and all(s.status in UNUSABLE for s in group.samples):
-            first = group.samples[0].error
-            raise Unavailable(f"step {step}: slot {slot}'s prompt could not be generated again (first error: {first})")
         rename_group(group, f"{run_id}/{step}/{slot}")
         return group
 
     return await gather_cancelling([fill(slot) for slot in missing])
+
+
+def _unusable(group: SampleGroup) -> bool:
+    return bool(group.samples) and all(s.status in UNUSABLE for s in group.samples)
 
 
 def _position_of(group: SampleGroup) -> int:

@@ -20,7 +20,7 @@ from rlfleet_rollout.datasets import LoadedDataset, Prompt
 from rlfleet_rollout.group_filters import FilterRegistry, all_failed
 from rlfleet_rollout.group_producer import GroupRequest
 from rlfleet_rollout.run_data import RunData
-from rlfleet_rollout.step_producer import StepOutcome, produce_step
+from rlfleet_rollout.step_producer import REFILL_ATTEMPTS, StepOutcome, produce_step, refill_step
 
 RUN = "run1"
 
@@ -84,3 +84,35 @@ def test_a_fleet_that_goes_down_mid_step_fails_it_within_a_wave() -> None:
     with pytest.raises(Unavailable, match=r"step 0: no sample of 6 prompts in a row could be generated and scored"):
         _produce(Rollout(fails), groups_per_step=6)
     assert max(asked) == 6 + 3 + 3 - 1  # the first wave, then two refill waves of its three empty slots
+
+
+def _refill(rollout: Rollout, slots: list[int], missing: list[int]) -> list[SampleGroup]:
+    spec = resolve(json_format.ParseDict({"rollout": {"group_size": 2, "groups_per_step": len(slots)}}, RunSpec()))
+    data = RunData(LoadedDataset([Prompt(f"p{i}", str(i)) for i in range(100)], [], []), seed=1)
+    ctx = type("Ctx", (), {"spec": spec, "rollout": rollout})()
+    return asyncio.run(refill_step(ctx, data, RUN, 3, slots, missing, 0, {}))
+
+
+def test_a_re_produced_slot_that_gave_no_usable_sample_is_generated_once_more() -> None:
+    """The slot's prompt is fixed: one passing fault on it (an engine restarting) failed the whole run."""
+    asked: list[int] = []
+
+    def fails_once(position: int) -> bool:
+        asked.append(position)
+        return asked.count(position) == 1 and position == 7
+
+    groups = _refill(Rollout(fails_once), slots=[5, 7, 9], missing=[1, 2])
+    assert [g.group_id for g in groups] == [f"{RUN}/3/1", f"{RUN}/3/2"] and sorted(asked) == [7, 7, 9]
+    assert all(s.status == SampleStatus.SAMPLE_STATUS_OK for g in groups for s in g.samples)
+
+
+def test_a_re_produced_slot_that_keeps_failing_fails_the_step_naming_it() -> None:
+    asked: list[int] = []
+
+    def always(position: int) -> bool:
+        asked.append(position)
+        return True
+
+    with pytest.raises(Unavailable, match=r"step 3: slot 0's prompt could not be generated again in 2 attempts"):
+        _refill(Rollout(always), slots=[4], missing=[0])
+    assert asked == [4] * REFILL_ATTEMPTS
