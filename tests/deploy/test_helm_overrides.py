@@ -103,3 +103,33 @@ def test_image_pull_secrets_reach_every_pod() -> None:
     assert {component: spec.get("imagePullSecrets") for component, spec in specs.items()} == dict.fromkeys(
         specs, secrets
     )
+
+
+def test_a_list_or_mapping_in_env_reaches_the_service_as_json() -> None:
+    """The services read list and mapping variables as JSON; a YAML list was written [http://rm:8080/score] and
+    the reward hub refused to start."""
+    values = {
+        "reward": {"env": {"RLFLEET_REWARD_REMOTE_URL_PREFIXES": ["http://rm:8080/score"]}},
+        "rollout": {"env": {"RLFLEET_ROLLOUT_DATA_ROOTS": ["/data", "/datasets"], "RLFLEET_ROLLOUT_LOG_LEVEL": 10}},
+        "trainer": {"env": None},
+    }
+    specs = pods(render(values))
+    reward = {var["name"]: var.get("value") for var in specs["reward"]["containers"][0]["env"]}
+    rollout = {var["name"]: var.get("value") for var in specs["rollout"]["containers"][0]["env"]}
+    assert reward["RLFLEET_REWARD_REMOTE_URL_PREFIXES"] == '["http://rm:8080/score"]'
+    assert (
+        rollout["RLFLEET_ROLLOUT_DATA_ROOTS"] == '["/data","/datasets"]'
+        and rollout["RLFLEET_ROLLOUT_LOG_LEVEL"] == "10"
+    )
+    assert "trainer" in specs  # a null env is no env
+
+
+def test_the_examples_prometheus_rules_carry_the_label_their_service_monitors_do() -> None:
+    """kube-prometheus-stack selects PrometheusRules by the label it selects ServiceMonitors by: an example that
+    labels only its ServiceMonitors loads none of the alerts."""
+    for path in EXAMPLES:
+        docs = render(helm.values_from_yaml(path.read_text()))
+        monitors = [doc["metadata"]["labels"] for doc in docs if doc["kind"] == "ServiceMonitor"]
+        rules = [doc["metadata"]["labels"] for doc in docs if doc["kind"] == "PrometheusRule"]
+        if monitors and rules and "release" in monitors[0]:
+            assert all(labels.get("release") == monitors[0]["release"] for labels in rules), path.name

@@ -72,7 +72,7 @@ capabilities:
 {{/* "true" when the trainer broadcasts weights to the engines over a process group they join (trainer.env
 RLFLEET_TRAINER_WEIGHT_SYNC=distributed), else empty. */}}
 {{- define "rlfleet.distributedWeightSync" -}}
-{{- if eq (toString (get .Values.trainer.env "RLFLEET_TRAINER_WEIGHT_SYNC")) "distributed" }}true{{ end -}}
+{{- if eq (toString (get (.Values.trainer.env | default dict) "RLFLEET_TRAINER_WEIGHT_SYNC")) "distributed" }}true{{ end -}}
 {{- end -}}
 
 {{/* The shared volume: models, and the weight versions the trainer writes and engines load by path. */}}
@@ -128,8 +128,10 @@ name; Helm 3's upgrade patches mishandle one). Call with (dict "chart" (include 
 {{- end -}}
 {{- end -}}
 {{- range $name, $value := $user -}}
-{{- /* Strings, as Kubernetes wants them (8 -> "8", true -> "true"); a null is empty. */ -}}
-{{- $entries = append $entries (dict "name" $name "value" (ternary "" (toString $value) (kindIs "invalid" $value))) -}}
+{{- /* Strings, as Kubernetes wants them (8 -> "8", true -> "true"); a null is empty; a list or a mapping is JSON,
+as the services read list and mapping variables (toString wrote [a b]). */ -}}
+{{- $text := ternary (toJson $value) (toString $value) (or (kindIs "slice" $value) (kindIs "map" $value)) -}}
+{{- $entries = append $entries (dict "name" $name "value" (ternary "" $text (kindIs "invalid" $value))) -}}
 {{- end -}}
 {{- with $entries }}{{ toYaml . }}{{ end -}}
 {{- end -}}
