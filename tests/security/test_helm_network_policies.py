@@ -5,7 +5,8 @@
   every engine form one process group, so they reach each other on every port; with the disk sync
   (the default) engines reach no trainer port and no other engine.
 - `networkPolicy.apiFrom` narrows who reaches the Runs API, never the release's own pods nor the
-  monitoring namespace's scrapes, which every service admits on its metrics port.
+  scrapes, which every service admits on its metrics port: by default the monitoring namespace's Prometheus
+  pods, not its other pods (the metrics port is the API port, and engines and the reward hub check no token).
 """
 
 from __future__ import annotations
@@ -143,9 +144,22 @@ def test_metrics_from_given_replaces_the_default_whole() -> None:
     for component, port in METRICS_PORTS.items():
         assert admits(rendered[component], scraper, port), f"their Prometheus cannot scrape {component}"
         if component != "rollout":  # apiFrom [] (the default) admits every source to the Runs API's port
-            assert not admits(rendered[component], Source("monitoring"), port), f"the default still in: {component}"
+            default = Source("monitoring", {"app.kubernetes.io/name": "prometheus"})
+            assert not admits(rendered[component], default, port), f"the default still in: {component}"
 
     every = policies({"networkPolicy": {"metricsFrom": []}})
     for component, port in METRICS_PORTS.items():
         assert admits(every[component], Source("anywhere"), port), component
     assert not admits(every["trainer"], Source("anywhere"), 50052), "the metrics port only"
+
+
+def test_only_the_monitoring_namespaces_prometheus_pods_reach_the_metrics_ports_by_default() -> None:
+    """The metrics port is the API port: every pod of the monitoring namespace (Grafana, an exporter, anyone's
+    debugging pod) could load weights into an engine or run code through the reward hub."""
+    rendered = policies({})
+    neighbour = Source("monitoring", {"app.kubernetes.io/name": "grafana"})
+    for component, port in METRICS_PORTS.items():
+        if component != "rollout":  # apiFrom [] (the default) admits every source to the Runs API's port
+            assert not admits(rendered[component], neighbour, port), component
+        assert admits(rendered[component], Source("monitoring", {"app.kubernetes.io/name": "prometheus"}), port)
+    assert not admits(rendered["engine"], Source("elsewhere", {"app.kubernetes.io/name": "prometheus"}), 30000)
