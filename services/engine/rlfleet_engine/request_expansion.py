@@ -98,14 +98,16 @@ def expand(req: GenerateRequest, tokenizer: Encoder, vocab_size: int, context_le
             raise InvalidInput(
                 f"The input ({len(ids)} tokens) is longer than the model's context length ({context_length} tokens)."
             )
-        if "max_new_tokens" not in params[i].model_fields_set or params[i].max_new_tokens == UNTIL_CONTEXT:
-            # SGLang clamps a default or null budget to what the context leaves; a number over it is an error.
-            params[i] = params[i].model_copy(update={"max_new_tokens": min(params[i].max_new_tokens, room)})
-        elif params[i].max_new_tokens > room:
+        explicit = "max_new_tokens" in params[i].model_fields_set and params[i].max_new_tokens != UNTIL_CONTEXT
+        if explicit and params[i].max_new_tokens >= room:
+            # SGLang refuses a prompt and a max_new_tokens sent that together reach the context.
             raise InvalidInput(
                 f"Requested token count exceeds the model's maximum context length of {context_length} tokens: "
                 f"{len(ids)} prompt tokens + max_new_tokens {params[i].max_new_tokens}."
             )
+        # Then its scheduler cuts every budget, a default or null one too, to what a request of at most
+        # context - 1 tokens leaves with one position to spare: room - 2.
+        params[i] = params[i].model_copy(update={"max_new_tokens": min(params[i].max_new_tokens, max(0, room - 2))})
     return [
         JobSpec(
             rid=rids[i * n + j],

@@ -201,13 +201,19 @@ def test_per_prompt_sampling_params_and_logprob_flags() -> None:
     assert (specs[1].return_logprob, specs[1].top_logprobs_num) == (False, 0)
 
 
-def test_default_budget_is_clamped_to_the_context_but_an_explicit_one_is_not() -> None:
-    assert expand_request({"input_ids": [3] * 60})[0].params.max_new_tokens == 4
-    # A null budget asks for everything the context leaves, as in SGLang.
+def test_a_budget_is_cut_to_what_the_context_leaves_but_one_sent_reaching_it_is_refused() -> None:
+    """As SGLang: a prompt and a max_new_tokens sent that together reach the context are refused (its tokenizer
+    manager's check), and every budget is cut to the context less the prompt less 2 (its scheduler's)."""
+    assert expand_request({"input_ids": [3] * 60})[0].params.max_new_tokens == 2
+    # A null budget asks for everything the context leaves.
     specs = expand_request({"input_ids": [3] * 10, "sampling_params": {"max_new_tokens": None}})
-    assert specs[0].params.max_new_tokens == 54
-    with pytest.raises(InvalidInput, match="maximum context length"):
-        expand_request({"input_ids": [3] * 60, "sampling_params": {"max_new_tokens": 5}})
+    assert specs[0].params.max_new_tokens == 52
+    assert (
+        expand_request({"input_ids": [3] * 60, "sampling_params": {"max_new_tokens": 3}})[0].params.max_new_tokens == 2
+    )
+    for budget in (4, 5):  # 60 + 4 reaches the context of 64: the orchestrator's cut to 4 was taken, SGLang's 400
+        with pytest.raises(InvalidInput, match="maximum context length"):
+            expand_request({"input_ids": [3] * 60, "sampling_params": {"max_new_tokens": budget}})
 
 
 def test_a_top_k_past_the_vocabulary_is_clamped_to_it() -> None:

@@ -31,6 +31,12 @@ if TYPE_CHECKING:
     from rlfleet_rollout.rollout_function import RolloutFunction
 
 
+def generation_room(context_tokens: int, prompt_tokens: int) -> int:
+    """The largest max_new_tokens an engine takes after `prompt_tokens`: SGLang refuses (400) a prompt and a
+    max_new_tokens that together reach the context length, not only those past it."""
+    return context_tokens - prompt_tokens - 1
+
+
 @dataclass(frozen=True)
 class GroupRequest:
     """One group to produce: the prompt at `position` of the run's data, under the id `group_id`."""
@@ -74,10 +80,10 @@ class RolloutContext:
         """`sampling` with max_new_tokens cut to what the context leaves after `prompt_tokens`: an engine refuses
         a request whose prompt and max_new_tokens together exceed it (SGLang answers 400), which failed the whole
         sample; cut, the generation stops at the context with finish reason length. InvalidInput when the
-        prompt alone fills the context."""
+        prompt leaves no room."""
         if not self.context_tokens:
             return sampling
-        room = self.context_tokens - prompt_tokens
+        room = generation_room(self.context_tokens, prompt_tokens)
         if room < 1:
             raise InvalidInput(
                 f"a prompt of {prompt_tokens} tokens leaves no room in the model's context of {self.context_tokens}"

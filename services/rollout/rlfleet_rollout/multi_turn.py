@@ -33,7 +33,14 @@ from rlfleet.v1.samples_pb2 import FinishReason, SampleGroup
 from rlfleet_rollout.concurrency import gather_cancelling
 from rlfleet_rollout.datasets import Prompt
 from rlfleet_rollout.environment import Environment, ReplyTimeout
-from rlfleet_rollout.group_producer import GroupRequest, RolloutContext, build_sample, finish_group, sample_seed
+from rlfleet_rollout.group_producer import (
+    GroupRequest,
+    RolloutContext,
+    build_sample,
+    finish_group,
+    generation_room,
+    sample_seed,
+)
 from rlfleet_rollout.partial_rollout import generate_turn_resuming
 from rlfleet_rollout.router_client import Completion, sampling_body
 
@@ -170,7 +177,8 @@ async def _play_episode(
         if reply is None:
             break
         reply_ids = list(ctx.tokenizer.encode(reply, add_special_tokens=False).ids)
-        if ctx.context_tokens and len(ids) + len(last.output_ids) + len(reply_ids) >= ctx.context_tokens:
+        next_prompt = len(ids) + len(last.output_ids) + len(reply_ids)
+        if ctx.context_tokens and generation_room(ctx.context_tokens, next_prompt) < 1:
             # No room for another turn: the episode ends here, cut as a generation cut at max_new_tokens is.
             out_of_context = True
             break

@@ -27,7 +27,7 @@ from rlfleet.errors import ResourceExhausted, Unavailable
 from rlfleet.v1.samples_pb2 import SampleGroup
 from rlfleet_rollout.concurrency import gather_cancelling
 from rlfleet_rollout.group_filters import UNUSABLE, FilterRegistry, usable_rewards
-from rlfleet_rollout.group_producer import GroupRequest, RolloutContext, rename_group
+from rlfleet_rollout.group_producer import GroupRequest, RolloutContext, generation_room, rename_group
 from rlfleet_rollout.run_data import RunData
 
 logger = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ async def _candidate(
     prompt = data.prompt_at(position)
     limit = ctx.spec.rollout.max_prompt_tokens
     tokens = len(ctx.encode(ctx.render(prompt.prompt)))
-    if (limit and tokens > limit) or (ctx.context_tokens and tokens >= ctx.context_tokens):
+    if (limit and tokens > limit) or (ctx.context_tokens and generation_room(ctx.context_tokens, tokens) < 1):
         return None
     request = GroupRequest(run_id, f"{run_id}/{step}/p{position}", position, prompt, fallback_version)
     return await ctx.rollout(ctx, request)

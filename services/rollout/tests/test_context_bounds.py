@@ -24,18 +24,20 @@ from rlfleet_rollout.step_producer import _candidate
 
 
 def test_max_new_tokens_is_cut_to_the_room_the_context_leaves(tokenizer_dir: Path) -> None:
-    """An engine refuses prompt + max_new_tokens past its context (SGLang: 400), which failed every sample of
-    a long prompt; single_turn and each multi_turn turn send what fits."""
+    """An engine refuses prompt + max_new_tokens reaching its context (SGLang: 400), which failed every sample of
+    a long prompt; single_turn and each multi_turn turn send what fits. The cut left prompt + max_new_tokens equal
+    to the context, which SGLang refuses too (rlfleet-engine took it)."""
     ctx = _context(tokenizer_dir, router=None, on_weight_update="finish")
     assert ctx.within_context({"max_new_tokens": MAX_NEW_TOKENS}, 100) == {"max_new_tokens": MAX_NEW_TOKENS}
     bounded = replace(ctx, context_tokens=128)
     assert bounded.within_context({"max_new_tokens": MAX_NEW_TOKENS, "top_p": 1.0}, 100) == {
-        "max_new_tokens": 28,
+        "max_new_tokens": 27,
         "top_p": 1.0,
     }
     assert bounded.within_context({"max_new_tokens": MAX_NEW_TOKENS}, 10) == {"max_new_tokens": MAX_NEW_TOKENS}
-    with pytest.raises(InvalidInput, match="128"):
-        bounded.within_context({"max_new_tokens": MAX_NEW_TOKENS}, 128)
+    for prompt_tokens in (127, 128):
+        with pytest.raises(InvalidInput, match="128"):
+            bounded.within_context({"max_new_tokens": MAX_NEW_TOKENS}, prompt_tokens)
 
 
 def test_the_context_length_is_read_from_the_models_config(tmp_path: Path) -> None:
@@ -48,11 +50,11 @@ def test_the_context_length_is_read_from_the_models_config(tmp_path: Path) -> No
 
 class RefusesPastTheContext:
     """Answers each prompt with its own text reversed, but refuses a whole request (as SGLang does with a 400)
-    when any prompt and its max_new_tokens exceed a context of 16 tokens."""
+    when any prompt and its max_new_tokens reach a context of 16 tokens."""
 
     async def generate(self, prompts: list[list[int]], sampling: Any, rids: list[str]) -> list[Completion]:
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-        if any(len(ids) + p["max_new_tokens"] > 16 for ids, p in zip(prompts, params, strict=True)):
+        if any(len(ids) + p["max_new_tokens"] >= 16 for ids, p in zip(prompts, params, strict=True)):
             raise InvalidInput("HTTP 400: Requested token count exceeds the model's maximum context length")
         return [Completion((1,), (-0.1,), "3", FinishReason.FINISH_REASON_STOP, 0) for _ in prompts]
 
@@ -67,7 +69,9 @@ def test_one_held_out_prompt_past_the_context_is_wrong_alone(tokenizer_dir: Path
 
 def test_a_prompt_the_context_cannot_hold_is_filtered_as_too_long(tokenizer_dir: Path) -> None:
     """Generated, all its samples failed, and alone in a refill wave it failed the run (at every restart)."""
-    ctx = replace(_context(tokenizer_dir, RefusesPastTheContext(), "finish"), context_tokens=3)
-    data = RunData.from_spec(ctx.spec)
-    assert len(ctx.encode(data.prompt_at(0).prompt)) >= 3
-    assert asyncio.run(_candidate(ctx, "run-1", 0, 0, data, 0)) is None
+    base = _context(tokenizer_dir, RefusesPastTheContext(), "finish")
+    data = RunData.from_spec(base.spec)
+    tokens = len(base.encode(data.prompt_at(0).prompt))
+    # One token short of the context leaves no max_new_tokens the engine takes (it refuses reaching the context).
+    assert asyncio.run(_candidate(replace(base, context_tokens=tokens + 1), "run-1", 0, 0, data, 0)) is None
+    assert asyncio.run(_candidate(replace(base, context_tokens=tokens + 2), "run-1", 0, 0, data, 0)) is not None

@@ -283,13 +283,15 @@ def test_an_episode_ends_cut_where_the_models_context_does(tokenizer_dir: Path, 
         ctx = replace(_context(tokenizer_dir, replies, FakeRouter(), max_turns=3), context_tokens=context_tokens)
         return asyncio.run(multi_turn(ctx, _request())).samples[0]
 
-    full = run(len(prompt) + len(call) + len(reply))  # the reply fills the context: no room for turn 2
+    # SGLang refuses a prompt and max_new_tokens that together reach the context: a turn needs the prompt + 2.
+    full = run(len(prompt) + len(call) + len(reply) + 1)  # the reply leaves no room for turn 2
     assert full.status == SampleStatus.SAMPLE_STATUS_TRUNCATED and full.metadata["turns"] == "1"
     assert list(full.response_token_ids) == call
-    cut = run(len(prompt) + 4)  # the first turn itself is cut to 4 tokens
+    assert run(len(prompt) + len(call) + len(reply) + 2).metadata["turns"] == "2"
+    cut = run(len(prompt) + 5)  # the first turn itself is cut to 4 tokens
     assert len(cut.response_token_ids) == 4 and cut.status == SampleStatus.SAMPLE_STATUS_TRUNCATED
     assert run(len(prompt) + 64).metadata["turns"] == "2"  # room enough: as without a bound
-    failed = run(len(prompt))  # the prompt fills the context: no sample, a named reason
+    failed = run(len(prompt) + 1)  # the prompt fills the context but one token: no sample, a named reason
     assert failed.status == SampleStatus.SAMPLE_STATUS_FAILED and "leaves no room" in failed.error
 
 
