@@ -122,16 +122,21 @@ def gae(
 
     where t + 1 is the next token in the mask: tokens off it (a tool's reply between turns) are no
     action of the policy, and the critic is never trained on their positions, so they are stepped over
-    (as verl does), not bootstrapped from. Returns (advantages, returns), both (S, T) and 0 off the mask.
+    (as verl does), not bootstrapped from. Their rewards go to the token in the mask before them: a response
+    ending on tokens off the mask (an environment's last reply) has its outcome reward there, which was lost,
+    training PPO on nothing. Returns (advantages, returns), both (S, T) and 0 off the mask.
     """
     values = values * mask
     advantages = torch.zeros_like(values)
     next_value = torch.zeros_like(values[:, 0])  # (S,) V of the next token in the mask
     next_adv = torch.zeros_like(values[:, 0])
+    pending = torch.zeros_like(values[:, 0])  # (S,) rewards of the tokens off the mask after this one
     for t in range(values.shape[1] - 1, -1, -1):
         keep = mask[:, t]
-        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        reward = token_rewards[:, t] + pending
+        delta = reward + gamma * next_value - values[:, t]
         adv = delta + gamma * lam * next_adv
+        pending = torch.where(keep > 0, torch.zeros_like(reward), reward)
         next_value = torch.where(keep > 0, values[:, t], next_value)
         next_adv = torch.where(keep > 0, adv, next_adv)
         advantages[:, t] = adv * keep

@@ -102,6 +102,17 @@ def test_gae_by_hand() -> None:
     assert adv[0].tolist() == pytest.approx([0.9 * 1.0 - 0.5, 1.0 - 0.8])
 
 
+def test_gae_gives_the_reward_of_tokens_off_the_mask_to_the_trained_token_before_them() -> None:
+    """A response ending on an environment's reply (loss mask 0) has its outcome reward on that reply's last
+    token: GAE threw it away with the reply's deltas, so PPO trained such a sample towards nothing."""
+    rewards = outcome_token_rewards(torch.tensor([1.0]), torch.ones(1, 4))
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
+    adv, returns = gae(rewards, torch.zeros(1, 4), mask, gamma=1.0, lam=1.0)
+    # As the response without the reply, whose last token holds the reward: [1.0, 1.0].
+    assert adv[0].tolist() == pytest.approx([1.0, 1.0, 0.0, 0.0])
+    assert returns[0].tolist() == pytest.approx([1.0, 1.0, 0.0, 0.0])
+
+
 def test_clipped_value_loss_by_hand() -> None:
     # V moved 0.5 -> 1.0, clipped to 0.7; target 0.8: max((0.2)^2, (0.1)^2) / 2
     assert clipped_value_loss(torch.tensor([1.0]), torch.tensor([0.5]), torch.tensor([0.8]), 0.2).item() == (
