@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from rlfleet.v1.runs_pb2 import RunSpec
+from rlfleet.v1.runs_pb2 import RunSpec, SamplingParams
 from rlfleet.v1.samples_pb2 import SampleGroup
 from rlfleet_trainer.algorithms import ALGORITHMS, AdvantageInputs, Algorithm
 from rlfleet_trainer.batch import TRAINABLE, TrainSequence, sequences_from_groups
@@ -75,6 +75,20 @@ class StepConfig:
         return self.epochs * min(self.mini_batches, sequences)
 
 
+# Below it an engine samples greedily, as SGLang does (its _SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-6
+
+
+def scoring_temperature(sampling: SamplingParams) -> float:
+    """The temperature the rollouts' log-probs were taken at: 0 (plain softmax) when the engine sampled greedily,
+    at a temperature under 1e-6 or with top_k 1, as SGLang reports a greedy token's log-prob from the logits
+    unscaled; the trainer divided them by the spec's temperature, so on-policy data started off-policy (a ratio of
+    1.03 at temperature 0.7 and top_k 1)."""
+    temperature = sampling.temperature if sampling.HasField("temperature") else 1.0
+    greedy = temperature < GREEDY_TEMPERATURE or (sampling.HasField("top_k") and sampling.top_k == 1)
+    return 0.0 if greedy else temperature
+
+
 def step_config_from_spec(spec: RunSpec, model: PreTrainedModel, pad_id: int) -> StepConfig:
     """The step a resolved RunSpec asks for; builds PPO's critic on `model`'s hidden size."""
     al, tr = spec.algorithm, spec.trainer
@@ -99,7 +113,7 @@ def step_config_from_spec(spec: RunSpec, model: PreTrainedModel, pad_id: int) ->
             ratio_mask_low=al.ratio_mask_low,
             ratio_mask_high=al.ratio_mask_high,
         ),
-        temperature=spec.rollout.sampling.temperature,
+        temperature=scoring_temperature(spec.rollout.sampling),
         micro_batch_tokens=tr.micro_batch_tokens,
         grad_clip=tr.grad_clip,
         pad_id=pad_id,

@@ -12,13 +12,13 @@ import torch
 from google.protobuf import json_format
 
 from rlfleet import run_spec
-from rlfleet.v1.runs_pb2 import RunSpec
+from rlfleet.v1.runs_pb2 import RunSpec, SamplingParams
 from rlfleet.v1.samples_pb2 import SampleGroup, SampleStatus
 from rlfleet_trainer.algorithms import ALGORITHMS
 from rlfleet_trainer.metrics import TrainerMetrics
 from rlfleet_trainer.optim import optimizer_from_spec
 from rlfleet_trainer.policy import load_policy
-from rlfleet_trainer.train_step import StepConfig, step_config_from_spec, train_step
+from rlfleet_trainer.train_step import StepConfig, scoring_temperature, step_config_from_spec, train_step
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sample_groups import scored_groups  # noqa: E402
@@ -244,3 +244,23 @@ def test_a_skipped_update_is_counted() -> None:
     metrics.observe_step({"update_skipped": 0.0})
     metrics.observe_step({"update_skipped": 1.0})
     assert metrics.registry.get_sample_value("rlfleet_trainer_skipped_updates_total") == 1.0
+
+
+@pytest.mark.parametrize(
+    ("sampling", "expected"),
+    [
+        ({"temperature": 0.7}, 0.7),
+        ({"temperature": 0.7, "top_k": 5}, 0.7),
+        ({"temperature": 0.7, "top_k": 1}, 0.0),  # greedy: the engine's log-probs are unscaled
+        ({"temperature": 5e-7}, 0.0),
+        ({"temperature": 0.0}, 0.0),
+        ({}, 1.0),
+    ],
+)
+def test_log_probs_are_taken_at_the_temperature_the_engine_sampled_at(
+    sampling: dict[str, float], expected: float
+) -> None:
+    """An engine samples greedily at a temperature under 1e-6 or top_k 1 and reports a token's log-prob from the
+    logits unscaled (SGLang's rule); the trainer divided them by the spec's temperature all the same, so the first
+    update of on-policy data saw ratios of 1.03."""
+    assert scoring_temperature(json_format.ParseDict(sampling, SamplingParams())) == expected
