@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rlfleet_engine.sampling_params import SamplingParams
-from rlfleet_engine.stop_conditions import FinishReason, find_stop_string, partial_stop_length
+from rlfleet_engine.stop_conditions import FinishReason, partial_stop_length
 
 if TYPE_CHECKING:  # the sim backend runs jobs without torch
     import torch
@@ -60,7 +60,6 @@ class GenerationJob:
     last_token_at: float | None = None
     finished_at: float | None = None
     _stop_at: int | None = None  # where a matched stop string starts in the text decoded with special tokens
-    _checked_chars: int = 0  # decoded length at the previous stop-string check
 
     def append(self, token_id: int, logprob: float, top: list[tuple[float, int]], weight_version: str) -> None:
         """Records one token sampled under `weight_version`."""
@@ -81,18 +80,23 @@ class GenerationJob:
 
     def check_stop_strings(self, tokenizer: Detokenizer) -> FinishReason | None:
         """Looks for a stop string in the output decoded with its special tokens, as SGLang does (so a stop string
-        such as "<|im_end|>" matches whatever `skip_special_tokens` says); only its tail can hold a new match."""
+        such as "<|im_end|>" matches whatever `skip_special_tokens` says). Only the newest tokens can complete a
+        match, an earlier one having stopped the job, so only they are decoded: a stop string of L characters
+        lies within the last 4L + 1 tokens even when each byte of a character is a token of its own (the whole
+        output, decoded at every step, made a long generation with a stop string quadratic). Of stop strings
+        the same token completes, the first listed is the match, as SGLang checks them."""
         if not self.params.stop:
             return None
-        text = tokenizer.decode(self.output_ids, skip_special_tokens=False)
         longest = max(len(s) for s in self.params.stop)
-        # A new match must end in the newly decoded characters; re-decoding may also rewrite a few.
-        hit = find_stop_string(text, self.params.stop, search_from=self._checked_chars - longest - 4)
-        self._checked_chars = len(text)
-        if hit is None:
+        tail = tokenizer.decode(self.output_ids[-(4 * longest + 1) :], skip_special_tokens=False)
+        matched = next((stop for stop in self.params.stop if stop in tail), None)
+        if matched is None:
             return None
-        self._stop_at = hit[0]
-        return FinishReason("stop", matched=hit[1])
+        start = tokenizer.decode(self.output_ids, skip_special_tokens=False).find(matched)
+        if start < 0:  # the tail alone decoded otherwise (a character cut at its start): no match in the output
+            return None
+        self._stop_at = start
+        return FinishReason("stop", matched=matched)
 
     def text(self, tokenizer: Detokenizer) -> str:
         """The output text, without the matched stop token or string unless no_stop_trim.

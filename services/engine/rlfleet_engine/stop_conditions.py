@@ -52,16 +52,6 @@ def token_finish(
     return None
 
 
-def find_stop_string(text: str, stops: Sequence[str], search_from: int = 0) -> tuple[int, str] | None:
-    """The earliest stop string in `text` starting at or after `search_from`: (position, stop)."""
-    best: tuple[int, str] | None = None
-    for stop in stops:
-        pos = text.find(stop, max(0, search_from))
-        if pos >= 0 and (best is None or pos < best[0]):
-            best = (pos, stop)
-    return best
-
-
 def partial_stop_length(text: str, stops: Sequence[str]) -> int:
     """Length of the longest tail of `text` that is a proper prefix of a stop string: what may yet become a stop."""
     longest = 0

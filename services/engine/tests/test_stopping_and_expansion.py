@@ -12,7 +12,7 @@ from rlfleet_engine.generation_job import GenerationJob
 from rlfleet_engine.request_expansion import expand
 from rlfleet_engine.sampling_params import SamplingParams
 from rlfleet_engine.schemas import GenerateRequest
-from rlfleet_engine.stop_conditions import FinishReason, find_stop_string, partial_stop_length, token_finish
+from rlfleet_engine.stop_conditions import FinishReason, partial_stop_length, token_finish
 
 EOS = 1
 
@@ -149,9 +149,29 @@ def test_a_running_job_holds_back_a_character_still_missing_bytes(params: dict[s
     assert "\ufffd" not in "".join(texts[:-1])
 
 
-def test_earliest_stop_string_wins() -> None:
-    assert find_stop_string("xxabyy", ["yy", "ab"]) == (2, "ab")
-    assert find_stop_string("xxabyy", ["q"]) is None
+def test_the_stop_string_completed_first_ends_the_job_and_of_two_the_first_listed() -> None:
+    job = run(new_job(stop=["yy", "ab"]), ids("xxabyy"))
+    assert (job.finish, job.output_ids, job.text(CharTokenizer())) == (
+        FinishReason("stop", matched="ab"),
+        ids("xxab"),
+        "xx",
+    )
+    # "bc" and "abc" both end at "c": SGLang checks them in their order and cuts the text where the match begins.
+    for stops, text in ((["bc", "abc"], "xa"), (["abc", "bc"], "x")):
+        job = run(new_job(stop=stops), ids("xabcd"))
+        assert (job.finish, job.output_ids, job.text(CharTokenizer())) == (
+            FinishReason("stop", matched=stops[0]),
+            ids("xabc"),
+            text,
+        )
+
+
+def test_a_stop_string_is_found_by_the_tokens_that_end_it_after_a_long_output() -> None:
+    """Only the newest tokens are decoded for the check, each byte a token here (3 for 中)."""
+    job = new_job(stop=["中z"], max_new_tokens=10_000)
+    texts = streamed_texts(job, ("é" * 3000 + "中z!").encode())
+    assert job.finish == FinishReason("stop", matched="中z") and texts[-1] == "é" * 3000
+    assert len(job.output_ids) == 6000 + 4
 
 
 def test_abort_reason_shape() -> None:
