@@ -191,7 +191,8 @@ class OpenAIServer:
         entries = meta["output_token_logprobs"][start:]
         tops = meta.get("output_top_logprobs", [])[start:]
         tokens = [str(text) for _, _, text in entries]
-        offsets, position = [], 0
+        # Offsets in the whole completion's text: a stream's chunk goes on from the tokens sent before it.
+        offsets, position = [], sum(len(str(text)) for _, _, text in meta["output_token_logprobs"][:start])
         for token in tokens:
             offsets.append(position)
             position += len(token)
@@ -271,6 +272,8 @@ class OpenAIServer:
             sent_text[index], sent_tokens[index] = len(out["text"]), len(out["output_ids"])
             reason, matched = _finish(meta)
             choice: dict[str, Any] = {"index": index, "finish_reason": reason, "matched_stop": matched}
+            if chat:  # a chat stream ends each choice with a chunk of its own (below), as SGLang's does
+                choice.update(finish_reason=None, matched_stop=None)
             delta = out["text"][text_from:]
             if chat:
                 choice["delta"] = {"content": delta}
@@ -287,6 +290,10 @@ class OpenAIServer:
             if reason is not None:
                 finals[index] = out
             yield event(choice)
+        if chat:
+            for index, out in finals.items():
+                reason, matched = _finish(out["meta_info"])
+                yield event({"index": index, "delta": {}, "finish_reason": reason, "matched_stop": matched})
         if req.include_usage:
             outputs = [finals[i] for i in sorted(finals)]
             usage = {

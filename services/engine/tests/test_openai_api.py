@@ -97,6 +97,23 @@ def test_chat_with_n_samples_and_a_stream(client: TestClient) -> None:
     chunks = [json.loads(e) for e in events[:-1]]
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert len(text) == 3 and chunks[-1]["usage"]["completion_tokens"] == 3
+    # As SGLang's: content chunks carry no finish reason; a chunk of its own, with an empty delta, ends the choice.
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["length"]
+    assert choices[-1]["delta"] == {} and choices[-2]["delta"]["content"]
+
+
+def test_a_streamed_completions_logprobs_offsets_run_through_the_whole_text(client: TestClient) -> None:
+    body = {"prompt": "hello", "max_tokens": 6, "logprobs": 1, "temperature": 0}
+    whole = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    chunks = _events(client.post("/v1/completions", json={**body, "stream": True}))
+    offsets = [
+        o
+        for c in chunks
+        if c["choices"] and c["choices"][0]["logprobs"]
+        for o in c["choices"][0]["logprobs"]["text_offset"]
+    ]
+    assert offsets == whole["text_offset"] and offsets[-1] > 0
 
 
 def _events(answer: Any) -> list[dict[str, Any]]:
