@@ -8,11 +8,13 @@ it, and requests that were in flight there failed over to other engines through 
 healer asks the restarter to bring it back and waits, bounded by `restart_timeout_secs`, for it to pass a
 probe: the restart has then succeeded. Whether it enters routing is admission's business (it loads the
 fleet's weights first, or waits for a disk copy of them): an engine held back there answers its probes, and
-restarting it again would not change that. An attempt that fails or times out is retried with exponential
-backoff for as long as the engine stays in the fleet and has not passed a probe; it reads as restarting all
-along, backoff included. An engine that fails again within the restart timeout of coming back is in a crash
-loop (it passes a probe, then dies loading the fleet's weights, say): its backoff goes on from where it was,
-rather than starting over with an immediate restart each time.
+restarting it again would not change that. Admission waits for the restart to end: the process answering
+meanwhile may be the one the restarter is replacing. An attempt that fails or times out is retried with
+exponential backoff for as long as the engine stays in the fleet and passes no probe (one passed during the
+backoff is an engine up after all); it reads as restarting all along, backoff included. An engine that fails
+again within the restart timeout of coming back is in a crash loop (it passes a probe, then dies loading the
+fleet's weights, say): its backoff goes on from where it was, rather than starting over with an immediate
+restart each time.
 
 An engine removed from the fleet meanwhile (`forget`) stops being restarted at once, and what the restarter
 started for it is stopped (`Restarter.release`); nothing more is counted for it.
@@ -154,7 +156,14 @@ class Healer:
                     return
                 self._metrics.restarts.inc(old_url, "failure")
                 worker.last_error = f"did not pass a probe within {self._timeout:.0f}s of its restart"
+            passed = worker.probes_passed
             await asyncio.sleep(self._backoff(attempt))
+            if worker.probes_passed > passed and self._workers.contains(worker):
+                # Up after all (a replacement ready just after the restarter gave up): admission's to bring in, and a
+                # restart now would kill it, mid-load of the fleet's weights perhaps.
+                self._came_back[worker.id] = (attempt, time.monotonic())
+                logger.info("engine %s passes its probes after a restart attempt that failed", worker.url)
+                return
 
     def _backoff(self, attempt: int) -> float:
         """The wait after the `attempt`-th restart in a row that did not bring the engine back for good."""

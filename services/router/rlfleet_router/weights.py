@@ -244,7 +244,7 @@ class FleetWeights:
                 for worker in rejoining:
                     if worker.id not in loaded and self._workers.contains(worker):
                         self.stranded[worker.id] = worker  # still out of routing, and may hold part of a version
-                result = self._record_update(target, engines, answers, skipped, started)
+                result = self._record_update(target, engines, answers, skipped, started, rejoining_ids)
             await self._rejoin([w for w in rejoining if w.id in loaded])
             return result
 
@@ -274,7 +274,10 @@ class FleetWeights:
         answers: list[EngineUpdateResult | None],
         skipped: list[Worker],
         started: float,
+        rejoining: set[str],
     ) -> FleetUpdateResult:
+        """Records what the fan-out to `engines` came to; `rejoining`: the ids of the stranded engines among them,
+        out of routing from the start."""
         version = target.version
         # An engine removed from the fleet meanwhile is neither waited for nor counted.
         pairs = [(w, answer) for w, answer in zip(engines, answers, strict=True) if self._workers.contains(w)]
@@ -313,14 +316,18 @@ class FleetWeights:
             )
         self.set_target(target)
         self.sync_seconds.labels(path="disk").observe(time.monotonic() - started)
+        # An engine that loaded it and left routing before the others answered (dead, say) is recorded as holding
+        # nothing: its process may be replaced by one on its boot weights, which its admission must load.
+        left = [w for w, r in answered if r.success and not w.healthy and w.id not in rejoining]
+        skipped += left
         for worker, result in answered:
-            if result.success:
+            if result.success and worker not in left:
                 self.record_served(worker, target, self.loads)
-            else:
+            elif not result.success:
                 self._workers.take_out(worker, f"failed to load weight version {version!r}: {result.message}")
         self.loaded(DISK_UPDATE_ROUTE, target.request_body or b"", [w for w, r in answered if r.success])
         self.count_update("partial" if failed else "success")
-        loaded = len(results) - len(failed)
+        loaded = len(results) - len(failed) - len(left)
         message = f"{loaded}/{len(results)} engines serve weight version {version!r}"
         if failed:
             message += "; the others were taken out of routing until they load it"

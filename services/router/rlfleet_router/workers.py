@@ -227,8 +227,10 @@ class WorkerRegistry:
         return [w for w in self._workers.values() if w.healthy]
 
     def ready_to_admit(self, worker: Worker) -> bool:
-        """Whether a probe success should now bring `worker` (not yet healthy) into routing."""
-        if worker.healthy:
+        """Whether a probe success should now bring `worker` (not yet healthy) into routing: not while it is being
+        restarted (the process answering may be the one the restarter is about to replace: admitted, it stayed in
+        routing once replaced, the new process serving its boot weights)."""
+        if worker.healthy or worker.restarting:
             return False
         if worker.state is WorkerState.PENDING:
             return True
@@ -286,6 +288,7 @@ class WorkerRegistry:
         """The engine behind `worker` (out of routing) was restarted: a new process, holding nothing the router
         recorded of the old one, and on probation until its probes pass again. What it serves is unknown until its
         admission reads it."""
+        worker.state = WorkerState.UNHEALTHY
         worker.consecutive_successes = 0
         worker.weight_version = worker.model_path = None
         self._forget_process(worker)

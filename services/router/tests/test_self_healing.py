@@ -38,7 +38,8 @@ class FlakyRestarter:
             if self._first == "raises":
                 raise KeyError("model")  # e.g. a placeholder the command line does not fill in
             return self._first
-        self._workers.admit(self._workers.get(url))  # the health checker's part: back in routing
+        # The health checker's part, once the restart is done: back in routing.
+        asyncio.get_running_loop().call_later(0.05, self._workers.admit, self._workers.get(url))
         return url
 
     async def release(self, url: str) -> None:
