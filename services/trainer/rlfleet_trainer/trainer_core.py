@@ -125,9 +125,10 @@ class TrainerCore:
                     start = None
                 if self._closing:
                     raise Unavailable(f"the trainer is shutting down; run {run_id} cannot start here")
-                if current is not None and not current.finished:
+                stopping = current if current is not None and not current.finished and current.stop.is_set() else None
+                if current is not None and not current.finished and stopping is None:
                     return current.status()
-                if under_way is None or under_way is start:
+                if stopping is None and (under_way is None or under_way is start):
                     busy = [r.run_id for r in self._runs.values() if not r.finished]
                     busy += sorted(other for other in self._starting if other != run_id)
                     if busy:
@@ -141,7 +142,15 @@ class TrainerCore:
                     if releasing is None:
                         break
             remaining = max(0.0, deadline - time.monotonic())
-            if releasing is not None:
+            if stopping is not None:
+                # Asked to stop (a StopRun whose caller gave up, say) and training until its step ends: answered
+                # TRAINING, the caller took the run for live while it stopped. It starts again from its record.
+                if remaining <= 0 or not stopping.wait_released(remaining):
+                    raise Unavailable(
+                        f"run {run_id} was asked to stop and is finishing its step; it starts again once it has "
+                        "stopped: ask again"
+                    )
+            elif releasing is not None:
                 if not releasing.wait_released(remaining):
                     with self._lock:
                         self._give_up(start)

@@ -18,6 +18,7 @@ import grpc
 import pytest
 import redis
 
+from rlfleet.errors import Unavailable
 from rlfleet.processes import ServiceProcess, free_port
 from rlfleet.sample_stream import SampleStream
 from rlfleet.v1 import trainer_pb2_grpc
@@ -105,6 +106,23 @@ def test_a_stop_mid_step_answers_before_the_callers_deadline_and_the_run_stops_a
         done.set()
     fake_router.delay_s = 0.0
     assert core.start_run("next", spec_for(small_model_dir, steps=1, groups_per_step=1)).state == TRAINING
+
+
+def test_a_start_of_a_run_asked_to_stop_waits_for_the_stop_and_starts_it_again(
+    core: TrainerCore, small_model_dir: Path, redis_client: redis.Redis, redis_prefix: str, fake_router: Any
+) -> None:
+    """A StopRun whose caller gave up, then a StartRun of the same run: answered TRAINING at once, the run then
+    stopped at the end of its step, and its caller took it for live while the trainer sat idle."""
+    in_weight_load(core, small_model_dir, SampleStream(redis_client, "r", prefix=redis_prefix), fake_router)
+    core.request_stop("r")
+    spec = spec_for(small_model_dir, steps=5, groups_per_step=1)
+    with pytest.raises(Unavailable, match="asked to stop and is finishing its step; .* ask again"):
+        core.start_run("r", spec, join_wait_s=0.5)
+    fake_router.delay_s = 0.0
+    # Started again, from its record (its step trained again: no checkpoint covered it), and it trains on.
+    assert core.start_run("r", spec, join_wait_s=30).state == TRAINING
+    time.sleep(0.5)
+    assert core.status("r").state == TRAINING
 
 
 def test_a_checkpoint_mid_step_answers_before_the_callers_deadline_and_is_taken_after_the_step(
