@@ -7,6 +7,7 @@ checkpoint through this object, which the training thread takes at its next step
 from __future__ import annotations
 
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
@@ -19,6 +20,10 @@ from rlfleet.v1.runs_pb2 import RunSpec
 from rlfleet.v1.trainer_pb2 import CheckpointResponse, StepReport, TrainerState, TrainerStatus
 from rlfleet_trainer.rank_group import RankGroup
 from rlfleet_trainer.rank_ops import Policy, RankState
+
+# Step reports a run keeps (a follower of WatchSteps reconnecting asks for those after the last it copied): they
+# grew by one a step for as long as the run lived.
+KEPT_REPORTS = 10_000
 
 
 @dataclass
@@ -49,7 +54,8 @@ class ActiveRun:
     checkpoint_on_stop: bool = False
     state: TrainerState = TrainerState.TRAINER_STATE_STARTING
     error: str = ""
-    reports: list[StepReport] = field(default_factory=list)
+    reports: deque[StepReport] = field(default_factory=lambda: deque(maxlen=KEPT_REPORTS))
+    """The latest step reports, for WatchSteps to replay to a follower that reconnects."""
     stop: threading.Event = field(default_factory=threading.Event)
     changed: threading.Condition = field(default_factory=threading.Condition)
     thread: threading.Thread | None = None

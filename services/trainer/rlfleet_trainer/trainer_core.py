@@ -61,6 +61,8 @@ START_JOIN_WAIT_S = 60.0
 # A run id names the run's directory under the work dir, so it must be one plain name: no separator
 # or leading dot could then write outside it or into another run's.
 RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+# Finished runs whose step reports are kept beside their status.
+KEPT_FINISHED_RUNS = 4
 
 
 @dataclass
@@ -92,6 +94,9 @@ class TrainerCore:
         self.checkpoints = CheckpointCommitter(self.store, settings.keep_checkpoints, metrics)
         self._runs: dict[str, ActiveRun] = {}
         self._finished: dict[str, TrainerStatus] = {}
+        # The step reports of the latest runs that ended: a follower of WatchSteps away when a run ended, and the next
+        # one started, still gets the last steps (they went with the run's object, and the stream ended empty).
+        self._finished_reports: dict[str, list[StepReport]] = {}
         self._starting: dict[str, _Start] = {}
         self._closing = False
         """Set by shutdown: no run starts after it."""
@@ -196,6 +201,8 @@ class TrainerCore:
         """Makes `run` this trainer's run and starts its training thread (under `_lock`)."""
         self._release_finished()
         self._starting.pop(run.run_id, None)
+        # Resumed: the reports of the steps it resumes after are still its own (the steps after them are taken again).
+        run.reports.extend(r for r in self._finished_reports.pop(run.run_id, []) if r.step <= run.step)
         self._runs[run.run_id] = run
         run.update(state=TrainerState.TRAINER_STATE_TRAINING)
         self.metrics.start_run(run.step, run.weight_version, run.checkpoint_step)
@@ -326,7 +333,9 @@ class TrainerCore:
             return [], False
         if run is None:
             self.status(run_id)  # raises NotFound for unknown runs
-            return [], True
+            with self._lock:
+                kept = self._finished_reports.get(run_id, [])
+            return [r for r in kept if r.step >= from_step], True
         finished = run.finished
         return run.reports_from(from_step), finished
 
@@ -381,10 +390,15 @@ class TrainerCore:
             return self._starting.get(run_id), self._runs.get(run_id)
 
     def _release_finished(self) -> None:
-        """Keeps only the status of finished runs, freeing their models."""
+        """Keeps only the status and step reports of finished runs, freeing their models (the reports of the latest
+        KEPT_FINISHED_RUNS only)."""
         for run_id, run in list(self._runs.items()):
             if run.finished:
                 self._finished[run_id] = run.status()
+                self._finished_reports.pop(run_id, None)
+                self._finished_reports[run_id] = run.reports_from(0)
+                while len(self._finished_reports) > KEPT_FINISHED_RUNS:
+                    del self._finished_reports[next(iter(self._finished_reports))]
                 del self._runs[run_id]
 
     def _prepare(self, run_id: str, spec: RunSpec) -> ActiveRun:

@@ -64,6 +64,11 @@ def test_trains_publishes_and_acknowledges(core, small_model_dir, redis_client, 
     sample = core.metrics.registry.get_sample_value
     wait_for(lambda: math.isnan(sample("rlfleet_trainer_tokens_per_second") or 0.0))
     assert math.isnan(sample("rlfleet_trainer_loss") or 0.0) and sample("rlfleet_trainer_step") == 2
+    # A follower of WatchSteps away when the run ended, and the next run started, still gets its last steps: they
+    # went with the run's object, and the stream ended empty.
+    wait_for(lambda: not core._runs["r1"].releasing)
+    core.start_run("r1-next", spec_for(small_model_dir, steps=1, groups_per_step=1))
+    assert [r.step for r in core.reports("r1", 2)[0]] == [2] and core.reports("r1", 1)[1]
 
 
 def test_graceful_shutdown_checkpoints_and_a_restart_resumes_from_it(
@@ -499,3 +504,20 @@ def test_shutdown_during_a_start_stops_the_run_before_it_trains(core, small_mode
     assert [a.state for a in answers] == [TrainerState.TRAINER_STATE_STOPPED]
     with pytest.raises(Unavailable, match="shutting down"):
         core.start_run("r", spec)
+
+
+def test_a_run_resumed_in_the_same_trainer_keeps_the_reports_of_the_steps_it_resumes_after(
+    core, small_model_dir, redis_client, redis_prefix
+) -> None:
+    spec = spec_for(small_model_dir, steps=5, groups_per_step=1)
+    spec.trainer.checkpoint_every = 1
+    core.start_run("again", spec)
+    stream = SampleStream(redis_client, "again", prefix=redis_prefix)
+    model = load_policy(small_model_dir)
+    for i in range(2):
+        stream.append(rollout_group(model, "again", i, 0))
+    wait_for(lambda: core.status("again").checkpoint_step == 2)
+    assert core.stop_run("again").state == TrainerState.TRAINER_STATE_STOPPED
+    wait_for(lambda: not core._runs["again"].releasing)
+    resumed = core.start_run("again", spec)
+    assert resumed.step == 2 and [r.step for r in core.reports("again", 1)[0]] == [1, 2]
