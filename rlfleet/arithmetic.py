@@ -128,8 +128,10 @@ class ArithmeticTask:
         op = rng.choice(self.ops)
         bound = 10**self.digits
         if op == "/":
+            # Every b in [1, bound) has a quotient q >= 1 with b * q < bound: a quotient of 0 for a divisor of
+            # at least half the range would make most problems "0/b=".
             b = rng.randrange(1, bound)
-            q = rng.randrange(0, bound // b if bound // b > 0 else 1)
+            q = rng.randrange(1, (bound - 1) // b + 1)
             a = b * q
             return Problem(f"{a}/{b}=", str(q))
         a, b = rng.randrange(bound), rng.randrange(bound)
@@ -152,13 +154,13 @@ def _split_sizes(digits: int, ops: str, heldout_per_mille: int) -> tuple[int, in
 
 
 def _division_count(bound: int) -> int:
-    return sum(bound // b for b in range(1, bound))
+    return sum((bound - 1) // b for b in range(1, bound))
 
 
 def _all_prompts(bound: int, ops: str) -> Iterator[str]:
     """Every prompt `ArithmeticTask._draw` can make, once each."""
     for op in ops:
         if op == "/":
-            yield from (f"{b * q}/{b}=" for b in range(1, bound) for q in range(bound // b))
+            yield from (f"{b * q}/{b}=" for b in range(1, bound) for q in range(1, (bound - 1) // b + 1))
         else:
             yield from (f"{a}{op}{b}=" for a in range(bound) for b in range(bound))

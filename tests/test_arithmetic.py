@@ -13,6 +13,14 @@ def test_answers_are_correct_for_every_operator() -> None:
         assert str(eval(expression)) == problem.answer, problem  # noqa: S307 - digits and one operator only
 
 
+def test_a_division_has_a_quotient_of_at_least_1() -> None:
+    """Before, a divisor of at least half the range had the quotient 0 alone: 70 of 100 two-digit draws were 0/b."""
+    task = ArithmeticTask(digits=2, ops="/", seed=1)
+    problems = task.problems("train", 100)
+    assert all(int(p.answer) >= 1 for p in problems), [p for p in problems if p.answer == "0"]
+    assert max(int(p.prompt.split("/")[0]) for p in problems) <= 99  # the dividend keeps the task's digits
+
+
 def test_seeded_and_deterministic() -> None:
     a = ArithmeticTask(seed=1).problems("train", 50)
     assert a == ArithmeticTask(seed=1).problems("train", 50)
@@ -78,7 +86,7 @@ def test_a_small_space_is_counted_so_too_large_a_request_draws_nothing(monkeypat
 def test_every_operator_is_counted_exactly() -> None:
     task = ArithmeticTask(digits=1, ops="+-*/", seed=5)
     rng = random.Random(0)
-    seen = {task._draw(rng).prompt for _ in range(50_000)}  # far more draws than the 326 problems need
+    seen = {task._draw(rng).prompt for _ in range(50_000)}  # far more draws than the 323 problems need
     held = sum(task.is_heldout(p) for p in seen)
     assert (task.split_size("train"), task.split_size("test")) == (len(seen) - held, held)
     assert ArithmeticTask(digits=3, ops="+").split_size("test") is None  # a million problems: not counted
