@@ -12,7 +12,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from rlfleet.errors import InvalidInput
-from rlfleet.run_spec import resolve, validate
+from rlfleet.run_spec import arithmetic_heldout, relative_note, resolve, validate
 from rlfleet.v1.runs_pb2 import RunSpec
 
 # The entry-point groups the services' registries are filled from (a test checks they are the services' own).
@@ -40,11 +40,12 @@ def check_spec_here(spec: RunSpec) -> None:
     for i, term in enumerate(resolved.reward.terms):
         _require_registered(term.function, REWARD_FUNCTIONS, f"reward.terms[{i}].function", "reward function")
     source = resolved.dataset.WhichOneof("source")
-    if source != "arithmetic":
+    if source == "arithmetic":
+        arithmetic_heldout(resolved.dataset)
+    else:
         path = getattr(resolved.dataset, source).path
         if not Path(path).exists():
-            where = "" if Path(path).is_absolute() else f" (relative to {Path.cwd()}, where the fleet runs)"
-            raise InvalidInput(f"dataset.{source}.path: {path!r} does not exist{where}")
+            raise InvalidInput(f"dataset.{source}.path: {path!r} does not exist{relative_note(path, 'the fleet')}")
 
 
 def _require_registered(name: str, group: str, field: str, what: str) -> None:

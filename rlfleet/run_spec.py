@@ -11,12 +11,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from google.protobuf.struct_pb2 import ListValue, Struct, Value
 
-from rlfleet.arithmetic import OPERATORS
+from rlfleet.arithmetic import OPERATORS, ArithmeticTask, Problem
 from rlfleet.errors import InvalidInput
-from rlfleet.v1.runs_pb2 import RunSpec
+from rlfleet.v1.runs_pb2 import DatasetSpec, RunSpec
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 LOSS_AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
@@ -345,3 +346,23 @@ def validate(spec: RunSpec) -> None:
         "schedule.eval_samples",
         f"must be in [1, {MAX_EVAL_SAMPLES}]",
     )
+
+
+def arithmetic_task(ds: DatasetSpec) -> ArithmeticTask:
+    """The arithmetic task of a resolved, valid DatasetSpec whose source is `arithmetic`."""
+    return ArithmeticTask(digits=ds.arithmetic.digits, ops=ds.arithmetic.ops, seed=ds.seed)
+
+
+def arithmetic_heldout(ds: DatasetSpec) -> list[Problem]:
+    """The held-out problems of an arithmetic DatasetSpec; InvalidInput naming dataset.eval_size when its test split
+    holds fewer (which only drawing them can tell for a space too large to count)."""
+    try:
+        return arithmetic_task(ds).problems("test", ds.eval_size)
+    except ValueError as exc:
+        raise InvalidInput(f"dataset.eval_size: {exc}") from exc
+
+
+def relative_note(path: str | Path, reader: str) -> str:
+    """ " (relative to <this directory>, where <reader> runs)" for a relative path, "" for an absolute one: an
+    error about a path the spec names says where a relative one was looked for."""
+    return "" if Path(path).is_absolute() else f" (relative to {Path.cwd()}, where {reader} runs)"

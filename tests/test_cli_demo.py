@@ -139,6 +139,8 @@ def test_a_directory_holding_a_running_fleets_state_is_kept(tmp_path: Path, stat
     [
         (["--sft-steps", "-1"], "argument --sft-steps: must be >= 1, got -1"),
         (["--engines", "0", "--sft-steps", "1"], "argument --engines: must be >= 1, got 0"),
+        # An empty prefix fell back to a prefix of the demo's own whose keys were then kept, not deleted.
+        (["--redis-prefix", ""], "argument --redis-prefix: must not be empty"),
     ],
 )
 def test_bad_numbers_are_refused_before_any_work(tmp_path: Path, flags: list[str], said: str) -> None:
@@ -188,6 +190,10 @@ SPEC_HEAD = {
         ({"rollout": {"function": "single_trun"}}, "rollout.function: unknown rollout function 'single_trun'; "),
         ({"rollout": {"filters": ["zero_varaince"]}}, "rollout.filters[0]: unknown group filter 'zero_varaince'; "),
         ({"dataset": {"jsonl": {"path": "nowhere.jsonl"}}}, "dataset.jsonl.path: 'nowhere.jsonl' does not exist"),
+        (
+            {"dataset": {"arithmetic": {"digits": 1}, "eval_size": 50}},
+            "dataset.eval_size: the test split of 1-digit '+' problems holds ",
+        ),
     ],
 )
 def test_a_spec_the_fleet_would_refuse_is_refused_before_any_work(

@@ -301,6 +301,7 @@ def stop_by_pid(up: subprocess.Popen[str], state_dir: Path) -> None:
         (["--trainer-ranks", "0"], "argument --trainer-ranks: must be >= 1, got 0"),
         (["--redis-url", "redis://127.0.0.1:6379/99"], "answered with an error: DB index is out of range"),
         (["--redis-url", "http://127.0.0.1:6379/0"], "--redis-url http://127.0.0.1:6379/0: Redis URL must specify"),
+        (["--redis-prefix", ""], "argument --redis-prefix: must not be empty"),
     ],
 )
 def test_bad_flags_are_refused_before_anything_is_written_or_started(
@@ -384,19 +385,17 @@ def test_a_fleet_whose_up_was_killed_is_kept_from_a_second_up_and_down_stops_it_
             redis_client.delete(*keys)
 
 
-def test_up_refuses_a_redis_prefix_another_fleet_holds_before_it_starts_any_service(
+def test_up_refuses_a_redis_prefix_another_fleet_holds_before_it_makes_its_model(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], redis_client: redis.Redis
 ) -> None:
-    """Two fleets on one prefix would share the run queue, the run records and the sample streams."""
+    """Two fleets on one prefix would share the run queue, the run records and the sample streams; the claim was
+    found only once the fleet started, after the model was made."""
     prefix = f"rlfleet-test:{uuid.uuid4().hex}:"
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
     other = RedisClaim(REDIS_URL, prefix, tmp_path / "other")
     other.acquire()
     try:
         state_dir = tmp_path / "state"
-        argv = ["up", "--free-ports", "--engines", "1", "--model-path", str(model), "--state-dir", str(state_dir)]
+        argv = ["up", "--free-ports", "--engines", "1", "--state-dir", str(state_dir)]
         assert main([*argv, "--redis-url", REDIS_URL, "--redis-prefix", prefix]) == 1
     finally:
         other.release()
@@ -405,5 +404,6 @@ def test_up_refuses_a_redis_prefix_another_fleet_holds_before_it_starts_any_serv
     assert said.startswith("rlfleet: error: the fleet did not start: ") and "Traceback" not in said, said
     assert f"Redis {REDIS_URL} with key prefix {prefix!r} is held by another fleet" in said, said
     assert f"state dir {tmp_path / 'other'}; stop it with `rlfleet down --state-dir {tmp_path / 'other'}`" in said
+    assert not (state_dir / "models").exists(), "no model was made"
     assert not (state_dir / "logs").exists(), "no service was started"
     assert not (state_dir / "fleet.json").exists()

@@ -39,3 +39,11 @@ def positive_float(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
+
+
+def redis_prefix(text: str) -> str:
+    """A non-empty Redis key prefix: fleets sharing a Redis tell their keys apart by it, and without one a fleet
+    writes its keys among the Redis's others."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty: fleets sharing a Redis tell their keys apart by it")
+    return text

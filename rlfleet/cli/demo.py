@@ -25,7 +25,7 @@ import time
 import uuid
 from pathlib import Path
 
-from rlfleet.cli.arg_types import engine_count, positive_int
+from rlfleet.cli.arg_types import engine_count, positive_int, redis_prefix
 from rlfleet.cli.down import delete_keys
 from rlfleet.cli.fleet import check_redis_url
 from rlfleet.cli.runs import progress_line
@@ -61,6 +61,7 @@ def register(areas: argparse._SubParsersAction) -> None:
     demo.add_argument("--redis-url", default=None, help="use this Redis instead of 127.0.0.1:6379 / a started one")
     demo.add_argument(
         "--redis-prefix",
+        type=redis_prefix,
         default=None,
         help="prefix of the demo's Redis keys (default: rlfleet-demo-<random>: for each demo, its keys deleted at "
         "the end)",

@@ -17,9 +17,10 @@ import signal
 import sys
 from pathlib import Path
 
-from rlfleet.cli.arg_types import MAX_ENGINES, engine_count, positive_int
+from rlfleet.cli.arg_types import MAX_ENGINES, engine_count, positive_int, redis_prefix
 from rlfleet.cli.steps import write_tiny_model
 from rlfleet.cli.stop_signals import StopSignal, raise_on_signals, stop_on_signals
+from rlfleet.errors import Conflict, Unavailable
 from rlfleet.fleet_supervisor import GaveUp, RestartPolicy, Supervisor
 from rlfleet.local_fleet import (
     FleetConfig,
@@ -32,6 +33,7 @@ from rlfleet.local_fleet import (
     remove_own_record,
 )
 from rlfleet.processes import ServiceStartError, StartInterrupted, process_runs
+from rlfleet.redis_claim import refuse_if_held
 from rlfleet.runs_client import load_spec_file
 
 DEFAULT_STATE_DIR = Path(".rlfleet")
@@ -80,6 +82,7 @@ def register(areas: argparse._SubParsersAction) -> None:
     up.add_argument("--redis-url", default=None, help="use this Redis instead of 127.0.0.1:6379 / a started one")
     up.add_argument(
         "--redis-prefix",
+        type=redis_prefix,
         default="rlfleet:",
         help="prefix of the fleet's Redis keys: fleets sharing a Redis need different ones",
     )
@@ -145,9 +148,12 @@ def run_up(args: argparse.Namespace) -> int:
     except ServiceStartError as exc:
         print(f"rlfleet: error: the fleet did not start: {exc}", file=sys.stderr)
         return 1
-    try:  # before the model is made: a busy port is known at once (the fleet checks again as it starts)
+    try:  # before the model is made: a busy port or a held key prefix is known at once (the fleet checks again
+        # as it starts, and claims the prefix then)
         check_ports_free(FleetConfig.host, named_ports)
-    except ServiceStartError as exc:
+        if args.redis_url:
+            refuse_if_held(args.redis_url, args.redis_prefix)
+    except (ServiceStartError, Conflict, Unavailable) as exc:
         remove_own_record(args.state_dir)
         print(f"rlfleet: error: the fleet did not start: {exc}", file=sys.stderr)
         return 1

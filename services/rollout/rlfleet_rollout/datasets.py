@@ -25,8 +25,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlfleet.arithmetic import ArithmeticTask
 from rlfleet.errors import InvalidInput
+from rlfleet.run_spec import arithmetic_heldout, arithmetic_task, relative_note
 from rlfleet.v1.runs_pb2 import DatasetSpec, FileDataset
 
 logger = logging.getLogger(__name__)
@@ -60,14 +60,10 @@ def load_dataset(ds: DatasetSpec, train_prompts_wanted: int) -> LoadedDataset:
     """The train and held-out prompts of a resolved DatasetSpec; InvalidInput naming the field on any fault."""
     source = ds.WhichOneof("source")
     if source == "arithmetic":
-        task = ArithmeticTask(digits=ds.arithmetic.digits, ops=ds.arithmetic.ops, seed=ds.seed)
         # Bounded work at submit: at most MAX_ARITHMETIC_POOL train problems, fewer when the split holds
         # fewer, and eval_size is bounded by the spec's validation.
-        pool = task.train_pool(max(1, min(train_prompts_wanted, MAX_ARITHMETIC_POOL)))
-        try:
-            heldout = task.problems("test", ds.eval_size)
-        except ValueError as exc:
-            raise InvalidInput(f"dataset.eval_size: {exc}") from exc
+        pool = arithmetic_task(ds).train_pool(max(1, min(train_prompts_wanted, MAX_ARITHMETIC_POOL)))
+        heldout = arithmetic_heldout(ds)
         return LoadedDataset(
             [Prompt(p.prompt, p.answer) for p in pool], [Prompt(p.prompt, p.answer) for p in heldout], []
         )
@@ -121,7 +117,7 @@ def _read_rows(
     except OSError as exc:  # a name too long, a directory it may not search: not "not there"
         raise InvalidInput(f"{field_name}: cannot read {str(path)!r}: {exc.strerror}") from None
     if not found:
-        raise InvalidInput(f"{field_name}: {str(path)!r} does not exist")
+        raise InvalidInput(f"{field_name}: {str(path)!r} does not exist{relative_note(path, 'the orchestrator')}")
     try:
         splits = HELD_OUT_SPLITS if field_name.endswith(".eval_path") else ("train",)
         readers: dict[str, Callable[[Path, FileDataset], Iterator[tuple[str, Any]]]] = {

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from rlfleet.errors import InvalidInput
+from rlfleet.run_spec import relative_note
 from rlfleet.v1.runs_pb2 import RunSpec
 
 
@@ -55,7 +56,8 @@ def require_model_config(model_path: str) -> None:
         raise InvalidInput(f"model.path: cannot read {model_path!r}: {exc.strerror}") from None
     if not found:
         raise InvalidInput(
-            f"model.path: no Hugging Face model at {model_path!r} (config.json missing); point it at the "
+            f"model.path: no Hugging Face model at {model_path!r}{relative_note(model_path, 'the orchestrator')} "
+            "(config.json missing); point it at the "
             "directory holding the policy's config.json and weights, on the storage the trainer shares"
         )
 

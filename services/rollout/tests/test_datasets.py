@@ -73,6 +73,20 @@ def test_no_training_row_repeats_a_held_out_prompt(tmp_path: Path) -> None:
         load_dataset(spec, 100)
 
 
+def test_a_missing_relative_path_is_named_with_the_directory_it_was_looked_for_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The orchestrator's directory is not the submitter's: without it, "does not exist" named a file that does."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidInput) as refused:
+        load_dataset(_spec("jsonl", Path("data/train.jsonl")), 8)
+    assert str(refused.value) == (
+        f"dataset.jsonl.path: 'data/train.jsonl' does not exist (relative to {tmp_path}, where the orchestrator runs)"
+    )
+    with pytest.raises(InvalidInput, match=r"'/nowhere/train.jsonl' does not exist$"):
+        load_dataset(_spec("jsonl", Path("/nowhere/train.jsonl")), 8)
+
+
 def test_a_dataset_dicts_held_out_rows_come_from_its_test_split(tmp_path: Path) -> None:
     """Pointed at a train/test DatasetDict, eval_path read its train split: the run was evaluated on the rows
     it trained on."""

@@ -149,7 +149,9 @@ def test_a_reward_the_hub_takes_is_stored_as_given(reward_hub: str, redis_prefix
         # A model directory without config.json, the tokenizer elsewhere and fine: the trainer would refuse it.
         ({"model": {"path": "{tmp}", "tokenizer_path": "{tokenizer}"}}, "model.path: no Hugging Face model at"),
         # Without a tokenizer_path the model's path is the one named, not the tokenizer_path it defaults to.
-        ({"model": {"path": "/nonexistent"}}, "model.path: no Hugging Face model at '/nonexistent'"),
+        ({"model": {"path": "/nonexistent"}}, "model.path: no Hugging Face model at '/nonexistent' (config.json"),
+        # A relative path is resolved where the orchestrator runs, which the submitter may not know.
+        ({"model": {"path": "models/none"}}, "model.path: no Hugging Face model at 'models/none' (relative to /"),
         ({"model": {"path": "{tokenizer}", "tokenizer_path": "{tmp}"}}, "model.tokenizer_path: "),
         ({"trainer": {"learning_rate": 0}, "algorithm": {"name": "ppo"}}, "trainer.learning_rate: must be in (0, 1)"),
         ({"dataset": {"arithmetic": {"digits": 2}, "eval_size": 100_000}}, "dataset.eval_size: must be in [1, 10000]"),
