@@ -171,6 +171,11 @@ class RunsClient:
         self.unreachable_hint = unreachable_hint
         self.not_runs_api_hint = not_runs_api_hint
         try:
+            url = httpx.URL(self.base_url)
+            if url.scheme not in ("http", "https"):
+                raise httpx.InvalidURL(f"the scheme is {url.scheme!r}, not http or https")
+            if url.port is not None and not 1 <= url.port <= 65535:
+                raise httpx.InvalidURL(f"port {url.port} is outside 1-65535")
             self.http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=bearer_headers(token))
         except httpx.InvalidURL as exc:
             raise InvalidInput(f"{base_url!r} is not an address of the Runs API ({exc}){unreachable_hint}") from exc

@@ -44,6 +44,7 @@ def test_every_option_with_a_default_shows_it() -> None:
         (["data", "arithmetic"], "digits per operand (1-9) (default 2)"),
         (["submit"], "seconds to wait for connecting and for each answer; a watch starts only once"),
         (["watch"], "then waits up to 60 s for each event or keep-alive (default 30.0)"),
+        (["cancel"], "seconds to wait for connecting and for each answer (default 30.0)"),  # no watch to speak of
         (["down"], "the state directory `rlfleet up` used (default .rlfleet)"),
         (["runs"], "only runs in this state: queued, running, stalled, succeeded, failed, cancelled (stalled: running"),
     ],

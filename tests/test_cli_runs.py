@@ -355,6 +355,22 @@ def test_a_malformed_address_is_one_line_naming_where_it_came_from(
     assert error.rstrip().endswith(f"the address came from {source}") and "Traceback" not in error, error
 
 
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        ("ftp://127.0.0.1:8000", "the scheme is 'ftp', not http or https"),
+        ("http://127.0.0.1:99999", "port 99999 is outside 1-65535"),
+        ("127.0.0.1:0", "port 0 is outside 1-65535"),
+    ],
+)
+def test_an_address_no_runs_api_can_have_is_refused_as_such(bad: str, why: str, capsys: pytest.CaptureFixture) -> None:
+    """Before, each was tried, and "did not answer: [Errno 111] Connection refused" sent one looking for a server."""
+    assert main(["runs", "--api", bad, "--timeout", "2"]) == 2
+    assert capsys.readouterr().err == (
+        f"rlfleet: error: {bad!r} is not an address of the Runs API ({why}); the address came from --api\n"
+    )
+
+
 def test_a_run_the_orchestrator_does_not_hold_is_not_found(api: str, capsys: pytest.CaptureFixture) -> None:
     assert main(["watch", "run-none", "--api", api]) == 2
     assert capsys.readouterr().err == "rlfleet: error: HTTP 404: run 'run-none' not found\n"
@@ -602,6 +618,25 @@ def test_a_watch_that_cannot_be_kept_up_says_where_the_run_was_with_exit_code_3(
     assert f"the watch ended while {run_id} is RUNNING at step 2" in error
     # The command that follows it again finds the same fleet (it named the wrong one without the flag).
     assert f"`rlfleet watch {run_id} --api {api}` follows it again" in error
+
+
+def test_ctrl_c_on_a_watch_says_the_run_goes_on_and_how_to_follow_it_again(
+    api: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """It said "interrupted" alone, which reads as the run stopped too."""
+
+    def follow(self: RunsClient, run_id: str, *args: object, **kwargs: object) -> Iterator[Run]:
+        yield Run(id=run_id, state=RunState.RUN_STATE_RUNNING, progress=RunProgress(step=1, total_steps=6))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(RunsClient, "follow", follow)
+    assert main(["watch", "run-0007", "--api", api]) == 130
+    out, error = capsys.readouterr()
+    assert "step 1/6" in out
+    assert error == (
+        f"\nstopped watching run-0007; the run goes on: `rlfleet watch run-0007 --api {api}` follows it again, "
+        f"`rlfleet cancel run-0007 --api {api}` cancels it\n"
+    )
 
 
 def test_a_watch_that_goes_silent_says_it_was_lost_and_how_long_it_tries_again(

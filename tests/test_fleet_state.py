@@ -78,6 +78,12 @@ def test_down_leaves_alone_processes_that_only_have_the_recorded_pids(
     assert not (tmp_path / "fleet.json").exists()
 
 
+def test_down_with_no_fleet_recorded_has_nothing_to_stop(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """As a second `down` after a first: it exited 1 with a line that was not an error's."""
+    assert main(["down", "--state-dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == f"no fleet recorded in {tmp_path / 'fleet.json'}: nothing to stop\n"
+
+
 def test_down_stops_the_recorded_processes(tmp_path: Path, sleepers: list[ServiceProcess]) -> None:
     owner, service = sleepers
     record(tmp_path, owner, service)

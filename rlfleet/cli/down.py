@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,9 +41,9 @@ def register(areas: argparse._SubParsersAction) -> None:
 
 def run_down(args: argparse.Namespace) -> int:
     state = read_state(args.state_dir)
-    if state is None:
-        print(f"no fleet recorded in {args.state_dir / 'fleet.json'}", file=sys.stderr)
-        return 1
+    if state is None:  # stopping what is not running succeeds, as a second `down` after a first one
+        print(f"no fleet recorded in {args.state_dir / 'fleet.json'}: nothing to stop", flush=True)
+        return 0
     print(f"stopping the fleet of pid {state['pid']} ({state.get('state', 'up')}) ...", flush=True)
     stop_from_state(args.state_dir, say=lambda line: print(line, flush=True))
     print("fleet stopped", flush=True)

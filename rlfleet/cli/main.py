@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from rlfleet.cli import data, demo, down, fleet, model, runs
 from rlfleet.cli.defaults_help import CommandParser
-from rlfleet.cli.runs import WATCH_ENDED_EXIT
+from rlfleet.cli.runs import WATCH_ENDED_EXIT, WatchInterrupted
 from rlfleet.cli.stop_signals import StopSignal
 from rlfleet.errors import RlfleetError
 from rlfleet.logs import init_logging
@@ -53,7 +53,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StopSignal as stop:  # `up` and `demo` have stopped what they started
         print(f"\n{stop}", file=sys.stderr)
         return 128 + stop.signum
-    except KeyboardInterrupt:  # Ctrl-C ends a watch (the run goes on); `up` and `demo` handle it themselves
+    except WatchInterrupted as stop:  # Ctrl-C ends the watch, not the run
+        again = f"{stop.run_id}{runs.address_flags(args)}"
+        print(
+            f"\nstopped watching {stop.run_id}; the run goes on: `rlfleet watch {again}` follows it again, "
+            f"`rlfleet cancel {again}` cancels it",
+            file=sys.stderr,
+        )
+        return 130
+    except KeyboardInterrupt:  # `up` and `demo` handle Ctrl-C themselves
         print("\ninterrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:

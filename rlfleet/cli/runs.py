@@ -95,12 +95,17 @@ def register(areas: argparse._SubParsersAction) -> None:
         parser.add_argument(
             "--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="the state directory `rlfleet up` used"
         )
+        watches = (
+            f"; a watch starts only once the orchestrator has answered within it, then waits up to "
+            f"{WATCH_READ_TIMEOUT_S:g} s for each event or keep-alive"
+            if parser in (submit, watch)
+            else ""
+        )
         parser.add_argument(
             "--timeout",
             type=positive_float,
             default=30.0,
-            help="seconds to wait for connecting and for each answer; a watch starts only once the orchestrator "
-            f"has answered within it, then waits up to {WATCH_READ_TIMEOUT_S:g} s for each event or keep-alive",
+            help=f"seconds to wait for connecting and for each answer{watches}",
         )
         parser.add_argument(
             "--api-token-file",
@@ -202,6 +207,14 @@ def progress_line(run: Run) -> str:
     )
 
 
+class WatchInterrupted(KeyboardInterrupt):
+    """Ctrl-C on a watch: the watch ends, the run goes on."""
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(run_id)
+        self.run_id = run_id
+
+
 def watch_until_done(client: RunsClient, run_id: str, out: TextIO, reconnect_within_s: float) -> Run:
     """Prints the run's progress (rewriting one line on a terminal) and returns the final run; WatchEnded when
     the watch cannot be started again within `reconnect_within_s` after the orchestrator ended it. A stall, and
@@ -233,6 +246,8 @@ def watch_until_done(client: RunsClient, run_id: str, out: TextIO, reconnect_wit
             shown = line
             out.flush()
             last = run
+    except KeyboardInterrupt:
+        raise WatchInterrupted(run_id) from None
     finally:
         if live:
             out.write("\n")
