@@ -18,6 +18,18 @@ def load_policy(path: str | Path) -> PreTrainedModel:
     return model
 
 
+def disable_dropout(model: torch.nn.Module) -> None:
+    """RL trains without dropout, as the engines sample without it: with it, the trainer's log-probs of on-policy
+    tokens differ from the rollout's and from the reference's by noise (ratios off 1, a KL above 0 at step 0).
+    Covers dropout modules (GPT-2's attn/resid/embd_pdrop) and the float handed to attention kernels (Llama's and
+    Qwen's attention_dropout, 0 in their configs already). The model's config, exported with its weights, is kept."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            setattr(module, "attention_dropout", 0.0)  # noqa: B010 - a plain attribute torch's typing does not know
+
+
 @dataclass(frozen=True)
 class ScoredTokens:
     logp: torch.Tensor  # (B, T) log-probability of each response token

@@ -18,7 +18,7 @@ from rlfleet.v1.samples_pb2 import SampleGroup
 from rlfleet_trainer.checkpoint import CheckpointMeta, TrainingState, load_checkpoint, save_checkpoint
 from rlfleet_trainer.data_parallel import current_ranks
 from rlfleet_trainer.optim import optimizer_from_spec
-from rlfleet_trainer.policy import load_policy
+from rlfleet_trainer.policy import disable_dropout, load_policy
 from rlfleet_trainer.rank_group import Op
 from rlfleet_trainer.sharding import full_state_dict, shard_model
 from rlfleet_trainer.train_step import StepConfig, step_config_from_spec, train_step
@@ -57,6 +57,7 @@ class RankState:
 def load_model(path: str | Path, options: ShardingOptions, trainable: bool) -> PreTrainedModel:
     """The model at `path`, sharded when there is more than one rank (one rank keeps it whole)."""
     model = load_policy(path)
+    disable_dropout(model)
     if not trainable:
         model.eval().requires_grad_(False)
     if current_ranks().world > 1:

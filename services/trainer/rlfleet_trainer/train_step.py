@@ -239,7 +239,7 @@ def train_step(
         or config.loss.sequence_ratio
     )
     # In the updates' mode from the start: the pre-update log-probs and the values come from the model the updates
-    # train (a model loaded for the run is in eval mode, which would score the first step without its dropout).
+    # train (its dropout is off, see disable_dropout; a module may still act differently in training mode).
     model.train()
     # With one update the policy's current log-probs are its pre-update ones: no pass needed to record them.
     before = score_before_update(
