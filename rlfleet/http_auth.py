@@ -23,15 +23,25 @@ OPEN_PATHS = ("/health", "/liveness", "/metrics")
 
 class BearerTokenMiddleware:
     def __init__(
-        self, app: ASGIApp, guard: ApiTokenGuard, open_paths: frozenset[str], open_methods: frozenset[str]
+        self,
+        app: ASGIApp,
+        guard: ApiTokenGuard,
+        open_paths: frozenset[str],
+        open_methods: frozenset[str],
+        guarded_paths: frozenset[str] = frozenset(),
     ) -> None:
         self.app = app
         self.guard = guard
         self.open_paths = open_paths
         self.open_methods = open_methods
+        self.guarded_paths = guarded_paths
+
+    def _open(self, scope: Scope) -> bool:
+        path = scope["path"]
+        return path in self.open_paths or (scope["method"] in self.open_methods and path not in self.guarded_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.open_paths or scope["method"] in self.open_methods:
+        if scope["type"] != "http" or self._open(scope):
             await self.app(scope, receive, send)
             return
         try:
@@ -45,9 +55,15 @@ class BearerTokenMiddleware:
 
 
 def require_api_token(
-    app: FastAPI, guard: ApiTokenGuard, *, open_paths: Iterable[str] = OPEN_PATHS, open_methods: Iterable[str] = ()
+    app: FastAPI,
+    guard: ApiTokenGuard,
+    *,
+    open_paths: Iterable[str] = OPEN_PATHS,
+    open_methods: Iterable[str] = (),
+    guarded_paths: Iterable[str] = (),
 ) -> None:
-    """Guards every route of `app` but `open_paths` and requests with `open_methods` (e.g. GET).
+    """Guards every route of `app` but `open_paths` and requests with `open_methods` (e.g. GET), except those to
+    `guarded_paths` (a GET that changes state, as SGLang's GET /flush_cache).
 
     Add it before middlewares that must stay in front of it (the router's generation relay).
     """
@@ -57,4 +73,5 @@ def require_api_token(
             guard=guard,
             open_paths=frozenset(open_paths),
             open_methods=frozenset(m.upper() for m in open_methods),
+            guarded_paths=frozenset(guarded_paths),
         )

@@ -166,6 +166,7 @@ def test_router_admin_endpoints_need_the_token_and_generation_does_not(
         ("POST", "/pause_generation", {}),
         ("POST", "/continue_generation", {}),
         ("POST", "/flush_cache", {}),
+        ("GET", "/flush_cache", None),  # SGLang serves it on GET too: a GET that changes state
         ("DELETE", "/trajectories/x", None),
     ]
     with httpx.Client(base_url=secured_router.url, timeout=30) as http:
@@ -180,6 +181,7 @@ def test_router_admin_endpoints_need_the_token_and_generation_does_not(
         assert generated.status_code == 200, generated.text
         # With the token the same requests reach the router (and the engine behind it).
         assert http.post("/flush_cache", json={}, headers=bearer).status_code == 200
+        assert http.get("/flush_cache", headers=bearer).status_code == 200
         weights = http.post(
             "/update_weights_from_disk", json={"model_path": "sim", "weight_version": "1"}, headers=bearer
         )
@@ -187,4 +189,4 @@ def test_router_admin_endpoints_need_the_token_and_generation_does_not(
         added = http.post("/workers", json={"url": "http://127.0.0.1:9"}, headers=bearer)
         assert added.status_code == 202, added.text
         assert http.delete("/workers/http://127.0.0.1:9", headers=bearer).status_code == 200
-        assert 'rlfleet_router_unauthenticated_requests_total{transport="http"} 16.0' in http.get("/metrics").text
+        assert 'rlfleet_router_unauthenticated_requests_total{transport="http"} 18.0' in http.get("/metrics").text

@@ -89,8 +89,12 @@ class Fanout:
         self._drop_requests = drop_requests
         self._expired_pauses = expired_pauses
 
-    async def send(self, route: str, body: bytes, headers: Mapping[str, str]) -> tuple[int, dict[str, object]]:
-        """Sends `route` to every engine; returns the HTTP status of the whole and the per-engine outcomes."""
+    async def send(
+        self, route: str, body: bytes, headers: Mapping[str, str], query: str = ""
+    ) -> tuple[int, dict[str, object]]:
+        """Sends `route` (with its `query`, if any) to every engine; returns the HTTP status of the whole and the
+        per-engine outcomes: 200 when every engine took it, 400 when none did and each refused it (4xx), else 502
+        (some took it and some did not, or an engine failed or did not answer)."""
         assert route in FANOUT_ROUTES, route
         workers = self._workers.all()
         if not workers:
@@ -107,7 +111,8 @@ class Fanout:
             )
         else:
             pause = self._pauses.begin(workers, body, forwarded) if route == PAUSE_ROUTE else None
-            outcomes = self._members(await asyncio.gather(*(self._one(w, route, body, forwarded) for w in workers)))
+            target = f"{route}?{query}" if query else route
+            outcomes = self._members(await asyncio.gather(*(self._one(w, target, body, forwarded) for w in workers)))
             if pause is not None and not any(o.ok for o in outcomes):
                 self._pauses.end(pause)  # no engine paused (a body they all refused): neither is the fleet
         if route == FLUSH_ROUTE:
@@ -126,7 +131,8 @@ class Fanout:
         if ok:
             return 200, summary
         refused = [o for o in outcomes if not o.ok]
-        return (400 if all(o.status is not None and 400 <= o.status < 500 for o in refused) else 502), summary
+        every_one_refused = done == 0 and all(o.status is not None and 400 <= o.status < 500 for o in refused)
+        return (400 if every_one_refused else 502), summary
 
     async def end_pauses(self, workers: list[Worker]) -> None:
         """Sends /continue_generation to `workers`, whose pause outlived its bound: whoever paused them (a trainer

@@ -23,6 +23,7 @@ from rlfleet.http_errors import install_error_handlers
 from rlfleet.http_limits import BodySizeLimitMiddleware
 from rlfleet_router.api_models import AddWorkerRequest, UpdateWeightsRequest
 from rlfleet_router.config import RouterConfig
+from rlfleet_router.engine_controls import FLUSH_ROUTE
 from rlfleet_router.fanout import FANOUT_ROUTES
 from rlfleet_router.fleet import Fleet, parse_json_object
 from rlfleet_router.generation_relay import GenerationRelay, error_answer
@@ -60,20 +61,23 @@ def create_app(config: RouterConfig) -> GenerationRelay:
     app.add_middleware(RequestMetricsMiddleware, metrics=fleet.metrics)
     # Admin requests (workers, weight loads, aborts, pause/continue, flush) need the token; reads stay open.
     guard = ApiTokenGuard.from_file(config.api_token_file, fleet.metrics.registry, "router")
-    require_api_token(app, guard, open_methods=("GET", "HEAD"))
+    # SGLang serves GET /flush_cache too (clients such as slime's use it): a GET that changes state keeps the token.
+    require_api_token(app, guard, open_methods=("GET", "HEAD"), guarded_paths=(FLUSH_ROUTE,))
 
     def control(route: str) -> Callable[[Request], Awaitable[JSONResponse]]:
         async def fan_out(request: Request) -> JSONResponse:
             body = await request.body()
             if body.strip():
                 parse_json_object(body)  # one clear 400 here rather than one from every engine
-            status, summary = await fleet.fanout.send(route, body, request.headers)
+            # The query too: SGLang's /flush_cache takes its timeout there.
+            status, summary = await fleet.fanout.send(route, body, request.headers, request.url.query)
             return JSONResponse(summary, status_code=status)
 
         return fan_out
 
     for route in FANOUT_ROUTES:
-        app.add_api_route(route, control(route), methods=["POST"], response_model=None)
+        methods = ["GET", "POST"] if route == FLUSH_ROUTE else ["POST"]
+        app.add_api_route(route, control(route), methods=methods, response_model=None)
 
     @app.get("/v1/models")
     async def models(request: Request) -> EngineResponse:
@@ -104,7 +108,7 @@ def create_app(config: RouterConfig) -> GenerationRelay:
         body = json.dumps(update.model_dump()).encode()
         # A caller that gave up while its update queued must not see that version land later.
         result = await fleet.update_weights(update.model_path, update.weight_version, body, request.is_disconnected)
-        return JSONResponse(result.describe(), status_code=200 if result.success else 502)
+        return JSONResponse(result.describe(), status_code=result.http_status)
 
     app.include_router(weight_group_routes(fleet))
 

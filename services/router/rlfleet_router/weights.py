@@ -131,6 +131,16 @@ class FleetUpdateResult:
     # it ran (a hung engine). They load the target before they rejoin.
     skipped: tuple[Worker, ...]
 
+    @property
+    def http_status(self) -> int:
+        """200 when it succeeded; 400 when every engine that answered refused the request itself (4xx: a path it
+        cannot read, a body it rejects, as SGLang answers a failed load), which a retry would only send again to
+        the whole fleet; else 502 (an engine failing, not answering, or the fleet split)."""
+        if self.success:
+            return 200
+        refused = [r for r in self.engines if r.status is not None and 400 <= r.status < 500]
+        return 400 if refused and len(refused) == len(self.engines) else 502
+
     def describe(self) -> dict[str, object]:
         return {
             "success": self.success,
@@ -299,9 +309,11 @@ class FleetWeights:
             if not results:
                 raise Unavailable(
                     f"every engine left routing while loading weight version {version!r}; "
-                    f"the fleet still serves {self.version!r}; GET /workers shows why"
+                    f"the fleet still serves {shown_version(self.version)}; GET /workers shows why"
                 )
-            message = f"no engine loaded weight version {version!r}; the fleet still serves {self.version!r}"
+            message = (
+                f"no engine loaded weight version {version!r}; the fleet still serves {shown_version(self.version)}"
+            )
             if unsure:
                 message += (
                     f"; {len(unsure)} did not answer in time and left routing: the first found serving "
@@ -430,7 +442,7 @@ class FleetWeights:
         """Records where engines that rejoin load the current `version` from; refuses any other version."""
         if self.target is None or self.target.version != version:
             raise Conflict(
-                f"weight_version: the fleet serves {self.version!r}, not {version!r}; "
+                f"weight_version: the fleet serves {shown_version(self.version)}, not {version!r}; "
                 "a disk copy can only be registered for the current version"
             )
         # The same weights as the load the target stands for: engines that applied it need not load this.
@@ -498,6 +510,11 @@ class FleetWeights:
             logger.warning("worker %s failed %s: %s", worker.url, route, message)
         seconds = time.monotonic() - start
         return EngineUpdateResult(worker.id, worker.url, success, message, seconds, answered, partial, status)
+
+
+def shown_version(version: str | None) -> str:
+    """A weight version for a message: quoted, or "no version yet" before the fleet's first load."""
+    return "no version yet" if version is None else repr(version)
 
 
 def parse_json_object(response: httpx.Response) -> dict[str, object] | None:

@@ -76,6 +76,8 @@ class FakeEngine:
     info_routes: tuple[str, ...] = ("/get_model_info",)
     info_calls: list[str] = field(default_factory=list)  # the paths asked, in order
     refused_controls: set[str] = field(default_factory=set)  # control routes answered 503 (and not applied)
+    refused_with: int = 503  # the status of those refusals
+    control_queries: list[str] = field(default_factory=list)  # the query string of each control request
     raw_bodies: list[bytes] = field(default_factory=list)
     content_types: list[str | None] = field(default_factory=list)  # of each /generate request
     tags: list[list[str]] = field(default_factory=list)  # the X-Tag lines of each /generate request
@@ -169,11 +171,12 @@ class FakeEngine:
             """Like SGLang's: a body is read as JSON only under a JSON Content-Type."""
             body, content_type = await request.body(), request.headers.get("content-type")
             self.controls.append((request.url.path, content_type, body))
+            self.control_queries.append(request.url.query)
             await asyncio.sleep(self.control_delay)
             if body and content_type != "application/json":
                 return JSONResponse({"detail": "body: not read as JSON"}, status_code=400)
             if request.url.path in self.refused_controls:
-                return JSONResponse({"detail": "refused"}, status_code=503)
+                return JSONResponse({"detail": "refused"}, status_code=self.refused_with)
             if request.url.path == "/abort_request":
                 self._aborted.setdefault(str(json.loads(body).get("rid", "")), asyncio.Event()).set()
                 self.events.append("abort")

@@ -88,3 +88,36 @@ def test_a_pause_no_engine_took_takes_no_engine_out_of_routing(
     router.wait_healthy(2)
     assert router.client.post("/pause_generation", json={}).status_code == 502
     assert [w["healthy"] for w in router.workers()] == [True, True]
+
+
+def test_a_flush_cache_keeps_its_query_and_may_be_a_get_as_at_sglang(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """SGLang's /flush_cache takes its timeout in the query and answers GET too (slime's client uses GET): the
+    query was dropped on the way to the engines, and a GET was refused with 405."""
+    engines = [start_engine("a"), start_engine("b")]
+    router = start_router([e.url for e in engines])
+    router.wait_healthy(2)
+    assert router.client.post("/flush_cache?timeout=30").status_code == 200
+    assert router.client.get("/flush_cache").status_code == 200
+    for engine in engines:
+        assert [c[0] for c in engine.controls] == ["/flush_cache", "/flush_cache"]
+        assert engine.control_queries == ["timeout=30", ""]
+
+
+def test_a_control_some_engines_took_is_not_answered_as_a_bad_request(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """One engine paused, the other refused (404: an SGLang without the route): 400 read as "nothing happened, the
+    request was malformed", though an engine was paused; only a refusal by every engine is a 400."""
+    takes, refuses = start_engine("takes"), start_engine("refuses", refused_controls={"/pause_generation"})
+    refuses.refused_with = 404
+    router = start_router([takes.url, refuses.url])
+    router.wait_healthy(2)
+    answer = router.client.post("/pause_generation", json={})
+    assert answer.status_code == 502, answer.text
+    assert [e["status"] for e in answer.json()["engines"]] == [200, 404]
+    takes.refused_controls.add("/abort_request")
+    takes.refused_with = 404
+    refuses.refused_controls.add("/abort_request")
+    assert router.client.post("/abort_request", json={"rid": "r"}).status_code == 400

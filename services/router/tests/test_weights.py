@@ -94,9 +94,23 @@ def test_update_that_every_engine_fails_keeps_the_old_version(
     ).is_success
     engine.fail_updates = True
     answer = router.client.post("/update_weights_from_disk", json={"model_path": "/c/2", "weight_version": "2"})
-    assert answer.status_code == 502 and answer.json()["weight_version"] == "1"
+    # Every engine refused it (400, as SGLang answers a load it cannot do): a 502 made the trainer send the same
+    # load to the whole fleet again and again for minutes.
+    assert answer.status_code == 400 and answer.json()["weight_version"] == "1"
+    assert answer.json()["message"] == "no engine loaded weight version '2'; the fleet still serves '1'"
     assert router.client.get("/weight_version").json()["weight_version"] == "1"
     assert router.workers()[0]["healthy"] is True, "the engine still serves the fleet's version"
+
+
+def test_a_first_load_every_engine_refuses_says_the_fleet_has_no_version_yet(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    engine = start_engine("a", fail_updates=True)
+    router = start_router([engine.url])
+    router.wait_healthy(1)
+    answer = router.client.post("/update_weights_from_disk", json={"model_path": "/c/1", "weight_version": "1"})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["message"] == "no engine loaded weight version '1'; the fleet still serves no version yet"
 
 
 def test_bad_update_requests_are_4xx_and_no_engine_is_503(
