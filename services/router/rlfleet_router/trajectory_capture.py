@@ -31,6 +31,12 @@ def trajectory_id(headers: Mapping[str, str]) -> str | None:
     value = headers.get(TRAJECTORY_HEADER)
     if value is None:
         return None
+    try:  # HTTP hands header values over as latin-1; a client sends the id's UTF-8, as a URL naming it carries
+        value = value.encode("latin-1").decode("utf-8")
+    except UnicodeEncodeError:  # not read from the wire as latin-1: already text
+        pass
+    except UnicodeDecodeError:
+        raise InvalidInput(f"header {TRAJECTORY_HEADER}: must be UTF-8 text") from None
     value = value.strip()
     if not value or len(value) > MAX_TRAJECTORY_ID_CHARS:
         raise InvalidInput(f"header {TRAJECTORY_HEADER}: must be 1 to {MAX_TRAJECTORY_ID_CHARS} characters")
@@ -44,6 +50,10 @@ def _is_token_ids(value: object) -> TypeGuard[list[int]]:
 def _samples(body: Mapping[str, Any], route: str) -> object:
     if route == "/generate":
         params = body.get("sampling_params")
+        if isinstance(params, list) and len(params) == 1:  # one per prompt, of the one prompt
+            params = params[0]
+        elif isinstance(params, list):
+            return len(params)
         return params.get("n", 1) if isinstance(params, Mapping) else 1
     return body.get("n", 1)
 

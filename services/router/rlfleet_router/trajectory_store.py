@@ -9,7 +9,9 @@ store lays them out as one sample:
     loss_mask     = 1 on every output token, 0 on every between token (tool results, the next user turn)
     logprobs      = the engine's logprob on output tokens, 0.0 on between tokens
 
-where between_i is what turn i's prompt adds after everything before it. That layout is exact only
+where between_i is what turn i's prompt adds after everything before it. A turn sent again under the rid and
+with the prompt of the last one (its client lost the answer and retried) takes that turn's place. That layout is
+exact only
 if each prompt starts with the trajectory so far; a turn whose prompt does not (the client rewrote
 history, or re-tokenisation changed a token) marks the trajectory diverged, and reading it is then a
 Conflict naming the turn, never a silently different sequence. So does a turn whose answer the router
@@ -78,6 +80,8 @@ class Trajectory:
     loss_mask: bytearray = field(default_factory=bytearray)
     turns: list[dict[str, object]] = field(default_factory=list)
     weight_versions: list[str | None] = field(default_factory=list)
+    turn_versions: list[tuple[str | None, ...]] = field(default_factory=list)
+    """The versions that sampled each turn's tokens, so a turn sent again can be taken back out."""
     diverged: str | None = None
     fleet_update: int = 0  # the fleet's weight update count at the last turn
     updated_at: float = field(default_factory=time.time)
@@ -96,6 +100,30 @@ class Trajectory:
         self.loss_mask = bytearray()
         self.turns = []
         self.weight_versions = []
+        self.turn_versions = []
+
+    def take_back_last_turn(self) -> None:
+        """Removes the last turn's output (its prompt's tokens stay: they are the trajectory so far)."""
+        outputs = int(self.turns.pop()["output_tokens"])  # type: ignore[call-overload]
+        if outputs:
+            del self.response_ids[-outputs:]
+            del self.logprobs[-outputs:]
+            del self.loss_mask[-outputs:]
+        self.turn_versions.pop()
+        self.weight_versions = list(dict.fromkeys(v for versions in self.turn_versions for v in versions))
+
+    def last_turn_sent_again(self, turn: Turn) -> bool:
+        """Whether `turn` is the last turn sent again: the same rid and the same prompt (a client that lost the
+        answer and retried it; the engine ran it twice, the client reads the second answer). A last turn without
+        output (aborted before its first token, resumed under its rid) is extended as it is, and keeps its record."""
+        if self.diverged is not None or not self.turns or turn.rid is None or self.turns[-1]["rid"] != turn.rid:
+            return False
+        if not self.turns[-1]["output_tokens"]:
+            return False
+        prompt_tokens = self.turns[-1]["prompt_tokens"]
+        return len(turn.prompt_ids) == prompt_tokens and (self.prompt_ids + self.response_ids)[
+            : len(turn.prompt_ids)
+        ] == token_ids(turn.prompt_ids)
 
     def describe(self) -> dict[str, object]:
         return {
@@ -132,6 +160,8 @@ class TrajectoryStore:
             between = token_ids()
         else:
             self.tokens -= trajectory.tokens
+            if trajectory.last_turn_sent_again(turn):
+                trajectory.take_back_last_turn()
             between = self._between(trajectory, turn)
         if trajectory.diverged is None:
             trajectory.response_ids += between + token_ids(turn.output_ids)
@@ -147,7 +177,9 @@ class TrajectoryStore:
                 }
             )
             # A turn aborted before its first token (to be resumed) names the version it waited on: it sampled nothing.
-            for version in (turn.weight_versions or (turn.weight_version,)) if turn.output_ids else ():
+            versions = (turn.weight_versions or (turn.weight_version,)) if turn.output_ids else ()
+            trajectory.turn_versions.append(versions)
+            for version in versions:
                 if version not in trajectory.weight_versions:
                     trajectory.weight_versions.append(version)
         trajectory.fleet_update = fleet_update

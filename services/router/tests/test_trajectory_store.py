@@ -11,7 +11,8 @@ import pytest
 
 from rlfleet.errors import Conflict, InvalidInput, NotFound
 from rlfleet_router import trajectory_store
-from rlfleet_router.trajectory_capture import check_trajectory_request, turn_from_answer
+from rlfleet_router.generation_relay import header_dict
+from rlfleet_router.trajectory_capture import check_trajectory_request, trajectory_id, turn_from_answer
 from rlfleet_router.trajectory_store import ENTRY_TOKENS, TURN_TOKENS, TrajectoryStore, Turn
 
 
@@ -39,6 +40,35 @@ def test_every_version_that_sampled_a_turn_is_kept_oldest_first() -> None:
     store.record("t", Turn("r", (1, 2), (3, 4), (-0.5, -1.0), "2", "e", ("1", "2")), fleet_update=0)
     store.record("t", turn([1, 2, 3, 4, 9], [5], version="3"), fleet_update=1)
     assert store.get("t").weight_versions == ["1", "2", "3"]
+
+
+@pytest.mark.parametrize("resent", [1, 2])
+def test_a_turn_sent_again_under_its_rid_and_prompt_takes_the_first_attempts_place(resent: int) -> None:
+    """A client whose connection dropped before it read an answer sends the request again (same rid, same prompt):
+    the trajectory already held the first answer, so the second read as history rewritten and the episode was lost,
+    with an error telling the client to do what it did."""
+    store = TrajectoryStore(max_tokens=1000, max_update_lag=1)
+    first = Turn("t/0", (1, 2), (3, 4), (-0.1, -0.2), "1", "e")
+    second = Turn("t/1", (1, 2, 3, 4, 9), (5, 6), (-0.3, -0.4), "1", "e")
+    store.record("t", first, fleet_update=0)
+    if resent == 1:
+        store.record("t", Turn("t/0", (1, 2), (7,), (-0.7,), "2", "e"), fleet_update=1)  # lost, on version 2
+        store.record("t", first, fleet_update=1)  # what the client read
+    store.record("t", second, fleet_update=1)
+    if resent == 2:
+        store.record("t", Turn("t/1", (1, 2, 3, 4, 9), (8,), (-0.8,), "2", "e"), fleet_update=1)
+        store.record("t", second, fleet_update=1)
+    got = store.get("t")
+    assert got.response_ids.tolist() == [3, 4, 9, 5, 6]
+    assert got.logprobs.tolist() == [-0.1, -0.2, 0.0, -0.3, -0.4]
+    assert list(got.loss_mask) == [1, 1, 0, 1, 1]
+    assert [t["rid"] for t in got.turns] == ["t/0", "t/1"]
+    assert got.weight_versions == ["1"], "the taken-back answer's version sampled nothing kept"
+    assert store.tokens == got.tokens
+    # The same rid with another prompt is history rewritten, as before.
+    store.record("t", Turn("t/1", (1, 2, 3, 4, 7), (8,), (-0.8,), "1", "e"), fleet_update=1)
+    with pytest.raises(Conflict, match="turn 3 .* at token 4 of 7"):
+        store.get("t")
 
 
 def test_a_prompt_that_rewrites_history_makes_the_trajectory_a_conflict() -> None:
@@ -172,6 +202,25 @@ def test_logprobs_come_back_exactly_as_the_engine_sent_them() -> None:
     store = TrajectoryStore(max_tokens=1000, max_update_lag=1)
     store.record("t", Turn("r", (1,), (2, 3), (-0.1, -1e-300), "1", "e"), fleet_update=0)
     assert store.get("t").describe()["response_logprobs"] == [-0.1, -1e-300]
+
+
+def test_one_sampling_params_in_a_list_is_checked_as_one_object() -> None:
+    """SGLang takes sampling_params as a list, one per prompt: n = 2 in one reached the engine, whose two samples
+    then lost the turn with a TypeError."""
+    body = {"input_ids": [1, 2], "return_logprob": True}
+    check_trajectory_request("/generate", {**body, "sampling_params": [{"n": 1, "max_new_tokens": 4}]})
+    many: list[list[dict[str, int]]] = [[{"n": 2}], [{}, {}]]
+    for params in many:
+        with pytest.raises(InvalidInput, match="n: must be 1"):
+            check_trajectory_request("/generate", {**body, "sampling_params": params})
+
+
+def test_a_trajectory_id_is_read_as_the_utf8_its_client_sent() -> None:
+    """Read as latin-1 (as HTTP hands header values over), "é" was stored as "Ã©", which no GET /trajectories/<id>
+    (a URL, UTF-8) could name: the trajectory was unreadable until evicted."""
+    assert trajectory_id(header_dict([(b"x-rlfleet-trajectory-id", "épisode-1".encode())])) == "épisode-1"
+    with pytest.raises(InvalidInput, match="must be UTF-8 text"):
+        trajectory_id(header_dict([(b"x-rlfleet-trajectory-id", b"\xe9pisode")]))
 
 
 def test_token_ids_outside_32_bits_are_refused() -> None:
