@@ -50,6 +50,9 @@ class DockerRestarter:
         self._container = container
         self._stop_timeout = stop_timeout_secs
         self._timeout = timeout_secs
+        # The SDK's blocking calls run in threads that outlive an attempt the healer gave up on: the next attempt
+        # at a container waits for the one still under way rather than send the daemon another restart.
+        self._under_way: dict[str, asyncio.Future[None]] = {}
 
     async def start(self) -> list[str]:
         return []
@@ -57,8 +60,11 @@ class DockerRestarter:
     async def restart(self, url: str) -> str:
         parts = urlsplit(url)
         name = self._container.format(host=parts.hostname or "", port=parts.port or "")
+        pending = self._under_way.get(name)
+        if pending is None or pending.done():
+            pending = self._under_way[name] = asyncio.ensure_future(asyncio.to_thread(self._restart, name))
         try:
-            await asyncio.to_thread(self._restart, name)
+            await asyncio.shield(pending)
         except self._docker.errors.DockerException as exc:
             raise Unavailable(f"docker could not restart container {name!r} of {url}: {exc}") from exc
         return url
@@ -72,7 +78,9 @@ class DockerRestarter:
 
     def _restart(self, name: str) -> None:
         if self._client is None:
-            self._client = self._docker.DockerClient(base_url=self._base_url, timeout=max(1, int(self._timeout)))
+            # A restart's HTTP call may take the client's timeout plus the stop timeout (docker-py adds it).
+            timeout = max(1, int(self._timeout) - self._stop_timeout)
+            self._client = self._docker.DockerClient(base_url=self._base_url, timeout=timeout)
         container = self._find(name)
         container.restart(timeout=self._stop_timeout)
         deadline = time.monotonic() + self._timeout

@@ -46,7 +46,7 @@ class KubernetesAPI:
         if not host:
             raise ValueError("not in a Kubernetes pod (no KUBERNETES_SERVICE_HOST): set kubernetes_api_url")
         return cls(
-            f"https://{host}:{port}",
+            f"https://{url_host(host)}:{port}",  # an IPv6 cluster's service host is a bare address
             namespace,
             SERVICE_ACCOUNT / "token",
             SERVICE_ACCOUNT / "ca.crt",
@@ -59,8 +59,12 @@ class KubernetesAPI:
     async def list_endpoints(self, label_selector: str) -> list[dict[str, Any]]:
         return await self._list("endpoints", label_selector)
 
-    async def delete_pod(self, name: str) -> None:
-        await self._call("DELETE", f"/api/v1/namespaces/{self.namespace}/pods/{name}", allow_missing=True)
+    async def delete_pod(self, name: str, uid: str) -> None:
+        """Deletes pod `name` if it is still the pod `uid` (a precondition: a replacement under the same name, as a
+        StatefulSet makes, is left alone); gone or replaced already is not an error."""
+        options = {"kind": "DeleteOptions", "apiVersion": "v1", "preconditions": {"uid": uid}}
+        path = f"/api/v1/namespaces/{self.namespace}/pods/{name}"
+        await self._call("DELETE", path, allow_missing=True, body=options, allowed=(409,))
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -72,20 +76,32 @@ class KubernetesAPI:
         return items if isinstance(items, list) else []
 
     async def _call(
-        self, method: str, path: str, params: dict[str, str] | None = None, allow_missing: bool = False
+        self,
+        method: str,
+        path: str,
+        params: dict[str, str] | None = None,
+        allow_missing: bool = False,
+        body: dict[str, Any] | None = None,
+        allowed: tuple[int, ...] = (),
     ) -> Any:
+        """The JSON answer; None for a 404 when `allow_missing`, or for a status in `allowed`."""
         headers = {"accept": "application/json"}
         if self._token_path is not None and self._token_path.exists():
             headers["authorization"] = f"Bearer {self._token_path.read_text().strip()}"
         try:
-            response = await self._client.request(method, path, params=params, headers=headers)
+            response = await self._client.request(method, path, params=params, headers=headers, json=body)
         except httpx.HTTPError as exc:
             raise Unavailable(f"Kubernetes API {method} {path}: {type(exc).__name__}: {exc}") from exc
-        if allow_missing and response.status_code == 404:
+        if (allow_missing and response.status_code == 404) or response.status_code in allowed:
             return None
         if response.status_code >= 300:
             raise Unavailable(f"Kubernetes API {method} {path}: HTTP {response.status_code}: {response.text[:300]}")
         return response.json()
+
+
+def url_host(ip: str) -> str:
+    """An IP as a URL's host: an IPv6 address in brackets."""
+    return f"[{ip}]" if ":" in ip else ip
 
 
 def pod_ready(pod: dict[str, Any]) -> bool:

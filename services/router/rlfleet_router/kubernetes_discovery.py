@@ -23,15 +23,10 @@ from collections.abc import Callable
 from typing import Any
 
 from rlfleet.errors import InvalidInput, Unavailable
-from rlfleet_router.kubernetes_api import KubernetesAPI
+from rlfleet_router.kubernetes_api import KubernetesAPI, url_host
 from rlfleet_router.workers import Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
-
-
-def url_host(ip: str) -> str:
-    """An IP as a URL's host: an IPv6 address in brackets."""
-    return f"[{ip}]" if ":" in ip else ip
 
 
 def endpoint_urls(endpoints: list[dict[str, Any]], port: int | None, namespace: str) -> set[str]:

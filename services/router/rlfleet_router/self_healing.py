@@ -124,7 +124,10 @@ class Healer:
                 if not self._workers.contains(worker):
                     return
                 self._metrics.restarts.inc(old_url, "failure")
-                worker.last_error = f"restart failed: {type(exc).__name__}: {exc}"
+                if isinstance(exc, TimeoutError) and not str(exc):  # this bound's, not the restarter's own
+                    worker.last_error = f"restart failed: not done within {self._timeout:g}s (--restart-timeout-secs)"
+                else:
+                    worker.last_error = f"restart failed: {type(exc).__name__}: {exc}"
                 expected = isinstance(exc, (Unavailable, TimeoutError, OSError))
                 logger.warning("restart of %s failed: %s", old_url, worker.last_error, exc_info=not expected)
             else:

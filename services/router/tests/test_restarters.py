@@ -17,6 +17,7 @@ import json
 import re
 import sys
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -34,7 +35,10 @@ from rlfleet_router.kubernetes_api import KubernetesAPI
 from rlfleet_router.kubernetes_discovery import KubernetesDiscovery, endpoint_urls
 from rlfleet_router.kubernetes_restarter import KubernetesRestarter
 from rlfleet_router.local_restarter import LocalRestarter
+from rlfleet_router.metrics import RouterMetrics
+from rlfleet_router.policies import LeastLoad
 from rlfleet_router.restarters import create_restarter, restarter_names
+from rlfleet_router.self_healing import Healer
 from rlfleet_router.workers import WorkerRegistry
 
 SELECTOR = "app.kubernetes.io/component=engine"
@@ -199,6 +203,49 @@ def test_docker_restarter_restarts_the_engines_container() -> None:
         server.stop()
 
 
+def test_a_docker_restart_the_healer_gave_up_on_is_waited_for_not_sent_again() -> None:
+    """The SDK's call runs in a thread the healer's bound does not stop: each attempt after a slow restart (the
+    daemon waits out the stop timeout, then kills) sent the daemon another restart of the same container while the
+    earlier ones were still open, and said only "TimeoutError: "."""
+    docker = FakeDocker().add(container("engine-0"))
+    app = docker.app()
+    in_flight: list[int] = [0, 0]  # now, most at once
+
+    @app.middleware("http")
+    async def slow_restart(request: Request, call_next: Any) -> Response:
+        if not request.url.path.endswith("/restart"):
+            return await call_next(request)
+        in_flight[0] += 1
+        in_flight[1] = max(in_flight)
+        await asyncio.sleep(2.5)
+        in_flight[0] -= 1
+        return await call_next(request)
+
+    server = ThreadedServer(app).start()
+    try:
+
+        async def scenario() -> str:
+            restarter = DockerRestarter(f"tcp://127.0.0.1:{server.port}", "{host}", 2, timeout_secs=1.0)
+            workers = WorkerRegistry(1, 1)
+            worker, _ = workers.add("http://engine-0:30001")
+            worker.added_at -= 10
+            metrics = RouterMetrics(workers, lambda: None)
+            healer = Healer(
+                restarter, workers, LeastLoad(), metrics, 1.0, initial_backoff_secs=0.1, max_backoff_secs=0.1
+            )
+            workers.on_failed = healer.on_failed
+            workers.record_failure(worker, "connection refused")
+            await asyncio.sleep(3.0)
+            await healer.stop()
+            return str(worker.last_error)
+
+        last_error = asyncio.run(scenario())
+        assert in_flight[1] == 1 and len(docker.restarts) == 1
+        assert "not done within 1s (--restart-timeout-secs)" in last_error
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize(
     ("containers", "restarted"),
     [
@@ -263,12 +310,14 @@ class FakeKubernetes:
     _ips: itertools.count = field(default_factory=lambda: itertools.count(20))
     _uids: itertools.count = field(default_factory=itertools.count)
 
-    def add_pod(self, name: str, ip: str, ready: bool = True) -> None:
+    def add_pod(self, name: str, ip: str, ready: bool = True, age_secs: float = 3600.0) -> None:
+        created = datetime.now(UTC) - timedelta(seconds=age_secs)
         self.pods[name] = {
             "metadata": {
                 "name": name,
                 "uid": f"uid-{next(self._uids)}",
                 "labels": {"app.kubernetes.io/component": "engine"},
+                "creationTimestamp": created.strftime("%Y-%m-%dT%H:%M:%SZ"),
             },
             "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
         }
@@ -294,13 +343,17 @@ class FakeKubernetes:
             return {"kind": "PodList", "apiVersion": "v1", "items": items}
 
         @app.delete("/api/v1/namespaces/{ns}/pods/{name}")
-        async def delete_pod(ns: str, name: str) -> JSONResponse:
+        async def delete_pod(ns: str, name: str, request: Request) -> JSONResponse:
             if name not in self.pods:
                 return JSONResponse({"kind": "Status", "reason": "NotFound", "code": 404}, status_code=404)
+            options = json.loads(await request.body() or b"{}")
+            uid = options.get("preconditions", {}).get("uid")
+            if uid is not None and uid != self.pods[name]["metadata"]["uid"]:
+                return JSONResponse({"kind": "Status", "reason": "Conflict", "code": 409}, status_code=409)
             self.deleted.append(name)
             del self.pods[name]
             replacement = name if self.stateful else f"engine-{next(self._ips)}"
-            self.add_pod(replacement, f"10.0.0.{next(self._ips)}", ready=False)
+            self.add_pod(replacement, f"10.0.0.{next(self._ips)}", ready=False, age_secs=0)
             return JSONResponse({"kind": "Pod", "metadata": {"name": name}})
 
         @app.get("/api/v1/namespaces/{ns}/endpoints")
@@ -345,6 +398,60 @@ def test_kubernetes_restarter_deletes_the_pod_and_returns_its_replacement(port: 
         assert new_url == f"http://{replacement['status']['podIP']}{port}"
     finally:
         server.stop()
+
+
+def test_kubernetes_restarter_waits_for_a_replacement_under_way_rather_than_delete_it() -> None:
+    """A StatefulSet recreates a deleted pod (a node drain, a rolling update) under its name: the pod found when
+    the engine fails is then often that replacement, still loading the model, which was deleted and started over."""
+    kube = FakeKubernetes(stateful=True)
+    kube.add_pod("engine-0", "10.0.0.1", ready=False, age_secs=2)
+    server = ThreadedServer(kube.app()).start()
+    url = "http://engine-0.engines.rl.svc:30000"
+    try:
+
+        async def scenario() -> str:
+            api = KubernetesAPI(server.url, "rl", None, None, timeout_secs=5)
+            restarter = KubernetesRestarter(api, SELECTOR, timeout_secs=10, poll_secs=0.05)
+            try:
+                return await restarter.restart(url)
+            finally:
+                await restarter.close()
+
+        assert asyncio.run(scenario()) == url
+        assert kube.deleted == [], "the replacement was left to become Ready"
+    finally:
+        server.stop()
+
+
+def test_a_pod_is_deleted_only_while_it_is_the_pod_the_restarter_found() -> None:
+    """The delete names the pod's uid: one replaced between the restarter's list and its delete is left alone."""
+    kube = FakeKubernetes(stateful=True)
+    kube.add_pod("engine-0", "10.0.0.1")
+    server = ThreadedServer(kube.app()).start()
+    try:
+
+        async def scenario() -> None:
+            api = KubernetesAPI(server.url, "rl", None, None, timeout_secs=5)
+            try:
+                await api.delete_pod("engine-0", "uid-of-the-pod-before")
+            finally:
+                await api.close()
+
+        asyncio.run(scenario())
+        assert kube.deleted == [] and kube.pods["engine-0"]["metadata"]["uid"] == "uid-0"
+    finally:
+        server.stop()
+
+
+def test_in_cluster_the_api_of_an_ipv6_cluster_is_reached(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its service host is a bare IPv6 address: https://fd00:10:96::1:6443 was no URL, and the router did not start."""
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "fd00:10:96::1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "6443")
+    api = KubernetesAPI.from_config(RouterConfig(kubernetes_namespace="rl"))
+    try:
+        assert str(api._client.base_url) == "https://[fd00:10:96::1]:6443"
+    finally:
+        asyncio.run(api.close())
 
 
 def test_kubernetes_restarts_of_two_engines_by_ip_at_once_take_one_new_pod_each() -> None:
