@@ -71,7 +71,9 @@ class RouterConfig(BaseSettings):
         ge=1,
         description="cache_aware: global token budget of the prefix tree (LRU eviction beyond it); a token of "
         "token-id prompts costs about 5 bytes of router memory (a 32-bit id, plus about 0.8 KB a stored prompt: "
-        "22 bytes a token for distinct 50-token prompts), a character of text about 1; the default about 80 MiB.",
+        "22 bytes a token for distinct 50-token prompts), a character of text about 1; the default about 80 MiB of "
+        "long prompts. The budget counts tokens, not prompts: distinct prompts of a few tokens each cost up to "
+        "about 1 KB a token.",
     )
     prefill_stagger_ms: float = Field(
         50.0,

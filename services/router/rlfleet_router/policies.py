@@ -84,7 +84,7 @@ class RoutingRequest:
     def _sampling(self) -> tuple[int, int, int]:
         """(completion budget, samples per prompt, prompts in the batch), with SGLang's defaults."""
         params = self.body.get("sampling_params")
-        params = _first(params) if isinstance(params, list) else params
+        params = params[0] if isinstance(params, list) and params else params  # a batch's: one per prompt, alike
         budget, samples = DEFAULT_MAX_NEW_TOKENS, 1
         if isinstance(params, Mapping):
             budget = params.get("max_new_tokens", budget)
@@ -377,9 +377,11 @@ class CacheAware:
         in_flight = sum(w.in_flight for w in workers)
         slack = min(opts.balance_abs_threshold, MAX_SLACK_GROUPS * group)
         bound = slack + opts.balance_rel_threshold * in_flight / len(workers) + group
-        followed = [w for w in workers if match.extended.get(w.id, 0) >= floor and w.in_flight < bound]
+        # An engine holding nothing is not followed, whatever the threshold (0 included).
+        extended = {w.id: n for w in workers if (n := match.extended.get(w.id, 0)) > 0 and n >= floor}
+        followed = [w for w in workers if w.id in extended and w.in_flight < bound]
         if followed:
-            best = min(followed, key=lambda w: (-match.extended[w.id], w.in_flight, self._recent_score(w)))
+            best = min(followed, key=lambda w: (-extended[w.id], w.in_flight, self._recent_score(w)))
             return Choice(best, "cache_hit" if held[best.id] == longest else "imbalance")
         # Against the mean rather than the least-loaded engine: one idle engine must not make every other
         # one full, and a fleet with more engines than prompt families still fills them all. An idle engine

@@ -219,7 +219,7 @@ class Proxy:
             attempt.end()
             raise
         error = attempt.interrupt.error
-        if error is None and not attempt.worker.healthy:
+        if error is None and not (attempt.worker.healthy and self._workers.contains(attempt.worker)):
             error = EngineFailed(f"{attempt.worker.url} left routing while a request waited to be sent there")
         if error is not None:
             attempt.end()

@@ -403,3 +403,23 @@ def test_an_openai_request_without_a_budget_counts_the_routes_default() -> None:
     assert RoutingRequest("/v1/completions", routing_body("/v1/completions", prompt)).tokens == 3 + 16
     sized = {**prompt, "max_tokens": 40}
     assert RoutingRequest("/v1/completions", routing_body("/v1/completions", sized)).tokens == 3 + 40
+
+
+def test_cache_aware_with_a_threshold_of_0_routes_and_follows_only_engines_holding_the_prompt() -> None:
+    """--cache-threshold 0 is valid: every engine passed its floor, and one holding nothing failed the request (500,
+    KeyError)."""
+    workers = make_workers(0, 0)
+    policy = CacheAware(PolicyOptions(cache_threshold=0.0))
+    first = policy.select(workers, generate([1, 2, 3, 4])).worker
+    again = policy.select(workers, generate([1, 2, 3, 4, 5]))
+    assert again.worker is first and again.reason == "cache_hit"
+
+
+def test_a_batch_with_sampling_params_per_prompt_counts_their_budget_and_samples() -> None:
+    """SGLang takes a list of sampling_params, one per prompt: it was counted at the defaults (128 tokens, n 1),
+    147 times under what 2 prompts of 8 samples of 4096 tokens hold."""
+    params = {"max_new_tokens": 4096, "n": 8}
+    batch = {"input_ids": [[1, 2], [3, 4]]}
+    as_one = RoutingRequest("/generate", {**batch, "sampling_params": params}).tokens
+    assert RoutingRequest("/generate", {**batch, "sampling_params": [params, params]}).tokens == as_one
+    assert as_one == 2 * 8 * (2 + 4096)

@@ -183,3 +183,29 @@ def test_a_request_whose_deadline_passes_while_it_waits_is_504_and_never_charges
     text = router.client.get("/metrics").text
     assert metric_value(text, "rlfleet_router_engine_errors_total", {"engine": engine.url, "kind": "connection"}) == 0
     assert metric_value(text, "rlfleet_router_engine_in_flight", {"engine": engine.url}) == 0
+
+
+def test_a_request_held_back_at_an_engine_removed_meanwhile_goes_to_another(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """A removed engine keeps its healthy state: the held-back repeat was sent to it all the same."""
+    engines = [start_engine("a"), start_engine("b")]
+    router = start_router([e.url for e in engines], policy="cache_aware", prefill_stagger_ms=1000)
+    router.wait_healthy(2)
+    body = {"input_ids": list(range(200)), "delay": 3}
+    answers: dict[str, httpx.Response] = {}
+    first = threading.Thread(target=lambda: answers.setdefault("first", router.client.post("/generate", json=body)))
+    first.start()
+    router.wait_for(
+        lambda: [w["in_flight"] for w in router.workers()].count(1) == 1, what="the first request in flight"
+    )
+    holder = next(w for w in router.workers() if w["in_flight"] == 1)
+    repeat = {**body, "delay": 0}
+    second = threading.Thread(target=lambda: answers.setdefault("repeat", router.client.post("/generate", json=repeat)))
+    second.start()
+    router.wait_for(lambda: any(w["in_flight"] == 2 for w in router.workers()), what="the repeat held back")
+    assert router.client.delete(f"/workers/{holder['id']}").status_code == 200
+    second.join(20)
+    first.join(20)
+    assert answers["repeat"].status_code == 200, answers["repeat"].text
+    assert answers["repeat"].headers["x-rlfleet-engine"] != holder["url"]
