@@ -64,7 +64,7 @@ class KubernetesAPI:
         StatefulSet makes, is left alone); gone or replaced already is not an error."""
         options = {"kind": "DeleteOptions", "apiVersion": "v1", "preconditions": {"uid": uid}}
         path = f"/api/v1/namespaces/{self.namespace}/pods/{name}"
-        await self._call("DELETE", path, allow_missing=True, body=options, allowed=(409,))
+        await self._call("DELETE", path, body=options, allowed=(404, 409))
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -80,11 +80,10 @@ class KubernetesAPI:
         method: str,
         path: str,
         params: dict[str, str] | None = None,
-        allow_missing: bool = False,
         body: dict[str, Any] | None = None,
         allowed: tuple[int, ...] = (),
     ) -> Any:
-        """The JSON answer; None for a 404 when `allow_missing`, or for a status in `allowed`."""
+        """The JSON answer; None for a status in `allowed` (404: gone already, say)."""
         headers = {"accept": "application/json"}
         if self._token_path is not None and self._token_path.exists():
             headers["authorization"] = f"Bearer {self._token_path.read_text().strip()}"
@@ -92,7 +91,7 @@ class KubernetesAPI:
             response = await self._client.request(method, path, params=params, headers=headers, json=body)
         except httpx.HTTPError as exc:
             raise Unavailable(f"Kubernetes API {method} {path}: {type(exc).__name__}: {exc}") from exc
-        if (allow_missing and response.status_code == 404) or response.status_code in allowed:
+        if response.status_code in allowed:
             return None
         if response.status_code >= 300:
             raise Unavailable(f"Kubernetes API {method} {path}: HTTP {response.status_code}: {response.text[:300]}")
