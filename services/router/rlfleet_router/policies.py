@@ -297,7 +297,9 @@ class CacheAware:
         says it does not hold; text in the engines' characters per token, see `CharsPerToken`) at
         `cache_tokens_per_request` tokens to one request. A prompt family therefore spreads only when its
         engines are full. No engine holding `cache_threshold` of the prompt: the least-loaded engine with
-        room (low_match); no engine with room: the one with the fewest recent requests (imbalance).
+        room (low_match). No engine with room: the shares give way to the load, and the cheapest engine whose
+        requests in flight leave room for the group takes it, else the least loaded (imbalance): an engine
+        that stopped answering (hung, its requests never done) gets no new prompt while another has room.
     A match below `cache_threshold` counts as none everywhere, so a short prefix all traffic shares (a chat
     template's header) does not make the engines that served something cheaper than an idle one. Ties go
     to the longer match, then to the engine with the fewest requests routed to it lately, so an idle fleet
@@ -391,22 +393,22 @@ class CacheAware:
         share = opts.balance_share_threshold * (sum(recent.values()) + group) / len(workers) + 1
         placed = {w.id: self._placed.score(w.id) for w in workers}
         most_placed = (sum(placed.values()) + 1) / len(workers) + opts.balance_placement_slack
-        room = [
-            w
-            for w in workers
-            if w.in_flight + group <= bound and recent[w.id] <= share and placed[w.id] + 1 <= most_placed
-        ]
-        if not room:
-            choice = Choice(min(workers, key=lambda w: (recent[w.id], w.in_flight)), "imbalance")
-        else:
+        not_full = [w for w in workers if w.in_flight + group <= bound]
+        room = [w for w in not_full if recent[w.id] <= share and placed[w.id] + 1 <= most_placed]
 
-            def cost(w: Worker) -> tuple[float, int, float]:
-                prefill = request.key_tokens(size - held[w.id])
-                return w.in_flight + prefill / opts.cache_tokens_per_request, -held[w.id], recent[w.id]
+        def cost(w: Worker) -> tuple[float, int, float]:
+            prefill = request.key_tokens(size - held[w.id])
+            return w.in_flight + prefill / opts.cache_tokens_per_request, -held[w.id], recent[w.id]
 
+        if room:
             best = min(room, key=cost)
             reason = "low_match" if longest == 0 else "cache_hit" if held[best.id] == longest else "imbalance"
             choice = Choice(best, reason)
+        elif not_full:
+            # Every engine with room for the group has served its share: the shares give way to the load.
+            choice = Choice(min(not_full, key=cost), "imbalance")
+        else:
+            choice = Choice(min(workers, key=lambda w: (w.in_flight, recent[w.id])), "imbalance")
         self._placed.add(choice.worker.id)
         return choice
 

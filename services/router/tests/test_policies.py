@@ -156,6 +156,24 @@ def test_cache_aware_spreads_a_family_once_its_engine_has_served_its_share() -> 
     assert policy.tree.match((*family, 999)).matched == {w.id: len(family) for w in workers}
 
 
+@pytest.mark.parametrize("engines, samples", [(2, 1), (2, 8), (4, 1), (4, 8)])
+def test_cache_aware_sends_no_new_prompt_to_an_engine_whose_requests_never_end(engines: int, samples: int) -> None:
+    workers = make_workers(*[0] * engines)
+    hung = workers[0]
+    policy = CacheAware()
+    sent = 0
+    for question in range(100):  # five families; the healthy engines answer at once, the hung one never does
+        family = range(1000 * (question % 5), 1000 * (question % 5) + 300)
+        for _ in range(samples):
+            choice = policy.select(workers, generate([*family, question]))
+            if choice.worker is hung:
+                hung.in_flight += 1
+                sent += 1
+    # Once its requests in flight leave no room for a group, it takes none: the others' share of the traffic
+    # (all of it) does not send new prompts back to it. It had half of them (48 of 100 on 2 engines).
+    assert sent <= 3 * samples, sent
+
+
 def test_cache_aware_keeps_a_conversation_where_its_history_is() -> None:
     workers = make_workers(0, 0)
     home_engine, other = workers
