@@ -32,7 +32,10 @@ FLAGS: tuple[Flag, ...] = (
         "--balance-placement-slack",
         "cache_aware: no new group or conversation above the mean placed since the last flush plus this (default 2)",
     ),
-    Flag("--max-tree-tokens", "cache_aware: global token budget of the prefix tree (default 2**24)"),
+    Flag(
+        "--max-tree-tokens",
+        "cache_aware: budget of the prefix tree in tokens, a node counting 200 more (default 2**24), about 80 MiB",
+    ),
     Flag(
         "--prefill-stagger-ms",
         "cache_aware: a repeat of a prompt its engine got less than this long ago, still in flight, waits until then; "

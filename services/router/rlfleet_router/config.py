@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from rlfleet.errors import InvalidInput
 from rlfleet.logs import LogLevel
 from rlfleet_router.policies import PolicyOptions, available_policies
+from rlfleet_router.radix_tree import NODE_TOKENS
 from rlfleet_router.restarters import restarter_names
 from rlfleet_router.workers import normalize_worker_url
 
@@ -68,12 +69,11 @@ class RouterConfig(BaseSettings):
     )
     max_tree_tokens: int = Field(
         POLICY_DEFAULTS.max_tree_tokens,
-        ge=1,
-        description="cache_aware: global token budget of the prefix tree (LRU eviction beyond it); a token of "
-        "token-id prompts costs about 5 bytes of router memory (a 32-bit id, plus about 0.8 KB a stored prompt: "
-        "22 bytes a token for distinct 50-token prompts), a character of text about 1; the default about 80 MiB of "
-        "long prompts. The budget counts tokens, not prompts: distinct prompts of a few tokens each cost up to "
-        "about 1 KB a token.",
+        gt=NODE_TOKENS,
+        description="cache_aware: global budget of the prefix tree, in tokens (characters of text prompts), each "
+        f"node of the tree counting {NODE_TOKENS} more for its own memory (about 0.8 KB); least recently used "
+        "prefixes are evicted beyond it. About 5 bytes of router memory a unit whatever the prompts: the default "
+        "about 80 MiB.",
     )
     prefill_stagger_ms: float = Field(
         50.0,

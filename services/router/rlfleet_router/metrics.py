@@ -109,8 +109,9 @@ class FleetCollector(Collector):
         tree = self.tree
         yield GaugeMetricFamily(
             "rlfleet_router_tree_tokens",
-            "Tokens held by the cache-aware prefix tree (0 under a policy without one).",
-            value=tree.tokens if tree is not None else 0,
+            "What the cache-aware prefix tree holds against --max-tree-tokens: its tokens plus 200 a node, a node's "
+            "own memory (0 under a policy without one).",
+            value=tree.used if tree is not None else 0,
         )
         yield GaugeMetricFamily(
             "rlfleet_router_tree_nodes", "Nodes of the prefix tree.", value=tree.nodes if tree is not None else 0

@@ -7,12 +7,16 @@ bytes a token (a tuple of Python ints costs about 37); `token_key` builds that f
 one type: an array never equals a tuple. Both kinds live in one tree without colliding, since an int
 never equals a one-character string.
 
-Memory is bounded by one global budget on the tokens stored in edges, shared by every tenant: when
-an insert takes the tree over `max_tokens`, the least recently used leaves are evicted (with all
-their tenants) until it fits again. The budget is global rather than per engine so that the
-router's memory does not grow with the fleet, and so that a hot prefix shared by many engines is
-stored once. The tree also remembers, per tenant, where each inserted key ended, so a match tells
-which earlier prompt a key repeats or continues, not only how much of it a tenant holds.
+Memory is bounded by one global budget, shared by every tenant, on the tokens stored in edges plus
+`node_tokens` (NODE_TOKENS) for each node, its own memory: when an insert takes the tree over
+`max_tokens`, the least recently used leaves are evicted (with all their tenants) until it fits again.
+A node (its edge's array, its dict of children, its set of tenants, its LRU entry) costs about 0.8 KB,
+which is 200 tokens of 4 bytes: counted so, the budget bounds the memory whatever the prompts' shape,
+about 5 bytes a unit; counting tokens alone, prompts that part at every token cost 400 bytes a token.
+The budget is global rather than per engine so that the router's memory does not grow with the
+fleet, and so that a hot prefix shared by many engines is stored once. The tree also remembers, per
+tenant, where each inserted key ended, so a match tells which earlier prompt a key repeats or
+continues, not only how much of it a tenant holds.
 
 Exact LRU in O(1) per touched node: every node (but the root) sits in one ordered dict, and a
 touched path is moved to the end leaf first, then parent, then grandparent. A parent therefore
@@ -28,6 +32,9 @@ from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
+
+NODE_TOKENS = 200
+"""What a node costs in the budget beyond its edge's tokens: its own memory (about 0.8 KB) in tokens of 4 bytes."""
 
 TokenKey: TypeAlias = "array[int]"  # a string: array is not subscriptable at run time before Python 3.12
 """Token ids as the tree stores them: `array("i")`, 32-bit signed ints."""
@@ -101,10 +108,13 @@ def _common_length(key: str | TokenKey, start: int, edge: str | TokenKey) -> int
 
 
 class RadixTree:
-    def __init__(self, max_tokens: int) -> None:
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    def __init__(self, max_tokens: int, node_tokens: int = NODE_TOKENS) -> None:
+        if node_tokens < 0:
+            raise ValueError(f"node_tokens must be >= 0, got {node_tokens}")
+        if max_tokens <= node_tokens:
+            raise ValueError(f"max_tokens must be above what one node costs ({node_tokens}), got {max_tokens}")
         self.max_tokens = max_tokens
+        self.node_tokens = node_tokens
         self.tokens = 0
         self.evictions = 0
         self._root = _Node("", None)
@@ -114,12 +124,17 @@ class RadixTree:
     def nodes(self) -> int:
         return len(self._lru)
 
+    @property
+    def used(self) -> int:
+        """What the budget counts: the tokens in edges plus `node_tokens` a node."""
+        return self.tokens + self.node_tokens * len(self._lru)
+
     def insert(self, key: Key, tenant: str) -> None:
         """Records that `tenant` holds `key` (and so every prefix of it) and that `key` ended there; may evict
         other prefixes. ValueError if `key` holds token ids beyond 32 bits."""
         key = _stored_form(key)
-        if len(key) > self.max_tokens:
-            key = key[: self.max_tokens]
+        if len(key) > self.max_tokens - self.node_tokens:
+            key = key[: self.max_tokens - self.node_tokens]
         node, pos, end = self._root, 0, len(key)
         while pos < end:
             child = node.children.get(key[pos])
@@ -149,7 +164,7 @@ class RadixTree:
             else:
                 lru[node] = None
             node = node.parent
-        while self.tokens > self.max_tokens:
+        while self.used > self.max_tokens:
             self._evict_lru_leaf()
 
     def match(self, key: Key) -> PrefixMatch:

@@ -12,6 +12,7 @@ import pytest
 from router_fakes import FakeEngine, RunningRouter, metric_value
 
 from rlfleet.processes import free_port
+from rlfleet_router.radix_tree import NODE_TOKENS
 
 
 def test_body_reaches_the_engine_byte_for_byte(
@@ -220,7 +221,8 @@ def test_token_ids_beyond_32_bits_reach_the_engine_routed_by_load(
     assert [json.loads(raw)["input_ids"] for raw in engine.raw_bodies] == [[5, 2**31], [[5, 6], [-(2**40)]], [5, 6]]
     text = router.client.get("/metrics").text
     assert metric_value(text, "rlfleet_router_routing_decisions_total", {"reason": "no_prompt"}) == 1
-    assert metric_value(text, "rlfleet_router_tree_tokens") == 2, "[5, 6]: the batch's first prompt, then the last"
+    # [5, 6], the batch's first prompt, then the last: 2 tokens in one node.
+    assert metric_value(text, "rlfleet_router_tree_tokens") == 2 + NODE_TOKENS
 
 
 def test_bodies_over_the_bound_are_413_and_never_reach_an_engine(
