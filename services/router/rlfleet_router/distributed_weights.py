@@ -201,13 +201,7 @@ class DistributedWeights:
         """Sends one bucket's request to every member while the trainer broadcasts it; never once its turn at
         the fleet's weight lock did not come within FANOUT_QUEUE_DEADLINE_SECS or before `caller_gone()`."""
         group = self.group(name)
-        gone = [m.worker.url for m in group.members if not (self._workers.contains(m.worker) and m.worker.healthy)]
-        if gone:
-            self._close(group)
-            raise Conflict(
-                f"engines {gone} of weight update group {name!r} are out of routing; "
-                "open the group again with POST /init_weights_update_group"
-            )
+        self._check_members(group)
         what = f"a bucket of weight update group {name!r}"
         try:
             async with turn(self._weights.lock, what, FANOUT_QUEUE_DEADLINE_SECS, caller_gone):
@@ -226,6 +220,7 @@ class DistributedWeights:
                 f"weight update group {group.name!r} was closed while this update waited for the one before it; "
                 "open the group again with POST /init_weights_update_group"
             )
+        self._check_members(group)  # again: one may have left routing while this waited for the lock
         if not self._weights.receiving:
             self._version_started = time.monotonic()
         members = [m.worker for m in group.members]
@@ -252,6 +247,16 @@ class DistributedWeights:
         if version is not None:
             message += f" and serve weight version {version!r}"
         return FleetUpdateResult(True, message, self._weights.version, tuple(results), ())
+
+    def _check_members(self, group: WeightGroup) -> None:
+        """Closes `group` and refuses its bucket (Conflict) when a member is out of routing."""
+        gone = [m.worker.url for m in group.members if not (self._workers.contains(m.worker) and m.worker.healthy)]
+        if gone:
+            self._close(group)
+            raise Conflict(
+                f"engines {gone} of weight update group {group.name!r} are out of routing; "
+                "open the group again with POST /init_weights_update_group"
+            )
 
     def _broken(
         self,

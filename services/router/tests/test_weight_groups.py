@@ -341,6 +341,33 @@ def test_a_bucket_waiting_behind_a_failed_one_is_a_conflict(
     assert [u["names"] for u in good.updates] == [["w1"]], "the waiting bucket reached no engine"
 
 
+def test_a_bucket_whose_member_left_routing_while_it_waited_is_a_conflict_and_reaches_no_engine(
+    start_group_engine: Callable[[str], GroupEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """The members are checked again once the bucket has the fleet's lock: one removed while it waited (here
+    behind a slow disk load) would have been sent the bucket, out of routing, and recorded on the version."""
+    engines = [start_group_engine(name) for name in "ab"]
+    router = start_router([e.url for e in engines])
+    router.wait_healthy(2)
+    assert router.client.post("/init_weights_update_group", json={**INIT, "world_size": 3}).status_code == 200
+    for engine in engines:
+        engine.engine.update_delay = 1.0  # the disk load holds the lock
+    with ThreadPoolExecutor(2) as pool:
+        disk = pool.submit(
+            router.client.post, "/update_weights_from_disk", json={"model_path": "/w/1", "weight_version": "1"}
+        )
+        time.sleep(0.2)
+        waiting = pool.submit(router.client.post, "/update_weights_from_distributed", json=bucket(["w"], version=2))
+        time.sleep(0.2)  # the bucket waits for the lock
+        assert router.client.delete(f"/workers/{engines[1].url}").status_code == 200
+        assert disk.result(timeout=30).status_code == 200
+        answer = waiting.result(timeout=30)
+    assert answer.status_code == 409 and "out of routing" in answer.text, answer.text
+    assert all(e.updates == [] for e in engines), "the bucket reached an engine"
+    assert router.client.get("/weights_update_groups/g").status_code == 404
+    assert router.client.get("/weight_version").json()["weight_version"] == "1"
+
+
 def test_an_engine_rejoins_only_on_the_registered_disk_copy(
     start_group_engine: Callable[[str], GroupEngine],
     start_engine: Callable[..., FakeEngine],
