@@ -13,7 +13,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 
 import httpx
 
@@ -39,7 +39,7 @@ from rlfleet_router.restarters import create_restarter
 from rlfleet_router.self_healing import Healer
 from rlfleet_router.trajectory_capture import check_trajectory_request, trajectory_id, turn_from_answer
 from rlfleet_router.trajectory_store import TrajectoryStore
-from rlfleet_router.weights import FleetUpdateResult, FleetWeights
+from rlfleet_router.weights import FleetWeights
 from rlfleet_router.workers import Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
@@ -69,6 +69,8 @@ class Fleet:
             self.policy.forget_caches,
             info_timeout_secs=config.health_check_timeout_secs,
             rejoin=lambda workers: self.health.admission.rejoin(workers),
+            # Trajectories too many versions old to train on are dropped as the fleet moves on.
+            on_new_version=lambda updates: self.trajectories.evict_stale(updates),
         )
         self.pauses = FleetPause(self.client, self.weights.busy, config.control_timeout_secs)
         self.workers.on_may_have_restarted = self.pauses.may_have_restarted
@@ -221,19 +223,6 @@ class Fleet:
             client_gone=client_gone,
             rids=request_rids(parsed),
         )
-
-    async def update_weights(
-        self,
-        model_path: str,
-        version: str,
-        request_body: bytes,
-        caller_gone: Callable[[], Awaitable[bool]] | None = None,
-    ) -> FleetUpdateResult:
-        """Loads new weights fleet-wide, then drops the trajectories that are now too old to train on; never
-        starts once `caller_gone()` is true."""
-        result = await self.weights.update_fleet(model_path, version, request_body, caller_gone)
-        self.trajectories.evict_stale(self.weights.updates)
-        return result
 
     def add_worker(self, url: str) -> tuple[Worker, bool]:
         """Registers `url` (pending until a probe succeeds and it serves the fleet's weights).

@@ -107,7 +107,9 @@ def create_app(config: RouterConfig) -> GenerationRelay:
         # re-encoded rather than forwarded as bytes so a numeric weight_version reaches them as text.
         body = json.dumps(update.model_dump()).encode()
         # A caller that gave up while its update queued must not see that version land later.
-        result = await fleet.update_weights(update.model_path, update.weight_version, body, request.is_disconnected)
+        result = await fleet.weights.update_fleet(
+            update.model_path, update.weight_version, body, request.is_disconnected
+        )
         return JSONResponse(result.describe(), status_code=result.http_status)
 
     app.include_router(weight_group_routes(fleet))

@@ -50,8 +50,6 @@ def weight_group_routes(fleet: Fleet) -> APIRouter:
         # Re-encoded so a numeric weight_version reaches the engines as text; unknown fields pass through.
         body = json.dumps(req.model_dump()).encode()
         result = await groups.update(req.group_name, req.weight_version, body, request.is_disconnected)
-        if req.weight_version is not None:
-            fleet.trajectories.evict_stale(fleet.weights.updates)
         return JSONResponse(result.describe(), status_code=200 if result.success else 502)
 
     @routes.post("/destroy_weights_update_group")

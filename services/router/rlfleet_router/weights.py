@@ -175,11 +175,13 @@ class FleetWeights:
         on_caches_emptied: Callable[[list[Worker]], None],
         info_timeout_secs: float,
         rejoin: Callable[[list[Worker]], Awaitable[None]],
+        on_new_version: Callable[[int], object] | None = None,
     ) -> None:
         """`on_caches_emptied(workers)` runs with the engines a weight load left with an empty prefix cache;
         `info_timeout_secs` bounds reading an engine's weight version (`LIVENESS_ROUTE`, answered from memory);
         `rejoin(workers)` brings stranded engines a fleet update loaded into routing (`Admission.rejoin`), with
-        the lock held."""
+        the lock held; `on_new_version(updates)` runs each time the fleet moves to another version, however
+        (a load, a group's last bucket, an update no engine confirmed found served), with its count of them."""
         self._client = client
         self._workers = workers
         self._timeout = timeout_secs
@@ -188,6 +190,7 @@ class FleetWeights:
         self._metrics = metrics
         self._on_caches_emptied = on_caches_emptied
         self._rejoin = rejoin
+        self._on_new_version = on_new_version
         # Orders fleet updates (disk loads, versioned distributed updates) and admissions into routing.
         self.lock = asyncio.Lock()
         self.target: WeightTarget | None = None
@@ -390,11 +393,14 @@ class FleetWeights:
 
     def set_target(self, target: WeightTarget) -> None:
         """Records the version the fleet now serves, as a new fleet load (call with `lock` held)."""
-        if self.target is None or target.version != self.target.version:
+        moved = self.target is None or target.version != self.target.version
+        if moved:
             self.updates += 1  # a retry of the version the fleet serves is no newer: cached trajectories keep their age
         self.target = target
         self.loads += 1
         self.unconfirmed = None
+        if moved and self._on_new_version is not None:
+            self._on_new_version(self.updates)
 
     def adopt(self, unconfirmed: Unconfirmed) -> int:
         """Makes the version of an update no engine confirmed the fleet's (call with `lock` held), an engine it did

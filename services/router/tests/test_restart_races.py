@@ -82,7 +82,9 @@ async def fleet_of(
 
 
 async def load_version_7(fleet: Fleet) -> str:
-    return (await fleet.update_weights(LOAD["model_path"], LOAD["weight_version"], json.dumps(LOAD).encode())).message
+    return (
+        await fleet.weights.update_fleet(LOAD["model_path"], LOAD["weight_version"], json.dumps(LOAD).encode())
+    ).message
 
 
 def booted(engine: FakeEngine) -> None:

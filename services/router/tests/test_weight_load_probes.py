@@ -107,7 +107,11 @@ def test_an_engine_that_finished_a_load_the_fleet_gave_up_on_is_not_loaded_back(
     engines = [start_gated(name) for name in "ab"]
     router = start_router([e.url for e in engines], **PROBES)
     router.wait_healthy(2)
+    turn = {"input_ids": [1, 2], "return_logprob": True}  # a trajectory on the engines' boot version
+    assert router.client.post("/generate", json=turn, headers={"x-rlfleet-trajectory-id": "t"}).status_code == 200
     assert load(router, "1").status_code == 200
+    # One version old: kept (the fake's answer holds no tokens, so the turn is recorded as lost: 409).
+    assert router.client.get("/trajectories/t").status_code == 409
 
     for gated in engines:
         gated.engine.update_delay = 1.5  # longer than the fan-out waits: no engine confirms version 2 in time
@@ -123,6 +127,8 @@ def test_an_engine_that_finished_a_load_the_fleet_gave_up_on_is_not_loaded_back(
         assert gated.engine.weight_version == "2"
         assert [b["weight_version"] for b in gated.engine.update_bodies] == ["1", "2"]
     assert {w["weight_version"] for w in router.workers()} == {"2"}
+    # Two versions old once the fleet took version 2 as its own: dropped as stale, as after any other update.
+    assert router.client.get("/trajectories/t").status_code == 404
 
 
 def test_a_weight_update_group_opens_while_the_trainer_has_generation_paused(
