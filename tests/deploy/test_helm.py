@@ -152,7 +152,7 @@ def test_router_lists_every_engine_and_services_find_each_other(rendered: tuple[
                 ],
             }
         ]
-        urls = sorted(endpoint_urls(endpoints, int(env["RLFLEET_ROUTER_KUBERNETES_ENGINE_PORT"]), "ml"))
+        urls = sorted(endpoint_urls(endpoints, int(env["RLFLEET_ROUTER_KUBERNETES_ENGINE_PORT"]), "ml")[0])
     else:
         urls = json.loads(env["RLFLEET_ROUTER_WORKER_URLS"])
     assert urls == [f"http://rl-rlfleet-engine-{i}.rl-rlfleet-engine.ml.svc:{port}" for i in range(replicas)]

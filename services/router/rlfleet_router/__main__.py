@@ -76,7 +76,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--kubernetes-namespace", "kubernetes: namespace (default: the router's own)"),
     Flag("--kubernetes-label-selector", "kubernetes: labels of engine pods and Endpoints"),
     Flag("--kubernetes-discovery-interval-secs", "kubernetes: time between two Endpoints lookups (default 5)"),
-    Flag("--kubernetes-engine-port", "kubernetes: engine port (default: the Endpoints' first port)"),
+    Flag("--kubernetes-engine-port", "kubernetes: engine port (default: the Endpoints' only port; of several, none)"),
     Flag("--kubernetes-timeout-secs", "kubernetes: bound on one API call (default 10)"),
     Flag("--log-level", LOG_LEVEL_HELP),
     Flag("--max-request-bytes", "largest request body accepted, 413 beyond (default 64 MiB)"),

@@ -2,7 +2,9 @@
 
 Every `kubernetes_discovery_interval_secs`, the Endpoints objects matching `kubernetes_label_selector`
 (the endpoints controller copies a Service's labels onto its Endpoints) give the ready addresses;
-each address on the engine port (`kubernetes_engine_port`, else the first port) is a worker URL. A pod
+each address on the engine port is a worker URL. The port is `kubernetes_engine_port`, else the
+Endpoints' only port: Kubernetes lists a subset's ports in no set order, so of several ports none is
+taken (a metrics port would be as likely as the engine's), and the router says so once. A pod
 of a StatefulSet behind a headless Service has a stable DNS name, `<hostname>.<service>.<namespace>.svc`,
 which its address carries as `hostname`: the URL uses that name, so an engine keeps its URL (and its
 place in the fleet) when its pod is recreated, and is the same worker as one listed under that name in
@@ -29,21 +31,28 @@ from rlfleet_router.workers import Worker, WorkerRegistry
 logger = logging.getLogger(__name__)
 
 
-def endpoint_urls(endpoints: list[dict[str, Any]], port: int | None, namespace: str) -> set[str]:
-    urls = set()
+def endpoint_urls(
+    endpoints: list[dict[str, Any]], port: int | None, namespace: str
+) -> tuple[set[str], dict[str, list[int]]]:
+    """The worker URLs of the Endpoints' ready addresses, and the Endpoints (by name) whose addresses were left
+    out because they list several ports and `port` is not set (with those ports)."""
+    urls: set[str] = set()
+    ambiguous: dict[str, list[int]] = {}
     for item in endpoints:
         service = item.get("metadata", {}).get("name")
         for subset in item.get("subsets") or []:
-            ports = [p.get("port") for p in subset.get("ports") or [] if isinstance(p.get("port"), int)]
-            chosen = port if port is not None else (ports[0] if ports else None)
+            ports = sorted({p.get("port") for p in subset.get("ports") or [] if isinstance(p.get("port"), int)})
+            chosen = port if port is not None else (ports[0] if len(ports) == 1 else None)
             if chosen is None:
+                if ports:
+                    ambiguous[service or "?"] = ports
                 continue
             for address in subset.get("addresses") or []:  # ready addresses only; notReadyAddresses are not
                 if address.get("hostname") and service:
                     urls.add(f"http://{address['hostname']}.{service}.{namespace}.svc:{chosen}")
                 elif address.get("ip"):
                     urls.add(f"http://{url_host(address['ip'])}:{chosen}")
-    return urls
+    return urls, ambiguous
 
 
 class KubernetesDiscovery:
@@ -68,6 +77,7 @@ class KubernetesDiscovery:
         self._found: set[str] = set()  # ids of the workers discovery added
         self._gone_after = gone_after_secs
         self._missing_since: dict[str, float] = {}  # ids of restarting workers whose address is gone -> since when
+        self._warned: dict[str, list[int]] = {}  # Endpoints left out for their several ports, said once each
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -81,7 +91,16 @@ class KubernetesDiscovery:
 
     async def sync(self) -> None:
         """One round: add new addresses, remove the discovered workers whose address is gone."""
-        urls = endpoint_urls(await self._api.list_endpoints(self._selector), self._port, self._api.namespace)
+        urls, ambiguous = endpoint_urls(await self._api.list_endpoints(self._selector), self._port, self._api.namespace)
+        for name, ports in ambiguous.items():
+            if self._warned.get(name) != ports:
+                logger.warning(
+                    "Endpoints %s list ports %s and --kubernetes-engine-port is not set: its addresses are not engines "
+                    "until it names the engine's port",
+                    name,
+                    ports,
+                )
+        self._warned = ambiguous
         present: set[str] = set()  # as the fleet spells them (`http://10.0.0.1:80` is `http://10.0.0.1`)
         for url in sorted(urls):
             try:

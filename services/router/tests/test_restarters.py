@@ -14,6 +14,7 @@ import asyncio
 import hashlib
 import itertools
 import json
+import logging
 import re
 import sys
 from dataclasses import dataclass, field
@@ -641,11 +642,40 @@ def test_kubernetes_discovery_removes_a_restarting_engine_whose_address_stays_go
 def test_kubernetes_discovery_takes_ipv6_addresses_in_brackets() -> None:
     """An IPv6 pod address is a URL host in brackets; before, it made an invalid URL that ended discovery."""
     endpoints = [{"subsets": [{"ports": [{"port": 30000}], "addresses": [{"ip": "10.0.0.5"}, {"ip": "fd00::7"}]}]}]
-    assert endpoint_urls(endpoints, None, "rl") == {"http://10.0.0.5:30000", "http://[fd00::7]:30000"}
+    assert endpoint_urls(endpoints, None, "rl") == ({"http://10.0.0.5:30000", "http://[fd00::7]:30000"}, {})
     workers = WorkerRegistry(failure_threshold=1, success_threshold=1)
-    for url in endpoint_urls(endpoints, None, "rl"):
+    for url in endpoint_urls(endpoints, None, "rl")[0]:
         workers.add(url)
     assert len(workers.all()) == 2
+
+
+def test_kubernetes_discovery_takes_no_port_of_several_without_the_engine_port(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Kubernetes lists a subset's ports in no set order: the first of several was the metrics port as often as
+    the engine's. Without --kubernetes-engine-port such Endpoints give no engine, and say why."""
+    subset = {
+        "ports": [{"name": "metrics", "port": 9100}, {"name": "http", "port": 30000}],
+        "addresses": [{"ip": "10.0.0.5"}],
+    }
+    endpoints = [{"metadata": {"name": "engines"}, "subsets": [subset]}]
+    assert endpoint_urls(endpoints, None, "rl") == (set(), {"engines": [9100, 30000]})
+    assert endpoint_urls(endpoints, 30000, "rl") == ({"http://10.0.0.5:30000"}, {})
+
+    class Listed:
+        namespace = "rl"
+
+        async def list_endpoints(self, selector: str) -> list[dict[str, Any]]:
+            return endpoints
+
+    workers = WorkerRegistry(failure_threshold=1, success_threshold=1)
+    discovery = KubernetesDiscovery(Listed(), SELECTOR, None, 1.0, workers, workers.add, workers.remove, 60.0)  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger="rlfleet_router.kubernetes_discovery"):
+        for _ in range(3):
+            asyncio.run(discovery.sync())
+    assert workers.all() == []
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "Endpoints engines list ports [9100, 30000] and --kubernetes-engine-port" in said[0]
 
 
 def test_restarters_are_chosen_by_name_and_validated() -> None:
