@@ -91,7 +91,8 @@ class ServedWeights:
 
 @dataclass(frozen=True)
 class Unconfirmed:
-    """A fleet update no engine confirmed while some did not answer in time: those may still finish it."""
+    """A fleet update no engine confirmed while some gave no answer (none in time, or the connection lost): those
+    may still finish it."""
 
     target: WeightTarget
     engines: frozenset[str]  # ids of the engines that did not answer
@@ -229,7 +230,7 @@ class FleetWeights:
         admission. So do engines that do not answer within FANOUT_ENGINE_DEADLINE_SECS, and engines
         their health checks take out of routing while the update runs (a hung engine) are no longer
         waited for. If every engine refuses it, nothing changes: they all still serve the old
-        version, which is consistent; engines that did not answer in time leave routing even then,
+        version, which is consistent; engines that gave no answer leave routing even then,
         since they may still finish the load (`unconfirmed`). The update starts only if its turn
         comes within FANOUT_QUEUE_DEADLINE_SECS and before `caller_gone()` is true; else it raises
         Unavailable and is never applied. Stranded engines that still answer are sent it too, and rejoin
@@ -307,7 +308,9 @@ class FleetWeights:
                 self.unconfirmed = Unconfirmed(target, frozenset(w.id for w in unsure))
                 for worker in unsure:
                     self._workers.take_out(
-                        worker, f"did not answer in time while loading weight version {version!r}; may still load it"
+                        worker,
+                        "gave no answer (none in time, or the connection lost) while loading weight version "
+                        f"{version!r}; may still load it",
                     )
             if not results:
                 raise Unavailable(
@@ -319,7 +322,8 @@ class FleetWeights:
             )
             if unsure:
                 message += (
-                    f"; {len(unsure)} did not answer in time and left routing: the first found serving "
+                    f"; {len(unsure)} gave no answer (none in time, or the connection lost) and left routing: "
+                    "the first found serving "
                     f"{version!r} makes it the fleet's version"
                 )
             return FleetUpdateResult(
@@ -500,8 +504,9 @@ class FleetWeights:
             )
         except httpx.HTTPError as exc:
             message = describe_error(exc)
-            # Sent but unanswered: the engine may be loading still. (A connect timeout never reached it.)
-            answered = not isinstance(exc, (httpx.ReadTimeout, httpx.WriteTimeout))
+            # Sent but unanswered (no answer in time, or the connection lost while waiting for one, as a proxy
+            # in between may cut it): the engine may be loading still. One it never reached is not.
+            answered = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout))
         else:
             status = response.status_code
             # SGLang answers {success, message}; success needs both HTTP 200 and `success: true`.

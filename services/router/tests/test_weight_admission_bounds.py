@@ -211,3 +211,36 @@ def test_a_fleet_load_that_reaches_an_engine_while_admission_reads_its_version_i
     worker = asyncio.run(asyncio.wait_for(admit(), timeout=10))
     assert (worker.weight_version, worker.model_path) == ("2", "/ckpt/2")
     assert worker.healthy and engine.update_bodies == [], "it holds the version: admitted without loading it again"
+
+
+@pytest.mark.parametrize(
+    ("error", "may_be_loading"),
+    [
+        (httpx.RemoteProtocolError("Server disconnected without sending a response."), True),
+        (httpx.ReadError("connection reset"), True),
+        (httpx.ReadTimeout("timed out"), True),
+        (httpx.ConnectError("connection refused"), False),
+        (httpx.ConnectTimeout("timed out"), False),
+    ],
+)
+def test_a_load_whose_connection_was_lost_after_it_was_sent_may_still_be_loading(
+    error: httpx.HTTPError, may_be_loading: bool
+) -> None:
+    """A connection lost while the engine loads (a proxy in between cutting it) says nothing of the load, which
+    goes on: it counted as a clear failure, so an engine that then served the version was not taken as the fleet's."""
+
+    def fail(request: httpx.Request) -> httpx.Response:
+        raise error
+
+    async def post() -> bool:
+        registry = WorkerRegistry(failure_threshold=2, success_threshold=2)
+        worker, _ = registry.add("http://127.0.0.1:9")
+        async with httpx.AsyncClient(transport=httpx.MockTransport(fail)) as client:
+            fleet_weights = FleetWeights(
+                client, registry, 5.0, RouterMetrics(registry, lambda: None), lambda _: None, 2.0, no_rejoin
+            )
+            result = await fleet_weights.post_update(worker, "/update_weights_from_disk", b"{}")
+        assert not result.success and result.status is None
+        return not result.answered
+
+    assert asyncio.run(post()) is may_be_loading

@@ -117,7 +117,7 @@ def test_an_engine_that_finished_a_load_the_fleet_gave_up_on_is_not_loaded_back(
         gated.engine.update_delay = 1.5  # longer than the fan-out waits: no engine confirms version 2 in time
     answer = load(router, "2")
     assert answer.status_code == 502, answer.text
-    assert answer.json()["weight_version"] == "1" and "did not answer in time" in answer.json()["message"]
+    assert answer.json()["weight_version"] == "1" and "gave no answer (none in time" in answer.json()["message"]
 
     # They finish loading version 2: the fleet takes it as its version rather than loading 1 back.
     router.wait_healthy(2, timeout=10)
