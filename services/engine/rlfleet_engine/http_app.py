@@ -98,7 +98,7 @@ def create_app(core: EngineCore, registry: CollectorRegistry) -> FastAPI:
     @app.api_route("/generate", methods=["POST", "PUT"], response_model=None)
     async def generate(req: GenerateRequest, request: Request) -> Any:
         if not req.stream:
-            return await unless_client_leaves(request, core.generate(req))
+            return JSONResponse(await unless_client_leaves(request, core.generate(req)))
         chunks = core.generate_stream(req)
         return StreamingResponse(_server_sent_events(chunks), media_type="text/event-stream")
 
@@ -108,7 +108,7 @@ def create_app(core: EngineCore, registry: CollectorRegistry) -> FastAPI:
         try:
             if req.stream:
                 return StreamingResponse(openai.stream(req), media_type="text/event-stream")
-            return await unless_client_leaves(request, openai.complete(req))
+            return JSONResponse(await unless_client_leaves(request, openai.complete(req)))
         except RlfleetError as exc:
             if exc.http_status >= 500:
                 raise  # logged and answered by the shared handlers
