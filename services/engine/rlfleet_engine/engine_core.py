@@ -118,7 +118,7 @@ class EngineCore(ScheduledGeneration):
         self.scheduler.submit(jobs)
         return jobs, queue
 
-    def flush_cache(self) -> None:
+    def _empty_cache(self) -> None:
         """Nothing to drop: no prefix cache is kept across requests."""
 
     async def update_weights_from_disk(self, req: UpdateWeightsFromDiskRequest) -> dict[str, Any]:

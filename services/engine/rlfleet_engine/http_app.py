@@ -125,7 +125,11 @@ def create_app(core: EngineCore, registry: CollectorRegistry) -> FastAPI:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
-        core.flush_cache()
+        if not core.flush_cache():
+            running, waiting = core.scheduler.counts()
+            # SGLang's answer: 400, the cache kept (its blocks are in use).
+            message = f"Cache not flushed: there are pending requests ({running} running, {waiting} waiting).\n"
+            return PlainTextResponse(message, status_code=HTTPStatus.BAD_REQUEST)
         return PlainTextResponse("Cache flushed.\n")
 
     @app.post("/update_weights_from_disk")

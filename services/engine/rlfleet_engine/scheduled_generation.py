@@ -166,9 +166,18 @@ class ScheduledGeneration(ABC):
         if rid or abort_all:
             self.scheduler.abort(rid, abort_all)
 
+    def flush_cache(self) -> bool:
+        """POST /flush_cache: empties the prefix cache, as SGLang does, only with no request running or waiting
+        (their blocks are in use); False, nothing done, otherwise."""
+        running, waiting = self.scheduler.counts()
+        if running or waiting:
+            return False
+        self._empty_cache()
+        return True
+
     @abstractmethod
-    def flush_cache(self) -> None:
-        """Empties the prefix cache (POST /flush_cache)."""
+    def _empty_cache(self) -> None:
+        """Empties the prefix cache."""
 
     async def pause(self, mode: PauseMode) -> None:
         """SGLang's /pause_generation: nothing is admitted or decoded until `resume`; requests sent meanwhile wait.

@@ -442,7 +442,7 @@ class SimEngineCore(ScheduledGeneration):
         self.scheduler.submit([job for job in jobs if job.finish is None])
         return jobs, queue
 
-    def flush_cache(self) -> None:
+    def _empty_cache(self) -> None:
         self.cache.clear()
 
     async def update_weights_from_disk(self, req: UpdateWeightsFromDiskRequest) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -213,3 +214,30 @@ def test_inter_token_latency_is_observed_per_token_and_shows_a_stall() -> None:
     under = registry.get_sample_value("sglang:inter_token_latency_seconds_bucket", {**labels, "le": "0.2"})
     assert count == 19, "one gap per token after the first"
     assert under == 18, "the stall is one gap of its own, past 0.2 s"
+
+
+def test_a_flush_with_requests_pending_is_refused_and_keeps_the_cache() -> None:
+    """As SGLang's: their blocks are in use, so nothing is flushed and the answer is a 400. Answered 200 with the
+    cache kept, it told the router to forget what the engine held."""
+    from fastapi.testclient import TestClient
+
+    from rlfleet_engine.http_app import create_app
+
+    core, registry = sim_core(sim_decode_ms_per_step=20.0)
+    with TestClient(create_app(core, registry)) as client:  # type: ignore[arg-type]
+        body = {"input_ids": PROMPT[:64], "sampling_params": {"max_new_tokens": 2}}
+        assert client.post("/generate", json=body).status_code == 200
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(
+                client.post, "/generate", json={"input_ids": blocks(5000, 8), "sampling_params": {"max_new_tokens": 50}}
+            )
+            deadline = time.monotonic() + 10
+            while core.scheduler.counts() == (0, 0) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            refused = client.post("/flush_cache")
+            assert refused.status_code == 400 and "pending requests (1 running, 0 waiting)" in refused.text
+            assert running.result(timeout=30).status_code == 200
+        again = client.post("/generate", json=body).json()
+        assert again["meta_info"]["cached_tokens"] >= 48, "the cache was kept"
+        assert client.post("/flush_cache").status_code == 200
+        assert client.post("/generate", json=body).json()["meta_info"]["cached_tokens"] == 0
