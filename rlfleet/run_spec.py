@@ -54,6 +54,10 @@ MAX_GROUP_SIZE = 1024
 MAX_GROUPS_PER_STEP = 16384
 BAD_ROWS = ("reject", "skip")
 TRUNCATED = ("keep", "zero_reward", "mask")
+# Steps between checkpoints when a spec sets none: a checkpoint acknowledges the groups trained on (Redis keeps
+# them until then) and is where a restarted trainer resumes, so a run without one until its end lost every step
+# to a trainer crash and kept all its groups in Redis.
+DEFAULT_CHECKPOINT_EVERY = 50
 STALE_GROUPS = ("drop", "downweight")
 ON_WEIGHT_UPDATE = ("finish", "abort_resume")
 MAX_EVAL_SAMPLES = 64
@@ -131,6 +135,8 @@ def resolve(spec: RunSpec) -> RunSpec:
         tr.grad_clip = 1.0
     if not tr.HasField("micro_batch_tokens"):
         tr.micro_batch_tokens = 8192
+    if not tr.HasField("checkpoint_every"):
+        tr.checkpoint_every = DEFAULT_CHECKPOINT_EVERY
     tr.lr_schedule = tr.lr_schedule or "constant"
     if not tr.HasField("mini_batches"):
         tr.mini_batches = 1

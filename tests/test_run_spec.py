@@ -65,6 +65,14 @@ def test_explicit_zero_is_kept_where_zero_means_something() -> None:
     resolved = resolve(spec_from({"rollout": {"sampling": {"temperature": 0}}, "algorithm": {"clip_low": 0.1}}))
     assert resolved.rollout.sampling.temperature == 0.0
     assert resolved.algorithm.clip_high == pytest.approx(0.1)
+    assert resolve(spec_from({"trainer": {"checkpoint_every": 0}})).trainer.checkpoint_every == 0, "only at the end"
+
+
+def test_a_run_checkpoints_every_50_steps_unless_told_otherwise() -> None:
+    """A checkpoint acknowledges the groups a run trained on and is where a restarted trainer resumes: with none
+    until its end (the default was 0), a trainer crash lost every step and Redis kept all of the run's groups."""
+    assert resolve(spec_from({})).trainer.checkpoint_every == 50
+    assert resolve(spec_from({"trainer": {"checkpoint_every": 7}})).trainer.checkpoint_every == 7
 
 
 def test_each_algorithm_fills_its_own_defaults() -> None:
