@@ -80,7 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint", type=Path, required=True, help="checkpoint directory (runs/<id>/checkpoints/step_<N>)"
     )
     export.add_argument("--base-model", type=Path, required=True, help="the run's model.path: its config and tokenizer")
-    export.add_argument("--out", type=Path, required=True, help="directory to write the Hugging Face model to")
+    export.add_argument(
+        "--out", type=Path, required=True, help="directory to write the Hugging Face model to (new, or empty)"
+    )
+    export.add_argument(
+        "--tokenizer", type=Path, help="the run's model.tokenizer_path, if it set one (default: --base-model)"
+    )
     return parser
 
 
@@ -124,8 +129,8 @@ def run_export_command(args: argparse.Namespace) -> int:
     from rlfleet_trainer.export import export_checkpoint
 
     try:
-        path = export_checkpoint(args.checkpoint, args.base_model, args.out)
-    except (FileNotFoundError, ValueError) as exc:
+        path = export_checkpoint(args.checkpoint, args.base_model, args.out, args.tokenizer)
+    except (OSError, ValueError) as exc:
         print(f"rlfleet_trainer export: error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote the model of {args.checkpoint} to {path}")

@@ -3,10 +3,17 @@
 A version is written to a temporary directory, flushed to disk and renamed into place
 (`directory_swap`), so a crash never leaves a half-written `v<N>` that looks complete; engines (or a
 restarted trainer) can load any kept version.
+
+A version holds the trainer's fp32 tensors, so an engine computing in fp32 (the CPU engines) serves exactly
+the weights trained, and its config.json names the dtype of the model the run started from (bfloat16 for
+most LLMs), which an engine with SGLang's `--dtype auto` serves in. Named float32, as transformers writes
+it for fp32 tensors, SGLang would serve it in float16 (its rule for float32 configs), whose range a
+bf16-trained model can overflow.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from collections.abc import Mapping
@@ -68,8 +75,23 @@ def write_model_dir(
     base = base_dir if base_dir is not None else Path(model.name_or_path) if model.name_or_path else None
     if base is not None and (base / GENERATION_CONFIG).is_file():
         shutil.copy2(base / GENERATION_CONFIG, tmp / GENERATION_CONFIG)
+    if base is not None and (dtype := base_dtype(base)) is not None:
+        config = json.loads((tmp / "config.json").read_text())
+        config["dtype"] = dtype  # transformers writes the tensors' own (float32)
+        config.pop("torch_dtype", None)  # the key before transformers 4.56, read as dtype by later ones
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     replace_directory(tmp, dest)  # an existing one is a leftover from a step that was rolled back
     return dest
+
+
+def base_dtype(model_dir: Path) -> str | None:
+    """The dtype the Hugging Face model at `model_dir` names in its config.json (None: none, or no config)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    dtype = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
+    return dtype if isinstance(dtype, str) and dtype != "auto" else None
 
 
 def tokenizer_files(tokenizer_dir: Path) -> list[Path]:
