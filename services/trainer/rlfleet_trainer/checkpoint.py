@@ -47,12 +47,21 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from rlfleet_trainer.checkpoint_checksums import ChecksumMismatch, check_share, read_sums, sum_own_files, write_sums
+from rlfleet_trainer.checkpoint_checksums import (
+    SUMS_FILE,
+    ChecksumMismatch,
+    check_share,
+    read_sums,
+    sum_own_files,
+    write_sums,
+)
 from rlfleet_trainer.critic import Critic
 from rlfleet_trainer.directory_swap import replace_directory
 from rlfleet_trainer.rank_group import on_every_rank, on_rank_0
 
 STEP_PREFIX = "step_"
+SUMS_KEPT = "sums_kept"
+"""A key of the checkpoints saved with their SHA-256 sums (all but the oldest), in their DCP metadata."""
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +198,7 @@ def save_checkpoint(root: Path, parts: TrainingState, meta: CheckpointMeta) -> P
     # its cause); that is also the barrier: nobody writes into the temporary directory before rank 0 has emptied it.
     on_rank_0(prepare)
     state = _state_dict(parts, meta if _rank() == 0 else None)
+    state[SUMS_KEPT] = True  # in the metadata: without its sums file, such a checkpoint is damaged, not old
     with _dcp_call(f"writing checkpoint {dest}"):
         dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed())
     # dcp.save returns on rank 0 after every rank's shards and the metadata are written; each rank wrote its own.
@@ -236,14 +246,22 @@ def load_checkpoint(path: Path, parts: TrainingState) -> CheckpointMeta:
 
 def _check_sums(path: Path) -> None:
     """Every rank checks its share of the checkpoint's files against their saved sums; a file missing or changed
-    is CheckpointFailed (damaged) on every rank. A checkpoint saved before the sums were kept loads unchecked."""
+    is CheckpointFailed (damaged) on every rank. A checkpoint saved before the sums were kept loads unchecked; one
+    whose metadata says it was saved with them and that has none lost them (a partial copy) and is damaged."""
     rank, world_size = _rank(), _world_size()
 
     def check() -> bool:
         sums = read_sums(path)
         if sums is not None:
             check_share(path, sums, rank, world_size)
-        return sums is not None
+            return True
+        try:
+            saved_with_sums = SUMS_KEPT in _saved_keys(path)
+        except Exception:  # noqa: BLE001 - metadata DCP cannot read: its own read reports what it meets
+            return False
+        if saved_with_sums:
+            raise ChecksumMismatch(f"{path / SUMS_FILE} is missing, and the checkpoint was saved with it")
+        return False
 
     try:
         summed = on_every_rank(check)

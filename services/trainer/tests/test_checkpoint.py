@@ -14,6 +14,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from transformers import AutoModelForCausalLM
 
 from rlfleet.tiny_model import TinyModelConfig, create_tiny_model
+from rlfleet_trainer import checkpoint
 from rlfleet_trainer.__main__ import main
 from rlfleet_trainer.checkpoint import (
     CheckpointFailed,
@@ -180,17 +181,43 @@ def test_a_flipped_bit_or_a_missing_shard_is_refused_as_damaged(small_model_dir:
 
 
 def test_a_checkpoint_saved_without_sums_loads_unchecked(
-    small_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    small_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     torch.manual_seed(0)
     parts = fresh_state(small_model_dir)
     train_once(parts)
+    monkeypatch.setattr(checkpoint, "write_sums", lambda directory, sums: None)  # as the trainers before them
+    original_state_dict = checkpoint._state_dict
+    monkeypatch.setattr(checkpoint, "_state_dict", lambda *a: _WithoutMarker(original_state_dict(*a)))
     path = save_checkpoint(tmp_path / "checkpoints", parts, CheckpointMeta(step=1, weight_version=1))
-    (path / SUMS_FILE).unlink()
+    assert not (path / SUMS_FILE).exists()
     restored = fresh_state(small_model_dir)
     assert load_checkpoint(path, restored) == CheckpointMeta(step=1, weight_version=1)
     assert_same_state(parts, restored)
     assert f"checkpoint {path} carries no SHA-256 sums" in caplog.text
+
+
+class _WithoutMarker(dict):  # type: ignore[type-arg]
+    """A state dict that drops the key saying the checkpoint was saved with sums, as older trainers wrote it."""
+
+    def __setitem__(self, key: object, value: object) -> None:
+        if key != checkpoint.SUMS_KEPT:
+            super().__setitem__(key, value)
+
+
+def test_a_checkpoint_that_lost_its_sums_is_refused_as_damaged(small_model_dir: Path, tmp_path: Path) -> None:
+    """A partial copy (the sums file left out) took away the check: a flipped bit then loaded as other weights."""
+    torch.manual_seed(0)
+    parts = fresh_state(small_model_dir)
+    train_once(parts)
+    path = save_checkpoint(tmp_path / "checkpoints", parts, CheckpointMeta(step=1))
+    flip_a_bit(path)
+    (path / SUMS_FILE).unlink()
+    with pytest.raises(
+        CheckpointFailed, match=f"{path / SUMS_FILE} is missing, and the checkpoint was saved with it"
+    ) as lost:
+        load_checkpoint(path, fresh_state(small_model_dir))
+    assert lost.value.damaged
 
 
 def test_prune_keeps_the_latest_up_to_the_recorded_one(tmp_path: Path) -> None:
