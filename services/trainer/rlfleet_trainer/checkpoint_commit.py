@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 from rlfleet_trainer.active_run import ActiveRun
 from rlfleet_trainer.checkpoint import CheckpointMeta, prune_checkpoints
@@ -41,7 +42,25 @@ class CheckpointCommitter:
         meta = CheckpointMeta(
             step=step, weight_version=step, groups_trained=groups_trained, last_entry_id=last_entry_id
         )
+        # A save of a large model takes minutes: said as it starts, it is not taken for a hang.
+        logger.info(
+            "run %s: writing the checkpoint of step %d under %s",
+            run.run_id,
+            step,
+            run.checkpoints_root,
+            extra={"run_id": run.run_id, "step": step},
+        )
         path = run.ranks.call("checkpoint_save", str(run.checkpoints_root), meta)
+        written = time.perf_counter() - started
+        megabytes = _megabytes(Path(path))
+        logger.info(
+            "run %s: checkpoint of step %d written, %s in %.2fs (SHA-256 sums included)",
+            run.run_id,
+            step,
+            "size unknown" if megabytes is None else f"{megabytes:.1f} MB ({megabytes / max(written, 1e-9):.1f} MB/s)",
+            written,
+            extra={"run_id": run.run_id, "step": step},
+        )
         record = RunRecord(
             step=step,
             weight_version=step,
@@ -85,3 +104,11 @@ class CheckpointCommitter:
         )
         self.metrics.checkpoint_seconds.observe(elapsed)
         self.metrics.checkpoint_step.set(step)
+
+
+def _megabytes(directory: Path) -> float | None:
+    """The size of the files in `directory`, in MB; None if it cannot be read."""
+    try:
+        return sum(f.stat().st_size for f in directory.iterdir() if f.is_file()) / 1e6
+    except OSError:
+        return None

@@ -4,7 +4,9 @@ its gRPC servicer."""
 from __future__ import annotations
 
 import errno
+import logging
 import math
+import re
 import sys
 import threading
 import time
@@ -507,16 +509,23 @@ def test_shutdown_during_a_start_stops_the_run_before_it_trains(core, small_mode
 
 
 def test_a_run_resumed_in_the_same_trainer_keeps_the_reports_of_the_steps_it_resumes_after(
-    core, small_model_dir, redis_client, redis_prefix
+    core, small_model_dir, redis_client, redis_prefix, caplog
 ) -> None:
     spec = spec_for(small_model_dir, steps=5, groups_per_step=1)
     spec.trainer.checkpoint_every = 1
     core.start_run("again", spec)
     stream = SampleStream(redis_client, "again", prefix=redis_prefix)
     model = load_policy(small_model_dir)
-    for i in range(2):
-        stream.append(rollout_group(model, "again", i, 0))
-    wait_for(lambda: core.status("again").checkpoint_step == 2)
+    with caplog.at_level(logging.INFO, logger="rlfleet_trainer.checkpoint_commit"):
+        for i in range(2):
+            stream.append(rollout_group(model, "again", i, 0))
+        wait_for(lambda: core.status("again").checkpoint_step == 2)
+    # A save says when it starts and what it wrote: on a large model it takes minutes, which read as a hang.
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("run again: writing the checkpoint of step 2 under ") for m in said), said
+    assert any(
+        re.match(r"run again: checkpoint of step 2 written, [\d.]+ MB \([\d.]+ MB/s\) in [\d.]+s", m) for m in said
+    ), said
     assert core.stop_run("again").state == TrainerState.TRAINER_STATE_STOPPED
     wait_for(lambda: not core._runs["again"].releasing)
     resumed = core.start_run("again", spec)
