@@ -113,13 +113,26 @@ def _sampled_by(spans: object) -> tuple[str, ...]:
     return tuple(str(span["version"]) for span in spans)
 
 
+def _aborted_before_prefill(finish_reason: object, output_ids: object) -> bool:
+    """An abort that came before the request generated anything: SGLang answers one still in its queue (a weight
+    update's abort_all_requests, an abort by rid) with no output ids or logprobs at all ("Abort before prefill").
+    It is a turn with no output, which the client resumes, not an answer missing its tokens."""
+    aborted = finish_reason == "abort" or (isinstance(finish_reason, dict) and finish_reason.get("type") == "abort")
+    return aborted and output_ids in (None, [])
+
+
 def _turn(route: str, request: Mapping[str, Any], parsed: Any, engine: str, engine_version: str | None) -> Turn:
     rid = request.get("rid") if isinstance(request.get("rid"), str) else None
     sampled_by: tuple[str, ...] = ()
+    outputs: tuple[int, ...]
+    logprobs: tuple[float, ...]
     if route == "/generate":
         meta = parsed["meta_info"]
-        outputs = _ids(parsed.get("output_ids"), "output_ids")
-        logprobs = tuple(float(entry[0]) for entry in meta["output_token_logprobs"])
+        if _aborted_before_prefill(meta.get("finish_reason"), parsed.get("output_ids")):
+            outputs, logprobs = (), ()
+        else:
+            outputs = _ids(parsed.get("output_ids"), "output_ids")
+            logprobs = tuple(float(entry[0]) for entry in meta["output_token_logprobs"])
         prompt = _ids(request.get("input_ids"), "input_ids")
         version = meta.get("weight_version")
         sampled_by = _sampled_by(meta.get("weight_versions"))
@@ -127,7 +140,12 @@ def _turn(route: str, request: Mapping[str, Any], parsed: Any, engine: str, engi
     else:
         choice = parsed["choices"][0]
         prompt = _ids(choice.get("prompt_token_ids"), "prompt_token_ids")
-        if route == "/v1/chat/completions":  # SGLang names a chat choice's output ids apart from a completion's
+        chat = route == "/v1/chat/completions"  # SGLang names a chat choice's output ids apart from a completion's
+        if _aborted_before_prefill(
+            choice.get("finish_reason"), choice.get("response_token_ids" if chat else "token_ids")
+        ):
+            outputs, logprobs = (), ()
+        elif chat:
             outputs = _ids(choice.get("response_token_ids"), "response_token_ids")
             logprobs = tuple(float(c["logprob"]) for c in choice["logprobs"]["content"])
         else:

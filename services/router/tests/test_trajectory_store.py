@@ -155,6 +155,28 @@ def test_a_turn_aborted_before_its_first_token_adds_no_version() -> None:
     assert got["weight_versions"] == ["4"] and got["response_ids"] == [3, 4, 9, 5] and got["num_turns"] == 3
 
 
+@pytest.mark.parametrize("route", ["/generate", "/v1/completions", "/v1/chat/completions"])
+def test_an_answer_aborted_before_prefill_is_a_turn_with_no_output(route: str) -> None:
+    """SGLang answers a request still in its queue when an abort comes (a weight update's abort_all_requests) with no
+    output ids or logprobs at all. Read as an answer missing its tokens, it lost the trajectory, and every episode
+    whose turn was queued at an update under abort_resume with it."""
+    request = {"input_ids": [1, 2], "rid": "r", "return_logprob": True}
+    abort = {"type": "abort", "message": "Abort before prefill"}
+    if route == "/generate":
+        answer: dict[str, object] = {
+            "text": "",
+            "meta_info": {"id": "r", "finish_reason": abort, "weight_version": "3"},
+        }
+    else:
+        choice = {"index": 0, "text": "", "finish_reason": "abort", "prompt_token_ids": [1, 2], "logprobs": None}
+        answer = {"id": "r", "choices": [choice], "metadata": {"weight_version": "3"}}
+    turn = turn_from_answer(route, request, json.dumps(answer).encode(), "e", None)
+    assert (turn.prompt_ids, turn.output_ids, turn.output_logprobs, turn.weight_version) == ((1, 2), (), (), "3")
+    stopped = {"text": "", "meta_info": {"id": "r", "finish_reason": {"type": "stop"}}}
+    with pytest.raises(ValueError, match="no output_ids"):  # only an abort may come without its tokens
+        turn_from_answer("/generate", request, json.dumps(stopped).encode(), "e", None)
+
+
 def test_trajectories_without_tokens_are_charged_for_their_records() -> None:
     """Before, a trajectory whose first answer was lost held 0 tokens and a diverged one took turn records
     without tokens, so neither counted against the budget: 10,000 of them stayed under a 100-token budget."""
