@@ -59,6 +59,10 @@ class RolloutConfig(BaseSettings):
     """Pause between trainer Status polls, and the longest a watcher goes without re-reading Redis."""
     max_concurrent_generations: int = Field(default=8, gt=0)
     """Generate requests in flight at once (one request is one prompt's group)."""
+    max_episodes_under_way: int = Field(default=64, gt=0)
+    """multi_turn episodes of a run's training under way at once. Started all at once, every episode's first turn
+    ran before any second one, and together their trajectories passed the router's cache budget, which evicted the
+    episodes waiting for their next turn (16 groups of 8 over a 20k-token budget lost 65 of 128 samples)."""
     env_reply_threads: int = Field(default=16, gt=0)
     """Threads that run multi_turn environments' replies (their own, apart from those of Redis calls); a reply that
     hangs keeps its thread, and replies beyond the free threads wait for one."""
@@ -133,6 +137,7 @@ FLAGS: tuple[Flag, ...] = (
         field="stall_after_s",
     ),
     Flag("--max-concurrent-generations", "Generate requests in flight (default 8)."),
+    Flag("--max-episodes-under-way", "multi_turn episodes of a run's training under way at once (default 64)."),
     Flag("--log-level", LOG_LEVEL_HELP),
     Flag("--api-token-file", "File holding the API token the Runs API requires (default: none)."),
 )

@@ -58,6 +58,7 @@ class RolloutContext:
     tokenizer: Tokenizer
     spec: RunSpec
     limit: asyncio.Semaphore
+    """Generate requests in flight."""
     metrics: RolloutMetrics
     rollout: RolloutFunction
     """The run's rollout.function."""
@@ -67,6 +68,8 @@ class RolloutContext:
     """The run's rollout.multi_turn.environment, when it names one."""
     replies: ReplyPool | None = None
     """The orchestrator's threads for environment replies, with their time limit (multi_turn needs them)."""
+    episodes: asyncio.Semaphore | None = None
+    """multi_turn episodes of the run's training under way (evaluation bounds its own)."""
     context_tokens: int = 0
     """The model's context length (config.json); 0: unknown, max_new_tokens is sent as the spec says."""
 

@@ -80,9 +80,15 @@ async def multi_turn(ctx: RolloutContext, request: GroupRequest) -> SampleGroup:
     base_id = request.group_id.replace("/", ":")
     trajectory_ids = [f"{base_id}:{j}@{attempt}" for j in range(n)]
     sampling = sampling_body(ctx.spec.rollout.sampling)
-    episodes = await gather_cancelling(
-        [run_episode(ctx, env, prompt, prompt_ids, sampling, seeds[j], trajectory_ids[j]) for j in range(n)]
-    )
+
+    async def play(j: int) -> Episode:
+        if ctx.episodes is None:
+            return await run_episode(ctx, env, prompt, prompt_ids, sampling, seeds[j], trajectory_ids[j])
+        # Held for the whole episode: the episodes under way finish their turns before new ones start theirs.
+        async with ctx.episodes:
+            return await run_episode(ctx, env, prompt, prompt_ids, sampling, seeds[j], trajectory_ids[j])
+
+    episodes = await gather_cancelling([play(j) for j in range(n)])
     items = [
         ScoreItem(id=str(j), prompt=prompt.prompt, response=e.final_turn, label=prompt.answer, metadata=prompt.metadata)
         for j, e in enumerate(episodes)

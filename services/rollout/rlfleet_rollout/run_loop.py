@@ -182,6 +182,7 @@ async def _drive(run: Run, session: TrainerSession, deps: RunDeps) -> None:
         tokenizer=tokenizer,
         spec=spec,
         limit=asyncio.Semaphore(deps.config.max_concurrent_generations),
+        episodes=asyncio.Semaphore(deps.config.max_episodes_under_way),
         metrics=deps.metrics,
         rollout=deps.rollouts.function(spec.rollout.function),
         render=render,

@@ -22,7 +22,7 @@ from rlfleet.errors import Unavailable
 from rlfleet.run_spec import resolve
 from rlfleet.v1.reward_pb2 import RewardSpec, ScoreItem, ScoreResult, ScoreStatus
 from rlfleet.v1.runs_pb2 import RunSpec
-from rlfleet.v1.samples_pb2 import FinishReason, Sample, SampleStatus
+from rlfleet.v1.samples_pb2 import FinishReason, Sample, SampleGroup, SampleStatus
 from rlfleet_rollout.calculator import calculator, evaluate
 from rlfleet_rollout.datasets import Prompt
 from rlfleet_rollout.environment import ReplyPool
@@ -324,6 +324,25 @@ def test_an_evaluation_has_at_most_a_batch_of_episodes_under_way(tokenizer_dir: 
     result = asyncio.run(evaluate_run(ctx, "run-1", 0, prompts, batch_size=4, trainer_version=0))
     assert result.accuracy == 1.0 and len(router.forgotten) == 24
     assert router.most == 4
+
+
+def test_training_has_at_most_its_bound_of_episodes_under_way(tokenizer_dir: Path, replies: ReplyPool) -> None:
+    """As evaluation's: a step's groups all started at once ran every episode's first turn before any second one,
+    and the router evicted the episodes waiting for their next turn (16 groups of 8 over a 20k-token budget lost
+    65 of 128 samples)."""
+    router = CountsEpisodesUnderWay()
+    ctx = replace(_context(tokenizer_dir, replies, router, max_turns=3), episodes=asyncio.Semaphore(3))
+
+    async def step() -> list[SampleGroup]:
+        requests = [
+            GroupRequest("run-1", f"run-1/0/p{i}", i, Prompt(prompt=f"{i}+1=", answer=str(i + 1)), fallback_version=0)
+            for i in range(6)
+        ]
+        return await asyncio.gather(*(multi_turn(ctx, r) for r in requests))
+
+    groups = asyncio.run(step())
+    assert [s.status for g in groups for s in g.samples] == [SampleStatus.SAMPLE_STATUS_OK] * 12
+    assert router.most == 3, router.most
 
 
 def test_a_multi_turn_run_is_evaluated_in_episodes(tokenizer_dir: Path, replies: ReplyPool) -> None:
