@@ -65,7 +65,8 @@ class RolloutConfig(BaseSettings):
     episodes waiting for their next turn (16 groups of 8 over a 20k-token budget lost 65 of 128 samples)."""
     env_reply_threads: int = Field(default=16, gt=0)
     """Threads that run multi_turn environments' replies (their own, apart from those of Redis calls); a reply that
-    hangs keeps its thread, and replies beyond the free threads wait for one."""
+    hangs past its time keeps its thread and another takes its place (up to 4 per thread), and replies beyond the
+    free threads wait for one."""
     env_reply_timeout_s: float = Field(default=60.0, gt=0)
     """Bound on one environment reply, a wait for a free thread included: past it the episode's sample fails
     (`turn N: environment did not reply within 60s`) and the reply keeps its thread (a thread cannot be stopped)."""

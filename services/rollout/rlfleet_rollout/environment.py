@@ -29,8 +29,10 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from functools import partial
 from typing import Protocol, runtime_checkable
 
@@ -38,7 +40,16 @@ from rlfleet_rollout.datasets import Prompt
 
 ENTRY_POINT_GROUP = "rlfleet.rollout.environments"
 
-_Job = tuple[Future[str | None], Callable[[], str | None]]
+HUNG_PER_THREAD = 4
+"""Replies hung past their time (each keeps its thread) the pool replaces, per thread it has."""
+
+
+@dataclass
+class _Job:
+    future: Future[str | None]
+    call: Callable[[], str | None]
+    deadline: float  # time.monotonic() past which its episode no longer waits for it
+    replaced: bool = False  # overran its time and another thread took its thread's place (under the pool's lock)
 
 
 @runtime_checkable
@@ -57,47 +68,79 @@ class ReplyPool:
     up, and a few hung ones stopped them. Not a ThreadPoolExecutor either: the interpreter joins its threads at
     exit, even after shutdown(wait=False), so one hung reply kept the orchestrator from stopping; these are
     daemon threads. A thread cannot be killed: a reply that overruns its time fails its episode but keeps its
-    thread until it returns. The pool bounds how many can hang; replies beyond it wait for a thread, within
-    their time.
+    thread until it returns, and another thread takes its place (its own ends when the reply returns), so a few
+    hung replies do not fail every later one of every run. Up to HUNG_PER_THREAD x `threads` hung replies are
+    replaced; past that, a reply that finds no free thread within its time says so.
     """
 
     def __init__(self, threads: int, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._work, name=f"environment-reply-{i}", daemon=True) for i in range(threads)
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._lock = threading.Lock()
+        self._threads = threads  # threads taking jobs: the pool's size
+        self._hung = 0  # replies past their time whose threads were replaced
+        self._max_hung = HUNG_PER_THREAD * threads
+        self._started = 0
+        for _ in range(threads):
+            self._start_thread()
+
+    def _start_thread(self) -> None:
+        self._started += 1
+        name = f"environment-reply-{self._started}"
+        threading.Thread(target=self._work, name=name, daemon=True).start()
 
     async def reply(self, env: Environment, prompt: Prompt, turns: Sequence[str]) -> str | None:
         """`env.reply(prompt, turns)` on one of the pool's threads; ReplyTimeout when it has not returned (or not
         found a free thread) within timeout_s."""
-        job: Future[str | None] = Future()
-        self._jobs.put((job, partial(env.reply, prompt, list(turns))))
-        answer = asyncio.wrap_future(job)
+        job = _Job(Future(), partial(env.reply, prompt, list(turns)), time.monotonic() + self.timeout_s)
+        self._jobs.put(job)
+        answer = asyncio.wrap_future(job.future)
         try:
             done, _ = await asyncio.wait({answer}, timeout=self.timeout_s)
         finally:
             answer.cancel()  # a reply still waiting for a thread is dropped; a running one runs on, unheard
         if not done:
-            raise ReplyTimeout(f"environment did not reply within {self.timeout_s:g}s")
+            message = f"environment did not reply within {self.timeout_s:g}s"
+            if job.future.running():
+                self._replace(job)
+            elif self._hung >= self._max_hung:
+                message += (
+                    f" (no thread was free: {self._hung} replies are hung, each holding a thread, which cannot be"
+                    " stopped; mend the environment's backend, or restart the orchestrator)"
+                )
+            raise ReplyTimeout(message)
         return answer.result()
+
+    def _replace(self, job: _Job) -> None:
+        """`job` overran its time on its thread: another thread takes that one's place, up to the bound."""
+        with self._lock:
+            if job.future.done() or self._hung >= self._max_hung:
+                return
+            job.replaced = True
+            self._hung += 1
+            self._start_thread()
 
     def close(self) -> None:
         """Ends the idle threads, waiting for none: a hung reply's thread ends with the process."""
-        for _ in self._threads:
+        with self._lock:
+            threads, self._threads = self._threads, 0
+        for _ in range(threads):
             self._jobs.put(None)
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
-            future, call = job
-            if not future.set_running_or_notify_cancel():  # its episode stopped waiting
+            if time.monotonic() >= job.deadline:  # its episode is giving up on it, or gave up
+                job.future.cancel()
+            if not job.future.set_running_or_notify_cancel():  # its episode stopped waiting
                 continue
             try:
-                future.set_result(call())
+                job.future.set_result(job.call())
             except Exception as exc:  # noqa: BLE001 - handed to the episode, which fails its sample
-                future.set_exception(exc)
+                job.future.set_exception(exc)
             except BaseException as exc:  # noqa: BLE001 - a tool's sys.exit is its episode's failure, not ours
                 # Handed on as it is, SystemExit would end the orchestrator, and CancelledError look like a stop.
-                future.set_exception(RuntimeError(f"raised {type(exc).__name__}{exc.args!r}"))
+                job.future.set_exception(RuntimeError(f"raised {type(exc).__name__}{exc.args!r}"))
+            with self._lock:
+                if job.replaced:  # another thread took this one's place while the reply hung
+                    self._hung -= 1
+                    return

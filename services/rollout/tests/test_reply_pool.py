@@ -1,5 +1,5 @@
 """The orchestrator's threads for environment replies: a reply is bounded in time, an environment's own
-exception reaches its episode as raised, hung replies hold no more than the pool's threads, and the process
+exception reaches its episode as raised, hung replies have their threads replaced (up to a bound), and the process
 exits without waiting for them."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from rlfleet_rollout import environment
 from rlfleet_rollout.datasets import Prompt
 from rlfleet_rollout.environment import ReplyPool, ReplyTimeout
 
@@ -32,7 +33,7 @@ class Hangs:
         return None
 
 
-def test_replies_past_their_time_are_given_up_and_hung_ones_hold_only_the_pools_threads() -> None:
+def test_replies_past_their_time_are_given_up_and_those_waiting_for_a_thread_are_never_run() -> None:
     env, pool = Hangs(), ReplyPool(threads=2, timeout_s=0.3)
 
     async def main() -> tuple[list[BaseException | str | None], float]:
@@ -49,6 +50,42 @@ def test_replies_past_their_time_are_given_up_and_hung_ones_hold_only_the_pools_
         assert default_executor_wait < 1.0
     finally:
         env.release.set()
+        pool.close()
+
+
+def reply_threads() -> int:
+    return len([t for t in threading.enumerate() if t.name.startswith("environment-reply")])
+
+
+class Answers:
+    def reply(self, prompt: Prompt, turns: Sequence[str]) -> str | None:
+        return "ok"
+
+
+def test_a_hung_reply_s_thread_is_replaced_so_later_replies_are_answered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two hung replies on a pool of two threads failed every later reply of every run, a healthy environment's
+    too, until the orchestrator restarted. A replaced thread ends once its reply returns; past the bound of
+    replaced ones, a reply finding no thread says why."""
+    monkeypatch.setattr(environment, "HUNG_PER_THREAD", 1)
+    hangs, pool = Hangs(), ReplyPool(threads=2, timeout_s=0.3)
+
+    async def hang(count: int) -> list[BaseException | str | None]:
+        return await asyncio.gather(*[pool.reply(hangs, PROMPT, ["3"]) for _ in range(count)], return_exceptions=True)
+
+    try:
+        assert all(isinstance(r, ReplyTimeout) for r in asyncio.run(hang(2)))
+        assert asyncio.run(pool.reply(Answers(), PROMPT, ["3"])) == "ok", "the hung replies' threads were replaced"
+        assert all(isinstance(r, ReplyTimeout) for r in asyncio.run(hang(2)))  # 4 hung: past the bound of 2
+        with pytest.raises(ReplyTimeout, match="2 replies are hung, each holding a thread"):
+            asyncio.run(pool.reply(Answers(), PROMPT, ["3"]))
+        hangs.release.set()  # the backend answers again: the replaced threads end, the pool is whole
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and reply_threads() > 2:
+            time.sleep(0.02)
+        assert reply_threads() == 2
+        assert asyncio.run(pool.reply(Answers(), PROMPT, ["3"])) == "ok"
+    finally:
+        hangs.release.set()
         pool.close()
 
 
