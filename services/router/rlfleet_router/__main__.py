@@ -59,7 +59,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--health-check-endpoint", "engine path to probe (default /health_generate)"),
     Flag("--weight-update-timeout-secs", "bound on one engine's weight load (default 600)"),
     Flag("--trajectory-max-tokens", "token budget of the trajectory cache, ~12 bytes a token (default 2**23)"),
-    Flag("--trajectory-max-update-lag", "weight updates after which a trajectory is stale (default 1)"),
+    Flag("--trajectory-max-update-lag", "weight updates after which a trajectory is stale (default 4)"),
     Flag("--restarter", "how failed engines are restarted: local, docker or kubernetes (default: never)"),
     Flag("--restart-timeout-secs", "bound on a restart and the engine's return to health (default 120)"),
     Flag("--restart-initial-backoff-secs", "wait before a failed restart is retried (default 1)"),

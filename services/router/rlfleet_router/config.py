@@ -132,7 +132,11 @@ class RouterConfig(BaseSettings):
         "for the cache_aware prefix tree (about 80 MiB by default).",
     )
     trajectory_max_update_lag: int = Field(
-        1, ge=0, description="Fleet weight updates after its last turn before a trajectory is evicted as stale."
+        4,
+        ge=0,
+        description="Fleet weight updates after its last turn before a trajectory is evicted as stale; keep it above "
+        "the rollout.max_staleness of the runs the fleet serves, whose episodes may wait that many updates between "
+        "two turns (the token budget bounds the memory either way).",
     )
 
     restarter: str | None = Field(

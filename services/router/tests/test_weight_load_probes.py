@@ -105,7 +105,7 @@ def test_an_engine_that_finished_a_load_the_fleet_gave_up_on_is_not_loaded_back(
 ) -> None:
     monkeypatch.setattr(weights, "FANOUT_ENGINE_DEADLINE_SECS", 0.5)
     engines = [start_gated(name) for name in "ab"]
-    router = start_router([e.url for e in engines], **PROBES)
+    router = start_router([e.url for e in engines], **PROBES, trajectory_max_update_lag=1)
     router.wait_healthy(2)
     turn = {"input_ids": [1, 2], "return_logprob": True}  # a trajectory on the engines' boot version
     assert router.client.post("/generate", json=turn, headers={"x-rlfleet-trajectory-id": "t"}).status_code == 200

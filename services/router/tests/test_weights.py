@@ -144,7 +144,7 @@ def test_a_retried_version_is_not_a_newer_one_for_cached_trajectories(
     """A partial update answers 502 and the trainer retries the same version: that is one version, not two, so
     a trajectory sampled on the version before it is still within `--trajectory-max-update-lag` (1)."""
     good, bad = start_engine("good"), start_engine("bad")
-    router = start_router([good.url, bad.url])
+    router = start_router([good.url, bad.url], trajectory_max_update_lag=1)
     router.wait_healthy(2)
     v1, v2 = {"model_path": "/c/1", "weight_version": "1"}, {"model_path": "/c/2", "weight_version": "2"}
     assert router.client.post("/update_weights_from_disk", json=v1).status_code == 200
