@@ -1,21 +1,23 @@
 """Replays the router benchmark's traffic through a routing policy as a discrete-event simulation.
 
 `router_vs_sglang_router.py` measures real routers in front of real `sim` engine processes; on a shared
-2-core machine its makespans move by 10-30 % with the machine's load, too much to tune a policy
-setting by. This replays the same traffic (the same workload generators and seed, 32 clients) without
-processes and without timing noise, in seconds. N engines follow the `sim` backend's model, started with
-the benchmark's flags (`SIM_LATENCY`): the backend's own `PrefixCache` as KV memory, where a running
-request holds a `Lease` (its prompt's blocks pinned, room for its partial tail and all of
-`max_new_tokens`) and a finished one leaves prompt + output cached; admission first come, first served
-while a batch slot is free and the next waiting request's lease fits, stopping at the first that does
-not; and the backend's own `LatencyModel` per iteration (decode step + per-sequence cost x batch +
-per-KV-token cost x the running sequences' tokens + prefill cost x uncached prompt tokens admitted).
-Each request is routed by the policy object itself, seeing the requests in flight per engine as the
-router would (the answers of one engine step, a GRPO group's, all leave that count before any of their
-clients' next requests is routed); as in the benchmark, one policy object serves the workloads one after
-another and engine caches start empty for each workload, emptied through the policy (`forget_caches`
-with every engine, what a router does on a `/flush_cache`). Router and network time count as zero
-unless `--jitter-ms` adds some.
+2-core machine its makespans move by 10-30 % with the machine's load, too much to tune a policy setting by.
+This replays the same traffic (the same workload generators and seed, 32 clients) without processes and
+without timing noise, in seconds. N engines follow the `sim` backend's model, started with the benchmark's
+flags (`SIM_LATENCY`): the backend's own `PrefixCache` as KV memory, where a running request holds a `Lease`
+(its prompt's blocks pinned, room for its partial tail and all of `max_new_tokens`) and a finished one
+leaves prompt + output cached; admission first come, first served while a batch slot is free, the next
+waiting request's lease fits and the iteration's uncached prompt tokens stay within max_prefill_tokens,
+stopping at the first that does not, each request a prefill group of its own (what one iteration computes is
+cached for the others from the next one on); and the backend's own `LatencyModel` per iteration (decode step
++ per-sequence cost x batch + per-KV-token cost x the running sequences' tokens + prefill cost x uncached
+prompt tokens admitted). Each request is routed by the policy object itself, under cache_aware held back by
+the router's `PrefillStagger` at its default, seeing the requests in flight per engine as the router would
+(the answers of one engine step, a GRPO group's, all leave that count before any of their clients' next
+requests is routed); as in the benchmark, one policy object serves the workloads one after another and
+engine caches start empty for each workload, emptied through the policy (`forget_caches` with every engine,
+what a router does on a `/flush_cache`). Router and network time count as zero unless `--jitter-ms` adds
+some.
 
 Beside rlfleet's policies it replays a model of sglang-router's cache_aware at its defaults (the
 engine holding the longest prefix when it holds more than 30 % of the prompt, else the engine with the
@@ -64,7 +66,9 @@ from rlfleet_engine.config import EngineConfig, config_from_args
 from rlfleet_engine.sim_backend import LatencyModel, output_rng
 from rlfleet_engine.sim_prefix_cache import Lease, PrefixCache
 from rlfleet_router.chars_per_token import CharsPerToken
+from rlfleet_router.config import RouterConfig
 from rlfleet_router.policies import CacheAware, Choice, Policy, PolicyOptions, RoutingRequest, create_policy
+from rlfleet_router.prefill_stagger import PrefillStagger
 from rlfleet_router.radix_tree import RadixTree
 from rlfleet_router.workers import Worker, WorkerState
 
@@ -177,6 +181,8 @@ class Job:
     output: list[str] = field(default_factory=list)
     lease: Lease | None = None
     """The engine's KV memory the job holds while it runs."""
+    ended: bool = False
+    """Answered: a repeat of its prompt no longer waits for it (`PrefillStagger`)."""
 
 
 @dataclass(eq=False)
@@ -230,6 +236,11 @@ def replay(
     """
     delays = random.Random(seed + 1)
     latency = latency_model(engine_config)
+    # As the router does: under cache_aware, a repeat of a prompt sent to an engine moments ago waits to share
+    # its prefill (the benchmark runs the router at its default stagger).
+    clock = [0.0]
+    stagger_secs = RouterConfig.model_fields["prefill_stagger_ms"].default / 1000
+    stagger = PrefillStagger(stagger_secs if isinstance(policy, CacheAware) else 0.0, clock=lambda: clock[0])
     fleet = [
         Engine(
             Worker(url=f"sim-{k}", id=f"sim-{k}", state=WorkerState.HEALTHY),
@@ -260,7 +271,9 @@ def replay(
         worker.in_flight_tokens += request.tokens
         prompt = [ord(c) for c in text]
         job = Job(client, prompt, worker, request.tokens, now, output_rng(engine_config.random_seed, prompt, 0))
-        at(now + delays.uniform(0.0, jitter_secs), lambda when: arrive(job, when))
+        clock[0] = now
+        wait = stagger.delay(worker.id, request.prompt_key, job)
+        at(now + wait + delays.uniform(0.0, jitter_secs), lambda when: arrive(job, when))
 
     def arrive(job: Job, now: float) -> None:
         engine = by_id[job.worker.id]
@@ -292,11 +305,17 @@ def replay(
             next_request(client, now)
 
     def step(engine: Engine, now: float) -> None:
-        """One iteration of the engine's loop: `SimScheduler._admit`, then the iteration's cost."""
+        """One iteration of the engine's loop: `SimScheduler._admit`, then the iteration's cost. Each request is a
+        prefill group of its own, as on the engine: what one iteration computes is cached for the others from the
+        next one on, and the iteration's uncached prompt tokens stay within max_prefill_tokens."""
         nonlocal prompt_tokens, cached_tokens
+        engine.cache.begin_iteration()
         prefill = admitted = 0
         for job in engine.waiting[: engine_config.max_running_requests - len(engine.running)]:
-            job.lease = engine.cache.lease(job.prompt, workload.max_new_tokens)
+            uncached = len(job.prompt) - engine.cache.cached_for(job.prompt, id(job))
+            if admitted and prefill + uncached > engine_config.max_prefill_tokens:
+                break
+            job.lease = engine.cache.lease(job.prompt, workload.max_new_tokens, id(job))
             if job.lease is None:  # first come, first served: the rest wait behind it
                 break
             admitted += 1
@@ -328,6 +347,7 @@ def replay(
         step(engine, now)
 
     def answer(job: Job, now: float) -> None:
+        job.ended = True
         job.worker.in_flight -= 1
         job.worker.in_flight_tokens -= job.tokens
         chars_per_token.observe(len(job.prompt), len(job.prompt))  # the sim's tokenizer: a token per character

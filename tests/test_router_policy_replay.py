@@ -10,9 +10,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from router_policy_replay import CONCURRENCY, TotalAwareModel, bench_engine_config, replay  # noqa: E402
-from router_vs_sglang_router import BALANCE_TARGET, CACHES, grpo_workload  # noqa: E402
+from router_vs_sglang_router import BALANCE_TARGET, CACHES, Workload, grpo_workload  # noqa: E402
 
-from rlfleet_router.policies import Choice, RoundRobin, RoutingRequest  # noqa: E402
+from rlfleet_router.policies import CacheAware, Choice, LeastLoad, RoundRobin, RoutingRequest  # noqa: E402
 from rlfleet_router.workers import Worker  # noqa: E402
 
 
@@ -26,6 +26,10 @@ class CountingRoundRobin(RoundRobin):
     def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Choice:
         self.in_flight_seen.append(sum(w.in_flight for w in workers))
         return super().select(workers, request)
+
+
+class LeastLoadOnOneEngine(LeastLoad):
+    """Any policy but cache_aware: the router holds nothing back."""
 
 
 def test_the_answers_of_one_engine_step_leave_the_count_before_the_next_requests_are_routed() -> None:
@@ -48,3 +52,17 @@ def test_the_total_aware_reference_keeps_every_engine_within_the_balance_target_
     assert sum(result.per_engine) == workload.requests
     assert max(result.per_engine) <= int(BALANCE_TARGET * workload.requests / engines)
     assert result.hit_rate > 0.9  # families stay on the engines holding them
+
+
+def test_requests_one_iteration_admits_share_no_prefill_unless_the_stagger_holds_repeats_back() -> None:
+    """As on the sim engine, each request is a prefill group of its own: samples of one prompt that reach an engine
+    during an iteration are admitted together in the next and each computes the prompt. The replay shared it
+    among them, which made sglang-router's model reach hit rates the engine never gives. cache_aware's repeats,
+    held back by the router's stagger, come after their first's prefill and find the prompt cached."""
+    # A short prompt's first request starts the idle engine's (short) iteration; the other 15 arrive during it.
+    workload = Workload("grpo", ["y" * 16, "x" * 1600], [], samples=8, max_new_tokens=4)
+    config = bench_engine_config(CACHES["roomy"])
+    together = replay(LeastLoadOnOneEngine(), 1, config, workload, seed=0)
+    staggered = replay(CacheAware(), 1, config, workload, seed=0)
+    assert together.hit_rate < 0.05, "the 8 x's admitted together compute it 8 times"
+    assert staggered.hit_rate > 0.8, "x's first computes it, its 7 repeats find it cached"
