@@ -329,7 +329,13 @@ class SimScheduler:
 
     def _advance(self) -> None:
         self.metrics.observe_token_gaps(self._running)
+        counted = 0
         for job in self._running:
+            if job.params.max_new_tokens == 0:  # a prefill alone (SGLang's warm-up of a prompt's cache): no token
+                job.finish_with(FinishReason("length", length=0))
+                self._publish(job)
+                continue
+            counted += job.log_metrics
             token = job.rng.choice(_OUTPUT_ALPHABET)
             logprob = -2.0 * job.rng.random()
             top = []
@@ -342,7 +348,7 @@ class SimScheduler:
                 job.finish_with(reason)
             if job.finish is not None or job.stream:
                 self._publish(job)
-        if counted := sum(job.log_metrics for job in self._running):
+        if counted:
             self.metrics.observe_generated(counted)
         self.last_step_at = time.monotonic()
         for job in self._running:
@@ -435,11 +441,8 @@ class SimEngineCore(ScheduledGeneration):
             for k, spec in enumerate(specs)
         ]
         self._claim_rids(jobs)
-        for job in jobs:
-            if job.params.max_new_tokens == 0:
-                job.finish_with(FinishReason("length", length=0))
-                job.deliver(job.output(self.tokenizer, self.weight_version))
-        self.scheduler.submit([job for job in jobs if job.finish is None])
+        # max_new_tokens 0 too: such a request is prefilled, charged and cached like any other, as on SGLang.
+        self.scheduler.submit(jobs)
         return jobs, queue
 
     def _empty_cache(self) -> None:

@@ -241,3 +241,20 @@ def test_a_flush_with_requests_pending_is_refused_and_keeps_the_cache() -> None:
         assert again["meta_info"]["cached_tokens"] >= 48, "the cache was kept"
         assert client.post("/flush_cache").status_code == 200
         assert client.post("/generate", json=body).json()["meta_info"]["cached_tokens"] == 0
+
+
+def test_a_request_for_no_tokens_is_prefilled_and_cached() -> None:
+    """SGLang prefills such a request (it warms a prompt's cache before its n samples); the sim answered it at once,
+    computing nothing, caching nothing and counting none of its prompt."""
+
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any], float]:
+        core, registry = sim_core(sim_decode_ms_per_step=1.0)
+        warm = single(await core.generate(request(PROMPT[:640], 0)))
+        again = single(await core.generate(request(PROMPT[:640], 2)))
+        await core.scheduler.stop()
+        return warm, again, metric(registry, "sglang:prompt_tokens_total")
+
+    warm, again, prompt_tokens = asyncio.run(scenario())
+    assert warm["output_ids"] == [] and warm["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert again["meta_info"]["cached_tokens"] == 639, "all but the last token, as SGLang computes that one"
+    assert prompt_tokens == 2 * 640
