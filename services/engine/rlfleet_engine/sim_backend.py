@@ -265,9 +265,13 @@ class SimScheduler:
                     next_at = await self._iterate(next_at)
 
     async def _iterate(self, next_at: float) -> float:
-        """One iteration: recompute stale KV, admit, take the iteration's time, advance every running sequence."""
+        """One iteration: recompute stale KV or admit, take the iteration's time, advance the running sequences."""
         self.cache.begin_iteration()
-        prefill = self._recompute_stale() + self._admit()
+        # Held requests whose KV a load made stale are prefilled again first, as SGLang's retracted ones (back at
+        # the head of its queue), and new ones share what is left of the iteration's prefill budget.
+        prefill = self._recompute_stale()
+        if not any(job.kv_stale and job.lease is not None for job in self._running):
+            prefill += self._admit(prefill)
         self._update_gauges()
         assert self._running, "an idle engine admits any request small enough for its KV budget"
         batch = len(self._running)
@@ -283,18 +287,22 @@ class SimScheduler:
 
     def _recompute_stale(self) -> int:
         """Prefill to pay for the running requests whose KV a weight load made stale: all of it (prompt + output,
-        as SGLang re-prefills a retracted request), computed in this iteration under the current weights."""
+        as SGLang re-prefills a retracted request) under the current weights, within the iteration's prefill
+        budget (the first one always): the rest wait for the next iterations, generating nothing meanwhile."""
         prefill = 0
         for job in self._running:
-            if job.kv_stale and job.lease is not None:
-                prefill += job.kv_tokens
-                self.cache.recompute(job.lease.blocks, job.prefill_group)
-                job.kv_stale = False
+            if not job.kv_stale or job.lease is None:
+                continue
+            if prefill and prefill + job.kv_tokens > self.max_prefill_tokens:
+                break
+            prefill += job.kv_tokens
+            self.cache.recompute(job.lease.blocks, job.prefill_group)
+            job.kv_stale = False
         return prefill
 
-    def _admit(self) -> int:
-        """Moves waiting jobs into the batch while slots, KV memory and the prefill budget last; returns the
-        prefill to pay.
+    def _admit(self, recomputed: int = 0) -> int:
+        """Moves waiting jobs into the batch while slots, KV memory and the prefill budget (less the `recomputed`
+        tokens this iteration prefills again) last; returns the prefill to pay for them.
 
         First come, first served: the first job that does not fit stops admission, so a large
         request is not starved by smaller ones behind it. The budget (`max_prefill_tokens`, SGLang's) counts
@@ -307,7 +315,7 @@ class SimScheduler:
         room = self.max_running_requests - len(self._running)
         for job in self._waiting[:room]:
             uncached = len(job.input_ids) - self.cache.cached_for(job.input_ids, job.prefill_group)
-            if admitted and prefill + uncached > self.max_prefill_tokens:
+            if (admitted or recomputed) and recomputed + prefill + uncached > self.max_prefill_tokens:
                 break
             job.lease = self.cache.lease(job.input_ids, job.params.max_new_tokens, job.prefill_group)
             if job.lease is None:
@@ -331,6 +339,8 @@ class SimScheduler:
         self.metrics.observe_token_gaps(self._running)
         counted = 0
         for job in self._running:
+            if job.kv_stale and job.lease is not None:  # waits for its KV to be computed again
+                continue
             if job.params.max_new_tokens == 0:  # a prefill alone (SGLang's warm-up of a prompt's cache): no token
                 job.finish_with(FinishReason("length", length=0))
                 self._publish(job)

@@ -258,3 +258,39 @@ def test_a_request_for_no_tokens_is_prefilled_and_cached() -> None:
     assert warm["output_ids"] == [] and warm["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
     assert again["meta_info"]["cached_tokens"] == 639, "all but the last token, as SGLang computes that one"
     assert prompt_tokens == 2 * 640
+
+
+def test_held_requests_are_prefilled_again_within_the_prefill_budget() -> None:
+    """After a flushing load, the held requests' KV was all computed again in one iteration, whatever its size:
+    eight 20k-token requests made one iteration of 16 s at 100 us a token, and a weight load behind it timed out.
+    As SGLang re-admits retracted requests, they go through the bounded prefill, over several iterations."""
+
+    async def scenario() -> list[int]:
+        core, _ = sim_core(sim_decode_ms_per_step=1.0, sim_prefill_us_per_token=1.0, max_prefill_tokens=4096)
+        held = [
+            asyncio.create_task(core.generate(request(list(range(10_000 * k, 10_000 * k + 3000)), 20, rid=f"h{k}")))
+            for k in range(4)
+        ]
+        deadline = time.monotonic() + 10
+        while len(core.scheduler._running) < 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await core.pause("retract")
+        load = UpdateWeightsFromDiskRequest(model_path="/ckpt/v1", weight_version="1")
+        assert (await core.update_weights_from_disk(load))["num_paused_requests"] == 4
+        recomputed: list[int] = []
+        original = core.scheduler._recompute_stale
+
+        def recompute() -> int:
+            recomputed.append(original())
+            return recomputed[-1]
+
+        core.scheduler._recompute_stale = recompute  # type: ignore[method-assign]
+        core.resume()
+        outs = await asyncio.wait_for(asyncio.gather(*held), timeout=30)
+        await core.scheduler.stop()
+        assert all(len(single(out)["output_ids"]) == 20 for out in outs)
+        return [tokens for tokens in recomputed if tokens]
+
+    per_iteration = asyncio.run(scenario())
+    assert len(per_iteration) == 4, per_iteration  # one request (3000 + its tokens) a time within 4096
+    assert all(tokens <= 4096 for tokens in per_iteration)
