@@ -74,6 +74,9 @@ class EngineConfig(BaseSettings):
     """Bound on joining a trainer's weight update group and on each broadcast received through it. Keep it at
     least the trainer's --weight-sync-timeout-s (120 s by default): an engine that gives up sooner leaves the
     trainer waiting for it to its own bound."""
+    sim_vocab_size: int = Field(default=65536, ge=256, le=2**31)
+    """`sim` backend: token ids it takes, below this: set it to the vocabulary of the tokenizer its clients use
+    (about 152k for Qwen's), whose ids it refused past 65535. Text is one token per character either way."""
     sim_cache_tokens: int = Field(default=1_000_000, ge=16)
     """`sim` backend: tokens of KV memory, held by running requests and the prefix cache (LRU beyond);
     model_path is then only a label."""
@@ -126,6 +129,7 @@ FLAGS: tuple[Flag, ...] = (
         "Seconds to join a weight update group or receive one broadcast (default 120).",
         field="weight_group_timeout_s",
     ),
+    Flag("--sim-vocab-size", "sim backend: token ids below this are taken (default 65536)."),
     Flag("--sim-cache-tokens", "sim backend: KV memory in tokens (default 1000000)."),
     Flag("--sim-prefill-us-per-token", "sim backend: prefill us per uncached token (default 25)."),
     Flag("--sim-decode-ms-per-step", "sim backend: ms per decode step of one sequence (default 5)."),

@@ -71,7 +71,8 @@ class SimTokenizer:
         return [min(ord(c), 0xFFFD) for c in text]
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(t) if not 0xD800 <= t <= 0xDFFF else "\ufffd" for t in token_ids)
+        # An id past Unicode (a real tokenizer's, with --sim-vocab-size) or a surrogate is no character.
+        return "".join(chr(t) if t < 0x110000 and not 0xD800 <= t <= 0xDFFF else "\ufffd" for t in token_ids)
 
 
 @dataclass(frozen=True)
@@ -408,7 +409,10 @@ class SimEngineCore(ScheduledGeneration):
         self.model_path = config.model_path
         # No request can hold more KV than the whole budget: SGLang's max_req_len is bounded by it too, so a default
         # or null max_new_tokens is clamped to what the budget leaves, and a longer explicit one is refused.
-        self.backend = SimModel(context_length=min(config.context_length or 32768, config.sim_cache_tokens))
+        self.backend = SimModel(
+            context_length=min(config.context_length or 32768, config.sim_cache_tokens),
+            vocab_size=config.sim_vocab_size,
+        )
         self.tokenizer = SimTokenizer()
         self.metrics = EngineMetrics(registry, config.served_model_name or config.model_path)
         self.in_flight = {}

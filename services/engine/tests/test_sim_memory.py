@@ -12,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
+from rlfleet.errors import InvalidInput
 from rlfleet_engine.config import EngineConfig
 from rlfleet_engine.http_app import create_app
 from rlfleet_engine.schemas import GenerateRequest
@@ -170,3 +171,22 @@ def test_a_small_body_asking_for_many_copies_of_a_long_prompt_is_refused() -> No
         message = answer.json()["error"]["message"]
         assert "32768000 prompt tokens" in message and "at most 4194304" in message
         assert core.in_flight == {}
+
+
+def test_the_vocabulary_is_as_large_as_the_clients_tokenizer_s() -> None:
+    """Prompts tokenized by a real tokenizer (Qwen's ids reach 151643) were refused past 65535."""
+    core = SimEngineCore(
+        EngineConfig(model_path="sim", sim_vocab_size=152064, sim_decode_ms_per_step=0.1), CollectorRegistry()
+    )
+    body = {"input_ids": [151643, 9707, 151644], "sampling_params": {"max_new_tokens": 2}}
+
+    async def generate() -> dict[str, Any]:
+        out = await core.generate(GenerateRequest.model_validate(body))
+        await core.scheduler.stop()
+        assert isinstance(out, dict)
+        return out
+
+    assert asyncio.run(generate())["meta_info"]["prompt_tokens"] == 3
+    narrow = SimEngineCore(EngineConfig(model_path="sim", sim_decode_ms_per_step=0.1), CollectorRegistry())
+    with pytest.raises(InvalidInput, match="outside the vocabulary"):
+        asyncio.run(narrow.generate(GenerateRequest.model_validate(body)))
