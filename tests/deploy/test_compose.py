@@ -266,3 +266,12 @@ def test_redis_keeps_an_append_only_file_on_a_volume(compose: dict[str, Any]) ->
     assert command[command.index("--appendonly") + 1] == "yes"
     data_dir = command[command.index("--dir") + 1]
     assert any(v.split(":")[1] == data_dir and v.split(":")[0] in compose["volumes"] for v in redis["volumes"])
+
+
+def test_engines_read_the_shared_volume_and_cannot_change_it(compose: dict[str, Any]) -> None:
+    """It holds the trainer's checkpoints, whose metadata is a pickle the trainer loads; engines only read models
+    and weight versions."""
+    engines = [s for name, s in compose["services"].items() if name.startswith("engine") or "sglang" in name]
+    assert engines
+    for engine in engines:
+        assert [v for v in engine["volumes"] if v.split(":")[1] == "/data"] == ["data:/data:ro"], engine

@@ -245,6 +245,15 @@ def test_redis_appends_to_a_persistent_volume_unless_external(rendered: tuple[di
     assert redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "redis-data"
 
 
+def test_engines_read_the_shared_volume_and_cannot_change_it(rendered: tuple[dict, list[dict[str, Any]]]) -> None:
+    """It holds the trainer's checkpoints, whose metadata is a pickle the trainer loads: an engine that could write
+    there could change what the trainer resumes from. Engines only read models and weight versions."""
+    _, docs = rendered
+    engine = by_kind(docs, "StatefulSet")["rl-rlfleet-engine"]["spec"]["template"]["spec"]["containers"][0]
+    data = next(m for m in engine["volumeMounts"] if m["name"] == "data")
+    assert data["mountPath"] == "/data" and data["readOnly"] is True
+
+
 def test_checkpoint_volume_is_shared_read_write_many_by_default() -> None:
     with helm.Chart.load(str(CHART)) as chart:
         files = chart.render({}, name="rl", namespace="ml", is_install=True)
