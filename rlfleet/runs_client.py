@@ -281,8 +281,8 @@ class RunsClient:
             timer.cancel()
 
     def watch(self, run_id: str, timeout_s: float = WATCH_READ_TIMEOUT_S) -> Iterator[Run]:
-        """The run now, then every change, until it ends; each read waits at most `timeout_s` (keep-alive
-        comments count: a quiet run is not a lost watch)."""
+        """The run now, then its latest state after each change (changes back to back may come as one), until it
+        ends; each read waits at most `timeout_s` (keep-alive comments count: a quiet run is not a lost watch)."""
         try:
             with self.http.stream("GET", run_path(run_id, ":watch"), timeout=timeout_s) as response:
                 if response.status_code != 200:
@@ -305,19 +305,22 @@ class RunsClient:
         reconnect_within_s: float = WATCH_RECONNECT_S,
         on_lost: Callable[[str], None] | None = None,
     ) -> Iterator[Run]:
-        """The run now, then every change, until it ends, across restarts of the orchestrator: a watch that
-        ends or fails before the run did is started again, with backoff, for up to `reconnect_within_s` from
-        the first failure since a watch last worked (brought a change, or stayed up that long); then WatchEnded.
+        """The run now, then its latest state after each change, until it ends, across restarts of the
+        orchestrator: a watch that ends or fails before the run did is started again, with backoff, for up to
+        `reconnect_within_s` from the first failure since a watch last worked (brought a change, or stayed up that
+        long); then WatchEnded.
         `on_lost` is told of that first failure (a line saying why and how long the watch is tried again): a silent
         orchestrator is noticed only after WATCH_READ_TIMEOUT_S, and the watch would otherwise say nothing for
-        minutes. Each watch starts only once
-        the orchestrator has answered a plain read within the client's timeout, so one that accepts connections
-        but never answers fails that fast (a running watch may stay quiet for WATCH_READ_TIMEOUT_S)."""
+        minutes. Each watch starts only once the orchestrator has answered a plain read within the client's
+        timeout, so one that accepts connections but never answers fails that fast (a running watch may stay quiet
+        for WATCH_READ_TIMEOUT_S). A new watch first repeats the run as it is then: that is yielded only if it
+        differs from the last run yielded."""
         try:
             last = self.get(run_id)
         except Unavailable as exc:
             raise Unavailable(f"the watch of {run_id} never started: {exc}") from exc
         lost_since: float | None = None
+        shown: Run | None = None
         while True:
             started = time.monotonic()
             try:
@@ -325,6 +328,9 @@ class RunsClient:
                     if run != last:  # the run moved, so the watch works (each watch first repeats the run)
                         lost_since = None
                     last = run
+                    if run == shown:  # a new watch's repeat of the run, unchanged since the last one showed it
+                        continue
+                    shown = run
                     yield run
                     if run.state in FINAL_STATES:
                         return
