@@ -285,11 +285,21 @@ def redis_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, REDIS_RETRY_ERRORS) or redis_refusal(exc) is not None
 
 
-def connect_redis_async(url: str, timeout_s: float = 10.0) -> aioredis.Redis:
-    """The asyncio twin of `connect_redis`, with the same timeouts and retry policy."""
+def connect_redis_async(url: str, timeout_s: float = 10.0, *, max_connections: int | None = None) -> aioredis.Redis:
+    """The asyncio twin of `connect_redis`, with the same timeouts and retry policy.
+
+    With `max_connections`, a command that finds them all in use waits up to `timeout_s` for one, then raises
+    ConnectionError ("No connection available."); without, the pool holds redis-py's default (100) and such a
+    command fails at once (MaxConnectionsError): the bound is for a client shared by callers whose number nothing
+    else bounds (the orchestrator's Runs API)."""
     budget = REDIS_RETRY_BUDGET_S
     retry = _AsyncRetryWithin(_BackoffWithin(budget), _retries_within(budget), supported_errors=REDIS_RETRY_ERRORS)
-    return aioredis.Redis.from_url(url, retry=retry, **_client_options(timeout_s))
+    if max_connections is None:
+        return aioredis.Redis.from_url(url, retry=retry, **_client_options(timeout_s))
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=timeout_s, retry=retry, **_client_options(timeout_s)
+    )
+    return aioredis.Redis.from_pool(pool)
 
 
 MAX_MAGNITUDE = 1e9

@@ -89,7 +89,11 @@ class RunsServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Watch(self, request, context):
-        """The run now, then every change until it ends.
+        """The run now, then its latest state after each change, until it ends. Changes written back to back may
+        arrive as one event carrying the last of them (a run that goes RUNNING, records an evaluation and fails
+        within moments may be seen QUEUED, then FAILED): a watch follows the run's state, it is not a log of every
+        change (the run's evals keep every evaluation). A watch the orchestrator's shutdown ends before the run did
+        ends UNAVAILABLE: watch again. An empty id is INVALID_ARGUMENT, as it is for Get and Cancel.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

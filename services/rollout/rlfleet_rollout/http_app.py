@@ -6,9 +6,11 @@ POST /v1/runs               body: RunSpec JSON            -> Run
 GET  /v1/runs               ?state=&page_size=&page_token= -> ListRunsResponse
 GET  /v1/runs/{id}                                         -> Run
 POST /v1/runs/{id}:cancel                                  -> Run (GET: 405, Allow: POST)
-GET  /v1/runs/{id}:watch    server-sent events, one `data: <Run JSON>` per change, until the run ends, and a
+GET  /v1/runs/{id}:watch    server-sent events, `data: <Run JSON>` with the run now, then with its latest state after
+                           each change (changes back to back may come as one), until the run ends, and a
                            `: keep-alive` comment after each `watch_keepalive_s` without a change; the stream
-                           also ends when the orchestrator shuts down or loses Redis (a client watches again)
+                           also ends, after a `: watch ended: <why>` comment, when the orchestrator shuts down,
+                           loses Redis or the run's record (a client watches again)
 GET  /liveness                                             -> 200 while the process serves (Redis or not)
 GET  /health                                               -> 200 once Redis answers, else 503 (readiness), within
                                                               HEALTH_TIMEOUT_S
@@ -33,12 +35,12 @@ from redis.backoff import NoBackoff
 from starlette.exceptions import HTTPException
 
 from rlfleet.api_token import ApiTokenGuard
-from rlfleet.errors import InvalidInput, Unavailable
+from rlfleet.errors import InvalidInput, RlfleetError, Unavailable
 from rlfleet.http_auth import require_api_token
 from rlfleet.http_errors import install_error_handlers
 from rlfleet.http_limits import limit_request_body
 from rlfleet.proto_parse_errors import parse_json_message
-from rlfleet.v1.runs_pb2 import RunSpec, RunState
+from rlfleet.v1.runs_pb2 import RunEvent, RunSpec, RunState
 from rlfleet_rollout.metrics import RolloutMetrics
 from rlfleet_rollout.runs_core import RunsCore
 from rlfleet_rollout.sse_keepalive import with_keepalive
@@ -61,6 +63,18 @@ def to_json(message: Message) -> dict[str, Any]:
     return json_format.MessageToDict(
         message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
+
+
+def sse_event(event: RunEvent) -> str:
+    return f"data: {json.dumps(to_json(event.run))}\n\n"
+
+
+def sse_ended(error: RlfleetError) -> str:
+    """The line that ends a watch stream the run did not end, naming why: a comment, which SSE clients skip (the data
+    of an event would reach `rlfleet watch` as a Run: RunsClient.watch reads every `data:` line as one), on one line
+    (a line break would end the comment)."""
+    why = " ".join(str(error).splitlines())
+    return f": watch ended: {why}\n\n"
 
 
 def parse_run_spec(body: bytes) -> RunSpec:
@@ -133,16 +147,20 @@ def build_app(
     @app.get("/v1/runs/{run_id}:watch")
     async def watch(request: Request, run_id: str) -> StreamingResponse:
         check_query(request)
-        await core.get(run_id)  # a missing run is a 404 before the stream starts
+        watched = core.watch(run_id)
+        first = await anext(watched)  # before the response starts: a missing run is a 404, not a stream
 
         async def events() -> AsyncIterator[str]:
+            yield sse_event(first)
             try:
-                async for event in core.watch(run_id):
-                    yield f"data: {json.dumps(to_json(event.run))}\n\n"
-            except Unavailable as exc:
+                async for event in watched:
+                    yield sse_event(event)
+            except RlfleetError as exc:
                 # An SSE stream has no status to end with once it has started: it ends, and a client that sees it
-                # end before the run did watches again (rlfleet watch does, with backoff).
+                # end before the run did watches again (rlfleet watch does, with backoff), answered with the
+                # error's status then (404 for a run deleted, 503 while Redis is away).
                 logger.info("watch of run %s ended: %s", run_id, exc, extra={"run_id": run_id})
+                yield sse_ended(exc)
 
         return StreamingResponse(
             with_keepalive(events(), watch_keepalive_s),

@@ -46,6 +46,11 @@ from rlfleet_rollout.trainer_client import TrainerClient
 logger = logging.getLogger(__name__)
 
 _REDIS_TIMEOUT_S = 10.0
+_API_REDIS_CONNECTIONS = 32
+"""The Redis connections the Runs API's callers share: a client of their own, whose calls wait for a free one
+(within _REDIS_TIMEOUT_S) rather than fail, so that no number of callers takes the run loop's connections (watchers
+of a run share one reader of it: run_events.py). On the run loop's client, 150 watchers took all 100 and the
+running run failed ("Redis was unreachable")."""
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
@@ -64,6 +69,9 @@ async def serve(config: RolloutConfig) -> None:
     metrics.add_filter_reasons([*STEP_REASONS, *filters.names()])
     rollouts = RolloutRegistry.from_entry_points()
     redis_async = connect_redis_async(config.redis_url, timeout_s=_REDIS_TIMEOUT_S)
+    redis_api = connect_redis_async(
+        config.redis_url, timeout_s=_REDIS_TIMEOUT_S, max_connections=_API_REDIS_CONNECTIONS
+    )
     redis_sync = connect_redis(config.redis_url, timeout_s=_REDIS_TIMEOUT_S)
     redis_health = health_client(config.redis_url)
     # The fleet's one token also opens the router's admin endpoints (aborts) to this client.
@@ -92,6 +100,7 @@ async def serve(config: RolloutConfig) -> None:
         poll_interval_s=config.poll_interval_s,
         run_data_retention_s=config.run_data_retention_s,
         data_roots=config.data_roots,
+        api_store=RunStore(redis_api, config.redis_prefix),
     )
     replies = ReplyPool(config.env_reply_threads, config.env_reply_timeout_s)
     deps = RunDeps(
@@ -150,6 +159,7 @@ async def serve(config: RolloutConfig) -> None:
         await http.aclose()
         await trainer.close()
         await redis_async.aclose()
+        await redis_api.aclose()
         await redis_health.aclose()
         redis_sync.close()
         replies.close()

@@ -1,23 +1,38 @@
-"""In-process change notification for runs, and the one-line description of a change.
+"""In-process change notification for runs, the one reader of a watched run's record, and the one-line description
+of a change.
 
-Watchers take a subscription before reading the record from Redis and wait on it afterwards, so a
-change written between the read and the wait is never missed. Redis stays the source of truth:
-a notification only says "read again". A run's event lives while someone watches the run (`watching`
-counts them), so a watch of an unknown or ended run leaves nothing behind.
+Writers in this process publish each run they write (`RunNotifier`). A run watched here has one reader however many
+watch it (`RunFeed`): it reads the record at once, then again after each change published and at least every poll
+interval (changes other processes write are seen then), and shows what it read to every watcher of the run, so
+Redis sees one read per change, not one per watcher. Redis stays the source of truth: a notification only says
+"read again". The reader subscribes before each read and waits afterwards, so a change written between the two is
+never missed; changes written back to back, before its next read, reach the watchers as one, the run's latest state.
+A watcher that comes while a change written here is still to be read waits for that read: its first event is as
+current as a read of its own would have been.
+
+A run's feed lives while someone watches the run (`RunFeeds.watching`), so a watch of an unknown or ended run
+leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import logging
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
+from rlfleet.errors import Internal, RlfleetError
 from rlfleet.v1.runs_pb2 import Run, RunState
+
+logger = logging.getLogger(__name__)
 
 TERMINAL_STATES = frozenset({RunState.RUN_STATE_SUCCEEDED, RunState.RUN_STATE_FAILED, RunState.RUN_STATE_CANCELLED})
 
 Listener = Callable[[Run], None]
+RecordReader = Callable[[str], Awaitable[Run]]
+"""Reads a run's record: the run, or an RlfleetError (NotFound, Unavailable)."""
 
 
 def is_terminal(state: RunState) -> bool:
@@ -29,7 +44,7 @@ def state_name(state: RunState) -> str:
 
 
 class RunNotifier:
-    """Wakes watchers of a run, and calls listeners (the scheduler) with every written run."""
+    """Wakes the readers of watched runs, and calls listeners (the scheduler) with every written run."""
 
     def __init__(self) -> None:
         self._events: dict[str, asyncio.Event] = {}
@@ -41,7 +56,8 @@ class RunNotifier:
 
     @contextlib.contextmanager
     def watching(self, run_id: str) -> Iterator[None]:
-        """Counts a watcher of `run_id` for as long as the block runs; the run's event goes with the last one."""
+        """Counts a reader of `run_id` (a RunFeed's) for as long as the block runs; the run's event goes with the
+        last one."""
         self._watchers[run_id] += 1
         try:
             yield
@@ -62,11 +78,115 @@ class RunNotifier:
         for listener in self._listeners:
             listener(run)
 
-    def wake_all(self) -> None:
-        """Sets every pending event (at shutdown, so watchers notice and end)."""
-        events, self._events = self._events, {}
-        for event in events.values():
-            event.set()
+
+class RunFeed:
+    """One run's record as its reader last read it, for every watcher of the run in this process."""
+
+    def __init__(self, run_id: str, read: RecordReader, notifier: RunNotifier, poll_interval_s: float) -> None:
+        self.watchers = 0
+        self._run: Run | None = None
+        self._error: RlfleetError | None = None
+        self._read_done = asyncio.Event()
+        """Set by the reader's next read, or its failure, then replaced."""
+        self._published_since = asyncio.Event()
+        """Set once a change is published here after the read of the run held began."""
+        self._reader = asyncio.create_task(
+            self._follow(run_id, read, notifier, poll_interval_s), name=f"reader of run {run_id}"
+        )
+
+    @property
+    def ended(self) -> bool:
+        """The reader stopped: the run ended, the reading failed, or nobody watches any more."""
+        return self._reader.done()
+
+    async def after(self, shown: Run | None) -> Run:
+        """The run as last read, once it is another than `shown` (what the watcher showed last); for a new watcher
+        (`shown` None), once it was read after every change written here before the watcher came, as its own read
+        would have been. The error that ended the reader once nothing newer is left."""
+        # By identity: the reader keeps the run it has unless a read finds the record changed.
+        while self._run is None or self._run is shown or (shown is None and not self._current()):
+            if self._error is not None:
+                # Each watcher raises a copy: one exception raised in many tasks would gather all their tracebacks.
+                raise copy.copy(self._error) from self._error
+            await self._read_done.wait()
+        return self._run
+
+    def fail(self, error: RlfleetError) -> None:
+        """Stops the reader; each watcher gets `error` once it has shown the last run read."""
+        self._reader.cancel()
+        self._end_with(error)
+
+    def stop(self) -> None:
+        """Stops the reader (its last watcher left)."""
+        self._reader.cancel()
+
+    async def _follow(self, run_id: str, read: RecordReader, notifier: RunNotifier, poll_interval_s: float) -> None:
+        with notifier.watching(run_id):
+            try:
+                while True:
+                    changed = notifier.subscribe(run_id)  # before the read: a change written during it is read next
+                    run = await read(run_id)
+                    if run != self._run:
+                        self._run = run
+                    self._published_since = changed
+                    self._wake()
+                    if is_terminal(run.state):
+                        return
+                    with contextlib.suppress(TimeoutError):
+                        # The bound picks up changes another process wrote. asyncio.timeout, not wait_for, which on
+                        # Python 3.11 can lose a cancellation (concurrency.py).
+                        async with asyncio.timeout(poll_interval_s):
+                            await changed.wait()
+            except RlfleetError as exc:
+                self._end_with(exc)
+            except Exception:  # a fault of ours: the watchers must end, not wait on a reader that is gone
+                logger.exception("reading run %s for its watchers failed", run_id, extra={"run_id": run_id})
+                self._end_with(Internal(f"the watch of run {run_id} failed; the orchestrator's log says why"))
+
+    def _current(self) -> bool:
+        """The run held has every change published here so far, or is the last the reader reads."""
+        return not self._published_since.is_set() or self.ended
+
+    def _end_with(self, error: RlfleetError) -> None:
+        self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        read_done, self._read_done = self._read_done, asyncio.Event()
+        read_done.set()
+
+
+class RunFeeds:
+    """The feed of each run watched in this process, from its first watcher to its last."""
+
+    def __init__(self, notifier: RunNotifier, read: RecordReader, poll_interval_s: float) -> None:
+        self._notifier = notifier
+        self._read = read
+        self._poll_interval_s = poll_interval_s
+        self._feeds: dict[str, RunFeed] = {}
+
+    @contextlib.contextmanager
+    def watching(self, run_id: str) -> Iterator[RunFeed]:
+        """The run's feed for as long as the block runs: a new one if none reads the run (the first watcher, or the
+        last feed ended: the run did, or the reading failed); it stops with its last watcher."""
+        feed = self._feeds.get(run_id)
+        if feed is None or feed.ended:
+            feed = self._feeds[run_id] = RunFeed(run_id, self._read, self._notifier, self._poll_interval_s)
+        feed.watchers += 1
+        try:
+            yield feed
+        finally:
+            feed.watchers -= 1
+            if feed.watchers == 0:
+                feed.stop()
+                if self._feeds.get(run_id) is feed:
+                    del self._feeds[run_id]
+
+    def close(self, error: RlfleetError) -> None:
+        """Ends every feed with `error` (at shutdown: every watch ends with it)."""
+        feeds, self._feeds = self._feeds, {}
+        for feed in feeds.values():
+            feed.fail(error)
 
 
 def describe_change(before: Run | None, after: Run) -> str:

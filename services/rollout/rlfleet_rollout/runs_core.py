@@ -4,6 +4,10 @@ The REST app and the gRPC servicer are thin layers over this object; the run loo
 through `update`, the same path Cancel takes, a compare-and-set on the record (run_store.py), so a
 cancelled run cannot be overwritten by a loop that has not noticed yet, in this process or another.
 
+The API's callers reach the records through a store of their own (`api_store`: its own Redis client in the
+orchestrator), so that however many call, the run loop's writes find a connection; and the watchers of a run here
+share one reader of its record (run_events.py): Redis sees one read per change, however many watch.
+
 Redis unreachable once its client's retries have run out, or refusing writes (full, read-only, unable to persist:
 redis_outage.py), is Unavailable to the API's callers (503 / UNAVAILABLE, "run records (Redis) unreachable: ..." or
 "... refuse writes: ..."): a dependency is down, nothing of ours failed.
@@ -34,7 +38,7 @@ from rlfleet_rollout.reward_client import RewardClient
 from rlfleet_rollout.rollout_function import RolloutRegistry
 from rlfleet_rollout.run_counts import RunCounts
 from rlfleet_rollout.run_data import RunData
-from rlfleet_rollout.run_events import RunNotifier, describe_change, is_terminal, state_name
+from rlfleet_rollout.run_events import RunFeeds, RunNotifier, describe_change, is_terminal, state_name
 from rlfleet_rollout.run_store import RunStore
 from rlfleet_rollout.submit_requests import RequestRecord, SubmitRequest
 
@@ -47,6 +51,15 @@ class RunEnded(Conflict):
 
 class ShuttingDown(Unavailable):
     """A watch ended because the orchestrator stops, not because the run did: watch again (at the next one)."""
+
+
+SHUTTING_DOWN = "orchestrator shutting down; watch again"
+
+
+def require_id(run_id: str) -> None:
+    """InvalidInput for a request that names no run (an empty id is no run's, and would read as 'not found')."""
+    if not run_id:
+        raise InvalidInput("id: required: the id of a run, as Submit and List return it")
 
 
 @contextlib.contextmanager
@@ -83,15 +96,18 @@ class RunsCore:
         poll_interval_s: float,
         run_data_retention_s: float,
         data_roots: Sequence[Path] = (),
+        api_store: RunStore | None = None,
     ) -> None:
-        """`data_roots`: the directories every path of a spec must lie under (RolloutConfig.data_roots); none: any."""
+        """`store` is the run loop's; `api_store` the one the API's callers read and write through (`store` if not
+        given), over a Redis client whose connections are theirs alone. `data_roots`: the directories every path
+        of a spec must lie under (RolloutConfig.data_roots); none: any."""
         self.filters = filters
         self.rollouts = rollouts
         self.store = store
+        self.api_store = api_store or store
         self.reward = reward
         self.notifier = notifier
         self.metrics = metrics
-        self.poll_interval_s = poll_interval_s
         self.run_data_retention_s = run_data_retention_s
         self.data_roots = tuple(data_roots)
         self.run_counts = RunCounts(store, metrics)
@@ -100,6 +116,8 @@ class RunsCore:
         # each run, gone once unused, so a write waiting out Redis holds up no other run's.
         self._writing: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._closing = False
+        self.feeds = RunFeeds(notifier, self.get, poll_interval_s)
+        """The reader of each watched run, shared by its watchers."""
 
     # -- the API ------------------------------------------------------------------------------
 
@@ -115,7 +133,7 @@ class RunsCore:
         request = SubmitRequest.of(request_id, spec) if request_id else None
         if request is not None and not validate_only:
             with records_reachable():
-                earlier = await self.store.request_record(request.request_id)
+                earlier = await self.api_store.request_record(request.request_id)
             if earlier is not None:  # checked before the spec: a retry is not refused for a reward hub down now
                 return await self._run_of_request(request, earlier)
         resolved = resolve(spec)
@@ -137,7 +155,7 @@ class RunsCore:
         run.id = f"run-{uuid.uuid4().hex[:12]}"
         run.created_at.CopyFrom(now())
         with records_reachable():
-            earlier = await self.store.create(run, request)
+            earlier = await self.api_store.create(run, request)
         if earlier is not None:  # another Submit of the request_id stored its run first
             assert request is not None
             return await self._run_of_request(request, earlier)
@@ -161,17 +179,18 @@ class RunsCore:
             extra={"run_id": earlier.run_id, "request_id": request.request_id},
         )
         with records_reachable():
-            return await self.store.get(earlier.run_id)
+            return await self.api_store.get(earlier.run_id)
 
     async def get(self, run_id: str) -> Run:
+        require_id(run_id)
         with records_reachable():
-            return await self.store.get(run_id)
+            return await self.api_store.get(run_id)
 
     async def list(self, state: RunState, page_size: int, page_token: str) -> ListRunsResponse:
         if state not in RunState.values():
             raise InvalidInput(f"state: unknown run state {state}")
         with records_reachable():
-            runs, token = await self.store.page(state, page_size, page_token)
+            runs, token = await self.api_store.page(state, page_size, page_token)
         return ListRunsResponse(runs=runs, next_page_token=token)
 
     async def cancel(self, run_id: str) -> Run:
@@ -184,49 +203,42 @@ class RunsCore:
             run.stalled = ""
             run.finished_at.CopyFrom(now())
 
+        require_id(run_id)
         try:
             with records_reachable():
-                # Not in turn with the run loop's writers: a caller's wait is Redis's retries alone, never theirs too.
-                return await self.update(run_id, mark, in_turn=False)
+                return await self.update(run_id, mark, by_caller=True)
         except RunEnded as exc:
             raise Conflict(f"{exc}: it cannot be cancelled") from None
 
     async def watch(self, run_id: str) -> AsyncIterator[RunEvent]:
-        """The run now, then every change until it ends; ShuttingDown if the orchestrator stops first."""
-        with self.notifier.watching(run_id), records_reachable():
-            event = self.notifier.subscribe(run_id)
-            run = await self.store.get(run_id)
-            yield RunEvent(run=run, message=describe_change(None, run), time=now())
-            while not is_terminal(run.state):
-                if self._closing:
-                    raise ShuttingDown("orchestrator shutting down; watch again")
-                try:
-                    # The timeout bounds each wait and picks up changes another process wrote to Redis.
-                    async with asyncio.timeout(self.poll_interval_s):
-                        await event.wait()
-                except TimeoutError:
-                    pass
-                event = self.notifier.subscribe(run_id)
-                latest = await self.store.get(run_id)
-                if latest != run:
-                    yield RunEvent(run=latest, message=describe_change(run, latest), time=now())
-                    run = latest
+        """The run now, then its latest state after each change until it ends: changes written back to back may
+        come as one event (run_events.py). ShuttingDown if the orchestrator stops first."""
+        require_id(run_id)
+        if self._closing:
+            raise ShuttingDown(SHUTTING_DOWN)
+        with self.feeds.watching(run_id) as feed:
+            shown: Run | None = None
+            while shown is None or not is_terminal(shown.state):
+                run = await feed.after(shown)
+                yield RunEvent(run=run, message=describe_change(shown, run), time=now())
+                shown = run
 
     def close(self) -> None:
         """Ends every watch of a run still going with ShuttingDown (at shutdown)."""
         self._closing = True
-        self.notifier.wake_all()
+        self.feeds.close(ShuttingDown(SHUTTING_DOWN))
 
     # -- used by the run loop -----------------------------------------------------------------
 
     async def update(
-        self, run_id: str, mutate: Callable[[Run], None], *, after_end: bool = False, in_turn: bool = True
+        self, run_id: str, mutate: Callable[[Run], None], *, after_end: bool = False, by_caller: bool = False
     ) -> Run:
         """Applies `mutate` to the stored run and writes it back, unless another writer came between (then it is
         applied again to what that one wrote); RunEnded if the run already finished, unless `after_end` (the
         trainer's final progress, known only once it has stopped the run: trainer_release.py). A final state is
-        never changed. `in_turn`: after this process's other writers of the run are done. Redis errors are raised
-        as the client's (the run loop waits them out)."""
+        never changed. A write of the run loop's waits for this process's other writers of the run to be done;
+        one `by_caller` (Cancel) goes through the API's store, and not in turn: a caller's wait is Redis's
+        retries alone, never theirs too. Redis errors are raised as the client's (the run loop waits them out)."""
 
         def guarded(run: Run) -> None:
             state = run.state
@@ -237,8 +249,9 @@ class RunsCore:
                 raise RunEnded(f"run {run_id} already {state_name(state)}, which is final")
 
         # Turns spare this process's writers each other's retries; the compare-and-set guards against the rest.
-        async with self._turn(run_id) if in_turn else contextlib.nullcontext():
-            old, run = await self.store.update(run_id, guarded, expire_data_after_s=self.run_data_retention_s)
+        store = self.api_store if by_caller else self.store
+        async with contextlib.nullcontext() if by_caller else self._turn(run_id):
+            old, run = await store.update(run_id, guarded, expire_data_after_s=self.run_data_retention_s)
         if run is old:
             return run
         old_state = old.state

@@ -208,12 +208,12 @@ def test_a_run_failed_by_a_long_outage_is_recorded_failed_though_its_final_progr
             update, writes = core.update, []
 
             async def update_while_redis_comes_and_goes(
-                run_id: str, mutate: Any, *, after_end: bool = False, in_turn: bool = True
+                run_id: str, mutate: Any, *, after_end: bool = False, by_caller: bool = False
             ) -> Run:
                 writes.append(after_end)
                 if len(writes) == 2 or after_end:  # the first try of the final record, and the final progress
                     raise redis.ConnectionError(REFUSED)
-                return await update(run_id, mutate, after_end=after_end, in_turn=in_turn)
+                return await update(run_id, mutate, after_end=after_end, by_caller=by_caller)
 
             monkeypatch.setattr(core, "update", update_while_redis_comes_and_goes)
             trainer = StopOnlyTrainer(core)

@@ -163,7 +163,7 @@ def test_a_watch_ended_by_a_shutdown_is_unavailable_not_ok(redis_prefix: str) ->
 def test_a_watch_leaves_nothing_behind_once_it_ends(redis_prefix: str) -> None:
     """The review's case: each Watch of an unknown or ended run kept an asyncio.Event for the life of the process."""
 
-    async def scenario() -> tuple[int, int]:
+    async def scenario() -> tuple[tuple[int, int], tuple[int, int]]:
         async with runs_core(redis_prefix) as core, _served(core) as runs:
             await core.store.create(Run(id="run-done", state=RunState.RUN_STATE_SUCCEEDED))
             await core.store.create(Run(id="run-live", state=RunState.RUN_STATE_RUNNING))
@@ -172,18 +172,39 @@ def test_a_watch_leaves_nothing_behind_once_it_ends(redis_prefix: str) -> None:
                     await runs.Watch(WatchRunRequest(id=f"run-missing-{i}")).read()
                 assert missing.value.code() == grpc.StatusCode.NOT_FOUND
                 assert [e.run.id async for e in runs.Watch(WatchRunRequest(id="run-done"))] == ["run-done"]
-            # Two watches of a live run share its event; both dropped, nothing is left either.
+            # Two watches of a live run share its reader and its event; both dropped, nothing is left either.
             first, second = runs.Watch(WatchRunRequest(id="run-live")), runs.Watch(WatchRunRequest(id="run-live"))
             await first.read()
             await second.read()
-            watching = len(core.notifier._events)
+            watching = len(core.notifier._events), len(core.feeds._feeds)
             first.cancel()
             second.cancel()
             await asyncio.sleep(0.3)
-            return watching, len(core.notifier._events)
+            return watching, (len(core.notifier._events), len(core.feeds._feeds))
 
     watching, left = asyncio.run(scenario())
-    assert (watching, left) == (1, 0)
+    assert (watching, left) == ((1, 1), (0, 0))
+
+
+def test_a_request_naming_no_run_is_invalid_argument_naming_the_field(redis_prefix: str) -> None:
+    """Before: NOT_FOUND "run '' not found", as if a run had been named and was missing."""
+
+    async def scenario() -> list[aio.AioRpcError]:
+        errors = []
+        async with runs_core(redis_prefix) as core, _served(core) as runs:
+            for call in (
+                runs.Get(GetRunRequest(id=""), timeout=10),
+                runs.Cancel(CancelRunRequest(id=""), timeout=10),
+                runs.Watch(WatchRunRequest(id=""), timeout=10).read(),
+            ):
+                with pytest.raises(aio.AioRpcError) as refused:
+                    await call
+                errors.append(refused.value)
+        return errors
+
+    for error in asyncio.run(scenario()):
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+        assert error.details() == "id: required: the id of a run, as Submit and List return it"
 
 
 def test_with_redis_unreachable_the_api_is_unavailable_naming_redis() -> None:

@@ -49,9 +49,11 @@ async def serve_trainer(
 
 
 @contextlib.asynccontextmanager
-async def runs_core(prefix: str, url: str = REDIS_URL, **client_options: Any) -> AsyncIterator[RunsCore]:
+async def runs_core(
+    prefix: str, url: str = REDIS_URL, *, poll_interval_s: float = 0.1, **client_options: Any
+) -> AsyncIterator[RunsCore]:
     """The Runs core over the Redis at `url` (the real one by default) under `prefix` (its reward hub is never
-    asked: nothing is submitted); `client_options` go to the Redis client."""
+    asked: nothing is submitted), the API and the run loop sharing one client; `client_options` go to it."""
     client = aioredis.Redis.from_url(url, **{"socket_timeout": 5, **client_options})
     try:
         async with httpx.AsyncClient() as http:
@@ -62,7 +64,7 @@ async def runs_core(prefix: str, url: str = REDIS_URL, **client_options: Any) ->
                 RolloutMetrics(),
                 filters=FilterRegistry({}),
                 rollouts=RolloutRegistry.from_entry_points(),
-                poll_interval_s=0.1,
+                poll_interval_s=poll_interval_s,
                 run_data_retention_s=60,
             )
     finally:
