@@ -252,6 +252,8 @@ def test_a_run_goes_from_queued_to_succeeded_with_exact_groups_and_evals(
     assert {int(g.group_id.split("/")[1]) for g in groups} == {0, 1, 2}
     for g in groups:
         assert g.samples[0].weight_versions[0] == int(g.group_id.split("/")[1])
+    # The run is recorded SUCCEEDED first, then the trainer is stopped (run_loop): once, not again.
+    wait_until(lambda: run_id in fleet.trainer.stop_calls, 10, "StopRun of the finished run")
     assert fleet.trainer.stop_calls.count(run_id) == 1
 
     assert done.wait(10), "the watch stream did not end with the run"
