@@ -310,9 +310,12 @@ def test_generation_requests_are_bound_by_their_head_not_their_body(
             assert status == 200
     assert served == ["/generate"] * 3
     with socket.create_connection(("127.0.0.1", router.server.port)) as sock:
+        sock.settimeout(10)
         sock.sendall(b"POST /generate HTTP/1.1\r\nhost: r\r\nx-padding: ")
-        with pytest.raises(OSError):
-            for _ in range(1024):
+        # Loopback buffers take several MiB before the peer's close reaches the sender, so the header is
+        # longer than they hold; a timeout (the router kept the connection, reading no more) is not a refusal.
+        with pytest.raises((BrokenPipeError, ConnectionResetError)):
+            for _ in range(64 * 1024):
                 sock.sendall(b"p" * 4096)
         [(status, _, body)] = read_answers(sock, 1)
     assert status == 431 and b"request line and headers are over" in body
