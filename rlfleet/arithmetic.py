@@ -11,6 +11,7 @@ rather than drawing until a budget of 200 draws per problem asked for runs out (
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import random
 from collections.abc import Iterator
@@ -38,7 +39,8 @@ class ArithmeticTask:
     digits: int = 2
     """Digits per operand: operands are drawn from [0, 10**digits)."""
     ops: str = "+"
-    """Operators to draw from, a subset of `+-*/`; `/` only yields exact integer quotients."""
+    """Operators to draw from, a subset of `+-*/`; `/` only yields exact integer quotients of at least 1, every
+    such problem (dividend below 10**digits) as likely as any other."""
     seed: int = 0
     """Seed of the draw; the same seed gives the same problems in the same order."""
     heldout_per_mille: int = 100
@@ -81,7 +83,7 @@ class ArithmeticTask:
             found += 1
             yield problem
         if found < count:
-            # Only a split the draw nearly exhausts: uncounted, or with rare problems (small divisors).
+            # Only a split the draw nearly exhausts (each operator is drawn as often: the more problems, the rarer).
             of = f"{found}" if size is None else f"{found} of its {size}"
             raise ValueError(
                 f"could not draw {count} distinct problems from the {split} split of {self.digits}-digit "
@@ -128,12 +130,8 @@ class ArithmeticTask:
         op = rng.choice(self.ops)
         bound = 10**self.digits
         if op == "/":
-            # Every b in [1, bound) has a quotient q >= 1 with b * q < bound: a quotient of 0 for a divisor of
-            # at least half the range would make most problems "0/b=".
-            b = rng.randrange(1, bound)
-            q = rng.randrange(1, (bound - 1) // b + 1)
-            a = b * q
-            return Problem(f"{a}/{b}=", str(q))
+            b, q = _division(rng, bound - 1)
+            return Problem(f"{b * q}/{b}=", str(q))
         a, b = rng.randrange(bound), rng.randrange(bound)
         result = {"+": a + b, "-": a - b, "*": a * b}[op]
         return Problem(f"{a}{op}{b}=", str(result))
@@ -151,6 +149,33 @@ def _split_sizes(digits: int, ops: str, heldout_per_mille: int) -> tuple[int, in
     task = ArithmeticTask(digits=digits, ops=ops, heldout_per_mille=heldout_per_mille)
     heldout = sum(task.is_heldout(prompt) for prompt in _all_prompts(bound, ops))
     return space - heldout, heldout
+
+
+def _division(rng: random.Random, top: int) -> tuple[int, int]:
+    """A divisor and quotient (b, q >= 1, b * q <= top), every such pair as likely as any other.
+
+    A quotient of 0 would make most problems "0/b="; drawing b and then q in [1, top // b] gave every b above
+    top / 2 the quotient 1 alone, so 60% of the problems were "x/x=" (and "x/1=" was rare). Instead a point is
+    drawn uniformly from a cover of the pairs, a rectangle per block of divisors [2**k, 2**(k + 1)) holding every
+    quotient up to top // 2**k, and drawn again when it is not a pair (b * q > top): fewer than 1 point in 3.
+    """
+    ends = _division_cover(top)
+    while True:
+        point = rng.randrange(ends[-1])
+        k = bisect.bisect_right(ends, point)
+        offset = point - (ends[k - 1] if k else 0)
+        height = top >> k
+        b, q = (1 << k) + offset // height, 1 + offset % height
+        if b * q <= top:
+            return b, q
+
+
+@cache
+def _division_cover(top: int) -> tuple[int, ...]:
+    """The cumulative sizes of `_division`'s rectangles: divisors [2**k, min(2**(k + 1), top + 1)), quotients
+    [1, top >> k]."""
+    sizes = [(min(2 << k, top + 1) - (1 << k)) * (top >> k) for k in range(top.bit_length())]
+    return tuple(sum(sizes[: k + 1]) for k in range(len(sizes)))
 
 
 def _division_count(bound: int) -> int:
