@@ -17,7 +17,7 @@ from google.protobuf.struct_pb2 import ListValue, Struct, Value
 
 from rlfleet.arithmetic import OPERATORS, ArithmeticTask, Problem
 from rlfleet.errors import InvalidInput
-from rlfleet.v1.runs_pb2 import DatasetSpec, RunSpec
+from rlfleet.v1.runs_pb2 import DatasetSpec, RunSpec, SamplingParams
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 LOSS_AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
@@ -49,6 +49,12 @@ ALGORITHM_DEFAULTS: dict[str, AlgorithmDefaults] = {
     "ppo": AlgorithmDefaults(loss_aggregation="token_mean", kl_mode="reward"),
 }
 ALGORITHMS = tuple(ALGORITHM_DEFAULTS)
+# The algorithms whose advantages compare each sample with the others of its group (the trainer's per_group
+# estimators): a group of identical samples gives every one of them the advantage 0. PPO (a critic) and
+# REINFORCE++ (whitened over the whole batch) learn from a group whose samples agree.
+GROUP_RELATIVE = frozenset({"grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp_baseline"})
+# Engines (SGLang, rlfleet-engine) take the most likely token below this temperature, as with top_k 1.
+GREEDY_TEMPERATURE = 1e-6
 MAX_TURNS = 64
 MAX_GROUP_SIZE = 1024
 MAX_GROUPS_PER_STEP = 16384
@@ -256,6 +262,16 @@ def validate(spec: RunSpec) -> None:
     _require(_finite(sp.top_p) and 0 < sp.top_p <= 1, "rollout.sampling.top_p", "must be in (0, 1]")
     _require(sp.top_k == -1 or sp.top_k >= 1, "rollout.sampling.top_k", "must be -1 (off) or >= 1")
     _require(1 <= sp.max_new_tokens <= 32768, "rollout.sampling.max_new_tokens", "must be in [1, 32768]")
+    for i, stop in enumerate(sp.stop):
+        # Matching anywhere, it is refused by rlfleet-engine (or ends every generation at once): refused here instead.
+        _require(bool(stop), f"rollout.sampling.stop[{i}]", "must be a non-empty string")
+    greedy = _greedy_field(sp)
+    if greedy is not None and spec.algorithm.name in GROUP_RELATIVE:
+        raise InvalidInput(
+            f"{greedy}: greedy sampling (temperature below 1e-6, or top_k 1) makes the {ro.group_size} samples of "
+            f"a group one answer, so {spec.algorithm.name}'s group-relative advantages are all 0 and the run would "
+            "learn nothing"
+        )
 
     # Which functions exist, their params, and the time limit's upper bound (a hub setting) are the
     # reward hub's to check (at submit, through its /validate).
@@ -274,6 +290,12 @@ def validate(spec: RunSpec) -> None:
         not_finite = next(_non_finite_numbers(term.params, f"reward.terms[{i}].params"), None)
         if not_finite is not None:
             raise InvalidInput(f"{not_finite}: must be a finite number (params reach the reward hub as JSON)")
+    # Full marks are every positive-weight term at 1: without one, every answer of an evaluation would be correct.
+    _require(
+        any(term.weight > 0 for term in spec.reward.terms),
+        "reward.terms",
+        "must hold a term of weight > 0 (a reward to earn; a term of negative weight is a penalty)",
+    )
     if spec.reward.HasField("timeout_seconds"):
         _require(
             _finite(spec.reward.timeout_seconds) and spec.reward.timeout_seconds > 0,
@@ -352,6 +374,22 @@ def validate(spec: RunSpec) -> None:
         "schedule.eval_samples",
         f"must be in [1, {MAX_EVAL_SAMPLES}]",
     )
+    # One sample is greedy whatever the sampling; more are sampled as in training.
+    _require(
+        spec.schedule.eval_samples == 1 or greedy is None,
+        "schedule.eval_samples",
+        f"must be 1 when {greedy} makes sampling greedy (temperature below 1e-6, or top_k 1): the "
+        f"{spec.schedule.eval_samples} samples of a held-out prompt would be one answer, and pass@k the accuracy",
+    )
+
+
+def _greedy_field(sp: SamplingParams) -> str | None:
+    """The field that makes sampling greedy (one answer, whatever the seed), or None when it samples."""
+    if sp.temperature < GREEDY_TEMPERATURE:
+        return "rollout.sampling.temperature"
+    if sp.top_k == 1:
+        return "rollout.sampling.top_k"
+    return None
 
 
 def arithmetic_task(ds: DatasetSpec) -> ArithmeticTask:

@@ -6,7 +6,7 @@ import pytest
 from google.protobuf import json_format
 
 from rlfleet.errors import InvalidInput
-from rlfleet.run_spec import MAX_EPOCHS, MAX_EVAL_SIZE, resolve, validate
+from rlfleet.run_spec import ALGORITHMS, GROUP_RELATIVE, MAX_EPOCHS, MAX_EVAL_SIZE, resolve, validate
 from rlfleet.v1.runs_pb2 import RunSpec
 
 MINIMAL = {
@@ -175,11 +175,65 @@ def test_one_update_per_batch_unless_asked_and_as_many_mini_batches_as_samples()
         ({"reward": {"timeout_seconds": 0}}, "reward.timeout_seconds"),
         ({"reward": {"timeout_seconds": "NaN"}}, "reward.timeout_seconds"),
         ({"reward": {"timeout_seconds": "Infinity"}}, "reward.timeout_seconds"),
+        # Every generation refused it, hours into the run.
+        ({"rollout": {"sampling": {"stop": ["</answer>", ""]}}}, "rollout.sampling.stop[1]"),
+        # No reward to earn: full marks were any score (of a negative bar), and every evaluation 100%.
+        ({"reward": {"terms": [{"function": "arith_exact", "weight": 0}]}}, "reward.terms"),
+        (
+            {"reward": {"terms": [{"function": "arith_exact", "weight": 0}, {"function": "length", "weight": -1}]}},
+            "reward.terms",
+        ),
+        # Greedy: a group of identical samples, whose group-relative advantages are all 0.
+        ({"rollout": {"sampling": {"temperature": 0}}}, "rollout.sampling.temperature"),
+        ({"rollout": {"sampling": {"temperature": 1e-9}}}, "rollout.sampling.temperature"),
+        ({"algorithm": {"name": "rloo"}, "rollout": {"sampling": {"top_k": 1}}}, "rollout.sampling.top_k"),
+        # k greedy answers to a held-out prompt are one answer k times.
+        (
+            {
+                "algorithm": {"name": "ppo"},
+                "rollout": {"sampling": {"temperature": 0}},
+                "schedule": {"eval_samples": 4},
+            },
+            "schedule.eval_samples",
+        ),
     ],
 )
 def test_bad_fields_are_named(overrides: dict, field: str) -> None:
     with pytest.raises(InvalidInput, match="^" + re.escape(field) + ":"):
         validate(resolve(spec_from(overrides)))
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_greedy_sampling_is_refused_exactly_for_group_relative_advantages(name: str) -> None:
+    greedy = spec_from({"algorithm": {"name": name}, "rollout": {"sampling": {"temperature": 0}}})
+    if name in GROUP_RELATIVE:
+        with pytest.raises(InvalidInput, match=rf"^rollout\.sampling\.temperature: .* {name}'s group-relative"):
+            validate(resolve(greedy))
+    else:  # a critic (ppo) or the whole batch (reinforce_pp) gives identical samples an advantage
+        validate(resolve(greedy))
+    penalised = {"terms": [{"function": "arith_exact", "weight": 0.5}, {"function": "length", "weight": -1}]}
+    validate(resolve(spec_from({"algorithm": {"name": name}, "reward": penalised})))
+
+
+def test_group_relative_names_the_algorithms_whose_advantages_a_group_of_equal_rewards_zeroes() -> None:
+    """GROUP_RELATIVE is the trainer's to say: each of its algorithms gives groups of equal rewards no advantage,
+    and every other still learns from them."""
+    torch = pytest.importorskip("torch")
+    algorithms = pytest.importorskip("rlfleet_trainer.algorithms")
+    ones = torch.ones(4, 3)
+    inputs = algorithms.AdvantageInputs(
+        rewards=torch.tensor([1.0, 1.0, 0.0, 0.0]),
+        groups=torch.tensor([0, 0, 1, 1]),
+        mask=ones,
+        present=ones,
+        kl=torch.zeros(4, 3),
+        kl_coef=0.0,
+        values=torch.tensor([[0.1, 0.5, 0.2], [0.3, 0.1, 0.4], [0.2, 0.2, 0.6], [0.5, 0.3, 0.1]]),
+    )
+    zeroed = {
+        name for name, algorithm in algorithms.ALGORITHMS.items() if not algorithm.advantages(inputs).advantages.any()
+    }
+    assert zeroed == GROUP_RELATIVE
 
 
 def test_a_function_listed_twice_names_the_first_listing() -> None:
