@@ -76,8 +76,11 @@ def load_dataset(ds: DatasetSpec, train_prompts_wanted: int) -> LoadedDataset:
     if spec.eval_path:
         held = _read_rows(source, Path(spec.eval_path), spec, f"{field_name}.eval_path", ds.bad_rows, skipped)
         train = rows
-        if not held:
-            raise InvalidInput(f"{field_name}.eval_path: {spec.eval_path!r} holds no usable row")
+        if len(held) < ds.eval_size:  # taken as they were, the run was evaluated on fewer rows than it asked for
+            raise InvalidInput(
+                f"dataset.eval_size: {ds.eval_size} held-out rows, but {field_name}.eval_path ({spec.eval_path!r}) "
+                f"holds {len(held)} usable rows; lower it to {len(held)} or add rows to eval_path"
+            )
         held = held[: ds.eval_size]
     else:
         if len(rows) <= ds.eval_size:
@@ -102,8 +105,6 @@ def load_dataset(ds: DatasetSpec, train_prompts_wanted: int) -> LoadedDataset:
                 f"{field_name}.path: every training prompt of {spec.path!r} is also a held-out one; point "
                 f"{field_name}.eval_path at other rows, or unset it to hold out dataset.eval_size rows of path"
             )
-    if not train:
-        raise InvalidInput(f"{field_name}.path: {spec.path!r} holds no usable row")
     for message in skipped:
         logger.warning("skipped a malformed row: %s", message)
     return LoadedDataset(train, held, skipped)
@@ -122,7 +123,7 @@ def _read_rows(
         splits = HELD_OUT_SPLITS if field_name.endswith(".eval_path") else ("train",)
         readers: dict[str, Callable[[Path, FileDataset], Iterator[tuple[str, Any]]]] = {
             "jsonl": _jsonl_records,
-            "parquet": _parquet_records,
+            "parquet": partial(_parquet_records, field_name=field_name),
             "hf_disk": partial(_arrow_dir_records, splits=splits, field_name=field_name),
         }
         records = readers[source]
@@ -138,10 +139,14 @@ def _read_rows(
                         f'{field_name}: {message} (set dataset.bad_rows to "skip" to leave such rows out)'
                     ) from exc
                 skipped.append(message)
-        if not out and len(skipped) > left_out:  # a column misnamed: said so, not as rows too few for eval_size
+        # No row: said so, not as rows too few for dataset.eval_size.
+        if not out and len(skipped) > left_out:  # a column misnamed
             raise InvalidInput(
                 f"{field_name}: none of the {len(skipped) - left_out} rows is usable; the first: {skipped[left_out]}"
             )
+        if not out:
+            blank = " (it is empty or holds blank lines only)" if source == "jsonl" else ""
+            raise InvalidInput(f"{field_name}: {str(path)!r} holds no row{blank}")
         return out
     except InvalidInput:
         raise
@@ -253,38 +258,52 @@ def _jsonl_records(path: Path, spec: FileDataset) -> Iterator[tuple[str, Any]]:
             yield f"line {number}", record
 
 
-def _columns(spec: FileDataset) -> list[str]:
-    return [spec.prompt_column, spec.answer_column, *spec.metadata_columns]
+def _columns(spec: FileDataset, names: list[str], path: Path, field_name: str) -> list[str]:
+    """The columns the rows are read from (once each) of a table whose columns are `names`; InvalidInput naming the
+    field of the first that is none of them (`dataset.parquet.prompt_column`, ...) and the file's field (path or
+    eval_path)."""
+    source_field = field_name.rsplit(".", 1)[0]
+    fields = {"prompt_column": spec.prompt_column, "answer_column": spec.answer_column}
+    fields |= {f"metadata_columns[{i}]": column for i, column in enumerate(spec.metadata_columns)}
+    for column_field, column in fields.items():
+        if column not in names:
+            raise InvalidInput(
+                f"{source_field}.{column_field}: {field_name} {str(path)!r} has no column {column!r} "
+                f"(columns: {names}); set it to one of them"
+            )
+    return list(dict.fromkeys(fields.values()))
 
 
-def _table_records(table: pa.Table, spec: FileDataset, path: Path) -> Iterator[tuple[str, Any]]:
-    missing = [c for c in _columns(spec) if c not in table.column_names]
-    if missing:
-        raise InvalidInput(
-            f"dataset: {str(path)!r} has no column {missing[0]!r} (columns: {table.column_names}); "
-            "set prompt_column, answer_column and metadata_columns to its column names"
-        )
-    for index, record in enumerate(table.select(_columns(spec)).to_pylist()):
+def _table_records(table: pa.Table) -> Iterator[tuple[str, Any]]:
+    for index, record in enumerate(table.to_pylist()):
         yield f"row {index}", record
 
 
-def _parquet_records(path: Path, spec: FileDataset) -> Iterator[tuple[str, Any]]:
-    yield from _table_records(pq.read_table(path), spec, path)
+def _parquet_records(path: Path, spec: FileDataset, field_name: str) -> Iterator[tuple[str, Any]]:
+    # Only the columns the rows need: a column of long traces or images the run never reads was read whole.
+    dataset = pq.ParquetDataset(path)
+    yield from _table_records(dataset.read(columns=_columns(spec, dataset.schema.names, path, field_name)))
 
 
 def _arrow_dir_records(
     path: Path, spec: FileDataset, splits: tuple[str, ...], field_name: str
 ) -> Iterator[tuple[str, Any]]:
     """A `Dataset.save_to_disk` directory (state.json lists its Arrow stream files), or the first of `splits` a
-    DatasetDict's directory holds ("train" for training rows; "test", else "validation", for held-out ones)."""
-    dict_file = path / "dataset_dict.json"
+    DatasetDict's directory holds ("train" for training rows; "test", else "validation", for held-out ones).
+
+    What the manifests lead to must be inside the directory, checked before it is opened: RLFLEET_ROLLOUT_DATA_ROOTS
+    bounds the spec's paths only, and a state.json naming `/etc/shadow` had it read, pyarrow's refusal telling its
+    size."""
+    inside = partial(_inside, dataset=path, field_name=field_name)
+    directory = path.resolve()
+    dict_file = inside(directory, "dataset_dict.json")
     if dict_file.is_file():
         manifest = json.loads(dict_file.read_text())
         present = manifest.get("splits") if isinstance(manifest, dict) else None
         if not isinstance(present, list):
             raise InvalidInput(
-                f"{field_name}: {str(dict_file)!r} is not a DatasetDict's manifest (an object listing its "
-                '"splits"); point the path at a `save_to_disk` directory'
+                f"{field_name}: {str(path / 'dataset_dict.json')!r} is not a DatasetDict's manifest (an object "
+                'listing its "splits"); point the path at a `save_to_disk` directory'
             )
         split = next((name for name in splits if name in present), None)
         if split is None:
@@ -292,13 +311,30 @@ def _arrow_dir_records(
                 f"{field_name}: {str(path)!r} is a DatasetDict without a {' or '.join(repr(n) for n in splits)} "
                 f"split (it has {present}); point {field_name} at the split's directory"
             )
-        path = path / split
-    state_file = path / "state.json"
+        path, directory = path / split, inside(directory, split)
+    state_file = inside(directory, "state.json")
     if not state_file.is_file():
         raise InvalidInput(f"{field_name}: {str(path)!r} is not a `save_to_disk` directory (no state.json)")
-    files = [entry["filename"] for entry in json.loads(state_file.read_text())["_data_files"]]
+    files = [inside(directory, entry["filename"]) for entry in json.loads(state_file.read_text())["_data_files"]]
     tables = []
-    for name in files:
-        with pa.memory_map(str(path / name)) as source:
-            tables.append(pa.ipc.open_stream(source).read_all())
-    yield from _table_records(pa.concat_tables(tables), spec, path)
+    for file in files:
+        with pa.memory_map(str(file)) as source:
+            tables.append(pa.ipc.open_stream(source).read_all())  # mapped: columns not selected stay on disk
+    table = pa.concat_tables(tables)
+    yield from _table_records(table.select(_columns(spec, table.column_names, path, field_name)))
+
+
+def _inside(directory: Path, name: str, *, dataset: Path, field_name: str) -> Path:
+    """`directory / name` with symlinks followed (an absolute `name` replaces `directory`), refused unless it is in
+    `directory` (resolved): naming the entry, never what the file it leads to holds, or whether it exists."""
+    try:
+        target: Path | None = (directory / name).resolve()
+    except RuntimeError:  # a symlink loop
+        target = None
+    if target is None or not target.is_relative_to(directory):
+        raise InvalidInput(
+            f"{field_name}: {str(dataset)!r} is not a `save_to_disk` directory: {name!r} leads outside it (symlinks "
+            "followed); its manifests (dataset_dict.json, state.json), and the splits and files they name, must be "
+            "inside it"
+        )
+    return target

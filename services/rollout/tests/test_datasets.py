@@ -64,8 +64,8 @@ def test_no_training_row_repeats_a_held_out_prompt(tmp_path: Path) -> None:
     assert len(loaded.eval) == 3 and not {p.prompt for p in loaded.eval} & {p.prompt for p in loaded.train}
     assert len(loaded.train) == 20 - 3 - 3  # each held-out prompt's other row left out too
     spec = _spec("jsonl", _write("jsonl", ROWS, tmp_path / "train.jsonl"))
-    spec.jsonl.eval_path = str(_write("jsonl", ROWS[:2], tmp_path / "eval.jsonl"))
-    assert {p.prompt for p in load_dataset(spec, 100).train} == {r["prompt"] for r in ROWS[2:]}
+    spec.jsonl.eval_path = str(_write("jsonl", ROWS[:3], tmp_path / "eval.jsonl"))
+    assert {p.prompt for p in load_dataset(spec, 100).train} == {r["prompt"] for r in ROWS[3:]}
     spec.jsonl.eval_path = spec.jsonl.path  # the training file itself: its first eval_size rows are held out
     assert {p.prompt for p in load_dataset(spec, 100).train} == {r["prompt"] for r in ROWS[3:]}
     spec.eval_size = 10
@@ -85,6 +85,71 @@ def test_a_missing_relative_path_is_named_with_the_directory_it_was_looked_for_i
     )
     with pytest.raises(InvalidInput, match=r"'/nowhere/train.jsonl' does not exist$"):
         load_dataset(_spec("jsonl", Path("/nowhere/train.jsonl")), 8)
+
+
+def test_an_eval_path_with_fewer_rows_than_eval_size_is_refused(tmp_path: Path) -> None:
+    """Its rows were taken as they were: a run asking for 200 held-out rows was evaluated on 1, without a word."""
+    spec = _spec("jsonl", _write("jsonl", ROWS, tmp_path / "train.jsonl"))
+    spec.jsonl.eval_path = str(_write("jsonl", [{"prompt": "e=", "answer": "1", "level": 0}] * 2, tmp_path / "e.jsonl"))
+    with pytest.raises(InvalidInput) as refused:
+        load_dataset(spec, 100)
+    assert str(refused.value) == (
+        f"dataset.eval_size: 3 held-out rows, but dataset.jsonl.eval_path ({spec.jsonl.eval_path!r}) holds 2 usable "
+        "rows; lower it to 2 or add rows to eval_path"
+    )
+    spec.eval_size = 2
+    assert [p.prompt for p in load_dataset(spec, 100).eval] == ["e=", "e="]
+
+
+@pytest.mark.parametrize(("kind", "content"), [("jsonl", b""), ("jsonl", b"\n  \n\t\n"), ("parquet", None)])
+@pytest.mark.parametrize("which", ["path", "eval_path"])
+def test_a_file_without_rows_is_said_to_hold_none(tmp_path: Path, kind: str, content: bytes | None, which: str) -> None:
+    """An empty or blank JSONL file was refused as too small for dataset.eval_size."""
+    empty = tmp_path / f"empty.{kind}"
+    if content is None:
+        pq.write_table(pa.Table.from_pylist(ROWS).slice(0, 0), empty)
+    else:
+        empty.write_bytes(content)
+    spec = _spec(kind, _write(kind, ROWS, tmp_path / f"rows.{kind}"))
+    setattr(getattr(spec, kind), which, str(empty))
+    blank = " (it is empty or holds blank lines only)" if kind == "jsonl" else ""
+    with pytest.raises(InvalidInput) as refused:
+        load_dataset(spec, 100)
+    assert str(refused.value) == f"dataset.{kind}.{which}: {str(empty)!r} holds no row{blank}"
+
+
+def test_parquet_reads_only_the_columns_it_needs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every column was read, then three kept: a file of long traces or images the run never reads was read whole."""
+    rows = [{**row, "trace": "x" * 1000} for row in ROWS]
+    path = _write("parquet", rows, tmp_path / "wide.parquet")
+    asked: list[object] = []
+    read = pq.ParquetDataset.read
+
+    def spied(dataset: pq.ParquetDataset, columns: object = None, **kwargs: object) -> pa.Table:
+        asked.append(columns)
+        return read(dataset, columns=columns, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pq.ParquetDataset, "read", spied)
+    loaded = load_dataset(_spec("parquet", path), 100)
+    assert asked == [["prompt", "answer", "level"]]
+    assert len(loaded.train) + len(loaded.eval) == len(ROWS)
+
+
+@pytest.mark.parametrize("kind", ["parquet", "hf_disk"])
+def test_a_missing_column_names_its_field_and_the_file(tmp_path: Path, kind: str) -> None:
+    spec = _spec(kind, _write(kind, ROWS, tmp_path / "train"))
+    source = getattr(spec, kind)
+    source.metadata_columns.append("difficulty")
+    with pytest.raises(InvalidInput) as refused:
+        load_dataset(spec, 100)
+    assert str(refused.value) == (
+        f"dataset.{kind}.metadata_columns[1]: dataset.{kind}.path {source.path!r} has no column 'difficulty' "
+        "(columns: ['prompt', 'answer', 'level']); set it to one of them"
+    )
+    source.metadata_columns.pop()
+    source.eval_path = str(_write(kind, [{"question": "1+1=", "answer": "2", "level": 0}] * 3, tmp_path / "eval"))
+    with pytest.raises(InvalidInput, match=rf"^dataset\.{kind}\.prompt_column: dataset\.{kind}\.eval_path '.*eval' "):
+        load_dataset(spec, 100)
 
 
 def test_a_dataset_dicts_held_out_rows_come_from_its_test_split(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 import httpx
+import pyarrow as pa
 import pytest
 import redis.asyncio as aioredis
 from fastapi.testclient import TestClient
@@ -145,6 +146,61 @@ def test_a_path_outside_the_roots_is_refused_naming_the_field_and_the_roots(
 def test_without_roots_any_path_is_read_as_before(roots: dict[str, Path]) -> None:
     model = roots["outside"] / ".." / "data" / "model"
     _accepted(spec_json(model, dataset=_dataset(roots["outside"] / "rows.jsonl")), [])
+
+
+def _save_to_disk(directory: Path, prompts: list[str], data_file: str = "data-00000-of-00001.arrow") -> Path:
+    """A `save_to_disk` directory as the orchestrator reads it: an Arrow stream file and the state.json naming it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    table = pa.table({"prompt": prompts, "answer": [str(i) for i in range(len(prompts))]})
+    with pa.OSFile(str(directory / data_file), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    (directory / "state.json").write_text(json.dumps({"_data_files": [{"filename": data_file}]}))
+    return directory
+
+
+def _escape(r: dict[str, Path], how: str) -> Path:
+    """A dataset directory under the root whose manifests lead, `how`, to rows or a file outside it."""
+    secret, ds = _save_to_disk(r["outside"] / "secret_ds", [f"secret prompt {i}" for i in range(5)]), r["root"] / "ds"
+    ds.mkdir()
+    if how == "split symlink":
+        (ds / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
+        (ds / "train").symlink_to(secret)
+    elif how == "state.json symlink":
+        (ds / "state.json").symlink_to(secret / "state.json")
+    else:
+        names = {
+            "absolute": str(secret / "data-00000-of-00001.arrow"),
+            "dot-dot": "../../elsewhere/secret_ds/data-00000-of-00001.arrow",
+            "a file not Arrow": str(r["outside"] / "secret.json"),  # pyarrow's refusal told its size
+            "data file symlink": "data.arrow",
+        }
+        (ds / "data.arrow").symlink_to(secret / "data-00000-of-00001.arrow")
+        (ds / "state.json").write_text(json.dumps({"_data_files": [{"filename": names[how]}]}))
+    return ds
+
+
+@pytest.mark.parametrize(
+    "how", ["absolute", "dot-dot", "a file not Arrow", "data file symlink", "split symlink", "state.json symlink"]
+)
+def test_a_save_to_disk_manifest_leading_outside_the_dataset_is_refused_before_it_is_read(
+    roots: dict[str, Path], how: str
+) -> None:
+    """The roots bound the spec's paths; the files a state.json names, and a DatasetDict's split directories, were
+    followed wherever they led: the orchestrator read rows outside the roots, and quoted pyarrow on any file."""
+    dataset = {"hf_disk": {"path": str(_escape(roots, how))}, "eval_size": 1}
+    with pytest.raises(InvalidInput) as refused:
+        _submit(spec_json(roots["root"] / "model", dataset=dataset), [roots["root"]])
+    message = str(refused.value)
+    assert message.startswith(f"dataset.hf_disk.path: '{roots['root'] / 'ds'}' is not a `save_to_disk` directory: ")
+    assert "leads outside it (symlinks followed)" in message, message
+    assert "secret prompt" not in message and "s3cr3t" not in message and "bytes" not in message, message
+
+
+def test_a_save_to_disk_directory_reached_through_a_symlink_under_the_roots_is_read(roots: dict[str, Path]) -> None:
+    _save_to_disk(roots["root"] / "ds", [f"{i}+1=" for i in range(5)])
+    (roots["root"] / "link").symlink_to(roots["root"] / "ds")
+    dataset = {"hf_disk": {"path": str(roots["root"] / "link")}, "eval_size": 1}
+    _accepted(spec_json(roots["root"] / "model", dataset=dataset), [roots["root"]])
 
 
 def test_the_roots_setting_reads_a_json_list_and_defaults_to_none(monkeypatch: pytest.MonkeyPatch) -> None:
