@@ -316,25 +316,31 @@ def checkpoint_steps(root: Path) -> list[int]:
 
 
 def prune_checkpoints(root: Path, newest: int, keep: int) -> None:
-    """Keeps the `keep` latest checkpoints up to step `newest` (the one the run's record names).
-
-    Checkpoints after `newest` were written by a trainer that died before recording them: the
-    resumed run writes them again. Temporary directories of interrupted saves go too."""
-    for path in root.glob(f".{STEP_PREFIX}*.tmp"):
-        shutil.rmtree(path, ignore_errors=True)
-    steps = checkpoint_steps(root)
-    kept = [s for s in steps if s <= newest][-keep:]
-    for step in steps:
-        if step not in kept:
-            shutil.rmtree(checkpoint_dir(root, step), ignore_errors=True)
+    """Keeps the `keep` latest checkpoints up to step `newest` (the one the run's record names); later ones are
+    left alone (`set_aside_after` moves them). Directories of interrupted saves and replacements go too."""
+    for pattern in (f".{STEP_PREFIX}*.tmp", f".{STEP_PREFIX}*.replaced"):
+        for path in root.glob(pattern):
+            shutil.rmtree(path, ignore_errors=True)
+    older = [s for s in checkpoint_steps(root) if s <= newest]
+    for step in older[: max(0, len(older) - keep)]:
+        shutil.rmtree(checkpoint_dir(root, step), ignore_errors=True)
 
 
 def set_aside(root: Path) -> Path | None:
     """Moves the checkpoints under `root` aside, next to it (`<root>.unrecorded-<UTC time>`), when a run starts
-    afresh over them; returns where, or None when there were none. Its first checkpoint would otherwise delete
-    every later one (`prune_checkpoints`): checkpoints of a run whose record Redis lost (emptied, restored from an
-    old snapshot, another --redis-prefix), or that a trainer wrote before it died without recording them."""
-    if not root.is_dir() or not any(root.iterdir()):
+    afresh over them; returns where, or None when there were none. Its first checkpoint would otherwise be the
+    run's record, over checkpoints of a run whose record Redis lost (emptied, restored from an old snapshot, another
+    --redis-prefix), or that a trainer wrote before it died without recording them."""
+    return set_aside_after(root, -1)
+
+
+def set_aside_after(root: Path, newest: int) -> Path | None:
+    """Moves the checkpoints under `root` of steps after `newest` aside, into `<root>.unrecorded-<UTC time>` next
+    to it; returns where, or None when there were none. A run resumed from the checkpoint its record names (step
+    `newest`) writes the later steps again: a trainer died before recording them, or Redis was restored from an
+    older snapshot than they are, when they may hold hours of training that only they have."""
+    later = [s for s in checkpoint_steps(root) if s > newest]
+    if not later:
         return None
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     aside = root.with_name(f"{root.name}.unrecorded-{stamp}")
@@ -342,5 +348,7 @@ def set_aside(root: Path) -> Path | None:
     while aside.exists():
         n += 1
         aside = root.with_name(f"{root.name}.unrecorded-{stamp}-{n}")
-    root.rename(aside)
+    aside.mkdir()
+    for step in later:
+        checkpoint_dir(root, step).rename(checkpoint_dir(aside, step))
     return aside

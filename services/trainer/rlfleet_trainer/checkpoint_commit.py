@@ -3,7 +3,7 @@
 The commit is what acknowledges groups: the run's record is pointed at the new checkpoint and every
 group trained since the previous one is acknowledged in one Redis transaction. A trainer killed
 after the write but before the commit resumes from the previous checkpoint, whose groups are the
-acknowledged ones; the unrecorded directory is replaced when the step is reached again. A Redis that is
+acknowledged ones; the unrecorded directory is moved aside at the resume (`set_aside_after`). A Redis that is
 unavailable is waited out, as the run's reads wait it out: the commit is safe to repeat, and a run whose
 checkpoint could not be recorded must not fail for good over an outage that ends.
 """

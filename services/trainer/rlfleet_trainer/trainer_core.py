@@ -39,7 +39,13 @@ from rlfleet.sample_stream import SampleStream, redis_refusal, redis_unavailable
 from rlfleet.v1.runs_pb2 import RunSpec
 from rlfleet.v1.trainer_pb2 import CheckpointResponse, StepReport, TrainerState, TrainerStatus
 from rlfleet_trainer.active_run import ActiveRun
-from rlfleet_trainer.checkpoint import CheckpointFailed, checkpoint_steps, prune_checkpoints, set_aside
+from rlfleet_trainer.checkpoint import (
+    CheckpointFailed,
+    checkpoint_steps,
+    prune_checkpoints,
+    set_aside,
+    set_aside_after,
+)
 from rlfleet_trainer.checkpoint_commit import CheckpointCommitter
 from rlfleet_trainer.config import SHUTDOWN_TIMEOUT_S, TrainerSettings
 from rlfleet_trainer.generation_pause import resume_generation
@@ -495,7 +501,19 @@ class TrainerCore:
                 f"run {run.run_id}: the checkpoint at {path} is of step {meta.step} but the run's record says "
                 f"step {record.step}; the checkpoint directory was replaced behind the trainer's back"
             )
-        # Checkpoints after the recorded one were written by a trainer that died before recording them.
+        later = [s for s in checkpoint_steps(run.checkpoints_root) if s > record.step]
+        if aside := set_aside_after(run.checkpoints_root, record.step):
+            logger.warning(
+                "run %s resumes from step %d, its record's, but %s holds checkpoints of later steps %s: they were "
+                "moved to %s. A trainer died before recording them, or Redis was restored from an older snapshot; "
+                "delete them, or, to resume from them, restore Redis's data and move them back",
+                run.run_id,
+                record.step,
+                run.checkpoints_root,
+                ", ".join(map(str, later)),
+                aside,
+                extra={"run_id": run.run_id},
+            )
         prune_checkpoints(run.checkpoints_root, newest=record.step, keep=self.settings.keep_checkpoints)
         run.step, run.weight_version, run.groups_trained = meta.step, meta.weight_version, meta.groups_trained
         # The path as recorded: the next commit writes only over the record that names it (run_state.py).

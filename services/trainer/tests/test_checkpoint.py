@@ -24,6 +24,7 @@ from rlfleet_trainer.checkpoint import (
     load_checkpoint,
     prune_checkpoints,
     save_checkpoint,
+    set_aside_after,
 )
 from rlfleet_trainer.checkpoint_checksums import SUMS_FILE
 from rlfleet_trainer.critic import Critic
@@ -221,13 +222,29 @@ def test_a_checkpoint_that_lost_its_sums_is_refused_as_damaged(small_model_dir: 
 
 
 def test_prune_keeps_the_latest_up_to_the_recorded_one(tmp_path: Path) -> None:
-    for step in (2, 4, 6, 8, 10):
+    for step in (2, 4, 6, 8):
         (tmp_path / f"step_{step}").mkdir()
     (tmp_path / ".step_12.tmp").mkdir()
+    (tmp_path / ".step_4.replaced").mkdir()  # a replacement interrupted before it deleted what it replaced
     prune_checkpoints(tmp_path, newest=8, keep=2)
-    # step_10 was written but never recorded (the trainer died): the resumed run writes it again.
-    assert checkpoint_steps(tmp_path) == [6, 8]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_6", "step_8"]
+
+
+def test_checkpoints_after_the_recorded_one_are_moved_aside_never_deleted(tmp_path: Path) -> None:
+    """Resumed from a record Redis restored from an old snapshot (step 50), the run deleted the checkpoints of
+    steps 100 and 150: all the training since that snapshot."""
+    root = tmp_path / "checkpoints"
+    for step in (50, 100, 150):
+        (root / f"step_{step}").mkdir(parents=True)
+        (root / f"step_{step}" / "weights").write_text(str(step))
+    aside = set_aside_after(root, 50)
+    assert aside is not None and aside.name.startswith("checkpoints.unrecorded-")
+    assert checkpoint_steps(root) == [50] and checkpoint_steps(aside) == [100, 150]
+    assert (aside / "step_150" / "weights").read_text() == "150"
+    prune_checkpoints(root, newest=50, keep=2)
+    assert checkpoint_steps(root) == [50] and checkpoint_steps(aside) == [100, 150]
+    assert set_aside_after(root, 50) is None  # none later: nothing made
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", aside.name]
 
 
 def test_export_loads_with_transformers_and_gives_the_same_logits(small_model_dir: Path, tmp_path: Path) -> None:

@@ -74,7 +74,7 @@ def test_trains_publishes_and_acknowledges(core, small_model_dir, redis_client, 
 
 
 def test_graceful_shutdown_checkpoints_and_a_restart_resumes_from_it(
-    tmp_path, small_model_dir, redis_client, redis_prefix, fake_router
+    tmp_path, small_model_dir, redis_client, redis_prefix, fake_router, caplog
 ) -> None:
     settings = TrainerSettings(redis_prefix=redis_prefix, work_dir=tmp_path / "trainer", read_block_ms=100)
     first = TrainerCore(settings, redis_client, RouterClient(fake_router.url, 30.0), TrainerMetrics())
@@ -94,8 +94,15 @@ def test_graceful_shutdown_checkpoints_and_a_restart_resumes_from_it(
     second = TrainerCore(settings, redis_client, RouterClient(fake_router.url, 30.0), TrainerMetrics())
     with pytest.raises(NotFound):
         second.status("r2")
+    # A checkpoint its record does not name (Redis restored from an older snapshot) was deleted at the resume.
+    later = settings.work_dir / "runs" / "r2" / "checkpoints" / "step_7"
+    later.mkdir()
+    (later / "__0_0.distcp").write_text("shard of step 7")
     loads_before = len(fake_router.loads)
     second.start_run("r2", spec)
+    (aside,) = later.parent.parent.glob("checkpoints.unrecorded-*")
+    assert (aside / "step_7" / "__0_0.distcp").read_text() == "shard of step 7" and not later.exists()
+    assert "resumes from step 1, its record's, but" in caplog.text and "later steps 7" in caplog.text
     resumed_load = fake_router.loads[loads_before]  # before the run's thread starts: the version it resumes from
     assert resumed_load["weight_version"] == "1" and resumed_load["model_path"].endswith("/weights/v1")
     wait_for(lambda: second.status("r2").state == TrainerState.TRAINER_STATE_STOPPED)
