@@ -10,7 +10,9 @@ GET  /v1/runs/{id}:watch    server-sent events, `data: <Run JSON>` with the run 
                            each change (changes back to back may come as one), until the run ends, and a
                            `: keep-alive` comment after each `watch_keepalive_s` without a change; the stream
                            also ends, after a `: watch ended: <why>` comment, when the orchestrator shuts down,
-                           loses Redis or the run's record (a client watches again)
+                           loses Redis or the run's record (a client watches again). The event of the run's
+                           end has `id: end`; a watch sent `Last-Event-ID: end` (a browser's EventSource
+                           reconnecting after it) of a run that ended is answered 204, which stops the reconnects
 GET  /liveness                                             -> 200 while the process serves (Redis or not)
 GET  /health                                               -> 200 once Redis answers, else 503 (readiness), within
                                                               HEALTH_TIMEOUT_S
@@ -42,6 +44,7 @@ from rlfleet.http_limits import limit_request_body
 from rlfleet.proto_parse_errors import parse_json_message
 from rlfleet.v1.runs_pb2 import RunEvent, RunSpec, RunState
 from rlfleet_rollout.metrics import RolloutMetrics
+from rlfleet_rollout.run_events import is_terminal
 from rlfleet_rollout.runs_core import RunsCore
 from rlfleet_rollout.sse_keepalive import with_keepalive
 
@@ -65,8 +68,14 @@ def to_json(message: Message) -> dict[str, Any]:
     )
 
 
+# The id of a watch's last event, the run's end. A browser's EventSource reconnects whenever a stream ends, sending
+# the last id it saw; a stream ended by the run is answered 204 then, which is what stops it reconnecting.
+END_EVENT_ID = "end"
+
+
 def sse_event(event: RunEvent) -> str:
-    return f"data: {json.dumps(to_json(event.run))}\n\n"
+    end = f"id: {END_EVENT_ID}\n" if is_terminal(event.run.state) else ""
+    return f"{end}data: {json.dumps(to_json(event.run))}\n\n"
 
 
 def sse_ended(error: RlfleetError) -> str:
@@ -145,10 +154,13 @@ def build_app(
 
     # Registered before GET /v1/runs/{run_id}, which would otherwise take `id:watch` for a run id.
     @app.get("/v1/runs/{run_id}:watch")
-    async def watch(request: Request, run_id: str) -> StreamingResponse:
+    async def watch(request: Request, run_id: str) -> Response:
         check_query(request)
         watched = core.watch(run_id)
         first = await anext(watched)  # before the response starts: a missing run is a 404, not a stream
+        if is_terminal(first.run.state) and request.headers.get("last-event-id") == END_EVENT_ID:
+            await watched.aclose()
+            return Response(status_code=204)  # the client saw the run end: nothing more will come
 
         async def events() -> AsyncIterator[str]:
             yield sse_event(first)

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from pathlib import Path
 
 import redis
@@ -210,7 +210,7 @@ class RunsCore:
         except RunEnded as exc:
             raise Conflict(f"{exc}: it cannot be cancelled") from None
 
-    async def watch(self, run_id: str) -> AsyncIterator[RunEvent]:
+    async def watch(self, run_id: str) -> AsyncGenerator[RunEvent, None]:
         """The run now, then its latest state after each change until it ends: changes written back to back may
         come as one event (run_events.py). ShuttingDown if the orchestrator stops first."""
         require_id(run_id)

@@ -70,3 +70,33 @@ def test_a_watch_ended_by_a_shutdown_says_so_and_to_watch_again(redis_prefix: st
     response = asyncio.run(scenario())
     assert response.status_code == 200
     assert _lines(response)[-1] == ": watch ended: orchestrator shutting down; watch again"
+
+
+def test_the_runs_end_has_an_id_and_a_reconnect_after_it_is_told_nothing_more_comes(redis_prefix: str) -> None:
+    """A browser's EventSource reconnects whenever a stream ends: a watch of a run that had ended was sent the run
+    again and ended again, every 3 s for as long as the page stayed open."""
+
+    async def scenario() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
+        async with runs_core(redis_prefix) as core:
+            guard = ApiTokenGuard(None, core.metrics.registry, "rollout")
+            app = build_app(core, core.metrics, core.store.client, guard, watch_keepalive_s=15.0)
+            transport = httpx.ASGITransport(app=app, raise_app_exceptions=True)
+            async with httpx.AsyncClient(transport=transport, base_url="http://rollout") as client:
+                await core.store.create(Run(id="run-a", state=RunState.RUN_STATE_SUCCEEDED))
+                ended = await client.get("/v1/runs/run-a:watch", timeout=10)
+                again = await client.get("/v1/runs/run-a:watch", headers={"Last-Event-ID": "end"}, timeout=10)
+                await core.store.create(Run(id="run-b", state=RunState.RUN_STATE_RUNNING))
+                # A reconnect of a watch whose run has not ended (no id seen, or another) is a watch as any.
+                running = asyncio.ensure_future(
+                    client.get("/v1/runs/run-b:watch", headers={"Last-Event-ID": "end"}, timeout=10)
+                )
+                await asyncio.sleep(0.3)
+                await core.store.client.delete(core.store.record_key("run-b"))
+                return ended, again, await asyncio.wait_for(running, 10)
+
+    ended, again, running = asyncio.run(scenario())
+    assert ended.status_code == 200
+    assert _lines(ended)[0] == "id: end" and '"RUN_STATE_SUCCEEDED"' in _lines(ended)[1]
+    assert again.status_code == 204 and again.content == b""
+    assert running.status_code == 200 and not any(line.startswith("id:") for line in _lines(running))
+    assert '"RUN_STATE_RUNNING"' in _lines(running)[0]
