@@ -253,6 +253,7 @@ def test_generation_refuses_over_context_prompts_absurd_sampling_and_huge_batche
         ({"input_ids": [5, 6], "sampling_params": {"top_k": -9}}, "top_k"),
         ({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
         ({"input_ids": [5, 6], "sampling_params": {"n": 10**6}}, "sequences"),
+        ({"input_ids": [5, 6], "return_logprob": True, "top_logprobs_num": 65536}, "top_logprobs_num 65536"),
         ({"input_ids": [[5, 6]] * 5000, "sampling_params": {"max_new_tokens": 1}}, "sequences"),
         ({"input_ids": [-1, 6]}, "token id -1"),
         ({"input_ids": "not ids"}, "input_ids"),

@@ -23,6 +23,10 @@ MAX_SEQUENCES_PER_REQUEST = 4096
 # matched as a sequence of its own). A few KiB of body with a large n would otherwise ask for millions of
 # tokens; this is 128 samples of a 32k-token prompt, or 4096 of a 1k-token one.
 MAX_PROMPT_TOKENS_PER_REQUEST = 4_194_304
+# Most alternatives reported per output token (`top_logprobs_num`), as vLLM's --max-logprobs bounds them (OpenAI's
+# chat API takes 20). Unbounded, a few bytes of body asked for the whole vocabulary at every token: 65536 at each
+# of 16 tokens was a 34 MB answer that held a sim engine 30 s, and every request behind it.
+MAX_TOP_LOGPROBS_NUM = 256
 
 
 class Encoder(Protocol):
@@ -77,6 +81,11 @@ def expand(req: GenerateRequest, tokenizer: Encoder, vocab_size: int, context_le
         raise InvalidInput("logprob_start_len: only -1 (output logprobs only) is supported by rlfleet-engine")
     if any(t < 0 for t in tops):
         raise InvalidInput("top_logprobs_num must be >= 0")
+    if any(t > MAX_TOP_LOGPROBS_NUM for t in tops):
+        raise ResourceExhausted(
+            f"top_logprobs_num {max(tops)} asks for more alternatives per token than the {MAX_TOP_LOGPROBS_NUM} an "
+            "engine reports (MAX_TOP_LOGPROBS_NUM)"
+        )
     rids = _rids(req.rid, size, n, single=not req.is_batch and n == 1)
 
     for i, ids in enumerate(prompts):

@@ -201,6 +201,18 @@ def test_a_request_over_the_prompt_token_bound_is_refused_naming_it(monkeypatch:
         expand_request({"input_ids": [[3] * 25, [4]], "sampling_params": {"n": 4}})
 
 
+def test_more_top_logprobs_per_token_than_the_bound_are_refused_naming_it() -> None:
+    """A few bytes of body asked for the whole vocabulary at every token: 34 MB for 16 tokens, 30 s of a sim engine."""
+    top = request_expansion.MAX_TOP_LOGPROBS_NUM
+    assert (
+        expand_request({"input_ids": [3], "return_logprob": True, "top_logprobs_num": top})[0].top_logprobs_num == top
+    )
+    with pytest.raises(
+        ResourceExhausted, match=rf"^top_logprobs_num {top + 1} asks for more .* than the {top} an engine"
+    ):
+        expand_request({"input_ids": [[3], [4]], "return_logprob": True, "top_logprobs_num": [1, top + 1]})
+
+
 def test_single_prompt_keeps_its_rid_and_lists_of_rids_get_sample_suffixes() -> None:
     assert [s.rid for s in expand_request({"input_ids": [3, 4], "rid": "one"})] == ["one"]
     specs = expand_request({"input_ids": [[3], [4]], "rid": ["a", "b"], "sampling_params": {"n": 2}})
