@@ -56,6 +56,18 @@ class _BadRow(ValueError):
     pass
 
 
+def eval_path_rows(ds: DatasetSpec) -> int | None:
+    """The usable rows of a resolved DatasetSpec's eval_path, None without one; InvalidInput as `load_dataset`."""
+    source = ds.WhichOneof("source")
+    if source in (None, "arithmetic"):
+        return None
+    spec: FileDataset = getattr(ds, source)
+    if not spec.eval_path:
+        return None
+    field_name = f"dataset.{source}.eval_path"
+    return len(_read_rows(source, Path(spec.eval_path), spec, field_name, ds.bad_rows, []))
+
+
 def load_dataset(ds: DatasetSpec, train_prompts_wanted: int) -> LoadedDataset:
     """The train and held-out prompts of a resolved DatasetSpec; InvalidInput naming the field on any fault."""
     source = ds.WhichOneof("source")

@@ -30,6 +30,7 @@ from rlfleet.errors import AlreadyExists, Conflict, DeadlineExceeded, InvalidInp
 from rlfleet.run_spec import resolve, validate
 from rlfleet.sample_stream import REDIS_RETRY_ERRORS, redis_refusal
 from rlfleet.v1.runs_pb2 import ListRunsResponse, Run, RunEvent, RunProgress, RunSpec, RunState
+from rlfleet_rollout.datasets import eval_path_rows
 from rlfleet_rollout.group_filters import FilterRegistry
 from rlfleet_rollout.metrics import RolloutMetrics
 from rlfleet_rollout.model_directory import require_model_config, require_under_roots
@@ -145,6 +146,11 @@ class RunsCore:
         self.rollouts.check(resolved.rollout)
         if resolved.dataset.chat_template:
             await asyncio.to_thread(load_chat_template, resolved.model.tokenizer_path)
+        if not spec.dataset.HasField("eval_size"):
+            # An eval_path holds the rows to evaluate on: unless told how many, every one of them, up to the default.
+            held = await asyncio.to_thread(eval_path_rows, resolved.dataset)
+            if held:
+                resolved.dataset.eval_size = min(resolved.dataset.eval_size, held)
         await asyncio.to_thread(RunData.from_spec, resolved)
         await self._check_reward(resolved)
         run = Run(

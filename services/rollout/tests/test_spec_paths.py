@@ -284,3 +284,30 @@ def test_a_submit_nested_too_deeply_over_grpc_is_invalid_argument() -> None:
             await server.stop(None)
 
     assert asyncio.run(scenario()) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_an_eval_path_is_evaluated_on_every_row_up_to_the_default_unless_eval_size_says(
+    roots: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An eval file of 3 rows with eval_size unset (200 by default) was refused as holding fewer rows than asked."""
+    root = roots["root"]
+    core = _core([root])
+
+    async def hub_agrees(spec: RunSpec) -> None:
+        return None
+
+    monkeypatch.setattr(core, "_check_reward", hub_agrees)
+    dataset: dict[str, Any] = {
+        "jsonl": {"path": str(root / "rows.jsonl"), "eval_path": str(_jsonl(root / "e.jsonl", 3))}
+    }
+
+    def submitted() -> RunSpec:
+        spec = json_format.ParseDict(spec_json(root / "model", dataset=dataset), RunSpec())
+        return asyncio.run(core.submit(spec, validate_only=True)).spec
+
+    assert submitted().dataset.eval_size == 3  # stored resolved: the trainer and a resumed run read as many
+    dataset["eval_size"] = 2
+    assert submitted().dataset.eval_size == 2
+    dataset["eval_size"] = 4
+    with pytest.raises(InvalidInput, match=r"^dataset\.eval_size: 4 held-out rows, but .* holds 3 usable rows"):
+        submitted()
