@@ -152,11 +152,14 @@ def test_a_checkpoint_step_failing_on_rank_0_fails_every_rank_at_once_and_the_ra
     finally:
         ends(job, 0, tmp_path)
     seen = leader["seen"]
-    # Each fails with rank 0's own error, long before the collective timeout.
+    # Each fails with rank 0's own error, long before the collective timeout (half of it: a loaded machine took
+    # 2.2 s of the 8).
     root_is_a_file, rename_fails = seen["root_is_a_file"], seen["rename_fails"]
-    assert root_is_a_file.get("error") == "FileExistsError" and root_is_a_file["seconds"] < 2.0, root_is_a_file
+    assert root_is_a_file.get("error") == "FileExistsError" and root_is_a_file["seconds"] < timeout_s / 2, (
+        root_is_a_file
+    )
     assert rename_fails.get("error") == "OSError" and "Input/output error" in rename_fails["message"], rename_fails
-    assert rename_fails["seconds"] < 2.0, rename_fails
+    assert rename_fails["seconds"] < timeout_s / 2, rename_fails
     # Every rank raised it, so the ranks stayed in step: the next ops, a checkpoint among them, work.
     assert [line.split(":")[0] for line in follower["log"] if line.startswith("save raised")] == [
         "save raised FileExistsError",
