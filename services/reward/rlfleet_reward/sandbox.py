@@ -2,8 +2,9 @@
 
 Always: a new session (its own process group) that the program cannot leave, killed as a whole on a
 wall-clock timeout and after the program ends; CPU, memory (address space), file-size, process
-and open-file limits; a disk bound on the working directory (bytes allocated and entries), which a watchdog
-checks every `_DISK_POLL_SECONDS` while the program runs and once after it, killing the group past it; a
+and open-file limits; a disk bound on the working directory (bytes allocated and entries, with the files the
+group holds open or mapped that no directory names), which a watchdog checks every `_DISK_POLL_SECONDS` while the
+program runs and once after it, killing the group past it; a
 scrubbed environment (PATH, LANG, HOME and TMPDIR only) and `python -I`;
 a fresh working directory, deleted afterwards (or, when the hub killed the worker mid-run, by the next
 run of another worker); seccomp refusing `socket()` (AF_UNIX too), memory outside the address-space limit
@@ -26,6 +27,7 @@ Where the platform allows (probed once per process, see `probe_isolation`):
 from __future__ import annotations
 
 import codecs
+import contextlib
 import ctypes
 import functools
 import json
@@ -383,7 +385,7 @@ def _run(
         seconds = time.monotonic() - started
         # Once more with nothing left running, so a program that filled the directory and ended between two
         # checks is caught too (its directory is deleted anyway, but the verdict does not depend on timing).
-        disk_exceeded = ending == "disk" or _past_disk_bound(work, limits)
+        disk_exceeded = ending == "disk" or _past_disk_bound(work, limits, process.pid)
         exit_code = 128 - exit_code if exit_code < 0 else exit_code
         stdout, truncated = _read_prefix(streams["stdout"], stdout_bytes)
         stderr, _ = _read_prefix(streams["stderr"], _MAX_STDERR_BYTES)
@@ -406,7 +408,7 @@ def _watch(pid: int, work: Path, limits: SandboxLimits) -> Literal["exited", "ti
             if poller.poll(math.ceil(min(left, interval) * 1000)):
                 return "exited"
             checked = time.monotonic()
-            if _past_disk_bound(work, limits):
+            if _past_disk_bound(work, limits, pid):
                 return "disk"
             interval = max(_DISK_POLL_SECONDS, _DISK_CHECK_SPACING * (time.monotonic() - checked))
         return "exited" if poller.poll(0) else "timed_out"
@@ -414,19 +416,73 @@ def _watch(pid: int, work: Path, limits: SandboxLimits) -> Literal["exited", "ti
         os.close(pidfd)
 
 
-def _past_disk_bound(work: Path, limits: SandboxLimits) -> bool:
-    """Whether `work` holds more than `limits.disk_bytes` or `limits.disk_entries`. Links are not followed; the
-    check stops at the first bound passed, so it reads at most `disk_entries` entries however many there are."""
+def _past_disk_bound(work: Path, limits: SandboxLimits, pgid: int) -> bool:
+    """Whether `work`, with the files the processes of group `pgid` hold that no directory names, holds more than
+    `limits.disk_bytes` or `limits.disk_entries`. Links are not followed; the check stops at the first bound passed,
+    so it reads at most `disk_entries` entries however many there are."""
+    held = _unnamed_held_bytes(pgid, limits)
+    if held > limits.disk_bytes:
+        return True
     for _ in range(_DISK_CHECK_ATTEMPTS):
-        past = _past_disk_bound_once(work, limits)
+        past = _past_disk_bound_once(work, limits, held)
         if past is not None:
             return past
     return True
 
 
-def _past_disk_bound_once(work: Path, limits: SandboxLimits) -> bool | None:
-    """None when an entry went away (or a directory became a file) while being read."""
-    used, entries, pending = 0, 0, [str(work)]
+def _unnamed_held_bytes(pgid: int, limits: SandboxLimits) -> int:
+    """Bytes allocated to the regular files that the processes of group `pgid` hold open or mapped but that no
+    directory names (unlinked while open, or opened with O_TMPFILE): the directory's sum misses them, and each
+    process may hold `max_open_files` of them, each up to the file-size limit. A file mapped after its descriptor
+    was closed counts the file-size limit when this process may not look it up (/proc/<pid>/map_files needs
+    CAP_SYS_ADMIN)."""
+    seen: set[tuple[int, int]] = set()
+    used = 0
+    for pid, state in _group_members(pgid):
+        if state == "Z":
+            continue
+        paths = []
+        for task in _listdir(f"/proc/{pid}/task"):  # a thread may hold a descriptor table of its own
+            paths += [f"/proc/{pid}/task/{task}/fd/{fd}" for fd in _listdir(f"/proc/{pid}/task/{task}/fd")]
+        for path in paths:
+            with contextlib.suppress(OSError):  # closed or ended meanwhile
+                used += _count_unnamed(os.stat(path), seen)
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                mapped = [line.split(maxsplit=5) for line in maps if line.endswith(" (deleted)\n")]
+        except OSError:
+            mapped = []  # it ended
+        for start_end, _, _, device, inode, _ in (fields for fields in mapped if len(fields) == 6):
+            try:
+                used += _count_unnamed(os.stat(f"/proc/{pid}/map_files/{start_end}"), seen)
+            except FileNotFoundError:
+                continue  # unmapped or ended meanwhile
+            except OSError:
+                major, minor = (int(part, 16) for part in device.split(":"))
+                if (os.makedev(major, minor), int(inode)) not in seen:  # not held by a descriptor too
+                    seen.add((os.makedev(major, minor), int(inode)))
+                    used += limits.file_size_bytes  # the most the file can hold
+    return used
+
+
+def _count_unnamed(info: os.stat_result, seen: set[tuple[int, int]]) -> int:
+    """The bytes allocated to a regular file that no directory names, the first time it is seen; else 0."""
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink or (info.st_dev, info.st_ino) in seen:
+        return 0
+    seen.add((info.st_dev, info.st_ino))
+    return info.st_blocks * 512
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []  # the process or thread ended
+
+
+def _past_disk_bound_once(work: Path, limits: SandboxLimits, used: int = 0) -> bool | None:
+    """None when an entry went away (or a directory became a file) while being read; `used` is counted already."""
+    entries, pending = 0, [str(work)]
     while pending:
         try:
             with os.scandir(pending.pop()) as listing:
@@ -457,17 +513,22 @@ def _kill_group(pgid: int) -> None:
 
 
 def _group_has_live_members(pgid: int) -> bool:
+    return any(state != "Z" for _, state in _group_members(pgid))
+
+
+def _group_members(pgid: int) -> list[tuple[int, str]]:
+    """(pid, state) of every process in group `pgid`, zombies ("Z") too."""
+    members = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
-            stat = Path(entry.path, "stat").read_text()
+            fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+        if int(fields[2]) == pgid:
+            members.append((int(entry.name), fields[0]))
+    return members
 
 
 def _tasks_of(uid: int) -> int:

@@ -23,7 +23,10 @@ before, and outside, any site-packages). In order, it
    filter to it (it knows its own pid only once forked) that refuses every signal but those to itself and to its
    own process group: `kill`/`rt_sigqueueinfo` other than to its pid, 0 or its group, `tgkill`/`rt_tgsigqueueinfo`
    to another process, `tkill`, `pidfd_send_signal`, and SIGIO's route (`F_SETOWN`, `F_SETOWN_EX`, `FIOSETOWN`,
-   `SIOCSPGRP`); the program runs as the hub's user there, and `kill(-1, SIGKILL)` would otherwise end the hub,
+   `SIOCSPGRP`), and stop signals to anything; the program runs as the hub's user there, and `kill(-1, SIGKILL)`
+   would otherwise end the hub. Without a PID namespace the program also goes into a Landlock domain nested in
+   this process's, so that it can neither trace this process nor (ABI >= 6) signal it: stopped, it would not
+   run step 5's group kill, and the program would outlive the worker,
 7. waits for PROGRAM, reaping orphans meanwhile (it is PID 1 of a fresh PID namespace
    when the platform gives one), then exits with the program's code, or 128 + N when signal N
    ended it.
@@ -76,6 +79,8 @@ _X32_SYSCALL_BIT = 0x40000000
 _EPERM = 1
 _F_SETOWN, _F_SETOWN_EX, _FIOSETOWN, _SIOCSPGRP = 8, 15, 0x8901, 0x8902
 _FIRST_SIGNAL_SCOPING_ABI = 6
+_STOP_SIGNALS = (signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
+_FS_MAKE_BLOCK = 1 << 11
 _BPF_LOAD, _BPF_JEQ, _BPF_JGE, _BPF_RET = 0x20, 0x15, 0x35, 0x06
 _ALLOW, _DENY, _KILL = 0x7FFF0000, 0x00050000 | _EPERM, 0x80000000
 
@@ -190,11 +195,18 @@ def signal_seccomp_program(machine: str, pid: int, pgid: int) -> bytes | None:
         (ioctl, 1, (_FIOSETOWN, _SIOCSPGRP), False),
     ]
     blocks = []
-    for _, argument, values, only_these in rules:
+    for syscall, argument, values, only_these in rules:
         match, other = (_ALLOW, _DENY) if only_these else (_DENY, _ALLOW)
         tests = [_bpf(_BPF_JEQ, len(values) - i, 0, value) for i, value in enumerate(values)]
-        blocks.append([_bpf(_BPF_LOAD, 0, 0, 16 + 8 * argument), *tests, _bpf(_BPF_RET, 0, 0, other),
-                       _bpf(_BPF_RET, 0, 0, match)])  # fmt: skip
+        block = [_bpf(_BPF_LOAD, 0, 0, 16 + 8 * argument), *tests, _bpf(_BPF_RET, 0, 0, other),
+                 _bpf(_BPF_RET, 0, 0, match)]  # fmt: skip
+        if syscall in (kill, sigqueue):
+            # The group holds the sandbox's first process, which must stay able to run: no stop signal (argument 1)
+            # to anything, each test jumping to the block's refusal past the other stop tests and the pid tests.
+            stops = [_bpf(_BPF_JEQ, len(_STOP_SIGNALS) - 1 - i + len(block) - 2, 0, number)
+                     for i, number in enumerate(_STOP_SIGNALS)]  # fmt: skip
+            block = [_bpf(_BPF_LOAD, 0, 0, 16 + 8 * 1), *stops, *block]
+        blocks.append(block)
     head = [_bpf(_BPF_LOAD, 0, 0, 4), _bpf(_BPF_JEQ, 1, 0, _SYSCALLS[machine][0]), _bpf(_BPF_RET, 0, 0, _KILL),
             _bpf(_BPF_LOAD, 0, 0, 0)]  # fmt: skip
     # After the dispatch: one jump per rule, then "allow"; rule i's block starts `starts[i]` past the allow.
@@ -254,14 +266,35 @@ def lock_down(config: dict) -> int:
     return abi
 
 
+def apply_nested_domain(libc: ctypes.CDLL, abi: int) -> None:
+    """A Landlock domain inside the sandbox's, for the program alone: Landlock lets no process ptrace, nor from ABI 6
+    signal, one of an enclosing domain, which this process's parent now is. The domain handles only making block
+    devices, which needs a capability the program lacks anyway, so it takes away nothing else."""
+    scoped = _SCOPE_SIGNAL if abi >= _FIRST_SIGNAL_SCOPING_ABI else 0
+    attr = _RulesetAttr(_FS_MAKE_BLOCK, 0, scoped)
+    size = 8 if abi < 4 else 16 if abi < 6 else 24
+    ruleset = _check(libc.syscall(_SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size), 0),
+                     "landlock_create_ruleset (nested)")  # fmt: skip
+    _check(libc.syscall(_SYS_LANDLOCK_RESTRICT_SELF, ruleset, 0), "landlock_restrict_self (nested)")
+    os.close(ruleset)
+
+
 def confine_signals(config: dict, landlock: int) -> None:
-    """Step 6, in the program's process before exec, where nothing else keeps its signals in the sandbox."""
-    if not config["seccomp"] or config["namespaces"] or landlock >= _FIRST_SIGNAL_SCOPING_ABI:
+    """Step 6, in the program's process before exec. Without a PID namespace, this process's parent is what kills
+    the group when the hub's worker dies (step 5): stopped (SIGSTOP) or traced, it never would, and the program would
+    outlive the worker. So the program goes into a Landlock domain nested in its parent's, and where Landlock does not
+    scope signals, a seccomp filter keeps them to itself and its group, with no stop signal at all."""
+    if config["namespaces"]:
+        return  # the parent is the namespace's init, which no signal from inside stops, and dies with `unshare`
+    libc = ctypes.CDLL(None, use_errno=True)
+    if landlock:
+        apply_nested_domain(libc, landlock)
+    if not config["seccomp"] or landlock >= _FIRST_SIGNAL_SCOPING_ABI:
         return
     program = signal_seccomp_program(platform.machine(), os.getpid(), os.getpgid(0))
     if program is None:
         raise OSError(f"seccomp was required but {platform.machine()} is not supported")
-    apply_seccomp(ctypes.CDLL(None, use_errno=True), program)
+    apply_seccomp(libc, program)
 
 
 def _kill_group(signum: int, frame: object) -> None:

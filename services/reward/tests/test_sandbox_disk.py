@@ -148,3 +148,39 @@ def test_the_hubs_cap_refuses_disk_mb_past_it(with_scorer: Callable[..., Any], m
     # Defaults count too: a hub capping below the default refuses a spec that does not ask for less.
     assert [field for field, _ in _problems(with_scorer)] == ["terms[0].params.disk_mb"]
     assert _problems(with_scorer, disk_mb=32) == []
+
+
+_ALLOCATE = "os.posix_fallocate(fd, 0, 1 << 20)\n"
+# Each makes file `i` of 1 MiB that no directory names, held by a descriptor or, last, by a mapping alone.
+_HELD = {
+    "unlinked while open": "fd = os.open(f'f{i}', os.O_CREAT | os.O_RDWR); os.unlink(f'f{i}')\n" + _ALLOCATE,
+    "O_TMPFILE": "fd = os.open('.', os.O_TMPFILE | os.O_RDWR)\n" + _ALLOCATE,
+    "mapped, closed and unlinked": (
+        "fd = os.open(f'f{i}', os.O_CREAT | os.O_RDWR)\n"
+        + _ALLOCATE
+        + "mmap(None, 4096, 1, 1, fd, 0); os.close(fd); os.unlink(f'f{i}')\n"
+    ),
+}
+_MMAP = (
+    "import ctypes\nmmap = ctypes.CDLL(None).mmap\nmmap.restype = ctypes.c_void_p\n"
+    "mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]\n"
+)
+
+
+@pytest.mark.parametrize("how", list(_HELD))
+def test_files_no_directory_names_count_against_the_disk_bound(isolation: Isolation, how: str) -> None:
+    """A file unlinked while open keeps its blocks until the last descriptor or mapping goes: 40 files of 1 MiB held
+    40 MiB under a bound of 4 MiB, unseen by a sum of the directory alone (up to max_processes x 64 files x
+    file_size_mb in all, with descriptors; more with mappings)."""
+    make = "".join(f"    {line}\n" for line in _HELD[how].splitlines())
+    program = f"{_MMAP}for i in range(40):\n{make}time.sleep(30)\n"
+    result = _run(program, isolation)
+    assert result.disk_exceeded and result.seconds < 5, result
+    assert verdict(result, CodeCase(check="pass")) == "output_limit"
+
+
+def test_a_small_file_no_directory_names_passes(isolation: Isolation) -> None:
+    # What `tempfile.TemporaryFile` makes (O_TMPFILE), within the bound.
+    program = "import tempfile\nf = tempfile.TemporaryFile()\nf.write(b'x' * (1 << 20)); f.flush()\n"
+    result = _run(program + "time.sleep(0.3)\nprint('done')\n", isolation)
+    assert (result.exit_code, result.disk_exceeded, result.stdout.split()[1:]) == (0, False, ["done"]), result

@@ -3,13 +3,17 @@ on the host, signals to processes outside the sandbox, the hub's environment; an
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
+import multiprocessing
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -182,3 +186,50 @@ def test_the_hosts_shared_directories_are_empty_in_the_mount_namespace() -> None
     finally:
         marker.unlink()
     assert result.stdout.splitlines() == ["False []", "['0000000000000000', '0000000000000000']", "ok"], result.stderr
+
+
+def test_a_program_that_stops_its_parent_still_dies_with_the_worker(isolation: Isolation) -> None:
+    """Without a PID namespace the sandbox's first process kills the group when the worker dies; a program that
+    stopped it (SIGSTOP to its parent, or to its whole group from a child, where only seccomp confines signals)
+    outlived the worker, and its children with it, until someone killed them by hand."""
+    marker = f"rlfleet-orphan-{uuid.uuid4().hex}"
+    program = (
+        "import os, signal, subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', '{marker}'])\n"
+        "for target in (os.getppid(), 0):\n"  # 0: its own group, itself included
+        "    try:\n"
+        "        os.kill(target, signal.SIGSTOP)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "time.sleep(60)\n"
+    )
+    limits = dataclasses.replace(LIMITS, wall_seconds=60, cpu_seconds=60)
+    runner = multiprocessing.get_context("fork").Process(target=run_python, args=(program, "", limits, isolation))
+    runner.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not _processes_naming(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _processes_naming(marker), "the program did not start"
+        time.sleep(0.5)  # for its stop signals
+    finally:
+        runner.kill()  # as the hub kills a worker whose item overran
+        runner.join(5)
+    deadline = time.monotonic() + 5
+    while (left := _processes_naming(marker)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in left:  # the whole group, stopped members too, so that a failure leaves nothing running
+        with contextlib.suppress(OSError):
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+    assert not left
+
+
+def _processes_naming(marker: str) -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        try:
+            if entry.name.isdigit() and marker.encode() in Path(entry.path, "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
