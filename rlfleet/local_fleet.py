@@ -421,13 +421,18 @@ class LocalFleet:
         self._write_state()
 
     def _wait(self, name: str) -> None:
-        health_url = self._commands[name].health_url
+        command = self._commands[name]
+        health_url = command.health_url
         started = time.monotonic()
         if health_url.startswith("redis://"):
             self._wait_redis(name, health_url)
         else:
             self.processes[name].wait_healthy(
-                health_url, timeout=self.config.startup_timeout_s, port=urlsplit(health_url).port, stop=self.stopping
+                health_url,
+                timeout=self.config.startup_timeout_s,
+                port=urlsplit(health_url).port,
+                stop=self.stopping,
+                ports=command.ports,
             )
         logger.info("%s healthy after %.1fs", name, time.monotonic() - started)
 

@@ -2,7 +2,9 @@
 
 The local launcher asks this before it counts a health check: an answer on a service's port proves
 nothing when another process (say, a fleet started earlier) already listens there, and the child it
-started dies a moment later with "address already in use".
+started dies a moment later with "address already in use". gRPC servers bind with SO_REUSEPORT, so a
+second one on a port does not fail: it silently gets part of the connections, which only the sockets
+listening there tell.
 """
 
 from __future__ import annotations
@@ -33,17 +35,18 @@ def _listening_inodes(port: int) -> set[str] | None:
     return inodes if readable else None
 
 
-def listening_pids(port: int) -> set[int] | None:
-    """Pids of the processes holding a socket that listens on `port`, among those this user may inspect.
+def listening_sockets(port: int) -> list[set[int]] | None:
+    """The sockets that listen on `port`, each as the pids of the processes holding it, among those this user
+    may inspect (an empty set: a socket no process this user can see holds).
 
-    None when this cannot be known: no /proc (not Linux), or no socket listens on `port`. An empty set
-    means a socket listens there but no process this user can see holds it.
+    More than one socket listens on a port when servers bind it with SO_REUSEPORT, as gRPC's do by default: the
+    kernel then splits the connections among them. None when this cannot be known: no /proc (not Linux), or no
+    socket listens on `port`.
     """
     inodes = _listening_inodes(port)
     if not inodes:
         return None
-    wanted = {f"socket:[{inode}]" for inode in inodes}
-    pids: set[int] = set()
+    holders: dict[str, set[int]] = {f"socket:[{inode}]": set() for inode in inodes}
     for entry in _PROC.iterdir():
         if not entry.name.isdigit():
             continue
@@ -53,12 +56,22 @@ def listening_pids(port: int) -> set[int] | None:
             continue
         for fd in fds:
             try:
-                if os.readlink(fd) in wanted:
-                    pids.add(int(entry.name))
-                    break
+                target = os.readlink(fd)
             except OSError:
                 continue
-    return pids
+            if target in holders:
+                holders[target].add(int(entry.name))
+    return list(holders.values())
+
+
+def listening_pids(port: int) -> set[int] | None:
+    """Pids of the processes holding a socket that listens on `port`, among those this user may inspect.
+
+    None when this cannot be known: no /proc (not Linux), or no socket listens on `port`. An empty set
+    means a socket listens there but no process this user can see holds it.
+    """
+    sockets = listening_sockets(port)
+    return None if sockets is None else set().union(*sockets)
 
 
 def descends_from(pid: int, ancestor: int, max_depth: int = 64) -> bool:

@@ -18,12 +18,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 
 import httpx
 
-from rlfleet.port_owner import descends_from, listening_pids
+from rlfleet.port_owner import descends_from, listening_sockets
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,9 @@ class StartInterrupted(RuntimeError):
     """Waiting for a service was given up because a stop was requested (Ctrl-C, `rlfleet down`)."""
 
 
+PROGRESS_EVERY_S = 10.0
+"""How often a wait for a service to be healthy says that it still waits (an engine loading a large model, the
+trainer importing torch: a start that said nothing for minutes looked hung)."""
 _PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _LOWEST_PICKED_PORT = 15000
 """Ports below this stay for services with well-known defaults (Redis 6379, PostgreSQL 5432, 8000s)."""
@@ -226,19 +229,38 @@ class ServiceProcess:
             return ""
 
     def wait_healthy(
-        self, url: str, timeout: float, port: int | None = None, stop: threading.Event | None = None
+        self,
+        url: str,
+        timeout: float,
+        port: int | None = None,
+        stop: threading.Event | None = None,
+        ports: Collection[int] = (),
     ) -> None:
         """Polls `url` until it answers 200 from this process; ServiceStartError (with the log tail) otherwise.
 
         An answer counts only while this process is alive and, given its `port`, only when this process (or a
         descendant) holds the socket listening there: another server on the port would otherwise pass for it.
-        StartInterrupted as soon as `stop` is set.
+        Of `ports` (every other port the service binds, such as its gRPC one), no socket listening there may
+        belong to another process: gRPC servers share a port with SO_REUSEPORT without an error, and the other
+        process would get part of the service's connections. StartInterrupted as soon as `stop` is set.
         """
-        deadline = time.monotonic() + timeout
+        started = said = time.monotonic()
+        deadline = started + timeout
         last = "no answer yet"
         while time.monotonic() < deadline:
             if stop is not None and stop.is_set():
                 raise StartInterrupted(f"stopped while waiting for {self.name} to be healthy")
+            if time.monotonic() - said >= PROGRESS_EVERY_S:
+                logger.info(
+                    "still waiting for %s to be healthy at %s (last try: %s; %.0f s of at most %.0f s; log %s)",
+                    self.name,
+                    url,
+                    last,
+                    time.monotonic() - started,
+                    timeout,
+                    self.log_path,
+                )
+                said = time.monotonic()
             if not self.alive():
                 raise ServiceStartError(
                     f"{self.name} exited with code {self.proc.returncode} before it was healthy; "
@@ -249,6 +271,8 @@ class ServiceProcess:
                 if response.status_code == 200 and self.alive():
                     if port is not None:
                         self._check_listener(port)
+                    for other in sorted(set(ports) - {port}):
+                        self._check_listener(other, answered=False)
                     return
                 last = f"HTTP {response.status_code}"
             except httpx.HTTPError as exc:
@@ -259,18 +283,28 @@ class ServiceProcess:
             f"last lines of {self.log_path}:\n{self.log_tail()}"
         )
 
-    def _check_listener(self, port: int) -> None:
-        """ServiceStartError unless this process or a descendant holds the socket listening on `port` (where
+    def _check_listener(self, port: int, answered: bool = True) -> None:
+        """ServiceStartError when a socket listening on `port` belongs to another process than this one or its
+        descendants, or (`answered`: the health check was answered there) when none of them listens there (where
         /proc tells; elsewhere the port checks made before the start stand alone)."""
-        pids = listening_pids(port)
-        if pids is None:
+        sockets = listening_sockets(port)
+        if sockets is None:
             return
-        if not any(descends_from(pid, self.pid) for pid in pids):
-            owners = ", ".join(str(pid) for pid in sorted(pids)) or "a process of another user"
-            raise ServiceStartError(
-                f"port {port} answers, but not from {self.name} (pid {self.pid}): {owners} listens there; "
-                f"stop it or choose other ports. Last lines of {self.log_path}:\n{self.log_tail()}"
-            )
+        ours = [any(descends_from(pid, self.pid) for pid in pids) for pids in sockets]
+        if all(ours):
+            return
+        others = set().union(*(pids for pids, own in zip(sockets, ours, strict=True) if not own))
+        owners = ", ".join(str(pid) for pid in sorted(others)) or "a process of another user"
+        if any(ours):
+            what = f"{owners} listens on port {port} beside {self.name} (pid {self.pid}) and would get part of its "
+            what += "connections"
+        elif answered:
+            what = f"port {port} answers, but not from {self.name} (pid {self.pid}): {owners} listens there"
+        else:
+            what = f"port {port} of {self.name} (pid {self.pid}) is listened on by {owners}"
+        raise ServiceStartError(
+            f"{what}; stop it or choose other ports. Last lines of {self.log_path}:\n{self.log_tail()}"
+        )
 
     def kill(self) -> None:
         """SIGKILL, as a crash would."""

@@ -25,7 +25,8 @@ from rlfleet.cli.demo import MARKER, fleet_config, recreate, supervised_watch, w
 from rlfleet.cli.down import delete_keys
 from rlfleet.cli.main import build_parser, main
 from rlfleet.cli.steps import StepFailed
-from rlfleet.fleet_supervisor import RestartPolicy, SupervisedFleet
+from rlfleet.fleet_supervisor import RestartPolicy
+from rlfleet.local_fleet import LocalFleet
 from rlfleet.local_spec_check import (
     ENVIRONMENTS,
     GROUP_FILTERS,
@@ -442,7 +443,7 @@ def test_a_service_that_dies_while_the_demo_watches_ends_the_demo_naming_it(tmp_
     try:
         with pytest.raises(StepFailed, match=r"4/5 the fleet lost a service: trainer exited with code 9"):
             supervised_watch(
-                cast(SupervisedFleet, OneService(dead)), cast(RunsClient, runs), "run-1", RestartPolicy(max_restarts=0)
+                cast(LocalFleet, OneService(dead)), cast(RunsClient, runs), "run-1", RestartPolicy(max_restarts=0)
             )
     finally:
         runs.released.set()
@@ -462,9 +463,101 @@ def test_a_watch_lost_while_the_demo_watches_ends_the_demo_without_saying_to_fol
     try:
         with pytest.raises(StepFailed) as failed:
             supervised_watch(
-                cast(SupervisedFleet, OneService(alive)), cast(RunsClient, LosesTheWatch([run])), "run-1",
+                cast(LocalFleet, OneService(alive)), cast(RunsClient, LosesTheWatch([run])), "run-1",
                 RestartPolicy(),
             )  # fmt: skip
     finally:
         alive.stop(timeout=5)
     assert str(failed.value) == "4/5 lost run run-1 at step 4: Connection refused; no watch again within 60 s"
+
+
+RESTART_WITH_STDERR_FULL = """
+import fcntl, os, socket, sys, threading
+from pathlib import Path
+from rlfleet.cli.demo import supervised_watch
+from rlfleet.cli.stop_signals import StopSignal, raise_on_signals, stop_on_signals
+from rlfleet.fleet_supervisor import RestartPolicy
+from rlfleet.local_fleet import FleetConfig, LocalFleet
+from rlfleet.logs import init_logging
+from rlfleet.v1.runs_pb2 import Run
+
+work = Path(sys.argv[1])
+init_logging("cli")
+(work / "model").mkdir()
+(work / "model" / "config.json").write_text("{}")
+fleet = LocalFleet(FleetConfig(model_path=work / "model", state_dir=work / "state"))
+with socket.socket() as reserved:
+    reserved.bind(("127.0.0.1", 0))
+    port = reserved.getsockname()[1]
+engine = (
+    "import http.server, os, sys\\n"
+    "with open(sys.argv[2], 'a') as pids: pids.write(f'{os.getpid()}\\\\n')\\n"
+    "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), http.server.SimpleHTTPRequestHandler).serve_forever()\\n"
+)
+fleet._spawn("engine-0", [sys.executable, "-c", engine, str(port), str(work / "pids")], f"http://127.0.0.1:{port}/",
+             {port: "engine-0"})
+fleet._wait("engine-0")
+fleet.processes["engine-0"].kill()
+
+
+class Silent:
+    def get(self, run_id):
+        return Run(id=run_id)
+
+    def follow(self, run_id, on_lost=None):
+        threading.Event().wait(timeout=60)
+        yield from ()
+
+
+# stderr, where the fleet logs, is a pipe nobody reads (a paused pager): the next line logged blocks.
+flags = fcntl.fcntl(2, fcntl.F_GETFL)
+fcntl.fcntl(2, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+try:
+    while True:
+        os.write(2, b"." * 512)
+except BlockingIOError:
+    pass
+fcntl.fcntl(2, fcntl.F_SETFL, flags)
+try:
+    with stop_on_signals(fleet) as received, raise_on_signals():  # as train_on_fleet holds them
+        supervised_watch(fleet, Silent(), "run-1", RestartPolicy(first_backoff_s=0.1))
+except StopSignal as stop:
+    print(stop, flush=True)
+finally:
+    fleet.stop()
+"""
+
+
+def test_a_stop_signal_while_the_demo_restarts_a_service_stops_the_restarted_service(tmp_path: Path) -> None:
+    """The signal raised in the demo's main thread wherever it was: inside the restart, after the service's new
+    process had started but before the fleet had recorded it (its start logged to a stderr that blocked), the
+    demo ended and left that process running, recorded nowhere."""
+    pids = tmp_path / "pids"
+    demo = subprocess.Popen(
+        [sys.executable, "-c", RESTART_WITH_STDERR_FULL, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    engines: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(engines) < 2:  # the first engine, then the restarted one
+            assert demo.poll() is None, demo.communicate(timeout=10)
+            assert time.monotonic() < deadline, "the engine was not restarted within 60 s"
+            time.sleep(0.05)
+            engines = [int(pid) for pid in pids.read_text().split()] if pids.exists() else []
+        time.sleep(0.3)  # the demo is blocked logging that it started the engine
+        os.kill(demo.pid, signal.SIGTERM)
+        out, err = demo.communicate(timeout=60)  # reading stderr lets it go on
+        assert "engine-0 exited with code -9; restarting it" in out, out + err.replace(".", "")[-2000:]
+        assert out.endswith("SIGTERM: stopped\n"), out + err.replace(".", "")[-2000:]
+        assert not process_runs(engines[1]), "the restarted engine outlived the demo"
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait(timeout=10)
+        for pid in engines:
+            if process_runs(pid):
+                os.kill(pid, signal.SIGKILL)

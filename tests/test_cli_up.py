@@ -23,6 +23,7 @@ import httpx
 import pytest
 import redis
 
+from rlfleet import processes
 from rlfleet.cli.fleet import EXAMPLE_SPEC, default_model, up_message
 from rlfleet.cli.main import main
 from rlfleet.cli.steps import run_step
@@ -407,3 +408,25 @@ def test_up_refuses_a_redis_prefix_another_fleet_holds_before_it_makes_its_model
     assert not (state_dir / "models").exists(), "no model was made"
     assert not (state_dir / "logs").exists(), "no service was started"
     assert not (state_dir / "fleet.json").exists()
+
+
+def test_a_long_wait_for_a_service_says_that_it_still_waits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine loading its model, the trainer importing torch: `up` said nothing between starting a service and
+    its being healthy, for minutes with SGLang."""
+    monkeypatch.setattr(processes, "PROGRESS_EVERY_S", 0.5, raising=False)
+    with socket.socket() as reserved:
+        reserved.bind(("127.0.0.1", 0))
+        port = reserved.getsockname()[1]
+    slow = [sys.executable, "-c", "import time; time.sleep(30)"]  # still loading when the wait ends
+    service = processes.ServiceProcess("trainer", slow, tmp_path / "trainer.log")
+    try:
+        with caplog.at_level("INFO", logger="rlfleet.processes"), pytest.raises(processes.ServiceStartError):
+            service.wait_healthy(f"http://127.0.0.1:{port}/health", timeout=1.8)
+    finally:
+        service.stop(timeout=5)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("still waiting")]
+    assert said, [r.getMessage() for r in caplog.records]
+    assert said[0].startswith(f"still waiting for trainer to be healthy at http://127.0.0.1:{port}/health (last try: ")
+    assert said[0].endswith(f"s of at most 2 s; log {tmp_path / 'trainer.log'})")

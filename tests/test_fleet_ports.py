@@ -1,5 +1,6 @@
 """The local fleet's ports: chosen with --base-port or --free-ports, refused up front when one is in use,
-and a health check that another process answers on the service's port does not count."""
+and a health check that another process answers on the service's port does not count, nor one of a service
+another process listens beside on one of its ports."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import pytest
 
-from rlfleet.local_fleet import FleetPorts
+from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet
 from rlfleet.processes import ServiceProcess, ServiceStartError, free_port, free_port_block, port_is_free
 
 REDIS_URL = os.environ.get("RLFLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -130,3 +133,48 @@ def test_a_port_whose_closed_connections_linger_is_free() -> None:
         time.sleep(0.1)
         client.close()
     assert port_is_free(port)
+
+
+GRPC_THEN_HTTP = """
+import http.server, pathlib, sys, time
+from concurrent import futures
+import grpc
+http_port, grpc_port, go = int(sys.argv[1]), int(sys.argv[2]), pathlib.Path(sys.argv[3])
+deadline = time.monotonic() + 30
+while not go.exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
+server = grpc.server(futures.ThreadPoolExecutor(1))  # grpc's defaults, as the services' servers
+assert server.add_insecure_port(f"127.0.0.1:{grpc_port}") == grpc_port
+server.start()
+class Ok(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"{}")
+http.server.HTTPServer(("127.0.0.1", http_port), Ok).serve_forever()
+"""
+
+
+def test_a_grpc_port_another_server_took_after_the_check_fails_the_start(tmp_path: Path, fake_model: Path) -> None:
+    """gRPC binds with SO_REUSEPORT: a second server on the port binds without an error and gets part of the
+    connections. A trainer whose gRPC port another process took between the port check and its bind was counted
+    healthy, its HTTP port alone being checked."""
+    fleet = LocalFleet(FleetConfig(model_path=fake_model, state_dir=tmp_path / "state"))
+    http_port, grpc_port = free_port(), free_port()
+    go = tmp_path / "go"
+    argv = [sys.executable, "-c", GRPC_THEN_HTTP, str(http_port), str(grpc_port), str(go)]
+    other = grpc.server(futures.ThreadPoolExecutor(1))
+    try:
+        health = f"http://127.0.0.1:{http_port}/health"
+        fleet._spawn("trainer", argv, health, {http_port: "trainer HTTP", grpc_port: "trainer gRPC"})
+        assert other.add_insecure_port(f"127.0.0.1:{grpc_port}") == grpc_port  # taken after the check
+        other.start()
+        go.write_text("")
+        trainer = fleet.processes["trainer"].pid
+        with pytest.raises(
+            ServiceStartError, match=rf"^{os.getpid()} listens on port {grpc_port} beside trainer \(pid {trainer}\)"
+        ):
+            fleet._wait("trainer")
+    finally:
+        other.stop(None)
+        fleet.stop()

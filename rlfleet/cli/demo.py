@@ -32,7 +32,7 @@ from rlfleet.cli.runs import progress_line
 from rlfleet.cli.steps import StepFailed, warm_start
 from rlfleet.cli.stop_signals import StopSignal, raise_on_signals, stop_on_signals
 from rlfleet.errors import InvalidInput
-from rlfleet.fleet_supervisor import GaveUp, RestartPolicy, SupervisedFleet, Supervisor
+from rlfleet.fleet_supervisor import GaveUp, RestartPolicy, Supervisor
 from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet, record_starting, remove_own_record, running_fleet
 from rlfleet.local_spec_check import check_spec_here
 from rlfleet.processes import ServiceStartError, StartInterrupted
@@ -127,7 +127,8 @@ def train_on_fleet(fleet: LocalFleet, spec: RunSpec) -> tuple[Run, dict[int, flo
             say(f"    Runs API {fleet.api_url}, router {fleet.router_url}, logs in {fleet.log_dir}")
             config = fleet.config  # as started: its Redis may have moved off another fleet's own
             say(f"    Redis keys {config.redis_prefix}* at {config.resolved_redis_url()}")
-            with raise_on_signals():  # the fleet is up: a stop signal ends the watch at once
+            # The fleet is up: a stop signal ends the submit at once, and the watch (supervised_watch holds its own).
+            with raise_on_signals():
                 client = RunsClient(fleet.api_url)
                 run = client.submit(spec)
                 say(f"4/5 GRPO run {run.id}: {spec.schedule.steps} steps")
@@ -139,7 +140,7 @@ def train_on_fleet(fleet: LocalFleet, spec: RunSpec) -> tuple[Run, dict[int, flo
 
 
 def supervised_watch(
-    fleet: SupervisedFleet, client: RunsClient, run_id: str, policy: RestartPolicy
+    fleet: LocalFleet, client: RunsClient, run_id: str, policy: RestartPolicy
 ) -> tuple[Run, dict[int, float], list[float]]:
     """`watch`, while the fleet's services are restarted as `rlfleet up` restarts them; StepFailed naming the
     service when one cannot be kept running, or when the watch is lost (the fleet stops with the demo, so the
@@ -156,10 +157,17 @@ def supervised_watch(
             done.set()
 
     threading.Thread(target=follow, name="demo-watch", daemon=True).start()
-    try:
-        Supervisor(fleet, policy, say=lambda line: say(f"    {line}")).run(done)  # the main thread: signals reach it
-    except GaveUp as exc:
-        raise StepFailed(f"4/5 the fleet lost a service: {exc}") from None
+    # A stop signal ends the wait at once, but raises only once the supervisor has returned: raised inside a
+    # restart, between starting the service and recording it, it left that service running after the demo.
+    with stop_on_signals(fleet, wake=done) as received:
+        try:
+            Supervisor(fleet, policy, say=lambda line: say(f"    {line}")).run(done)
+        except GaveUp as exc:
+            raise StepFailed(f"4/5 the fleet lost a service: {exc}") from None
+        except StartInterrupted:  # the stop signal came while a service was being restarted
+            pass
+    if received:
+        raise StopSignal(received[0])
     [result] = ended
     if isinstance(result, WatchEnded):
         raise StepFailed(f"4/5 lost run {run_id} at step {result.run.progress.step}: {result.why}") from None

@@ -2,15 +2,17 @@
 
 The fleet's services run in sessions of their own (so a terminal's Ctrl-C reaches only the command, which
 stops them in order); a command that died of a signal would leave the whole fleet running. Two modes:
-`raise_on_signals` ends whatever the command waits on (creating a model, the demo's SFT child, a watch) by
-raising StopSignal there, and `stop_on_signals` only asks a starting or running fleet to stop, because a raise
-between starting a child and recording it would leave that child where `rlfleet down` cannot find it.
+`raise_on_signals` ends whatever the command waits on (creating a model, the demo's SFT child, a submit) by
+raising StopSignal there, and `stop_on_signals` only asks a starting or running fleet to stop (whose supervisor
+may be restarting a service), because a raise between starting a child and recording it would leave that child
+where `rlfleet down` cannot find it.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -58,10 +60,10 @@ def raise_on_signals() -> Iterator[None]:
 
 
 @contextmanager
-def stop_on_signals(fleet: LocalFleet) -> Iterator[list[int]]:
-    """Stop signals ask `fleet` to stop (a start in progress gives up at its next check, `up`'s supervisor
-    returns) instead of raising wherever the main thread happens to be. Yields the signals received, first
-    first."""
+def stop_on_signals(fleet: LocalFleet, wake: threading.Event | None = None) -> Iterator[list[int]]:
+    """Stop signals ask `fleet` to stop (a start or restart in progress gives up at its next check, `up`'s
+    supervisor returns) and set `wake` (ending a wait on it) instead of raising wherever the main thread happens
+    to be. Yields the signals received, first first."""
     received: list[int] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -70,6 +72,8 @@ def stop_on_signals(fleet: LocalFleet) -> Iterator[list[int]]:
             os.write(2, b"still stopping the fleet (each service has a bounded time to stop before it is killed)\n")
         received.append(signum)
         fleet.request_stop()
+        if wake is not None:
+            wake.set()
 
     with _handling(on_signal):
         yield received
