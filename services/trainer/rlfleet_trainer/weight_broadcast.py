@@ -19,7 +19,8 @@ ends a broadcast blocked on peers, and dropping the group waits for it); so the 
 NCCL that is ncclCommAbort, which is meant to end pending work; not checked on a GPU here), never used
 again, and its thread left to end at the group's timeout, or sooner when the engines close their end.
 Opening waits `REFUSAL_WINDOW_S` for a quick refusal (an engine that is gone, a world_size that no
-longer fits) before joining, so that common case leaves no join behind.
+longer fits) before joining, so that common case leaves no join behind; a join that completes after its open failed
+(the router failed once the engines had joined) is torn down, so the next open can take the group's name.
 """
 
 from __future__ import annotations
@@ -65,6 +66,21 @@ def unique_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
             continue
         seen.add(key)
         out[name] = tensor.detach()
+    return out
+
+
+def without_tied_copies(state: Mapping[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """`state` without the names under which `model` holds a parameter it holds under an earlier name too (tied
+    weights: lm_head.weight beside model.embed_tokens.weight), once that earlier name is in `state`.
+
+    The full state FSDP2 gathers holds a copy of a tied parameter under each name, in storages of their own, which
+    `unique_tensors` cannot tell apart from two parameters: the model's own state says which names are one."""
+    first: dict[int, str] = {}
+    out: dict[str, torch.Tensor] = dict(state)
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        earlier = first.setdefault(id(tensor), name)
+        if earlier != name and earlier in state:
+            out.pop(name, None)
     return out
 
 
@@ -127,11 +143,24 @@ class WeightBroadcaster:
             "backend": self._backend,
         }
         joined: list[WeightUpdateGroup] = []
+        given_up = threading.Event()
+        lock = threading.Lock()
 
         def join() -> None:
-            joined.append(join_group(store, 0, world_size, self.group_name, self._backend, self._timeout_s))
+            group = join_group(store, 0, world_size, self.group_name, self._backend, self._timeout_s)
+            with lock:
+                joined.append(group)
+                if given_up.is_set():  # the open failed meanwhile (the router died after the engines joined)
+                    joined.pop().abort()
 
-        self._together("/init_weights_update_group", body, join, REFUSAL_WINDOW_S, abort=lambda: None)
+        def give_up() -> None:
+            # A join the open gave up on can still complete: left registered, its name refused every later open.
+            with lock:
+                given_up.set()
+                while joined:
+                    joined.pop().abort()
+
+        self._together("/init_weights_update_group", body, join, REFUSAL_WINDOW_S, abort=give_up)
         self.group = joined[0]
         logger.info("weight update group %s open with %d engines", self.group_name, engines)
 

@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 from rlfleet.errors import Unavailable
 from rlfleet_trainer.config import TrainerSettings
 from rlfleet_trainer.router_client import RouterClient
-from rlfleet_trainer.weight_broadcast import WeightBroadcaster
+from rlfleet_trainer.weight_broadcast import WeightBroadcaster, without_tied_copies
 from rlfleet_trainer.weights import save_version
 
 logger = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class DistributedPublisher:
             try:
                 if not self._broadcaster.is_current():
                     self._broadcaster.open()
-                self._broadcaster.broadcast(state, version)
+                self._broadcaster.broadcast(without_tied_copies(state, model), version)
             except Unavailable as exc:
                 logger.warning("broadcasting weight version %d failed (%s); loading it from disk instead", version, exc)
                 self._broadcaster.close()
