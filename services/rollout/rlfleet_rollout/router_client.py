@@ -200,6 +200,16 @@ class RouterClient:
         )
         return parse_completion(answer)
 
+    async def served_context_length(self, timeout_s: float) -> int:
+        """The context length the engines serve, in tokens (`max_model_len` of /v1/models, as SGLang and rlfleet-engine
+        answer it through the router: one engine's); 0 when the answer does not say. Raises as `request_json`."""
+        answer = await request_json(self.client, "GET", f"{self.base_url}/v1/models", deadline_s=timeout_s)
+        try:
+            value = answer["data"][0]["max_model_len"]
+        except (KeyError, IndexError, TypeError):
+            return 0
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
     async def trajectory(self, trajectory_id: str) -> Trajectory:
         """The cached trajectory; InvalidInput when the router no longer holds it or it does not line up."""
         url = f"{self.base_url}/trajectories/{quote(trajectory_id, safe='')}"

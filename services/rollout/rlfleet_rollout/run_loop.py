@@ -66,6 +66,39 @@ from rlfleet_rollout.trainer_release import TrainerRelease, trainer_progress
 from rlfleet_rollout.trainer_session import TrainerSession
 
 logger = logging.getLogger(__name__)
+# Bound on asking the router what context its engines serve, at a run's start (engines still loading answer 503).
+SERVED_CONTEXT_TIMEOUT_S = 10.0
+
+
+async def _context_tokens(router: RouterClient, model_path: str, run_id: str) -> int:
+    """The context a run's generations must fit: the model's (config.json), or the engines' when they serve less
+    (SGLang's --context-length), which refuse a prompt and max_new_tokens reaching it: every long sample failed.
+    The model's alone, said in the log, when the router does not answer."""
+    model = await asyncio.to_thread(context_length, model_path)
+    try:
+        served = await router.served_context_length(SERVED_CONTEXT_TIMEOUT_S)
+    except RlfleetError as exc:
+        logger.warning(
+            "run %s: the router did not say what context its engines serve (%s); generations are fitted to the "
+            "model's, %s",
+            run_id,
+            exc,
+            model or "unknown",
+            extra={"run_id": run_id},
+        )
+        return model
+    if served and (not model or served < model):
+        logger.info(
+            "run %s: the engines serve a context of %d tokens, the model %s: generations are fitted to %d",
+            run_id,
+            served,
+            model or "does not say",
+            served,
+            extra={"run_id": run_id},
+        )
+        return served
+    return model
+
 
 # How long a finished run waits for the trainer's report of its last step (made as the trainer ends the step,
 # before the final evaluation starts, so it is normally there at once) before it ends with the metrics it has.
@@ -189,7 +222,7 @@ async def _drive(run: Run, session: TrainerSession, deps: RunDeps) -> None:
         environment=deps.rollouts.environment(spec.rollout.multi_turn.environment)
         if spec.rollout.HasField("multi_turn")
         else None,
-        context_tokens=await asyncio.to_thread(context_length, spec.model.path),
+        context_tokens=await _context_tokens(deps.router, spec.model.path, run_id),
         replies=deps.replies,
     )
     stream = SampleStream(deps.redis, run_id, prefix=deps.config.redis_prefix)

@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from test_partial_rollout import MAX_NEW_TOKENS, _context
 
@@ -18,8 +19,9 @@ from rlfleet.v1.samples_pb2 import FinishReason
 from rlfleet_rollout.datasets import Prompt
 from rlfleet_rollout.evaluation import evaluate
 from rlfleet_rollout.model_directory import context_length
-from rlfleet_rollout.router_client import Completion
+from rlfleet_rollout.router_client import Completion, RouterClient
 from rlfleet_rollout.run_data import RunData
+from rlfleet_rollout.run_loop import _context_tokens
 from rlfleet_rollout.step_producer import _candidate
 
 
@@ -75,3 +77,28 @@ def test_a_prompt_the_context_cannot_hold_is_filtered_as_too_long(tokenizer_dir:
     # One token short of the context leaves no max_new_tokens the engine takes (it refuses reaching the context).
     assert asyncio.run(_candidate(replace(base, context_tokens=tokens + 1), "run-1", 0, 0, data, 0)) is None
     assert asyncio.run(_candidate(replace(base, context_tokens=tokens + 2), "run-1", 0, 0, data, 0)) is not None
+
+
+def _router(answer: Any, status: int = 200) -> RouterClient:
+    def handle(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/v1/models"
+        return httpx.Response(status, json=answer)
+
+    return RouterClient(httpx.AsyncClient(transport=httpx.MockTransport(handle)), "http://router", timeout_s=5)
+
+
+def test_the_context_is_the_engines_when_they_serve_less_than_the_model(tmp_path: Path) -> None:
+    """An engine started with a shorter context (SGLang's --context-length) refused every prompt whose
+    max_new_tokens, fitted to the model's config.json, reached its own: every long sample failed."""
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 32768}')
+    model = str(tmp_path)
+
+    def context(router: RouterClient) -> int:
+        return asyncio.run(_context_tokens(router, model, "run-1"))
+
+    assert context(_router({"object": "list", "data": [{"id": "m", "max_model_len": 4096}]})) == 4096
+    assert context(_router({"data": [{"id": "m", "max_model_len": 65536}]})) == 32768  # the smaller of the two
+    assert context(_router({"data": [{"id": "m"}]})) == 32768  # an answer that does not say
+    assert context(_router({"error": "no such route"}, status=404)) == 32768  # a router that does not answer it
+    (tmp_path / "config.json").write_text("{}")
+    assert context(_router({"data": [{"id": "m", "max_model_len": 4096}]})) == 4096
