@@ -43,9 +43,11 @@ def check_spec_here(spec: RunSpec) -> None:
     if source == "arithmetic":
         arithmetic_heldout(resolved.dataset)
     else:
-        path = getattr(resolved.dataset, source).path
-        if not Path(path).exists():
-            raise InvalidInput(f"dataset.{source}.path: {path!r} does not exist{relative_note(path, 'the fleet')}")
+        files = getattr(resolved.dataset, source)
+        for field, path in (("path", files.path), ("eval_path", files.eval_path)):
+            if path and not Path(path).exists():
+                note = relative_note(path, "the fleet")
+                raise InvalidInput(f"dataset.{source}.{field}: {path!r} does not exist{note}")
 
 
 def _require_registered(name: str, group: str, field: str, what: str) -> None:

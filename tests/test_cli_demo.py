@@ -191,6 +191,10 @@ SPEC_HEAD = {
         ({"rollout": {"function": "single_trun"}}, "rollout.function: unknown rollout function 'single_trun'; "),
         ({"rollout": {"filters": ["zero_varaince"]}}, "rollout.filters[0]: unknown group filter 'zero_varaince'; "),
         ({"dataset": {"jsonl": {"path": "nowhere.jsonl"}}}, "dataset.jsonl.path: 'nowhere.jsonl' does not exist"),
+        (  # the spec file itself stands for a training file that exists
+            {"dataset": {"jsonl": {"path": "spec.json", "eval_path": "held.jsonl"}}},
+            "dataset.jsonl.eval_path: 'held.jsonl' does not exist",
+        ),
         (
             {"dataset": {"arithmetic": {"digits": 1}, "eval_size": 50}},
             "dataset.eval_size: the test split of 1-digit '+' problems holds ",
