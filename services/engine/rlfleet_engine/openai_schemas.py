@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from rlfleet_engine.request_expansion import MAX_TOP_LOGPROBS_NUM
 from rlfleet_engine.sampling_params import MAX_SEED
 from rlfleet_engine.schemas import UnicodeStr
 
@@ -103,7 +104,7 @@ class CompletionRequest(OpenAISampling):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, gt=0)
-    logprobs: int | None = Field(default=None, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS_NUM)
     echo: bool = False
 
     @field_validator("echo")

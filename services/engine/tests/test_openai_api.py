@@ -146,6 +146,8 @@ def test_bad_requests_name_the_field(client: TestClient) -> None:
     assert answer.status_code == 400 and "messages" in answer.json()["message"]
     answer = client.post("/v1/completions", json={"prompt": "x", "frequency_penalty": 0.5})
     assert answer.status_code == 400 and "frequency_penalty" in answer.text
+    answer = client.post("/v1/completions", json={"prompt": "x", "logprobs": 257})  # MAX_TOP_LOGPROBS_NUM + 1
+    assert answer.status_code == 400 and "body.logprobs: Input should be less than or equal to 256" in answer.text
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
