@@ -12,7 +12,7 @@ import pytest
 import yaml
 from pydantic_settings import BaseSettings
 
-from rlfleet_router.kubernetes_discovery import endpoint_urls
+from rlfleet_router.kubernetes_discovery import endpoint_slice_urls
 
 helm = pytest.importorskip("helm_python", reason="needs helm-python-sdk (the dev extra)")
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (the dev extra)")
@@ -136,23 +136,31 @@ def test_router_lists_every_engine_and_services_find_each_other(rendered: tuple[
     headless = services[engines["spec"]["serviceName"]]
     assert headless["spec"]["clusterIP"] == "None"
     if values["router"]["kubernetes"]["discovery"]:
-        # The router finds them in the headless Service's Endpoints, where each ready pod's address carries its
-        # hostname (the pod's name): the URLs are the pods' DNS names, stable across pod restarts.
+        # The router finds them in the headless Service's EndpointSlices, which carry the Service's labels (the
+        # router's selector) and name it; each pod's endpoint carries its hostname (the pod's name), ready or not
+        # (publishNotReadyAddresses: the router runs its own health checks): the URLs are the pods' DNS names,
+        # stable across pod restarts.
         assert "RLFLEET_ROUTER_WORKER_URLS" not in env
-        endpoints = [
+        assert headless["spec"]["publishNotReadyAddresses"] is True
+        selector = dict(part.split("=", 1) for part in env["RLFLEET_ROUTER_KUBERNETES_LABEL_SELECTOR"].split(","))
+        labels = {**headless["metadata"]["labels"], "kubernetes.io/service-name": headless["metadata"]["name"]}
+        assert selector.items() <= labels.items()
+        slices = [
             {
-                "metadata": {"name": headless["metadata"]["name"]},
-                "subsets": [
+                "metadata": {"name": f"{headless['metadata']['name']}-x7k2q", "labels": labels},
+                "addressType": "IPv4",
+                "endpoints": [
                     {
-                        "addresses": [
-                            {"ip": f"10.0.0.{i}", "hostname": f"rl-rlfleet-engine-{i}"} for i in range(replicas)
-                        ],
-                        "ports": [{"name": "http", "port": port}],
+                        "addresses": [f"10.0.0.{i}"],
+                        "conditions": {"ready": True, "serving": i > 0, "terminating": False},
+                        "hostname": f"rl-rlfleet-engine-{i}",
                     }
+                    for i in range(replicas)
                 ],
+                "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
             }
         ]
-        urls = sorted(endpoint_urls(endpoints, int(env["RLFLEET_ROUTER_KUBERNETES_ENGINE_PORT"]), "ml")[0])
+        urls = sorted(endpoint_slice_urls(slices, int(env["RLFLEET_ROUTER_KUBERNETES_ENGINE_PORT"]), "ml")[0])
     else:
         urls = json.loads(env["RLFLEET_ROUTER_WORKER_URLS"])
     assert urls == [f"http://rl-rlfleet-engine-{i}.rl-rlfleet-engine.ml.svc:{port}" for i in range(replicas)]
@@ -289,8 +297,9 @@ def test_router_discovers_and_restarts_engines_through_the_api_it_may_use(
             for res in r["resources"]
             for verb in r["verbs"]
         }
-        # Exactly what rlfleet_router.kubernetes_api calls: discovery lists Endpoints; restarts list and delete pods.
-        wanted = {("", "endpoints", "list")} if kube["discovery"] else set()
+        # Exactly what rlfleet_router.kubernetes_api calls: discovery lists EndpointSlices; restarts list and delete
+        # pods. Nothing reads the deprecated core/v1 Endpoints.
+        wanted = {("discovery.k8s.io", "endpointslices", "list")} if kube["discovery"] else set()
         wanted |= {("", "pods", "list"), ("", "pods", "delete")} if kube["restarts"] else set()
         assert granted == wanted
         engine_labels = [

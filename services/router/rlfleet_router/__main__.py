@@ -74,9 +74,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--docker-stop-timeout-secs", "docker: grace before a container is killed (default 10)"),
     Flag("--kubernetes-api-url", "kubernetes: API server (default: in-cluster service account)"),
     Flag("--kubernetes-namespace", "kubernetes: namespace (default: the router's own)"),
-    Flag("--kubernetes-label-selector", "kubernetes: labels of engine pods and Endpoints"),
-    Flag("--kubernetes-discovery-interval-secs", "kubernetes: time between two Endpoints lookups (default 5)"),
-    Flag("--kubernetes-engine-port", "kubernetes: engine port (default: the Endpoints' only port; of several, none)"),
+    Flag("--kubernetes-label-selector", "kubernetes: labels of engine pods and EndpointSlices"),
+    Flag("--kubernetes-discovery-interval-secs", "kubernetes: time between two EndpointSlices lookups (default 5)"),
+    Flag("--kubernetes-engine-port", "kubernetes: engine port (default: the slices' only port; of several, none)"),
     Flag("--kubernetes-timeout-secs", "kubernetes: bound on one API call (default 10)"),
     Flag("--log-level", LOG_LEVEL_HELP),
     Flag("--max-request-bytes", "largest request body accepted, 413 beyond (default 64 MiB)"),
@@ -86,7 +86,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("--api-token-file", "file holding the API token admin requests must carry (default: none, open)"),
     Flag("--disable-retries", "send each request to one engine only", kind="switch"),
-    Flag("--kubernetes-discovery", "kubernetes: follow the engine Endpoints' addresses", kind="switch"),
+    Flag("--kubernetes-discovery", "kubernetes: follow the engine EndpointSlices' addresses", kind="switch"),
 )
 
 

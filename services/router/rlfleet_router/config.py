@@ -166,15 +166,17 @@ class RouterConfig(BaseSettings):
     )
     kubernetes_namespace: str | None = Field(None, description="kubernetes: namespace (unset: the router's own).")
     kubernetes_label_selector: str = Field(
-        "app.kubernetes.io/component=engine", description="kubernetes: labels of the engine pods and Endpoints."
+        "app.kubernetes.io/component=engine", description="kubernetes: labels of the engine pods and EndpointSlices."
     )
-    kubernetes_discovery: bool = Field(False, description="kubernetes: follow the engine Endpoints' ready addresses.")
+    kubernetes_discovery: bool = Field(
+        False, description="kubernetes: follow the engine EndpointSlices' ready addresses."
+    )
     kubernetes_discovery_interval_secs: float = Field(5.0, gt=0, description="kubernetes: time between two lookups.")
     kubernetes_engine_port: int | None = Field(
         None,
         ge=1,
         le=65535,
-        description="kubernetes: engine port in the Endpoints (unset: their only port; of several, none).",
+        description="kubernetes: engine port in the EndpointSlices (unset: their only port; of several, none).",
     )
     kubernetes_timeout_secs: float = Field(10.0, gt=0, description="kubernetes: bound on one API call.")
     log_level: LogLevel = Field("info", description="Log level of the router process.")

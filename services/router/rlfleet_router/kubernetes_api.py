@@ -1,10 +1,12 @@
-"""The few Kubernetes core/v1 calls the router makes (list and delete pods, list endpoints), over httpx.
+"""The few Kubernetes API calls the router makes (list and delete core/v1 pods, list discovery.k8s.io/v1
+EndpointSlices), over httpx, each bounded by `kubernetes_timeout_secs`.
 
 In a pod, the API server, token and CA come from the service account mount and the
 `KUBERNETES_SERVICE_HOST/PORT` variables, as every in-cluster client finds them; `kubernetes_api_url`
 points elsewhere (a `kubectl proxy`, a test server). The token is read on every call because
 projected service-account tokens are rotated on disk. The router's role needs `list` and `delete` on pods
-(restarts) and `list` on endpoints (discovery) in its namespace, as the Helm chart's Role grants.
+(restarts) and `list` on `endpointslices` in API group `discovery.k8s.io` (discovery) in its namespace, as the
+Helm chart's Role grants.
 """
 
 from __future__ import annotations
@@ -54,10 +56,11 @@ class KubernetesAPI:
         )
 
     async def list_pods(self, label_selector: str) -> list[dict[str, Any]]:
-        return await self._list("pods", label_selector)
+        return await self._list(f"/api/v1/namespaces/{self.namespace}/pods", label_selector)
 
-    async def list_endpoints(self, label_selector: str) -> list[dict[str, Any]]:
-        return await self._list("endpoints", label_selector)
+    async def list_endpoint_slices(self, label_selector: str) -> list[dict[str, Any]]:
+        """The EndpointSlices matching `label_selector` (their controller copies a Service's labels onto them)."""
+        return await self._list(f"/apis/discovery.k8s.io/v1/namespaces/{self.namespace}/endpointslices", label_selector)
 
     async def delete_pod(self, name: str, uid: str) -> None:
         """Deletes pod `name` if it is still the pod `uid` (a precondition: a replacement under the same name, as a
@@ -69,9 +72,9 @@ class KubernetesAPI:
     async def close(self) -> None:
         await self._client.aclose()
 
-    async def _list(self, kind: str, label_selector: str) -> list[dict[str, Any]]:
+    async def _list(self, path: str, label_selector: str) -> list[dict[str, Any]]:
         params = {"labelSelector": label_selector} if label_selector else {}
-        body = await self._call("GET", f"/api/v1/namespaces/{self.namespace}/{kind}", params=params)
+        body = await self._call("GET", path, params=params)
         items = body.get("items") if isinstance(body, dict) else None
         return items if isinstance(items, list) else []
 

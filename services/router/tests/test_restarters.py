@@ -1,24 +1,19 @@
-"""The restarters and Kubernetes discovery; docker and kubernetes against fake API servers that follow the real APIs.
+"""The restarters; docker and kubernetes against fake API servers that follow the real APIs.
 
 The Docker fake serves the Engine API paths the `docker` SDK calls (`/version`, `GET /containers/{id}/json`,
-`GET /containers/json` with `all` and `filters`, `POST /containers/{id}/restart?t=`); the Kubernetes fake serves
-core/v1 pods (list with labelSelector, delete, a controller that replaces a deleted pod) and endpoints. Its
-controller acts as a Deployment (the new pod has a new name) or as a StatefulSet (the same name, a new uid and IP;
-the Endpoints give each address the pod's `hostname` and `targetRef`, as for a StatefulSet behind a headless
-Service).
+`GET /containers/json` with `all` and `filters`, `POST /containers/{id}/restart?t=`); the Kubernetes fake
+(`kubernetes_fakes.py`) serves core/v1 pods, with a controller that replaces a deleted pod as a Deployment or as
+a StatefulSet does. Discovery is tested in `test_kubernetes_discovery.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import itertools
 import json
-import logging
 import re
 import sys
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -26,6 +21,7 @@ from urllib.parse import urlsplit
 import pytest
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
+from kubernetes_fakes import FakeKubernetes
 from router_fakes import ThreadedServer
 
 from rlfleet.errors import Unavailable
@@ -33,7 +29,6 @@ from rlfleet.processes import process_runs
 from rlfleet_router.config import RouterConfig
 from rlfleet_router.docker_restarter import DockerRestarter, answers_to
 from rlfleet_router.kubernetes_api import KubernetesAPI
-from rlfleet_router.kubernetes_discovery import KubernetesDiscovery, endpoint_urls
 from rlfleet_router.kubernetes_restarter import KubernetesRestarter
 from rlfleet_router.local_restarter import LocalRestarter
 from rlfleet_router.metrics import RouterMetrics
@@ -299,84 +294,6 @@ def test_docker_restarter_names_what_it_looked_for_when_no_container_answers() -
     assert docker.restarts == []
 
 
-@dataclass
-class FakeKubernetes:
-    """core/v1 pods and endpoints of one namespace, with a controller replacing deleted pods."""
-
-    pods: dict[str, dict[str, Any]] = field(default_factory=dict)
-    deleted: list[str] = field(default_factory=list)
-    ready_after_polls: int = 2
-    stateful: bool = False
-    """The controller is a StatefulSet (a replacement keeps the pod's name) rather than a Deployment."""
-    _ips: itertools.count = field(default_factory=lambda: itertools.count(20))
-    _uids: itertools.count = field(default_factory=itertools.count)
-
-    def add_pod(self, name: str, ip: str, ready: bool = True, age_secs: float = 3600.0) -> None:
-        created = datetime.now(UTC) - timedelta(seconds=age_secs)
-        self.pods[name] = {
-            "metadata": {
-                "name": name,
-                "uid": f"uid-{next(self._uids)}",
-                "labels": {"app.kubernetes.io/component": "engine"},
-                "creationTimestamp": created.strftime("%Y-%m-%dT%H:%M:%SZ"),
-            },
-            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
-        }
-
-    def _matching(self, selector: str | None) -> list[dict[str, Any]]:
-        wanted = dict(part.split("=", 1) for part in selector.split(",")) if selector else {}
-        return [p for p in self.pods.values() if all(p["metadata"]["labels"].get(k) == v for k, v in wanted.items())]
-
-    def _controller_tick(self) -> None:
-        for pod in self.pods.values():
-            waits = pod.setdefault("_polls", 0)
-            pod["_polls"] = waits + 1
-            if waits + 1 >= self.ready_after_polls:
-                pod["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
-
-    def app(self) -> FastAPI:
-        app = FastAPI()
-
-        @app.get("/api/v1/namespaces/{ns}/pods")
-        async def list_pods(ns: str, labelSelector: str | None = None) -> dict[str, Any]:  # noqa: N803 - the API's name
-            self._controller_tick()
-            items = [{k: v for k, v in p.items() if not k.startswith("_")} for p in self._matching(labelSelector)]
-            return {"kind": "PodList", "apiVersion": "v1", "items": items}
-
-        @app.delete("/api/v1/namespaces/{ns}/pods/{name}")
-        async def delete_pod(ns: str, name: str, request: Request) -> JSONResponse:
-            if name not in self.pods:
-                return JSONResponse({"kind": "Status", "reason": "NotFound", "code": 404}, status_code=404)
-            options = json.loads(await request.body() or b"{}")
-            uid = options.get("preconditions", {}).get("uid")
-            if uid is not None and uid != self.pods[name]["metadata"]["uid"]:
-                return JSONResponse({"kind": "Status", "reason": "Conflict", "code": 409}, status_code=409)
-            self.deleted.append(name)
-            del self.pods[name]
-            replacement = name if self.stateful else f"engine-{next(self._ips)}"
-            self.add_pod(replacement, f"10.0.0.{next(self._ips)}", ready=False, age_secs=0)
-            return JSONResponse({"kind": "Pod", "metadata": {"name": name}})
-
-        @app.get("/api/v1/namespaces/{ns}/endpoints")
-        async def list_endpoints(ns: str, labelSelector: str | None = None) -> dict[str, Any]:  # noqa: N803
-            ready = [p for p in self.pods.values() if p["status"]["conditions"][0]["status"] == "True"]
-            subset = {
-                "addresses": [self._address(p) for p in ready],
-                "ports": [{"name": "http", "port": 30000, "protocol": "TCP"}],
-            }
-            item = {"metadata": {"name": "engines", "labels": {"app.kubernetes.io/component": "engine"}}}
-            return {"kind": "EndpointsList", "items": [{**item, "subsets": [subset]}] if labelSelector else []}
-
-        return app
-
-    def _address(self, pod: dict[str, Any]) -> dict[str, Any]:
-        address: dict[str, Any] = {"ip": pod["status"]["podIP"]}
-        if self.stateful:
-            name = pod["metadata"]["name"]
-            address |= {"hostname": name, "targetRef": {"kind": "Pod", "name": name, "namespace": "rl"}}
-        return address
-
-
 @pytest.mark.parametrize("port", [":30000", ""])  # "": the scheme's default, which the fleet leaves out of a URL
 def test_kubernetes_restarter_deletes_the_pod_and_returns_its_replacement(port: str) -> None:
     kube = FakeKubernetes()
@@ -507,31 +424,6 @@ def test_the_local_restarter_stops_what_it_started_for_an_engine_that_left_the_f
     assert not process_runs(restarted)
 
 
-def test_kubernetes_discovery_follows_the_ready_endpoints() -> None:
-    kube = FakeKubernetes()
-    kube.add_pod("engine-a", "10.0.0.1")
-    kube.add_pod("engine-b", "10.0.0.2")
-    kube.add_pod("engine-c", "10.0.0.3", ready=False)
-    server = ThreadedServer(kube.app()).start()
-    workers = WorkerRegistry(failure_threshold=1, success_threshold=1)
-    static, _ = workers.add("http://10.9.9.9:30000")
-    try:
-
-        async def scenario() -> None:
-            api = KubernetesAPI(server.url, "rl", None, None, timeout_secs=5)
-            discovery = KubernetesDiscovery(api, SELECTOR, None, 1.0, workers, workers.add, workers.remove, 60.0)
-            await discovery.sync()
-            assert {w.url for w in workers.all()} == {static.url, "http://10.0.0.1:30000", "http://10.0.0.2:30000"}
-            del kube.pods["engine-a"]
-            await discovery.sync()
-            assert {w.url for w in workers.all()} == {static.url, "http://10.0.0.2:30000"}, "static worker stays"
-            await api.close()
-
-        asyncio.run(scenario())
-    finally:
-        server.stop()
-
-
 def test_kubernetes_restarter_keeps_a_statefulset_engine_at_its_dns_name() -> None:
     """The Helm chart lists engines by their StatefulSet DNS names: the pod is found by name, and its
     replacement, the same name on a new IP, serves the same URL."""
@@ -559,123 +451,6 @@ def test_kubernetes_restarter_keeps_a_statefulset_engine_at_its_dns_name() -> No
         assert new_ip != "10.0.0.2", "the fake's StatefulSet recreated the pod on a new IP"
     finally:
         server.stop()
-
-
-def test_kubernetes_discovery_names_statefulset_engines_as_the_chart_lists_them() -> None:
-    """A StatefulSet pod's address carries its hostname: discovery's URL is the pod's DNS name through the
-    headless Service, so an engine also given in worker_urls under that name is one worker, not two."""
-    kube = FakeKubernetes(stateful=True)
-    kube.add_pod("rl-engine-0", "10.0.0.1")
-    kube.add_pod("rl-engine-1", "10.0.0.2")
-    server = ThreadedServer(kube.app()).start()
-    workers = WorkerRegistry(failure_threshold=1, success_threshold=1)
-    listed, _ = workers.add("http://rl-engine-0.engines.rl.svc:30000")
-    try:
-
-        async def scenario() -> None:
-            api = KubernetesAPI(server.url, "rl", None, None, timeout_secs=5)
-            discovery = KubernetesDiscovery(api, SELECTOR, None, 1.0, workers, workers.add, workers.remove, 60.0)
-            await discovery.sync()
-            await api.close()
-
-        asyncio.run(scenario())
-        assert sorted(w.url for w in workers.all()) == [listed.url, "http://rl-engine-1.engines.rl.svc:30000"]
-    finally:
-        server.stop()
-
-
-def test_kubernetes_discovery_keeps_engines_on_the_default_port() -> None:
-    """The fleet spells `http://10.0.0.1:80` as `http://10.0.0.1`; before, discovery compared the Endpoints' spelling
-    with the fleet's and removed every engine on port 80 in the round that added it, every round."""
-    kube = FakeKubernetes()
-    kube.add_pod("engine-a", "10.0.0.1")
-    server = ThreadedServer(kube.app()).start()
-    workers = WorkerRegistry(failure_threshold=1, success_threshold=1)
-    try:
-
-        async def scenario() -> list[list[str]]:
-            api = KubernetesAPI(server.url, "rl", None, None, timeout_secs=5)
-            discovery = KubernetesDiscovery(api, SELECTOR, 80, 1.0, workers, workers.add, workers.remove, 60.0)
-            rounds = []
-            for _ in range(2):
-                await discovery.sync()
-                rounds.append([w.id for w in workers.all()])
-            await api.close()
-            return rounds
-
-        first, second = asyncio.run(scenario())
-        assert len(first) == 1 and second == first
-        assert [w.url for w in workers.all()] == ["http://10.0.0.1"]
-    finally:
-        server.stop()
-
-
-def test_kubernetes_discovery_removes_a_restarting_engine_whose_address_stays_gone() -> None:
-    """A pod being recreated leaves the Endpoints for a while, and its engine, being restarted, stays; one gone for
-    good (its StatefulSet scaled down) stays only until the restart timeout: before, it was restarted for ever."""
-    kube = FakeKubernetes()
-    kube.add_pod("engine-a", "10.0.0.1")
-    kube.add_pod("engine-b", "10.0.0.2")
-    server = ThreadedServer(kube.app()).start()
-    workers = WorkerRegistry(failure_threshold=1, success_threshold=1)
-    try:
-
-        async def scenario() -> None:
-            api = KubernetesAPI(server.url, "rl", None, None, timeout_secs=5)
-            discovery = KubernetesDiscovery(api, SELECTOR, None, 1.0, workers, workers.add, workers.remove, 0.3)
-            await discovery.sync()
-            gone = workers.get("http://10.0.0.2:30000")
-            gone.restarting = True
-            del kube.pods["engine-b"]
-            await discovery.sync()
-            assert workers.contains(gone), "kept while its pod may be recreated"
-            await asyncio.sleep(0.3)
-            await discovery.sync()
-            assert [w.url for w in workers.all()] == ["http://10.0.0.1:30000"]
-            await api.close()
-
-        asyncio.run(scenario())
-    finally:
-        server.stop()
-
-
-def test_kubernetes_discovery_takes_ipv6_addresses_in_brackets() -> None:
-    """An IPv6 pod address is a URL host in brackets; before, it made an invalid URL that ended discovery."""
-    endpoints = [{"subsets": [{"ports": [{"port": 30000}], "addresses": [{"ip": "10.0.0.5"}, {"ip": "fd00::7"}]}]}]
-    assert endpoint_urls(endpoints, None, "rl") == ({"http://10.0.0.5:30000", "http://[fd00::7]:30000"}, {})
-    workers = WorkerRegistry(failure_threshold=1, success_threshold=1)
-    for url in endpoint_urls(endpoints, None, "rl")[0]:
-        workers.add(url)
-    assert len(workers.all()) == 2
-
-
-def test_kubernetes_discovery_takes_no_port_of_several_without_the_engine_port(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """Kubernetes lists a subset's ports in no set order: the first of several was the metrics port as often as
-    the engine's. Without --kubernetes-engine-port such Endpoints give no engine, and say why."""
-    subset = {
-        "ports": [{"name": "metrics", "port": 9100}, {"name": "http", "port": 30000}],
-        "addresses": [{"ip": "10.0.0.5"}],
-    }
-    endpoints = [{"metadata": {"name": "engines"}, "subsets": [subset]}]
-    assert endpoint_urls(endpoints, None, "rl") == (set(), {"engines": [9100, 30000]})
-    assert endpoint_urls(endpoints, 30000, "rl") == ({"http://10.0.0.5:30000"}, {})
-
-    class Listed:
-        namespace = "rl"
-
-        async def list_endpoints(self, selector: str) -> list[dict[str, Any]]:
-            return endpoints
-
-    workers = WorkerRegistry(failure_threshold=1, success_threshold=1)
-    discovery = KubernetesDiscovery(Listed(), SELECTOR, None, 1.0, workers, workers.add, workers.remove, 60.0)  # type: ignore[arg-type]
-    with caplog.at_level(logging.WARNING, logger="rlfleet_router.kubernetes_discovery"):
-        for _ in range(3):
-            asyncio.run(discovery.sync())
-    assert workers.all() == []
-    said = [r.getMessage() for r in caplog.records]
-    assert len(said) == 1 and "Endpoints engines list ports [9100, 30000] and --kubernetes-engine-port" in said[0]
 
 
 def test_restarters_are_chosen_by_name_and_validated() -> None:
