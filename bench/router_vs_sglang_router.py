@@ -3,7 +3,8 @@
 Starts 8 `sim` engines (simulated prefill/decode latency and a real prefix cache per engine, no
 model) as real processes, then for each engine count and cache size puts one router at a time in
 front of the first N of them: rlfleet's cache_aware, sglang-router's cache_aware and round_robin
-(`pip install sglang-router`). Each router sees the same traffic, 32 requests in flight:
+(the `bench` extra: `.venv/bin/pip install -c constraints.txt sglang-router`). Each router sees the
+same traffic, 32 requests in flight:
 
   * grpo: prompts of a few families (a long per-family prefix, e.g. a task template with few-shot
     examples, then a short question), family sizes skewed as real task mixes are, each prompt sent
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import itertools
 import math
 import random
@@ -453,6 +455,9 @@ def main() -> None:
     )
     parser.add_argument("--rlfleet-flags", default="", help="extra rlfleet router flags, e.g. '--cache-threshold 0.5'")
     args = parser.parse_args()
+    # Checked before the engines start: otherwise a run fails only at its first sglang router, minutes in.
+    if any(spec.startswith("sglang:") for spec in args.routers) and importlib.util.find_spec("sglang_router") is None:
+        parser.error("sglang-router is not installed: .venv/bin/pip install -c constraints.txt sglang-router")
     caches = {**CACHES, "tight": args.tight_cache_tokens}
     makers = {"grpo": grpo_workload, "multiturn": multiturn_workload}
     workloads = {seed: {name: makers[name](seed, args.scale) for name in args.workloads} for seed in args.seeds}
