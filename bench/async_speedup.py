@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 import uuid
 from pathlib import Path
 
 from rlfleet.cli.arg_types import positive_float
+from rlfleet.cli.demo import recreate
 from rlfleet.cli.down import delete_keys
 from rlfleet.cli.steps import warm_start
 from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet
@@ -81,11 +81,14 @@ def main() -> int:
     parser.add_argument(
         "--run-timeout", type=positive_float, default=1800.0, help="seconds a run may take before it is cancelled"
     )
+    parser.add_argument("--overwrite", action="store_true", help="delete --out even when it is not an earlier run's")
     args = parser.parse_args()
 
     out: Path = args.out.resolve()
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    try:  # a directory that holds files and is not an earlier run's is refused, not deleted
+        recreate(out, args.overwrite)
+    except FileExistsError as exc:
+        parser.error(str(exc))
     base = load_spec_file(args.spec)
     sft = warm_start(base, out, args.sft_steps, ("making the tiny model", "warm-starting it with SFT"), say)
     config = FleetConfig(

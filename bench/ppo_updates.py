@@ -25,12 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
 import sys
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlfleet.cli.arg_types import positive_float
+from rlfleet.cli.demo import recreate
 from rlfleet.cli.down import delete_keys
 from rlfleet.cli.steps import warm_start
 from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet
@@ -38,7 +39,8 @@ from rlfleet.runs_client import FINAL_STATES, RunsClient, load_spec_file
 from rlfleet.v1.runs_pb2 import Run, RunSpec, RunState
 
 REPO = Path(__file__).resolve().parents[1]
-REDIS_PREFIX = "rlfleet-bench-ppo:"
+# A prefix of its own per run: two runs on one Redis (or a killed one's leftovers) never share keys.
+REDIS_PREFIX = f"rlfleet-bench-ppo-{uuid.uuid4().hex[:8]}:"
 DEFAULT_TIS_CAP = 2.0
 VARIANT = re.compile(r"(\d+)x(\d+)(\+tis(?:=(\d+(?:\.\d*)?))?)?(?:\+stale=(\d+))?")
 
@@ -168,12 +170,15 @@ def main() -> int:
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--eval-size", type=int, default=200)
     parser.add_argument("--run-timeout", type=positive_float, default=1800.0, help="seconds a variant's run may take")
+    parser.add_argument("--overwrite", action="store_true", help="delete --out even when it is not an earlier run's")
     args = parser.parse_args()
     variants: list[Variant] = args.variants
 
     out: Path = args.out.resolve()
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    try:  # a directory that holds files and is not an earlier run's is refused, not deleted
+        recreate(out, args.overwrite)
+    except FileExistsError as exc:
+        parser.error(str(exc))
     base = load_spec_file(args.spec)
     sft = warm_start(base, out, args.sft_steps, ("making the tiny model", "warm-starting it with SFT"), say)
     config = FleetConfig(
@@ -183,7 +188,6 @@ def main() -> int:
         ports=FleetPorts.free(args.engines),
         redis_prefix=REDIS_PREFIX,
     )
-    delete_keys(config.resolved_redis_url(), REDIS_PREFIX, print)  # runs a killed earlier bench left queued
     specs = {v.name: variant_spec(base, v, sft, args) for v in variants}
     records: dict[str, Record] = {}
     try:

@@ -220,7 +220,9 @@ def recreate(out: Path, overwrite: bool) -> None:
         )
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    (out / MARKER).write_text("written by `rlfleet demo`: a later `rlfleet demo --out` here deletes this directory\n")
+    (out / MARKER).write_text(
+        "written by `rlfleet demo` (or a benchmark): a later run with --out here deletes this directory\n"
+    )
 
 
 def watch(client: RunsClient, run_id: str) -> tuple[Run, dict[int, float], list[float]]:
