@@ -14,7 +14,8 @@ Several orchestrators may end up on one Redis (one started by mistake, one that 
 starts): each run is driven by the one
 that holds its lease (run_lease.py), renewed while it drives the run and released when it stops. The
 fleet's trainer holds one run at a time, so while another orchestrator drives a run this one starts none;
-it takes a run over once that one's lease runs out (its orchestrator died).
+it takes a run over once that one's lease runs out (its orchestrator died). The driver reads its run's record
+while it drives it, for a Cancel another orchestrator answered.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from rlfleet.errors import RlfleetError
+from redis.exceptions import RedisError
+
+from rlfleet.errors import NotFound, RlfleetError
 from rlfleet.sample_stream import redis_refusal, redis_unavailable
 from rlfleet.v1.runs_pb2 import Run, RunState
 from rlfleet_rollout.concurrency import cancel_and_wait, finish
@@ -75,6 +78,7 @@ class RunQueue:
                 continue
             task = asyncio.create_task(execute_run(run.id, self.deps), name=f"run {run.id}")
             keeper = asyncio.create_task(self.lease.keep(run.id, task), name=f"lease of run {run.id}")
+            follower = asyncio.create_task(self._stop_if_cancelled(run.id, task), name=f"cancel of run {run.id}")
             self._active_id, self._active_task = run.id, task
             try:
                 # asyncio.wait does not raise when the run's task is cancelled (by Cancel, or by the keeper when
@@ -85,6 +89,7 @@ class RunQueue:
                 raise
             finally:
                 self._active_id, self._active_task = None, None
+                follower.cancel()
                 await self._let_go(run.id, keeper)
             exc = None if task.cancelled() else task.exception()
             if exc is not None:
@@ -98,6 +103,26 @@ class RunQueue:
                     extra={"run_id": run.id},
                 )
                 await asyncio.sleep(_INTERRUPTED_PAUSE_S)
+
+    async def _stop_if_cancelled(self, run_id: str, driving: asyncio.Task[None]) -> None:
+        """Cancels `driving` once the run's record says CANCELLED. A Cancel answered here reaches the run at once
+        (`_on_change`); one another orchestrator answered only through the record, which the run loop may not write
+        for a whole step: it generated on for a cancelled run while the other freed the trainer for the next."""
+        while True:
+            await asyncio.sleep(self.deps.config.poll_interval_s)
+            try:
+                run = await self.deps.core.store.get(run_id)
+            except RedisError:
+                continue  # looked at again; the run loop meets the outage too
+            except NotFound:
+                return
+            if run.state == RunState.RUN_STATE_CANCELLED:
+                if not driving.cancelling():  # not cancelled here already (its StopRun must not be cut short)
+                    logger.info("run %s was cancelled through another orchestrator", run_id, extra={"run_id": run_id})
+                    driving.cancel()
+                return
+            if is_terminal(run.state):
+                return
 
     async def _free_trainer(self) -> None:
         try:

@@ -11,9 +11,17 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from rollout_test_support import spec_json, start_fake_fleet, start_orchestrator, wait_for_state, wait_until
+from redis_partition import RedisPartition
+from rollout_test_support import (
+    REDIS_URL,
+    spec_json,
+    start_fake_fleet,
+    start_orchestrator,
+    wait_for_state,
+    wait_until,
+)
 
-from rlfleet.sample_stream import SampleStream
+from rlfleet.sample_stream import REDIS_RETRY_BUDGET_S, SampleStream
 
 
 def _run(url: str, run_id: str) -> dict:
@@ -121,6 +129,55 @@ def test_a_run_cancelled_while_its_dead_drivers_lease_runs_is_stopped_on_the_tra
         for orch in (first, second):
             if orch is not None:
                 orch.process.stop(timeout=15)
+        fleet.stop()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_an_orchestrator_cut_off_redis_past_its_retries_leaves_the_run_to_the_one_that_took_it_over(
+    redis_client: redis.Redis, redis_prefix: str, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """A partition between the driving orchestrator and Redis, longer than the Redis client's retries. Before, its
+    lease renewal waited on those retries while the other orchestrator took the run over; the first drove on, met
+    the outage, and once Redis answered again recorded FAILED ("Redis was unreachable for longer than 30s") over the
+    run the other was driving. Now it stops driving once its lease is all but out, and the run succeeds."""
+    fleet = start_fake_fleet(redis_client, redis_prefix)
+    partition = RedisPartition(REDIS_URL)
+    env = {"RLFLEET_ROLLOUT_RUN_LEASE_S": "2", "RLFLEET_ROLLOUT_STEP_TIMEOUT_S": "300"}
+    first = second = None
+    try:
+        first = start_orchestrator(
+            fleet, tmp_path / "first.log", env={**env, "RLFLEET_ROLLOUT_REDIS_URL": partition.url}
+        )
+        fleet.trainer.paused.set()
+        run_id = httpx.post(f"{first.url}/v1/runs", json=spec_json(tokenizer_dir), timeout=10).json()["id"]
+        wait_until(
+            lambda: "starts at step 0" in (tmp_path / "first.log").read_text(), 20, "the first orchestrator to drive"
+        )
+        second = start_orchestrator(fleet, tmp_path / "second.log", env=env)
+        wait_until(
+            lambda: f"run {run_id} is driven by" in (tmp_path / "second.log").read_text(), 20, "the second to leave it"
+        )
+
+        partition.cut()
+        wait_until(lambda: fleet.trainer.start_calls.count(run_id) == 2, 15, "the second to take the run over")
+        time.sleep(REDIS_RETRY_BUDGET_S + 12)  # the first's Redis client gives up (10 s socket timeout on top)
+        assert "this one stops driving it" in (tmp_path / "first.log").read_text(), "it drove on, cut off"
+        partition.heal()
+        time.sleep(5)  # what the first would write once Redis answers again
+        assert _run(second.url, run_id)["state"] == "RUN_STATE_RUNNING", _run(second.url, run_id).get("error")
+
+        fleet.trainer.paused.clear()
+        final = wait_for_state(second.url, run_id, {"RUN_STATE_SUCCEEDED", "RUN_STATE_FAILED"}, timeout=40)
+        assert final["state"] == "RUN_STATE_SUCCEEDED", final.get("error")
+        assert fleet.trainer.runs[run_id].trained_group_ids == [f"{run_id}/{s}/{i}" for s in range(3) for i in range(2)]
+    finally:
+        fleet.trainer.paused.clear()
+        partition.heal()
+        for orch in (first, second):
+            if orch is not None and orch.process.alive():
+                orch.process.stop(timeout=15)
+        partition.close()
         fleet.stop()
 
 

@@ -10,9 +10,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
+from redis_partition import RedisPartition
 from rollout_test_support import REDIS_URL
 from trainer_release_support import StopOnlyTrainer, run_deps, runs_core
 
+from rlfleet.sample_stream import connect_redis_async
 from rlfleet.v1.runs_pb2 import Run, RunState
 from rlfleet_rollout import run_queue
 from rlfleet_rollout.concurrency import cancel_and_wait
@@ -118,6 +120,90 @@ def test_a_queue_that_left_a_run_to_another_orchestrator_takes_it_over_as_that_l
 
     taken_after = asyncio.run(scenario())
     assert 0.9 < taken_after < 2.0, f"taken over {taken_after:.2f}s after its lease of 1 s was last renewed"
+
+
+def test_a_run_cancelled_through_another_orchestrator_stops_being_driven_here(
+    redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Cancel reached the driver only through the run's record, which the run loop writes once per step: it
+    generated on for the cancelled run (20 s and more with slow engines) while the other freed the trainer."""
+    cancelled_at: list[float] = []
+
+    async def drive(run_id: str, deps: object) -> None:
+        try:
+            await asyncio.sleep(3600)  # a step whose generations take long: the run loop writes nothing meanwhile
+        except asyncio.CancelledError:
+            cancelled_at.append(time.monotonic())
+            raise
+
+    monkeypatch.setattr(run_queue, "execute_run", drive)
+
+    async def scenario() -> float:
+        async with runs_core(redis_prefix) as driver, runs_core(redis_prefix) as other:
+            await driver.store.create(Run(id="run-a", state=RunState.RUN_STATE_RUNNING))
+            lease = RunLease(driver.store.client, redis_prefix, ttl_s=5.0, token="orchestrator-a")
+            queue = RunQueue(run_deps(driver, StopOnlyTrainer(driver)), lease)
+            monkeypatch.setattr(queue, "_free_trainer", _nothing)
+            serving = asyncio.create_task(queue.serve())
+            try:
+                deadline = time.monotonic() + 10
+                while queue._active_task is None:
+                    assert not serving.done(), f"the queue ended: {serving.exception()!r}"
+                    assert time.monotonic() < deadline, "the run was never driven"
+                    await asyncio.sleep(0.01)
+                await other.cancel("run-a")
+                answered_at = time.monotonic()
+                while not cancelled_at:
+                    assert time.monotonic() < answered_at + 5, "the driver never saw the Cancel another answered"
+                    await asyncio.sleep(0.01)
+            finally:
+                await cancel_and_wait(serving)
+            return cancelled_at[0] - answered_at
+
+    seen_after = asyncio.run(scenario())
+    assert seen_after < 1.0, f"the driver stopped the run {seen_after:.2f}s after the Cancel"
+
+
+def test_a_driver_cut_off_redis_stops_driving_before_another_can_take_the_run_over(redis_prefix: str) -> None:
+    """A partition between one orchestrator and Redis. Before, its renewal waited out the Redis client's 30 s of
+    retries while the other orchestrator took the run over once the lease ran out, and the first drove on (and, once
+    Redis answered again, recorded the run FAILED, "Redis was unreachable", under the one driving it)."""
+    partition = RedisPartition(REDIS_URL)
+
+    async def scenario() -> tuple[float, float]:
+        cut_off_client = connect_redis_async(partition.url)  # the orchestrator's own client, with its retries
+        direct = aioredis.Redis.from_url(REDIS_URL, socket_timeout=5)
+        try:
+            cut_off = RunLease(cut_off_client, redis_prefix, ttl_s=1.0, token="orchestrator-a")
+            other = RunLease(direct, redis_prefix, ttl_s=1.0, token="orchestrator-b")
+            assert await cut_off.hold("run-1")
+            driving = asyncio.create_task(asyncio.sleep(60))
+            stopped: list[float] = []
+            driving.add_done_callback(lambda _: stopped.append(time.monotonic()))
+            keeper = asyncio.create_task(cut_off.keep("run-1", driving))
+            await asyncio.sleep(0.6)  # renewed at least twice
+            partition.cut()
+            deadline = time.monotonic() + 5
+            while not await other.hold("run-1"):
+                assert time.monotonic() < deadline, "the lease of the orchestrator cut off Redis never ran out"
+                await asyncio.sleep(0.01)
+            taken_at = time.monotonic()
+            assert stopped, "the orchestrator cut off Redis still drove the run once another took it over"
+            assert driving.cancelled()
+            partition.heal()
+            await asyncio.wait_for(keeper, timeout=5)
+            assert await other.others(["run-1"]) == {}, "the run stays with the one that took it over"
+            return stopped[0], taken_at
+        finally:
+            partition.heal()
+            await cut_off_client.aclose()
+            await direct.aclose()
+
+    try:
+        stopped_at, taken_at = asyncio.run(scenario())
+    finally:
+        partition.close()
+    assert stopped_at < taken_at
 
 
 async def _nothing() -> None:
