@@ -36,6 +36,13 @@ class StartInterrupted(RuntimeError):
     """Waiting for a service was given up because a stop was requested (Ctrl-C, `rlfleet down`)."""
 
 
+LOG_KEEP_BYTES = 64 * 1024 * 1024
+"""A service's log longer than this when the service (re)starts is moved to <log>.1, replacing the one there: a
+fleet's logs take at most about twice this per service across restarts, the last run's lines always kept."""
+
+TAIL_READ_BYTES = 64 * 1024
+"""How much of a log's end `log_tail` reads: enough for its lines, however long the log is."""
+
 PROGRESS_EVERY_S = 10.0
 """How often a wait for a service to be healthy says that it still waits (an engine loading a large model, the
 trainer importing torch: a start that said nothing for minutes looked hung)."""
@@ -188,6 +195,15 @@ def command_line(*head: str, **flags: object) -> list[str]:
     return argv
 
 
+def rotate_log(log_path: Path) -> None:
+    """Moves a log past LOG_KEEP_BYTES to <log>.1 before a process appends to it again."""
+    try:
+        if log_path.stat().st_size > LOG_KEEP_BYTES:
+            os.replace(log_path, log_path.with_name(log_path.name + ".1"))
+    except FileNotFoundError:
+        pass
+
+
 class ServiceProcess:
     """One child process in its own process group, logging to `log_path`."""
 
@@ -203,6 +219,7 @@ class ServiceProcess:
         self.argv = list(argv)
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        rotate_log(self.log_path)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             self.argv,
@@ -224,9 +241,14 @@ class ServiceProcess:
 
     def log_tail(self, lines: int = 30) -> str:
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            with open(self.log_path, "rb") as log:
+                size = log.seek(0, os.SEEK_END)
+                log.seek(max(0, size - TAIL_READ_BYTES))
+                end = log.read()
         except OSError:
             return ""
+        kept = end.splitlines()[-lines:] if size <= TAIL_READ_BYTES else end.splitlines()[1:][-lines:]
+        return "\n".join(line.decode(errors="replace") for line in kept)
 
     def wait_healthy(
         self,

@@ -303,6 +303,7 @@ def stop_by_pid(up: subprocess.Popen[str], state_dir: Path) -> None:
         (["--redis-url", "redis://127.0.0.1:6379/99"], "answered with an error: DB index is out of range"),
         (["--redis-url", "http://127.0.0.1:6379/0"], "--redis-url http://127.0.0.1:6379/0: Redis URL must specify"),
         (["--redis-prefix", ""], "argument --redis-prefix: must not be empty"),
+        (["--startup-timeout", "0"], "argument --startup-timeout: must be a finite number > 0, got 0"),
     ],
 )
 def test_bad_flags_are_refused_before_anything_is_written_or_started(

@@ -17,7 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
-from rlfleet.cli.arg_types import MAX_ENGINES, engine_count, positive_int, redis_prefix
+from rlfleet.cli.arg_types import MAX_ENGINES, engine_count, positive_float, positive_int, redis_prefix
 from rlfleet.cli.steps import write_tiny_model
 from rlfleet.cli.stop_signals import StopSignal, raise_on_signals, stop_on_signals
 from rlfleet.errors import Conflict, Unavailable
@@ -68,6 +68,12 @@ def register(areas: argparse._SubParsersAction) -> None:
         help="torchrun ranks the trainer shards the policy over with FSDP2 (default 1)",
     )
     up.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="logs, weights and fleet.json")
+    up.add_argument(
+        "--startup-timeout",
+        type=positive_float,
+        default=FleetConfig.startup_timeout_s,
+        help="seconds each service has to become healthy (default 180; more for a large model to load)",
+    )
     ports = up.add_mutually_exclusive_group()
     ports.add_argument(
         "--base-port",
@@ -169,6 +175,7 @@ def run_up(args: argparse.Namespace) -> int:
                     redis_prefix=args.redis_prefix,
                     engine_backend=args.engine,
                     trainer_ranks=args.trainer_ranks,
+                    startup_timeout_s=args.startup_timeout,
                 )
             )
     except StopSignal as stop:
