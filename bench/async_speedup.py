@@ -3,9 +3,10 @@
 Makes the tiny model, warm-starts it with SFT (as `rlfleet demo` does), brings the whole local
 fleet up once, then trains the demo task (examples/runs/arith-grpo.yaml) twice from the same warm
 start and seed: with rollout.max_staleness 0, then 1. Each run's evaluations are timed from the run
-start; the target is the best accuracy both runs reach (or --target), and each run's time to
-target is the time of its first evaluation at or above it. Prints both times and their ratio. A run
-still going after --run-timeout seconds (1800) is cancelled and ends the benchmark.
+start; the target is the best accuracy both runs reach (or --target), above the warm start's (step 0's
+evaluation), and each run's time to target is the time of its first evaluation at or above it.
+Prints both times and their ratio. A run still going after --run-timeout seconds (1800) is cancelled
+and ends the benchmark.
 
     .venv/bin/python bench/async_speedup.py [--steps 40] [--eval-every 4] [--target 0.5] [--run-timeout 1800]
 """
@@ -118,6 +119,12 @@ def main() -> int:
     target = args.target
     if target is None:
         target = min(max(acc for _, _, acc in evals) for evals in results.values())
+    start = max(evals[0][2] for evals in results.values())  # step 0's: the warm start's accuracy
+    if target <= start + 1e-9:  # reached before any training: the ratio would time nothing learnt
+        raise SystemExit(
+            f"accuracy {target:.3f} is no better than the warm start's ({start:.3f}): a run did not improve on it; "
+            "raise --steps, or give a --target above it"
+        )
     (sync_s, sync_step), (async_s, async_step) = time_to(results[0], target), time_to(results[1], target)
     summary = {
         "target_accuracy": round(target, 4),
