@@ -69,21 +69,6 @@ def unique_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
-def without_tied_copies(state: Mapping[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """`state` without the names under which `model` holds a parameter it holds under an earlier name too (tied
-    weights: lm_head.weight beside model.embed_tokens.weight), once that earlier name is in `state`.
-
-    The full state FSDP2 gathers holds a copy of a tied parameter under each name, in storages of their own, which
-    `unique_tensors` cannot tell apart from two parameters: the model's own state says which names are one."""
-    first: dict[int, str] = {}
-    out: dict[str, torch.Tensor] = dict(state)
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        earlier = first.setdefault(id(tensor), name)
-        if earlier != name and earlier in state:
-            out.pop(name, None)
-    return out
-
-
 def buckets(state: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[dict[str, torch.Tensor]]:
     """Consecutive groups of tensors of at most `bucket_bytes` each (a larger tensor is a bucket by itself).
 

@@ -25,8 +25,8 @@ from transformers import PreTrainedModel
 from rlfleet.errors import Unavailable
 from rlfleet_trainer.config import TrainerSettings
 from rlfleet_trainer.router_client import RouterClient
-from rlfleet_trainer.weight_broadcast import WeightBroadcaster, without_tied_copies
-from rlfleet_trainer.weights import save_version
+from rlfleet_trainer.weight_broadcast import WeightBroadcaster
+from rlfleet_trainer.weights import save_version, without_tied_copies
 
 logger = logging.getLogger(__name__)
 

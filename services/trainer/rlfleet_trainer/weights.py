@@ -45,6 +45,21 @@ CHAT_TEMPLATE_DIR = "additional_chat_templates"
 GENERATION_CONFIG = "generation_config.json"
 
 
+def without_tied_copies(state: Mapping[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """`state` without the names under which `model` holds a parameter it holds under an earlier name too (tied
+    weights: lm_head.weight beside model.embed_tokens.weight), once that earlier name is in `state`.
+
+    The full state FSDP2 gathers holds a copy of a tied parameter under each name, in storages of their own, which
+    `unique_tensors` cannot tell apart from two parameters: the model's own state says which names are one."""
+    first: dict[int, str] = {}
+    out: dict[str, torch.Tensor] = dict(state)
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        earlier = first.setdefault(id(tensor), name)
+        if earlier != name and earlier in state:
+            out.pop(name, None)
+    return out
+
+
 def version_dir(weights_root: Path, version: int) -> Path:
     return weights_root / f"v{version}"
 
@@ -66,7 +81,7 @@ def write_model_dir(
     model made from its config (export), which drops the base's end-of-turn token ids and sampling defaults."""
     tmp = dest.parent / f".{dest.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    tensors = None if state_dict is None else dict(state_dict)
+    tensors = None if state_dict is None else without_tied_copies(state_dict, model)  # save_pretrained keeps both
     model.save_pretrained(str(tmp), state_dict=tensors, safe_serialization=True)
     for source in tokenizer_files(tokenizer_dir):
         shutil.copy2(source, tmp / source.name)

@@ -11,7 +11,8 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from rlfleet_trainer.sharding import full_state_dict, shard_model
-from rlfleet_trainer.weight_broadcast import unique_tensors, without_tied_copies
+from rlfleet_trainer.weight_broadcast import unique_tensors
+from rlfleet_trainer.weights import without_tied_copies
 
 
 def main(model_dir: str, out: str) -> None:
