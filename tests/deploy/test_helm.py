@@ -5,6 +5,7 @@ between components holds."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,39 @@ def test_environment_is_what_the_services_read(
                 assert field in settings_classes[svc].model_fields, f"{name}: rlfleet_{svc} does not read {var['name']}"
 
 
+def test_each_service_accepts_the_settings_the_chart_gives_it(
+    rendered: tuple[dict, list[dict[str, Any]]],
+    settings_classes: dict[str, type[BaseSettings]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The variables' values, not only their names: each rlfleet container's settings class builds from exactly the
+    variables the chart gives it (a value it refuses stops the service at start)."""
+    _, docs = rendered
+    built = []
+    for doc in docs:
+        if doc["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        component = doc["metadata"]["labels"]["app.kubernetes.io/component"]
+        [container] = doc["spec"]["template"]["spec"]["containers"]
+        if component not in settings_classes or "/rlfleet/" not in container["image"]:
+            continue  # Redis, SGLang
+        with monkeypatch.context() as env:
+            for name in [name for name in os.environ if name.startswith("RLFLEET_")]:
+                env.delenv(name)
+            for var in container.get("env", []):
+                if "value" in var:
+                    env.setenv(var["name"], var["value"])
+                else:  # the pod's ordinal
+                    assert var["valueFrom"]["fieldRef"]["fieldPath"].endswith("['apps.kubernetes.io/pod-index']"), var
+                    env.setenv(var["name"], "1")
+            try:
+                settings_classes[component]()
+            except ValueError as exc:
+                pytest.fail(f"{doc['metadata']['name']}: rlfleet_{component} refuses the chart's settings: {exc}")
+        built.append(component)
+    assert {"router", "reward", "rollout", "trainer"} <= set(built)
+
+
 def test_router_lists_every_engine_and_services_find_each_other(rendered: tuple[dict, list[dict[str, Any]]]) -> None:
     values, docs = rendered
     specs = pod_specs(docs)
@@ -216,6 +250,20 @@ def test_trainer_rank_0_is_on_the_pod_the_trainer_service_selects(rendered: tupl
     gpus = values["trainer"]["gpusPerNode"]
     limits = trainer["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits.get("nvidia.com/gpu", 0) == gpus
+
+
+def test_a_trainer_pod_runs_one_rank_per_gpu() -> None:
+    """Each rank takes the GPU of its local rank: with the default one rank, `gpusPerNode: 8` trained on one GPU of the
+    eight, and more ranks than GPUs ask for a device that does not exist."""
+    for procs in (1, 2, 16):
+        with pytest.raises(Exception, match=f"trainer.procsPerNode is {procs} and trainer.gpusPerNode 8"):
+            render({"trainer": {"gpusPerNode": 8, "procsPerNode": procs}})
+    _, docs = render({"trainer": {"gpusPerNode": 8, "procsPerNode": 8}})
+    args = by_kind(docs, "StatefulSet")["rl-rlfleet-trainer"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--nproc_per_node=8" in args
+    _, docs = render({"trainer": {"gpusPerNode": 0, "procsPerNode": 4}})  # CPU ranks: as many as asked
+    args = by_kind(docs, "StatefulSet")["rl-rlfleet-trainer"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--nproc_per_node=4" in args
 
 
 def test_generations_in_flight_keep_gpu_engines_busy(rendered: tuple[dict, list[dict[str, Any]]]) -> None:
