@@ -17,14 +17,14 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from exported_series import exported  # noqa: E402
+from exported_series import exported, labels_not_exported  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "deploy" / "prometheus" / "rlfleet-alerts.yml"
 COMPOSE = REPO / "deploy" / "compose"
 SERVICES = ["engine", "router", "reward", "rollout", "trainer"]
 # A series name, not a label (rlfleet_service="..."); names inside __name__=~"a|b" count too.
-SERIES = re.compile(r"\b(rlfleet_[a-z0-9_]+|sglang:[a-z0-9_:]+)\b(?!\s*(?:=|!=|=~|!~))")
+SERIES = re.compile(r"\b(rlfleet_[a-z0-9_]+|sglang:[a-z0-9_:]+)\b(?!\s*(?:=~|!~|!=|=)\s*[\"'`])")
 needs_promtool = pytest.mark.skipif(
     shutil.which("promtool") is None, reason="needs promtool (apt-get install prometheus)"
 )
@@ -58,6 +58,9 @@ def test_every_alert_is_unit_tested_and_queries_exported_series() -> None:
         assert rule["annotations"]["summary"] and rule["annotations"]["description"], rule["alert"]
         for series in SERIES.findall(rule["expr"]):
             assert series in names, f"{rule['alert']}: {series} is not exported by any service"
+        used = rule["expr"] + rule["annotations"]["summary"] + rule["annotations"]["description"]
+        wrong = labels_not_exported(rule["expr"], re.sub(r"\$labels\.(\w+)", r"{{\1}}", used))
+        assert not wrong, f"{rule['alert']}: labels {wrong} are on none of its series"
 
 
 def test_compose_prometheus_loads_the_rules_and_labels_every_target() -> None:

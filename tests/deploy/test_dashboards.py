@@ -16,13 +16,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from exported_series import exported  # noqa: E402
+from exported_series import exported, labels_not_exported  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((REPO / "deploy" / "grafana").glob("*.json"))
 # A series name, not a label named like one (`up{rlfleet_service!=""}`).
-METRIC = re.compile(r"\b(rlfleet_[a-z0-9_]+|sglang:[a-z0-9_:]+)\b(?!\s*(?:=|!=|=~|!~))")
-SELECTOR = re.compile(r"\b(?:rlfleet_[a-z0-9_]+|sglang:[a-z0-9_:]+)\b(?!\s*(?:=|!=|=~|!~))(\{[^}]*\})?")
+METRIC = re.compile(r"\b(rlfleet_[a-z0-9_]+|sglang:[a-z0-9_:]+)\b(?!\s*(?:=~|!~|!=|=)\s*[\"'`])")
+SELECTOR = re.compile(r"\b(?:rlfleet_[a-z0-9_]+|sglang:[a-z0-9_:]+)\b(?!\s*(?:=~|!~|!=|=)\s*[\"'`])(\{[^}]*\})?")
 RATE_OF = re.compile(r"\b(?:rate|irate|increase)\(\s*([a-zA-Z_:][a-zA-Z0-9_:]*)")
 REQUIRED_PANELS = {
     "rlfleet-run.json": [
@@ -88,7 +88,7 @@ def test_dashboard_is_well_formed(path: Path) -> None:
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.stem)
 def test_every_query_charts_exported_series_and_rates_only_counters(path: Path) -> None:
-    """A renamed metric, or a rate() over a gauge, would leave a panel empty or wrong without a word."""
+    """A renamed metric or label, or a rate() over a gauge, would leave a panel empty or wrong without a word."""
     names = exported()
     assert "sglang:num_queue_reqs" in names and "rlfleet_trainer_entropy" in names
     for title, target in targets(json.loads(path.read_text())):
@@ -100,6 +100,8 @@ def test_every_query_charts_exported_series_and_rates_only_counters(path: Path) 
         for series in RATE_OF.findall(expr):
             kind = names.get(series, "missing series")
             assert kind in ("counter", "histogram"), f"{path.name} / {title}: rate over {series}, a {kind} ({expr})"
+        wrong = labels_not_exported(expr, target.get("legendFormat", ""))
+        assert not wrong, f"{path.name} / {title}: labels {wrong} are on none of its series ({expr})"
 
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.stem)
