@@ -85,6 +85,8 @@ class TrainerMetrics:
             name: Gauge(f"rlfleet_trainer_{name}", help_text, registry=self.registry)
             for name, help_text in STEP_GAUGES.items()
         }
+        # None before a run's first step (NaN): a 0 loss, reward or learning rate reads as a value.
+        self.observe_step({})
 
     def watch_stream_lag(self, client: redis.Redis, prefix: str, active: Callable[[], tuple[str, int] | None]) -> None:
         """Exports rlfleet_trainer_stream_lag_groups, read at each scrape for the run `active` names (stream_lag.py):
