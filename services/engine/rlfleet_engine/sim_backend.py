@@ -337,7 +337,8 @@ class SimScheduler:
         return prefill
 
     def _advance(self) -> None:
-        self.metrics.observe_token_gaps(self._running)
+        # Only the requests this step gives a token: one still waiting for its KV would count a gap without one.
+        self.metrics.observe_token_gaps(job for job in self._running if not (job.kv_stale and job.lease is not None))
         counted = 0
         for job in self._running:
             if job.kv_stale and job.lease is not None:  # waits for its KV to be computed again
