@@ -193,7 +193,8 @@ class RankGroup:
             "rlfleet_trainer_rank_op_seconds",
             "time of one collective op run on every trainer rank",
             ["op"],
-            buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300),
+            # as rlfleet_trainer_step_seconds: a train_step op is a whole step
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600, 1200, 3600),
             registry=registry,
         )
         self._op_failures = Counter(
