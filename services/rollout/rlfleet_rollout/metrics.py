@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -73,7 +74,11 @@ class RolloutMetrics:
             "Share of the latest evaluation's responses cut at max_new_tokens.",
             registry=self.registry,
         )
-        self.step = Gauge("rlfleet_rollout_step", "Optimizer steps the trainer has taken.", registry=self.registry)
+        self.step = Gauge(
+            "rlfleet_rollout_step",
+            "Training steps (rollout batches) the trainer has taken in the run being driven.",
+            registry=self.registry,
+        )
         self.group_staleness = Histogram(
             "rlfleet_rollout_group_staleness",
             "Weight versions the oldest sample of each group appended to a run's stream lags behind the step it is "
@@ -106,12 +111,28 @@ class RolloutMetrics:
             buckets=(1, 2, 3, 4, 6, 8, 16, 32, 64),
             registry=self.registry,
         )
-        for state in RunState.keys():
-            if state != "RUN_STATE_UNSPECIFIED":
-                self.runs.labels(state=_label(state))
+        # The runs-by-state series appear at the first count of the store (set_run_counts), not at 0 before it:
+        # a 0 scraped before then (Redis down at start) is a drop of every state that rlfleet_rollout_runs'
+        # readers (RlfleetRunFailed's delta) take for runs that changed state.
+        self.start_run()
         for status in SampleStatus.keys():
             if status != "SAMPLE_STATUS_UNSPECIFIED":
                 self.samples.labels(status=status.removeprefix("SAMPLE_STATUS_").lower())
+
+    def start_run(self) -> None:
+        """No value for the run being driven until it has one (NaN, "none"): a 0 reads as a collapsed reward or
+        accuracy, and an earlier run's value passes for this one's (a resumed run skips the evaluations it
+        holds, so the eval gauges would show another run's until its next one)."""
+        for gauge in (
+            self.reward_mean,
+            self.eval_accuracy,
+            self.eval_pass_at_k,
+            self.eval_mean_length,
+            self.eval_truncation_rate,
+            self.step,
+            self.weight_version,
+        ):
+            gauge.set(math.nan)
 
     def set_run_counts(self, counts: Mapping[RunState, int]) -> None:
         """Sets the runs-by-state gauge to `counts` (the store's, run_counts.py); a state it leaves out holds none."""

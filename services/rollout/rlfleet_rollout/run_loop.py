@@ -135,6 +135,7 @@ async def execute_run(run_id: str, deps: RunDeps) -> None:
         run = await deps.core.update(run_id, _mark_running)
     except RunEnded:
         return
+    deps.metrics.start_run()
     session = TrainerSession(
         deps.trainer,
         run_id,
