@@ -54,6 +54,11 @@ return 0
 """
 
 
+def lease_key(prefix: str, run_id: str) -> str:
+    """The key of the lease of `run_id`: it exists while an orchestrator drives the run."""
+    return f"{prefix}run:{run_id}:driver"
+
+
 def instance_token() -> str:
     """This orchestrator among others, in logs: where it runs, and a random part that a restart changes."""
     return f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
@@ -70,7 +75,7 @@ class RunLease:
         """Per run held: until when (monotonic) its lease is this orchestrator's for sure, by the last renewal."""
 
     def key(self, run_id: str) -> str:
-        return f"{self.prefix}run:{run_id}:driver"
+        return lease_key(self.prefix, run_id)
 
     async def hold(self, run_id: str) -> bool:
         """Takes the lease of `run_id`, or extends it when this orchestrator holds it; False while another does."""
@@ -109,7 +114,8 @@ class RunLease:
     async def keep(self, run_id: str, driving: asyncio.Task[None]) -> None:
         """Renews the lease of `run_id` (taken with `hold`) every quarter of its time until cancelled. If another
         orchestrator holds it now, or a tenth of its time is left unrenewed (Redis did not answer), `driving` is
-        cancelled and this returns."""
+        cancelled and this returns. Any other failure (not Redis's: a fault of ours) ends it with that exception,
+        `driving` untouched: whoever runs both stops `driving` then, as the run queue does."""
         log = {"run_id": run_id}
         while True:
             # Renewed every quarter of its time, and the driving stopped when only a tenth of it is left unrenewed.

@@ -15,7 +15,9 @@ starts): each run is driven by the one
 that holds its lease (run_lease.py), renewed while it drives the run and released when it stops. The
 fleet's trainer holds one run at a time, so while another orchestrator drives a run this one starts none;
 it takes a run over once that one's lease runs out (its orchestrator died). The driver reads its run's record
-while it drives it, for a Cancel another orchestrator answered.
+while it drives it, for a Cancel another orchestrator answered. A driver stops driving its run, left RUNNING, when
+the lease is lost, and when the task that renews it fails (then nothing would renew it, and once it ran out another
+orchestrator would drive the run beside this one).
 """
 
 from __future__ import annotations
@@ -80,10 +82,15 @@ class RunQueue:
             keeper = asyncio.create_task(self.lease.keep(run.id, task), name=f"lease of run {run.id}")
             follower = asyncio.create_task(self._stop_if_cancelled(run.id, task), name=f"cancel of run {run.id}")
             self._active_id, self._active_task = run.id, task
+            keeper_failed = False
             try:
                 # asyncio.wait does not raise when the run's task is cancelled (by Cancel, or by the keeper when
                 # the lease was lost), only when this coroutine is (at shutdown); then the run's task is cancelled too.
-                await asyncio.wait({task})
+                # The keeper ends before the run's task only when it failed.
+                await asyncio.wait({task, keeper}, return_when=asyncio.FIRST_COMPLETED)
+                if not task.done():
+                    keeper_failed = True
+                    await self._stop_unleased(run.id, task, keeper)
             except asyncio.CancelledError:
                 await cancel_and_wait(task)
                 raise
@@ -102,7 +109,26 @@ class RunQueue:
                     why,
                     extra={"run_id": run.id},
                 )
+            if exc is not None or keeper_failed:
                 await asyncio.sleep(_INTERRUPTED_PAUSE_S)
+
+    async def _stop_unleased(self, run_id: str, driving: asyncio.Task[None], keeper: asyncio.Task[None]) -> None:
+        """Stops driving a run whose lease keeper ended while it was driven, as a lost lease does: the keeper ends
+        then only by a fault of its own (it stops the driving itself when the lease is lost), after which nothing
+        renews the lease, and once it ran out another orchestrator would drive the run beside this one. The run stays
+        RUNNING (unless the driving ends it, e.g. a Cancel now), and is picked again from its records once the lease
+        is released, here or by another orchestrator."""
+        log = {"run_id": run_id}
+        failure = None if keeper.cancelled() else keeper.exception()
+        logger.error(
+            "run %s: its lease keeper failed (%s); this one stops driving it, which stays RUNNING for the next "
+            "orchestrator to take its lease",
+            run_id,
+            f"{type(failure).__name__}: {failure}" if failure is not None else "it ended while the run was driven",
+            exc_info=failure,
+            extra=log,
+        )
+        await cancel_and_wait(driving)
 
     async def _stop_if_cancelled(self, run_id: str, driving: asyncio.Task[None]) -> None:
         """Cancels `driving` once the run's record says CANCELLED. A Cancel answered here reaches the run at once
@@ -147,6 +173,9 @@ class RunQueue:
             if not (isinstance(exc, TimeoutError) or redis_unavailable(exc)):
                 raise
             logger.warning("run %s: its lease was not released (%r); it runs out by itself", run_id, exc)
+        finally:
+            # The watchers of a run that ended wait for its driver to let go of it (run_events.py).
+            self.deps.core.notifier.wake(run_id)
 
     async def _next_run(self) -> Run | None:
         """The run to drive now, its lease taken: a RUNNING one (to resume) first, else the oldest QUEUED one; None

@@ -6,7 +6,9 @@ cancelled run cannot be overwritten by a loop that has not noticed yet, in this 
 
 The API's callers reach the records through a store of their own (`api_store`: its own Redis client in the
 orchestrator), so that however many call, the run loop's writes find a connection; and the watchers of a run here
-share one reader of its record (run_events.py): Redis sees one read per change, however many watch.
+share one reader of its record (run_events.py): Redis sees one read per change, however many watch. A watch ends
+with the run as its driver left it: the trainer's final progress, recorded after the run's end once the trainer has
+stopped, is in its last event (the reader asks whether an orchestrator still holds the run's lease, run_lease.py).
 
 Redis unreachable once its client's retries have run out, or refusing writes (full, read-only, unable to persist:
 redis_outage.py), is Unavailable to the API's callers (503 / UNAVAILABLE, "run records (Redis) unreachable: ..." or
@@ -40,6 +42,7 @@ from rlfleet_rollout.rollout_function import RolloutRegistry
 from rlfleet_rollout.run_counts import RunCounts
 from rlfleet_rollout.run_data import RunData
 from rlfleet_rollout.run_events import RunFeeds, RunNotifier, describe_change, is_terminal, state_name
+from rlfleet_rollout.run_lease import lease_key
 from rlfleet_rollout.run_store import RunStore
 from rlfleet_rollout.submit_requests import RequestRecord, SubmitRequest
 
@@ -117,7 +120,7 @@ class RunsCore:
         # each run, gone once unused, so a write waiting out Redis holds up no other run's.
         self._writing: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._closing = False
-        self.feeds = RunFeeds(notifier, self.get, poll_interval_s)
+        self.feeds = RunFeeds(notifier, self.get, poll_interval_s, driven=self._driven)
         """The reader of each watched run, shared by its watchers."""
 
     # -- the API ------------------------------------------------------------------------------
@@ -218,7 +221,9 @@ class RunsCore:
 
     async def watch(self, run_id: str) -> AsyncGenerator[RunEvent, None]:
         """The run now, then its latest state after each change until it ends: changes written back to back may
-        come as one event (run_events.py). ShuttingDown if the orchestrator stops first."""
+        come as one event (run_events.py). The run's end comes once, as its driver left it (the trainer's final
+        progress in), held back for at most `feeds.end_wait_s`; a watch of a run that has ended gets it as it stands
+        and ends. ShuttingDown if the orchestrator stops first."""
         require_id(run_id)
         if self._closing:
             raise ShuttingDown(SHUTTING_DOWN)
@@ -228,6 +233,12 @@ class RunsCore:
                 run = await feed.after(shown)
                 yield RunEvent(run=run, message=describe_change(shown, run), time=now())
                 shown = run
+
+    async def _driven(self, run_id: str) -> bool:
+        """Whether an orchestrator drives `run_id` now (holds its lease): one that ended is let go of once its trainer
+        has stopped and the trainer's final progress is recorded."""
+        with records_reachable():
+            return bool(await self.api_store.client.exists(lease_key(self.api_store.prefix, run_id)))
 
     def close(self) -> None:
         """Ends every watch of a run still going with ShuttingDown (at shutdown)."""
