@@ -22,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Iterable, Mapping
 
 from rlfleet_router.engine_attempts import Attempt, EngineAttempts
 from rlfleet_router.engine_client import EngineClient, EngineConnectionError, EngineReadTimeout
@@ -60,12 +61,27 @@ class EngineAborts:
         self._tasks[task] = attempt
         task.add_done_callback(self._forget)
 
-    async def settle(self, worker: Worker, rids: tuple[str, ...], timeout_secs: float) -> None:
-        """Returns once the aborts under way at `worker` of any of `rids` are over, or after `timeout_secs`."""
+    async def settle(
+        self,
+        worker: Worker,
+        rids: tuple[str, ...],
+        timeout_secs: float,
+        stops: Iterable[asyncio.Future[None]] = (),
+    ) -> None:
+        """Returns once the aborts under way at `worker` of any of `rids` are over, once one of `stops` is done (the
+        request no longer waits: its client left, or aborted it), or after `timeout_secs`."""
         wanted = set(rids)
-        tasks = [t for t, a in self._tasks.items() if a.worker.id == worker.id and wanted.intersection(a.rids)]
-        if tasks and timeout_secs > 0:
-            await asyncio.wait(tasks, timeout=timeout_secs)
+        pending: set[asyncio.Future[None]] = {
+            t for t, a in self._tasks.items() if a.worker.id == worker.id and wanted.intersection(a.rids)
+        }
+        stops = set(stops)
+        deadline = time.monotonic() + timeout_secs
+        while pending and not any(stop.done() for stop in stops):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            _, pending = await asyncio.wait(pending | stops, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            pending -= stops
 
     def _forget(self, task: asyncio.Task[None]) -> None:
         self._tasks.pop(task, None)

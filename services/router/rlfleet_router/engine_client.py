@@ -56,13 +56,16 @@ class EngineReadTimeout(TimeoutError):
 
 class Interrupt:
     """Ends one request's waits for its answer from outside the task that waits: `fire(error)` makes the current
-    or next wait raise `error` and closes the connection (so the engine sees the request's caller go)."""
+    or next wait raise `error` and closes the connection (so the engine sees the request's caller go).
+    `stop_sending(error)` only keeps the request from being written from then on (it raises `error` instead): one
+    already written is left as it is."""
 
-    __slots__ = ("error", "connection")
+    __slots__ = ("error", "connection", "unsent")
 
     def __init__(self) -> None:
         self.error: BaseException | None = None
         self.connection: _Connection | None = None  # while the request holds one
+        self.unsent: BaseException | None = None
 
     def fire(self, error: BaseException) -> None:
         if self.error is not None:
@@ -70,6 +73,17 @@ class Interrupt:
         self.error = error
         if self.connection is not None:
             self.connection.interrupt(error)
+
+    def stop_sending(self, error: BaseException) -> None:
+        if self.unsent is None:
+            self.unsent = error
+
+    def check(self) -> None:
+        """Raises the error the request must end with before it is written, if any."""
+        if self.error is not None:
+            raise self.error
+        if self.unsent is not None:
+            raise self.unsent
 
 
 class Origin(NamedTuple):
@@ -210,11 +224,11 @@ class _Connection(asyncio.Protocol):
     # the request
     def send(self, head: bytes, body: bytes, deadline: float, read_timeout: float, interrupt: Interrupt | None) -> None:
         """Writes the request, its answer due whole by `deadline` (time.monotonic(); `read_timeout` names the bound
-        in the error), unless `interrupt` has fired already (its error is raised: nothing is sent)."""
+        in the error), unless `interrupt` has fired or stopped its sending already (its error is raised: nothing is
+        sent)."""
         assert self._transport is not None
         if interrupt is not None:
-            if interrupt.error is not None:
-                raise interrupt.error
+            interrupt.check()
             interrupt.connection = self
             self._interrupt = interrupt
         self._reset()
@@ -343,8 +357,8 @@ class EngineClient:
         never saw the request. One that closes later raises EngineConnectionLost: the engine may have held the
         request all that time, and only the caller knows whether to send it again.
         """
-        if interrupt is not None and interrupt.error is not None:
-            raise interrupt.error
+        if interrupt is not None:
+            interrupt.check()
         origin = self._origins.get(base_url)
         if origin is None:
             if len(self._origins) >= MAX_ORIGINS:  # engines that came and went (pods by IP): parsed again on use

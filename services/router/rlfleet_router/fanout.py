@@ -8,7 +8,9 @@ with the failures, so a caller never mistakes a partial pause for a fleet-wide o
 in the fleet, since nothing was paused, aborted or flushed. Engines out of routing get the request too
 (an abort or a pause must reach an engine that still runs requests while it is drained; a continue, one
 that rejoined routing during the pause), and their failures are reported the same way. `FleetPause`
-records each pause and continue, to bring the engines that enter routing later in line with them.
+records each pause and continue, to bring the engines that enter routing later in line with them. A relayed
+/abort_request also reaches the generation requests the router holds at that moment, at no engine (`abort_held`,
+before the engines are asked: see `held_requests`).
 
 Generation must not continue on an engine holding part of a weight version (some buckets of a version
 sent over a weight update group, not its last), whoever ends the pause: a /continue_generation relayed
@@ -37,6 +39,7 @@ fleet's pause again while it stands; after the continue, they rejoin generating)
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable, Mapping
 
@@ -74,12 +77,14 @@ class Fanout:
         before_continue: Callable[[], list[Worker]],
         drop_requests: Callable[[Worker, str], None],
         expired_pauses: Counter,
+        abort_held: Callable[[str | None], int] | None = None,
     ) -> None:
         """`on_caches_emptied(workers)` runs with the engines that answered a /flush_cache with 2xx; `pauses` learns
         of every pause and continue; `before_continue()` runs before any /continue_generation is sent and returns
         the engines that may hold part of a weight version; `drop_requests(worker, why)` makes the router stop
         waiting for the requests at `worker` (sending them elsewhere if it can); `expired_pauses` counts the
-        engines `end_pauses` resumed."""
+        engines `end_pauses` resumed; `abort_held(rid)` aborts the requests the router holds that `rid` names (None:
+        all of them), for a relayed /abort_request."""
         self._client = client
         self._workers = workers
         self._timeout = timeout_secs
@@ -88,6 +93,7 @@ class Fanout:
         self._before_continue = before_continue
         self._drop_requests = drop_requests
         self._expired_pauses = expired_pauses
+        self._abort_held = abort_held
 
     async def send(
         self, route: str, body: bytes, headers: Mapping[str, str], query: str = ""
@@ -102,6 +108,8 @@ class Fanout:
         forwarded = {k: v for k, v in forwardable_headers(headers).items() if k.lower() != "content-type"}
         if body.strip():
             forwarded["content-type"] = "application/json"
+        if route == ABORT_ROUTE and self._abort_held is not None:
+            self._abort_held_named(body)
         pause: Pause | None = None
         if route == CONTINUE_ROUTE:
             self._pauses.end()
@@ -133,6 +141,23 @@ class Fanout:
         refused = [o for o in outcomes if not o.ok]
         every_one_refused = done == 0 and all(o.status is not None and 400 <= o.status < 500 for o in refused)
         return (400 if every_one_refused else 502), summary
+
+    def _abort_held_named(self, body: bytes) -> None:
+        """Aborts the requests the router holds that an /abort_request `body` names, as SGLang reads it: `abort_all`
+        true names every one, else `rid` the one it is exactly (an empty or missing rid names none)."""
+        assert self._abort_held is not None
+        request = json.loads(body) if body.strip() else {}  # a JSON object: the route checked it
+        if not isinstance(request, dict):
+            return
+        rid = request.get("rid")
+        if request.get("abort_all") is True:
+            count = self._abort_held(None)
+        elif isinstance(rid, str) and rid:
+            count = self._abort_held(rid)
+        else:
+            return
+        if count:
+            logger.info("aborted %d request(s) the router held before sending them to an engine", count)
 
     async def end_pauses(self, workers: list[Worker]) -> None:
         """Sends /continue_generation to `workers`, whose pause outlived its bound: whoever paused them (a trainer

@@ -16,9 +16,11 @@ import time
 from collections.abc import Mapping
 
 import httpx
+from starlette.responses import Response
 
 from rlfleet.errors import InvalidInput
 from rlfleet.http_errors import is_json_media_type
+from rlfleet_router.abort_answers import aborted_answer
 from rlfleet_router.busy_engines import LOADING
 from rlfleet_router.chars_per_token import CharsPerToken
 from rlfleet_router.config import RouterConfig
@@ -28,13 +30,14 @@ from rlfleet_router.engine_response import MAX_CAPTURED_BYTES
 from rlfleet_router.fanout import Fanout
 from rlfleet_router.fleet_pause import FleetPause
 from rlfleet_router.health import HealthChecker
+from rlfleet_router.held_requests import RequestAborted
 from rlfleet_router.kubernetes_api import KubernetesAPI
 from rlfleet_router.kubernetes_discovery import KubernetesDiscovery
 from rlfleet_router.metrics import RouterMetrics
 from rlfleet_router.openai_routing import routing_body
 from rlfleet_router.policies import CacheAware, RoutingRequest, create_policy
 from rlfleet_router.prefill_stagger import PrefillStagger
-from rlfleet_router.proxy import EngineResponse, Proxy, RetryPolicy
+from rlfleet_router.proxy import Proxy, RetryPolicy
 from rlfleet_router.restarters import create_restarter
 from rlfleet_router.self_healing import Healer
 from rlfleet_router.trajectory_capture import check_trajectory_request, trajectory_id, turn_from_answer
@@ -120,6 +123,7 @@ class Fleet:
             before_continue=self.weights.before_continue,
             drop_requests=self.proxy.drop_requests,
             expired_pauses=self.metrics.expired_pauses,
+            abort_held=self.proxy.held.abort,
         )
         self.trajectories = TrajectoryStore(config.trajectory_max_tokens, config.trajectory_max_update_lag)
         self.metrics.fleet.trajectories = self.trajectories
@@ -179,10 +183,11 @@ class Fleet:
         headers: Mapping[str, str],
         arrived_at: float | None = None,
         client_gone: asyncio.Future[None] | None = None,
-    ) -> EngineResponse:
+    ) -> Response:
         """Routes a generation request (/generate or OpenAI); records its turn if it belongs to a trajectory.
 
-        `client_gone`, done once the client has left, gives the request up (`Proxy.forward`).
+        `client_gone`, done once the client has left, gives the request up (`Proxy.forward`). A request a client's
+        /abort_request named before it reached an engine is answered as aborted (`abort_answers`).
         """
         parsed = parse_json_object(body)
         if not is_json_media_type(headers.get("content-type", "")):
@@ -214,15 +219,19 @@ class Fleet:
                 )
 
         started = arrived_at if arrived_at is not None else time.perf_counter()
-        return await self.proxy.forward(
-            routing,
-            body,
-            headers,
-            arrived_at=started,
-            on_answer=on_answer,
-            client_gone=client_gone,
-            rids=request_rids(parsed),
-        )
+        try:
+            return await self.proxy.forward(
+                routing,
+                body,
+                headers,
+                arrived_at=started,
+                on_answer=on_answer,
+                client_gone=client_gone,
+                rids=request_rids(parsed),
+            )
+        except RequestAborted as exc:
+            logger.info("%s answered as aborted: %s", route, exc)
+            return aborted_answer(route, parsed)
 
     def add_worker(self, url: str) -> tuple[Worker, bool]:
         """Registers `url` (pending until a probe succeeds and it serves the fleet's weights).

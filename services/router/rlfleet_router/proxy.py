@@ -17,6 +17,9 @@ request given up at an engine that may still run it is also aborted there by rid
 A repeat of a prompt its engine is about to prefill waits a few milliseconds before it is sent
 (`prefill_stagger`), counted at the engine meanwhile; given up then, it was never sent.
 
+A client's /abort_request reaches a request at no engine (held back, waiting to be retried, connecting) through
+`held`: one it names ends with RequestAborted before it is ever written to an engine (again).
+
 The relay uses `engine_client`, keep-alive connections pooled per engine and parsed in C: the
 client is most of the latency the router adds to a request, so it is kept to what the relay needs.
 """
@@ -42,6 +45,7 @@ from rlfleet_router.engine_client import (
     EngineReadTimeout,
 )
 from rlfleet_router.engine_response import HOP_HEADERS, AnswerReader, EngineResponse
+from rlfleet_router.held_requests import HeldRequest, HeldRequests
 from rlfleet_router.metrics import RouterMetrics
 from rlfleet_router.policies import Policy, RoutingRequest
 from rlfleet_router.prefill_stagger import PrefillStagger
@@ -107,6 +111,7 @@ class Proxy:
         self._max_whole_answer = max_whole_answer_bytes
         self._attempts = EngineAttempts()
         self._aborts = EngineAborts(self._attempts)
+        self.held = HeldRequests()
 
     async def start(self) -> None:
         # No cap on connections (streams stay open for a whole generation: a cap would queue requests behind
@@ -145,6 +150,8 @@ class Proxy:
         `arrived_at` (time.perf_counter() when the body was read) times the router's own part;
         `on_answer` reads the complete answer of the one attempt whose answer reached the client;
         `client_gone`, done once the client has left, ends the request with ClientGone and aborts it at its engine.
+        A client's /abort_request that names the request before it is written to an engine ends it with
+        RequestAborted (`held_requests`).
         """
         deadline = time.monotonic() + self._request_timeout
         forwarded = forwardable_headers(headers)
@@ -161,14 +168,21 @@ class Proxy:
             if client_gone.done():
                 raise ClientGone("the client closed its connection before its request was sent")
             client_gone.add_done_callback(client_left)  # a callback, not a task: nothing runs until the client leaves
+        generates = method != "GET"
+        # Only a generation request is aborted by a client's /abort_request; a question (GET) is never marked.
+        held = self.held.hold(rids) if generates else HeldRequest(rids)
+        # What ends the router's own waits (the stagger, a retry's backoff, the abort of an earlier attempt).
+        stops = (held.aborted,) if client_gone is None else (held.aborted, client_gone)
         try:
             while True:
-                worker = self._choose(routing, tried, generates=method != "GET")
+                held.check()
+                worker = self._choose(routing, tried, generates=generates)
                 if arrived_at is not None and not tried:
                     self._metrics.added_latency.observe(time.perf_counter() - arrived_at)
                 tried.add(worker.id)
                 if retries and rids:  # back at an engine that may still be aborting an earlier attempt's rids
-                    await self._aborts.settle(worker, rids, deadline - time.monotonic())
+                    await self._aborts.settle(worker, rids, deadline - time.monotonic(), stops)
+                    held.check()
                     if client_gone is not None and client_gone.done():
                         raise ClientGone(f"the client closed its connection while {routing.route} waited for a retry")
                 remaining = deadline - time.monotonic()
@@ -177,10 +191,11 @@ class Proxy:
                 if not worker.healthy or not self._workers.contains(worker):
                     continue  # it left routing while the retry waited there: another engine, the same attempt
                 attempt = self._attempts.start(worker, tokens, rids)
+                held.attach(attempt.interrupt)
                 last_try = retries >= self._retry.max_retries
                 try:
                     if stagger := self._stagger.delay(worker.id, routing.prompt_key, attempt):
-                        await self._wait_to_send(attempt, min(stagger, remaining), client_gone)
+                        await self._wait_to_send(attempt, min(stagger, remaining), held, stops)
                         remaining = deadline - time.monotonic()
                         if remaining <= 0:
                             attempt.end()
@@ -198,23 +213,26 @@ class Proxy:
                     )
                 self._metrics.retries.inc()
                 logger.info("retrying %s on another engine in %.3fs: %s", routing.route, wait, failure)
-                await asyncio.sleep(wait)
+                await asyncio.wait(stops, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                held.check()
                 if client_gone is not None and client_gone.done():
                     raise ClientGone(f"the client closed its connection while {routing.route} waited for a retry")
         finally:
+            self.held.release(held)
             if client_gone is not None:
                 client_gone.remove_done_callback(client_left)
 
-    async def _wait_to_send(self, attempt: Attempt, secs: float, client_gone: asyncio.Future[None] | None) -> None:
-        """Holds `attempt` back `secs` (its engine's load counts it meanwhile, so routing sees it there), or until its
-        client leaves. An attempt interrupted meanwhile ends unsent: ClientGone, or RetryableFailure when its engine
-        failed or left routing (nothing to abort there)."""
+    async def _wait_to_send(
+        self, attempt: Attempt, secs: float, held: HeldRequest, stops: tuple[asyncio.Future[None], ...]
+    ) -> None:
+        """Holds `attempt` back `secs` (its engine's load counts it meanwhile, so routing sees it there), or until one
+        of `stops` is done (its client left, or an abort named it). An attempt interrupted meanwhile ends unsent:
+        RequestAborted, ClientGone, or RetryableFailure when its engine failed or left routing (nothing to abort
+        there)."""
         self._metrics.prefill_staggers.inc()
         try:
-            if client_gone is None:
-                await asyncio.sleep(secs)
-            else:
-                await asyncio.wait((client_gone,), timeout=secs)
+            await asyncio.wait(stops, timeout=secs, return_when=asyncio.FIRST_COMPLETED)
+            held.check()
         except BaseException:
             attempt.end()
             raise

@@ -70,6 +70,7 @@ class FakeEngine:
     fail_updates: bool = False
     update_delay: float = 0.0
     control_delay: float = 0.0  # before answering /abort_request, /pause_generation, ...
+    serves_openai: bool = False  # /v1/completions and /v1/chat/completions served as /generate
     tp_size: int = 1  # /get_server_info's: the ranks it takes in a weight update group
     # The routes that answer what it serves: SGLang before 0.5 has only the legacy one, 0.5.23 both (logging the
     # legacy one as deprecated at every call), a later one may have only /model_info.
@@ -130,6 +131,10 @@ class FakeEngine:
                     _spaced(pieces, body["trickle"]), headers=headers, media_type="application/json"
                 )
             return JSONResponse(self._answer(body))
+
+        if self.serves_openai:  # the same body flags, answered in /generate's shape
+            for openai_route in ("/v1/completions", "/v1/chat/completions"):
+                app.add_api_route(openai_route, generate, methods=["POST"])
 
         @app.get("/health")
         @app.get("/health_generate")
