@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,11 @@ RLFLEET_SERVICES = {
 # Services that do their work and exit: they must not be restarted.
 ONE_SHOT = {"api-token", "model-init", "demo"}
 HEALTH_URL = re.compile(r"http://127\.0\.0\.1:(\d+)(/[\w/]*)")
+# How the gpu profile starts (deploy/README.md, the compose file's header).
+GPU_UP = (
+    "COMPOSE_PROFILES=gpu RLFLEET_ROUTER_POLICY=cache_aware RLFLEET_ROLLOUT_MAX_CONCURRENT_GENERATIONS=64"
+    " docker compose up"
+)
 # ${NAME:-default}, as Compose interpolates it.
 VARIABLE = re.compile(r"\$\{(\w+):-([^}]*)\}")
 
@@ -183,9 +189,45 @@ def test_the_router_follows_no_prefix_cache_the_cpu_engines_do_not_keep(
     router = compose["services"]["router"]
     assert env_of(router)["RLFLEET_ROUTER_POLICY"] == "least_load"
     assert env_of(router, {"RLFLEET_ROUTER_POLICY": "cache_aware"})["RLFLEET_ROUTER_POLICY"] == "cache_aware"
-    gpu_up = "COMPOSE_PROFILES=gpu RLFLEET_ROUTER_POLICY=cache_aware docker compose up"
     for doc in (compose_dir / "docker-compose.yml", repo / "deploy" / "README.md"):
-        assert gpu_up in doc.read_text(), f"{doc} does not show how to start the gpu profile"
+        assert GPU_UP in doc.read_text(), f"{doc} does not show how to start the gpu profile"
+
+
+def test_the_gpu_profile_keeps_as_many_generations_in_flight_per_engine_as_the_chart(
+    compose: dict[str, Any], settings_classes: dict[str, type[BaseSettings]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The orchestrator's own 8 fit the CPU engines; the chart gives SGLang engines 32 each, which run hundreds of
+    sequences at once (8 left them idle between a step's groups)."""
+    services = compose["services"]
+    rollout, cls = services["rollout"], settings_classes["rollout"]
+    cpu: Any = settings_from(cls, env_of(rollout), monkeypatch)
+    assert cpu.max_concurrent_generations == cls.model_fields["max_concurrent_generations"].default
+    exported = dict(re.findall(r"(RLFLEET_\w+)=(\S+)", GPU_UP))
+    gpu: Any = settings_from(cls, env_of(rollout, exported), monkeypatch)
+    sglang_engines = [
+        name for name, service in services.items() if "sglang.launch_server" in service.get("command", [])
+    ]
+    assert len(sglang_engines) == 2
+    assert gpu.max_concurrent_generations == 32 * len(sglang_engines)
+
+
+def run_healthcheck(test: list[str], env: dict[str, str]) -> int:
+    """The exit status of a Compose healthcheck's `test`, run as Docker runs it."""
+    kind, *command = test
+    if kind == "CMD-SHELL":
+        command = ["sh", "-c", *command]
+    assert kind in ("CMD", "CMD-SHELL"), test
+    return subprocess.run(command, env=env, capture_output=True, timeout=30).returncode
+
+
+def test_redis_is_healthy_only_once_it_answers_pong(
+    compose: dict[str, Any], redis_cli_at: Callable[[int], dict[str, str]], loading_redis: int, ready_redis: int
+) -> None:
+    """While Redis loads its AOF it answers LOADING, on which `redis-cli ping` exits 0: the trainer and the
+    orchestrator, which wait for Redis to be healthy, started against a Redis that refused their every command."""
+    test = compose["services"]["redis"]["healthcheck"]["test"]
+    assert run_healthcheck(test, redis_cli_at(loading_redis)) != 0
+    assert run_healthcheck(test, redis_cli_at(ready_redis)) == 0
 
 
 def test_long_running_services_restart_and_one_shot_services_do_not(compose: dict[str, Any]) -> None:

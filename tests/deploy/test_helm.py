@@ -274,7 +274,7 @@ def test_generations_in_flight_keep_gpu_engines_busy(rendered: tuple[dict, list[
     env = {var["name"]: var.get("value") for var in rollout["containers"][0]["env"]}
     wanted = 32 * values["engine"]["replicas"] if values["engine"]["backend"] == "sglang" else None
     assert env.get("RLFLEET_ROLLOUT_MAX_CONCURRENT_GENERATIONS") == (None if wanted is None else str(wanted))
-    _, chosen = render({"engine": {"backend": "sglang"}, "rollout": {"maxConcurrentGenerations": 100}})
+    _, chosen = render({"engine": {"backend": "sglang", "gpus": 1}, "rollout": {"maxConcurrentGenerations": 100}})
     [rollout] = [spec for name, spec in pod_specs(chosen).items() if name.endswith("-rollout")]
     assert {"name": "RLFLEET_ROLLOUT_MAX_CONCURRENT_GENERATIONS", "value": "100"} in rollout["containers"][0]["env"]
 

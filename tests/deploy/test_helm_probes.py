@@ -4,11 +4,14 @@ Liveness restarts a container, so it must not fail for something a restart does 
 and the orchestrator's liveness probes are their /liveness (up while the process serves), never /health,
 which is 503 while no engine is in routing (router) or Redis is down (orchestrator). /health stays their
 readiness. Every trainer pod is probed on /health: each node's first rank serves it
-(services/trainer/tests/test_node_health.py runs two nodes).
+(services/trainer/tests/test_node_health.py runs two nodes). Redis is ready once it answers PONG, not while it
+loads its data.
 """
 
 from __future__ import annotations
 
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,3 +85,22 @@ def test_a_probe_path_set_in_values_wins() -> None:
         text = chart.render(values, name="rl", namespace="ml", is_install=True)["rlfleet/templates/router.yaml"]
     [router] = [doc for doc in yaml.safe_load_all(text) if doc and doc["kind"] == "Deployment"]
     assert probe_path(router["spec"]["template"]["spec"]["containers"][0], "livenessProbe") == "/health"
+
+
+def run_probe(command: list[str], env: dict[str, str]) -> int:
+    """The exit status of an exec probe's command, run as the kubelet runs it (no shell unless it names one)."""
+    return subprocess.run(command, env=env, capture_output=True, timeout=30).returncode
+
+
+def test_redis_is_ready_only_once_it_answers_pong(
+    redis_cli_at: Callable[[int], dict[str, str]], loading_redis: int, ready_redis: int
+) -> None:
+    """While Redis loads its AOF it answers LOADING to every command, and `redis-cli ping` still exits 0: a readiness
+    probe on that exit status sent clients to a Redis that could serve none of them. Liveness accepts LOADING: a restart
+    would only begin the same load again."""
+    redis = containers(None)["redis"]
+    readiness, liveness = redis["readinessProbe"]["exec"]["command"], redis["livenessProbe"]["exec"]["command"]
+    assert run_probe(readiness, redis_cli_at(loading_redis)) != 0
+    assert run_probe(readiness, redis_cli_at(ready_redis)) == 0
+    assert run_probe(liveness, redis_cli_at(loading_redis)) == 0
+    assert run_probe(liveness, redis_cli_at(ready_redis)) == 0

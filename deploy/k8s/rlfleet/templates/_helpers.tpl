@@ -135,3 +135,35 @@ as the services read list and mapping variables (toString wrote [a b]). */ -}}
 {{- end -}}
 {{- with $entries }}{{ toYaml . }}{{ end -}}
 {{- end -}}
+
+{{/* A Kubernetes CPU quantity (2, "1.5", 500m) in millicores, rounded down. */}}
+{{- define "rlfleet.millicores" -}}
+{{- $quantity := toString . -}}
+{{- if hasSuffix "m" $quantity -}}
+{{- float64 (trimSuffix "m" $quantity) | floor | int -}}
+{{- else -}}
+{{- mulf (float64 $quantity) 1000.0 | floor | int -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Intra-op torch threads of each of `ranks` processes sharing a container's CPU request (`cpu`): one per whole
+requested CPU, at least one, so that the ranks do not fight over the cores the pod was scheduled with. Empty without
+a CPU request (the service's own default then). Call with (dict "cpu" .Values.x.resources.requests.cpu "ranks" 1). */}}
+{{- define "rlfleet.torchThreads" -}}
+{{- if .cpu -}}
+{{- max 1 (div (include "rlfleet.millicores" .cpu | int) (mul 1000 (max 1 (int .ranks)))) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The backend of the distributed weight sync's group: trainer.env's RLFLEET_TRAINER_WEIGHT_SYNC_BACKEND, else nccl
+between SGLang engines and a GPU trainer (as rlfleet.trainer.env sets it), else the trainer's default, gloo. */}}
+{{- define "rlfleet.weightSyncBackend" -}}
+{{- $given := get (.Values.trainer.env | default dict) "RLFLEET_TRAINER_WEIGHT_SYNC_BACKEND" | toString -}}
+{{- if and $given (ne $given "<nil>") -}}
+{{- $given -}}
+{{- else if and (eq .Values.engine.backend "sglang") (gt (int .Values.trainer.gpusPerNode) 0) -}}
+nccl
+{{- else -}}
+gloo
+{{- end -}}
+{{- end -}}
