@@ -7,10 +7,12 @@ return value is what `RankGroup.call` returns.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from rlfleet.v1.runs_pb2 import RunSpec
@@ -20,8 +22,10 @@ from rlfleet_trainer.data_parallel import current_ranks
 from rlfleet_trainer.optim import optimizer_from_spec
 from rlfleet_trainer.policy import disable_dropout, load_policy
 from rlfleet_trainer.rank_group import Op
-from rlfleet_trainer.sharding import full_state_dict, shard_model
+from rlfleet_trainer.sharding import compute_device, full_state_dict, shard_model
 from rlfleet_trainer.train_step import StepConfig, step_config_from_spec, train_step
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -54,14 +58,36 @@ class RankState:
         return self.policy
 
 
-def load_model(path: str | Path, options: ShardingOptions, trainable: bool) -> PreTrainedModel:
-    """The model at `path`, sharded when there is more than one rank (one rank keeps it whole)."""
+def process_group_ready() -> bool:
+    """Whether this process is in a torchrun job's process group (which FSDP shards over)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def load_model(
+    path: str | Path, options: ShardingOptions, trainable: bool, device: torch.device | None = None
+) -> PreTrainedModel:
+    """The model at `path` on this rank's device (`compute_device()` unless given).
+
+    Sharded with FSDP2 over the ranks when there is more than one, and over the one rank of a GPU job too: the
+    model only reaches the GPU there (it is loaded on the CPU), and bf16 compute and activation checkpointing are
+    FSDP's. One rank on the CPU keeps the model whole, computing exactly what it always did; a process without
+    torchrun moves it whole to its GPU, if it has one."""
+    device = compute_device() if device is None else device
     model = load_policy(path)
     disable_dropout(model)
     if not trainable:
         model.eval().requires_grad_(False)
-    if current_ranks().world > 1:
+    if current_ranks().world > 1 or (device.type != "cpu" and process_group_ready()):
         shard_model(model, options.mixed_precision, options.activation_checkpointing and trainable)
+        return model
+    if device.type != "cpu":
+        torch.nn.Module.to(model, device)  # transformers types its `to` wrapper in a way mypy cannot call
+    if trainable and (options.mixed_precision or options.activation_checkpointing):
+        logger.warning(
+            "--mixed-precision and --activation-checkpointing apply to a sharded model only (more than one rank, or "
+            "a GPU under torchrun): this %s model computes in fp32 without them",
+            device.type,
+        )
     return model
 
 

@@ -25,6 +25,7 @@ import math
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -138,6 +139,7 @@ def train_run(
         run.tokenizer_dir,
         lambda _model: run.ranks.call("full_state_dict"),
         abort_all_requests=run.spec.rollout.on_weight_update == "abort_resume",
+        base_model=Path(run.spec.model.path),
     )
     check_fleet = FleetVersionCheck(router, settings.fleet_check_s, metrics)
     try:

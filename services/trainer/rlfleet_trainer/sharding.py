@@ -55,6 +55,14 @@ def checkpoint_blocks(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Modu
     return [m for m in model.modules() if isinstance(m, CheckpointWrapper) and id(m._checkpoint_wrapped_module) in ids]
 
 
+def compute_device() -> torch.device:
+    """The device this rank computes on: its GPU when there is one (under torchrun `init_process_group` made
+    `cuda:LOCAL_RANK` current), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def shard_model(model: nn.Module, mixed_precision: bool = False, activation_checkpointing: bool = False) -> nn.Module:
     """Shards `model` in place over the default process group (which must be initialised) and
     returns it. Parameters move to the local GPU when there is one.
@@ -68,7 +76,7 @@ def shard_model(model: nn.Module, mixed_precision: bool = False, activation_chec
     blocks = transformer_blocks(model)
     if activation_checkpointing:
         blocks = checkpoint_blocks(model, blocks)
-    mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(compute_device().type, (dist.get_world_size(),))
     precision = MixedPrecisionPolicy()  # parameters, compute and reduction all in the model's dtype
     if mixed_precision:
         precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

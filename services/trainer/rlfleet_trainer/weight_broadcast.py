@@ -9,7 +9,9 @@ SGLang's "flattened_bucket") while this process broadcasts it. Only the last buc
 weight_version, so engines report the new version once they hold all of it. rlfleet-engine takes that label
 only once the version's buckets delivered every parameter of its model, else it keeps its old one and answers
 `weights_partial: true`, which the router counts as a failed bucket: a tensor left out fails the broadcast
-(and the version arrives from disk) instead of being served with its previous value.
+(and the version arrives from disk) instead of being served with its previous value. With NCCL (GPU engines)
+each bucket is copied to this rank's GPU as it goes, its floating-point tensors in the dtype the engines serve
+(`engine_dtype`: the base model's, bf16 for most LLMs) rather than the trainer's fp32.
 
 Each HTTP call runs in a thread beside the collective, and the collective in a thread of its own, so
 whichever fails first ends the wait: a router that refuses a bucket (a member out of routing, a group it
@@ -32,6 +34,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -41,6 +44,7 @@ from rlfleet.errors import Unavailable
 from rlfleet.weight_update_group import (
     FLATTENED_BUCKET,
     WeightUpdateGroup,
+    dtype_from_name,
     join_group,
     rendezvous,
     request_fields,
@@ -48,6 +52,7 @@ from rlfleet.weight_update_group import (
 )
 from rlfleet_trainer.generation_pause import generation_paused
 from rlfleet_trainer.router_client import RouterClient
+from rlfleet_trainer.weights import base_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -69,22 +74,55 @@ def unique_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
-def buckets(state: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[dict[str, torch.Tensor]]:
-    """Consecutive groups of tensors of at most `bucket_bytes` each (a larger tensor is a bucket by itself).
+def wire_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype `tensor` travels in: `dtype` for a floating-point tensor when one is given, else its own."""
+    return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
 
-    Within a bucket the tensors go widest dtype first (in their order otherwise), so each starts in the flat
-    bucket at a multiple of its element size: SGLang views its slice of the bytes as the dtype without a copy,
-    which fails on a misaligned one (a float32 after an odd number of bfloat16 values)."""
+
+def buckets(
+    state: Mapping[str, torch.Tensor], bucket_bytes: int, dtype: torch.dtype | None = None
+) -> list[dict[str, torch.Tensor]]:
+    """Consecutive groups of tensors of at most `bucket_bytes` each on the wire, floating-point tensors sent in
+    `dtype` when one is given (a larger tensor is a bucket by itself).
+
+    Within a bucket the tensors go widest dtype (on the wire) first, in their order otherwise, so each starts in
+    the flat bucket at a multiple of its element size: SGLang views its slice of the bytes as the dtype without a
+    copy, which fails on a misaligned one (a float32 after an odd number of bfloat16 values)."""
+
+    def element_size(tensor: torch.Tensor) -> int:
+        return torch.empty((), dtype=wire_dtype(tensor, dtype)).element_size()
+
     out: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in state.items():
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.numel() * element_size(tensor)
         if out[-1] and size + nbytes > bucket_bytes:
             out.append({})
             size = 0
         out[-1][name] = tensor
         size += nbytes
-    return [dict(sorted(bucket.items(), key=lambda item: -item[1].element_size())) for bucket in out if bucket]
+    return [dict(sorted(bucket.items(), key=lambda item: -element_size(item[1]))) for bucket in out if bucket]
+
+
+def engine_dtype(backend: str, base_model: Path | None) -> torch.dtype | None:
+    """The dtype floating-point weights are broadcast in: with NCCL (GPU engines, SGLang) the dtype the base
+    model's config.json names, which the engines serve with `--dtype auto` and which every version's config.json
+    names too (weights.py); None (the trainer's fp32) with gloo, whose CPU engines compute in fp32, or when the
+    config names no reduced floating-point dtype.
+
+    Under mixed precision the trainer keeps fp32 parameters: sent as they are, every bucket took twice the bytes
+    over NCCL and twice the engine's GPU memory to receive, only for SGLang to round them to bf16 as it loads them
+    (the same rounding as here). slime's FSDP broadcast casts to bf16 the same way."""
+    if backend != "nccl" or base_model is None:
+        return None
+    name = base_dtype(base_model)
+    try:
+        dtype = dtype_from_name(name) if name is not None else None
+    except ValueError:
+        return None
+    if dtype is None or not dtype.is_floating_point or dtype.itemsize >= 4:
+        return None
+    return dtype
 
 
 class WeightBroadcaster:
@@ -97,9 +135,12 @@ class WeightBroadcaster:
         timeout_s: float,
         group_name: str = GROUP_NAME,
         abort_all_requests: bool = False,
+        dtype: torch.dtype | None = None,
     ) -> None:
         """`abort_all_requests`: each version's first bucket has the engines abort their requests
-        first (the run resumes them on the new version: partial rollouts)."""
+        first (the run resumes them on the new version: partial rollouts).
+        `dtype`: the dtype floating-point tensors travel in (`engine_dtype`); None: the state's own."""
+        self.dtype = dtype
         self._router = router
         self._abort_all_requests = abort_all_requests
         self._master_address = master_address
@@ -164,12 +205,14 @@ class WeightBroadcaster:
         group = self.group
         if group is None:
             raise Unavailable("the weight update group is not open; call open() first")
-        parts = buckets(unique_tensors(state), self._bucket_bytes)
+        parts = buckets(unique_tensors(state), self._bucket_bytes, self.dtype)
         for index, bucket in enumerate(parts):
             last = index == len(parts) - 1
-            tensors = [t.to(self.device) for t in bucket.values()]
+            # NCCL sends only from the GPU: each bucket is copied there (and cast to what the engines serve) as it goes.
+            wire = {name: t.to(device=self.device, dtype=wire_dtype(t, self.dtype)) for name, t in bucket.items()}
+            tensors = list(wire.values())
             body: dict[str, Any] = {
-                **request_fields(bucket),
+                **request_fields(wire),
                 "group_name": self.group_name,
                 "load_format": FLATTENED_BUCKET,
                 "flush_cache": last,

@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 from rlfleet.errors import Unavailable
 from rlfleet_trainer.config import TrainerSettings
 from rlfleet_trainer.router_client import RouterClient
-from rlfleet_trainer.weight_broadcast import WeightBroadcaster
+from rlfleet_trainer.weight_broadcast import WeightBroadcaster, engine_dtype
 from rlfleet_trainer.weights import save_version, without_tied_copies
 
 logger = logging.getLogger(__name__)
@@ -144,8 +144,10 @@ def make_publisher(
     full_state: FullState = PreTrainedModel.state_dict,
     *,
     abort_all_requests: bool = False,
+    base_model: Path | None = None,
 ) -> WeightPublisher:
-    """The publisher `settings.weight_sync` names, for one run (it opens its group on the first publish)."""
+    """The publisher `settings.weight_sync` names, for one run (it opens its group on the first publish).
+    `base_model`, the model the run started from: over NCCL its dtype is the one versions travel in."""
     disk = DiskPublisher(router, weights_root, tokenizer_dir, full_state, abort_all_requests=abort_all_requests)
     if settings.weight_sync == "disk":
         return disk
@@ -156,5 +158,6 @@ def make_publisher(
         bucket_mb=settings.weight_sync_bucket_mb,
         timeout_s=settings.weight_sync_timeout_s,
         abort_all_requests=abort_all_requests,
+        dtype=engine_dtype(settings.weight_sync_backend, base_model),
     )
     return DistributedPublisher(broadcaster, disk, weights_root, tokenizer_dir, full_state)
