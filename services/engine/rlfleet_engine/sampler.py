@@ -22,6 +22,9 @@ import torch
 
 from rlfleet_engine.sampling_params import SamplingParams
 
+TOP_P_DEPTH = 1024
+"""How many of the most likely tokens a top-p without a top-k sorts first (see `truncated_probs`)."""
+
 
 @dataclass(frozen=True)
 class SampledTokens:
@@ -94,14 +97,36 @@ def seeded_generator(seed: int | None, sample_index: int) -> torch.Generator | N
 
 
 def truncated_probs(probs: torch.Tensor, params: Sequence[SamplingParams], vocab: int) -> torch.Tensor:
-    """Zeroes what top-k, top-p and min-p exclude in `probs` (B, V); the most likely token always stays."""
-    top_ks = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]).unsqueeze(1)  # (B, 1)
-    top_ps = torch.tensor([p.top_p for p in params]).unsqueeze(1)  # (B, 1)
-    min_ps = torch.tensor([p.min_p for p in params]).unsqueeze(1)  # (B, 1)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)  # (B, V)
-    rank = torch.arange(vocab).unsqueeze(0)  # (1, V)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (B, V): mass of strictly more likely tokens
-    drop = (rank >= top_ks) | (mass_before > top_ps) | (sorted_probs < sorted_probs[:, :1] * min_ps)
-    drop[:, 0] = False
-    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs).scatter(1, order, sorted_probs)
+    """Zeroes what top-k, top-p and min-p exclude in `probs` (B, V); the most likely token always stays.
+
+    Only what a row needs is sorted (sorting a 152k vocabulary for 16 rows takes ~160 ms of one core, longer
+    than a small model's decode step): nothing for a row that truncates nothing or only by min-p (a fraction of
+    the most likely token's probability), its k most likely tokens for a row with a top-k, and for a top-p alone
+    the TOP_P_DEPTH most likely when they hold over p of the mass (all the others are then dropped), else all."""
+    top_ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+    keep = probs >= probs.amax(dim=-1, keepdim=True) * torch.tensor([[p.min_p] for p in params])  # (B, V)
+    by_k = [i for i, k in enumerate(top_ks) if k < vocab]
+    by_p = [i for i, p in enumerate(params) if top_ks[i] == vocab and p.top_p < 1.0]
+    if by_p and TOP_P_DEPTH < vocab:
+        head = probs[by_p].topk(TOP_P_DEPTH, dim=-1).values.sum(dim=-1)  # (P,)
+        shallow = [i for i, mass in zip(by_p, head.tolist(), strict=True) if mass > params[i].top_p]
+        by_p = [i for i in by_p if i not in shallow]
+        for i in shallow:
+            top_ks[i] = TOP_P_DEPTH
+        by_k += shallow
+    for rows in (by_k, by_p):
+        if rows:
+            keep[rows] &= _top_k_top_p(probs[rows], [top_ks[i] for i in rows], [params[i].top_p for i in rows])
+    return probs.masked_fill(~keep, 0.0)
+
+
+def _top_k_top_p(probs: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    """Which tokens (R, V) top-k and top-p keep: those among the k most likely whose strictly more likely tokens
+    hold at most p of the mass, the most likely always."""
+    depth = max(top_ks)
+    sorted_probs, order = probs.topk(depth, dim=-1)  # (R, depth), most likely first
+    rank = torch.arange(depth).unsqueeze(0)  # (1, depth)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (R, depth): mass of strictly more likely tokens
+    kept = (rank < torch.tensor(top_ks).unsqueeze(1)) & (mass_before <= torch.tensor(top_ps).unsqueeze(1))
+    kept[:, 0] = True
+    return torch.zeros_like(probs, dtype=torch.bool).scatter(1, order, kept)
