@@ -38,14 +38,19 @@ def serve(config: EngineConfig) -> None:
     from rlfleet_engine.engine_core import EngineCore, Tokenizer
     from rlfleet_engine.http_app import create_app
     from rlfleet_engine.serving import serve_http
-    from rlfleet_engine.transformers_backend import TransformersBackend
+    from rlfleet_engine.transformers_backend import TransformersBackend, tokenizer_eos_token_ids
 
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     logger.info("loading %s (%s, %d torch threads)", config.model_path, config.dtype, torch.get_num_threads())
     # Hugging Face tokenizers have the encode/decode the core needs, under wider signatures.
     tokenizer = cast(Tokenizer, AutoTokenizer.from_pretrained(config.tokenizer_path))
-    backend = TransformersBackend(config.model_path, dtype=config.dtype, context_length=config.context_length)
+    backend = TransformersBackend(
+        config.model_path,
+        dtype=config.dtype,
+        context_length=config.context_length,
+        tokenizer_eos_token_ids=tokenizer_eos_token_ids(tokenizer),
+    )
     registry = CollectorRegistry()
     core = EngineCore(config, backend, tokenizer, registry)
     app = create_app(core, registry)
