@@ -230,6 +230,7 @@ class Fleet:
                 rids=request_rids(parsed),
             )
         except RequestAborted as exc:
+            self.metrics.aborted_unsent.inc()
             logger.info("%s answered as aborted: %s", route, exc)
             return aborted_answer(route, parsed)
 

@@ -231,6 +231,12 @@ class RouterMetrics:
             "was sent moments before: they arrive once its prefill has begun, and find the prompt cached.",
             registry=self.registry,
         )
+        self.aborted_unsent = Counter(
+            "rlfleet_router_aborted_unsent",
+            "Generation requests a client's /abort_request named while the router held them at no engine (held back, "
+            "waiting to be retried, connecting): answered as aborted, never sent.",
+            registry=self.registry,
+        )
         self.restarts = EngineCounter(
             "rlfleet_router_engine_restarts",
             "Restarts of failed engines, by engine (its URL before the restart) and result (success: it passed a "

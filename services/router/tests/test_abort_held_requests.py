@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import httpx
 import pytest
-from router_fakes import FakeEngine, RunningRouter
+from router_fakes import FakeEngine, RunningRouter, metric_value
 
 from rlfleet.processes import free_port
 from rlfleet_router.engine_client import EngineClient, Interrupt
@@ -89,6 +89,7 @@ def test_an_abort_by_rid_reaches_a_request_held_by_the_prefill_stagger(
     assert answer.headers["content-type"] == "application/json"
     time.sleep(1.0)  # past the moment the stagger would have sent it
     assert sent_rids(engine) == ["first/"], "the aborted request never reached the engine"
+    assert metric_value(router.client.get("/metrics").text, "rlfleet_router_aborted_unsent_total") == 1
     assert first.answer().status_code == 200
     assert router.workers()[0]["in_flight"] == 0
 
