@@ -43,9 +43,11 @@ class EngineConfig(BaseSettings):
     """Most sequences decoded together in one batch; further requests wait in the queue. The sglang backend
     passes it on only when set: SGLang sizes its batch from the KV pool."""
     max_prefill_tokens: int = Field(default=16384, gt=0)
-    """`sim` backend: most uncached prompt tokens one prefill batch computes (SGLang's --max-prefill-tokens and
-    its default); the requests behind wait for the next iteration, and find the prefixes this one computed
-    cached. A single request over it still runs, alone."""
+    """Most prompt tokens one prefill batch computes (SGLang's --max-prefill-tokens and its default); the requests
+    behind wait for the next iteration. `sim`: uncached tokens (the requests behind find the prefixes this batch
+    computed cached). `transformers`: distinct prompts x the longest, as the batch is padded to it (the `n`
+    samples of a prompt count once), and it also splits the recomputation of the running rows' KV after a weight
+    load. A single request over it still runs, alone. The sglang backend does not pass it on."""
     random_seed: int = 0
     """Seed of the sampler's random generator. The sglang backend passes it on only when set: SGLang seeds each
     server at random."""
@@ -115,7 +117,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--served-model-name", "Model name reported to clients (default: the model path)."),
     Flag("--context-length", "Longest prompt + completion in tokens (default: the model's)."),
     Flag("--max-running-requests", "Most sequences in one decode batch (default 16); sglang sizes it unless set."),
-    Flag("--max-prefill-tokens", "sim backend: most uncached prompt tokens per prefill batch (default 16384)."),
+    Flag("--max-prefill-tokens", "Most prompt tokens per prefill batch (default 16384)."),
     Flag("--random-seed", "Seed of the sampler (default 0); sglang draws one unless set."),
     Flag("--log-level", LOG_LEVEL_HELP),
     Flag("--backend", "transformers (default), sglang (the real SGLang server) or sim (no model)."),

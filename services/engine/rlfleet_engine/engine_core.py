@@ -61,6 +61,7 @@ class EngineCore(ScheduledGeneration):
             tokenizer,
             self.metrics,
             max_running_requests=config.max_running_requests,
+            max_prefill_tokens=config.max_prefill_tokens,
             weight_version=config.weight_version,
             seed=config.random_seed,
         )

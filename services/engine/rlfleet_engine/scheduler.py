@@ -2,8 +2,9 @@
 
 Each iteration, between two decode steps, the loop
   1. runs queued aborts, then control operations (weight loads),
-  2. admits waiting jobs up to --max-running-requests: they are prefilled together, left-padded,
-     and merged into the running batch (continuous batching), and their first token is sampled,
+  2. admits waiting jobs, first come first served, up to --max-running-requests and while their prefill
+     fits --max-prefill-tokens (`prefill_budget`; the first always does): they are prefilled together,
+     left-padded, and merged into the running batch (continuous batching), and their first token is sampled,
   3. runs one decode step over all running rows with per-row sampling parameters,
   4. publishes outputs and drops finished rows.
 While paused (/pause_generation) only step 1 runs, so a weight load can happen with requests held; a pause
@@ -28,6 +29,7 @@ from rlfleet.errors import RlfleetError
 from rlfleet_engine.backend import GenerationBackend
 from rlfleet_engine.generation_job import GenerationJob
 from rlfleet_engine.metrics import EngineMetrics
+from rlfleet_engine.prefill_budget import PrefillBatch, prefill_batches
 from rlfleet_engine.sampler import sample
 from rlfleet_engine.stop_conditions import FinishReason, token_finish
 
@@ -48,6 +50,7 @@ class Scheduler:
         tokenizer: Tokenizer,
         metrics: EngineMetrics,
         max_running_requests: int,
+        max_prefill_tokens: int,
         weight_version: str,
         seed: int,
     ) -> None:
@@ -55,6 +58,7 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.max_running_requests = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
         self.weight_version = weight_version
         self.generator = torch.Generator().manual_seed(seed)
         self.peak_batch_size = 0
@@ -142,7 +146,9 @@ class Scheduler:
         load(self.backend)
         if self._running:
             self.backend.keep([])
-            self.backend.add([[*job.input_ids, *job.output_ids[:-1]] for job in self._running])
+            sequences = [[*job.input_ids, *job.output_ids[:-1]] for job in self._running]
+            for batch in prefill_batches(sequences, self.max_prefill_tokens):  # rows appended in order
+                self.backend.add(batch)
         if weight_version is not None:
             self.weight_version = weight_version
         return len(self._running)
@@ -199,10 +205,7 @@ class Scheduler:
             future.set_result(result)
 
     def _admit(self) -> None:
-        admitted: list[GenerationJob] = []
-        with self._wake:
-            while self._waiting and len(self._running) + len(admitted) < self.max_running_requests:
-                admitted.append(self._waiting.popleft())
+        admitted = self._take_prefill_batch()
         if not admitted:
             return
         for job in [j for j in admitted if j.params.max_new_tokens == 0]:
@@ -216,6 +219,20 @@ class Scheduler:
         logits = self.backend.add([job.input_ids for job in admitted])  # (n, V)
         self.metrics.prompt_tokens.inc(sum(len(job.input_ids) for job in admitted if job.log_metrics))
         self._advance(admitted, logits)
+
+    def _take_prefill_batch(self) -> list[GenerationJob]:
+        """Takes waiting jobs in order while batch slots last and their prefill fits `max_prefill_tokens` (the
+        first always does). The first that does not fit stops the ones behind it, so a long prompt is not starved
+        by shorter ones that would keep fitting. A job asking for no token takes a slot but no prefill."""
+        taken: list[GenerationJob] = []
+        batch = PrefillBatch(self.max_prefill_tokens)
+        with self._wake:
+            while self._waiting and len(self._running) + len(taken) < self.max_running_requests:
+                job = self._waiting[0]
+                if job.params.max_new_tokens and not batch.take(job.input_ids):
+                    break
+                taken.append(self._waiting.popleft())
+        return taken
 
     def _decode_step(self) -> None:
         batch = len(self._running)
