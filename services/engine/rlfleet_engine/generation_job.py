@@ -60,6 +60,9 @@ class GenerationJob:
     last_token_at: float | None = None
     finished_at: float | None = None
     _stop_at: int | None = None  # where a matched stop string starts in the text decoded with special tokens
+    _token_texts: dict[int, str] = field(default_factory=dict)
+    """Each token id's text once decoded (`return_text_in_logprobs`): a streamed job publishes every token's at
+    every output, which decoded them all again each time."""
 
     def append(self, token_id: int, logprob: float, top: list[tuple[float, int]], weight_version: str) -> None:
         """Records one token sampled under `weight_version`."""
@@ -171,4 +174,9 @@ class GenerationJob:
         return {"text": self.text(tokenizer), "output_ids": list(self.output_ids), "meta_info": meta}
 
     def _token_text(self, tokenizer: Detokenizer, token_id: int) -> str | None:
-        return tokenizer.decode([token_id], skip_special_tokens=False) if self.return_text_in_logprobs else None
+        if not self.return_text_in_logprobs:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
