@@ -4,6 +4,7 @@ gathered as the trainer publishes it; rank 0 writes which names a broadcast of t
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -30,3 +31,9 @@ def main(model_dir: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    # Every rank is past the barrier and out of the group, its work written. Python's own teardown could
+    # still abort the process now and then ("terminate called without an active exception" from a thread
+    # torch leaves behind), failing a job that succeeded: end here.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
