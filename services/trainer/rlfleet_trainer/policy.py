@@ -6,15 +6,30 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from rlfleet_trainer.batch import PackedBatch
 
+POLICY_DTYPE = torch.float32
+"""The engines compute in fp32 too, so train and rollout log-probs agree to ~1e-6."""
+
 
 def load_policy(path: str | Path) -> PreTrainedModel:
-    """fp32 on CPU: the engines compute in fp32 too, so train and rollout log-probs agree to ~1e-6."""
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    """The model at `path`, in POLICY_DTYPE on the CPU."""
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=POLICY_DTYPE)
     model.config.use_cache = False
+    return model
+
+
+def policy_skeleton(path: str | Path) -> PreTrainedModel:
+    """The model at `path` as load_policy builds it (class, config, dtype, eval mode, tied parameters), with every
+    parameter and buffer on the meta device: its config is read, its weights are not. Sharded, then materialised
+    and loaded by `sharding.load_from_rank_0`, it takes a rank its shard of memory instead of a whole copy."""
+    config = AutoConfig.from_pretrained(str(path))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=POLICY_DTYPE)
+    model.config.use_cache = False
+    model.eval()  # from_pretrained's mode
     return model
 
 

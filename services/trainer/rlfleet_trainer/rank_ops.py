@@ -20,9 +20,9 @@ from rlfleet.v1.samples_pb2 import SampleGroup
 from rlfleet_trainer.checkpoint import CheckpointMeta, TrainingState, load_checkpoint, save_checkpoint
 from rlfleet_trainer.data_parallel import current_ranks
 from rlfleet_trainer.optim import optimizer_from_spec
-from rlfleet_trainer.policy import disable_dropout, load_policy
-from rlfleet_trainer.rank_group import Op
-from rlfleet_trainer.sharding import compute_device, full_state_dict, shard_model
+from rlfleet_trainer.policy import disable_dropout, load_policy, policy_skeleton
+from rlfleet_trainer.rank_group import Op, on_every_rank
+from rlfleet_trainer.sharding import compute_device, full_state_dict, load_from_rank_0
 from rlfleet_trainer.train_step import StepConfig, step_config_from_spec, train_step
 
 logger = logging.getLogger(__name__)
@@ -69,17 +69,15 @@ def load_model(
     """The model at `path` on this rank's device (`compute_device()` unless given).
 
     Sharded with FSDP2 over the ranks when there is more than one, and over the one rank of a GPU job too: the
-    model only reaches the GPU there (it is loaded on the CPU), and bf16 compute and activation checkpointing are
-    FSDP's. One rank on the CPU keeps the model whole, computing exactly what it always did; a process without
-    torchrun moves it whole to its GPU, if it has one."""
+    model only reaches the GPU there, and bf16 compute and activation checkpointing are FSDP's
+    (`load_sharded_model`). One rank on the CPU keeps the model whole, computing exactly what it always did; a
+    process without torchrun loads it on the CPU and moves it whole to its GPU, if it has one."""
     device = compute_device() if device is None else device
-    model = load_policy(path)
-    disable_dropout(model)
-    if not trainable:
-        model.eval().requires_grad_(False)
     if current_ranks().world > 1 or (device.type != "cpu" and process_group_ready()):
-        shard_model(model, options.mixed_precision, options.activation_checkpointing and trainable)
-        return model
+        return load_sharded_model(
+            path, trainable, options.mixed_precision, options.activation_checkpointing and trainable
+        )
+    model = prepared(load_policy(path), trainable)
     if device.type != "cpu":
         torch.nn.Module.to(model, device)  # transformers types its `to` wrapper in a way mypy cannot call
     if trainable and (options.mixed_precision or options.activation_checkpointing):
@@ -88,6 +86,38 @@ def load_model(
             "a GPU under torchrun): this %s model computes in fp32 without them",
             device.type,
         )
+    return model
+
+
+def load_sharded_model(
+    path: str | Path, trainable: bool, mixed_precision: bool, activation_checkpointing: bool
+) -> PreTrainedModel:
+    """The model at `path` sharded over the ranks, read from storage by rank 0 alone. Every rank builds it on the
+    meta device (no memory) and shards it; rank 0 loads it whole on the CPU and hands each rank its shards. So a
+    node of 8 ranks holds one whole copy while it loads, not 8 (a 7B model in fp32: 28 GB, not 224 GB).
+
+    A failure to read the model (a config or weights that do not load) is raised on every rank, before any of
+    them waits in the load's collectives."""
+    parts: dict[str, PreTrainedModel] = {}
+    rank_0 = dist.get_rank() == 0
+
+    def read() -> None:
+        parts["skeleton"] = policy_skeleton(path)
+        if rank_0:
+            parts["source"] = load_policy(path)
+
+    on_every_rank(read)
+    model = prepared(parts["skeleton"], trainable)
+    # `requires_grad` is set before sharding, where the sharded parameters take it from.
+    load_from_rank_0(model, parts.get("source"), mixed_precision, activation_checkpointing)
+    return model
+
+
+def prepared(model: PreTrainedModel, trainable: bool) -> PreTrainedModel:
+    """`model` without dropout, and frozen in eval mode unless `trainable` (a run's reference)."""
+    disable_dropout(model)
+    if not trainable:
+        model.eval().requires_grad_(False)
     return model
 
 

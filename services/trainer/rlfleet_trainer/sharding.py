@@ -1,5 +1,6 @@
-"""FSDP2 for the policy: `fully_shard` on each transformer block, then on the root, and the full
-(unsharded) weights gathered back for publishing.
+"""FSDP2 for the policy: `fully_shard` on each transformer block, then on the root, a model built on
+the meta device loaded shard by shard from rank 0's copy, and the full (unsharded) weights gathered
+back for publishing.
 
 Gradients are reduced as a SUM over ranks, not FSDP's default mean: each rank divides its loss by
 the global batch's denominator (aggregation.py), so the summed gradient is exactly the gradient of
@@ -19,7 +20,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -87,6 +88,44 @@ def shard_model(model: nn.Module, mixed_precision: bool = False, activation_chec
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def load_from_rank_0(
+    model: nn.Module,
+    source: nn.Module | None,
+    mixed_precision: bool = False,
+    activation_checkpointing: bool = False,
+) -> nn.Module:
+    """Shards `model`, built on the meta device on every rank (`policy.policy_skeleton`), materialises each rank's
+    shard on its device and fills it from `source`, the same model loaded whole on rank 0 (None on the others), as
+    torchtitan and `torch.distributed.checkpoint.state_dict` do it: rank 0 broadcasts one tensor at a time and
+    every rank keeps its shard of it, so no other rank ever holds a whole copy. A collective; returns `model`.
+
+    Buffers are no parameters and are not sharded: each rank holds them whole, and the non-persistent ones (a
+    rotary embedding's `inv_freq`, computed in its __init__) are in no state dict, so `to_empty` leaves them
+    uninitialised. All of them are broadcast from `source`'s, whatever computed them."""
+    if not dist.is_initialized():
+        raise RuntimeError("load_from_rank_0 needs an initialised process group (run under torchrun)")
+    if (source is not None) != (dist.get_rank() == 0):
+        raise ValueError("load_from_rank_0: rank 0, and only rank 0, passes the loaded model as source")
+    # Named before sharding: activation checkpointing wraps the blocks, which renames their modules.
+    buffers = [
+        (f"{prefix}.{name}" if prefix else name, module, name)
+        for prefix, module in model.named_modules()
+        for name, _ in module.named_buffers(recurse=False)
+    ]
+    shard_model(model, mixed_precision, activation_checkpointing)
+    model.to_empty(device=compute_device())
+    full = source.state_dict() if source is not None else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    loaded = dict(source.named_buffers(remove_duplicate=False)) if source is not None else {}
+    with torch.no_grad():
+        for qualified, module, name in buffers:
+            buffer = getattr(module, name)
+            if source is not None:
+                buffer.copy_(loaded[qualified])
+            dist.broadcast(buffer, src=0)
     return model
 
 

@@ -21,14 +21,14 @@ from rlfleet_trainer.weight_publisher import DistributedPublisher, make_publishe
 FAKE_GPU = torch.device("meta")
 
 
-def record_shard_model(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, bool]]:
+def record_sharded_loads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, bool]]:
     calls: list[tuple[bool, bool]] = []
 
-    def shard(model: torch.nn.Module, mixed_precision: bool = False, activation_checkpointing: bool = False) -> Any:
+    def load_sharded(path: Path, trainable: bool, mixed_precision: bool, activation_checkpointing: bool) -> Any:
         calls.append((mixed_precision, activation_checkpointing))
-        return model
+        return None
 
-    monkeypatch.setattr(rank_ops, "shard_model", shard)
+    monkeypatch.setattr(rank_ops, "load_sharded_model", load_sharded)
     return calls
 
 
@@ -37,7 +37,7 @@ def test_one_gpu_rank_under_torchrun_is_sharded_so_the_model_reaches_its_gpu(
 ) -> None:
     """A job of one rank (`torchrun --nproc_per_node=1`) on a GPU node trained on the CPU: only FSDP moved the
     model to the GPU, and it ran with more than one rank only. bf16 compute and recomputation are FSDP's too."""
-    calls = record_shard_model(monkeypatch)
+    calls = record_sharded_loads(monkeypatch)
     monkeypatch.setattr(rank_ops, "process_group_ready", lambda: True)
     options = ShardingOptions(mixed_precision=True, activation_checkpointing=True)
     load_model(small_model_dir, options, trainable=True, device=FAKE_GPU)
@@ -46,7 +46,7 @@ def test_one_gpu_rank_under_torchrun_is_sharded_so_the_model_reaches_its_gpu(
 
 
 def test_one_cpu_rank_keeps_the_model_whole(small_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = record_shard_model(monkeypatch)
+    calls = record_sharded_loads(monkeypatch)
     monkeypatch.setattr(rank_ops, "process_group_ready", lambda: True)
     model = load_model(small_model_dir, ShardingOptions(), trainable=True, device=torch.device("cpu"))
     assert calls == []
@@ -56,7 +56,7 @@ def test_one_cpu_rank_keeps_the_model_whole(small_model_dir: Path, monkeypatch: 
 def test_a_gpu_process_without_torchrun_moves_the_whole_model_to_its_gpu(
     small_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    calls = record_shard_model(monkeypatch)
+    calls = record_sharded_loads(monkeypatch)
     monkeypatch.setattr(rank_ops, "process_group_ready", lambda: False)
     with caplog.at_level(logging.WARNING, logger=rank_ops.__name__):
         model = load_model(small_model_dir, ShardingOptions(mixed_precision=True), trainable=True, device=FAKE_GPU)
