@@ -7,63 +7,15 @@ In process: the `sim` core, and the model core over a backend whose decode step 
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
-from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
 from prometheus_client import CollectorRegistry
+from zero_logits_backend import CharTokenizer, ZeroLogitsBackend
 
 from rlfleet_engine.config import EngineConfig
 from rlfleet_engine.engine_core import EngineCore
 from rlfleet_engine.schemas import GenerateRequest, UpdateWeightsFromDiskRequest
 from rlfleet_engine.sim_backend import SimEngineCore
-
-VOCAB = 32
-
-
-class SlowStepBackend:
-    """Logits of zeros; each decode step takes `step_secs` and says when it starts."""
-
-    vocab_size = VOCAB
-    context_length = 512
-    eos_token_ids: frozenset[int] = frozenset()
-
-    def __init__(self, step_secs: float) -> None:
-        self.step_secs = step_secs
-        self.stepping = threading.Event()
-
-    def add(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-        return torch.zeros((len(prompts), VOCAB))
-
-    def step(self, tokens: Sequence[int]) -> torch.Tensor:
-        self.stepping.set()
-        time.sleep(self.step_secs)
-        return torch.zeros((len(tokens), VOCAB))
-
-    def keep(self, rows: Sequence[int]) -> None:
-        pass
-
-    def load_weights(self, model_path: str) -> None:
-        pass
-
-    def check_tensors(self, shapes: Sequence[tuple[str, tuple[int, ...]]], source: str) -> None:
-        pass
-
-    def load_tensors(self, tensors: Mapping[str, torch.Tensor], source: str) -> None:
-        pass
-
-    def describe(self) -> dict[str, Any]:
-        return {}
-
-
-class CharTokenizer:
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) % VOCAB for c in text]
-
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(97 + t % 26) for t in token_ids)
 
 
 def long_request(rid: str, max_new_tokens: int) -> GenerateRequest:
@@ -73,7 +25,7 @@ def long_request(rid: str, max_new_tokens: int) -> GenerateRequest:
 
 
 def test_the_model_core_answers_a_pause_only_once_the_step_in_flight_has_ended() -> None:
-    backend = SlowStepBackend(step_secs=0.3)
+    backend = ZeroLogitsBackend(step_secs=0.3)
     core = EngineCore(EngineConfig(model_path="slow"), backend, CharTokenizer(), CollectorRegistry())  # type: ignore[arg-type]
     core.start()
 

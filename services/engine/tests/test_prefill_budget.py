@@ -6,8 +6,7 @@ order. In process, over a backend that records its prefills, and on the tiny mod
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
+from zero_logits_backend import CharTokenizer, ZeroLogitsBackend
 
 from rlfleet_engine.config import EngineConfig
 from rlfleet_engine.engine_core import EngineCore
@@ -22,56 +22,12 @@ from rlfleet_engine.prefill_budget import PrefillBatch, prefill_batches
 from rlfleet_engine.schemas import GenerateRequest
 from rlfleet_engine.transformers_backend import TransformersBackend
 
-VOCAB = 32
 BUDGET = 100
 
 
 def cost(prompts: Sequence[Sequence[int]]) -> int:
     """What the transformers backend computes to prefill `prompts` together."""
     return len({tuple(p) for p in prompts}) * max(len(p) for p in prompts)
-
-
-class RecordingBackend:
-    """Logits of zeros; records the prompts of every prefill. Its decode steps take `step_secs`."""
-
-    vocab_size = VOCAB
-    context_length = 512
-    eos_token_ids: frozenset[int] = frozenset()
-
-    def __init__(self, step_secs: float = 0.0) -> None:
-        self.step_secs = step_secs
-        self.prefills: list[list[tuple[int, ...]]] = []
-
-    def add(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-        self.prefills.append([tuple(p) for p in prompts])
-        return torch.zeros((len(prompts), VOCAB))
-
-    def step(self, tokens: Sequence[int]) -> torch.Tensor:
-        time.sleep(self.step_secs)
-        return torch.zeros((len(tokens), VOCAB))
-
-    def keep(self, rows: Sequence[int]) -> None:
-        pass
-
-    def load_weights(self, model_path: str) -> None:
-        pass
-
-    def check_tensors(self, shapes: Sequence[tuple[str, tuple[int, ...]]], source: str) -> None:
-        pass
-
-    def load_tensors(self, tensors: Mapping[str, torch.Tensor], source: str) -> None:
-        pass
-
-    def describe(self) -> dict[str, Any]:
-        return {}
-
-
-class CharTokenizer:
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) % VOCAB for c in text]
-
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(97 + t % 26) for t in token_ids)
 
 
 def run(core: EngineCore, body: dict[str, Any]) -> Any:
@@ -82,7 +38,7 @@ def run(core: EngineCore, body: dict[str, Any]) -> Any:
         core.stop()
 
 
-def recording_core(backend: RecordingBackend, **config: Any) -> EngineCore:
+def recording_core(backend: ZeroLogitsBackend, **config: Any) -> EngineCore:
     settings = EngineConfig(model_path="recording", max_prefill_tokens=BUDGET, **config)
     return EngineCore(settings, backend, CharTokenizer(), CollectorRegistry())  # type: ignore[arg-type]
 
@@ -107,7 +63,7 @@ def test_a_prefill_batch_costs_distinct_prompts_times_the_longest() -> None:
 
 
 def test_requests_are_prefilled_within_the_budget_in_order() -> None:
-    backend = RecordingBackend()
+    backend = ZeroLogitsBackend()
     short = [[k] * 10 for k in (1, 2, 3)]
     long, after, huge, last = [4] * 80, [5] * 10, [6] * 150, [7] * 10
     prompts = [*short, long, after, huge, last]
@@ -123,7 +79,7 @@ def test_requests_are_prefilled_within_the_budget_in_order() -> None:
 
 
 def test_the_samples_of_a_prompt_count_once() -> None:
-    backend = RecordingBackend()
+    backend = ZeroLogitsBackend()
     prompt, other = [1] * 90, [2] * 20
     run(
         recording_core(backend),
@@ -134,7 +90,7 @@ def test_the_samples_of_a_prompt_count_once() -> None:
 
 
 def test_the_kv_recomputed_after_a_weight_load_is_prefilled_within_the_budget() -> None:
-    backend = RecordingBackend(step_secs=0.002)
+    backend = ZeroLogitsBackend(step_secs=0.002)
     core = recording_core(backend)
     prompts = [[k] * 30 for k in range(1, 5)]
     core.start()
