@@ -19,9 +19,12 @@ from rlfleet_reward.config import RewardSettings
 if TYPE_CHECKING:
     from rlfleet_reward.registry import Registry
     from rlfleet_reward.reward_function import RewardFunction
+    from rlfleet_reward.sandbox_memory import MemoryBudget
 
 # What the answers of requests cut off at the end of the shutdown grace get to be written in.
 _ANSWER_BEFORE_CUTOFF_SECONDS = 0.5
+# The smallest `memory_mb` a `code` spec may ask (CodeParams): a share below it fails every test.
+_SMALLEST_MEMORY_MB = 64
 FLAGS: tuple[Flag, ...] = (
     Flag("--host", "interface to bind (default 127.0.0.1)"),
     Flag("--port", "HTTP port (default 8001)"),
@@ -36,6 +39,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-waiting-requests", "most requests waiting for room at once; more get 429 at once (default 64)"),
     Flag("--max-request-bytes", "largest request body or message (default 64 MiB)"),
     Flag("--shutdown-grace-seconds", "time in-flight requests get on SIGTERM (default 10)"),
+    Flag("--code-memory-budget-mb", "memory code tests may hold together (default: container limit less reserve)"),
+    Flag("--code-memory-reserve-mb", "memory kept for the hub when the budget comes from the container (default 512)"),
     Flag("--log-level", LOG_LEVEL_HELP),
 )
 
@@ -80,7 +85,8 @@ async def serve(settings: RewardSettings, registry: Registry) -> None:
 
     logger = logging.getLogger("rlfleet_reward")
     metrics = RewardMetrics()
-    pool = WorkerPool(registry.pool_functions(), settings.workers)
+    budget = _memory_budget(settings, logger)
+    pool = WorkerPool(registry.pool_functions(), settings.workers, memory_budget=budget)
     limits = ScoringLimits(
         settings.default_timeout_seconds,
         settings.max_timeout_seconds,
@@ -141,6 +147,30 @@ async def serve(settings: RewardSettings, registry: Registry) -> None:
         await close_clients()
         http_socket.close()
     logger.info("reward hub stopped")
+
+
+def _memory_budget(settings: RewardSettings, logger: logging.Logger) -> MemoryBudget | None:
+    """The memory the `code` sandbox's tests may hold together (see `sandbox_memory`), logged as each worker's
+    share; a limit the hub cannot read stops it, rather than run tests unbounded in a container that has one."""
+    from rlfleet_reward.sandbox_memory import memory_budget
+
+    try:
+        budget = memory_budget(settings.code_memory_budget_mb, settings.code_memory_reserve_mb, settings.workers)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"reward hub cannot read its container's memory limit: {exc}") from None
+    if budget is None:
+        logger.info("code sandbox memory: no budget (no container memory limit); a test holds its own limits")
+    elif budget.share_mb < _SMALLEST_MEMORY_MB:
+        logger.warning(
+            "code sandbox memory: %s, below the smallest memory_mb (%d MiB): every code test will fail; raise "
+            "RLFLEET_REWARD_CODE_MEMORY_BUDGET_MB or the memory limit, or lower RLFLEET_REWARD_CODE_MEMORY_RESERVE_MB "
+            "or the workers",
+            budget.describe(),
+            _SMALLEST_MEMORY_MB,
+        )
+    else:
+        logger.info("code sandbox memory: %s", budget.describe())
+    return budget
 
 
 def _log_sandbox(logger: logging.Logger) -> None:

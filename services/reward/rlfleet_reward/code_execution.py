@@ -12,7 +12,10 @@ the status found by walking the interpreter's frames). The program is the last f
 tagged Python (```python, ```py, ```python3), else its last untagged one (```), else the whole response.
 
 The caller's limits (`memory_mb`, `max_processes`, `file_size_mb`, `disk_mb`) are bounded by the hub's caps
-(`RLFLEET_REWARD_CODE_MAX_*`, see `config.SpecCaps`): a spec asking past one is refused when validated.
+(`RLFLEET_REWARD_CODE_MAX_*`, see `config.SpecCaps`): a spec asking past one is refused when validated. Where the
+hub has a memory budget (a container's limit), each test is also held to its worker's share of it (see
+`sandbox_memory`): a test whose processes together pass the share counts as `code/memory_limit`, and an item whose
+`memory_mb` alone is past the share is an ERROR naming both figures.
 
 The score is the fraction of tests passed (or 1.0/0.0 without `partial_credit`). Every failure is
 counted under its reason, so a hostile or broken program is an OK item scored 0 whose components say
@@ -41,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from rlfleet_reward.config import spec_caps
 from rlfleet_reward.reward_function import RewardFunction, RewardInput, Scored
 from rlfleet_reward.sandbox import RunResult, SandboxLimits, probe_isolation, run_python
+from rlfleet_reward.sandbox_memory import WorkerMemory, installed
 
 # A fenced block with its info string (```python, ```bash, ``` alone): each fence pairs with the next, whatever
 # the language, so a shell block before the program cannot shift which text reads as code.
@@ -147,6 +151,9 @@ def verdict(result: RunResult, test: CodeCase, check_exit: int = 0) -> str:
     # Before the time limit: the disk watchdog ends a run with SIGKILL.
     if result.disk_exceeded or result.exit_code == 128 + signal.SIGXFSZ:
         return "output_limit"
+    # Before the time limit too: the memory watchdog ends a run with SIGKILL.
+    if result.memory_exceeded:
+        return "memory_limit"
     if result.timed_out or result.exit_code in (128 + signal.SIGXCPU, 128 + signal.SIGKILL):
         return "time_limit"
     if result.exit_code != (check_exit if test.check is not None else 0):
@@ -158,12 +165,29 @@ def verdict(result: RunResult, test: CodeCase, check_exit: int = 0) -> str:
     return "passed"
 
 
+def _group_memory_bound(params: Mapping[str, Any], memory: WorkerMemory | None) -> int | None:
+    """What the test's processes may hold together: None when the kernel's per-process bound keeps them within the
+    worker's share (or the hub has no budget), else the share, which the sandbox's watchdog enforces. Raises when
+    even one process may pass the share: the run could hold more than the hub has for it."""
+    if memory is None or memory.budget is None:
+        return None
+    share = memory.budget.share_mb * _MB
+    memory_mb, processes = params["memory_mb"], params["max_processes"]
+    if memory_mb * _MB > share:
+        raise ValueError(
+            f"memory_mb {memory_mb} MiB is past what one test may hold on this hub, {memory.budget.describe()}; "
+            "ask for less memory_mb, or give the hub more memory (RLFLEET_REWARD_CODE_MEMORY_BUDGET_MB, the "
+            "container's memory limit) or fewer workers"
+        )
+    return None if memory_mb * processes * _MB <= share else share
+
+
 def score_code(sample: RewardInput, params: Mapping[str, Any]) -> Scored:
     try:
         label = CodeLabel.model_validate(json.loads(sample.label))
     except (json.JSONDecodeError, ValidationError) as exc:
         raise ValueError(f'the label is not {{"tests": [...]}} JSON: {exc}'[:500]) from None
-    isolation = probe_isolation()
+    memory = installed()
     limits = SandboxLimits(
         wall_seconds=params["timeout_seconds"],
         cpu_seconds=params["cpu_seconds"] or math.ceil(params["timeout_seconds"]),
@@ -171,7 +195,9 @@ def score_code(sample: RewardInput, params: Mapping[str, Any]) -> Scored:
         file_size_bytes=params["file_size_mb"] * _MB,
         disk_bytes=params["disk_mb"] * _MB,
         max_processes=params["max_processes"],
+        group_memory_bytes=_group_memory_bound(params, memory),
     )
+    isolation = probe_isolation()
     program = extract_program(sample.response)
     verdicts: Counter[str] = Counter()
     for test in label.tests:
@@ -179,9 +205,18 @@ def score_code(sample: RewardInput, params: Mapping[str, Any]) -> Scored:
         if test.check is not None:
             check_exit = 3 + secrets.randbelow(100)  # 3-102: no status a program or Python ends with unasked
             source = f"{program}\n\n{test.check}\n"
-        result = run_python(
-            source, test.stdin, limits, isolation, max_stdout_bytes=_stdout_read(test), end_status=check_exit
-        )
+        held = limits.memory_bytes * limits.max_processes
+        if limits.group_memory_bytes is not None:
+            held = min(held, limits.group_memory_bytes)
+        if memory is not None:
+            memory.hold(held)
+        try:
+            result = run_python(
+                source, test.stdin, limits, isolation, max_stdout_bytes=_stdout_read(test), end_status=check_exit
+            )
+        finally:
+            if memory is not None:
+                memory.hold(0)
         verdicts[verdict(result, test, check_exit)] += 1
         if not params["partial_credit"] and verdicts["passed"] < sum(verdicts.values()):
             break  # the score is 0 whatever the remaining tests do

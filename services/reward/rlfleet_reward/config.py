@@ -44,7 +44,8 @@ class SpecCaps(BaseSettings):
         default=16384,
         ge=128,
         description="Largest `memory_mb` x `max_processes` of a `code` spec: the address space one test may "
-        "hold; the hub's worst case is `workers` times this.",
+        "hold. Where the hub has a memory budget (`code_memory_budget_mb`, or a container's limit), a test is also "
+        "held to its worker's share of it; without one the hub's worst case is `workers` times this.",
     )
     code_max_file_size_mb: int = Field(
         default=64, ge=0, description="Largest `file_size_mb` (one file, or stdout) a `code` spec may ask."
@@ -176,6 +177,20 @@ class RewardSettings(SpecCaps):
     )
     shutdown_grace_seconds: float = Field(
         default=10.0, ge=0, description="How long in-flight requests may finish after SIGTERM before they are cut off."
+    )
+    code_memory_budget_mb: int | None = Field(
+        default=None,
+        ge=1,
+        description="What the `code` sandbox's tests may hold together, split evenly among the workers (a worker runs "
+        "one test at a time). Default: the container's memory limit (cgroup memory.max, or v1 "
+        "memory.limit_in_bytes) less `code_memory_reserve_mb`; without a limit, none, and each test is bound only "
+        "by its own `memory_mb` x `max_processes`.",
+    )
+    code_memory_reserve_mb: int = Field(
+        default=512,
+        ge=0,
+        description="What the hub keeps of the container's memory limit for its own processes (servers, fork server, "
+        "workers) when it derives `code_memory_budget_mb` from that limit.",
     )
     log_level: LogLevel = Field(default="info", description="Root log level.")
 

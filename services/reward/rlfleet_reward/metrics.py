@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from rlfleet_reward.admission import Admission
+from rlfleet_reward.sandbox_memory import MIB
 from rlfleet_reward.worker_pool import JobStatus, WorkerPool
 
 # Reward functions range from microseconds (string match) to seconds (symbolic math).
@@ -68,6 +69,18 @@ class RewardMetrics:
             "Requests waiting for room under max_pending_jobs; above zero the hub is full.",
             registry=self.registry,
         )
+        self.code_memory_budget_bytes = Gauge(
+            "rlfleet_reward_code_memory_budget_bytes",
+            "Memory the code sandbox's tests may hold together, split evenly among the workers; 0: no budget (no "
+            "container memory limit, nor code_memory_budget_mb).",
+            registry=self.registry,
+        )
+        self.code_memory_held_bytes = Gauge(
+            "rlfleet_reward_code_memory_held_bytes",
+            "Memory the code sandbox's running tests may hold together now (each test's memory_mb x max_processes, "
+            "or its worker's share of the budget when that is less); within the budget when there is one.",
+            registry=self.registry,
+        )
         self.io_calls_in_flight = Gauge(
             "rlfleet_reward_io_calls_in_flight",
             "Network-bound function calls (remote, judge) running on the event loop now.",
@@ -99,6 +112,9 @@ class RewardMetrics:
         self.pool_workers.set_function(lambda: pool.live)
         self.pool_busy_workers.set_function(lambda: pool.busy)
         self.pool_queued_jobs.set_function(lambda: pool.waiting)
+        budget = pool.memory_budget
+        self.code_memory_budget_bytes.set(budget.share_mb * budget.workers * MIB if budget is not None else 0)
+        self.code_memory_held_bytes.set_function(lambda: pool.sandbox_memory_held)
         pool.on_wait = self.pool_wait_seconds.observe
 
     def watch_admission(self, admission: Admission) -> None:

@@ -4,7 +4,8 @@ Always: a new session (its own process group) that the program cannot leave, kil
 wall-clock timeout and after the program ends; CPU, memory (address space), file-size, process
 and open-file limits; a disk bound on the working directory (bytes allocated and entries, with the files the
 group holds open or mapped that no directory names), which a watchdog checks every `_DISK_POLL_SECONDS` while the
-program runs and once after it, killing the group past it; a
+program runs and once after it, killing the group past it; when asked, a bound on the memory the group's processes
+hold together (`group_memory_bytes`, see `sandbox_memory`), which the watchdog checks with the disk bound; a
 scrubbed environment (PATH, LANG, HOME and TMPDIR only) and `python -I`;
 a fresh working directory, deleted afterwards (or, when the hub killed the worker mid-run, by the next
 run of another worker); seccomp refusing `socket()` (AF_UNIX too), memory outside the address-space limit
@@ -92,7 +93,7 @@ _PREFIX = "rlfleet-sandbox-"
 # Processes of the sandbox itself inside a run's user namespace: `unshare` and sandbox_init.
 _SANDBOX_PROCESSES = 2
 # The limits the hub enforces itself rather than the kernel, left out of what `sandbox_init` sets.
-_NOT_RLIMITS = frozenset({"wall_seconds", "disk_bytes", "disk_entries"})
+_NOT_RLIMITS = frozenset({"wall_seconds", "disk_bytes", "disk_entries", "group_memory_bytes"})
 # RLIMIT_FSIZE bounds each file, not how many: the disk watchdog sums what the working directory holds this often
 # while the program runs. The wait on the program's exit has this timeout, so a run that ends sooner is not
 # slowed; between two checks a program can pass the bound by what it writes in that time, no more.
@@ -103,6 +104,7 @@ _DISK_CHECK_SPACING = 4
 # A directory renamed or removed while a check reads it makes the check look again, this many times at most: a
 # program that keeps moving its directories hides what they hold, so it counts as past the bound.
 _DISK_CHECK_ATTEMPTS = 3
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,11 @@ class SandboxLimits:
     # directories and links count too), and entries (files, directories, links), so that a check stays short.
     disk_bytes: int = 64 << 20
     disk_entries: int = 10_000
+    # What the group's processes may hold together (the sum of their proportional set sizes), checked by the
+    # watchdog with the disk bound; None: only each process's address space is bound. RLIMIT_AS binds one process,
+    # so a program of many processes can hold `memory_bytes` in each: more than its worker's share of the hub's
+    # memory (`sandbox_memory`).
+    group_memory_bytes: int | None = None
 
 
 _SELFTEST_LIMITS = SandboxLimits(
@@ -175,6 +182,8 @@ class RunResult:
     stdout_truncated: bool = False
     # The working directory held more than `disk_bytes` or `disk_entries`: the group was killed (if still running).
     disk_exceeded: bool = False
+    # The group's processes held more than `group_memory_bytes` together: the group was killed.
+    memory_exceeded: bool = False
 
 
 def _unprivileged_ids() -> tuple[int, int] | None:
@@ -389,15 +398,16 @@ def _run(
         exit_code = 128 - exit_code if exit_code < 0 else exit_code
         stdout, truncated = _read_prefix(streams["stdout"], stdout_bytes)
         stderr, _ = _read_prefix(streams["stderr"], _MAX_STDERR_BYTES)
-        return RunResult(exit_code, ending == "timed_out", stdout, stderr, seconds, truncated, disk_exceeded)
+        timed_out, memory_exceeded = ending == "timed_out", ending == "memory"
+        return RunResult(exit_code, timed_out, stdout, stderr, seconds, truncated, disk_exceeded, memory_exceeded)
     finally:
         for path in streams.values():
             path.unlink(missing_ok=True)
 
 
-def _watch(pid: int, work: Path, limits: SandboxLimits) -> Literal["exited", "timed_out", "disk"]:
-    """Waits for `pid` to exit (it stays a zombie until waited for) until the wall-clock limit, checking the disk
-    bound between waits: how the wait ended."""
+def _watch(pid: int, work: Path, limits: SandboxLimits) -> Literal["exited", "timed_out", "disk", "memory"]:
+    """Waits for `pid` to exit (it stays a zombie until waited for) until the wall-clock limit, checking the memory
+    bound of the group (when it has one) and the disk bound between waits: how the wait ended."""
     deadline = time.monotonic() + limits.wall_seconds
     interval = _DISK_POLL_SECONDS
     pidfd = os.pidfd_open(pid)
@@ -408,12 +418,36 @@ def _watch(pid: int, work: Path, limits: SandboxLimits) -> Literal["exited", "ti
             if poller.poll(math.ceil(min(left, interval) * 1000)):
                 return "exited"
             checked = time.monotonic()
+            if limits.group_memory_bytes is not None and _group_memory(pid) > limits.group_memory_bytes:
+                return "memory"
             if _past_disk_bound(work, limits, pid):
                 return "disk"
             interval = max(_DISK_POLL_SECONDS, _DISK_CHECK_SPACING * (time.monotonic() - checked))
         return "exited" if poller.poll(0) else "timed_out"
     finally:
         os.close(pidfd)
+
+
+def _group_memory(pgid: int) -> int:
+    """Bytes the live processes of group `pgid` hold: the sum of their proportional set sizes (a page shared by n
+    of them counts 1/n in each, as a forked child's copy-on-write pages should), or of their resident sizes where
+    /proc/<pid>/smaps_rollup is closed to this process (a program run as another user by a hub without
+    CAP_SYS_PTRACE), which counts shared pages in each process and so errs on the side of the bound."""
+    held = 0
+    for pid, state in _group_members(pgid):
+        if state == "Z":
+            continue
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as rollup:
+                held += next(int(line.split()[1]) for line in rollup if line.startswith("Pss:")) * 1024
+            continue
+        except (OSError, StopIteration, ValueError, IndexError):
+            pass  # closed to us, or ended meanwhile
+        try:
+            held += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE_BYTES
+        except (OSError, ValueError, IndexError):
+            continue  # ended meanwhile
+    return held
 
 
 def _past_disk_bound(work: Path, limits: SandboxLimits, pgid: int) -> bool:

@@ -27,6 +27,7 @@ from typing import Any
 
 from rlfleet.logs import init_logging
 from rlfleet_reward.reward_function import RewardInput, Scored, ScoreFn
+from rlfleet_reward.sandbox_memory import WorkerMemory, install
 
 _PR_SET_PDEATHSIG = 1
 # The first message of every worker: it started and can unpickle the functions it was given.
@@ -137,8 +138,16 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def worker_main(conn: Connection, functions: Mapping[str, ScoreFn], progress: Progress, log_level: int) -> None:
+def worker_main(
+    conn: Connection,
+    functions: Mapping[str, ScoreFn],
+    progress: Progress,
+    log_level: int,
+    memory: WorkerMemory | None = None,
+) -> None:
     _die_with_parent()
+    if memory is not None:
+        install(memory)  # this worker's share of the hub's memory, for the `code` sandbox
     # A process of the fork server, which configured no logging: what the functions log (a judge's text without a
     # verdict, at INFO) went nowhere below WARNING, and in Python's own format above.
     init_logging("reward", logging.getLevelName(log_level))

@@ -38,6 +38,7 @@ from rlfleet_reward.chunk_call import ChunkCall, ChunkEnd
 from rlfleet_reward.chunk_sizes import ChunkSizes
 from rlfleet_reward.idle_workers import IdleWorkers
 from rlfleet_reward.reward_function import RewardInput, ScoreFn
+from rlfleet_reward.sandbox_memory import MemoryBudget, WorkerMemory, shared_cell
 from rlfleet_reward.worker import READY, Chunk, Progress, Reply, worker_main
 
 logger = logging.getLogger(__name__)
@@ -79,15 +80,26 @@ class _Worker:
     process: BaseProcess
     conn: Connection
     progress: Progress
+    memory: WorkerMemory
 
 
 class WorkerPool:
-    """`size` worker processes; at most `size` chunks run at once, each on its own worker."""
+    """`size` worker processes; at most `size` chunks run at once, each on its own worker. With a `memory_budget`,
+    each worker's sandboxed tests are held to its share of it (`sandbox_memory`)."""
 
-    def __init__(self, functions: Mapping[str, ScoreFn], size: int, preload: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        functions: Mapping[str, ScoreFn],
+        size: int,
+        preload: Iterable[str] = (),
+        memory_budget: MemoryBudget | None = None,
+    ) -> None:
         if size < 1:
             raise ValueError(f"a worker pool needs at least one worker, got size={size}")
+        if memory_budget is not None and memory_budget.workers != size:
+            raise ValueError(f"the memory budget is split among {memory_budget.workers} workers, the pool has {size}")
         self.size = size
+        self.memory_budget = memory_budget
         self._functions = dict(functions)
         self._context = multiprocessing.get_context("forkserver")
         # The fork server is one per process: the first pool to start it decides what it preloads.
@@ -119,6 +131,11 @@ class WorkerPool:
     def live(self) -> int:
         """Workers that said READY and have not died since."""
         return len(self._workers)
+
+    @property
+    def sandbox_memory_held(self) -> int:
+        """Bytes the sandboxed tests running now may hold together (what each worker's test may hold, summed)."""
+        return sum(worker.memory.held_bytes for worker in self._workers)
 
     @property
     def down(self) -> Unavailable | None:
@@ -261,15 +278,16 @@ class WorkerPool:
     def _start_worker(self) -> _Worker:
         parent_conn, child_conn = self._context.Pipe(duplex=True)
         progress = Progress(self._context.RawArray("d", 2))
+        memory = WorkerMemory(shared_cell(self._context), self.memory_budget)
         process = self._context.Process(
             target=worker_main,
-            args=(child_conn, self._functions, progress, logging.getLogger().getEffectiveLevel()),
+            args=(child_conn, self._functions, progress, logging.getLogger().getEffectiveLevel(), memory),
             name="rlfleet-reward-worker",
             daemon=True,
         )
         process.start()
         child_conn.close()
-        worker = _Worker(process, parent_conn, progress)
+        worker = _Worker(process, parent_conn, progress, memory)
         self._starting.add(worker)
         return worker
 
