@@ -15,20 +15,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
+from rlfleet_engine.incremental_detokenizer import INCOMPLETE, Detokenizer, IncrementalDetokenizer
 from rlfleet_engine.sampling_params import SamplingParams
 from rlfleet_engine.stop_conditions import FinishReason, partial_stop_length
 
 if TYPE_CHECKING:  # the sim backend runs jobs without torch
     import torch
-
-# What a decoder gives for bytes that are not (yet) a whole UTF-8 character.
-_INCOMPLETE = "\ufffd"
-
-
-class Detokenizer(Protocol):
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
 
 
 @dataclass(eq=False)
@@ -60,6 +54,8 @@ class GenerationJob:
     last_token_at: float | None = None
     finished_at: float | None = None
     _stop_at: int | None = None  # where a matched stop string starts in the text decoded with special tokens
+    _decoders: dict[bool, IncrementalDetokenizer] = field(default_factory=dict)
+    """The running job's text, per skip_special_tokens, decoded a few tokens at a time (see `_decode_prefix`)."""
     _token_texts: dict[int, str] = field(default_factory=dict)
     """Each token id's text once decoded (`return_text_in_logprobs`): a streamed job publishes every token's at
     every output, which decoded them all again each time."""
@@ -113,17 +109,28 @@ class GenerationJob:
         if trim and self.finish is not None and self.finish.matched_token:
             ids = ids[:-1]
         if not trim or not self.params.stop or (self.finish is not None and self._stop_at is None):
-            return self._held_back(tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens))
+            return self._held_back(self._decode_prefix(tokenizer, len(ids), self.params.skip_special_tokens))
         return self._held_back(self._text_before_stop(tokenizer))
+
+    def _decode_prefix(self, tokenizer: Detokenizer, count: int, skip_special_tokens: bool) -> str:
+        """`tokenizer.decode(output_ids[:count], skip_special_tokens)`. A running job publishes its text after every
+        token when streamed: decoded whole each time, a stream of N tokens decoded O(N^2) tokens, so it is decoded
+        incrementally, to the same text. A finished job's text is published once: the whole decode, as ever."""
+        if self.finish is not None:
+            return tokenizer.decode(self.output_ids[:count], skip_special_tokens=skip_special_tokens)
+        decoder = self._decoders.get(skip_special_tokens)
+        if decoder is None:
+            decoder = self._decoders[skip_special_tokens] = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        return decoder.decode_prefix(self.output_ids, count)
 
     def _held_back(self, text: str) -> str:
         # A byte-level tokenizer decodes the first bytes of a character as U+FFFD until its last byte comes.
-        return text.rstrip(_INCOMPLETE) if self.finish is None else text
+        return text.rstrip(INCOMPLETE) if self.finish is None else text
 
     def _text_before_stop(self, tokenizer: Detokenizer) -> str:
         """The output text before the matched stop string, or (still running) before what may become one."""
         # Stop strings are found in the output decoded with its special tokens: positions are in that text.
-        full = self._held_back(tokenizer.decode(self.output_ids, skip_special_tokens=False))
+        full = self._held_back(self._decode_prefix(tokenizer, len(self.output_ids), False))
         end = self._stop_at if self._stop_at is not None else len(full) - partial_stop_length(full, self.params.stop)
         if not self.params.skip_special_tokens:
             return full[:end]
@@ -133,8 +140,8 @@ class GenerationJob:
         head = full
         while len(head) > end:
             cut -= 1
-            head = tokenizer.decode(self.output_ids[:cut], skip_special_tokens=False)
-        text = tokenizer.decode(self.output_ids[:cut], skip_special_tokens=True)
+            head = self._decode_prefix(tokenizer, cut, False)
+        text = self._decode_prefix(tokenizer, cut, True)
         if len(head) < end and tokenizer.decode(self.output_ids[cut : cut + 1], skip_special_tokens=True):
             text += full[len(head) : end]
         return text

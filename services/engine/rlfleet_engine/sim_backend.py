@@ -67,6 +67,9 @@ _OUTPUT_ALPHABET = tuple(range(ord("a"), ord("z") + 1)) + (ord(" "),)
 class SimTokenizer:
     """One token per character (its code point); enough for prompts to share prefixes as their text does."""
 
+    decodes_token_by_token = True
+    """Each token's text is its own character whatever surrounds it: a stream's text is decoded incrementally."""
+
     def encode(self, text: str) -> list[int]:
         return [min(ord(c), 0xFFFD) for c in text]
 
