@@ -1,5 +1,6 @@
 """Task lifetimes: a batch of coroutines that stops together on the first failure, cancelling a task so
-that it really ends, and a short clean-up that a cancellation does not cut short.
+that it really ends, a short clean-up that a cancellation does not cut short, and the failure of a task beside
+another reported as it happens.
 
 A task can outlive one cancellation. On Python 3.11, asyncio.wait_for returns its awaitable's result when
 a cancellation arrives just as that awaitable finishes, and the cancellation is lost; redis-py's asyncio
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -71,3 +72,16 @@ async def finish(coro: Coroutine[Any, Any, T], within_s: float) -> T:
     if task.cancelled():
         raise TimeoutError(f"not done within {within_s:g}s")
     return task.result()
+
+
+def on_failure(task: asyncio.Task[Any], report: Callable[[BaseException], None]) -> None:
+    """Calls `report` with the exception that ends `task`, if one does (not a cancellation), as soon as it ends. The
+    exception is retrieved then, once: a task nobody awaits (one beside the task that matters, cancelled when that
+    one ends) fails visibly when it fails, and asyncio does not log it again, later, as never retrieved."""
+
+    def done(ended: asyncio.Task[Any]) -> None:
+        failure = None if ended.cancelled() else ended.exception()
+        if failure is not None:
+            report(failure)
+
+    task.add_done_callback(done)

@@ -15,7 +15,9 @@ takes to answer (each renewal is bounded by the time left): as at a shutdown, th
 orchestrator takes its lease next, this one included. Unbounded, a renewal waited out the Redis client's 30 s of
 retries while another orchestrator took the run over after the lease's 15 s, and the first then wrote the run
 FAILED ("Redis was unreachable") under the one driving it. No two hosts' clocks are compared: only how long the
-lease lasts, as Redis and the driver each measure it.
+lease lasts, as Redis and the driver each measure it. A driver that stops late all the same (paused past the lease's
+time, or its lease key lost by Redis) writes nothing of the run then: each of its writes of the run's record checks
+the lease's token in its own transaction (`fence`, run_fence.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from rlfleet_rollout.concurrency import cancel_and_wait
+from rlfleet_rollout.run_fence import RunFence
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +79,10 @@ class RunLease:
 
     def key(self, run_id: str) -> str:
         return lease_key(self.prefix, run_id)
+
+    def fence(self, run_id: str) -> RunFence:
+        """The fence the writes of `run_id`'s driver here check: this orchestrator's token in the run's lease."""
+        return RunFence(run_id, self.key(run_id), self.token)
 
     async def hold(self, run_id: str) -> bool:
         """Takes the lease of `run_id`, or extends it when this orchestrator holds it; False while another does."""

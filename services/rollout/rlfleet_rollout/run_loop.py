@@ -27,6 +27,11 @@ longer than their budget fails the run, and that final state is recorded once Re
 refusing writes (full, read-only, unable to persist: redis_outage.py) fails nothing: it lasts until an operator
 ends it, and the run is left RUNNING to the run queue, which resumes it from its records once Redis takes
 writes again.
+
+The run's record is written through a core fenced for its driver (run_fence.py): a write refused because the run is
+not this driver's any more (its lease another's, its record gone or gone back in time) ends the driving with
+FencedOut, recording nothing and stopping no trainer: the run is not this one's to end. The tasks beside the loop
+(the step report follower, the watchdog) end before it does, so none of them writes the run after its driver.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from rlfleet.errors import Internal, InvalidInput, RlfleetError
 from rlfleet.sample_stream import REDIS_RETRY_BUDGET_S, REDIS_RETRY_ERRORS, SampleStream, redis_refusal
 from rlfleet.v1.runs_pb2 import Run, RunState
 from rlfleet.v1.trainer_pb2 import TrainerStatus
+from rlfleet_rollout.concurrency import cancel_and_wait, on_failure
 from rlfleet_rollout.config import RolloutConfig
 from rlfleet_rollout.environment import ReplyPool
 from rlfleet_rollout.evaluation import evaluate
@@ -57,6 +63,7 @@ from rlfleet_rollout.rollout_function import RolloutRegistry
 from rlfleet_rollout.router_client import RouterClient
 from rlfleet_rollout.run_data import DataPosition, RunData, StepCounts
 from rlfleet_rollout.run_events import is_terminal
+from rlfleet_rollout.run_fence import FencedOut
 from rlfleet_rollout.runs_core import RunEnded, RunsCore, now
 from rlfleet_rollout.step_producer import StepOutcome, produce_step, refill_step, staleness
 from rlfleet_rollout.step_reports import StepReportFollower
@@ -100,6 +107,8 @@ async def _context_tokens(router: RouterClient, model_path: str, run_id: str) ->
     return model
 
 
+# Bound on the end of a task beside the run loop once it is cancelled (each of its waits is cancellable).
+_HELPER_STOP_WITHIN_S = 10.0
 # How long a finished run waits for the trainer's report of its last step (made as the trainer ends the step,
 # before the final evaluation starts, so it is normally there at once) before it ends with the metrics it has.
 LAST_REPORT_WAIT_S = 10.0
@@ -156,6 +165,8 @@ async def execute_run(run_id: str, deps: RunDeps) -> None:
     except RunEnded:
         await session.stop()
         return
+    except FencedOut:
+        raise  # the run is not this driver's: nothing of it failed, and its end is not this one's to record
     except Exception as exc:  # noqa: BLE001 - any fault ends the run as FAILED with its reason
         if redis_refusal(exc) is not None:
             raise  # nothing of the run failed: the queue resumes it once Redis takes writes
@@ -235,8 +246,12 @@ async def _drive(run: Run, session: TrainerSession, deps: RunDeps) -> None:
     first = min(int(status.step), steps)
     logger.info("run %s starts at step %d of %d", run_id, first, steps, extra={"run_id": run_id})
     reports = StepReportFollower(deps.trainer, deps.core, run_id, reconnect_after_s=deps.config.poll_interval_s * 5)
-    follower = asyncio.create_task(reports.follow())
-    watchdog = asyncio.create_task(watch_progress(deps.core, deps.metrics, run_id, deps.config.stall_after_s))
+    follower = asyncio.create_task(reports.follow(), name=f"step reports of run {run_id}")
+    on_failure(follower, partial(_helper_failed, run_id, "copying the trainer's step reports"))
+    watchdog = asyncio.create_task(
+        watch_progress(deps.core, deps.metrics, run_id, deps.config.stall_after_s), name=f"watchdog of run {run_id}"
+    )
+    on_failure(watchdog, partial(_helper_failed, run_id, "its step watchdog"))
     try:
         if first == 0:
             await _evaluate_once(ctx, deps, data, run_id, 0, status)
@@ -258,8 +273,30 @@ async def _drive(run: Run, session: TrainerSession, deps: RunDeps) -> None:
                 extra={"run_id": run_id},
             )
     finally:
-        follower.cancel()
-        watchdog.cancel()
+        # Ended, not only cancelled: one running on would write the run's record after its driver stopped.
+        for helper in (follower, watchdog):
+            if not await cancel_and_wait(helper, within_s=_HELPER_STOP_WITHIN_S):
+                logger.error(
+                    "run %s: %s did not end within %.0fs of its cancellation",
+                    run_id,
+                    helper.get_name(),
+                    _HELPER_STOP_WITHIN_S,
+                    extra={"run_id": run_id},
+                )
+
+
+def _helper_failed(run_id: str, what: str, failure: BaseException) -> None:
+    """A task beside the run loop failed: the run goes on without it (the loop itself meets what the run cannot
+    go on without)."""
+    logger.error(
+        "run %s: %s failed (%s: %s); the run goes on without it",
+        run_id,
+        what,
+        type(failure).__name__,
+        failure,
+        exc_info=failure,
+        extra={"run_id": run_id},
+    )
 
 
 async def _check_same_dataset(data: RunData, position: DataPosition) -> None:

@@ -17,23 +17,29 @@ fleet's trainer holds one run at a time, so while another orchestrator drives a 
 it takes a run over once that one's lease runs out (its orchestrator died). The driver reads its run's record
 while it drives it, for a Cancel another orchestrator answered. A driver stops driving its run, left RUNNING, when
 the lease is lost, and when the task that renews it fails (then nothing would renew it, and once it ran out another
-orchestrator would drive the run beside this one).
+orchestrator would drive the run beside this one). Its writes of the run's record are fenced besides (run_fence.py):
+one that finds the lease another's, or the record gone or gone back in time (Redis lost writes), is refused, and the
+driver stops there, however late its keeper would notice. The failure of any task the queue starts for a run (the
+driver, the lease keeper, the follower of Cancels) is logged once, when it happens.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
+from functools import partial
 
 from redis.exceptions import RedisError
 
 from rlfleet.errors import NotFound, RlfleetError
 from rlfleet.sample_stream import redis_refusal, redis_unavailable
 from rlfleet.v1.runs_pb2 import Run, RunState
-from rlfleet_rollout.concurrency import cancel_and_wait, finish
+from rlfleet_rollout.concurrency import cancel_and_wait, finish, on_failure
 from rlfleet_rollout.metrics import RUN_QUEUE
 from rlfleet_rollout.redis_outage import until_redis_answers
 from rlfleet_rollout.run_events import is_terminal
+from rlfleet_rollout.run_fence import FencedOut, RecordLost
 from rlfleet_rollout.run_lease import RunLease
 from rlfleet_rollout.run_loop import RunDeps, execute_run
 
@@ -78,55 +84,68 @@ class RunQueue:
                 except TimeoutError:
                     pass
                 continue
-            task = asyncio.create_task(execute_run(run.id, self.deps), name=f"run {run.id}")
+            # The driver's writes of the run's record are refused once the run is not its own (run_fence.py).
+            deps = replace(self.deps, core=self.deps.core.fenced(self.lease.fence(run.id)))
+            task = asyncio.create_task(execute_run(run.id, deps), name=f"run {run.id}")
             keeper = asyncio.create_task(self.lease.keep(run.id, task), name=f"lease of run {run.id}")
+            # Reported as they fail, not when (or whether) the run's task ends: a keeper failing as the run's task
+            # ended went unseen, and asyncio logged it later as an exception never retrieved.
+            on_failure(keeper, partial(_task_failed, run.id, "its lease keeper"))
             follower = asyncio.create_task(self._stop_if_cancelled(run.id, task), name=f"cancel of run {run.id}")
+            on_failure(follower, partial(_task_failed, run.id, "its follower of Cancels through other orchestrators"))
             self._active_id, self._active_task = run.id, task
-            keeper_failed = False
+            keeper_ended = False
             try:
                 # asyncio.wait does not raise when the run's task is cancelled (by Cancel, or by the keeper when
                 # the lease was lost), only when this coroutine is (at shutdown); then the run's task is cancelled too.
                 # The keeper ends before the run's task only when it failed.
                 await asyncio.wait({task, keeper}, return_when=asyncio.FIRST_COMPLETED)
                 if not task.done():
-                    keeper_failed = True
+                    keeper_ended = True
                     await self._stop_unleased(run.id, task, keeper)
             except asyncio.CancelledError:
                 await cancel_and_wait(task)
+                self._report_end(run.id, task)
                 raise
             finally:
                 self._active_id, self._active_task = None, None
-                follower.cancel()
-                await self._let_go(run.id, keeper)
-            exc = None if task.cancelled() else task.exception()
-            if exc is not None:
-                # execute_run records every failure of the run itself; what escapes it is Redis unavailable to
-                # the run's records, and the run is picked again from them.
-                why = redis_refusal(exc) or f"{type(exc).__name__}: {exc}"
-                logger.error(
-                    "run %s interrupted (%s); it is picked again from its records",
-                    run.id,
-                    why,
-                    extra={"run_id": run.id},
-                )
-            if exc is not None or keeper_failed:
+                await self._let_go(run.id, keeper, follower)
+            if self._report_end(run.id, task) or keeper_ended:
                 await asyncio.sleep(_INTERRUPTED_PAUSE_S)
+
+    def _report_end(self, run_id: str, task: asyncio.Task[None]) -> bool:
+        """Logs how the run's task ended, unless it ended the run or was cancelled; True when it did not."""
+        exc = None if task.cancelled() else task.exception()
+        if exc is None:
+            return False
+        log = {"run_id": run_id}
+        if isinstance(exc, FencedOut):
+            logger.error(
+                "%s. This orchestrator stopped driving the run, and leaves it as its records say", exc, extra=log
+            )
+            if isinstance(exc, RecordLost):
+                # A run whose record is gone has nobody else to stop its trainer (trainer_release.py).
+                self._free_owed = True
+            return True
+        # execute_run records every failure of the run itself; what escapes it is Redis unavailable to the run's
+        # records, and the run is picked again from them.
+        why = redis_refusal(exc) or f"{type(exc).__name__}: {exc}"
+        logger.error("run %s interrupted (%s); it is picked again from its records", run_id, why, extra=log)
+        return True
 
     async def _stop_unleased(self, run_id: str, driving: asyncio.Task[None], keeper: asyncio.Task[None]) -> None:
         """Stops driving a run whose lease keeper ended while it was driven, as a lost lease does: the keeper ends
-        then only by a fault of its own (it stops the driving itself when the lease is lost), after which nothing
-        renews the lease, and once it ran out another orchestrator would drive the run beside this one. The run stays
-        RUNNING (unless the driving ends it, e.g. a Cancel now), and is picked again from its records once the lease
-        is released, here or by another orchestrator."""
-        log = {"run_id": run_id}
-        failure = None if keeper.cancelled() else keeper.exception()
+        then only by a fault of its own (it stops the driving itself when the lease is lost; its failure is logged
+        as it happens), after which nothing renews the lease, and once it ran out another orchestrator would drive
+        the run beside this one. The run stays RUNNING (unless the driving ends it, e.g. a Cancel now), and is picked
+        again from its records once the lease is released, here or by another orchestrator."""
+        failed = not keeper.cancelled() and keeper.exception() is not None
         logger.error(
-            "run %s: its lease keeper failed (%s); this one stops driving it, which stays RUNNING for the next "
-            "orchestrator to take its lease",
+            "run %s: its lease is not renewed any more (%s); this one stops driving it, which stays RUNNING for the "
+            "next orchestrator to take its lease",
             run_id,
-            f"{type(failure).__name__}: {failure}" if failure is not None else "it ended while the run was driven",
-            exc_info=failure,
-            extra=log,
+            "its keeper failed" if failed else "its keeper ended while the run was driven",
+            extra={"run_id": run_id},
         )
         await cancel_and_wait(driving)
 
@@ -159,11 +178,13 @@ class RunQueue:
             # The trainer or Redis unavailable: a run that finds the trainer busy frees it then.
             logger.warning("could not check which run the trainer holds: %s", exc)
 
-    async def _let_go(self, run_id: str, keeper: asyncio.Task[None]) -> None:
-        """Stops renewing the run's lease and releases it, so that the next orchestrator takes the run at once (after
-        a shutdown) rather than after the lease's time; carried through a shutdown's cancellations (bounded)."""
+    async def _let_go(self, run_id: str, keeper: asyncio.Task[None], follower: asyncio.Task[None]) -> None:
+        """Stops following the run's record and renewing its lease, and releases it, so that the next orchestrator
+        takes the run at once (after a shutdown) rather than after the lease's time; carried through a shutdown's
+        cancellations (bounded)."""
 
         async def stop_and_release() -> None:
+            await cancel_and_wait(follower)
             await cancel_and_wait(keeper)
             await self.lease.release(run_id)
 
@@ -227,3 +248,15 @@ class RunQueue:
             self._wake.set()
         elif run.state == RunState.RUN_STATE_CANCELLED and run.id == self._active_id and self._active_task:
             self._active_task.cancel()
+
+
+def _task_failed(run_id: str, what: str, failure: BaseException) -> None:
+    logger.error(
+        "run %s: %s failed (%s: %s)",
+        run_id,
+        what,
+        type(failure).__name__,
+        failure,
+        exc_info=failure,
+        extra={"run_id": run_id},
+    )

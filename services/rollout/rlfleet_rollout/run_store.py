@@ -2,6 +2,8 @@
 
 Keys (under the configured prefix):
 - `run:<id>:record`: the serialized `Run`;
+- `run:<id>:revision`: how many times the record was written, counted up in the transaction of each write, so a
+  driver can tell its run's record went back in time (run_fence.py); absent (0) for a record written before it;
 - `runs:index`: sorted set of run ids scored by a creation sequence number (`runs:seq`), which
   orders List and the run queue and doubles as the page cursor. The number is taken in the transaction that
   writes the run, so runs enter the index in the order of their numbers, and a client paging past the last run
@@ -23,7 +25,8 @@ writes after that take the stream's expiry (sample_stream.py).
 
 A record is changed by compare-and-set (`update`: WATCH, read, change, MULTI/EXEC, again if another writer came
 between), so two orchestrators, or an orchestrator and any other writer, never lose each other's change, and a
-change whose EXEC went through is not applied again when only its reply was lost.
+change whose EXEC went through is not applied again when only its reply was lost. The run loop's writes of the
+run it drives also check, in the same transaction, that the run is still its driver's (`fence`, run_fence.py).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from rlfleet.sample_stream import stream_keys
 from rlfleet.v1.runs_pb2 import Run, RunState
 from rlfleet_rollout.run_data import data_position_key
 from rlfleet_rollout.run_events import is_terminal, state_name
+from rlfleet_rollout.run_fence import RunFence
 from rlfleet_rollout.submit_requests import REQUEST_ID_RETENTION_S, RequestRecord, SubmitRequest
 
 logger = logging.getLogger(__name__)
@@ -58,13 +62,14 @@ MAX_PAGE_BYTES = 2 * 1024 * 1024
 # in lockstep fall out of it), and tries again for this long before it gives up.
 _FIRST_RETRY_PAUSE_S, _MAX_RETRY_PAUSE_S, _UPDATE_WITHIN_S = 0.001, 0.05, 10.0
 # Writes a new run's record and indexes it, and under its state, with the next creation number, at once (KEYS:
-# record, seq, index, state set; ARGV: record bytes, run id). A number taken before the write let a run created
-# later be listed first, and a client paging on past it never saw the earlier one.
+# record, seq, index, state set, revision; ARGV: record bytes, run id). A number taken before the write let a run
+# created later be listed first, and a client paging on past it never saw the earlier one.
 _CREATE = """
 local number = redis.call('INCR', KEYS[2])
 redis.call('SET', KEYS[1], ARGV[1])
 redis.call('ZADD', KEYS[3], number, ARGV[2])
 redis.call('ZADD', KEYS[4], number, ARGV[2])
+redis.call('INCR', KEYS[5])
 """
 # Writes a run's record and moves it from its old state's set to its new one's, keeping its creation number
 # (KEYS: record, old state set, new state set, index; ARGV: record bytes, run id).
@@ -96,6 +101,9 @@ class RunStore:
 
     def record_key(self, run_id: str) -> str:
         return f"{self.prefix}run:{run_id}:record"
+
+    def revision_key(self, run_id: str) -> str:
+        return f"{self.prefix}run:{run_id}:revision"
 
     def state_key(self, state: RunState) -> str:
         return f"{self.prefix}runs:state:{state_name(state)}"
@@ -145,7 +153,13 @@ class RunStore:
         return None if raw is None else RequestRecord.from_bytes(raw)
 
     def _queue_create(self, pipe: aioredis.client.Pipeline, run: Run) -> None:
-        keys = (self.record_key(run.id), self.seq_key, self.index_key, self.state_key(run.state))
+        keys = (
+            self.record_key(run.id),
+            self.seq_key,
+            self.index_key,
+            self.state_key(run.state),
+            self.revision_key(run.id),
+        )
         pipe.eval(_CREATE, len(keys), *keys, run.SerializeToString(), run.id)
 
     async def get(self, run_id: str) -> Run:
@@ -155,30 +169,43 @@ class RunStore:
         return Run.FromString(raw)
 
     async def update(
-        self, run_id: str, mutate: Callable[[Run], None], *, expire_data_after_s: float
+        self, run_id: str, mutate: Callable[[Run], None], *, expire_data_after_s: float, fence: RunFence | None = None
     ) -> tuple[Run, Run]:
         """The run before and after `mutate`, applied to the stored record and written back only if nobody wrote the
         record in between (else read and applied again: `mutate` may run more than once, each time on the record as
         it is then, and may raise to refuse the change). Nothing is written when `mutate` changes nothing; the
-        write that ends the run gives its working data an expiry of `expire_data_after_s`."""
-        key = self.record_key(run_id)
+        write that ends the run gives its working data an expiry of `expire_data_after_s`.
+
+        With `fence` (the run's driver's), the run's lease and the record's revision are read and watched with the
+        record, and the write is refused (LeaseLost, RecordLost: run_fence.py) unless the run is still the driver's;
+        a record gone is RecordLost then, not NotFound."""
+        key, revision_key = self.record_key(run_id), self.revision_key(run_id)
         deadline, pause, lost = time.monotonic() + _UPDATE_WITHIN_S, _FIRST_RETRY_PAUSE_S, 0
         while True:
             sent: bytes | None = None
             async with self.client.pipeline(transaction=True) as pipe:
                 try:
-                    await pipe.watch(key)
-                    raw = await pipe.get(key) if run_id else None
+                    if fence is None:
+                        await pipe.watch(key)
+                        raw = await pipe.get(key) if run_id else None
+                    else:
+                        await pipe.watch(key, revision_key, fence.lease_key)
+                        holder, raw, revision = await pipe.mget([fence.lease_key, key, revision_key])
+                        fence.check(holder, raw is not None, int(revision or 0))
                     if raw is None:
                         raise NotFound(f"run {run_id!r} not found")
                     before, after = Run.FromString(raw), Run.FromString(raw)
                     mutate(after)
                     if after.SerializeToString(deterministic=True) == before.SerializeToString(deterministic=True):
+                        if fence is not None:
+                            fence.revision = int(revision or 0)
                         return before, before
                     ends = is_terminal(after.state) and not is_terminal(before.state)
                     pipe.multi()
                     sent = self._write(pipe, before, after, expire_data_after_s if ends else None)
-                    await pipe.execute()
+                    written = await pipe.execute()
+                    if fence is not None:
+                        fence.revision = int(written[0])
                     return before, after
                 except WatchError:
                     lost += 1
@@ -186,6 +213,8 @@ class RunStore:
             # EXEC and only its reply was lost: the record holding exactly what this write sent says it went through
             # (another writer's change would have made other bytes).
             if sent is not None and await self.client.get(key) == sent:
+                if fence is not None:
+                    fence.revision = max(fence.revision, int(await self.client.get(revision_key) or 0))
                 return before, after
             if time.monotonic() + pause > deadline:
                 raise Unavailable(f"run {run_id}: other writers changed its record under each of {lost} writes")
@@ -193,8 +222,10 @@ class RunStore:
             pause = min(2 * pause, _MAX_RETRY_PAUSE_S)
 
     def _write(self, pipe: aioredis.client.Pipeline, before: Run, run: Run, expire_data_after_s: float | None) -> bytes:
-        """Queues the writes of `run`'s record (stored as `before`); returns the record as written."""
+        """Queues the writes of `run`'s record (stored as `before`), its revision's first (its reply is the new
+        revision); returns the record as written."""
         record = run.SerializeToString()
+        pipe.incr(self.revision_key(run.id))
         if run.state == before.state:
             pipe.set(self.record_key(run.id), record)
         else:

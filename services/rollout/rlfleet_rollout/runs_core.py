@@ -2,7 +2,9 @@
 
 The REST app and the gRPC servicer are thin layers over this object; the run loop writes progress
 through `update`, the same path Cancel takes, a compare-and-set on the record (run_store.py), so a
-cancelled run cannot be overwritten by a loop that has not noticed yet, in this process or another.
+cancelled run cannot be overwritten by a loop that has not noticed yet, in this process or another. The run loop
+writes through a view of this object that fences its run (`fenced`): each of its writes of the run checks, in the
+write's transaction, that the run is still its driver's (run_fence.py).
 
 The API's callers reach the records through a store of their own (`api_store`: its own Redis client in the
 orchestrator), so that however many call, the run loop's writes find a connection; and the watchers of a run here
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import uuid
 import weakref
@@ -42,6 +45,7 @@ from rlfleet_rollout.rollout_function import RolloutRegistry
 from rlfleet_rollout.run_counts import RunCounts
 from rlfleet_rollout.run_data import RunData
 from rlfleet_rollout.run_events import RunFeeds, RunNotifier, describe_change, is_terminal, state_name
+from rlfleet_rollout.run_fence import RunFence
 from rlfleet_rollout.run_lease import lease_key
 from rlfleet_rollout.run_store import RunStore
 from rlfleet_rollout.submit_requests import RequestRecord, SubmitRequest
@@ -120,6 +124,7 @@ class RunsCore:
         # each run, gone once unused, so a write waiting out Redis holds up no other run's.
         self._writing: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._closing = False
+        self._fence: RunFence | None = None
         self.feeds = RunFeeds(notifier, self.get, poll_interval_s, driven=self._driven)
         """The reader of each watched run, shared by its watchers."""
 
@@ -247,6 +252,15 @@ class RunsCore:
 
     # -- used by the run loop -----------------------------------------------------------------
 
+    def fenced(self, fence: RunFence) -> RunsCore:
+        """This core as the driver of `fence.run_id` writes through it: each run-loop write of that run (not a
+        caller's Cancel, nor a write of another run, e.g. the final progress of one the trainer is freed of) is
+        refused, FencedOut, unless the run is still the driver's (run_fence.py). Everything else (the stores, the
+        writers' turns, the notifier, the feeds) is this core's own."""
+        view = copy.copy(self)
+        view._fence = fence
+        return view
+
     async def update(
         self, run_id: str, mutate: Callable[[Run], None], *, after_end: bool = False, by_caller: bool = False
     ) -> Run:
@@ -267,8 +281,9 @@ class RunsCore:
 
         # Turns spare this process's writers each other's retries; the compare-and-set guards against the rest.
         store = self.api_store if by_caller else self.store
+        fence = self._fence if self._fence is not None and self._fence.run_id == run_id and not by_caller else None
         async with contextlib.nullcontext() if by_caller else self._turn(run_id):
-            old, run = await store.update(run_id, guarded, expire_data_after_s=self.run_data_retention_s)
+            old, run = await store.update(run_id, guarded, expire_data_after_s=self.run_data_retention_s, fence=fence)
         if run is old:
             return run
         old_state = old.state

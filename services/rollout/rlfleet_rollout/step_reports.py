@@ -11,6 +11,7 @@ import redis
 from rlfleet.errors import RlfleetError
 from rlfleet.sample_stream import redis_refusal, redis_unavailable
 from rlfleet.v1.runs_pb2 import Run
+from rlfleet_rollout.run_fence import FencedOut
 from rlfleet_rollout.runs_core import RunEnded, RunsCore
 from rlfleet_rollout.trainer_client import TrainerClient
 
@@ -53,6 +54,8 @@ class StepReportFollower:
                     pause = self.reconnect_after_s
             except RunEnded:
                 return
+            except FencedOut:
+                return  # the run is not this driver's any more: its loop meets that too, and stops
             except RlfleetError as exc:
                 logger.debug("WatchSteps of %s ended: %s", self.run_id, exc, extra={"run_id": self.run_id})
             except redis.RedisError as exc:

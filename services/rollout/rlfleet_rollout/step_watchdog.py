@@ -27,9 +27,10 @@ from typing import Protocol
 
 from redis.exceptions import RedisError
 
-from rlfleet.errors import Unavailable
+from rlfleet.errors import NotFound, Unavailable
 from rlfleet.v1.runs_pb2 import Run
 from rlfleet_rollout.metrics import RolloutMetrics
+from rlfleet_rollout.run_fence import FencedOut
 from rlfleet_rollout.runs_core import RunEnded
 
 logger = logging.getLogger(__name__)
@@ -131,7 +132,8 @@ async def watch_progress(
                     pause,
                     extra=log,
                 )
-    except RunEnded:
+    except (RunEnded, FencedOut, NotFound):
+        # The run ended, or is not its driver's any more (NotFound: its record is gone): the run loop meets that too.
         return
     finally:
         metrics.seconds_without_progress.set(0)

@@ -33,6 +33,7 @@ from rlfleet.sample_stream import redis_refusal, redis_unavailable
 from rlfleet.v1.runs_pb2 import Run
 from rlfleet.v1.trainer_pb2 import TrainerStatus
 from rlfleet_rollout.run_events import is_terminal, state_name
+from rlfleet_rollout.run_fence import FencedOut
 from rlfleet_rollout.runs_core import RunsCore
 from rlfleet_rollout.trainer_client import TrainerClient
 
@@ -124,6 +125,14 @@ class TrainerRelease:
             await self.core.update(run_id, trainer_progress(status), after_end=True)
         except NotFound:
             pass  # a run the records do not know (free stops those too)
+        except FencedOut as exc:  # its driver's write, refused: the run is not this driver's any more
+            logger.warning(
+                "run %s: the trainer's final progress (step %d) was not recorded: %s",
+                run_id,
+                status.step,
+                exc,
+                extra={"run_id": run_id},
+            )
         except redis.RedisError as exc:
             if not redis_unavailable(exc):
                 raise
