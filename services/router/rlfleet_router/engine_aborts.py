@@ -10,6 +10,10 @@ SGLang aborts every request whose rid starts with the one named, so an abort of 
 "run/10" of another client at that engine. A rid that another request under way there starts with is
 not sent: the closed connection stops its request. Clients get targeted aborts with prefix-free rids.
 
+The router also asks an engine to abort rids of a request still under way there on its client's behalf
+(`send_at`): a client's /abort_request that may have reached the engine before the request, or that named part of
+a batch before it was sent (see `held_requests`).
+
 Best effort, off the request's path: the aborts run in the background, each bounded, and the first that
 fails (a hung or dead engine) ends the others to that engine. A retry of the request that goes back to the
 same engine under the same rid (a one-engine fleet, or every engine tried) waits for them first (`settle`):
@@ -23,7 +27,9 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Coroutine, Iterable, Mapping
+
+from prometheus_client import Counter
 
 from rlfleet_router.engine_attempts import Attempt, EngineAttempts
 from rlfleet_router.engine_client import EngineClient, EngineConnectionError, EngineReadTimeout
@@ -48,17 +54,30 @@ def request_rids(body: Mapping[str, object]) -> tuple[str, ...]:
 
 
 class EngineAborts:
-    def __init__(self, attempts: EngineAttempts, timeout_secs: float = ABORT_TIMEOUT_SECS) -> None:
+    def __init__(
+        self, attempts: EngineAttempts, timeout_secs: float = ABORT_TIMEOUT_SECS, resent: Counter | None = None
+    ) -> None:
+        """`resent` counts the rids `send_at` sends."""
         self._attempts = attempts
         self._timeout = timeout_secs
-        self._tasks: dict[asyncio.Task[None], Attempt] = {}  # the aborts under way, by the attempt each ends
+        self._resent = resent
+        # The aborts under way (or waiting for their time): the engine and the rids of each.
+        self._tasks: dict[asyncio.Task[None], tuple[str, tuple[str, ...]]] = {}
 
     def send(self, client: EngineClient, attempt: Attempt, why: str) -> None:
         """Asks the engine of `attempt`, ended, to abort its request by the rids it names, if any; returns at once."""
-        if not attempt.rids:
-            return
-        task = asyncio.get_running_loop().create_task(self._abort(client, attempt.worker, attempt.rids, why))
-        self._tasks[task] = attempt
+        if attempt.rids:
+            self._start(self._abort(client, attempt, attempt.rids, why), attempt.worker, attempt.rids)
+
+    def send_at(self, client: EngineClient, attempt: Attempt, rids: tuple[str, ...], at: float, why: str) -> None:
+        """Asks the engine of `attempt` to abort `rids`, some of its own, at `at` (time.monotonic()) if the attempt is
+        still under way then; returns at once."""
+        if rids:
+            self._start(self._abort_later(client, attempt, rids, at, why), attempt.worker, rids)
+
+    def _start(self, abort: Coroutine[None, None, None], worker: Worker, rids: tuple[str, ...]) -> None:
+        task = asyncio.get_running_loop().create_task(abort)
+        self._tasks[task] = (worker.id, rids)
         task.add_done_callback(self._forget)
 
     async def settle(
@@ -72,7 +91,7 @@ class EngineAborts:
         request no longer waits: its client left, or aborted it), or after `timeout_secs`."""
         wanted = set(rids)
         pending: set[asyncio.Future[None]] = {
-            t for t, a in self._tasks.items() if a.worker.id == worker.id and wanted.intersection(a.rids)
+            task for task, (engine, aborting) in self._tasks.items() if engine == worker.id and wanted & set(aborting)
         }
         stops = set(stops)
         deadline = time.monotonic() + timeout_secs
@@ -94,12 +113,25 @@ class EngineAborts:
         if tasks:
             await asyncio.wait(tasks, timeout=timeout_secs)
 
-    async def _abort(self, client: EngineClient, worker: Worker, rids: tuple[str, ...], why: str) -> None:
+    async def _abort_later(
+        self, client: EngineClient, attempt: Attempt, rids: tuple[str, ...], at: float, why: str
+    ) -> None:
+        await asyncio.sleep(max(0.0, at - time.monotonic()))
+        if not attempt.ended:
+            if self._resent is not None:
+                self._resent.inc(len(rids))
+            await self._abort(client, attempt, rids, why)
+
+    async def _abort(self, client: EngineClient, attempt: Attempt, rids: tuple[str, ...], why: str) -> None:
+        """Aborts `rids` of `attempt` at its engine (the attempt ended, or still under way when it is not all of its
+        rids that go)."""
+        worker = attempt.worker
         engine_url = worker.url
         for rid in rids:
             # Looked up as each abort goes out: a retry of this request at the same engine, under the same rid, is
-            # one of the requests it must spare.
-            spared = [other for other in self._attempts.rids_at(worker) if other.startswith(rid)]
+            # one of the requests it must spare, as are the attempt's own rids that stay.
+            under_way = self._attempts.rids_at(worker, besides=attempt) + [r for r in attempt.rids if r not in rids]
+            spared = [other for other in under_way if other.startswith(rid)]
             if spared:
                 logger.debug(
                     "not asking %s to abort %s (%s): SGLang would abort %s under way there too, as their rids start "

@@ -70,9 +70,9 @@ class EngineAttempts:
             waiting.add(attempt)
         return attempt
 
-    def rids_at(self, worker: Worker) -> list[str]:
-        """The rids of the requests under way at `worker`."""
-        return [rid for attempt in self._waiting.get(worker.id, ()) for rid in attempt.rids]
+    def rids_at(self, worker: Worker, besides: Attempt | None = None) -> list[str]:
+        """The rids of the requests under way at `worker`, but for those of `besides`."""
+        return [rid for attempt in self._waiting.get(worker.id, ()) if attempt is not besides for rid in attempt.rids]
 
     def forget(self, attempt: Attempt) -> None:
         """`attempt` is over (its `end()` calls this)."""

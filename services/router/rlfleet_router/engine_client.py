@@ -22,7 +22,7 @@ import math
 import ssl
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple, cast
 from urllib.parse import urlsplit
 
@@ -58,14 +58,17 @@ class Interrupt:
     """Ends one request's waits for its answer from outside the task that waits: `fire(error)` makes the current
     or next wait raise `error` and closes the connection (so the engine sees the request's caller go).
     `stop_sending(error)` only keeps the request from being written from then on (it raises `error` instead): one
-    already written is left as it is."""
+    already written is left as it is. `sent_at` tells when the request was written (an abort sent to its engine
+    about then may reach the engine before the request does), and `on_sent`, if set, is called once it is."""
 
-    __slots__ = ("error", "connection", "unsent")
+    __slots__ = ("error", "connection", "unsent", "sent_at", "on_sent")
 
     def __init__(self) -> None:
         self.error: BaseException | None = None
         self.connection: _Connection | None = None  # while the request holds one
         self.unsent: BaseException | None = None
+        self.sent_at: float | None = None  # time.monotonic() when the request was written
+        self.on_sent: Callable[[], None] | None = None
 
     def fire(self, error: BaseException) -> None:
         if self.error is not None:
@@ -236,6 +239,10 @@ class _Connection(asyncio.Protocol):
         self._read_deadline = deadline
         self._sent_at = time.monotonic()
         self._transport.write(head + body if body else head)
+        if interrupt is not None:
+            interrupt.sent_at = self._sent_at
+            if interrupt.on_sent is not None:
+                interrupt.on_sent()
 
     def closed_while_idle(self) -> bool:
         """Whether the engine closed the connection at once after the request was written, with no byte of an

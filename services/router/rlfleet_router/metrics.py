@@ -237,6 +237,13 @@ class RouterMetrics:
             "waiting to be retried, connecting): answered as aborted, never sent.",
             registry=self.registry,
         )
+        self.client_aborts_resent = Counter(
+            "rlfleet_router_client_aborts_resent",
+            "Rids a client's /abort_request named that the router asked their engine to abort itself, once the engine "
+            "knew them: of a request written there just before the abort (which may have reached the engine first), "
+            "or of a batch the abort named in part while the router held it.",
+            registry=self.registry,
+        )
         self.restarts = EngineCounter(
             "rlfleet_router_engine_restarts",
             "Restarts of failed engines, by engine (its URL before the restart) and result (success: it passed a "

@@ -59,6 +59,9 @@ class RoutingRequest:
     body: Mapping[str, object] = field(default_factory=dict)
     chars_per_token: float = DEFAULT_CHARS_PER_TOKEN
     """The engines' characters per token, which sizes a text prompt in tokens (see `CharsPerToken`)."""
+    excluded: frozenset[str] = frozenset()
+    """Ids of engines in routing left out of the workers offered because the request failed there (a retry): the
+    engines it could go to are those offered and these."""
 
     @cached_property
     def prompt_key(self) -> TokenKey | str | None:
@@ -315,7 +318,9 @@ class CacheAware:
         self._recent = DecayedCounts(RECENT_DECAY, 1 / (1 - RECENT_DECAY))  # requests routed to each engine
         # Groups and conversations placed on each engine since the fleet's caches were last emptied.
         self._placed = DecayedCounts(1.0, 0.0)
-        self._routable: frozenset[str] = frozenset()  # the engines the last request could go to
+        # The engines the last request could go to: a retry offered only the engines it did not fail at names the
+        # others (`RoutingRequest.excluded`), so emptying those it is offered does not pass for a new step.
+        self._routable: frozenset[str] = frozenset()
 
     @property
     def group_size(self) -> float:
@@ -331,7 +336,7 @@ class CacheAware:
     def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Choice:
         assert workers, "select() needs at least one worker"
         self._admit(workers)
-        self._routable = frozenset(w.id for w in workers)
+        self._routable = frozenset(w.id for w in workers) | request.excluded
         key = request.prompt_key
         if key is None:
             least_loaded = min(workers, key=lambda w: (w.in_flight, self._recent_score(w), w.in_flight_tokens))

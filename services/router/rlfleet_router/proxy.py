@@ -18,7 +18,9 @@ A repeat of a prompt its engine is about to prefill waits a few milliseconds bef
 (`prefill_stagger`), counted at the engine meanwhile; given up then, it was never sent.
 
 A client's /abort_request reaches a request at no engine (held back, waiting to be retried, connecting) through
-`held`: one it names ends with RequestAborted before it is ever written to an engine (again).
+`held`: one it names ends with RequestAborted before it is ever written to an engine (again). Its engine is asked
+again for one the abort may have missed there, written just before, and for the rids it named of a batch it did not
+name whole, once written.
 
 The relay uses `engine_client`, keep-alive connections pooled per engine and parsed in C: the
 client is most of the latency the router adds to a request, so it is kept to what the relay needs.
@@ -30,7 +32,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rlfleet.errors import DeadlineExceeded, Unavailable
 from rlfleet_router.chars_per_token import CharsPerToken
@@ -45,7 +47,7 @@ from rlfleet_router.engine_client import (
     EngineReadTimeout,
 )
 from rlfleet_router.engine_response import HOP_HEADERS, AnswerReader, EngineResponse
-from rlfleet_router.held_requests import HeldRequest, HeldRequests
+from rlfleet_router.held_requests import AbortAtEngine, HeldRequest, HeldRequests
 from rlfleet_router.metrics import RouterMetrics
 from rlfleet_router.policies import Policy, RoutingRequest
 from rlfleet_router.prefill_stagger import PrefillStagger
@@ -110,7 +112,7 @@ class Proxy:
         self._connect_timeout = connect_timeout_secs
         self._max_whole_answer = max_whole_answer_bytes
         self._attempts = EngineAttempts()
-        self._aborts = EngineAborts(self._attempts)
+        self._aborts = EngineAborts(self._attempts, resent=metrics.client_aborts_resent)
         self.held = HeldRequests()
 
     async def start(self) -> None:
@@ -191,7 +193,7 @@ class Proxy:
                 if not worker.healthy or not self._workers.contains(worker):
                     continue  # it left routing while the retry waited there: another engine, the same attempt
                 attempt = self._attempts.start(worker, tokens, rids)
-                held.attach(attempt.interrupt)
+                held.attach(attempt.interrupt, self._aborts_at_engine(attempt))
                 last_try = retries >= self._retry.max_retries
                 try:
                     if stagger := self._stagger.delay(worker.id, routing.prompt_key, attempt):
@@ -255,6 +257,9 @@ class Proxy:
             # A question any engine answers (its model, its server): to the least busy one, outside the policy, which
             # counted each as a routing decision and as traffic it had sent there (polled /v1/models skewed both).
             return min(untried or healthy, key=lambda w: w.in_flight)
+        if untried and len(untried) < len(healthy):
+            # A retry offered the engines left: the policy learns that those it failed at are still in routing.
+            routing = replace(routing, excluded=frozenset(w.id for w in healthy if w.id in tried))
         choice = self._policy.select(untried or healthy, routing)
         self._metrics.routing_decision(choice.reason).inc()
         return choice.worker
@@ -332,6 +337,16 @@ class Proxy:
         return EngineResponse(
             upstream, attempt, first, whole, self._workers, self._metrics, self._abort, on_answer, on_usage
         )
+
+    def _aborts_at_engine(self, attempt: Attempt) -> AbortAtEngine:
+        """How a client's abort that may have missed `attempt` at its engine, or named part of its batch, is sent
+        there again (`held_requests`)."""
+
+        def abort_at(rids: tuple[str, ...], at: float) -> None:
+            if self._client is not None:
+                self._aborts.send_at(self._client, attempt, rids, at, "its client aborted it")
+
+        return abort_at
 
     def _give_up(self, attempt: Attempt, upstream: EngineAnswer | None, why: str = "") -> None:
         """Ends `attempt` and drops its connection; with `why`, also asks the engine to abort the request by rid."""

@@ -70,6 +70,10 @@ class FakeEngine:
     fail_updates: bool = False
     update_delay: float = 0.0
     control_delay: float = 0.0  # before answering /abort_request, /pause_generation, ...
+    # As SGLang: an /abort_request of a rid no /generate here carries is dropped (not kept for a later request), and
+    # a /generate carries its rids (each of a batch's) only `rid_delay` after its body arrived.
+    drops_unknown_aborts: bool = False
+    rid_delay: float = 0.0
     serves_openai: bool = False  # /v1/completions and /v1/chat/completions served as /generate
     tp_size: int = 1  # /get_server_info's: the ranks it takes in a weight update group
     # The routes that answer what it serves: SGLang before 0.5 has only the legacy one, 0.5.23 both (logging the
@@ -91,6 +95,7 @@ class FakeEngine:
     server: ThreadedServer | None = None
     _aborted: dict[str, asyncio.Event] = field(default_factory=dict)  # by rid, set by /abort_request
     _died: set[str] = field(default_factory=set)  # rids whose plain answer stopped short ("dies_once" in a body)
+    _carried: list[str] = field(default_factory=list)  # the rids of the /generate requests here
 
     @property
     def url(self) -> str:
@@ -114,10 +119,16 @@ class FakeEngine:
                 return StreamingResponse(self._sse(body), media_type="text/event-stream")
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            await asyncio.sleep(self.rid_delay)
+            rid = body.get("rid")
+            rids = [str(r) for r in rid] if isinstance(rid, list) else [str(rid)]
+            self._carried.extend(rids)
             try:
                 await self._work(body, float(body.get("delay", 0)))
             finally:
                 self.in_flight -= 1
+                for carried in rids:
+                    self._carried.remove(carried)
             if self.dies_mid_answer or (body.get("dies_once") and body.get("rid") not in self._died):
                 self._died.add(str(body.get("rid")))
                 whole = json.dumps(self._answer(body)).encode()
@@ -183,7 +194,10 @@ class FakeEngine:
             if request.url.path in self.refused_controls:
                 return JSONResponse({"detail": "refused"}, status_code=self.refused_with)
             if request.url.path == "/abort_request":
-                self._aborted.setdefault(str(json.loads(body).get("rid", "")), asyncio.Event()).set()
+                rid = str(json.loads(body).get("rid", ""))
+                if self.drops_unknown_aborts and rid not in self._carried:
+                    return JSONResponse({"success": True})
+                self._aborted.setdefault(rid, asyncio.Event()).set()
                 self.events.append("abort")
             return JSONResponse({"success": True})
 

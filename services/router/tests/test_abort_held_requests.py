@@ -2,7 +2,9 @@
 
 A request the router has not sent yet (held back by the prefill stagger, or waiting to be retried after an engine
 failed) is at no engine when the abort is fanned out: sent afterwards, it generated in full. It now finishes at
-once, answered as SGLang answers a request aborted before its prefill, in the shape of its route.
+once, answered as SGLang answers a request aborted before its prefill, in the shape of its route. A batch named in
+part goes on, and its engine aborts the prompts named; a request written just before the abort, which the fan-out
+may reach its engine ahead of, is aborted there again once the engine knows it.
 """
 
 from __future__ import annotations
@@ -157,6 +159,46 @@ def test_abort_all_reaches_a_batch_and_answers_each_of_its_outputs(
     assert all(o["meta_info"]["finish_reason"] == ABORT and o["output_ids"] == [] for o in outputs)
     first.answer()
     assert sent_rids(engine) == ["first/"]
+
+
+def test_an_abort_naming_part_of_a_held_batch_aborts_those_prompts_at_its_engine(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """SGLang runs a batch's prompts under their own rids: an abort of one ends that prompt (finish_reason abort)
+    and the others go on. The router cannot split a batch it holds, so it sends it, and has its engine abort the
+    prompts named once the engine knows their rids (the fan-out found the batch at no engine)."""
+    engine = start_engine("a", drops_unknown_aborts=True)
+    router = start_router([engine.url], policy="cache_aware", prefill_stagger_ms=1000)
+    router.wait_healthy(1)
+    body = {"input_ids": [list(range(200)), list(range(1, 201))], "rid": ["part/0/", "part/1/"], "delay": 1.0}
+    first, held = hold_in_stagger(router, engine, "/generate", body)
+    assert router.client.post("/abort_request", json={"rid": "part/0/"}).status_code == 200
+    assert engine.events == ["generate"], "the fan-out found no request part/0/ at the engine"
+    answer = held.answer()
+    assert answer.status_code == 200 and answer.json()["text"] == "answer from a", answer.text
+    assert sent_rids(engine) == ["first/", ["part/0/", "part/1/"]], "the batch went on"
+    assert engine.aborted() == ["part/0/", "part/0/"], "asked again once the batch was at the engine"
+    assert engine.events == ["generate", "generate", "abort"], "the prompt named was aborted there"
+    first.answer()
+
+
+def test_an_abort_that_reaches_the_engine_before_the_request_it_names_is_sent_there_again(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """The request was written to its engine just before the abort came: the fan-out reached the engine before the
+    engine knew the rid, and SGLang drops such an abort. The router asks again ABORT_RACE_SECS after the write."""
+    engine = start_engine("a", hang=True, drops_unknown_aborts=True, rid_delay=0.4)
+    router = start_router([engine.url])
+    router.wait_healthy(1)
+    request = Sent(router, "/generate", {"input_ids": [1, 2, 3], "rid": "race/"})
+    router.wait_for(lambda: len(engine.raw_bodies) == 1, what="the request written to the engine")
+    assert router.client.post("/abort_request", json={"rid": "race/"}).status_code == 200
+    assert "abort" not in engine.events, "the engine did not know the rid yet: the fan-out's abort was dropped"
+    answer = request.answer(timeout=5.0)  # the engine hangs for 30 s unless the abort reaches it
+    assert answer.status_code == 200 and request.took < 2.0, (answer.text, request.took)
+    assert engine.aborted() == ["race/", "race/"] and engine.events == ["generate", "abort"]
+    assert router.workers()[0]["in_flight"] == 0
+    assert metric_value(router.client.get("/metrics").text, "rlfleet_router_client_aborts_resent_total") == 1
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -13,6 +13,8 @@ import pytest
 from router_fakes import FakeEngine, RunningRouter, metric_value
 
 from rlfleet_router.engine_client import EngineClient, EngineConnectTimeout
+from rlfleet_router.generation_relay import GenerationRelay
+from rlfleet_router.policies import CacheAware
 
 # Far above what a failover takes: a request still at the hung engine would run into it.
 REQUEST_TIMEOUT_SECS = 8.0
@@ -184,3 +186,39 @@ def test_a_connect_cut_short_by_the_requests_deadline_is_not_held_against_the_en
     assert answer.status_code == 504 and "ran out of time while connecting" in answer.text, answer.text
     [worker] = router.workers()
     assert worker["healthy"] is True and worker["last_error"] is None, worker
+
+
+def test_a_retry_on_the_engines_left_keeps_the_steps_placement_counts(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """cache_aware counts the groups and conversations each engine took since the whole fleet's caches were emptied.
+    A retry is offered only the engines its request did not fail at: emptying those (a flush one engine refused, a
+    restart) is not a new step, and the counts of the step stay."""
+    engines = [start_engine("a"), start_engine("b")]
+    router = start_router([e.url for e in engines], policy="cache_aware", retry_max_retries=2)
+    router.wait_healthy(2)
+    prompts = [list(range(1000 * i, 1000 * i + 100)) for i in range(1, 5)]
+    for prompt in prompts:
+        assert router.client.post("/generate", json={"input_ids": prompt}).status_code == 200
+    home = next(e for e in engines if any(json.loads(raw)["input_ids"] == prompts[0] for raw in e.raw_bodies))
+    other = next(e for e in engines if e is not home)
+    relay = router.server.server.config.app
+    assert isinstance(relay, GenerationRelay) and isinstance(relay.fleet.policy, CacheAware)
+    policy = relay.fleet.policy
+    workers = {w["url"]: w["id"] for w in router.workers()}
+
+    def placed() -> dict[str, float]:
+        return {e.name: policy._placed.score(workers[e.url]) for e in engines}
+
+    home.generate_status = 503  # the conversation's next turn fails where its history is, and goes to the other
+    answer = router.client.post("/generate", json={"input_ids": [*prompts[0], 7, 7, 7]})
+    assert answer.status_code == 200 and answer.json()["meta_info"]["engine"] == other.name, answer.text
+    home.generate_status = 200
+    counts = placed()
+    assert sum(counts.values()) == 5, counts  # four conversations, and the turn placed anew on the other engine
+    home.refused_controls = {"/flush_cache"}
+    assert router.client.post("/flush_cache").status_code == 502  # only the other engine's cache was emptied
+    assert placed() == counts, "one engine emptied is not a new step"
+    home.refused_controls = set()
+    assert router.client.post("/flush_cache").status_code == 200
+    assert set(placed().values()) == {0.0}, "the whole fleet emptied: a new step"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from array import array
 
 import pytest
@@ -10,6 +11,8 @@ import pytest
 from rlfleet.errors import InvalidInput, NotFound
 from rlfleet_router.openai_routing import routing_body
 from rlfleet_router.policies import (
+    GROUP_SIZE_WINDOW,
+    MAX_SLACK_GROUPS,
     CacheAware,
     Choice,
     LeastLoad,
@@ -244,6 +247,63 @@ def test_cache_aware_counts_placements_since_the_fleet_s_caches_were_last_emptie
     converse(policy, [home], system, 9)
     policy.forget_caches([home])
     assert placed() == [0, 0]
+
+
+def test_cache_aware_a_retry_on_the_engines_left_is_not_the_fleet_a_step_ends_with() -> None:
+    """A retry offered only the engines its request did not fail at names the others (`excluded`): emptying the
+    engines it was offered is not a new step while the others are still in routing."""
+    workers = make_workers(0, 0, 0)
+    first, second, third = workers
+    policy = CacheAware(PolicyOptions(balance_share_threshold=100))
+    for question in range(3):
+        policy.select(workers, generate([7000 + question] * 50))
+    placed = [policy._placed.score(w.id) for w in workers]
+    assert sum(placed) == 3
+    retry = RoutingRequest("/generate", {"input_ids": [7100] * 50}, excluded=frozenset({first.id, second.id}))
+    assert policy.select([third], retry).worker is third
+    policy.forget_caches([third])  # the engine the retry went to restarted
+    assert [policy._placed.score(w.id) for w in workers] == [placed[0], placed[1], placed[2] + 1]
+    policy.forget_caches(workers)
+    assert [policy._placed.score(w.id) for w in workers] == [0, 0, 0]
+
+
+@pytest.mark.parametrize(("slack", "rel"), [(10, 1.25), (2, 1.5), (10, 3.0)])
+@pytest.mark.parametrize("group", [1, 4, 8, 16])
+@pytest.mark.parametrize("engines", [2, 3, 4])
+def test_cache_aware_follows_a_group_to_the_engine_that_had_room_for_it(
+    slack: int, rel: float, group: int, engines: int
+) -> None:
+    """The follow bound counts a group's own requests once: at the engine (in flight) against the group's room in
+    the bound (+ G). An engine that had room for the whole group when it was placed (in flight + G within the
+    placement bound, or idle) takes each of the group's later requests while the rest of the fleet is as it was,
+    however loaded the fleet is. (Counted twice, in flight + G against the bound, a large group placed on an idle
+    engine would be split before its last requests.)"""
+    draw = random.Random(group * 10 + engines)
+    options = PolicyOptions(
+        balance_abs_threshold=slack,
+        balance_rel_threshold=rel,
+        balance_share_threshold=100,
+        balance_placement_slack=1000,
+    )
+    for case in range(20):
+        workers = make_workers(*([0] * engines))
+        policy = CacheAware(options)
+        for warm in range(GROUP_SIZE_WINDOW // group + 1):  # the group size estimate settles at `group`
+            for _ in range(group):
+                policy.select(workers, generate([10_000 + warm] * 64))
+        assert policy.group_size == group
+        for worker in workers:  # an idle fleet first, then loads from light to heavy
+            worker.in_flight = draw.randrange(0, 1 + case * 4)
+        total = sum(w.in_flight for w in workers)
+        room = max(min(slack, MAX_SLACK_GROUPS * group) + rel * (total + group) / engines, group)
+        prompt = [20_000 + case] * 64
+        home = policy.select(workers, generate(prompt)).worker
+        if home.in_flight + group > room:
+            continue  # no engine had room for the group: it may be split, as the docstring says
+        for sample in range(1, group):
+            home.in_flight += 1  # the group's earlier requests are in flight there
+            choice = policy.select(workers, generate(prompt))
+            assert (choice.worker, choice.reason) == (home, "cache_hit"), (case, sample, [w.in_flight for w in workers])
 
 
 def test_cache_aware_gives_prompts_of_one_request_a_slack_of_one_group() -> None:
