@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rlfleet_engine.incremental_detokenizer import INCOMPLETE, Detokenizer, IncrementalDetokenizer
+from rlfleet_engine.incremental_detokenizer import Detokenizer, IncrementalDetokenizer
 from rlfleet_engine.sampling_params import SamplingParams
 from rlfleet_engine.stop_conditions import FinishReason, partial_stop_length
 
@@ -55,7 +55,7 @@ class GenerationJob:
     finished_at: float | None = None
     _stop_at: int | None = None  # where a matched stop string starts in the text decoded with special tokens
     _decoders: dict[bool, IncrementalDetokenizer] = field(default_factory=dict)
-    """The running job's text, per skip_special_tokens, decoded a few tokens at a time (see `_decode_prefix`)."""
+    """The running job's committed text, per skip_special_tokens (see `_committed`)."""
     _token_texts: dict[int, str] = field(default_factory=dict)
     """Each token id's text once decoded (`return_text_in_logprobs`): a streamed job publishes every token's at
     every output, which decoded them all again each time."""
@@ -100,38 +100,51 @@ class GenerationJob:
     def text(self, tokenizer: Detokenizer) -> str:
         """The output text, without the matched stop token or string unless no_stop_trim.
 
-        While the job runs, the tail that may yet become a stop string is held back (as SGLang does), and so is
-        a character whose last bytes are still to come (decoded as U+FFFD), so the text only grows from one
-        streamed output to the next and is always a prefix of the final text, the whole decode.
+        A finished job's text is the whole decode. A running job's (streamed: SGLang's chunks carry the whole text
+        so far) is only text no later token can change, so each is a prefix of the next and of the final text and
+        a client's deltas add up: the decoder's committed text (see `IncrementalDetokenizer`: no character whose
+        last bytes are still to come, no byte group that one more byte may rewrite), without the tail that may yet
+        become a stop string (as SGLang holds it back).
         """
+        if self.finish is None:
+            return self._committed_text(tokenizer)
         ids = self.output_ids
         trim = not self.params.no_stop_trim
-        if trim and self.finish is not None and self.finish.matched_token:
+        if trim and self.finish.matched_token:
             ids = ids[:-1]
-        if not trim or not self.params.stop or (self.finish is not None and self._stop_at is None):
-            return self._held_back(self._decode_prefix(tokenizer, len(ids), self.params.skip_special_tokens))
-        return self._held_back(self._text_before_stop(tokenizer))
+        if not trim or not self.params.stop or self._stop_at is None:
+            return tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+        return self._text_before_stop(tokenizer, self._stop_at)
 
-    def _decode_prefix(self, tokenizer: Detokenizer, count: int, skip_special_tokens: bool) -> str:
-        """`tokenizer.decode(output_ids[:count], skip_special_tokens)`. A running job publishes its text after every
-        token when streamed: decoded whole each time, a stream of N tokens decoded O(N^2) tokens, so it is decoded
-        incrementally, to the same text. A finished job's text is published once: the whole decode, as ever."""
-        if self.finish is not None:
-            return tokenizer.decode(self.output_ids[:count], skip_special_tokens=skip_special_tokens)
+    def _committed_text(self, tokenizer: Detokenizer) -> str:
+        """The running job's text. Before a stop string that may yet come it ends at a point of the text decoded with
+        special tokens (where stop strings are found) no later than where that stop string would begin: the final
+        text, cut before the stop string, keeps at least the tokens before that point (see `_text_before_stop`)."""
+        skip = self.params.skip_special_tokens
+        count = len(self.output_ids)
+        if not self.params.stop or self.params.no_stop_trim:
+            return self._committed(tokenizer, count, skip)[1]
+        point, full = self._committed(tokenizer, count, False)
+        end = len(full) - partial_stop_length(full, self.params.stop)
+        if not skip:
+            return full[:end]
+        head = full
+        while len(head) > end:
+            point, head = self._committed(tokenizer, point - 1, False)
+        return self._committed(tokenizer, point, True)[1]
+
+    def _committed(self, tokenizer: Detokenizer, count: int, skip_special_tokens: bool) -> tuple[int, str]:
+        """The latest committed point at or before `count` output tokens, and its text. Decoded incrementally: a
+        stream of N tokens decoded whole at every chunk cost O(N^2) tokens of decoding."""
         decoder = self._decoders.get(skip_special_tokens)
         if decoder is None:
             decoder = self._decoders[skip_special_tokens] = IncrementalDetokenizer(tokenizer, skip_special_tokens)
-        return decoder.decode_prefix(self.output_ids, count)
+        return decoder.committed(self.output_ids, count)
 
-    def _held_back(self, text: str) -> str:
-        # A byte-level tokenizer decodes the first bytes of a character as U+FFFD until its last byte comes.
-        return text.rstrip(INCOMPLETE) if self.finish is None else text
-
-    def _text_before_stop(self, tokenizer: Detokenizer) -> str:
-        """The output text before the matched stop string, or (still running) before what may become one."""
-        # Stop strings are found in the output decoded with its special tokens: positions are in that text.
-        full = self._held_back(self._decode_prefix(tokenizer, len(self.output_ids), False))
-        end = self._stop_at if self._stop_at is not None else len(full) - partial_stop_length(full, self.params.stop)
+    def _text_before_stop(self, tokenizer: Detokenizer, end: int) -> str:
+        """The finished output's text before the matched stop string, which starts at `end` in the output decoded
+        with its special tokens."""
+        full = tokenizer.decode(self.output_ids, skip_special_tokens=False)
         if not self.params.skip_special_tokens:
             return full[:end]
         # The text without special tokens has other positions: decode the whole tokens before `end`, then add
@@ -140,8 +153,8 @@ class GenerationJob:
         head = full
         while len(head) > end:
             cut -= 1
-            head = self._decode_prefix(tokenizer, cut, False)
-        text = self._decode_prefix(tokenizer, cut, True)
+            head = tokenizer.decode(self.output_ids[:cut], skip_special_tokens=False)
+        text = tokenizer.decode(self.output_ids[:cut], skip_special_tokens=True)
         if len(head) < end and tokenizer.decode(self.output_ids[cut : cut + 1], skip_special_tokens=True):
             text += full[len(head) : end]
         return text

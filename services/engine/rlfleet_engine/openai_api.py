@@ -274,7 +274,7 @@ class OpenAIServer:
             choice: dict[str, Any] = {"index": index, "finish_reason": reason, "matched_stop": matched}
             if chat:  # a chat stream ends each choice with a chunk of its own (below), as SGLang's does
                 choice.update(finish_reason=None, matched_stop=None)
-            delta = out["text"][text_from:]
+            delta = out["text"][text_from:]  # a streamed text only grows (GenerationJob.text): the new part is its tail
             if chat:
                 choice["delta"] = {"content": delta}
                 has_logprobs = "output_token_logprobs" in meta

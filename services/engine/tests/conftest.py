@@ -68,3 +68,11 @@ def start_sim(tmp_path: Path) -> Iterator[Callable[..., str]]:
     yield start
     for process in started:
         process.stop(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def tokenizers_by_kind(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A tokenizer of every kind the engine serves, by name (see `tokenizer_kinds`)."""
+    from tokenizer_kinds import tokenizers_by_kind
+
+    return tokenizers_by_kind(tmp_path_factory.mktemp("char-tokenizer"))

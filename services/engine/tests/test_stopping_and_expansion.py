@@ -20,6 +20,9 @@ EOS = 1
 class CharTokenizer:
     """ids 3.. are 'a', 'b', ...; 1 is eos (special)."""
 
+    decodes_token_by_token = True
+    """A running job publishes its text as it is decoded (a tokenizer not known to decode locally publishes none)."""
+
     def encode(self, text: str) -> list[int]:
         return [ord(c) - ord("a") + 3 for c in text]
 
@@ -113,6 +116,9 @@ def test_a_running_job_holds_back_what_may_become_a_stop_string() -> None:
 
 class ByteTokenizer:
     """ids 0..255 are bytes, decoded as UTF-8 with U+FFFD for what does not decode, as byte-level BPE decodes."""
+
+    decodes_token_by_token = True
+    """Decodes locally, as byte-level BPE: a byte's text depends only on the bytes of its character."""
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return bytes(token_ids).decode("utf-8", errors="replace")
