@@ -62,6 +62,12 @@ class TrainerSettings(BaseSettings):
     weight_sync_timeout_s: float = Field(
         120.0, gt=0, description="distributed: bound on engines joining the group and on each broadcast"
     )
+    weight_disk_copy_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="distributed: bound on waiting for a broadcast version's disk copy, written in the background "
+        "while the next step trains (writing it, registering it with the router); past it the run fails",
+    )
     consumer: str = Field("trainer-0", description="consumer name in the stream's consumer group")
     keep_trained_groups: bool = Field(
         False,

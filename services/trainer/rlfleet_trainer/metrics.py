@@ -49,10 +49,37 @@ class TrainerMetrics:
         )
         self.weight_sync_seconds = Histogram(
             "rlfleet_trainer_weight_sync_seconds",
-            "time from training step end to the fleet serving the new version",
+            "time from training step end to the fleet serving the new version (distributed: the broadcast, and any "
+            "wait for the previous version's disk copy; not the copy written in the background)",
             # Up to the weight load's bound (--weight-load-timeout-s, 300 s) and past it: a quantile can only
             # show values up to the largest finite bucket.
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
+            registry=self.registry,
+        )
+        # weight_sync=distributed: the disk copy of each broadcast version, written beside the next step.
+        self.weight_disk_copy_seconds = Histogram(
+            "rlfleet_trainer_weight_disk_copy_seconds",
+            "time to write a broadcast weight version's disk copy and register it with the router, in the background "
+            "while the next step trains (not part of weight_sync_seconds)",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800),
+            registry=self.registry,
+        )
+        self.weight_disk_copy_wait_seconds = Histogram(
+            "rlfleet_trainer_weight_disk_copy_wait_seconds",
+            "time the training thread waited for the disk copy in flight (before the next publish, a checkpoint, "
+            "the run's end): the part of the copy that the step did not hide",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800),
+            registry=self.registry,
+        )
+        self.weight_disk_copy_in_flight = Gauge(
+            "rlfleet_trainer_weight_disk_copy_in_flight",
+            "1 while a broadcast weight version's disk copy is being written or registered, else 0",
+            registry=self.registry,
+        )
+        self.weight_disk_copy_failures = Counter(
+            "rlfleet_trainer_weight_disk_copy_failures_total",
+            "disk copies of broadcast weight versions that failed (the run fails at its next publish, checkpoint or "
+            "end)",
             registry=self.registry,
         )
         self.checkpoint_seconds = Histogram(

@@ -9,6 +9,13 @@ step's version is reported after its checkpoint, so whoever waits for version v 
 finds the engines serving it and, at the end, the final checkpoint committed. While it waits for
 groups, the loop keeps the fleet on the run's version (fleet_version.py).
 
+With weight_sync=distributed a version's disk copy is written while the next step trains
+(weight_publisher.py). A checkpoint and the run's end wait for it first (bounded), so a checkpoint never
+acknowledges groups whose version has no copy for engines that rejoin, and a run that stops leaves its
+last version registered; a copy that failed fails the run there, or at the next publish, as it did when it
+was written on the step path. While a copy is under way the fleet's version is not checked: the copy's own
+registration brings a restarted router back to the version.
+
 Resumed from a checkpoint, the loop reads its pending entries again in id order with the same
 partition into steps, so it retrains exactly the groups after the checkpoint, in the same steps.
 It publishes versions it had published before the crash again, deliberately: version v always names
@@ -24,8 +31,10 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Protocol
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -40,7 +49,7 @@ from rlfleet_trainer.rank_group import RankGroup
 from rlfleet_trainer.rank_ops import Policy
 from rlfleet_trainer.redis_wait import waiting_out_redis
 from rlfleet_trainer.router_client import RouterClient
-from rlfleet_trainer.weight_publisher import make_publisher
+from rlfleet_trainer.weight_publisher import WeightPublisher, make_publisher
 from rlfleet_trainer.weights import prune_versions
 
 logger = logging.getLogger(__name__)
@@ -48,11 +57,30 @@ logger = logging.getLogger(__name__)
 CLAIM_BATCH = 1000
 
 
+class Checkpoints(Protocol):
+    def commit(self, run: ActiveRun, step: int, groups_trained: int) -> None:
+        """Checkpoints `run` as of `step` (see `CheckpointCommitter.commit`)."""
+        ...
+
+
+@dataclass(frozen=True)
+class AfterPublished:
+    """Checkpoints taken once what the publisher left under way (a version's disk copy) is done: a checkpoint of
+    step v acknowledges v's groups only once v is on disk for engines that rejoin, and not if its copy failed."""
+
+    checkpoints: Checkpoints
+    publisher: WeightPublisher
+
+    def commit(self, run: ActiveRun, step: int, groups_trained: int) -> None:
+        self.publisher.settle()
+        self.checkpoints.commit(run, step, groups_trained)
+
+
 def collect_groups(
     run: ActiveRun,
     settings: TrainerSettings,
     needed: int,
-    checkpoints: CheckpointCommitter,
+    checkpoints: Checkpoints,
     while_waiting: Callable[[ActiveRun], None] = lambda _run: None,
 ) -> list[StreamEntry]:
     """Blocks (in bounded waits, watching `run.stop`) until `needed` groups are delivered; takes a
@@ -140,13 +168,20 @@ def train_run(
         lambda _model: run.ranks.call("full_state_dict"),
         abort_all_requests=run.spec.rollout.on_weight_update == "abort_resume",
         base_model=Path(run.spec.model.path),
+        metrics=metrics,
     )
     check_fleet = FleetVersionCheck(router, settings.fleet_check_s, metrics)
+    commits = AfterPublished(checkpoints, publisher)
+
+    def keep_fleet_version(waiting: ActiveRun) -> None:
+        if not publisher.busy():  # a copy under way registers the version, or loads it through a restarted router
+            check_fleet(waiting)
+
     try:
         total_steps = run.spec.schedule.steps
         needed = run.spec.rollout.groups_per_step
         while run.step < total_steps and not run.stop.is_set():
-            entries = collect_groups(run, settings, needed, checkpoints, check_fleet)
+            entries = collect_groups(run, settings, needed, commits, keep_fleet_version)
             if len(entries) < needed:  # stopped while waiting: nothing else ends the wait short
                 break
             groups = [e.group for e in entries]
@@ -159,7 +194,7 @@ def train_run(
             run.uncommitted.extend(e.entry_id for e in entries)
             groups_trained = run.groups_trained + len(groups)
             if checkpoint_due(run, version):
-                checkpoints.commit(run, version, groups_trained)
+                commits.commit(run, version, groups_trained)
             run.update(
                 step=version,
                 weight_version=version,
@@ -169,7 +204,8 @@ def train_run(
             )
             report(run, version, len(groups), step_metrics, metrics)
         if run.checkpoint_on_stop or run.checkpoint_wanted:
-            checkpoints.commit(run, run.step, run.groups_trained)
+            commits.commit(run, run.step, run.groups_trained)
+        publisher.settle()  # the last version's copy is on disk (and registered) before the run reports its end
         run.update(state=TrainerState.TRAINER_STATE_STOPPED)
     except Exception as exc:  # noqa: BLE001 - the run fails with a reason instead of the thread dying silently
         logger.exception("run %s failed at step %d", run.run_id, run.step, extra={"run_id": run.run_id})

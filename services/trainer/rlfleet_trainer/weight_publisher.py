@@ -7,9 +7,13 @@ same version goes the disk way, so a step never ends with the fleet behind it. G
 fleet-wide while a version travels, and until that disk load has ended: an engine that took some buckets holds
 a mix of two versions meanwhile, and SGLang takes an update while it is not paused only once every generation
 under way has ended, which the broadcast would wait for past its timeout. Once the engines serve a
-broadcast version (generation resumed), the trainer writes it to disk too, before `publish` returns:
-the copy restarted engines load and a resumed trainer starts from. That write is part of the
-trainer's step time (bench/weight_sync.md), not of the time engines wait.
+broadcast version (generation resumed), the trainer writes it to disk too, for engines that rejoin (the
+router holds them out of routing until that copy is registered) and for a router that restarted. That
+copy is written in the background while the next step trains (weight_disk_copy.py), one at a time: the
+next publish, a checkpoint and the run's end wait for it first, and raise its failure. Its tensors are
+the version broadcast: a model that gives its live parameters as its state (one process, no FSDP) is
+copied to CPU first (`private_state`: one more copy of the weights in memory until the copy is written).
+A version that came from disk because the broadcast failed is written on the step path, as engines load it.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from transformers import PreTrainedModel
 
 from rlfleet.errors import Unavailable
 from rlfleet_trainer.config import TrainerSettings
+from rlfleet_trainer.metrics import TrainerMetrics
 from rlfleet_trainer.router_client import RouterClient
 from rlfleet_trainer.weight_broadcast import WeightBroadcaster, engine_dtype
-from rlfleet_trainer.weights import save_version, without_tied_copies
+from rlfleet_trainer.weight_disk_copy import DiskCopies, DiskCopyFailed, private_state
+from rlfleet_trainer.weights import save_version, version_dir, without_tied_copies
 
 logger = logging.getLogger(__name__)
 
@@ -35,11 +41,21 @@ FullState = Callable[[PreTrainedModel], Mapping[str, torch.Tensor]]
 
 class WeightPublisher(Protocol):
     def publish(self, model: PreTrainedModel, version: int) -> Path:
-        """Makes every engine serve `model` as `version`; returns the version's directory on disk."""
+        """Makes every engine serve `model` as `version`; returns the version's directory on disk (which may still
+        be being written: see `settle`)."""
+        ...
+
+    def settle(self) -> None:
+        """Waits (bounded) for what `publish` left under way (a disk copy); raises its failure."""
+        ...
+
+    def busy(self) -> bool:
+        """Whether something `publish` left under way is still going on."""
         ...
 
     def close(self) -> None:
-        """Releases what the publisher holds for the run (the weight update group)."""
+        """Waits (bounded) for what is under way, then releases what the publisher holds for the run (the weight
+        update group)."""
         ...
 
 
@@ -74,6 +90,12 @@ class DiskPublisher:
         """Has every engine load `version`, written at `path` already."""
         self._router.load_weights(str(path), version, abort_all_requests=self._abort_all_requests)
 
+    def settle(self) -> None:
+        return None  # `publish` leaves nothing under way
+
+    def busy(self) -> bool:
+        return False
+
     def close(self) -> None:
         return None
 
@@ -86,19 +108,36 @@ class DistributedPublisher:
         weights_root: Path,
         tokenizer_dir: Path,
         full_state: FullState = PreTrainedModel.state_dict,
+        *,
+        metrics: TrainerMetrics | None = None,
+        disk_copy_timeout_s: float = TrainerSettings.model_fields["weight_disk_copy_timeout_s"].default,
     ) -> None:
         self._broadcaster = broadcaster
         self._disk = disk
         self._weights_root = weights_root
         self._tokenizer_dir = tokenizer_dir
         self._full_state = full_state
+        self._copies = DiskCopies(metrics or TrainerMetrics(), disk_copy_timeout_s)
 
     def publish(self, model: PreTrainedModel, version: int) -> Path:
+        """Broadcasts `version` and starts writing its disk copy in the background; returns the copy's directory.
+        Waits for the previous version's copy first, and raises its failure."""
+        self._copies.wait()
         state = self._full_state(model)
         fallen_back = self.serve(model, state, version)
         if fallen_back is not None:
             return fallen_back
-        return self.write_disk_copy(model, state, version)
+        # Taken now, on the training thread: the copy's thread reads neither the live parameters (the next step
+        # changes them) nor the model's state (an FSDP2 state_dict() reshards the parameters mid-step).
+        tensors = private_state(without_tied_copies(state, model), model)
+        self._copies.start(version, lambda: self.write_disk_copy(model, tensors, version, untied=True))
+        return version_dir(self._weights_root, version)
+
+    def settle(self) -> None:
+        self._copies.wait()
+
+    def busy(self) -> bool:
+        return self._copies.in_flight
 
     def serve(self, model: PreTrainedModel, state: Mapping[str, torch.Tensor], version: int) -> Path | None:
         """Brings every engine to `version`: over the group, or from disk if the broadcast fails (the group is
@@ -116,11 +155,13 @@ class DistributedPublisher:
                 return self._disk.publish_state(model, state, version)
         return None
 
-    def write_disk_copy(self, model: PreTrainedModel, state: Mapping[str, torch.Tensor], version: int) -> Path:
+    def write_disk_copy(
+        self, model: PreTrainedModel, state: Mapping[str, torch.Tensor], version: int, *, untied: bool = False
+    ) -> Path:
         """Writes `version` (already served) to disk and tells the router, for engines that rejoin. A router that
         restarted since the broadcast knows no version: the engines load this copy through it instead, which
-        gives it the fleet's version again."""
-        path = save_version(model, self._weights_root, version, self._tokenizer_dir, state)
+        gives it the fleet's version again. `untied`: as `save_version`'s."""
+        path = save_version(model, self._weights_root, version, self._tokenizer_dir, state, untied=untied)
         if not self._broadcaster.register_disk_copy(str(path), version):
             logger.warning(
                 "the router refused the disk copy of weight version %d: its fleet serves another version (it "
@@ -133,6 +174,10 @@ class DistributedPublisher:
         return path
 
     def close(self) -> None:
+        try:
+            self._copies.wait()
+        except DiskCopyFailed as exc:  # the run has ended (failed, if it met this copy's failure at a wait)
+            logger.warning("closing the weight sync: %s", exc)
         self._broadcaster.close()
 
 
@@ -145,9 +190,11 @@ def make_publisher(
     *,
     abort_all_requests: bool = False,
     base_model: Path | None = None,
+    metrics: TrainerMetrics | None = None,
 ) -> WeightPublisher:
     """The publisher `settings.weight_sync` names, for one run (it opens its group on the first publish).
-    `base_model`, the model the run started from: over NCCL its dtype is the one versions travel in."""
+    `base_model`, the model the run started from: over NCCL its dtype is the one versions travel in. `metrics`: where
+    the disk copies of broadcast versions are timed and counted."""
     disk = DiskPublisher(router, weights_root, tokenizer_dir, full_state, abort_all_requests=abort_all_requests)
     if settings.weight_sync == "disk":
         return disk
@@ -160,4 +207,12 @@ def make_publisher(
         abort_all_requests=abort_all_requests,
         dtype=engine_dtype(settings.weight_sync_backend, base_model),
     )
-    return DistributedPublisher(broadcaster, disk, weights_root, tokenizer_dir, full_state)
+    return DistributedPublisher(
+        broadcaster,
+        disk,
+        weights_root,
+        tokenizer_dir,
+        full_state,
+        metrics=metrics,
+        disk_copy_timeout_s=settings.weight_disk_copy_timeout_s,
+    )

@@ -71,6 +71,7 @@ def write_model_dir(
     state_dict: Mapping[str, torch.Tensor] | None = None,
     *,
     base_dir: Path | None = None,
+    untied: bool = False,
 ) -> Path:
     """Writes `model` (safetensors + config) and the tokenizer files of `tokenizer_dir` as the
     Hugging Face directory `dest`, replacing it atomically. `state_dict` replaces the model's own
@@ -78,10 +79,18 @@ def write_model_dir(
 
     `base_dir`, the model the weights were trained from (by default the directory `model` was loaded from): its
     generation_config.json is kept as it is. The one save_pretrained writes is derived from config.json for a
-    model made from its config (export), which drops the base's end-of-turn token ids and sampling defaults."""
+    model made from its config (export), which drops the base's end-of-turn token ids and sampling defaults.
+
+    `untied`: `state_dict` is `without_tied_copies` already, so `model`'s own state is not read. A disk copy written
+    in the background beside a training step must not read it: an FSDP2 model's `state_dict()` reshards its
+    parameters, which mid-forward would pull them from under the step."""
     tmp = dest.parent / f".{dest.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    tensors = None if state_dict is None else without_tied_copies(state_dict, model)  # save_pretrained keeps both
+    tensors: dict[str, torch.Tensor] | None = None
+    if state_dict is not None:
+        # save_pretrained would keep both names of a tied parameter.
+        tensors = dict(state_dict) if untied else without_tied_copies(state_dict, model)
+    written_dtype = None if tensors is None else floating_dtype_name(tensors)  # save_pretrained empties `tensors`
     model.save_pretrained(str(tmp), state_dict=tensors, safe_serialization=True)
     for source in tokenizer_files(tokenizer_dir):
         shutil.copy2(source, tmp / source.name)
@@ -90,7 +99,13 @@ def write_model_dir(
     base = base_dir if base_dir is not None else Path(model.name_or_path) if model.name_or_path else None
     if base is not None and (base / GENERATION_CONFIG).is_file():
         shutil.copy2(base / GENERATION_CONFIG, tmp / GENERATION_CONFIG)
-    if base is not None and (dtype := base_dtype(base)) is not None:
+    # Named from the tensors written when the base names none: save_pretrained names the dtype of the model's
+    # parameters as it finds them, which a step training beside a background copy may hold in bf16 (FSDP's
+    # mixed precision) while the tensors written are fp32.
+    dtype = base_dtype(base) if base is not None else None
+    if dtype is None:
+        dtype = written_dtype
+    if dtype is not None:
         config = json.loads((tmp / "config.json").read_text())
         config["dtype"] = dtype  # transformers writes the tensors' own (float32)
         config.pop("torch_dtype", None)  # the key before transformers 4.56, read as dtype by later ones
@@ -109,6 +124,15 @@ def base_dtype(model_dir: Path) -> str | None:
     return dtype if isinstance(dtype, str) and dtype != "auto" else None
 
 
+def floating_dtype_name(tensors: Mapping[str, torch.Tensor]) -> str | None:
+    """The dtype of the first floating-point tensor of `tensors` as config.json names it ("float32"); None
+    without one."""
+    for tensor in tensors.values():
+        if tensor.is_floating_point():
+            return str(tensor.dtype).removeprefix("torch.")
+    return None
+
+
 def tokenizer_files(tokenizer_dir: Path) -> list[Path]:
     """The files of `tokenizer_dir` a tokenizer is loaded from (TOKENIZER_FILES), by name."""
     if not tokenizer_dir.is_dir():
@@ -123,9 +147,12 @@ def save_version(
     version: int,
     tokenizer_dir: Path,
     state_dict: Mapping[str, torch.Tensor] | None = None,
+    *,
+    untied: bool = False,
 ) -> Path:
-    """Writes `model` (or `state_dict` in its shape) as weight version `version`; returns its directory."""
-    return write_model_dir(model, version_dir(weights_root, version), tokenizer_dir, state_dict)
+    """Writes `model` (or `state_dict` in its shape) as weight version `version`; returns its directory.
+    `untied`: see `write_model_dir`."""
+    return write_model_dir(model, version_dir(weights_root, version), tokenizer_dir, state_dict, untied=untied)
 
 
 def prune_versions(weights_root: Path, keep_from: int) -> None:

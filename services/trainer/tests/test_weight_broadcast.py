@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from engine_fleet import EngineFleet, start_engine_fleet  # noqa: E402
 
 from rlfleet.errors import Unavailable  # noqa: E402
-from rlfleet_trainer import weight_broadcast  # noqa: E402
+from rlfleet_trainer import weight_broadcast, weight_publisher  # noqa: E402
 from rlfleet_trainer.router_client import RouterClient  # noqa: E402
 from rlfleet_trainer.weight_broadcast import WeightBroadcaster, buckets, unique_tensors  # noqa: E402
 from rlfleet_trainer.weight_publisher import DiskPublisher, DistributedPublisher  # noqa: E402
@@ -95,6 +96,7 @@ def test_versions_broadcast_in_buckets_reach_every_engine_exactly(
         take_a_step(model, seed=version)
         path = publisher.publish(model, version)
         assert_engines_serve(engine_fleet, engine_fleet.engine_urls, model, version)
+        publisher.settle()  # the disk copy, written in the background
         # The disk copy for engines that rejoin is registered as the fleet's current version.
         current = httpx.get(f"{engine_fleet.router_url}/weight_version", timeout=10).json()
         assert current == {"weight_version": str(version), "model_path": str(path)}
@@ -105,6 +107,50 @@ def test_versions_broadcast_in_buckets_reach_every_engine_exactly(
     metrics = httpx.get(f"{engine_fleet.router_url}/metrics", timeout=10).text
     assert 'rlfleet_router_weight_sync_seconds_count{path="distributed"} 2.0' in metrics
     assert 'rlfleet_router_weight_sync_seconds_count{path="disk"}' not in metrics, "no fallback to disk"
+
+
+def test_an_engine_that_rejoins_while_the_disk_copy_is_written_is_held_out_until_it_is_registered(
+    engine_fleet: EngineFleet, publisher: DistributedPublisher, model: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copy is written while the next step trains: an engine that rejoins meanwhile is not admitted on the
+    version before (the router has no disk copy of the fleet's version to load into it), and joins on the copy."""
+    router = engine_fleet.router_url
+    rejoining = engine_fleet.engine_urls[1]
+    gate = threading.Event()
+    save = weight_publisher.save_version
+
+    def held(*args: Any, **kwargs: Any) -> Path:
+        assert gate.wait(60), "the test never opened the gate"
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(weight_publisher, "save_version", held)
+    take_a_step(model, seed=10)
+    try:
+        publisher.publish(model, 10)
+        assert publisher.busy()
+        assert httpx.get(f"{router}/weight_version", timeout=10).json() == {"weight_version": "10", "model_path": None}
+        assert httpx.delete(f"{router}/workers/{rejoining}", timeout=10).status_code == 200
+        assert httpx.post(f"{router}/workers", json={"url": rejoining}, timeout=10).status_code == 202
+        deadline = time.monotonic() + 30
+        while "disk copy is not registered yet" not in str(_worker(router, rejoining)["last_error"]):
+            assert time.monotonic() < deadline, _worker(router, rejoining)
+            time.sleep(0.1)
+        assert _worker(router, rejoining)["state"] != "healthy"
+    finally:
+        gate.set()
+    publisher.settle()
+    path = httpx.get(f"{router}/weight_version", timeout=10).json()["model_path"]
+    assert path is not None and Path(path, "model.safetensors").exists()
+    # Back in promptly (the module's router probes every 30 s): it loads the registered copy before it routes.
+    assert httpx.delete(f"{router}/workers/{rejoining}", timeout=10).status_code == 200
+    assert httpx.post(f"{router}/workers", json={"url": rejoining}, timeout=10).status_code == 202
+    engine_fleet.wait_healthy_engines(2)
+    assert_engines_serve(engine_fleet, engine_fleet.engine_urls, model, 10)
+
+
+def _worker(router: str, url: str) -> dict[str, Any]:
+    workers = httpx.get(f"{router}/workers", timeout=10).json()["workers"]
+    return next(w for w in workers if w["url"] == url)
 
 
 def test_a_bucket_the_router_refuses_ends_the_broadcast_at_once_and_the_version_arrives_from_disk(
