@@ -80,8 +80,9 @@ class RouterConfig(BaseSettings):
         ge=0.0,
         le=1000.0,
         description="cache_aware: a request repeating a prompt sent to its engine less than this long ago by a "
-        "request still in flight there waits until then, so it arrives once the first's prefill has begun and finds "
-        "the prompt cached (engines share nothing within one prefill batch); 0 turns it off.",
+        "request still in flight there, or sharing at least half of it, waits until then, so it arrives once the "
+        "first's prefill has begun and finds what they share cached (engines share nothing within one prefill "
+        "batch); 0 turns it off.",
     )
 
     request_timeout_secs: float = Field(

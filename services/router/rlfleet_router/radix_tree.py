@@ -92,7 +92,7 @@ class PrefixMatch:
         return best, longest
 
 
-def _common_length(key: str | TokenKey, start: int, edge: str | TokenKey) -> int:
+def common_length(key: str | TokenKey, start: int, edge: str | TokenKey) -> int:
     """Length of the common prefix of key[start:] and edge, by C-level slice compares (O(log n) of them)."""
     n = min(len(edge), len(key) - start)
     if key[start : start + n] == edge[:n]:
@@ -148,7 +148,7 @@ class RadixTree:
             if key[pos : pos + len(edge)] == edge:
                 pos += len(edge)
             else:
-                common = _common_length(key, pos, edge)  # < len(edge) here: the edge is cut in two
+                common = common_length(key, pos, edge)  # < len(edge) here: the edge is cut in two
                 child = self._split(child, common)
                 pos += common
             node = child
@@ -178,7 +178,7 @@ class RadixTree:
             child = node.children.get(key[pos])
             if child is None:
                 break
-            common = _common_length(key, pos, child.key)
+            common = common_length(key, pos, child.key)
             pos += common
             for tenant in child.tenants:
                 matched[tenant] = pos

@@ -69,6 +69,27 @@ def test_another_engine_another_prompt_or_a_first_dispatch_that_ended_do_not_wai
     assert stagger.delay("e1", "a prompt", Dispatch()) == 0.0
 
 
+def test_a_new_prompt_sharing_most_of_one_in_flight_waits_for_it_and_its_repeats_wait_for_it_in_turn(
+    stagger: PrefillStagger, clock: Clock
+) -> None:
+    """Two questions of one prompt family (or two conversations opening on one system prompt) sent to an engine
+    together would each compute their shared context: the second waits until the first's prefill has begun."""
+    context = [7] * 300
+    first = Dispatch()
+    assert stagger.delay("e1", token_key(context + [1, 2]), first) == 0.0
+    clock.now += 0.003
+    second = Dispatch()
+    assert stagger.delay("e1", token_key(context + [3, 4]), second) == pytest.approx(0.007)
+    clock.now += 0.001
+    # The second question's own samples wait for it: it is sent at 0.010, so they wait until 0.020.
+    assert stagger.delay("e1", token_key(context + [3, 4]), Dispatch()) == pytest.approx(0.016)
+    assert stagger.delay("e2", token_key(context + [5]), Dispatch()) == 0.0, "another engine computes it anyway"
+    assert stagger.delay("e1", token_key([7] * 100 + [9] * 300), Dispatch()) == 0.0, "less than half in common"
+    assert stagger.delay("e1", "".join(map(chr, context)) + "x", Dispatch()) == 0.0, "text is not token ids"
+    first.ended = second.ended = True  # the family's context is cached there now
+    assert stagger.delay("e1", token_key(context + [6]), Dispatch()) == 0.0
+
+
 def test_a_repeat_after_the_stagger_is_a_first_dispatch_again(stagger: PrefillStagger, clock: Clock) -> None:
     assert stagger.delay("e1", "p", Dispatch()) == 0.0
     clock.now += 0.025
@@ -79,12 +100,12 @@ def test_a_repeat_after_the_stagger_is_a_first_dispatch_again(stagger: PrefillSt
 
 def test_state_is_pruned_past_the_stagger_and_forgotten_with_its_engine(stagger: PrefillStagger, clock: Clock) -> None:
     for n in range(50):
-        stagger.delay("e1", f"prompt {n}", Dispatch())
-        stagger.delay("e2", f"prompt {n}", Dispatch())
+        stagger.delay("e1", f"{n} prompt", Dispatch())  # nothing in common: none waits
+        stagger.delay("e2", f"{n} prompt", Dispatch())
     assert len(stagger) == 100
     stagger.forget("e2")
     assert len(stagger) == 50
-    assert stagger.delay("e2", "prompt 1", Dispatch()) == 0.0, "a removed engine's first dispatches are gone"
+    assert stagger.delay("e2", "1 prompt", Dispatch()) == 0.0, "a removed engine's first dispatches are gone"
     clock.now += 0.011
     stagger.delay("e1", "fresh", Dispatch())
     assert len(stagger) == 1, "entries older than the stagger are dropped"
