@@ -65,8 +65,9 @@ class TrainerSettings(BaseSettings):
     weight_disk_copy_timeout_s: float = Field(
         1800.0,
         gt=0,
-        description="distributed: bound on waiting for a broadcast version's disk copy, written in the background "
-        "while the next step trains (writing it, registering it with the router); past it the run fails",
+        description="distributed: bound on a broadcast version's disk copy, written in the background while the next "
+        "step trains (writing it, registering it with the router), counted from its start; a copy still going on "
+        "past it fails the run at the next wait for it",
     )
     consumer: str = Field("trainer-0", description="consumer name in the stream's consumer group")
     keep_trained_groups: bool = Field(
