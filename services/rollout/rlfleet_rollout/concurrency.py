@@ -11,6 +11,7 @@ nothing happened. `cancel_and_wait` therefore cancels again until the task has e
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -85,3 +86,18 @@ def on_failure(task: asyncio.Task[Any], report: Callable[[BaseException], None])
             report(failure)
 
     task.add_done_callback(done)
+
+
+def log_task_failure(log: logging.Logger, run_id: str, what: str, failure: BaseException, outcome: str = "") -> None:
+    """Logs, once and with its traceback, that the task of run `run_id` doing `what` failed (an `on_failure`
+    report); `outcome` says what follows from it."""
+    log.error(
+        "run %s: %s failed (%s: %s)%s",
+        run_id,
+        what,
+        type(failure).__name__,
+        failure,
+        outcome,
+        exc_info=failure,
+        extra={"run_id": run_id},
+    )

@@ -48,7 +48,7 @@ from rlfleet.errors import Internal, InvalidInput, RlfleetError
 from rlfleet.sample_stream import REDIS_RETRY_BUDGET_S, REDIS_RETRY_ERRORS, SampleStream, redis_refusal
 from rlfleet.v1.runs_pb2 import Run, RunState
 from rlfleet.v1.trainer_pb2 import TrainerStatus
-from rlfleet_rollout.concurrency import cancel_and_wait, on_failure
+from rlfleet_rollout.concurrency import cancel_and_wait, log_task_failure, on_failure
 from rlfleet_rollout.config import RolloutConfig
 from rlfleet_rollout.environment import ReplyPool
 from rlfleet_rollout.evaluation import evaluate
@@ -73,6 +73,8 @@ from rlfleet_rollout.trainer_release import TrainerRelease, trainer_progress
 from rlfleet_rollout.trainer_session import TrainerSession
 
 logger = logging.getLogger(__name__)
+# What follows when a task beside the run loop fails (the loop itself meets what the run cannot go on without).
+_GOES_ON = "; the run goes on without it"
 # Bound on asking the router what context its engines serve, at a run's start (engines still loading answer 503).
 SERVED_CONTEXT_TIMEOUT_S = 10.0
 
@@ -247,11 +249,13 @@ async def _drive(run: Run, session: TrainerSession, deps: RunDeps) -> None:
     logger.info("run %s starts at step %d of %d", run_id, first, steps, extra={"run_id": run_id})
     reports = StepReportFollower(deps.trainer, deps.core, run_id, reconnect_after_s=deps.config.poll_interval_s * 5)
     follower = asyncio.create_task(reports.follow(), name=f"step reports of run {run_id}")
-    on_failure(follower, partial(_helper_failed, run_id, "copying the trainer's step reports"))
+    on_failure(
+        follower, partial(log_task_failure, logger, run_id, "copying the trainer's step reports", outcome=_GOES_ON)
+    )
     watchdog = asyncio.create_task(
         watch_progress(deps.core, deps.metrics, run_id, deps.config.stall_after_s), name=f"watchdog of run {run_id}"
     )
-    on_failure(watchdog, partial(_helper_failed, run_id, "its step watchdog"))
+    on_failure(watchdog, partial(log_task_failure, logger, run_id, "its step watchdog", outcome=_GOES_ON))
     try:
         if first == 0:
             await _evaluate_once(ctx, deps, data, run_id, 0, status)
@@ -283,20 +287,6 @@ async def _drive(run: Run, session: TrainerSession, deps: RunDeps) -> None:
                     _HELPER_STOP_WITHIN_S,
                     extra={"run_id": run_id},
                 )
-
-
-def _helper_failed(run_id: str, what: str, failure: BaseException) -> None:
-    """A task beside the run loop failed: the run goes on without it (the loop itself meets what the run cannot
-    go on without)."""
-    logger.error(
-        "run %s: %s failed (%s: %s); the run goes on without it",
-        run_id,
-        what,
-        type(failure).__name__,
-        failure,
-        exc_info=failure,
-        extra={"run_id": run_id},
-    )
 
 
 async def _check_same_dataset(data: RunData, position: DataPosition) -> None:

@@ -35,7 +35,7 @@ from redis.exceptions import RedisError
 from rlfleet.errors import NotFound, RlfleetError
 from rlfleet.sample_stream import redis_refusal, redis_unavailable
 from rlfleet.v1.runs_pb2 import Run, RunState
-from rlfleet_rollout.concurrency import cancel_and_wait, finish, on_failure
+from rlfleet_rollout.concurrency import cancel_and_wait, finish, log_task_failure, on_failure
 from rlfleet_rollout.metrics import RUN_QUEUE
 from rlfleet_rollout.redis_outage import until_redis_answers
 from rlfleet_rollout.run_events import is_terminal
@@ -90,9 +90,12 @@ class RunQueue:
             keeper = asyncio.create_task(self.lease.keep(run.id, task), name=f"lease of run {run.id}")
             # Reported as they fail, not when (or whether) the run's task ends: a keeper failing as the run's task
             # ended went unseen, and asyncio logged it later as an exception never retrieved.
-            on_failure(keeper, partial(_task_failed, run.id, "its lease keeper"))
+            on_failure(keeper, partial(log_task_failure, logger, run.id, "its lease keeper"))
             follower = asyncio.create_task(self._stop_if_cancelled(run.id, task), name=f"cancel of run {run.id}")
-            on_failure(follower, partial(_task_failed, run.id, "its follower of Cancels through other orchestrators"))
+            on_failure(
+                follower,
+                partial(log_task_failure, logger, run.id, "its follower of Cancels through other orchestrators"),
+            )
             self._active_id, self._active_task = run.id, task
             keeper_ended = False
             try:
@@ -248,15 +251,3 @@ class RunQueue:
             self._wake.set()
         elif run.state == RunState.RUN_STATE_CANCELLED and run.id == self._active_id and self._active_task:
             self._active_task.cancel()
-
-
-def _task_failed(run_id: str, what: str, failure: BaseException) -> None:
-    logger.error(
-        "run %s: %s failed (%s: %s)",
-        run_id,
-        what,
-        type(failure).__name__,
-        failure,
-        exc_info=failure,
-        extra={"run_id": run_id},
-    )
