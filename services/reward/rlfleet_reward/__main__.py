@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 # What the answers of requests cut off at the end of the shutdown grace get to be written in.
 _ANSWER_BEFORE_CUTOFF_SECONDS = 0.5
-# The smallest `memory_mb` a `code` spec may ask (CodeParams): a share below it fails every test.
+# The smallest `memory_mb` a `code` spec may ask (CodeParams): a share below it refuses every `code` spec.
 _SMALLEST_MEMORY_MB = 64
 FLAGS: tuple[Flag, ...] = (
     Flag("--host", "interface to bind (default 127.0.0.1)"),
@@ -162,7 +162,7 @@ def _memory_budget(settings: RewardSettings, logger: logging.Logger) -> MemoryBu
         logger.info("code sandbox memory: no budget (no container memory limit); a test holds its own limits")
     elif budget.share_mb < _SMALLEST_MEMORY_MB:
         logger.warning(
-            "code sandbox memory: %s, below the smallest memory_mb (%d MiB): every code test will fail; raise "
+            "code sandbox memory: %s, below the smallest memory_mb (%d MiB): every code spec will be refused; raise "
             "RLFLEET_REWARD_CODE_MEMORY_BUDGET_MB or the memory limit, or lower RLFLEET_REWARD_CODE_MEMORY_RESERVE_MB "
             "or the workers",
             budget.describe(),

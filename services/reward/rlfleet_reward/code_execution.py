@@ -14,8 +14,9 @@ tagged Python (```python, ```py, ```python3), else its last untagged one (```), 
 The caller's limits (`memory_mb`, `max_processes`, `file_size_mb`, `disk_mb`) are bounded by the hub's caps
 (`RLFLEET_REWARD_CODE_MAX_*`, see `config.SpecCaps`): a spec asking past one is refused when validated. Where the
 hub has a memory budget (a container's limit), each test is also held to its worker's share of it (see
-`sandbox_memory`): a test whose processes together pass the share counts as `code/memory_limit`, and an item whose
-`memory_mb` alone is past the share is an ERROR naming both figures.
+`sandbox_memory`): a test whose processes together pass the share counts as `code/memory_limit`, and a spec whose
+`memory_mb` alone is past the share is refused when validated, naming both figures (an item scored without that
+validation is an ERROR naming them).
 
 The score is the fraction of tests passed (or 1.0/0.0 without `partial_credit`). Every failure is
 counted under its reason, so a hostile or broken program is an OK item scored 0 whose components say
@@ -44,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from rlfleet_reward.config import spec_caps
 from rlfleet_reward.reward_function import RewardFunction, RewardInput, Scored
 from rlfleet_reward.sandbox import RunResult, SandboxLimits, probe_isolation, run_python
-from rlfleet_reward.sandbox_memory import WorkerMemory, installed
+from rlfleet_reward.sandbox_memory import PARAMS_CONTEXT_KEY, WorkerMemory, installed
 
 # A fenced block with its info string (```python, ```bash, ``` alone): each fence pairs with the next, whatever
 # the language, so a shell block before the program cannot shift which text reads as code.
@@ -91,6 +92,15 @@ class CodeParams(BaseModel):
         cap = getattr(spec_caps(), setting)
         if value > cap:
             raise ValueError(f"{value} is past the hub's cap of {cap} (RLFLEET_REWARD_{setting.upper()})")
+        return value
+
+    # The hub's budget comes in the validation context: the model alone cannot know how many workers split it.
+    @field_validator("memory_mb")
+    @classmethod
+    def _within_a_workers_share(cls, value: int, info: ValidationInfo) -> int:
+        budget = (info.context or {}).get(PARAMS_CONTEXT_KEY)
+        if budget is not None:
+            budget.check_memory_mb(value)
         return value
 
     @model_validator(mode="after")
@@ -168,18 +178,13 @@ def verdict(result: RunResult, test: CodeCase, check_exit: int = 0) -> str:
 def _group_memory_bound(params: Mapping[str, Any], memory: WorkerMemory | None) -> int | None:
     """What the test's processes may hold together: None when the kernel's per-process bound keeps them within the
     worker's share (or the hub has no budget), else the share, which the sandbox's watchdog enforces. Raises when
-    even one process may pass the share: the run could hold more than the hub has for it."""
+    even one process may pass the share (params the hub's validation would have refused): the run could hold more
+    than the hub has for it."""
     if memory is None or memory.budget is None:
         return None
+    memory.budget.check_memory_mb(params["memory_mb"])
     share = memory.budget.share_mb * _MB
-    memory_mb, processes = params["memory_mb"], params["max_processes"]
-    if memory_mb * _MB > share:
-        raise ValueError(
-            f"memory_mb {memory_mb} MiB is past what one test may hold on this hub, {memory.budget.describe()}; "
-            "ask for less memory_mb, or give the hub more memory (RLFLEET_REWARD_CODE_MEMORY_BUDGET_MB, the "
-            "container's memory limit) or fewer workers"
-        )
-    return None if memory_mb * processes * _MB <= share else share
+    return None if params["memory_mb"] * params["max_processes"] * _MB <= share else share
 
 
 def score_code(sample: RewardInput, params: Mapping[str, Any]) -> Scored:

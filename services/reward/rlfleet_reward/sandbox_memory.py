@@ -18,7 +18,10 @@ process, so a test whose `memory_mb` x `max_processes` fits its share is bound b
 not (the defaults, against any share under 16 GiB) keeps its limits, and the sandbox's watchdog also bounds what
 its processes hold together (their proportional set size, read every 50 ms with the disk check), killing it past
 the share: `code/memory_limit`. A test whose `memory_mb` alone is past the share could not be held by it at all:
-its item is an ERROR naming the figures rather than a run that might take the container down.
+the hub refuses such a spec when it validates it (`/validate` at submit, every `/score`), naming the param and the
+share, as it refuses a param past its cap. The hub hands its budget to the params models in pydantic's validation
+context (`PARAMS_CONTEXT_KEY`), since they cannot know how many workers split it; a worker checks again before a
+test runs (`check_memory_mb`), for callers that skip validation, and makes such an item an ERROR.
 
 `WorkerMemory` is one worker's side of this: the budget, and what its running test may hold now, in shared memory
 the hub reads for its metrics. The worker installs it at start; `code` finds it with `installed()`.
@@ -32,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 MIB = 1 << 20
+# Where the hub puts its `MemoryBudget` (or None) in the validation context of a spec's params.
+PARAMS_CONTEXT_KEY = "code_memory_budget"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 # cgroup v1 writes "no limit" as LONG_MAX rounded down to a page; anything this large is no limit either.
 _NO_LIMIT_BYTES = 1 << 60
@@ -75,6 +80,16 @@ class MemoryBudget:
 
     def describe(self) -> str:
         return f"{self.share_mb} MiB per test: {self.source}, over {self.workers} workers"
+
+    def check_memory_mb(self, memory_mb: int) -> None:
+        """Raises ValueError, naming the figures, when one process's `memory_mb` is past the share: no test asking
+        it could be held within its worker's share."""
+        if memory_mb > self.share_mb:
+            raise ValueError(
+                f"memory_mb {memory_mb} MiB is past what one test may hold on this hub, {self.describe()}; ask for "
+                "less memory_mb, or give the hub more memory (RLFLEET_REWARD_CODE_MEMORY_BUDGET_MB, the container's "
+                "memory limit) or fewer workers"
+            )
 
 
 def memory_budget(

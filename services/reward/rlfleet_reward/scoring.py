@@ -34,6 +34,7 @@ from rlfleet_reward.admission import Admission
 from rlfleet_reward.metrics import RewardMetrics
 from rlfleet_reward.registry import Registry
 from rlfleet_reward.reward_function import INPUT_FIELDS, RewardFunction, RewardInput
+from rlfleet_reward.sandbox_memory import PARAMS_CONTEXT_KEY
 from rlfleet_reward.worker import checked_reply, failure_reply
 from rlfleet_reward.worker_pool import JobResult, JobStatus, WorkerPool
 
@@ -64,6 +65,8 @@ class Scorer:
         self.limits = limits
         self.metrics = metrics
         self._io_slots = asyncio.Semaphore(limits.max_concurrent_io_calls)
+        # What the params models cannot know alone: `code` refuses a `memory_mb` past a worker's share of this.
+        self._params_context = {PARAMS_CONTEXT_KEY: pool.memory_budget}
         self.admission = Admission(limits.max_pending_jobs, limits.admission_wait_seconds, limits.max_waiting_requests)
         metrics.add_functions(registry)
         metrics.watch_admission(self.admission)
@@ -187,11 +190,11 @@ class Scorer:
             problem("timeout_seconds", f"must be > 0 and <= {self.limits.max_timeout_seconds:g}, got {timeout}")
         return terms, timeout, problems
 
-    @staticmethod
     def _params(
-        where: str, term: reward_pb2.RewardTerm, function: RewardFunction
+        self, where: str, term: reward_pb2.RewardTerm, function: RewardFunction
     ) -> tuple[Mapping[str, Any], list[reward_pb2.SpecProblem]]:
-        """The term's params validated against the function's model (defaults filled in), or what is wrong."""
+        """The term's params validated against the function's model (defaults filled in), with the hub's memory
+        budget in the validation context, or what is wrong."""
         non_finite = _non_finite_numbers(term.params)
         if non_finite:
             # JSON has no NaN or infinity, so neither does the params model (nor MessageToDict, which raises).
@@ -206,7 +209,7 @@ class Scorer:
                 return {}, [reward_pb2.SpecProblem(field=f"{where}.params", message=message)]
             return {}, []
         try:
-            return function.params.model_validate(raw).model_dump(), []
+            return function.params.model_validate(raw, context=self._params_context).model_dump(), []
         except ValidationError as exc:
             return {}, [
                 reward_pb2.SpecProblem(

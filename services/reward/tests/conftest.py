@@ -23,6 +23,7 @@ from reward_test_functions import TEST_FUNCTIONS  # noqa: E402
 from rlfleet_reward.http_retry import close_clients  # noqa: E402
 from rlfleet_reward.metrics import RewardMetrics  # noqa: E402
 from rlfleet_reward.registry import Registry  # noqa: E402
+from rlfleet_reward.sandbox_memory import MemoryBudget  # noqa: E402
 from rlfleet_reward.scoring import Scorer, ScoringLimits  # noqa: E402
 from rlfleet_reward.worker_pool import WorkerPool  # noqa: E402
 
@@ -40,11 +41,12 @@ def _with_scorer(
     default_timeout_seconds: float = 5.0,
     max_pending_jobs: int = 16384,
     admission_wait_seconds: float = 5.0,
+    memory_budget: MemoryBudget | None = None,
 ) -> T:
 
     async def main() -> T:
         registry = registry_with_test_functions()
-        pool = WorkerPool(registry.pool_functions(), workers)
+        pool = WorkerPool(registry.pool_functions(), workers, memory_budget=memory_budget)
         pool.start()
         metrics = RewardMetrics()
         metrics.watch_pool(pool)

@@ -8,15 +8,19 @@ import asyncio
 import json
 import multiprocessing
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from google.protobuf import json_format
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from rlfleet.errors import InvalidInput
 from rlfleet.processes import ServiceProcess, free_port
+from rlfleet.v1 import reward_pb2
 from rlfleet_reward.code_execution import CodeParams, score_code
 from rlfleet_reward.config import RewardSettings
 from rlfleet_reward.metrics import RewardMetrics
@@ -31,6 +35,7 @@ from rlfleet_reward.sandbox_memory import (
     memory_budget,
     shared_cell,
 )
+from rlfleet_reward.scoring import Scorer
 from rlfleet_reward.worker_pool import JobStatus, WorkerPool
 
 LAUNCHER = Path(__file__).resolve().parent / "reward_hub_for_tests.py"
@@ -155,6 +160,46 @@ def test_memory_past_the_share_is_an_error_naming_the_figures(worker_memory: Wor
     assert "2 workers" in message and "RLFLEET_REWARD_CODE_MEMORY_BUDGET_MB" in message, message
 
 
+def checked(
+    with_scorer: Callable[..., Any], budget: MemoryBudget | None, **code_params: object
+) -> tuple[list[tuple[str, str]], str]:
+    """What /validate finds in a spec of one `code` term on a hub with `budget`, and what /score answers it."""
+    spec = json_format.ParseDict({"terms": [{"function": "code", "params": code_params}]}, reward_pb2.RewardSpec())
+    item = reward_pb2.ScoreItem(id="a", response="print(1)", label=code_item("", "1").label)
+
+    async def body(scorer: Scorer) -> tuple[list[tuple[str, str]], str]:
+        found = scorer.validate_spec(reward_pb2.ValidateSpecRequest(spec=spec)).problems
+        try:
+            scored = await scorer.score(reward_pb2.ScoreRequest(spec=spec, items=[item]))
+        except InvalidInput as exc:
+            return [(p.field, p.message) for p in found], f"refused: {exc}"
+        return [(p.field, p.message) for p in found], reward_pb2.ScoreStatus.Name(scored.results[0].status)
+
+    return with_scorer(body, workers=budget.workers if budget else 1, memory_budget=budget)
+
+
+def test_a_spec_asking_memory_past_a_workers_share_is_refused_when_validated(
+    with_scorer: Callable[..., Any],
+) -> None:
+    # A run's spec is checked at submit (/validate): refused then, naming the param, its value and the share, rather
+    # than accepted and every one of its items an ERROR once it runs.
+    budget = MemoryBudget(1200, 2, "a budget of 1200 MiB (test)")
+    problems, scored = checked(with_scorer, budget, memory_mb=1024, max_processes=2)
+    ((field, message),) = problems
+    assert field == "terms[0].params.memory_mb", problems
+    assert "memory_mb 1024 MiB" in message and "600 MiB per test" in message and "2 workers" in message, message
+    assert "RLFLEET_REWARD_CODE_MEMORY_BUDGET_MB" in message, message
+    assert scored.startswith("refused: spec.terms[0].params.memory_mb: ") and "600 MiB per test" in scored, scored
+
+
+def test_memory_within_a_workers_share_or_without_a_budget_is_valid(with_scorer: Callable[..., Any]) -> None:
+    budget = MemoryBudget(1200, 2, "a budget of 1200 MiB (test)")
+    assert checked(with_scorer, budget, memory_mb=600, max_processes=2) == ([], "SCORE_STATUS_OK")
+    # Past the share only together: the watchdog holds the test to the share, so the spec is fine.
+    assert checked(with_scorer, budget) == ([], "SCORE_STATUS_OK")
+    assert checked(with_scorer, None, memory_mb=1024, max_processes=2) == ([], "SCORE_STATUS_OK")
+
+
 def test_without_a_budget_a_test_holds_its_own_limits() -> None:
     scored = score_code(code_item(forking_program(3, 250), "3"), params())
     assert scored.score == 1.0, scored
@@ -206,9 +251,9 @@ def test_a_hub_with_a_budget_holds_its_tests_to_it(tmp_path: Path) -> None:
         process.wait_healthy(f"http://127.0.0.1:{port}/health", timeout=30)
         hub = f"http://127.0.0.1:{port}"
 
-        def score(item: RewardInput, **changes: object) -> dict:
+        def score(item: RewardInput) -> dict:
             body = {
-                "spec": {"terms": [{"function": "code", "params": {"timeout_seconds": 10, **changes}}],
+                "spec": {"terms": [{"function": "code", "params": {"timeout_seconds": 10}}],
                          "timeout_seconds": 30},
                 "items": [{"id": "a", "response": item.response, "label": item.label}],
             }  # fmt: skip
@@ -219,8 +264,10 @@ def test_a_hub_with_a_budget_holds_its_tests_to_it(tmp_path: Path) -> None:
 
         crowded = score(code_item(forking_program(3, 250), "3"))
         assert crowded["status"] == "SCORE_STATUS_OK" and crowded["components"]["code/memory_limit"] == 1.0, crowded
-        too_big = score(code_item("print(1)", "1"), memory_mb=1024, max_processes=2)
-        assert too_big["status"] == "SCORE_STATUS_ERROR" and "600 MiB per test" in too_big["error"], too_big
+        too_big = {"terms": [{"function": "code", "params": {"memory_mb": 1024, "max_processes": 2}}]}
+        validated = httpx.post(f"{hub}/validate", json={"spec": too_big}, timeout=10)
+        (problem,) = validated.json()["problems"]
+        assert problem["field"] == "terms[0].params.memory_mb" and "600 MiB per test" in problem["message"], problem
         metrics = httpx.get(f"{hub}/metrics", timeout=10).text
         assert gauge(metrics, "rlfleet_reward_code_memory_budget_bytes") == 1200 * MIB
     finally:
