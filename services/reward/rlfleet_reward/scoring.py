@@ -112,7 +112,16 @@ class Scorer:
     async def _score(self, request: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
         terms, timeout = self._validate(request)
         async with self.admission.admit(len(request.items) * len(terms)):
-            by_term = await asyncio.gather(*(self._score_term(request.items, term, timeout) for term in terms))
+            scoring = [asyncio.ensure_future(self._score_term(request.items, term, timeout)) for term in terms]
+            try:
+                by_term = await asyncio.gather(*scoring)
+            finally:
+                # gather leaves the other terms running when one fails the request (the pool down): they would go
+                # on calling out, holding io slots and workers, for answers nobody reads. Stopped before the room
+                # they hold is given back.
+                for task in scoring:
+                    task.cancel()
+                await asyncio.gather(*scoring, return_exceptions=True)
         results = [
             self._combine(item, terms, [outcomes[i] for outcomes in by_term]) for i, item in enumerate(request.items)
         ]

@@ -5,6 +5,7 @@ They live in a plain module, not in a conftest, because worker processes import 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -99,6 +100,12 @@ async def own_timeout(sample: RewardInput, params: Mapping[str, Any]) -> float:
     raise TimeoutError("the upstream did not answer within its 2 s")
 
 
+async def wait_then_one(sample: RewardInput, params: Mapping[str, Any]) -> float:
+    """An async function waiting `seconds` on the network, as `remote` or `judge` would."""
+    await asyncio.sleep(params["seconds"])
+    return 1.0
+
+
 def _declare(fn: Any, inputs: set[str], description: str, params: type[BaseModel] | None = None) -> RewardFunction:
     return RewardFunction(fn=fn, inputs=frozenset(inputs), description=description, params=params)
 
@@ -115,4 +122,5 @@ TEST_FUNCTIONS = {
     "metadata_value": _declare(metadata_value, {"metadata"}, "the float in metadata['value']"),
     "many_parts": _declare(many_parts, {"response"}, "1.0 with `count` parts", PartsParams),
     "own_timeout": _declare(own_timeout, {"response"}, "async; raises a TimeoutError of its own"),
+    "wait": _declare(wait_then_one, {"response"}, "async; waits `seconds`, then scores 1.0", SleepParams),
 }

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from google.protobuf import json_format
 
-from rlfleet.errors import InvalidInput, ResourceExhausted
+from rlfleet.errors import InvalidInput, ResourceExhausted, Unavailable
 from rlfleet.v1 import reward_pb2
 from rlfleet_reward.admission import Overloaded
 from rlfleet_reward.scoring import Scorer
@@ -354,6 +354,24 @@ def test_an_unexpected_fault_is_counted_as_internal(with_scorer: WithScorer, mon
         return scorer.metrics.registry.get_sample_value("rlfleet_reward_requests_total", {"outcome": "internal"})
 
     assert with_scorer(body, workers=1) == 1.0
+
+
+def test_a_term_that_fails_the_request_stops_its_other_terms(
+    with_scorer: WithScorer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The pool down (Unavailable) fails the request at once; its network-bound term must not go on calling out,
+    # holding io slots that other requests need, for answers nobody will read.
+    async def body(scorer: Scorer) -> float | None:
+        async def down(*args: object) -> None:
+            raise Unavailable("no reward worker is running")
+
+        monkeypatch.setattr(scorer.pool, "run", down)
+        terms: list[dict] = [{"function": "wait", "params": {"seconds": 5}}, {"function": "exact"}]
+        with pytest.raises(Unavailable):
+            await scorer.score(request(terms, [ITEM] * 3, timeout=10.0))
+        return scorer.metrics.registry.get_sample_value("rlfleet_reward_io_calls_in_flight")
+
+    assert with_scorer(body, workers=1) == 0.0
 
 
 def test_params_reach_the_function_validated(with_scorer: WithScorer) -> None:
