@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from rlfleet.v1 import runs_pb2 as rlfleet_dot_v1_dot_runs__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfleet/v1/trainer.proto\x12\nrlfleet.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15rlfleet/v1/runs.proto\"\xdd\x01\n\rTrainerStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.rlfleet.v1.TrainerState\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\x12\x14\n\x0cweights_path\x18\x05 \x01(\t\x12\x16\n\x0egroups_trained\x18\x06 \x01(\x03\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x17\n\x0f\x63heckpoint_step\x18\x08 \x01(\x03\x12\x17\n\x0f\x63heckpoint_path\x18\t \x01(\t\"D\n\x0fStartRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12!\n\x04spec\x18\x02 \x01(\x0b\x32\x13.rlfleet.v1.RunSpec\"\x1f\n\rStatusRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"#\n\x11\x43heckpointRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"H\n\x12\x43heckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\"4\n\x0eStopRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\ncheckpoint\x18\x02 \x01(\x08\"6\n\x11WatchStepsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tfrom_step\x18\x02 \x01(\x03\"\xe2\x01\n\nStepReport\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x34\n\x07metrics\x18\x04 \x03(\x0b\x32#.rlfleet.v1.StepReport.MetricsEntry\x12\x0e\n\x06groups\x18\x05 \x01(\x05\x12(\n\x04time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*\xb2\x01\n\x0cTrainerState\x12\x1d\n\x19TRAINER_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12TRAINER_STATE_IDLE\x10\x01\x12\x1a\n\x16TRAINER_STATE_STARTING\x10\x02\x12\x1a\n\x16TRAINER_STATE_TRAINING\x10\x03\x12\x19\n\x15TRAINER_STATE_STOPPED\x10\x04\x12\x18\n\x14TRAINER_STATE_FAILED\x10\x05\x32\xe3\x02\n\x07Trainer\x12\x42\n\x08StartRun\x12\x1b.rlfleet.v1.StartRunRequest\x1a\x19.rlfleet.v1.TrainerStatus\x12>\n\x06Status\x12\x19.rlfleet.v1.StatusRequest\x1a\x19.rlfleet.v1.TrainerStatus\x12K\n\nCheckpoint\x12\x1d.rlfleet.v1.CheckpointRequest\x1a\x1e.rlfleet.v1.CheckpointResponse\x12@\n\x07StopRun\x12\x1a.rlfleet.v1.StopRunRequest\x1a\x19.rlfleet.v1.TrainerStatus\x12\x45\n\nWatchSteps\x12\x1d.rlfleet.v1.WatchStepsRequest\x1a\x16.rlfleet.v1.StepReport0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfleet/v1/trainer.proto\x12\nrlfleet.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15rlfleet/v1/runs.proto\"\xf6\x01\n\rTrainerStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.rlfleet.v1.TrainerState\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\x12\x14\n\x0cweights_path\x18\x05 \x01(\t\x12\x16\n\x0egroups_trained\x18\x06 \x01(\x03\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x17\n\x0f\x63heckpoint_step\x18\x08 \x01(\x03\x12\x17\n\x0f\x63heckpoint_path\x18\t \x01(\t\x12\x17\n\x0fweights_version\x18\n \x01(\x03\"D\n\x0fStartRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12!\n\x04spec\x18\x02 \x01(\x0b\x32\x13.rlfleet.v1.RunSpec\"\x1f\n\rStatusRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"#\n\x11\x43heckpointRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"H\n\x12\x43heckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\"4\n\x0eStopRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\ncheckpoint\x18\x02 \x01(\x08\"6\n\x11WatchStepsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tfrom_step\x18\x02 \x01(\x03\"\xe2\x01\n\nStepReport\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x34\n\x07metrics\x18\x04 \x03(\x0b\x32#.rlfleet.v1.StepReport.MetricsEntry\x12\x0e\n\x06groups\x18\x05 \x01(\x05\x12(\n\x04time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*\xb2\x01\n\x0cTrainerState\x12\x1d\n\x19TRAINER_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12TRAINER_STATE_IDLE\x10\x01\x12\x1a\n\x16TRAINER_STATE_STARTING\x10\x02\x12\x1a\n\x16TRAINER_STATE_TRAINING\x10\x03\x12\x19\n\x15TRAINER_STATE_STOPPED\x10\x04\x12\x18\n\x14TRAINER_STATE_FAILED\x10\x05\x32\xe3\x02\n\x07Trainer\x12\x42\n\x08StartRun\x12\x1b.rlfleet.v1.StartRunRequest\x1a\x19.rlfleet.v1.TrainerStatus\x12>\n\x06Status\x12\x19.rlfleet.v1.StatusRequest\x1a\x19.rlfleet.v1.TrainerStatus\x12K\n\nCheckpoint\x12\x1d.rlfleet.v1.CheckpointRequest\x1a\x1e.rlfleet.v1.CheckpointResponse\x12@\n\x07StopRun\x12\x1a.rlfleet.v1.StopRunRequest\x1a\x19.rlfleet.v1.TrainerStatus\x12\x45\n\nWatchSteps\x12\x1d.rlfleet.v1.WatchStepsRequest\x1a\x16.rlfleet.v1.StepReport0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,26 +35,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STEPREPORT_METRICSENTRY']._loaded_options = None
   _globals['_STEPREPORT_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_TRAINERSTATE']._serialized_start=874
-  _globals['_TRAINERSTATE']._serialized_end=1052
+  _globals['_TRAINERSTATE']._serialized_start=899
+  _globals['_TRAINERSTATE']._serialized_end=1077
   _globals['_TRAINERSTATUS']._serialized_start=97
-  _globals['_TRAINERSTATUS']._serialized_end=318
-  _globals['_STARTRUNREQUEST']._serialized_start=320
-  _globals['_STARTRUNREQUEST']._serialized_end=388
-  _globals['_STATUSREQUEST']._serialized_start=390
-  _globals['_STATUSREQUEST']._serialized_end=421
-  _globals['_CHECKPOINTREQUEST']._serialized_start=423
-  _globals['_CHECKPOINTREQUEST']._serialized_end=458
-  _globals['_CHECKPOINTRESPONSE']._serialized_start=460
-  _globals['_CHECKPOINTRESPONSE']._serialized_end=532
-  _globals['_STOPRUNREQUEST']._serialized_start=534
-  _globals['_STOPRUNREQUEST']._serialized_end=586
-  _globals['_WATCHSTEPSREQUEST']._serialized_start=588
-  _globals['_WATCHSTEPSREQUEST']._serialized_end=642
-  _globals['_STEPREPORT']._serialized_start=645
-  _globals['_STEPREPORT']._serialized_end=871
-  _globals['_STEPREPORT_METRICSENTRY']._serialized_start=825
-  _globals['_STEPREPORT_METRICSENTRY']._serialized_end=871
-  _globals['_TRAINER']._serialized_start=1055
-  _globals['_TRAINER']._serialized_end=1410
+  _globals['_TRAINERSTATUS']._serialized_end=343
+  _globals['_STARTRUNREQUEST']._serialized_start=345
+  _globals['_STARTRUNREQUEST']._serialized_end=413
+  _globals['_STATUSREQUEST']._serialized_start=415
+  _globals['_STATUSREQUEST']._serialized_end=446
+  _globals['_CHECKPOINTREQUEST']._serialized_start=448
+  _globals['_CHECKPOINTREQUEST']._serialized_end=483
+  _globals['_CHECKPOINTRESPONSE']._serialized_start=485
+  _globals['_CHECKPOINTRESPONSE']._serialized_end=557
+  _globals['_STOPRUNREQUEST']._serialized_start=559
+  _globals['_STOPRUNREQUEST']._serialized_end=611
+  _globals['_WATCHSTEPSREQUEST']._serialized_start=613
+  _globals['_WATCHSTEPSREQUEST']._serialized_end=667
+  _globals['_STEPREPORT']._serialized_start=670
+  _globals['_STEPREPORT']._serialized_end=896
+  _globals['_STEPREPORT_METRICSENTRY']._serialized_start=850
+  _globals['_STEPREPORT_METRICSENTRY']._serialized_end=896
+  _globals['_TRAINER']._serialized_start=1080
+  _globals['_TRAINER']._serialized_end=1435
 # @@protoc_insertion_point(module_scope)

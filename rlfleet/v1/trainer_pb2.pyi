@@ -27,7 +27,7 @@ TRAINER_STATE_STOPPED: TrainerState
 TRAINER_STATE_FAILED: TrainerState
 
 class TrainerStatus(_message.Message):
-    __slots__ = ("run_id", "state", "step", "weight_version", "weights_path", "groups_trained", "error", "checkpoint_step", "checkpoint_path")
+    __slots__ = ("run_id", "state", "step", "weight_version", "weights_path", "groups_trained", "error", "checkpoint_step", "checkpoint_path", "weights_version")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class TrainerStatus(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_PATH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     state: TrainerState
     step: int
@@ -46,7 +47,8 @@ class TrainerStatus(_message.Message):
     error: str
     checkpoint_step: int
     checkpoint_path: str
-    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[TrainerState, str]] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., weights_path: _Optional[str] = ..., groups_trained: _Optional[int] = ..., error: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., checkpoint_path: _Optional[str] = ...) -> None: ...
+    weights_version: int
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[TrainerState, str]] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., weights_path: _Optional[str] = ..., groups_trained: _Optional[int] = ..., error: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., checkpoint_path: _Optional[str] = ..., weights_version: _Optional[int] = ...) -> None: ...
 
 class StartRunRequest(_message.Message):
     __slots__ = ("run_id", "spec")

@@ -41,6 +41,15 @@ class ActiveRun:
     step: int = 0
     weight_version: int = 0
     weights_path: str = ""
+    """A complete weight directory, of version `weights_version` (`v<N>` under `weights_root`; model.path for 0)."""
+    weights_version: int = 0
+    """The newest version the run has reported whose directory is complete: `weight_version`, or the one before
+    while that version's disk copy is written in the background (weight_sync=distributed), and for good if it failed.
+    Never a later one, nor one being written: whoever loads `weights_path` (an operator, the fleet check) loads it
+    whole."""
+    weights_ahead: tuple[int, str] | None = None
+    """A version whose directory was complete before the run reported it (its checkpoint was being taken), with that
+    directory: `weights_path` names it once the run reports the version."""
     groups_trained: int = 0
     checkpoint_step: int = 0
     checkpoint_path: str = ""
@@ -77,6 +86,7 @@ class ActiveRun:
                 error=self.error,
                 checkpoint_step=self.checkpoint_step,
                 checkpoint_path=self.checkpoint_path,
+                weights_version=self.weights_version,
             )
 
     def update(self, **fields: object) -> None:
@@ -84,7 +94,21 @@ class ActiveRun:
         with self.changed:
             for name, value in fields.items():
                 setattr(self, name, value)
+            self._name_weights_ahead()
             self.changed.notify_all()
+
+    def weights_written(self, version: int, path: Path) -> None:
+        """Version `version`'s directory `path` is complete (told by the thread that wrote it): Status names it as
+        soon as the run has reported that version."""
+        with self.changed:
+            self.weights_ahead = (version, str(path))
+            self._name_weights_ahead()
+            self.changed.notify_all()
+
+    def _name_weights_ahead(self) -> None:
+        if self.weights_ahead is not None and self.weights_ahead[0] <= self.weight_version:
+            self.weights_version, self.weights_path = self.weights_ahead
+            self.weights_ahead = None
 
     def add_report(self, report: StepReport) -> None:
         with self.changed:

@@ -4,7 +4,9 @@ The router holds the fleet's version in memory only: one that restarted knows no
 answers null) and admits each engine on what that engine reports, so an engine that restarted meanwhile
 on its boot weights would serve rollouts beside engines on the run's version. While it waits for groups,
 the trainer asks the router every `fleet_check_s` which version the fleet serves; when that is not the
-run's, it loads the run's version again from its directory, which brings every engine to it.
+run's, it loads the run's version again from its directory, which brings every engine to it. Not while no
+complete directory holds the run's version: a disk copy under way registers it itself (through a restarted
+router too), and one that failed fails the run at its next publish, checkpoint or end.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class FleetVersionCheck:
     def __call__(self, run: ActiveRun) -> None:
         """Once every interval (never when the interval is 0): loads the run's version again if the router
         reports another one, or none."""
-        if self._interval_s <= 0 or self._clock() < self._next:
+        if self._interval_s <= 0 or self._clock() < self._next or run.weights_version != run.weight_version:
             return
         self._next = self._clock() + self._interval_s
         expected = str(run.weight_version)

@@ -13,8 +13,9 @@ With weight_sync=distributed a version's disk copy is written while the next ste
 (weight_publisher.py). A checkpoint and the run's end wait for it first (bounded), so a checkpoint never
 acknowledges groups whose version has no copy for engines that rejoin, and a run that stops leaves its
 last version registered; a copy that failed fails the run there, or at the next publish, as it did when it
-was written on the step path. While a copy is under way the fleet's version is not checked: the copy's own
-registration brings a restarted router back to the version.
+was written on the step path. Status names only a complete directory (`ActiveRun.weights_path`): while a copy
+is under way, the version before, which pruning keeps meanwhile. Nor is the fleet's version checked then: the
+copy's own registration brings a restarted router back to the version.
 
 Resumed from a checkpoint, the loop reads its pending entries again in id order with the same
 partition into steps, so it retrains exactly the groups after the checkpoint, in the same steps.
@@ -169,28 +170,23 @@ def train_run(
         abort_all_requests=run.spec.rollout.on_weight_update == "abort_resume",
         base_model=Path(run.spec.model.path),
         metrics=metrics,
+        on_written=run.weights_written,
     )
     check_fleet = FleetVersionCheck(router, settings.fleet_check_s, metrics)
     commits = AfterPublished(checkpoints, publisher)
-
-    def keep_fleet_version(waiting: ActiveRun) -> None:
-        if not publisher.busy():  # a copy under way registers the version, or loads it through a restarted router
-            check_fleet(waiting)
-
     try:
         total_steps = run.spec.schedule.steps
         needed = run.spec.rollout.groups_per_step
         while run.step < total_steps and not run.stop.is_set():
-            entries = collect_groups(run, settings, needed, commits, keep_fleet_version)
+            entries = collect_groups(run, settings, needed, commits, check_fleet)
             if len(entries) < needed:  # stopped while waiting: nothing else ends the wait short
                 break
             groups = [e.group for e in entries]
             version = run.step + 1
             step_metrics = run.ranks.call("train_step", groups, version)
             sync_started = time.perf_counter()
-            path = publisher.publish(run.model, version)
+            publisher.publish(run.model, version)
             step_metrics["weight_sync_seconds"] = time.perf_counter() - sync_started
-            prune_versions(run.weights_root, keep_from=version - settings.keep_weight_versions + 1)
             run.uncommitted.extend(e.entry_id for e in entries)
             groups_trained = run.groups_trained + len(groups)
             if checkpoint_due(run, version):
@@ -198,10 +194,12 @@ def train_run(
             run.update(
                 step=version,
                 weight_version=version,
-                weights_path=str(path),
                 groups_trained=groups_trained,
                 state=TrainerState.TRAINER_STATE_TRAINING,
             )
+            # Never the directory Status names (the version before this one while its copy is written).
+            keep_from = min(version - settings.keep_weight_versions + 1, run.weights_version)
+            prune_versions(run.weights_root, keep_from=keep_from)
             report(run, version, len(groups), step_metrics, metrics)
         if run.checkpoint_on_stop or run.checkpoint_wanted:
             commits.commit(run, run.step, run.groups_trained)

@@ -525,7 +525,7 @@ class TrainerCore:
         if meta.weight_version > 0:
             full = self.ranks.call("full_state_dict")
             weights = save_version(run.model, run.weights_root, meta.weight_version, run.tokenizer_dir, full)
-            run.weights_path = str(weights)
+            run.weights_path, run.weights_version = str(weights), meta.weight_version
         logger.info(
             "run %s resumes from its checkpoint of step %d (%d groups, through stream entry %s)",
             run.run_id,

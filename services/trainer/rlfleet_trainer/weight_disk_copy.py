@@ -68,11 +68,6 @@ class DiskCopies:
         self._failure: BaseException | None = None
         self._overdue = False  # a wait ran out on the copy in flight: later waits do not wait for it again
 
-    @property
-    def in_flight(self) -> bool:
-        """Whether a copy is being written (or registered) right now."""
-        return self._thread is not None and self._thread.is_alive()
-
     def start(self, version: int, write: Callable[[], Path]) -> None:
         """Writes the copy of `version` in the background: `write()` writes it and registers it with the router.
         The copy before it must have been waited for."""

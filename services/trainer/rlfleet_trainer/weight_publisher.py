@@ -14,11 +14,17 @@ next publish, a checkpoint and the run's end wait for it first, and raise its fa
 the version broadcast: a model that gives its live parameters as its state (one process, no FSDP) is
 copied to CPU first (`private_state`: one more copy of the weights in memory until the copy is written).
 A version that came from disk because the broadcast failed is written on the step path, as engines load it.
+
+Either way `on_written` is told each version whose directory is complete and served (registered, for a copy),
+from the thread that wrote it: until then the directory `publish` returns may not exist yet. A copy still being
+written at its bound fails the run; if it ends after the run closed its weight sync, it is neither registered nor
+loaded through the router, nor told: the run may have been resumed by then, the fleet serving another version.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol
@@ -37,20 +43,22 @@ from rlfleet_trainer.weights import save_version, version_dir, without_tied_copi
 logger = logging.getLogger(__name__)
 
 FullState = Callable[[PreTrainedModel], Mapping[str, torch.Tensor]]
+Written = Callable[[int, Path], None]
+"""Told (version, directory) once a version's directory is complete and served."""
+
+
+def _nobody_told(version: int, path: Path) -> None:
+    return None
 
 
 class WeightPublisher(Protocol):
     def publish(self, model: PreTrainedModel, version: int) -> Path:
-        """Makes every engine serve `model` as `version`; returns the version's directory on disk (which may still
-        be being written: see `settle`)."""
+        """Makes every engine serve `model` as `version`; returns the version's directory on disk, which may still
+        be being written: complete once `on_written` is told it (see `settle`)."""
         ...
 
     def settle(self) -> None:
         """Waits (bounded) for what `publish` left under way (a disk copy); raises its failure."""
-        ...
-
-    def busy(self) -> bool:
-        """Whether something `publish` left under way is still going on."""
         ...
 
     def close(self) -> None:
@@ -68,8 +76,10 @@ class DiskPublisher:
         full_state: FullState = PreTrainedModel.state_dict,
         *,
         abort_all_requests: bool = False,
+        on_written: Written = _nobody_told,
     ) -> None:
         self._router = router
+        self._on_written = on_written
         # rollout.on_weight_update "abort_resume": the load aborts generations in flight.
         self._abort_all_requests = abort_all_requests
         self._weights_root = weights_root
@@ -84,6 +94,7 @@ class DiskPublisher:
         """Writes `state` (in `model`'s shape) as `version` and has every engine load it."""
         path = save_version(model, self._weights_root, version, self._tokenizer_dir, state)
         self.load(path, version)
+        self._on_written(version, path)
         return path
 
     def load(self, path: Path, version: int) -> None:
@@ -92,9 +103,6 @@ class DiskPublisher:
 
     def settle(self) -> None:
         return None  # `publish` leaves nothing under way
-
-    def busy(self) -> bool:
-        return False
 
     def close(self) -> None:
         return None
@@ -111,17 +119,24 @@ class DistributedPublisher:
         *,
         metrics: TrainerMetrics | None = None,
         disk_copy_timeout_s: float = TrainerSettings.model_fields["weight_disk_copy_timeout_s"].default,
+        on_written: Written = _nobody_told,
     ) -> None:
         self._broadcaster = broadcaster
+        self._on_written = on_written
         self._disk = disk
         self._weights_root = weights_root
         self._tokenizer_dir = tokenizer_dir
         self._full_state = full_state
         self._copies = DiskCopies(metrics or TrainerMetrics(), disk_copy_timeout_s)
+        # A copy given up at its bound can end after `close`, the run failed on it and maybe resumed by then with the
+        # fleet on another version: it then tells the router and the run nothing. Held while a copy tells them, so a
+        # `close` never returns while one still does.
+        self._telling = threading.Lock()
+        self._closed = False
 
     def publish(self, model: PreTrainedModel, version: int) -> Path:
-        """Broadcasts `version` and starts writing its disk copy in the background; returns the copy's directory.
-        Waits for the previous version's copy first, and raises its failure."""
+        """Broadcasts `version` and starts writing its disk copy in the background; returns the copy's directory,
+        complete once `on_written` names it. Waits for the previous version's copy first, and raises its failure."""
         self._copies.wait()
         state = self._full_state(model)
         fallen_back = self.serve(model, state, version)
@@ -135,9 +150,6 @@ class DistributedPublisher:
 
     def settle(self) -> None:
         self._copies.wait()
-
-    def busy(self) -> bool:
-        return self._copies.in_flight
 
     def serve(self, model: PreTrainedModel, state: Mapping[str, torch.Tensor], version: int) -> Path | None:
         """Brings every engine to `version`: over the group, or from disk if the broadcast fails (the group is
@@ -162,15 +174,22 @@ class DistributedPublisher:
         restarted since the broadcast knows no version: the engines load this copy through it instead, which
         gives it the fleet's version again. `untied`: as `save_version`'s."""
         path = save_version(model, self._weights_root, version, self._tokenizer_dir, state, untied=untied)
-        if not self._broadcaster.register_disk_copy(str(path), version):
-            logger.warning(
-                "the router refused the disk copy of weight version %d: its fleet serves another version (it "
-                "restarted since the broadcast); loading version %d from %s through it",
-                version,
-                version,
-                path,
-            )
-            self._disk.load(path, version)
+        with self._telling:
+            if self._closed:
+                raise DiskCopyFailed(
+                    f"the disk copy of weight version {version} at {path} was written after the run's weight sync "
+                    "was closed (the run failed on it at its bound); it is not registered with the router"
+                )
+            if not self._broadcaster.register_disk_copy(str(path), version):
+                logger.warning(
+                    "the router refused the disk copy of weight version %d: its fleet serves another version (it "
+                    "restarted since the broadcast); loading version %d from %s through it",
+                    version,
+                    version,
+                    path,
+                )
+                self._disk.load(path, version)
+            self._on_written(version, path)
         return path
 
     def close(self) -> None:
@@ -178,6 +197,8 @@ class DistributedPublisher:
             self._copies.wait()
         except DiskCopyFailed as exc:  # the run has ended (failed, if it met this copy's failure at a wait)
             logger.warning("closing the weight sync: %s", exc)
+        with self._telling:
+            self._closed = True
         self._broadcaster.close()
 
 
@@ -191,11 +212,15 @@ def make_publisher(
     abort_all_requests: bool = False,
     base_model: Path | None = None,
     metrics: TrainerMetrics | None = None,
+    on_written: Written = _nobody_told,
 ) -> WeightPublisher:
     """The publisher `settings.weight_sync` names, for one run (it opens its group on the first publish).
     `base_model`, the model the run started from: over NCCL its dtype is the one versions travel in. `metrics`: where
-    the disk copies of broadcast versions are timed and counted."""
-    disk = DiskPublisher(router, weights_root, tokenizer_dir, full_state, abort_all_requests=abort_all_requests)
+    the disk copies of broadcast versions are timed and counted. `on_written`: told each version whose directory is
+    complete."""
+    disk = DiskPublisher(
+        router, weights_root, tokenizer_dir, full_state, abort_all_requests=abort_all_requests, on_written=on_written
+    )
     if settings.weight_sync == "disk":
         return disk
     broadcaster = WeightBroadcaster(
@@ -215,4 +240,5 @@ def make_publisher(
         full_state,
         metrics=metrics,
         disk_copy_timeout_s=settings.weight_disk_copy_timeout_s,
+        on_written=on_written,
     )

@@ -32,8 +32,11 @@ class Clock:
         return self.now
 
 
-def run_at(version: int, weights_path: str) -> Any:
-    return SimpleNamespace(run_id="run", weight_version=version, weights_path=weights_path)
+def run_at(version: int, weights_path: str, weights_version: int | None = None) -> Any:
+    """A run at weight version `version` whose Status names `weights_path`, of `weights_version` (by default the
+    run's version: its directory is complete)."""
+    on_disk = version if weights_version is None else weights_version
+    return SimpleNamespace(run_id="run", weight_version=version, weights_path=weights_path, weights_version=on_disk)
 
 
 def served(engine_url: str) -> object:
@@ -68,6 +71,18 @@ def test_a_router_on_another_version_is_brought_back_to_the_runs(fake_router: An
     clock.now += INTERVAL_S
     check(run_at(2, "/weights/v2"))
     assert fake_router.loads[-1] == {"model_path": "/weights/v2", "weight_version": "2"}
+
+
+def test_a_version_whose_directory_is_not_complete_is_not_loaded(fake_router: Any) -> None:
+    """Its disk copy is being written (it registers the version itself) or failed: the directory the run names
+    holds an earlier version, which must not reach the engines labelled as the run's."""
+    clock, metrics = Clock(), TrainerMetrics()
+    check = FleetVersionCheck(RouterClient(fake_router.url, 10.0), INTERVAL_S, metrics, clock)
+    clock.now += INTERVAL_S
+    check(run_at(4, "/weights/v3", weights_version=3))
+    assert fake_router.loads == [] and reloads(metrics) == 0
+    check(run_at(4, "/weights/v4"))
+    assert fake_router.loads == [{"model_path": "/weights/v4", "weight_version": "4"}]
 
 
 def test_a_router_that_does_not_answer_is_asked_again_later_and_the_wait_goes_on(
