@@ -29,7 +29,7 @@ from pydantic import ValidationError
 
 from rlfleet.errors import InvalidInput
 from rlfleet_engine.openai_schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAISampling
-from rlfleet_engine.request_expansion import unicode_text
+from rlfleet_engine.request_expansion import check_vocabulary, unicode_text
 from rlfleet_engine.sampling_params import SamplingParams
 from rlfleet_engine.schemas import GenerateRequest
 
@@ -102,12 +102,14 @@ class OpenAIServer:
             prompts = [encode(unicode_text(prompt, "prompt"))]
         elif all(isinstance(p, int) for p in prompt):
             prompts = [[p for p in prompt if isinstance(p, int)]]
+            check_vocabulary(prompts[0], self._core.backend.vocab_size, "prompt")
         else:
             prompts = []
             for i, p in enumerate(prompt):
                 if isinstance(p, str):
                     prompts.append(encode(unicode_text(p, f"prompt[{i}]")))
                 elif isinstance(p, list):
+                    check_vocabulary(p, self._core.backend.vocab_size, f"prompt[{i}]")
                     prompts.append(list(p))
         if not all(prompts):
             raise InvalidInput("prompt: must not be empty")
@@ -128,6 +130,8 @@ class OpenAIServer:
                 {**err, "loc": ("body", *(_OPENAI_NAMES.get(str(p), p) for p in err["loc"]))} for err in exc.errors()
             ]
             raise RequestValidationError(errors) from exc
+        # Checked here too, so a refusal names the field the client sent rather than /generate's.
+        check_vocabulary(params.stop_token_ids, self._core.backend.vocab_size, "stop_token_ids")
         batch = len(prompts) > 1
         return GenerateRequest(
             input_ids=prompts if batch else prompts[0],

@@ -8,6 +8,7 @@ rid of a batch (or of n > 1 samples) becomes `rid_<k>`, a list of rids gives one
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -39,6 +40,13 @@ def unicode_text(text: str, field: str) -> str:
     if problem is not None:
         raise InvalidInput(f"{field}: {problem}")
     return text
+
+
+def check_vocabulary(ids: Iterable[int], vocab_size: int, field: str) -> None:
+    """InvalidInput naming `field` (as the client sent it) unless every id is a token id of the vocabulary."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidInput(f"{field} holds token id {bad}, outside the vocabulary [0, {vocab_size})")
 
 
 @dataclass(frozen=True)
@@ -92,14 +100,8 @@ def expand(req: GenerateRequest, tokenizer: Encoder, vocab_size: int, context_le
         where = f"input_ids[{i}]" if req.is_batch else "input_ids"
         if not ids:
             raise InvalidInput(f"prompt {i} is empty after tokenization")
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise InvalidInput(f"{where} holds token id {bad}, outside the vocabulary [0, {vocab_size})")
-        bad = next((t for t in params[i].stop_token_ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise InvalidInput(
-                f"sampling_params.stop_token_ids holds token id {bad}, outside the vocabulary [0, {vocab_size})"
-            )
+        check_vocabulary(ids, vocab_size, where)
+        check_vocabulary(params[i].stop_token_ids, vocab_size, "sampling_params.stop_token_ids")
         if params[i].top_k > vocab_size:  # every token, as -1 (SGLang's reading), in a range torch can hold
             params[i] = params[i].model_copy(update={"top_k": vocab_size})
         room = context_length - len(ids)
@@ -109,10 +111,14 @@ def expand(req: GenerateRequest, tokenizer: Encoder, vocab_size: int, context_le
             )
         explicit = "max_new_tokens" in params[i].model_fields_set and params[i].max_new_tokens != UNTIL_CONTEXT
         if explicit and params[i].max_new_tokens >= room:
-            # SGLang refuses a prompt and a max_new_tokens sent that together reach the context.
+            # SGLang refuses a prompt and a max_new_tokens sent that together reach the context, in these words
+            # (clients parse them), which name no field: an OpenAI client sent max_tokens.
+            total = len(ids) + params[i].max_new_tokens
             raise InvalidInput(
-                f"Requested token count exceeds the model's maximum context length of {context_length} tokens: "
-                f"{len(ids)} prompt tokens + max_new_tokens {params[i].max_new_tokens}."
+                f"Requested token count exceeds the model's maximum context length of {context_length} tokens. You "
+                f"requested a total of {total} tokens: {len(ids)} tokens from the input messages and "
+                f"{params[i].max_new_tokens} tokens for the completion. Please reduce the number of tokens in the "
+                "input messages or the completion to fit within the limit."
             )
         # Then its scheduler cuts every budget, a default or null one too, to what a request of at most
         # context - 1 tokens leaves with one position to spare: room - 2.

@@ -37,6 +37,20 @@ def _unicode(text: str) -> str:
 UnicodeStr = Annotated[str, AfterValidator(_unicode)]
 """A string the engine may send back (a rid, a weight version, a model name): refused unless it is Unicode text."""
 
+# Fields of SGLang's GenerateReqInput that change what is generated or answered and that this engine cannot honour:
+# refused when set (null, false or empty reads as absent, as SGLang reads it), not answered without them (the base
+# model's tokens for a LoRA adapter, the text alone for an image, an answer missing the hidden states asked for).
+_UNSUPPORTED_GENERATE_FIELDS = (
+    "input_embeds",
+    "image_data",
+    "video_data",
+    "audio_data",
+    "lora_path",
+    "custom_logit_processor",
+    "return_hidden_states",
+    "token_ids_logprob",
+)
+
 PauseMode = Literal["abort", "retract", "in_place"]
 """What /pause_generation does with the requests in flight (SGLang's PauseGenerationReqInput.mode)."""
 
@@ -56,6 +70,15 @@ class GenerateRequest(BaseModel):
     return_text_in_logprobs: bool = False
     stream: bool = False
     log_metrics: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: object) -> object:
+        if isinstance(data, dict):
+            given = [name for name in _UNSUPPORTED_GENERATE_FIELDS if data.get(name) not in (None, False, "", [], {})]
+            if given:
+                raise ValueError(f"{', '.join(given)}: not supported by rlfleet-engine (leave out, or null)")
+        return data
 
     @model_validator(mode="after")
     def _one_prompt_form(self) -> GenerateRequest:

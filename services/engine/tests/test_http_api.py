@@ -128,6 +128,25 @@ def test_unknown_fields_are_accepted_and_ignored(engine: RunningEngine) -> None:
     assert out["meta_info"]["completion_tokens"] == 3
 
 
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"lora_path": "adapters/math"}, "lora_path"),
+        ({"image_data": "https://example.com/cat.png"}, "image_data"),
+        ({"custom_logit_processor": "{}"}, "custom_logit_processor"),
+        ({"return_hidden_states": True}, "return_hidden_states"),
+        ({"token_ids_logprob": [5], "return_logprob": True}, "token_ids_logprob"),
+    ],
+)
+def test_generate_fields_the_engine_cannot_honour_are_refused_naming_them(
+    engine: RunningEngine, extra: dict[str, Any], field: str
+) -> None:
+    """They were ignored: a LoRA request got the base model's tokens, an image request an answer to the text alone."""
+    response = engine.post("/generate", {"text": "1+1=", "sampling_params": {"max_new_tokens": 2}, **extra})
+    assert response.status_code == 400
+    assert response.json()["message"] == f"body: {field}: not supported by rlfleet-engine (leave out, or null)"
+
+
 def test_single_and_batch_shapes_with_n_and_rid(engine: RunningEngine) -> None:
     single = engine.generate({"text": "1+1=", "rid": "solo", "sampling_params": {"max_new_tokens": 2}})
     assert isinstance(single, dict) and single["meta_info"]["id"] == "solo"

@@ -181,6 +181,48 @@ def test_a_sampling_parameter_out_of_range_is_refused_naming_the_openai_field(
 
 
 @pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"prompt": [97, 70000]}, "prompt holds token id 70000, outside the vocabulary [0, 65536)"),
+        ({"prompt": [[97], [98, -1]]}, "prompt[1] holds token id -1, outside the vocabulary [0, 65536)"),
+        ({"stop_token_ids": [70000]}, "stop_token_ids holds token id 70000, outside the vocabulary [0, 65536)"),
+    ],
+)
+def test_a_token_id_outside_the_vocabulary_is_refused_naming_the_openai_field(
+    client: TestClient, extra: dict[str, object], message: str
+) -> None:
+    """They were refused under /generate's names, `input_ids` and `sampling_params.stop_token_ids`."""
+    for stream in (False, True):
+        answer = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": stream, **extra})
+        assert answer.status_code == 400
+        assert answer.json()["message"] == message
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "prompt_tokens"),
+    [
+        ("/generate", {"text": "abcd", "sampling_params": {"max_new_tokens": 40000}}, 4),
+        ("/v1/completions", {"prompt": "abcd", "max_tokens": 40000}, 4),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}], "max_tokens": 40000}, 26),
+    ],
+)
+def test_a_request_reaching_the_context_is_refused_in_sglangs_words(
+    client: TestClient, route: str, body: dict[str, object], prompt_tokens: int
+) -> None:
+    """Clients parse SGLang's message for the context, prompt and total; it was ours, naming max_new_tokens (a field
+    an OpenAI client never sent)."""
+    answer = client.post(route, json=body)
+    assert answer.status_code == 400
+    message = answer.json()["error"]["message"] if route == "/generate" else answer.json()["message"]
+    assert message == (
+        "Requested token count exceeds the model's maximum context length of 32768 tokens. You requested a total of "
+        f"{prompt_tokens + 40000} tokens: {prompt_tokens} tokens from the input messages and 40000 tokens for the "
+        "completion. Please reduce the number of tokens in the input messages or the completion to fit within the "
+        "limit."
+    )
+
+
+@pytest.mark.parametrize(
     ("prompt", "expected"),
     [
         ("ab", [[97, 98]]),
