@@ -24,7 +24,7 @@ FLAGS: tuple[Flag, ...] = (
         "--cache-tokens-per-request", "cache_aware: prompt tokens to prefill worth one request in flight (default 40)"
     ),
     Flag("--balance-abs-threshold", "cache_aware: an engine has room for a group within this many (default 10) ..."),
-    Flag("--balance-rel-threshold", "cache_aware: ... plus this factor times the mean in flight (default 1.25)"),
+    Flag("--balance-rel-threshold", "cache_aware: ... plus this factor times the mean in flight (default 2.0)"),
     Flag(
         "--balance-share-threshold", "cache_aware: no new prompt above this times the mean recent share (default 1.15)"
     ),

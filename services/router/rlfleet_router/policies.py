@@ -38,6 +38,10 @@ RECENT_DECAY = 0.99
 GROUP_SIZE_WINDOW = 128
 # ... and capped here: a flood of one identical prompt must not let its engine take every request in flight.
 MAX_GROUP_SIZE = 16
+# cache_aware: an engine's own requests in flight count in the fleet's mean its bound is `balance_rel_threshold` x,
+# each raising the bound by rel / engines; by at most this, so that an engine whose requests never end (hung) fills
+# up on a small fleet too (with rel >= the engines, its bound would grow as fast as its requests).
+MAX_OWN_WEIGHT = 0.625
 # cache_aware: an engine's slack over the fleet's mean (`balance_abs_threshold` requests) is at most this many
 # groups: with prompts of one request each (a conversation's turns), a slack of 10 would let one engine take
 # ten new conversations at once while the others have a few, each staying for all its turns.
@@ -136,8 +140,9 @@ class PolicyOptions:
     balance_abs_threshold: int = 10
     """cache_aware: an engine has room for a prompt's group of requests while its requests in flight plus
     the group stay within this many (at most MAX_SLACK_GROUPS groups) ..."""
-    balance_rel_threshold: float = 1.25
-    """... plus this factor times the fleet's mean requests in flight per engine (the group counted in)."""
+    balance_rel_threshold: float = 2.0
+    """... plus this factor times the fleet's mean requests in flight per engine (the group counted in; the engine's
+    own requests weigh at most MAX_OWN_WEIGHT each)."""
     balance_share_threshold: float = 1.15
     """cache_aware: an engine whose recent requests (about the last 100 routed) exceed this factor times the
     fleet's mean, plus one, takes no new prompt: a popular prompt family spreads once its engines have served
@@ -284,8 +289,10 @@ class CacheAware:
     An engine's slack is `balance_abs_threshold` requests, but at most MAX_SLACK_GROUPS groups.
       * A prompt that repeats or continues one routed to an engine (a group's later sample, a conversation's
         next turn) follows it there while that engine has fewer than slack + `balance_rel_threshold` x the
-        mean in flight + G requests in flight: room was checked when the group or conversation was placed,
-        so it is split only when its engine is overloaded, and its question or history is prefilled once.
+        mean in flight + G requests in flight (the mean counting the engine's own requests at most
+        MAX_OWN_WEIGHT each, so that one whose requests never end fills up on any fleet): room was checked
+        when the group or conversation was placed, so it is split only when its engine is overloaded, and its
+        question or history is prefilled once.
       * Any other prompt goes to one of the engines with room for its whole group: in flight + G within
         slack + `balance_rel_threshold` x the mean with the group counted in (or idle), and recent requests
         within `balance_share_threshold` x the mean + 1. Recent requests are the requests routed to the
@@ -383,22 +390,27 @@ class CacheAware:
         self._count(longest < size)
         in_flight = sum(w.in_flight for w in workers)
         slack = min(opts.balance_abs_threshold, MAX_SLACK_GROUPS * group)
-        bound = slack + opts.balance_rel_threshold * in_flight / len(workers) + group
+        rel, engines = opts.balance_rel_threshold, len(workers)
+        own = min(rel / engines, MAX_OWN_WEIGHT)
+
+        def bound(w: Worker, placed: float = 0) -> float:
+            # slack + rel x the fleet's mean in flight (with `placed` more), the engine's own requests weighing `own`
+            return slack + rel * (in_flight - w.in_flight + placed) / engines + own * w.in_flight
+
         # An engine holding nothing is not followed, whatever the threshold (0 included).
         extended = {w.id: n for w in workers if (n := match.extended.get(w.id, 0)) > 0 and n >= floor}
-        followed = [w for w in workers if w.id in extended and w.in_flight < bound]
+        followed = [w for w in workers if w.id in extended and w.in_flight < bound(w) + group]
         if followed:
             best = min(followed, key=lambda w: (-extended[w.id], w.in_flight, self._recent_score(w)))
             return Choice(best, "cache_hit" if held[best.id] == longest else "imbalance")
         # Against the mean rather than the least-loaded engine: one idle engine must not make every other
         # one full, and a fleet with more engines than prompt families still fills them all. An idle engine
         # always has room, whatever the group size estimate (it lags when the traffic changes).
-        bound = max(slack + opts.balance_rel_threshold * (in_flight + group) / len(workers), group)
         recent = {w.id: self._recent_score(w) for w in workers}
         share = opts.balance_share_threshold * (sum(recent.values()) + group) / len(workers) + 1
         placed = {w.id: self._placed.score(w.id) for w in workers}
         most_placed = (sum(placed.values()) + 1) / len(workers) + opts.balance_placement_slack
-        not_full = [w for w in workers if w.in_flight + group <= bound]
+        not_full = [w for w in workers if w.in_flight + group <= max(bound(w, group), group)]
         room = [w for w in not_full if recent[w.id] <= share and placed[w.id] + 1 <= most_placed]
 
         def cost(w: Worker) -> tuple[float, int, float]:
