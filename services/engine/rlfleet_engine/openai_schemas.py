@@ -106,6 +106,10 @@ class CompletionRequest(OpenAISampling):
     max_tokens: int | None = Field(default=16, gt=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS_NUM)
     echo: bool = False
+    # Read only to be refused when they ask for something: the best `n` of `best_of` samples, a text after the
+    # completion to fill in. Answered without them, the completion would not be what they ask for.
+    best_of: int | None = None
+    suffix: str | None = None
 
     @field_validator("echo")
     @classmethod
@@ -113,6 +117,19 @@ class CompletionRequest(OpenAISampling):
         if echo:
             raise ValueError("echo=true is not supported by rlfleet-engine")
         return echo
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
+            raise ValueError("suffix is not supported by rlfleet-engine")
+        return suffix
+
+    @model_validator(mode="after")
+    def _best_of_n_only(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of {self.best_of} other than n ({self.n}) is not supported by rlfleet-engine")
+        return self
 
 
 class ChatMessage(BaseModel):
@@ -142,6 +159,13 @@ class ChatCompletionRequest(OpenAISampling):
     max_completion_tokens: int | None = Field(default=None, gt=0)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_with_logprobs(self) -> ChatCompletionRequest:
+        # As OpenAI's API: top_logprobs alone would be answered with no logprobs at all.
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     @model_validator(mode="after")
     def _no_tools(self) -> ChatCompletionRequest:

@@ -275,6 +275,8 @@ def test_a_negative_seed_is_refused(client: TestClient) -> None:
         ("/v1/completions", {"logit_bias": {"5": 100}}, "logit_bias"),
         ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
         ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("/v1/completions", {"best_of": 3}, "best_of"),
+        ("/v1/completions", {"suffix": " and so on"}, "suffix"),
     ],
 )
 def test_a_constraint_the_engine_cannot_honour_is_refused_not_ignored(
@@ -293,6 +295,18 @@ def test_neutral_values_of_those_fields_pass(client: TestClient) -> None:
         "/v1/chat/completions", json={"messages": messages, "max_tokens": 2, **neutral, "tool_choice": "none"}
     )
     assert answer.status_code == 200, answer.text
+    neutral = {"best_of": 2, "n": 2, "suffix": ""}
+    answer = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, **neutral})
+    assert answer.status_code == 200, answer.text
+
+
+def test_top_logprobs_without_logprobs_is_refused(client: TestClient) -> None:
+    messages = [{"role": "user", "content": "x"}]
+    answer = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, "top_logprobs": 3})
+    assert answer.status_code == 400 and "top_logprobs needs logprobs" in answer.json()["message"], answer.text
+    asked = {"messages": messages, "max_tokens": 2, "top_logprobs": 3, "logprobs": True}
+    tops = client.post("/v1/chat/completions", json=asked).json()["choices"][0]["logprobs"]["content"][0]
+    assert len(tops["top_logprobs"]) == 3
 
 
 def test_a_chat_prompt_holds_the_bos_its_template_writes_once(llama_client: TestClient) -> None:
