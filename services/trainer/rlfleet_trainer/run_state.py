@@ -52,13 +52,19 @@ class RunStateStore:
                 f"the trainer's record of run {run_id} ({self.key(run_id)}) predates checkpoints and names "
                 "no checkpoint to resume from; start the run under a new id"
             )
-        return RunRecord(
-            step=int(fields["step"]),
-            weight_version=int(fields["weight_version"]),
-            checkpoint_path=fields["checkpoint_path"],
-            groups_trained=int(fields["groups_trained"]),
-            last_entry_id=fields.get("last_entry_id", ""),
-        )
+        try:
+            return RunRecord(
+                step=int(fields["step"]),
+                weight_version=int(fields["weight_version"]),
+                checkpoint_path=fields["checkpoint_path"],
+                groups_trained=int(fields["groups_trained"]),
+                last_entry_id=fields.get("last_entry_id", ""),
+            )
+        except (KeyError, ValueError) as exc:  # only this store writes it: something else did, or it was cut
+            raise Conflict(
+                f"the trainer's record of run {run_id} ({self.key(run_id)}) is not one it wrote: {fields!r} "
+                f"({type(exc).__name__}: {exc}); start the run under a new id"
+            ) from exc
 
     def commit(
         self, run_id: str, record: RunRecord, stream: SampleStream, entry_ids: Sequence[str], *, replaces: str = ""

@@ -248,6 +248,16 @@ def test_a_commit_over_a_record_redis_rolled_back_fails_and_one_repeated_is_take
     assert store.load("run7") == first
 
 
+@pytest.mark.parametrize("fields", [{"checkpoint_path": "/c/1"}, {"checkpoint_path": "/c/1", "step": "two"}])
+def test_a_record_the_trainer_did_not_write_is_refused_naming_it(
+    redis_client: redis.Redis, redis_prefix: str, fields: dict[str, str]
+) -> None:
+    store = RunStateStore(redis_client, redis_prefix)
+    redis_client.hset(store.key("odd"), mapping={"weight_version": 1, "groups_trained": 2, **fields})
+    with pytest.raises(Conflict, match=rf"record of run odd \({store.key('odd')}\) is not one it wrote"):
+        store.load("odd")
+
+
 def test_the_wait_for_groups_calls_its_hook_between_reads(redis_client: redis.Redis, redis_prefix: str) -> None:
     """The hook (the fleet's version check) runs while the trainer waits, not only between steps."""
     stream = SampleStream(redis_client, "run4", prefix=redis_prefix)
