@@ -318,7 +318,7 @@ def checkpoint_steps(root: Path) -> list[int]:
 def prune_checkpoints(root: Path, newest: int, keep: int) -> None:
     """Keeps the `keep` latest checkpoints up to step `newest` (the one the run's record names); later ones are
     left alone (`set_aside_after` moves them). Directories of interrupted saves and replacements go too."""
-    for pattern in (f".{STEP_PREFIX}*.tmp", f".{STEP_PREFIX}*.replaced"):
+    for pattern in (f".{STEP_PREFIX}*.tmp", f".{STEP_PREFIX}*.replaced*"):
         for path in root.glob(pattern):
             shutil.rmtree(path, ignore_errors=True)
     older = [s for s in checkpoint_steps(root) if s <= newest]

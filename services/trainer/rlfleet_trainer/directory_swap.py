@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import uuid
 from pathlib import Path
 
 
 def replace_directory(new: Path, dest: Path) -> None:
     """Makes the finished directory `new` (a sibling of `dest`) be `dest`, durably; an existing `dest` is replaced."""
     _sync_tree(new)
-    aside = dest.parent / f".{dest.name}.replaced"
-    shutil.rmtree(aside, ignore_errors=True)
+    aside = dest.parent / f".{dest.name}.replaced-{uuid.uuid4().hex[:12]}"  # this call's own, beside any other's
     if dest.exists():
         dest.rename(aside)
     new.rename(dest)

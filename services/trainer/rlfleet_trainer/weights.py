@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -84,8 +85,28 @@ def write_model_dir(
     `untied`: `state_dict` is `without_tied_copies` already, so `model`'s own state is not read. A disk copy written
     in the background beside a training step must not read it: an FSDP2 model's `state_dict()` reshards its
     parameters, which mid-forward would pull them from under the step."""
-    tmp = dest.parent / f".{dest.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    # Named for this writer: a disk copy given up at its bound may still be writing the same version as the run
+    # resumed after it (`prune_versions` deletes what a crash left).
+    tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir(parents=True)  # with the umask's mode, as the directory engines read
+    try:
+        _write_staged(model, tmp, tokenizer_dir, state_dict, base_dir=base_dir, untied=untied)
+        replace_directory(tmp, dest)  # an existing one is a leftover from a step that was rolled back
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def _write_staged(
+    model: PreTrainedModel,
+    tmp: Path,
+    tokenizer_dir: Path,
+    state_dict: Mapping[str, torch.Tensor] | None,
+    *,
+    base_dir: Path | None,
+    untied: bool,
+) -> None:
     tensors: dict[str, torch.Tensor] | None = None
     if state_dict is not None:
         # save_pretrained would keep both names of a tied parameter.
@@ -110,8 +131,6 @@ def write_model_dir(
         config["dtype"] = dtype  # transformers writes the tensors' own (float32)
         config.pop("torch_dtype", None)  # the key before transformers 4.56, read as dtype by later ones
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    replace_directory(tmp, dest)  # an existing one is a leftover from a step that was rolled back
-    return dest
 
 
 def base_dtype(model_dir: Path) -> str | None:
@@ -156,8 +175,8 @@ def save_version(
 
 
 def prune_versions(weights_root: Path, keep_from: int) -> None:
-    """Deletes published versions older than `keep_from`."""
-    for path in weights_root.glob("v*"):
-        suffix = path.name[1:]
-        if suffix.isdigit() and int(suffix) < keep_from:
+    """Deletes published versions older than `keep_from`, and what writes of them left (a crash mid-write)."""
+    for path in weights_root.glob("*v*"):
+        name = path.name.removeprefix(".").split(".", 1)[0]  # v3, .v3.tmp-x, .v3.replaced-x: v3
+        if name[:1] == "v" and name[1:].isdigit() and int(name[1:]) < keep_from:
             shutil.rmtree(path, ignore_errors=True)

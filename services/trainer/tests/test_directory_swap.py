@@ -1,14 +1,18 @@
-"""A finished directory put in place of another: the old one stays whole until the new one is there."""
+"""A finished directory put in place of another: the old one stays whole until the new one is there, and writers of
+one name each stage their own."""
 
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
 
-from rlfleet_trainer import directory_swap
+from rlfleet_trainer import directory_swap, weights
 from rlfleet_trainer.directory_swap import replace_directory
+from rlfleet_trainer.policy import load_policy
+from rlfleet_trainer.weights import prune_versions, save_version
 
 
 def _tree(files: dict[str, str], at: Path) -> Path:
@@ -71,3 +75,47 @@ def test_every_file_is_flushed_to_disk_before_the_rename(tmp_path: Path, monkeyp
     replace_directory(new, tmp_path / "v1")
     assert {str(new / "model.safetensors"), str(new / "nested" / "config.json"), str(new)} <= set(synced)
     assert str(tmp_path) in synced  # the rename itself
+
+
+def test_two_writers_of_one_version_each_write_their_own_whole_directory(
+    small_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk copy given up at its bound can still be writing a version when the run resumed after it writes the
+    same one: with one staging name, the second writer deleted the first's files, which then failed (or put the
+    second's half-written files in place)."""
+    model = load_policy(small_model_dir)
+    paused, resume = threading.Event(), threading.Event()
+    real_files = weights.tokenizer_files
+
+    def tokenizer_files(source: Path) -> list[Path]:
+        if threading.current_thread().name == "late-copy":  # its weights are written: it pauses before the rest
+            paused.set()
+            assert resume.wait(30)
+        return real_files(source)
+
+    monkeypatch.setattr(weights, "tokenizer_files", tokenizer_files)
+    failures: list[BaseException] = []
+
+    def late_copy() -> None:
+        try:
+            save_version(model, tmp_path, 1, small_model_dir)
+        except Exception as exc:  # noqa: BLE001 - the test reads whatever the late writer met
+            failures.append(exc)
+
+    late = threading.Thread(target=late_copy, name="late-copy")
+    late.start()
+    assert paused.wait(30)
+    assert save_version(model, tmp_path, 1, small_model_dir) == tmp_path / "v1"
+    assert load_policy(tmp_path / "v1").config.vocab_size == model.config.vocab_size
+    resume.set()
+    late.join(30)
+    assert not late.is_alive() and failures == []
+    assert load_policy(tmp_path / "v1").config.vocab_size == model.config.vocab_size
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v1"], "a writer left its staging directory"
+
+
+def test_pruning_deletes_what_writes_of_older_versions_left(tmp_path: Path) -> None:
+    for name in ("v1", ".v1.tmp-0123", ".v1.replaced-4567", ".v1.tmp", "v2", ".v2.tmp-89ab", "v10", "run.json"):
+        (tmp_path / name).mkdir()
+    prune_versions(tmp_path, keep_from=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".v2.tmp-89ab", "run.json", "v10", "v2"]
