@@ -1,7 +1,7 @@
 """The transport-free engine: turns API requests into scheduler jobs and scheduler outputs into SGLang's answers.
 
 Everything here runs on the asyncio loop and never touches the model; the scheduler thread does.
-Outputs cross from that thread to the loop through `call_soon_threadsafe` onto one queue per request.
+Outputs cross from that thread to the loop through `call_soon_threadsafe` onto the request's `LatestOutputs`.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ from rlfleet_engine.backend import GenerationBackend
 from rlfleet_engine.config import EngineConfig
 from rlfleet_engine.distributed_weights import WeightReceiver
 from rlfleet_engine.generation_job import GenerationJob
+from rlfleet_engine.latest_outputs import LatestOutputs
 from rlfleet_engine.metrics import EngineMetrics
 from rlfleet_engine.request_expansion import expand
 from rlfleet_engine.sampler import seeded_generator
 from rlfleet_engine.sampling_params import SamplingParams
-from rlfleet_engine.scheduled_generation import Outputs, ScheduledGeneration, check_load_format
+from rlfleet_engine.scheduled_generation import ScheduledGeneration, check_load_format
 from rlfleet_engine.scheduler import Scheduler
 from rlfleet_engine.schemas import GenerateRequest, UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest
 
@@ -88,10 +89,10 @@ class EngineCore(ScheduledGeneration):
 
     # ---- generation ----------------------------------------------------------------------------
 
-    def _submit(self, req: GenerateRequest) -> tuple[list[GenerationJob], Outputs]:
+    def _submit(self, req: GenerateRequest) -> tuple[list[GenerationJob], LatestOutputs]:
         specs = expand(req, self.tokenizer, self.backend.vocab_size, self.backend.context_length)
         loop = asyncio.get_running_loop()
-        queue: Outputs = asyncio.Queue()
+        queue = LatestOutputs()
 
         def deliverer(index: int):  # noqa: ANN202 - a closure per job
             def deliver(out: dict[str, Any]) -> None:

@@ -4,7 +4,8 @@ stream from the outputs its jobs deliver, abort the jobs a caller leaves, pass a
 modes) and resume on to the scheduler, describe the engine (SGLang's /get_model_info and /get_server_info),
 and refuse a disk weight load in a format the engines do not read.
 
-Outputs arrive on one queue per request as (index of the job in the request, SGLang-shaped output).
+Outputs arrive per request as (index of the job in the request, SGLang-shaped output), the latest unread one of
+each job (`LatestOutputs`).
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from rlfleet.errors import InvalidInput
 from rlfleet_engine import __version__
 from rlfleet_engine.config import EngineConfig
 from rlfleet_engine.generation_job import GenerationJob
+from rlfleet_engine.latest_outputs import LatestOutputs
 from rlfleet_engine.metrics import EngineMetrics
 from rlfleet_engine.schemas import GenerateRequest, PauseMode, UpdateWeightsFromDiskRequest
 
 logger = logging.getLogger(__name__)
 
-Outputs = asyncio.Queue[tuple[int, dict[str, Any]]]
 LOAD_FORMATS = (None, "auto", "safetensors")
 PAUSE_WAIT_S = 10.0
 """Bound on how long a pause waits for the step under way to end and, in "abort" mode, for its aborts to be
@@ -93,8 +94,8 @@ class ScheduledGeneration(ABC):
     """time.monotonic() of the /pause_generation in force, if any."""
 
     @abstractmethod
-    def _submit(self, req: GenerateRequest) -> tuple[Sequence[GenerationJob], Outputs]:
-        """Checks `req`, hands its jobs (one per prompt and sample) to the scheduler, returns them and their queue."""
+    def _submit(self, req: GenerateRequest) -> tuple[Sequence[GenerationJob], LatestOutputs]:
+        """Checks `req`, hands its jobs (one per prompt and sample) to the scheduler, returns them and their outputs."""
 
     def _claim_rids(self, jobs: Sequence[GenerationJob]) -> None:
         """Records `jobs` as in flight; refuses them all if one's rid already is, as SGLang does: aborts go by

@@ -49,9 +49,10 @@ from prometheus_client import CollectorRegistry
 from rlfleet.errors import DeadlineExceeded, InvalidInput
 from rlfleet_engine.config import EngineConfig
 from rlfleet_engine.generation_job import GenerationJob
+from rlfleet_engine.latest_outputs import LatestOutputs
 from rlfleet_engine.metrics import EngineMetrics
 from rlfleet_engine.request_expansion import expand
-from rlfleet_engine.scheduled_generation import PAUSE_WAIT_S, Outputs, ScheduledGeneration, check_load_format
+from rlfleet_engine.scheduled_generation import PAUSE_WAIT_S, ScheduledGeneration, check_load_format
 from rlfleet_engine.schemas import GenerateRequest, UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest
 from rlfleet_engine.sim_prefix_cache import Lease, PrefixCache
 from rlfleet_engine.stop_conditions import FinishReason, token_finish
@@ -395,7 +396,7 @@ class SimScheduler:
         self.metrics.num_used_tokens.set(self.cache.pinned_tokens + private)
 
 
-def _deliverer(queue: Outputs, index: int) -> Callable[[dict[str, Any]], None]:
+def _deliverer(queue: LatestOutputs, index: int) -> Callable[[dict[str, Any]], None]:
     def deliver(out: dict[str, Any]) -> None:
         queue.put_nowait((index, out))
 
@@ -430,9 +431,9 @@ class SimEngineCore(ScheduledGeneration):
         self.scheduler = SimScheduler(config, self.cache, latency, self.metrics)
         self._requests = itertools.count()
 
-    def _submit(self, req: GenerateRequest) -> tuple[list[SimJob], Outputs]:
+    def _submit(self, req: GenerateRequest) -> tuple[list[SimJob], LatestOutputs]:
         specs = expand(req, self.tokenizer, self.backend.vocab_size, self.backend.context_length)
-        queue: Outputs = asyncio.Queue()
+        queue = LatestOutputs()
         request = next(self._requests)
         keys = {spec.prompt_index: prompt_key(spec.input_ids) for spec in specs if spec.sample_index == 0}
         seed = self.config.random_seed
