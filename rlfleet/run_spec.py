@@ -17,6 +17,7 @@ from google.protobuf.struct_pb2 import ListValue, Struct, Value
 
 from rlfleet.arithmetic import OPERATORS, ArithmeticTask, Problem
 from rlfleet.errors import InvalidInput
+from rlfleet.sample_stream import MAX_MAGNITUDE
 from rlfleet.v1.runs_pb2 import DatasetSpec, RunSpec, SamplingParams
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
@@ -286,7 +287,11 @@ def validate(spec: RunSpec) -> None:
             f"{term.function!r} is already reward.terms[{first}]; each function may appear once (its score is "
             "reported under its name)",
         )
-        _require(_finite(term.weight), f"reward.terms[{i}].weight", "must be a finite number")
+        _require(
+            _finite(term.weight) and abs(term.weight) <= MAX_MAGNITUDE,
+            f"reward.terms[{i}].weight",
+            f"must be a finite number within +-{MAX_MAGNITUDE:g} (the largest reward a sample may carry)",
+        )
         not_finite = next(_non_finite_numbers(term.params, f"reward.terms[{i}].params"), None)
         if not_finite is not None:
             raise InvalidInput(f"{not_finite}: must be a finite number (params reach the reward hub as JSON)")

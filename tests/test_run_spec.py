@@ -152,6 +152,7 @@ def test_one_update_per_batch_unless_asked_and_as_many_mini_batches_as_samples()
         ({"schedule": {"steps": 0}}, "schedule.steps"),
         ({"reward": {"terms": []}}, "reward.terms"),
         ({"reward": {"terms": [{"function": "arith_exact", "weight": "NaN"}]}}, "reward.terms[0].weight"),
+        ({"reward": {"terms": [{"function": "arith_exact", "weight": 1e12}]}}, "reward.terms[0].weight"),
         ({"dataset": {"bad_rows": "ignore"}}, "dataset.bad_rows"),
         ({"rollout": {"oversample": 0.5}}, "rollout.oversample"),
         ({"rollout": {"groups_per_step": 4, "max_prompts_per_step": 3}}, "rollout.max_prompts_per_step"),

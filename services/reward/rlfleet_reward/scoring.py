@@ -29,6 +29,7 @@ from google.protobuf import json_format, struct_pb2
 from pydantic import ValidationError
 
 from rlfleet.errors import InvalidInput, ResourceExhausted, RlfleetError, Unavailable
+from rlfleet.sample_stream import MAX_MAGNITUDE
 from rlfleet.v1 import reward_pb2
 from rlfleet_reward.admission import Admission
 from rlfleet_reward.metrics import RewardMetrics
@@ -288,9 +289,14 @@ class Scorer:
             result.error = "; ".join(f"{t.name}: {o.error}" for t, o in failed)
             return result
         score = sum(term.weight * outcome.score for term, outcome in zip(terms, outcomes, strict=True))
-        if not math.isfinite(score):
+        if not (math.isfinite(score) and abs(score) <= MAX_MAGNITUDE):
+            # A sample carries at most that much reward (past it, the trainer's float32 arithmetic overflows): an OK
+            # score beyond it would fail the run when its group reached the stream, not this item.
             result.status = reward_pb2.SCORE_STATUS_ERROR
-            result.error = f"the weighted sum of the terms' scores overflows to {score}; use smaller weights"
+            result.error = (
+                f"the weighted sum of the terms' scores is {score:g}, past the largest reward a sample may carry "
+                f"(+-{MAX_MAGNITUDE:g}); use smaller weights or scores"
+            )
             return result
         result.status = reward_pb2.SCORE_STATUS_OK
         result.score = score
