@@ -42,13 +42,17 @@ ENTRY_POINT_GROUP = "rlfleet.rollout.environments"
 
 HUNG_PER_THREAD = 4
 """Replies hung past their time (each keeps its thread) the pool replaces, per thread it has."""
+START_MARGIN = 0.1
+"""A reply that waited for a thread until less than this share of its time is left is dropped, not started: its
+episode gives up on it moments later, and against a backend that hangs it would take the thread (one that replaced
+a hung reply's picks up the replies queued with it) and count as one more hung reply."""
 
 
 @dataclass
 class _Job:
     future: Future[str | None]
     call: Callable[[], str | None]
-    deadline: float  # time.monotonic() past which its episode no longer waits for it
+    start_by: float  # time.monotonic() past which it is dropped rather than started (START_MARGIN of its time left)
     replaced: bool = False  # overran its time and another thread took its thread's place (under the pool's lock)
 
 
@@ -92,14 +96,15 @@ class ReplyPool:
     async def reply(self, env: Environment, prompt: Prompt, turns: Sequence[str]) -> str | None:
         """`env.reply(prompt, turns)` on one of the pool's threads; ReplyTimeout when it has not returned (or not
         found a free thread) within timeout_s."""
-        job = _Job(Future(), partial(env.reply, prompt, list(turns)), time.monotonic() + self.timeout_s)
+        start_by = time.monotonic() + (1 - START_MARGIN) * self.timeout_s
+        job = _Job(Future(), partial(env.reply, prompt, list(turns)), start_by)
         self._jobs.put(job)
         answer = asyncio.wrap_future(job.future)
         try:
             done, _ = await asyncio.wait({answer}, timeout=self.timeout_s)
         finally:
             answer.cancel()  # a reply still waiting for a thread is dropped; a running one runs on, unheard
-        if not done:
+        if not done or job.future.cancelled():  # cancelled: a thread found it too late to start (START_MARGIN)
             message = f"environment did not reply within {self.timeout_s:g}s"
             if job.future.running():
                 self._replace(job)
@@ -129,7 +134,7 @@ class ReplyPool:
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
-            if time.monotonic() >= job.deadline:  # its episode is giving up on it, or gave up
+            if time.monotonic() >= job.start_by:  # its episode is about to give up on it, or gave up
                 job.future.cancel()
             if not job.future.set_running_or_notify_cancel():  # its episode stopped waiting
                 continue

@@ -53,6 +53,27 @@ def test_replies_past_their_time_are_given_up_and_those_waiting_for_a_thread_are
         pool.close()
 
 
+def test_a_reply_nearly_out_of_time_is_dropped_not_started_by_the_thread_replacing_a_hung_one() -> None:
+    """The thread that takes a hung reply's place picks up the reply queued behind it; one sent 20 ms after the
+    hung one had 20 ms of its 300 left. Started, it hung too: one more thread held, one more hung reply counted."""
+    env, pool = Hangs(), ReplyPool(threads=1, timeout_s=0.3)
+
+    async def main() -> list[BaseException | str | None]:
+        first = asyncio.ensure_future(pool.reply(env, PROMPT, ["3"]))
+        await asyncio.sleep(0.02)
+        second = asyncio.ensure_future(pool.reply(env, PROMPT, ["3"]))
+        return await asyncio.gather(first, second, return_exceptions=True)
+
+    try:
+        replies = asyncio.run(main())
+        assert all(isinstance(r, ReplyTimeout) for r in replies), replies
+        time.sleep(0.1)  # the replacing thread has had time to start what it would start
+        assert env.calls == 1, "the reply with 7% of its time left was started"
+    finally:
+        env.release.set()
+        pool.close()
+
+
 def reply_threads() -> int:
     return len([t for t in threading.enumerate() if t.name.startswith("environment-reply")])
 
