@@ -1,13 +1,13 @@
 """The requests in flight at each engine, one attempt each: their load on the engine, the rids they go by
 there (which an abort by rid must spare: `engine_aborts`), and the way to stop waiting for them.
 
-An engine that leaves routing as failed (`WorkerRegistry.record_failure`: probes or connections failed
-in a row) may still hold requests the router sent it, and a hung engine answers none of them. Its
-attempts are interrupted then (`engine_failed`) rather than left to wait out the request timeout: the
-proxy sends a request that had not reached its client yet to another engine, and ends a stream under
-way with an error. So are those at an engine whose answers would be wrong from now on (`interrupt`: it
-holds part of a weight version and is about to resume them). A client that leaves interrupts its attempt
-the same way (`ClientGone`).
+An engine that fails probes or connections in a row (`WorkerRegistry.record_failure`), leaving routing
+so or already out of it (taken out with requests left to finish there), may still hold requests the
+router sent it, and a hung engine answers none of them. Its attempts are interrupted then
+(`engine_failed`) rather than left to wait out the request timeout: the proxy sends a request that had
+not reached its client yet to another engine, and ends a stream under way with an error. So are those
+at an engine whose answers would be wrong from now on (`interrupt`: it holds part of a weight version
+and is about to resume them). A client that leaves interrupts its attempt the same way (`ClientGone`).
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ class EngineAttempts:
                 del self._waiting[attempt.worker.id]
 
     def engine_failed(self, worker: Worker) -> None:
-        """Every attempt under way at `worker`, taken out of routing as failed, stops waiting for it."""
-        self.interrupt(worker, f"{worker.url} was taken out of routing as failed ({worker.last_error})")
+        """Every attempt under way at `worker`, out of routing and failing, stops waiting for it."""
+        self.interrupt(worker, f"{worker.url} failed and is out of routing ({worker.last_error})")
 
     def interrupt(self, worker: Worker, reason: str) -> None:
         """Every attempt under way at `worker` stops waiting for it, with `EngineFailed(reason)`."""

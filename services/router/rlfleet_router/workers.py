@@ -154,8 +154,8 @@ class WorkerRegistry:
         # Told when a worker out of routing and not being restarted has failed `failure_threshold` probes in a
         # row (the self-healing fleet restarts it).
         self.on_failed: Callable[[Worker], None] | None = None
-        # Told first, as a worker fails its way out of routing, for the requests still at it (the proxy moves them
-        # to other engines).
+        # Told first, as a worker fails its way out of routing or keeps failing out of it, for the requests still at
+        # it (the proxy moves them to other engines).
         self.on_failed_requests: Callable[[Worker], None] | None = None
         # Told when the engine behind a worker may be another process from now on: it left routing, or was
         # restarted (the fleet's pause record no longer trusts that it took the pause).
@@ -269,8 +269,10 @@ class WorkerRegistry:
                 reason,
             )
             self._forget_process(worker)
-            if self.on_failed_requests is not None:
-                self.on_failed_requests(worker)
+        # Requests at an engine taken out of routing stay there to finish; once it keeps failing, they stop waiting
+        # for it too (a hung engine answers none) as they do at one that fails its way out.
+        if self.on_failed_requests is not None:
+            self.on_failed_requests(worker)
         # However it left routing (here, `take_out`, or never joined), an engine that keeps failing is restarted.
         if not worker.restarting and self.on_failed is not None:
             self.on_failed(worker)

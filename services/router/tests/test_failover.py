@@ -222,3 +222,30 @@ def test_a_retry_on_the_engines_left_keeps_the_steps_placement_counts(
     home.refused_controls = set()
     assert router.client.post("/flush_cache").status_code == 200
     assert set(placed().values()) == {0.0}, "the whole fleet emptied: a new step"
+
+
+def test_a_request_at_an_engine_out_of_routing_moves_once_that_engine_fails_its_probes(
+    hung_and_spare: tuple[FakeEngine, FakeEngine, RunningRouter],
+) -> None:
+    """An engine taken out of routing (here: it failed a weight load) keeps its requests, to finish there; once it
+    then fails its probes in a row it is as failed as one that left routing that way. Before, its requests were
+    left to wait for it until their deadline."""
+    hung, spare, router = hung_and_spare
+    hung.fail_updates = True
+    body = {"text": "2+2=", "rid": "req-out"}
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending: Future[httpx.Response] = pool.submit(lambda: router.client.post("/generate", json=body))
+        router.wait_for(lambda: len(hung.raw_bodies) == 1, what="the request at the hung engine")
+        spare.healthy = True
+        router.wait_healthy(2)
+        update = router.client.post("/update_weights_from_disk", json={"model_path": "/ckpt/1", "weight_version": "1"})
+        assert update.status_code == 502, update.text
+        router.wait_healthy(1)  # the hung engine left routing, its request still there
+        failed_at = time.monotonic()
+        hung.healthy = False
+        answer = pending.result(timeout=REQUEST_TIMEOUT_SECS + 5)
+        seconds = time.monotonic() - failed_at
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-rlfleet-engine"] == spare.url
+    assert seconds < 3, "moved once the engine failed its probes, not at the request's deadline"
+    router.wait_for(lambda: hung.aborted() == ["req-out"], what="the failed engine asked to abort the request")
