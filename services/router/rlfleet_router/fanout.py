@@ -100,7 +100,8 @@ class Fanout:
     ) -> tuple[int, dict[str, object]]:
         """Sends `route` (with its `query`, if any) to every engine; returns the HTTP status of the whole and the
         per-engine outcomes: 200 when every engine took it, 400 when none did and each refused it (4xx), else 502
-        (some took it and some did not, or an engine failed or did not answer)."""
+        (some took it and some did not, or an engine failed or did not answer); Unavailable when no engine is in the
+        fleet, before or once the answers are in (all removed meanwhile)."""
         assert route in FANOUT_ROUTES, route
         workers = self._workers.all()
         if not workers:
@@ -129,6 +130,8 @@ class Fanout:
             self._pauses.record(route, outcomes)
         if pause is not None and self._pauses.current(pause):
             self._take_out_unpaused(outcomes)
+        if not outcomes:  # 0 of 0 is no success: nothing was paused, aborted or flushed
+            raise Unavailable(f"{route}: every engine was removed from the fleet while it was asked; none took it")
         ok = all(o.ok for o in outcomes)
         done = sum(o.ok for o in outcomes)
         summary = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -121,3 +122,22 @@ def test_a_control_some_engines_took_is_not_answered_as_a_bad_request(
     takes.refused_with = 404
     refuses.refused_controls.add("/abort_request")
     assert router.client.post("/abort_request", json={"rid": "r"}).status_code == 400
+
+
+def test_a_control_whose_every_engine_was_removed_meanwhile_is_not_answered_as_a_success(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """Every engine removed while it was asked: no engine took the pause, so the caller must not read it as taken.
+    Before, the answer was 200 with success true ("0/0 engines answered 2xx")."""
+    engine = start_engine("a", control_delay=30.0)
+    router = start_router([engine.url], control_timeout_secs=60.0)
+    router.wait_healthy(1)
+    worker_id = router.workers()[0]["id"]
+    remove = threading.Timer(0.5, lambda: router.client.delete(f"/workers/{worker_id}"))
+    remove.start()
+    try:
+        answer = router.client.post("/pause_generation", json={})
+    finally:
+        remove.join(5)
+    assert answer.status_code == 503, answer.text
+    assert "removed" in answer.json()["error"]["message"], answer.text
