@@ -295,8 +295,7 @@ def test_neutral_values_of_those_fields_pass(client: TestClient) -> None:
         "/v1/chat/completions", json={"messages": messages, "max_tokens": 2, **neutral, "tool_choice": "none"}
     )
     assert answer.status_code == 200, answer.text
-    neutral = {"best_of": 2, "n": 2, "suffix": ""}
-    answer = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, **neutral})
+    answer = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "best_of": 2, "n": 2, "suffix": ""})
     assert answer.status_code == 200, answer.text
 
 

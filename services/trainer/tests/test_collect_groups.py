@@ -250,10 +250,11 @@ def test_a_commit_over_a_record_redis_rolled_back_fails_and_one_repeated_is_take
 
 @pytest.mark.parametrize("fields", [{"checkpoint_path": "/c/1"}, {"checkpoint_path": "/c/1", "step": "two"}])
 def test_a_record_the_trainer_did_not_write_is_refused_naming_it(
-    redis_client: redis.Redis, redis_prefix: str, fields: dict[str, str]
+    redis_client: redis.Redis, redis_prefix: str, fields: dict[str, str | int]
 ) -> None:
     store = RunStateStore(redis_client, redis_prefix)
-    redis_client.hset(store.key("odd"), mapping={"weight_version": 1, "groups_trained": 2, **fields})
+    record: dict[str, str | int] = {"weight_version": 1, "groups_trained": 2, **fields}
+    redis_client.hset(store.key("odd"), mapping=record)  # type: ignore[arg-type]  # redis types its keys invariantly
     with pytest.raises(Conflict, match=rf"record of run odd \({store.key('odd')}\) is not one it wrote"):
         store.load("odd")
 
