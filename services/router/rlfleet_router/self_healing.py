@@ -72,6 +72,8 @@ class Healer:
         to come up as a restarted one (the restart timeout) before it is restarted: it may be loading its model."""
         if worker.state is WorkerState.PENDING and time.monotonic() - worker.added_at < self._timeout:
             return
+        if not self._workers.contains(worker):  # removed (a request there lost its connection): nothing to restart
+            return
         running = self._tasks.get(worker.id)
         if running is None or running.done():
             self._tasks[worker.id] = asyncio.create_task(self._heal(worker), name=f"heal-{worker.id}")

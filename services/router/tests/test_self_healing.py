@@ -276,6 +276,29 @@ def test_an_engine_out_of_routing_is_restarted_once_its_probes_keep_failing_howe
     assert restarts(metrics, taken_out.url, "success") == 1
 
 
+def test_failures_of_a_removed_engine_start_no_restart_task() -> None:
+    """A request at an engine removed from the fleet can lose its connection, which counts as a failure of that
+    engine: each such engine kept a finished restart task for good, as pods came and went."""
+    workers = WorkerRegistry(failure_threshold=1, success_threshold=1)
+    removed, _ = workers.add("http://127.0.0.1:9")
+    workers.admit(removed)
+    metrics = RouterMetrics(workers, lambda: None)
+    restarter = CountingRestarter(workers)
+
+    async def scenario() -> dict[str, object]:
+        healing = healer(workers, restarter, metrics)
+        workers.on_failed = healing.on_failed
+        workers.remove(removed.id)
+        healing.forget(removed)
+        workers.record_failure(removed, "/generate: ReadError")
+        await asyncio.sleep(0.05)
+        tasks = dict(healing._tasks)
+        await healing.stop()
+        return tasks
+
+    assert asyncio.run(scenario()) == {} and restarter.urls == []
+
+
 def test_a_restart_succeeds_once_the_engine_passes_a_probe_and_reads_restarting_until_then() -> None:
     """Counted as a success when the restarter returned, the first restart hid an engine that never came back; the
     backoff read as unhealthy. An engine that passed a probe is not restarted again, in routing or not (admission
