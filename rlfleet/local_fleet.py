@@ -545,7 +545,15 @@ def read_state(state_dir: Path) -> dict[str, Any] | None:
         raise ValueError(f"state dir {state_dir} is a file, not a directory; choose another --state-dir") from None
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot read {Path(state_dir) / 'fleet.json'}: {exc}; delete it if no fleet runs") from exc
-    return state if isinstance(state, dict) else None
+    if not isinstance(state, dict):
+        return None
+    # Every record names its owner: without a pid, `down` and the Runs API's lookup would fail on the first use.
+    if not isinstance(state.get("pid"), int) or isinstance(state["pid"], bool):
+        raise ValueError(
+            f"{Path(state_dir) / 'fleet.json'} is not a fleet record (it names no pid of the `rlfleet up` or "
+            "`rlfleet demo` that started a fleet); delete it if no fleet runs"
+        )
+    return state
 
 
 def running_fleet(state_dir: Path) -> str | None:

@@ -351,6 +351,21 @@ def test_a_state_dir_that_is_a_file_is_named_as_such(
     assert afile.read_text() == "notes\n"
 
 
+@pytest.mark.parametrize("content", [{}, {"pid": "1234", "state": "up"}, {"pid": None, "processes": {}}])
+@pytest.mark.parametrize("command", [["down"], ["runs", "--timeout", "1"]])
+def test_a_fleet_json_without_an_owner_pid_is_named_as_not_a_fleet_record(
+    tmp_path: Path, command: list[str], content: dict, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`down` ended in a traceback on it (KeyError, TypeError), `runs` in an error that named no file or blamed
+    the default address."""
+    (tmp_path / "fleet.json").write_text(json.dumps(content))
+    assert main([*command, "--state-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'fleet.json'} is not a fleet record" in err, err
+    assert "delete it if no fleet runs" in err
+    assert json.loads((tmp_path / "fleet.json").read_text()) == content
+
+
 @pytest.mark.parametrize("scratch", [True, False])
 def test_down_after_a_killed_demo_deletes_its_scratch_keys(
     tmp_path: Path, sleepers: list[ServiceProcess], redis_client: redis.Redis, redis_prefix: str, scratch: bool
