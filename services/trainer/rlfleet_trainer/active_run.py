@@ -110,10 +110,12 @@ class ActiveRun:
             self.weights_version, self.weights_path = self.weights_ahead
             self.weights_ahead = None
 
-    def add_report(self, report: StepReport) -> None:
+    def complete_step(self, report: StepReport, **fields: object) -> None:
+        """Records a step's report and sets `fields` (its step, version, ...) under one lock: no reader sees the
+        run at a step whose report is missing."""
         with self.changed:
             self.reports.append(report)
-            self.changed.notify_all()
+            self.update(**fields)
 
     def reports_from(self, step: int) -> list[StepReport]:
         with self.changed:

@@ -191,16 +191,10 @@ def train_run(
             groups_trained = run.groups_trained + len(groups)
             if checkpoint_due(run, version):
                 commits.commit(run, version, groups_trained)
-            run.update(
-                step=version,
-                weight_version=version,
-                groups_trained=groups_trained,
-                state=TrainerState.TRAINER_STATE_TRAINING,
-            )
+            report(run, version, len(groups), groups_trained, step_metrics, metrics)
             # Never the directory Status names (the version before this one while its copy is written).
             keep_from = min(version - settings.keep_weight_versions + 1, run.weights_version)
             prune_versions(run.weights_root, keep_from=keep_from)
-            report(run, version, len(groups), step_metrics, metrics)
         if run.checkpoint_on_stop or run.checkpoint_wanted:
             commits.commit(run, run.step, run.groups_trained)
         publisher.settle()  # the last version's copy is on disk (and registered) before the run reports its end
@@ -235,13 +229,25 @@ def release_policy(ranks: RankGroup, run_id: str, policy: Policy | None = None) 
         logger.exception("run %s: releasing the policy on the ranks failed", run_id)
 
 
-def report(run: ActiveRun, version: int, groups: int, step_metrics: dict[str, float], metrics: TrainerMetrics) -> None:
+def report(
+    run: ActiveRun,
+    version: int,
+    groups: int,
+    groups_trained: int,
+    step_metrics: dict[str, float],
+    metrics: TrainerMetrics,
+) -> None:
+    """Step `version` is done: Status and WatchSteps show it at once (a Status at that version has its report)."""
     now = Timestamp()
     now.GetCurrentTime()
-    run.add_report(
+    run.complete_step(
         StepReport(
             run_id=run.run_id, step=version, weight_version=version, metrics=step_metrics, groups=groups, time=now
-        )
+        ),
+        step=version,
+        weight_version=version,
+        groups_trained=groups_trained,
+        state=TrainerState.TRAINER_STATE_TRAINING,
     )
     metrics.observe_step(step_metrics)
     metrics.step.set(version)

@@ -73,6 +73,28 @@ def test_trains_publishes_and_acknowledges(core, small_model_dir, redis_client, 
     assert [r.step for r in core.reports("r1", 2)[0]] == [2] and core.reports("r1", 1)[1]
 
 
+def test_a_status_at_a_step_has_that_steps_report(
+    core, small_model_dir, redis_client, redis_prefix, monkeypatch
+) -> None:
+    # The work after a step (pruning old weight versions) is slowed: a reader that sees the run at step 1 in Status
+    # must find step 1's report (WatchSteps) already, not after that work.
+    from rlfleet_trainer import run_loop
+
+    prune = run_loop.prune_versions
+
+    def slow_prune(*args: Any, **kwargs: Any) -> None:
+        time.sleep(1.0)
+        prune(*args, **kwargs)
+
+    monkeypatch.setattr(run_loop, "prune_versions", slow_prune)
+    core.start_run("r1", spec_for(small_model_dir, steps=1, groups_per_step=1))
+    SampleStream(redis_client, "r1", prefix=redis_prefix).append(
+        rollout_group(load_policy(small_model_dir), "r1", 0, 0)
+    )
+    wait_for(lambda: core.status("r1").weight_version == 1)
+    assert [r.step for r in core.reports("r1", 1)[0]] == [1]
+
+
 def test_graceful_shutdown_checkpoints_and_a_restart_resumes_from_it(
     tmp_path, small_model_dir, redis_client, redis_prefix, fake_router, caplog
 ) -> None:
