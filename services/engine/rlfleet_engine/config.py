@@ -13,13 +13,21 @@ import argparse
 from collections.abc import Sequence
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rlfleet.logs import LOG_LEVEL_HELP, LogLevel
 from rlfleet.settings_flags import Flag, add_flags, settings_from_flags
 
 BackendName = Literal["transformers", "sglang", "sim"]
+
+
+def blank_path_problem(field: str, path: str) -> str | None:
+    """What is wrong with `path` given as `field` if it is empty or only whitespace, None otherwise. Path("") is
+    the working directory, so such a path was read from there and failed later with a message about its files."""
+    if path.strip():
+        return None
+    return f"{field} is {'empty' if not path else 'only whitespace'} ({path!r}): name a Hugging Face model directory"
 
 
 class EngineConfig(BaseSettings):
@@ -98,10 +106,16 @@ class EngineConfig(BaseSettings):
     skip_server_warmup: bool = False
     """`sglang` backend: passed on (no warm-up request before the server reports ready); the CPU backends ignore it."""
 
+    @field_validator("model_path", "tokenizer_path")
+    @classmethod
+    def _a_directory(cls, path: str | None, info: ValidationInfo) -> str | None:
+        problem = None if path is None else blank_path_problem(str(info.field_name), path)
+        if problem is not None:
+            raise ValueError(problem)
+        return path
+
     @model_validator(mode="after")
     def _fill_defaults(self) -> EngineConfig:
-        if not self.model_path:
-            raise ValueError("model_path must name a Hugging Face model directory (--model-path DIR)")
         if self.tokenizer_path is None:
             self.tokenizer_path = self.model_path
         if self.served_model_name is None:

@@ -26,7 +26,7 @@ from rlfleet_engine.metrics import EngineMetrics
 from rlfleet_engine.request_expansion import expand
 from rlfleet_engine.sampler import seeded_generator
 from rlfleet_engine.sampling_params import SamplingParams
-from rlfleet_engine.scheduled_generation import ScheduledGeneration, check_load_format
+from rlfleet_engine.scheduled_generation import ScheduledGeneration, check_disk_load
 from rlfleet_engine.scheduler import Scheduler
 from rlfleet_engine.schemas import GenerateRequest, UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest
 
@@ -124,7 +124,7 @@ class EngineCore(ScheduledGeneration):
         """Nothing to drop: no prefix cache is kept across requests."""
 
     async def update_weights_from_disk(self, req: UpdateWeightsFromDiskRequest) -> dict[str, Any]:
-        check_load_format(req)
+        check_disk_load(req)
         if req.abort_all_requests:
             self.scheduler.abort("", abort_all=True)
 

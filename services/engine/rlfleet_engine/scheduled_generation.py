@@ -2,7 +2,7 @@
 their schedulers: refuse a request whose rid is already in flight, answer a generate request whole or as a
 stream from the outputs its jobs deliver, abort the jobs a caller leaves, pass abort, pause (in SGLang's
 modes) and resume on to the scheduler, describe the engine (SGLang's /get_model_info and /get_server_info),
-and refuse a disk weight load in a format the engines do not read.
+and refuse a disk weight load that names no directory or is in a format the engines do not read.
 
 Outputs arrive per request as (index of the job in the request, SGLang-shaped output), the latest unread one of
 each job (`LatestOutputs`).
@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from rlfleet.errors import InvalidInput
 from rlfleet_engine import __version__
-from rlfleet_engine.config import EngineConfig
+from rlfleet_engine.config import EngineConfig, blank_path_problem
 from rlfleet_engine.generation_job import GenerationJob
 from rlfleet_engine.latest_outputs import LatestOutputs
 from rlfleet_engine.metrics import EngineMetrics
@@ -34,8 +34,12 @@ answered. Both happen between two steps, within one step unless a weight load ho
 bound the pause answers anyway, and no step starts after the one under way (the aborts still run first)."""
 
 
-def check_load_format(req: UpdateWeightsFromDiskRequest) -> None:
-    """InvalidInput unless the load reads a Hugging Face checkpoint's safetensors, as both cores take it."""
+def check_disk_load(req: UpdateWeightsFromDiskRequest) -> None:
+    """InvalidInput unless the load names a directory and reads a Hugging Face checkpoint's safetensors, as both
+    cores take it; checked before the load aborts or holds any request."""
+    problem = blank_path_problem("model_path", req.model_path)
+    if problem is not None:
+        raise InvalidInput(problem)
     if req.load_format not in LOAD_FORMATS:
         raise InvalidInput(f"load_format {req.load_format!r} is not supported; use 'auto' or 'safetensors'")
 

@@ -46,13 +46,13 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
-from rlfleet.errors import DeadlineExceeded, InvalidInput
+from rlfleet.errors import DeadlineExceeded
 from rlfleet_engine.config import EngineConfig
 from rlfleet_engine.generation_job import GenerationJob
 from rlfleet_engine.latest_outputs import LatestOutputs
 from rlfleet_engine.metrics import EngineMetrics
 from rlfleet_engine.request_expansion import expand
-from rlfleet_engine.scheduled_generation import PAUSE_WAIT_S, ScheduledGeneration, check_load_format
+from rlfleet_engine.scheduled_generation import PAUSE_WAIT_S, ScheduledGeneration, check_disk_load
 from rlfleet_engine.schemas import GenerateRequest, UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest
 from rlfleet_engine.sim_prefix_cache import Lease, PrefixCache
 from rlfleet_engine.stop_conditions import FinishReason, token_finish
@@ -470,9 +470,7 @@ class SimEngineCore(ScheduledGeneration):
     async def update_weights_from_disk(self, req: UpdateWeightsFromDiskRequest) -> dict[str, Any]:
         """No weights to read: records the version and, as SGLang does after a load (unless told not to), empties
         the prefix cache."""
-        if not req.model_path:
-            raise InvalidInput("model_path must not be empty")
-        check_load_format(req)
+        check_disk_load(req)
         if req.abort_all_requests:
             self.scheduler.abort("", abort_all=True)
         await self._between_iterations(f"loading weights from {req.model_path}")

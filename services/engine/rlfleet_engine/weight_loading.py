@@ -20,12 +20,16 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from rlfleet.errors import InvalidInput
+from rlfleet_engine.config import blank_path_problem
 
 logger = logging.getLogger(__name__)
 
 
 def read_safetensors_dir(model_path: str) -> dict[str, torch.Tensor]:
     """All tensors of every *.safetensors file in `model_path` (a single file or shards)."""
+    problem = blank_path_problem("model_path", model_path)
+    if problem is not None:  # Path("") is the working directory, whose files it would otherwise load
+        raise InvalidInput(problem)
     directory = Path(model_path)
     if not directory.is_dir():
         raise InvalidInput(f"model_path {model_path!r} is not a directory")

@@ -40,3 +40,21 @@ def test_a_missing_model_path_exits_with_a_clear_message() -> None:
         env={"PATH": "/usr/bin"},
     )
     assert result.returncode != 0 and "model_path" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "field"),
+    [
+        (["--model-path", ""], "model_path"),
+        (["--model-path", "  "], "model_path"),
+        (["--model-path", "/m", "--tokenizer-path", ""], "tokenizer_path"),
+    ],
+)
+def test_an_empty_or_blank_path_is_refused_naming_the_setting(
+    argv: list[str], field: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Path("") is the working directory: the engine loaded from there and failed later, about its files.
+    with pytest.raises(SystemExit) as exited:
+        config_from_args(argv)
+    assert exited.value.code == 2
+    assert f"{field} is " in capsys.readouterr().err
