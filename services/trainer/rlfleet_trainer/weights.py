@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import uuid
 from collections.abc import Mapping
@@ -44,6 +45,9 @@ class saves its vocabulary under (`vocab_files_names`). A directory's other file
 CHAT_TEMPLATE_DIR = "additional_chat_templates"
 """A directory of named chat templates next to the tokenizer (transformers' CHAT_TEMPLATE_DIR)."""
 GENERATION_CONFIG = "generation_config.json"
+PROCESS_TOKEN = uuid.uuid4().hex[:8]
+"""Tells this process's staging directories from those of an earlier process that had the same pid (a restarted
+container's trainer is pid 1 again)."""
 
 
 def without_tied_copies(state: Mapping[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -86,8 +90,8 @@ def write_model_dir(
     in the background beside a training step must not read it: an FSDP2 model's `state_dict()` reshards its
     parameters, which mid-forward would pull them from under the step."""
     # Named for this writer: a disk copy given up at its bound may still be writing the same version as the run
-    # resumed after it (`prune_versions` deletes what a crash left).
-    tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:12]}"
+    # resumed after it; and for its process, so `prune_versions` can tell what a crash left (`writer_gone`).
+    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{PROCESS_TOKEN}-{uuid.uuid4().hex[:12]}"
     tmp.mkdir(parents=True)  # with the umask's mode, as the directory engines read
     try:
         _write_staged(model, tmp, tokenizer_dir, state_dict, base_dir=base_dir, untied=untied)
@@ -175,8 +179,45 @@ def save_version(
 
 
 def prune_versions(weights_root: Path, keep_from: int) -> None:
-    """Deletes published versions older than `keep_from`, and what writes of them left (a crash mid-write)."""
+    """Deletes published versions older than `keep_from` and what writes of them left; of the versions kept, what
+    writes that can no longer finish left (`left_behind`). A crash mid-write of the newest version left a copy of the
+    weights beside it (GBs on a real model) that otherwise stayed until that version was pruned, steps later, or
+    never for a run's last version."""
     for path in weights_root.glob("*v*"):
         name = path.name.removeprefix(".").split(".", 1)[0]  # v3, .v3.tmp-x, .v3.replaced-x: v3
-        if name[:1] == "v" and name[1:].isdigit() and int(name[1:]) < keep_from:
+        if name[:1] != "v" or not name[1:].isdigit():
+            continue
+        if int(name[1:]) < keep_from or left_behind(path, weights_root / name):
             shutil.rmtree(path, ignore_errors=True)
+
+
+def left_behind(path: Path, dest: Path) -> bool:
+    """Whether `path`, a directory a write of the version `dest` made beside it, is one that no writer will finish
+    or delete: a staging directory whose writer is gone, or the old version a replace set aside once the new one is
+    in place (its replacer only deletes it then, and tolerates it gone). Without its replacement in place, the one
+    set aside is the only whole copy of the version (a crash between the two renames): kept."""
+    stage = path.name.split(".", 2)[-1]  # tmp-<writer>-<id>, replaced-<id>; a version's own name: itself
+    if stage.startswith("replaced-"):
+        return dest.is_dir()
+    return stage.startswith("tmp-") and writer_gone(stage.removeprefix("tmp-"))
+
+
+def writer_gone(writer: str) -> bool:
+    """Whether the writer a staging directory names (`<pid>-<PROCESS_TOKEN>-<id>`) can no longer be writing it: an
+    earlier process that had this one's pid, or a pid no process on this machine has. A name without a writer (one
+    staged before writers were named), a writer in this process, and any process alive here are kept: it may still
+    write. One trainer writes a run's weights, so a writer on another machine sharing the storage is not looked for.
+    """
+    parts = writer.split("-", 2)
+    if len(parts) != 3 or not parts[0].isdigit():
+        return False
+    pid, token = int(parts[0]), parts[1]
+    if pid == os.getpid():
+        return token != PROCESS_TOKEN
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False

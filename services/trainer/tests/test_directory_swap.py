@@ -4,6 +4,8 @@ one name each stage their own."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -119,3 +121,67 @@ def test_pruning_deletes_what_writes_of_older_versions_left(tmp_path: Path) -> N
         (tmp_path / name).mkdir()
     prune_versions(tmp_path, keep_from=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".v2.tmp-89ab", "run.json", "v10", "v2"]
+
+
+def test_pruning_deletes_what_ended_writes_of_kept_versions_left_and_never_a_live_writers(tmp_path: Path) -> None:
+    """A crash mid-write of the newest version left a copy of it beside it until that version was pruned (never, for a
+    run's last): deleted now, unless its writer may still be writing it (a live process's; this process's is the late
+    copy's test below) or it is the only whole copy of its version (set aside by a replace that never put the new one
+    in place)."""
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait(30)
+    alive = subprocess.Popen(["sleep", "60"])
+    try:
+        names = (
+            "v4",
+            "v5",
+            f".v5.tmp-{ended.pid}-0a1b2c3d-0123",  # its process crashed mid-write
+            f".v5.tmp-{os.getpid()}-0a1b2c3d-4567",  # an earlier process that had this pid (a restarted container)
+            f".v5.tmp-{alive.pid}-0a1b2c3d-cdef",  # a live process's writer
+            ".v5.tmp-89abcdef0123",  # staged before writers were named: its writer is unknown
+            ".v5.replaced-4567",  # set aside, its replacement v5 in place
+            ".v6.replaced-89ab",  # set aside, its replacement never put in place: the only v6
+            f".v4.tmp-{ended.pid}-0a1b2c3d-0123",
+            "run.json",
+        )
+        for name in names:
+            (tmp_path / name).mkdir()
+        prune_versions(tmp_path, keep_from=5)
+    finally:
+        alive.kill()
+        alive.wait(30)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [
+            "v5",
+            f".v5.tmp-{alive.pid}-0a1b2c3d-cdef",
+            ".v5.tmp-89abcdef0123",
+            ".v6.replaced-89ab",
+            "run.json",
+        ]
+    )
+
+
+def test_pruning_while_a_late_copy_writes_the_newest_version_leaves_it_to_finish(
+    small_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk copy of version 1 given up at its bound may still be writing it when the run prunes after a step."""
+    model = load_policy(small_model_dir)
+    paused, resume = threading.Event(), threading.Event()
+    real_files = weights.tokenizer_files
+
+    def tokenizer_files(source: Path) -> list[Path]:
+        if threading.current_thread().name == "late-copy":
+            paused.set()
+            assert resume.wait(30)
+        return real_files(source)
+
+    monkeypatch.setattr(weights, "tokenizer_files", tokenizer_files)
+    late = threading.Thread(target=save_version, args=(model, tmp_path, 1, small_model_dir), name="late-copy")
+    late.start()
+    assert paused.wait(30)
+    prune_versions(tmp_path, keep_from=1)
+    resume.set()
+    late.join(30)
+    assert not late.is_alive()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v1"]
+    assert load_policy(tmp_path / "v1").config.vocab_size == model.config.vocab_size
