@@ -113,7 +113,8 @@ class RewardMetrics:
         self.pool_busy_workers.set_function(lambda: pool.busy)
         self.pool_queued_jobs.set_function(lambda: pool.waiting)
         budget = pool.memory_budget
-        self.code_memory_budget_bytes.set(budget.share_mb * budget.workers * MIB if budget is not None else 0)
+        # The budget itself, not its workers' shares summed: a share rounded down to 0 would read as no budget.
+        self.code_memory_budget_bytes.set(max(0, budget.total_mb) * MIB if budget is not None else 0)
         self.code_memory_held_bytes.set_function(lambda: pool.sandbox_memory_held)
         pool.on_wait = self.pool_wait_seconds.observe
 

@@ -235,6 +235,14 @@ def test_the_pool_holds_each_worker_to_its_share_and_exports_the_figures() -> No
     asyncio.run(main())
 
 
+def test_the_budget_gauge_reads_a_budget_too_small_for_any_test_as_what_it_is() -> None:
+    # 3 MiB over 4 workers is a share of 0 MiB (every code spec refused): not the 0 that means no budget.
+    pool = WorkerPool({}, 4, memory_budget=MemoryBudget(3, 4, "test"))
+    metrics = RewardMetrics()
+    metrics.watch_pool(pool)
+    assert gauge(generate_latest(metrics.registry).decode(), "rlfleet_reward_code_memory_budget_bytes") == 3 * MIB
+
+
 def test_a_budget_is_split_among_the_pools_workers() -> None:
     with pytest.raises(ValueError, match="split among 4 workers, the pool has 2"):
         WorkerPool({}, 2, memory_budget=MemoryBudget(600, 4, "test"))
