@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -43,6 +44,7 @@ from rlfleet.processes import (
     command_line,
     free_port,
     free_port_block,
+    group_runs,
     port_is_free,
     process_runs,
 )
@@ -57,6 +59,8 @@ SLOW_STOPS_S = {"trainer": 60.0, "rollout": 60.0}
 every run up to 30 s to end its step and checkpoint (rlfleet_trainer `serve`, TrainerCore.shutdown), then
 torchrun ends its ranks; the orchestrator waits out a trainer call in flight (trainer_call_timeout_s, 30 s)
 plus its servers' grace (5 s each)."""
+KILLED_WITHIN_S = 2.0
+"""How long a service sent SIGKILL after its stop failed may take to end before it counts as still running."""
 
 
 def stop_timeout_s(name: str) -> float:
@@ -265,27 +269,30 @@ class LocalFleet:
     def stop(self) -> None:
         """Stops every service in reverse order, each within its bound (stop_timeout_s), releases the claim of
         the Redis key prefix once every service that uses Redis has stopped (before a Redis of its own stops,
-        whose AOF would keep it), and removes fleet.json if this process wrote it. A service that cannot be
-        stopped (one still there after SIGKILL) is logged and the others are stopped all the same; fleet.json
-        then stays, naming it, for `rlfleet down`."""
-        left: list[str] = []
+        whose AOF would keep it), and removes fleet.json if this process wrote it.
+
+        An error while stopping one service (an interrupted wait, a service still there after SIGKILL) never leaves
+        the others running: it is logged naming the service, the service's process group is killed (SIGKILL), and
+        the next service is stopped all the same. One still there after that keeps fleet.json, naming it, for
+        `rlfleet down`. Once every service has been tried, the first error that is not a stop failing (OSError,
+        SubprocessError: reported by the log and the record alone), such as a KeyboardInterrupt, is raised again,
+        with a note naming the service it interrupted."""
+        failed: dict[str, ServiceProcess] = {}
+        errors: list[BaseException] = []
         for name in reversed(list(self.processes)):
             if name == "redis":
-                self._release_claim()
+                self._release_claim_noting(errors)
             process = self.processes.pop(name)
-            running = process.alive()
             try:
-                code = process.stop(timeout=stop_timeout_s(name))
-            except (OSError, subprocess.SubprocessError) as exc:
-                logger.error("could not stop %s (pid %d): %s", name, process.pid, exc)
-                left.append(name)
-                continue
-            # The code a stopped process exits with says nothing of how it ran (a service may exit non-zero on SIGTERM).
-            if running:
-                logger.info("stopped %s", name)
-            else:
-                logger.warning("%s had already exited (exit code %s)", name, code)
-        self._release_claim()
+                _stop_service(name, process)
+            except BaseException as exc:  # noqa: BLE001 - raised again below, once every service was tried
+                _kill_group(process)
+                logger.error("could not stop %s (pid %d): %s", name, process.pid, exc or type(exc).__name__)
+                exc.add_note(f"while stopping {name} (pid {process.pid})")
+                failed[name] = process
+                errors.append(exc)
+        self._release_claim_noting(errors)
+        left = _still_running(failed)
         if left:
             logger.error(
                 "%s still running: %s keeps them; `rlfleet down --state-dir %s` tries again",
@@ -295,6 +302,19 @@ class LocalFleet:
             )
         else:
             remove_own_record(self.config.state_dir)
+        unreported = [exc for exc in errors if not isinstance(exc, (OSError, subprocess.SubprocessError))]
+        if unreported:
+            raise unreported[0]
+
+    def _release_claim_noting(self, errors: list[BaseException]) -> None:
+        """Releases the claim of the Redis key prefix; what that raises goes in `errors`, for `stop` to raise once
+        every service was tried."""
+        try:
+            self._release_claim()
+        except BaseException as exc:  # noqa: BLE001 - raised again by stop
+            logger.error("could not release the claim of Redis key prefix %s: %s", self.config.redis_prefix, exc)
+            exc.add_note(f"while releasing the claim of Redis key prefix {self.config.redis_prefix}")
+            errors.append(exc)
 
     def _release_claim(self) -> None:
         if self._claim is not None:
@@ -503,6 +523,40 @@ class LocalFleet:
                 "config": json.loads(json.dumps(asdict(self.config), default=str)),
             },
         )
+
+
+def _stop_service(name: str, process: ServiceProcess) -> None:
+    """SIGTERM, then SIGKILL after the service's bound (`ServiceProcess.stop`), saying how it went."""
+    running = process.alive()
+    code = process.stop(timeout=stop_timeout_s(name))
+    # The code a stopped process exits with says nothing of how it ran (a service may exit non-zero on SIGTERM).
+    if running:
+        logger.info("stopped %s", name)
+    else:
+        logger.warning("%s had already exited (exit code %s)", name, code)
+
+
+def _kill_group(process: ServiceProcess) -> None:
+    """SIGKILL to what is left of `process`'s group (the service and its helpers), after its stop failed part
+    way: an interrupted wait left it running. Never raises, so the services after it are stopped all the same."""
+    try:
+        if group_runs(process.pid):
+            os.killpg(process.pid, signal.SIGKILL)
+    except (OSError, ValueError):  # gone meanwhile, or not ours to signal: nothing more to do from here
+        pass
+
+
+def _still_running(processes: dict[str, ServiceProcess]) -> list[str]:
+    """Which of `processes`, each sent SIGKILL after its stop failed, still run once the kernel has had
+    KILLED_WITHIN_S to end them: a process stuck in the kernel (uninterruptible I/O) outlasts even SIGKILL."""
+    deadline = time.monotonic() + KILLED_WITHIN_S
+
+    def runs(process: ServiceProcess) -> bool:
+        return process.alive() or group_runs(process.pid)
+
+    while any(runs(process) for process in processes.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [name for name, process in processes.items() if runs(process)]
 
 
 def _write_record(state_dir: Path, state: dict[str, Any]) -> None:

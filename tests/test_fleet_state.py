@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -221,6 +222,7 @@ def test_a_service_that_cannot_be_stopped_leaves_the_others_stopped_and_the_reco
         raise subprocess.TimeoutExpired(stuck.argv, 10)
 
     monkeypatch.setattr(stuck, "stop", cannot_stop)
+    monkeypatch.setattr(local_fleet, "_kill_group", lambda process: None)  # SIGKILL does not end it either
     try:
         with caplog.at_level("INFO", logger="rlfleet.local_fleet"):
             fleet.stop()
@@ -233,6 +235,54 @@ def test_a_service_that_cannot_be_stopped_leaves_the_others_stopped_and_the_reco
     finally:
         monkeypatch.undo()
         stuck.stop(timeout=5)
+
+
+def test_an_interrupt_while_stopping_one_service_stops_every_service_then_is_raised_naming_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A KeyboardInterrupt (Ctrl-C) while stop() waited on one service escaped it: that service, which had ignored
+    SIGTERM, and every service after it in the stop order ran on, and `rlfleet down` had no record to find them by."""
+    fleet = fleet_in(tmp_path)
+    ready = tmp_path / "ready"
+    ignores_sigterm = (
+        "import pathlib, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"pathlib.Path({str(ready)!r}).write_text('1'); time.sleep(60)"
+    )
+    sleeps = [sys.executable, "-c", "import time; time.sleep(60)"]
+    for name in ("reward", "rollout"):
+        fleet.processes[name] = ServiceProcess(name, sleeps, tmp_path / f"{name}.log")
+    stubborn = fleet.processes["router"] = ServiceProcess(
+        "router", [sys.executable, "-c", ignores_sigterm], tmp_path / "router.log"
+    )  # stopped first, with 20 s to go
+    procs = dict(fleet.processes)
+    fleet._write_state()
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert time.monotonic() < deadline and stubborn.alive(), stubborn.log_tail()
+        time.sleep(0.05)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a plain `python` process
+    try:
+        started = time.monotonic()
+        signal_me_in(1.0, signal.SIGINT)
+        with caplog.at_level("INFO", logger="rlfleet.local_fleet"), pytest.raises(KeyboardInterrupt) as raised:
+            fleet.stop()
+        assert time.monotonic() - started < 15  # the interrupted wait was not waited out
+        for name, proc in procs.items():
+            proc.proc.wait(timeout=10)  # TimeoutExpired: the service runs on
+            assert not process_runs(proc.pid), name
+        assert f"while stopping router (pid {stubborn.pid})" in raised.value.__notes__
+        messages = [r.getMessage() for r in caplog.records]
+        assert "stopped rollout" in messages and "stopped reward" in messages, messages
+        assert not any("still running" in m for m in messages), messages
+        assert not (tmp_path / "state" / "fleet.json").exists()  # nothing is left for `rlfleet down`
+    finally:
+        signal.signal(signal.SIGINT, before)
+        for proc in procs.values():
+            proc.stop(timeout=5)
+
+
+def signal_me_in(seconds: float, signum: int) -> None:
+    threading.Timer(seconds, os.kill, (os.getpid(), signum)).start()
 
 
 def test_up_refuses_a_state_dir_whose_up_was_killed_but_whose_services_run(
