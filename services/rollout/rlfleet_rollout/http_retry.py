@@ -23,6 +23,16 @@ _FIRST_BACKOFF_S = 0.2
 _MAX_BACKOFF_S = 5.0
 
 
+class Refused(InvalidInput):
+    """A 4xx answer other than 429. InvalidInput to the caller of a peer that judges what it is sent; a caller that
+    knows the peer answers a bad request otherwise (the reward hub's /validate: problems in a 200) reads `status`
+    as the peer's own fault (a path it lacks, an auth proxy in front of it)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 async def request_json(
     client: httpx.AsyncClient,
     method: str,
@@ -32,7 +42,7 @@ async def request_json(
     body: Any = None,
     headers: dict[str, str] | None = None,
 ) -> Any:
-    """The decoded JSON answer of `method url`; raises InvalidInput (4xx), Unavailable or DeadlineExceeded."""
+    """The decoded JSON answer of `method url`; raises Refused (4xx), Unavailable or DeadlineExceeded."""
     deadline = time.monotonic() + deadline_s
     backoff = _FIRST_BACKOFF_S
     last = "no attempt"
@@ -53,7 +63,10 @@ async def request_json(
                 except ValueError as exc:
                     raise Unavailable(f"{method} {url} answered with invalid JSON: {exc}") from exc
             if response.status_code < 500 and response.status_code != 429:
-                raise InvalidInput(f"{url} rejected the request (HTTP {response.status_code}): {response.text[:500]}")
+                raise Refused(
+                    f"{url} rejected the request (HTTP {response.status_code}): {response.text[:500]}",
+                    response.status_code,
+                )
             last = f"HTTP {response.status_code}: {response.text[:200]}"
             backoff = max(backoff, _retry_after_s(response))
         logger.warning("%s %s failed (%s); retrying in %.1fs", method, url, last, backoff)

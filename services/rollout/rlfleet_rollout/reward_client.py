@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 from google.protobuf import json_format
 
-from rlfleet.errors import Unavailable
+from rlfleet.errors import Conflict, Unavailable
 from rlfleet.v1.reward_pb2 import (
     RewardSpec,
     ScoreItem,
@@ -19,7 +19,7 @@ from rlfleet.v1.reward_pb2 import (
     ValidateSpecRequest,
     ValidateSpecResponse,
 )
-from rlfleet_rollout.http_retry import request_json
+from rlfleet_rollout.http_retry import Refused, request_json
 
 # A /score request's bounds, well within the hub's defaults (64 MiB bodies, 4096 items): a group repeats its answer
 # and metadata in each of its items, and a large one (a code task's tests) passed the hub's limit, whose 413 failed
@@ -38,14 +38,27 @@ class RewardClient:
         self.validate_timeout_s = validate_timeout_s
 
     async def spec_problems(self, spec: RewardSpec) -> list[SpecProblem]:
-        """What the hub would refuse `spec` for (unknown functions, bad params, time limit), by field; [] when good."""
-        body = await request_json(
-            self.client,
-            "POST",
-            f"{self.base_url}/validate",
-            deadline_s=self.validate_timeout_s,
-            body=json_format.MessageToDict(ValidateSpecRequest(spec=spec), preserving_proto_field_name=True),
-        )
+        """What the hub would refuse `spec` for (unknown functions, bad params, time limit), by field; [] when good.
+
+        The hub answers a spec it refuses with its problems in a 200, so a 4xx is no judgement of the spec: the URL
+        reaches no hub with /validate (an older hub, another service) or a proxy refuses this orchestrator. That is a
+        Conflict (FAILED_PRECONDITION) naming the URL and the status; as InvalidInput it read as a fault of the spec,
+        which no edit of the spec could mend."""
+        url = f"{self.base_url}/validate"
+        try:
+            body = await request_json(
+                self.client,
+                "POST",
+                url,
+                deadline_s=self.validate_timeout_s,
+                body=json_format.MessageToDict(ValidateSpecRequest(spec=spec), preserving_proto_field_name=True),
+            )
+        except Refused as exc:
+            raise Conflict(
+                f"the reward hub at {self.base_url} answered POST /validate with HTTP {exc.status}, not with the "
+                f"spec's problems ({exc}): check the orchestrator's --reward-url, that the hub there is one with "
+                "POST /validate, and any proxy in front of it; nothing was stored"
+            ) from exc
         try:
             answer = json_format.ParseDict(body, ValidateSpecResponse(), ignore_unknown_fields=True)
         except json_format.ParseError as exc:

@@ -303,8 +303,9 @@ class RunsCore:
         """The reward hub checks the spec's reward (functions, params, time limit) as its /score will, and the
         time limit must leave room inside this orchestrator's own bound on a /score call.
 
-        A hub that cannot be asked refuses the submit (Unavailable): accepting the run unchecked would break
-        the promise that a stored spec was validated in full, and leave a bad term to fail the run later.
+        A hub that cannot be asked refuses the submit (Unavailable; Conflict when it answers with an error of its
+        own, a misconfigured hub): accepting the run unchecked would break the promise that a stored spec was
+        validated in full, and leave a bad term to fail the run later.
         """
         try:
             problems = await self.reward.spec_problems(spec.reward)
