@@ -4,6 +4,15 @@ An unreachable trainer is waited out within the step bound; a trainer that no lo
 (it restarted) is sent StartRun again, which resumes the run from its last checkpoint. A trainer that
 refuses the run because it still holds one that is over is freed of it first (trainer_release.py).
 
+A trainer that reports the run STOPPED short of the version awaited trains it no more, and waiting for
+the step bound (an hour) would only fail the run then. The run is still this driver's and RUNNING (its
+status was just written to the run's fenced record), so the stop is not one the orchestrator owed it: a
+trainer shutting down for a restart stops its runs with a checkpoint (its StartRun is then UNAVAILABLE,
+waited out as an unreachable trainer is), or a StopRun of an earlier driver, or of an operator, landed
+late. It is sent StartRun at once, which resumes the run from its last checkpoint, as after a restart.
+Stopped again before it trained a step past that, something keeps stopping it, and the wait ends with a
+Conflict naming the versions.
+
 A StartRun in flight is never abandoned: the trainer goes on starting the run after its caller
 stops waiting, so a run cancelled meanwhile would leave the trainer busy with it, refusing every
 later run. Cancellation waits for StartRun's answer (bounded by its own deadline) before it goes
@@ -115,6 +124,7 @@ class TrainerSession:
         `can_go_on` is awaited on every poll and raises when the run can no longer reach `target`."""
         deadline = time.monotonic() + self.step_timeout_s
         last = "no answer yet"
+        resumed_at: int | None = None  # the weight version this wait resumed a stopped run at
         while True:
             try:
                 status = await self.client.status(self.run_id)
@@ -131,6 +141,8 @@ class TrainerSession:
                 if status.weight_version >= target:
                     return status
                 last = f"at weight version {status.weight_version}, step {status.step}"
+                if status.state == TrainerState.TRAINER_STATE_STOPPED:
+                    resumed_at = await self._resume(status, target, resumed_at)
             await can_go_on()
             if time.monotonic() + self.poll_interval_s > deadline:
                 raise DeadlineExceeded(
@@ -138,6 +150,29 @@ class TrainerSession:
                     f"(step timeout; last: {last})"
                 )
             await asyncio.sleep(self.poll_interval_s)
+
+    async def _resume(self, stopped: TrainerStatus, target: int, resumed_at: int | None) -> int:
+        """StartRun of the run the trainer reports `stopped` short of `target`; the weight version it resumed at.
+        Conflict when this wait resumed it before and it has trained no step past that version since."""
+        version = stopped.weight_version
+        if resumed_at is not None and version <= resumed_at:
+            raise Conflict(
+                f"the trainer stopped run {self.run_id} again at weight version {version} (step {stopped.step}) "
+                f"after it was resumed at version {resumed_at}, while the run waited for version {target}: something "
+                "other than this orchestrator stops it (a StopRun of an operator, or of another orchestrator sharing "
+                "this trainer); cancel a run through the Runs API"
+            )
+        logger.warning(
+            "the trainer stopped run %s at weight version %d (step %d) before version %d: a stop this run did not ask "
+            "for (the trainer shutting down, a late StopRun); resuming it",
+            self.run_id,
+            version,
+            stopped.step,
+            target,
+            extra={"run_id": self.run_id},
+        )
+        resumed = await self.start()
+        return resumed.weight_version if resumed.state == TrainerState.TRAINER_STATE_TRAINING else version
 
     async def stop(self) -> None:
         """StopRun until the trainer has let go of the run, bounded; one that does not get through is made up
