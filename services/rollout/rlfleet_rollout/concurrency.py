@@ -18,38 +18,61 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+logger = logging.getLogger(__name__)
+
 # How long a cancelled task may run on before it is cancelled again.
 RECANCEL_EVERY_S = 0.5
+# Bound on the end of a batch's other tasks once one has failed: each one's clean-up (a trajectory deleted at the
+# router, FORGET_TIMEOUT_S) fits in it, and a task that ignores its cancellation holds the step no longer.
+GATHER_STOP_WITHIN_S = 10.0
 
 
-async def gather_cancelling(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
-    """Results in order; on the first exception (or cancellation) the unfinished ones are cancelled."""
+async def gather_cancelling(
+    coros: list[Coroutine[Any, Any, T]], stop_within_s: float = GATHER_STOP_WITHIN_S
+) -> list[T]:
+    """Results in order; on the first exception (or cancellation) the unfinished ones are cancelled and waited for,
+    for at most `stop_within_s`, before it is raised: their clean-up is done before the caller moves on, not during
+    its next step or never (a task nobody awaits any more is dropped at the loop's end)."""
     tasks = [asyncio.create_task(c) for c in coros]
     try:
         return list(await asyncio.gather(*tasks))
     finally:
-        for task in tasks:
-            task.cancel()
+        running = await cancel_all_and_wait(tasks, stop_within_s)
+        if running:
+            logger.error(
+                "%d of %d tasks did not end within %gs of their cancellation; left running: %s",
+                len(running),
+                len(tasks),
+                stop_within_s,
+                ", ".join(sorted(task.get_name() for task in running)),
+            )
 
 
 async def cancel_and_wait(task: asyncio.Task[Any], within_s: float | None = None) -> bool:
     """Cancels `task`, again every RECANCEL_EVERY_S while it runs on, until it has ended (True) or `within_s`
     has passed (False). A cancellation of the caller meanwhile is held until then and raised after, so a
     task is never left running by a caller that was itself cancelled while it waited."""
+    return not await cancel_all_and_wait([task], within_s)
+
+
+async def cancel_all_and_wait(tasks: list[asyncio.Task[Any]], within_s: float | None = None) -> set[asyncio.Task[Any]]:
+    """`cancel_and_wait` of several tasks at once, within one bound; the tasks still running then."""
     deadline = None if within_s is None else time.monotonic() + within_s
     interrupted = False
-    while not task.done():
+    running = {task for task in tasks if not task.done()}
+    while running:
         wait = RECANCEL_EVERY_S if deadline is None else min(RECANCEL_EVERY_S, deadline - time.monotonic())
         if wait <= 0:
             break
-        task.cancel()
+        for task in running:
+            task.cancel()
         try:
-            await asyncio.wait({task}, timeout=wait)
+            _, running = await asyncio.wait(running, timeout=wait)
         except asyncio.CancelledError:
             interrupted = True
     if interrupted:
         raise asyncio.CancelledError
-    return task.done()
+    return running
 
 
 async def finish(coro: Coroutine[Any, Any, T], within_s: float) -> T:

@@ -30,7 +30,7 @@ from typing import Any
 from rlfleet.errors import Internal, RlfleetError
 from rlfleet.v1.reward_pb2 import ScoreItem
 from rlfleet.v1.samples_pb2 import FinishReason, SampleGroup
-from rlfleet_rollout.concurrency import gather_cancelling
+from rlfleet_rollout.concurrency import finish, gather_cancelling
 from rlfleet_rollout.datasets import Prompt
 from rlfleet_rollout.environment import Environment, ReplyTimeout
 from rlfleet_rollout.group_producer import (
@@ -42,7 +42,7 @@ from rlfleet_rollout.group_producer import (
     sample_seed,
 )
 from rlfleet_rollout.partial_rollout import generate_turn_resuming
-from rlfleet_rollout.router_client import Completion, sampling_body
+from rlfleet_rollout.router_client import FORGET_TIMEOUT_S, Completion, sampling_body
 
 logger = logging.getLogger(__name__)
 
@@ -130,13 +130,15 @@ async def run_episode(
 ) -> Episode:
     """One episode of `prompt` under `trajectory_id`, with SGLang `sampling` params (seeded per turn unless
     `seed` is None, e.g. greedy evaluation). However it ends, the router's copy of its trajectory is deleted
-    then, so an episode that failed does not crowd the ones under way out of the router's cache either."""
-    episode = await _play_episode(ctx, env, prompt, prompt_ids, sampling, seed, trajectory_id)
+    then, so an episode that failed does not crowd the ones under way out of the router's cache either; one
+    cancelled (its group's wave failed) too, within FORGET_TIMEOUT_S, through repeated cancellations."""
     try:
-        await ctx.router.forget_trajectory(trajectory_id)
-    except RlfleetError as exc:  # the router evicts it in time; the sample has what it needs
-        logger.warning("could not delete trajectory %s at the router: %s", trajectory_id, exc)
-    return episode
+        return await _play_episode(ctx, env, prompt, prompt_ids, sampling, seed, trajectory_id)
+    finally:
+        try:
+            await finish(ctx.router.forget_trajectory(trajectory_id), within_s=FORGET_TIMEOUT_S)
+        except (RlfleetError, TimeoutError) as exc:  # the router evicts it in time; the sample has what it needs
+            logger.warning("could not delete trajectory %s at the router: %s", trajectory_id, exc)
 
 
 async def _play_episode(

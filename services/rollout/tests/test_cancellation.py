@@ -1,6 +1,7 @@
 """Cancelling a task so that it really ends, even when a library drops one cancellation (Python 3.11's
 asyncio.wait_for, under redis-py's asyncio client), and a clean-up that a shutdown's repeated cancellations do
-not cut short (releasing a run's lease). That a shutdown mid-step leaves the run RUNNING is test_data_runs.py's
+not cut short (releasing a run's lease), and a batch of tasks whose first failure ends the others before it is
+raised. That a shutdown mid-step leaves the run RUNNING is test_data_runs.py's
 restart test."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 from rollout_test_support import REDIS_URL
 
 from rlfleet.sample_stream import connect_redis_async
-from rlfleet_rollout.concurrency import RECANCEL_EVERY_S, cancel_and_wait, finish
+from rlfleet_rollout.concurrency import RECANCEL_EVERY_S, cancel_and_wait, finish, gather_cancelling
 
 
 async def shrugs_off_one_cancel(ended: list[str]) -> None:
@@ -101,6 +102,55 @@ def test_a_clean_up_runs_to_its_end_through_repeated_cancellations_and_within_it
     done, cancelled_after, result = asyncio.run(main())
     assert done == ["released"], "the clean-up was cut short"
     assert cancelled_after and result == "released"
+
+
+async def fails_soon() -> None:
+    await asyncio.sleep(0.05)
+    raise RuntimeError("generation failed")
+
+
+def test_a_failure_in_a_batch_is_raised_once_the_others_have_cleaned_up() -> None:
+    """The others were cancelled but not awaited: the failure reached the caller while their clean-up (a multi-turn
+    episode's trajectory deleted at the router) had yet to run, to run during the next step, or never."""
+
+    async def releases_when_cancelled(released: list[str]) -> None:
+        try:
+            await asyncio.sleep(30)
+        finally:
+            await asyncio.sleep(0.1)  # a DELETE at the router
+            released.append("released")
+
+    async def main() -> list[str]:
+        released: list[str] = []
+        with pytest.raises(RuntimeError, match="generation failed"):
+            await gather_cancelling(
+                [fails_soon(), releases_when_cancelled(released), releases_when_cancelled(released)]
+            )
+        return released
+
+    assert asyncio.run(main()) == ["released", "released"]
+
+
+def test_a_task_of_a_batch_that_ignores_its_cancellation_holds_the_failure_up_no_longer_than_the_bound() -> None:
+    stubborn = [True]
+
+    async def ignores_cancellation() -> None:
+        while stubborn[0]:
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                pass
+
+    async def main() -> float:
+        started = time.monotonic()
+        try:
+            with pytest.raises(RuntimeError, match="generation failed"):
+                await gather_cancelling([fails_soon(), ignores_cancellation()], stop_within_s=1.0)
+            return time.monotonic() - started
+        finally:
+            stubborn[0] = False  # lets it end with the loop
+
+    assert 1.0 < asyncio.run(main()) < 2.5
 
 
 def test_a_task_cancelled_during_redis_commands_ends(redis_prefix: str) -> None:

@@ -24,6 +24,7 @@ from rlfleet.v1.reward_pb2 import RewardSpec, ScoreItem, ScoreResult, ScoreStatu
 from rlfleet.v1.runs_pb2 import RunSpec
 from rlfleet.v1.samples_pb2 import FinishReason, Sample, SampleGroup, SampleStatus
 from rlfleet_rollout.calculator import calculator, evaluate
+from rlfleet_rollout.concurrency import gather_cancelling
 from rlfleet_rollout.datasets import Prompt
 from rlfleet_rollout.environment import ReplyPool
 from rlfleet_rollout.evaluation import evaluate as evaluate_run
@@ -432,6 +433,40 @@ def test_a_failed_episode_deletes_its_trajectory_at_the_router_too(tokenizer_dir
     group = asyncio.run(multi_turn(ctx, _request()))
     assert any(s.status == SampleStatus.SAMPLE_STATUS_FAILED for s in group.samples)
     assert sorted(router.forgotten) == sorted(s.metadata["trajectory_id"] for s in group.samples)
+
+
+class HangsOnSecondTurns(FakeRouter):
+    """Every episode's second turn hangs (an engine stuck in a long decode); a DELETE takes a moment."""
+
+    async def generate_turn(self, prompt: list[int], sampling: dict[str, Any], rid: str, tid: str) -> Completion:
+        if self.turns.get(tid):
+            await asyncio.sleep(30)
+        return await super().generate_turn(prompt, sampling, rid, tid)
+
+    async def forget_trajectory(self, tid: str) -> None:
+        await asyncio.sleep(0.05)
+        await super().forget_trajectory(tid)
+
+
+def test_episodes_cut_short_by_a_failure_in_their_wave_delete_their_trajectories_before_it_is_raised(
+    tokenizer_dir: Path, replies: ReplyPool
+) -> None:
+    """A group of a step's wave failing cancelled the others' episodes, which were neither awaited nor deleted their
+    trajectories when cancelled: each stayed in the router's cache, crowding out the episodes of the steps after."""
+    router = HangsOnSecondTurns()
+    ctx = _context(tokenizer_dir, replies, router, max_turns=3)
+
+    async def fails_when_the_episodes_are_under_way() -> None:
+        while len(router.turns) < 2:
+            await asyncio.sleep(0.01)
+        raise Unavailable("reward hub: scoring failed")
+
+    async def wave() -> list[str]:
+        with pytest.raises(Unavailable, match="scoring failed"):
+            await gather_cancelling([multi_turn(ctx, _request()), fails_when_the_episodes_are_under_way()])
+        return sorted(router.forgotten)
+
+    assert asyncio.run(wave()) == sorted(router.turns)
 
 
 class WaitsForTheLoop:
