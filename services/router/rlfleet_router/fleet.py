@@ -31,6 +31,7 @@ from rlfleet_router.fanout import Fanout
 from rlfleet_router.fleet_pause import FleetPause
 from rlfleet_router.health import HealthChecker
 from rlfleet_router.held_requests import RequestAborted
+from rlfleet_router.http_deadline import DeadlineTransport
 from rlfleet_router.kubernetes_api import KubernetesAPI
 from rlfleet_router.kubernetes_discovery import KubernetesDiscovery
 from rlfleet_router.metrics import RouterMetrics
@@ -53,9 +54,13 @@ class Fleet:
         self.config = config
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(config.request_timeout_secs, connect=config.connect_timeout_secs),
-            # Streams stay open for a whole generation: a pool cap would queue requests behind them.
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            # Engines sit on the cluster network; a proxy from the environment must not intercept them.
+            # Streams stay open for a whole generation: a pool cap would queue requests behind them. Engines sit on
+            # the cluster network; a proxy from the environment must not intercept them.
+            transport=DeadlineTransport(
+                httpx.AsyncHTTPTransport(
+                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=256), trust_env=False
+                )
+            ),
             trust_env=False,
         )
         self.workers = WorkerRegistry(config.health_failure_threshold, config.health_success_threshold)

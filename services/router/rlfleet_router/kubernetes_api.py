@@ -1,5 +1,5 @@
 """The few Kubernetes API calls the router makes (list and delete core/v1 pods, list discovery.k8s.io/v1
-EndpointSlices), over httpx, each bounded by `kubernetes_timeout_secs`.
+EndpointSlices), over httpx, each bounded by `kubernetes_timeout_secs` per step and whole (`http_deadline`).
 
 In a pod, the API server, token and CA come from the service account mount and the
 `KUBERNETES_SERVICE_HOST/PORT` variables, as every in-cluster client finds them; `kubernetes_api_url`
@@ -19,6 +19,7 @@ import httpx
 
 from rlfleet.errors import Unavailable
 from rlfleet_router.config import RouterConfig
+from rlfleet_router.http_deadline import DeadlineTransport
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
@@ -29,10 +30,11 @@ class KubernetesAPI:
     ) -> None:
         self.namespace = namespace
         self._token_path = token_path
+        verify = str(ca_path) if ca_path is not None and ca_path.exists() else True
         self._client = httpx.AsyncClient(
             base_url=base_url,
             timeout=timeout_secs,
-            verify=str(ca_path) if ca_path is not None and ca_path.exists() else True,
+            transport=DeadlineTransport(httpx.AsyncHTTPTransport(verify=verify, trust_env=False)),
             trust_env=False,
         )
 

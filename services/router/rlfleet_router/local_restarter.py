@@ -98,7 +98,9 @@ class LocalRestarter:
     async def _wait_port_free(self, host: str, port: int, url: str) -> None:
         # An adopted engine that hangs instead of dying still holds its port, and only its owner can stop it.
         deadline = time.monotonic() + self._timeout
-        while listening(host, port):
+        # In a thread: a connect to a port whose process stopped accepting blocks until its timeout, and the event
+        # loop (every request the router relays) must not stop with it.
+        while await asyncio.to_thread(listening, host, port):
             if time.monotonic() > deadline:
                 raise Unavailable(
                     f"cannot restart {url}: port {port} is still in use by a process the router did not start; "
@@ -114,10 +116,14 @@ class LocalRestarter:
 
 
 def listening(host: str, port: int) -> bool:
-    """Whether a process accepts connections on host:port (a port in TIME_WAIT is free to a server)."""
+    """Whether a process listens on host:port (a port in TIME_WAIT is free to a server). A connect that times out
+    counts as one: a free port refuses at once, while a hung engine whose accept queue is full leaves the connect
+    unanswered and still holds the port, where a process started now could not listen."""
     try:
         with socket.create_connection((host, port), timeout=1.0):
             return True
+    except TimeoutError:
+        return True
     except OSError:
         return False
 

@@ -64,6 +64,7 @@ class FakeEngine:
     model_path: str = "/models/initial"
     weights_partial: bool = False  # holds part of a weight version (rlfleet-engine's report); a disk load ends it
     healthy: bool = True
+    health_trickle: float = 0.0  # seconds between the bytes of a /health answer that never ends (30 s at most)
     hang: bool = False  # /generate (plain or streamed) waits for an /abort_request of its rid (30 s at most)
     dies_mid_answer: bool = False  # a plain /generate answer stops after a fifth of its announced length
     generate_status: int = 200
@@ -150,6 +151,9 @@ class FakeEngine:
         @app.get("/health")
         @app.get("/health_generate")
         async def health() -> Response:
+            if self.health_trickle:  # each byte well within a read timeout, the whole answer past any
+                trickle = self.health_trickle
+                return StreamingResponse(_spaced(iter([b" "] * int(30 / trickle)), trickle), media_type="text/plain")
             return Response(status_code=200 if self.healthy else 503)
 
         @app.get("/model_info")

@@ -56,3 +56,17 @@ def test_engine_that_never_answers_stays_pending(start_router: Callable[..., Run
     router.wait_for(lambda: router.workers()[0]["last_error"] is not None, what="a failed probe")
     worker = router.workers()[0]
     assert worker["state"] == "pending" and "ConnectError" in str(worker["last_error"])
+
+
+def test_an_engine_whose_probe_answer_never_ends_leaves_routing(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """httpx bounds each read, not the whole answer: a probe answered a byte at a time, each within the probe's
+    timeout, was waited for without end, and its engine (one probe at a time) was never judged again."""
+    engine = start_engine("trickling")
+    router = start_router([engine.url], health_check_timeout_secs=0.5, health_failure_threshold=2)
+    router.wait_healthy(1)
+
+    engine.health_trickle = 0.1
+    router.wait_for(lambda: not router.workers()[0]["healthy"], what="the engine taken out")
+    assert "ReadTimeout" in str(router.workers()[0]["last_error"])

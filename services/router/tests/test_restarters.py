@@ -12,7 +12,10 @@ import asyncio
 import hashlib
 import json
 import re
+import socket
 import sys
+import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,7 @@ from urllib.parse import urlsplit
 
 import pytest
 from fastapi import FastAPI, Query, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from kubernetes_fakes import FakeKubernetes
 from router_fakes import ThreadedServer
 
@@ -422,6 +425,82 @@ def test_the_local_restarter_stops_what_it_started_for_an_engine_that_left_the_f
 
     restarted = asyncio.run(scenario())
     assert not process_runs(restarted)
+
+
+def test_the_local_restarter_waits_for_a_hung_engines_port_without_stopping_the_event_loop(tmp_path: Path) -> None:
+    """An adopted engine that hangs still holds its port; once its accept queue is full, a connect there is left
+    unanswered until its timeout. Before, that connect ran on the event loop (the router relayed nothing for a
+    second) and its timeout read as a free port: an engine was started on a port it could not listen on."""
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(0)  # one connection fills its queue; it never accepts
+    port = hung.getsockname()[1]
+    queued = socket.create_connection(("127.0.0.1", port), timeout=1.0)
+    command = f"{sys.executable} -c 'import time; time.sleep(60)' {{host}} {{port}}"
+    restarter = LocalRestarter(command, 0, "127.0.0.1", tmp_path, timeout_secs=1.5, stop_timeout_secs=2)
+
+    async def scenario() -> tuple[BaseException | str, float]:
+        longest = 0.0
+
+        async def tick() -> None:
+            nonlocal longest
+            last = time.monotonic()
+            while True:
+                await asyncio.sleep(0.02)
+                longest = max(longest, time.monotonic() - last)
+                last = time.monotonic()
+
+        ticker = asyncio.create_task(tick())
+        try:
+            outcome: BaseException | str = await restarter.restart(f"http://127.0.0.1:{port}")
+        except Unavailable as exc:
+            outcome = exc
+        finally:
+            await asyncio.sleep(0.05)  # the ticker measures a stall once it runs again
+            ticker.cancel()
+            await restarter.close()
+        return outcome, longest
+
+    try:
+        outcome, longest = asyncio.run(scenario())
+    finally:
+        queued.close()
+        hung.close()
+    assert isinstance(outcome, Unavailable) and f"port {port} is still in use" in str(outcome), outcome
+    assert longest < 0.5, f"the event loop stood still for {longest:.2f}s"
+
+
+def test_a_kubernetes_api_call_is_bounded_whole_not_per_read() -> None:
+    """httpx bounds each read: an answer trickling in a byte at a time, each within the bound, held a restart or a
+    discovery round for as long as it trickled."""
+    app = FastAPI()
+
+    @app.get("/api/v1/namespaces/engines/pods")
+    async def pods() -> StreamingResponse:
+        async def trickle() -> AsyncIterator[bytes]:
+            for _ in range(100):  # 10 s in all
+                yield b" "
+                await asyncio.sleep(0.1)
+
+        return StreamingResponse(trickle(), media_type="application/json")
+
+    server = ThreadedServer(app).start()
+
+    async def call() -> float:
+        api = KubernetesAPI(server.url, "engines", None, None, timeout_secs=0.5)
+        started = time.monotonic()
+        try:
+            with pytest.raises(Unavailable, match="ReadTimeout"):
+                await api.list_pods(SELECTOR)
+            return time.monotonic() - started
+        finally:
+            await api.close()
+
+    try:
+        took = asyncio.run(call())
+    finally:
+        server.stop()
+    assert took < 3.0, f"the call took {took:.1f}s"
 
 
 def test_kubernetes_restarter_keeps_a_statefulset_engine_at_its_dns_name() -> None:
