@@ -99,8 +99,19 @@ class KubernetesAPI:
         if response.status_code in allowed:
             return None
         if response.status_code >= 300:
-            raise Unavailable(f"Kubernetes API {method} {path}: HTTP {response.status_code}: {response.text[:300]}")
-        return response.json()
+            raise Unavailable(f"Kubernetes API {method} {path}: HTTP {response.status_code}: {excerpt(response)}")
+        try:
+            return response.json()
+        except ValueError as exc:  # a proxy's HTML page, a body cut short: the API server's answer never came
+            raise Unavailable(
+                f"Kubernetes API {method} {response.url}: HTTP {response.status_code} but not JSON ({exc}): "
+                f"{excerpt(response)}"
+            ) from exc
+
+
+def excerpt(response: httpx.Response) -> str:
+    """The start of `response`'s body on one line (an HTML page's lines would split the log line it goes into)."""
+    return " ".join(response.text[:300].split()) or "(empty body)"
 
 
 def url_host(ip: str) -> str:

@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from fastapi import FastAPI
+from fastapi.responses import HTMLResponse
 from kubernetes_fakes import FakeKubernetes
 from router_fakes import ThreadedServer
 
@@ -304,3 +306,40 @@ def test_a_discovery_round_is_bounded_by_the_api_timeout() -> None:
         assert asyncio.run(scenario()) < 2
     finally:
         silent.close()
+
+
+def test_an_api_answer_that_is_not_json_fails_the_round_as_unavailable_in_one_log_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A proxy in front of the API server can answer 200 with its own HTML page. That used to raise a JSONDecodeError
+    out of the API client, logged by the discovery loop with a traceback as if the router itself were broken."""
+    app = FastAPI()
+
+    @app.get("/apis/discovery.k8s.io/v1/namespaces/rl/endpointslices")
+    async def proxy_page() -> HTMLResponse:
+        return HTMLResponse("<html>\n<body>Sign in to the cluster proxy</body>\n</html>")
+
+    server = ThreadedServer(app).start()
+    workers = WorkerRegistry(failure_threshold=1, success_threshold=1)
+
+    async def scenario() -> None:
+        found = discovery(server.url, workers)
+        with pytest.raises(Unavailable) as raised:
+            await found.sync()
+        said = str(raised.value)
+        assert f"{server.url}/apis/discovery.k8s.io/v1/namespaces/rl/endpointslices" in said, said
+        assert "HTTP 200 but not JSON" in said and "<body>Sign in to the cluster proxy</body>" in said, said
+        found.start()
+        async with asyncio.timeout(5):
+            while not caplog.records:
+                await asyncio.sleep(0.02)
+        await found.stop()
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="rlfleet_router.kubernetes_discovery"):
+            asyncio.run(scenario())
+    finally:
+        server.stop()
+    [record] = caplog.records
+    assert not record.exc_info and "\n" not in record.getMessage(), record.getMessage()
+    assert "engine discovery failed; keeping the current fleet" in record.getMessage()
