@@ -7,7 +7,8 @@ of `worker_urls` (started by someone else). To restart an engine it stops the pr
 (SIGTERM, then SIGKILL of the process group), or for an adopted engine waits until its port is
 free, then starts the command again on the same host and port; the new process is then its own.
 A restart cancelled because its engine left the fleet starts nothing after that, and `release` stops the
-process it started, so no engine outlives its worker. On shutdown it stops every process it started.
+process it started, so no engine outlives its worker (the healer does not call it once a worker at the same URL
+joined again: the process is that worker's). On shutdown it stops every process it started.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ class Restarter(Protocol):
 
     async def release(self, url: str) -> None:
         """The engine at `url` left the fleet while it was being restarted (the restart was cancelled): stops what
-        this restarter started for it, if anything."""
+        this restarter started for it, if anything. Not called if a worker at `url` joined again meanwhile."""
         ...
 
     async def close(self) -> None:

@@ -16,8 +16,11 @@ again within the restart timeout of coming back is in a crash loop (it passes a 
 fleet's weights, say): its backoff goes on from where it was, rather than starting over with an immediate
 restart each time.
 
-An engine removed from the fleet meanwhile (`forget`) stops being restarted at once, and what the restarter
-started for it is stopped (`Restarter.release`); nothing more is counted for it.
+An engine removed from the fleet meanwhile (`forget`) stops being restarted at once, and nothing more is counted
+for it. What the restarter started for it is stopped (`Restarter.release`), unless a worker at its URL joined
+since (added back at once, while the cancelled restart was still starting the process): the restarter keeps
+engines by address, so that process is the new worker's engine, which would otherwise sit without one until its
+own failures added up to a restart.
 """
 
 from __future__ import annotations
@@ -102,7 +105,7 @@ class Healer:
             await self._restart_until_back(worker)
         except asyncio.CancelledError:
             if not self._workers.contains(worker):  # removed mid-restart: the engine the restarter started goes too
-                await self._release(worker.url)
+                await self._release(worker)
             raise
         finally:
             worker.restarting = False
@@ -177,7 +180,13 @@ class Healer:
     def _drop(self, worker: Worker) -> None:
         self._workers.remove(worker.id)
 
-    async def _release(self, url: str) -> None:
+    async def _release(self, worker: Worker) -> None:
+        """Stops what the restarter started for `worker`, removed mid-restart, unless a worker at its URL joined
+        since (see the module docstring)."""
+        url = worker.url
+        if any(other.url == url for other in self._workers.all()):
+            logger.info("engine %s was added again while its restart ended: the new worker keeps what it started", url)
+            return
         try:
             await self.restarter.release(url)
         except Exception:

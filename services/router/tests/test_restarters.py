@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import re
 import socket
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -427,6 +430,70 @@ def test_the_local_restarter_stops_what_it_started_for_an_engine_that_left_the_f
     assert not process_runs(restarted)
 
 
+class SlowStarts(LocalRestarter):
+    """A LocalRestarter whose process starts wait for `gate` once it is cleared, as a fork and exec on a busy machine
+    takes its time; `starting` is set when one waits."""
+
+    def __init__(self, command: str, log_dir: Path) -> None:
+        super().__init__(command, 1, "127.0.0.1", log_dir, timeout_secs=10, stop_timeout_secs=2)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.starting = threading.Event()
+
+    def _spawn(self, host: str, port: int) -> None:
+        if not self.gate.is_set():
+            self.starting.set()
+            assert self.gate.wait(10.0), "the test never let the start go on"
+        super()._spawn(host, port)
+
+
+def answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1.0, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_an_engine_added_again_while_its_removed_predecessor_restarts_keeps_the_process_started_there(
+    tmp_path: Path,
+) -> None:
+    """An engine removed while its restart starts the new process (DELETE /workers, discovery dropping it) and added
+    again at once at its URL: the cancelled restart's cleanup stopped the process the new worker was using, left
+    without an engine until its own failures added up to a restart (the restart timeout, for a new engine)."""
+    restarter = SlowStarts(f"{sys.executable} -m http.server --bind {{host}} {{port}}", tmp_path)
+
+    async def scenario() -> tuple[int | None, int | None, bool]:
+        [url] = await restarter.start()
+        port = urlsplit(url).port
+        assert port is not None
+        first = restarter.pid(port)
+        workers = WorkerRegistry(1, 1)
+        removed, _ = workers.add(url)
+        removed.added_at -= 60  # not a new engine still given the restart timeout to come up
+        healer = Healer(restarter, workers, LeastLoad(), RouterMetrics(workers, lambda: None), 10.0, 10.0, 10.0)
+        workers.on_failed = healer.on_failed
+        try:
+            restarter.gate.clear()
+            workers.record_failure(removed, "connection refused")
+            assert await asyncio.to_thread(restarter.starting.wait, 10.0), "the restart never started a process"
+            workers.remove(removed.id)  # as Fleet.remove_worker does
+            healer.forget(removed)
+            workers.add(url)
+            restarter.gate.set()
+            deadline = time.monotonic() + 10.0
+            while not await asyncio.to_thread(answers, url) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)  # the cancelled restart's cleanup has run by now
+            return first, restarter.pid(port), await asyncio.to_thread(answers, url)
+        finally:
+            await healer.stop()
+
+    first, serving, answered = asyncio.run(scenario())
+    assert serving is not None and serving != first, "the process the restart started was stopped"
+    assert answered, "nothing serves the URL of the worker added again"
+    assert not process_runs(serving), "the router's shutdown stops what its restarter started"
+
+
 def test_the_local_restarter_waits_for_a_hung_engines_port_without_stopping_the_event_loop(tmp_path: Path) -> None:
     """An adopted engine that hangs still holds its port; once its accept queue is full, a connect there is left
     unanswered until its timeout. Before, that connect ran on the event loop (the router relayed nothing for a
@@ -501,6 +568,48 @@ def test_a_kubernetes_api_call_is_bounded_whole_not_per_read() -> None:
     finally:
         server.stop()
     assert took < 3.0, f"the call took {took:.1f}s"
+
+
+def test_a_kubernetes_answer_cut_short_fails_a_restart_as_unavailable_logged_in_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A 200 whose JSON body was cut short used to raise a JSONDecodeError out of the API client, which the healer
+    logged with a traceback as an unexpected error; it is the API being unavailable, as any failed call is."""
+    app = FastAPI()
+
+    @app.get("/api/v1/namespaces/engines/pods")
+    async def cut_short() -> Response:
+        return Response(b'{"kind": "PodList", "items": [{"metadata": {"na', media_type="application/json")
+
+    server = ThreadedServer(app).start()
+
+    async def scenario() -> str | None:
+        api = KubernetesAPI(server.url, "engines", None, None, timeout_secs=5)
+        restarter = KubernetesRestarter(api, SELECTOR, timeout_secs=5, poll_secs=0.05)
+        workers = WorkerRegistry(1, 1)
+        worker, _ = workers.add("http://10.0.0.1:30000")
+        worker.added_at -= 10  # not a new engine still given the restart timeout to come up
+        healer = Healer(restarter, workers, LeastLoad(), RouterMetrics(workers, lambda: None), 5.0, 10.0, 10.0)
+        workers.on_failed = healer.on_failed
+        workers.record_failure(worker, "connection refused")
+        async with asyncio.timeout(5):
+            while worker.last_error == "connection refused":
+                await asyncio.sleep(0.02)
+        await healer.stop()
+        return worker.last_error
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="rlfleet_router.self_healing"):
+            last_error = asyncio.run(scenario())
+    finally:
+        server.stop()
+    assert last_error is not None and last_error.startswith("restart failed: Unavailable: Kubernetes API GET "), (
+        last_error
+    )
+    assert f"{server.url}/api/v1/namespaces/engines/pods?labelSelector=" in last_error, last_error
+    assert "HTTP 200 but not JSON" in last_error and '"items": [{"metadata": {"na' in last_error, last_error
+    [failed] = [r for r in caplog.records if r.getMessage().startswith("restart of ")]
+    assert not failed.exc_info, "logged with a traceback"
 
 
 def test_kubernetes_restarter_keeps_a_statefulset_engine_at_its_dns_name() -> None:
