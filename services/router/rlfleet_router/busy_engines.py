@@ -13,6 +13,10 @@ A pause counts for at most `pause_bound_secs`: a trainer that died between /paus
 /continue_generation must neither shield an engine from its probes nor stall its generation for ever. The
 health loop collects the pauses that outlived it (`expire_pauses`), and the router continues generation on
 those engines itself (`Fanout.end_pauses`).
+
+The metric `rlfleet_router_engine_busy` shows the busy engines that are in the fleet at scrape time, as the per-engine
+gauges of `rlfleet_router.metrics` do: a removed engine's series goes with it, not at the next health round (which
+forgets what is known of it), and a load still under way there when it left brings none back.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from rlfleet_router.workers import Worker
+from rlfleet_router.workers import Worker, WorkerRegistry
 
 LIVENESS_ROUTE = "/model_info"
 """Answered by SGLang's HTTP process from memory (no model lock, no scheduler round trip), during loads and pauses.
@@ -37,11 +41,12 @@ PAUSED = "paused"
 
 
 class BusyEngines(Collector):
-    def __init__(self, pause_bound_secs: float, registry: CollectorRegistry) -> None:
+    def __init__(self, pause_bound_secs: float, registry: CollectorRegistry, fleet: WorkerRegistry) -> None:
         self._pause_bound = pause_bound_secs
+        self._fleet = fleet
         self._loads: dict[str, int] = {}  # worker id -> weight requests of the router it is serving now
         self._paused_until: dict[str, float] = {}  # worker id -> time.monotonic() its pause stops counting
-        self._workers: dict[str, Worker] = {}  # the busy ones, for the metric
+        self._workers: dict[str, Worker] = {}  # the busy ones, for the metric and `expire_pauses`
         self._changes: dict[str, int] = {}  # worker id -> times it became busy or stopped being busy
         registry.register(self)
 
@@ -121,6 +126,8 @@ class BusyEngines(Collector):
         )
         now = time.monotonic()
         for worker in list(self._workers.values()):
+            if not self._fleet.contains(worker):
+                continue
             if worker.id in self._loads:
                 busy.add_metric([worker.url, LOADING], 1.0)
             elif self._paused_until.get(worker.id, 0.0) > now:

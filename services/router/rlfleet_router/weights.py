@@ -203,7 +203,7 @@ class FleetWeights:
         # Out of routing because a group broke under them: they may hold part of a version (see `strand`).
         self.stranded: dict[str, Worker] = {}
         # A pause is trusted as long as a weight load may take.
-        self.busy = BusyEngines(timeout_secs, metrics.registry)
+        self.busy = BusyEngines(timeout_secs, metrics.registry, workers)
         self.sync_seconds = Histogram(
             "rlfleet_router_weight_sync_seconds",
             "Time to bring the fleet to a new weight version, by path (disk: one load fan-out; "

@@ -376,7 +376,7 @@ def test_an_engine_with_part_of_a_version_whose_fallback_load_failed_does_not_re
 def test_an_engine_matched_to_the_pause_before_it_changed_is_matched_again() -> None:
     async def scenario() -> None:
         registry = WorkerRegistry(failure_threshold=2, success_threshold=2)
-        busy = BusyEngines(60.0, RouterMetrics(registry, lambda: None).registry)
+        busy = BusyEngines(60.0, RouterMetrics(registry, lambda: None).registry, registry)
         async with httpx.AsyncClient(trust_env=False) as client:
             pauses = FleetPause(client, busy, timeout_secs=1.0)
             worker = Worker(url="http://127.0.0.1:9")  # never sent anything: the router never paused it
@@ -399,7 +399,7 @@ def test_an_engine_matched_to_the_pause_before_it_changed_is_matched_again() -> 
 def test_a_removed_engine_is_remembered_by_url_until_a_continue_reaches_it_or_its_pause_stops_counting() -> None:
     async def scenario() -> None:
         registry = WorkerRegistry(failure_threshold=2, success_threshold=2)
-        busy = BusyEngines(0.3, RouterMetrics(registry, lambda: None).registry)
+        busy = BusyEngines(0.3, RouterMetrics(registry, lambda: None).registry, registry)
         async with httpx.AsyncClient(trust_env=False) as client:
             pauses = FleetPause(client, busy, timeout_secs=1.0)
 

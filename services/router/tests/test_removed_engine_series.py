@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import httpx
@@ -13,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from router_fakes import FakeEngine, RunningRouter, ThreadedServer, metric_value
 
+from rlfleet_router.busy_engines import BusyEngines
 from rlfleet_router.metrics import RouterMetrics
 from rlfleet_router.workers import WorkerRegistry
 
@@ -164,3 +166,34 @@ def test_a_count_under_a_label_value_the_counter_does_not_have_is_a_bug() -> Non
     metrics.add_engine("http://127.0.0.1:9")
     with pytest.raises(AssertionError, match="rlfleet_router_engine_errors"):
         metrics.engine_errors.inc("http://127.0.0.1:9", "timeout")
+
+
+def test_a_removed_engine_busy_loading_or_paused_leaves_no_series_before_the_next_health_round() -> None:
+    """rlfleet_router_engine_busy kept a removed engine's series until the health round that forgets it (every
+    --health-check-interval-secs), and a load that ended there after a round brought it back; read from the fleet at
+    scrape time like the other per-engine gauges, it goes with the engine. A worker added again at the URL shows as
+    one series, its own."""
+    workers = WorkerRegistry(failure_threshold=1, success_threshold=1)
+    metrics = RouterMetrics(workers, lambda: None)
+    busy = BusyEngines(60.0, metrics.registry, workers)
+    loading, _ = workers.add("http://127.0.0.1:9")
+    paused, _ = workers.add("http://127.0.0.1:10")
+    busy.start_loading([loading])
+    busy.start_loading([loading])  # a second request under way there: one end leaves it loading
+    busy.pause([paused], time.monotonic() + 60.0)
+    text = metrics.exposition().decode()
+    assert metric_value(text, "rlfleet_router_engine_busy", {"engine": loading.url, "reason": "loading"}) == 1
+    assert metric_value(text, "rlfleet_router_engine_busy", {"engine": paused.url, "reason": "paused"}) == 1
+
+    for worker in (loading, paused):
+        workers.remove(worker.id)
+    assert engine_series(metrics.exposition().decode(), loading.url) == []
+    assert engine_series(metrics.exposition().decode(), paused.url) == []
+    busy.keep_only(workers.all())  # the health round
+    busy.end_loading([loading])
+    assert engine_series(metrics.exposition().decode(), loading.url) == []
+
+    again, _ = workers.add(paused.url)
+    busy.pause([again], time.monotonic() + 60.0)
+    busy_series = [s for s in engine_series(metrics.exposition().decode(), paused.url) if "_engine_busy{" in s]
+    assert busy_series == [f'rlfleet_router_engine_busy{{engine="{paused.url}",reason="paused"}} 1.0']
