@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer
 
-from rlfleet.errors import InvalidInput, RlfleetError
+from rlfleet.errors import Conflict, InvalidInput, RlfleetError
 from rlfleet.v1.reward_pb2 import RewardSpec, ScoreItem, ScoreResult, ScoreStatus
 from rlfleet.v1.runs_pb2 import RunSpec
 from rlfleet.v1.samples_pb2 import FinishReason, Sample, SampleGroup, SampleStatus
@@ -119,12 +119,13 @@ class RolloutContext:
                 self.metrics.generate_seconds.observe(time.monotonic() - started)
 
     async def score(self, items: list[ScoreItem]) -> list[ScoreResult]:
-        """Scores `items`; a hub failure yields ERROR results (a 4xx means the spec is wrong: raised)."""
+        """Scores `items`; a hub failure yields ERROR results, but the hub refusing the orchestrator (a Conflict: a
+        4xx from a proxy or a hub without /score) is raised, failing the run: every later call would get the same."""
         if not items:
             return []
         try:
             return await self.reward.score(self.spec.reward, items)
-        except InvalidInput:
+        except Conflict:
             raise
         except RlfleetError as exc:
             error = f"scoring failed: {exc}"

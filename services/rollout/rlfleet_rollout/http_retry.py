@@ -25,8 +25,9 @@ _MAX_BACKOFF_S = 5.0
 
 class Refused(InvalidInput):
     """A 4xx answer other than 429. InvalidInput to the caller of a peer that judges what it is sent; a caller that
-    knows the peer answers a bad request otherwise (the reward hub's /validate: problems in a 200) reads `status`
-    as the peer's own fault (a path it lacks, an auth proxy in front of it)."""
+    knows the peer answers a bad request otherwise (the reward hub: a spec's problems in /validate's 200, an item
+    it cannot score as an ERROR result in /score's) reads `status` as the peer's own fault (a path it lacks, an auth
+    proxy in front of it)."""
 
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)

@@ -67,7 +67,8 @@ class RewardClient:
 
     async def score(self, spec: RewardSpec, items: list[ScoreItem]) -> list[ScoreResult]:
         """One result per item, in order; sent in requests of at most SCORE_REQUEST_ITEMS items and about
-        SCORE_REQUEST_BYTES of JSON each, one after the other (an item larger alone goes alone)."""
+        SCORE_REQUEST_BYTES of JSON each, one after the other (an item larger alone goes alone). Conflict when the
+        hub answers with a 4xx (not 429), Unavailable or DeadlineExceeded when it fails or does not answer in time."""
         spec_json = json_format.MessageToDict(spec, preserving_proto_field_name=True)
         results: list[ScoreResult] = []
         for chunk in _chunks([json_format.MessageToDict(item, preserving_proto_field_name=True) for item in items]):
@@ -75,13 +76,25 @@ class RewardClient:
         return results
 
     async def _score(self, spec: dict[str, Any], items: list[dict[str, Any]]) -> list[ScoreResult]:
-        body = await request_json(
-            self.client,
-            "POST",
-            f"{self.base_url}/score",
-            deadline_s=self.score_timeout_s,
-            body={"spec": spec, "items": items},
-        )
+        """The results of one request. A hub took the run's spec at Submit (/validate) and answers an item it
+        cannot score with an ERROR result in a 200, so a 4xx is the refusal of this orchestrator by the hub or a
+        proxy (a route the hub lacks, a 401/403, a hub replaced since): a Conflict naming the URL and the status,
+        as in spec_problems. As InvalidInput it failed the run blaming its spec, which no edit could mend."""
+        try:
+            body = await request_json(
+                self.client,
+                "POST",
+                f"{self.base_url}/score",
+                deadline_s=self.score_timeout_s,
+                body={"spec": spec, "items": items},
+            )
+        except Refused as exc:
+            raise Conflict(
+                f"the reward hub at {self.base_url} answered POST /score with HTTP {exc.status} ({exc}): a hub took "
+                "the run's reward spec at submit, so the hub or a proxy in front of it refuses this orchestrator: "
+                "check the orchestrator's --reward-url, that the hub there is one with POST /score and the run's "
+                "reward functions, and any proxy in front of it (its auth); a retry gets the same answer"
+            ) from exc
         try:
             response = json_format.ParseDict(body, ScoreResponse(), ignore_unknown_fields=True)
         except json_format.ParseError as exc:
