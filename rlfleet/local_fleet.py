@@ -201,6 +201,9 @@ class LocalFleet:
         self.stopping = threading.Event()
         """Set by `request_stop` (from a signal handler): start and restart give up waiting and raise
         StartInterrupted."""
+        self.left_running: list[str] = []
+        """What the stop of a failed `start` left running (as `stop` returns it): the error `start` raises is the
+        start's, and its caller would otherwise say every service was stopped."""
         self._commands: dict[str, _Command] = {}
         self._started: dict[str, float | None] = {}
         self._up = False
@@ -259,24 +262,25 @@ class LocalFleet:
             self._up = True
             self._write_state()
         except BaseException:
-            self.stop()
+            self.left_running = self.stop()
             raise
 
     def request_stop(self) -> None:
         """Makes a start or restart in progress give up (safe to call from a signal handler)."""
         self.stopping.set()
 
-    def stop(self) -> None:
+    def stop(self) -> list[str]:
         """Stops every service in reverse order, each within its bound (stop_timeout_s), releases the claim of
         the Redis key prefix once every service that uses Redis has stopped (before a Redis of its own stops,
-        whose AOF would keep it), and removes fleet.json if this process wrote it.
+        whose AOF would keep it), and removes fleet.json if this process wrote it. Returns the services still
+        running after all that ([] when every one stopped), for the caller to say so rather than "stopped".
 
         An error while stopping one service (an interrupted wait, a service still there after SIGKILL) never leaves
         the others running: it is logged naming the service, the service's process group is killed (SIGKILL), and
         the next service is stopped all the same. One still there after that keeps fleet.json, naming it, for
         `rlfleet down`. Once every service has been tried, the first error that is not a stop failing (OSError,
-        SubprocessError: reported by the log and the record alone), such as a KeyboardInterrupt, is raised again,
-        with a note naming the service it interrupted."""
+        SubprocessError: reported by the log, the record and the names returned), such as a KeyboardInterrupt, is
+        raised again, with a note naming the service it interrupted."""
         failed: dict[str, ServiceProcess] = {}
         errors: list[BaseException] = []
         for name in reversed(list(self.processes)):
@@ -305,6 +309,7 @@ class LocalFleet:
         unreported = [exc for exc in errors if not isinstance(exc, (OSError, subprocess.SubprocessError))]
         if unreported:
             raise unreported[0]
+        return left
 
     def _release_claim_noting(self, errors: list[BaseException]) -> None:
         """Releases the claim of the Redis key prefix; what that raises goes in `errors`, for `stop` to raise once

@@ -21,6 +21,7 @@ import redis
 
 from rlfleet import local_fleet
 from rlfleet.cli.down import stop_from_state
+from rlfleet.cli.fleet import run_fleet
 from rlfleet.cli.main import main
 from rlfleet.local_fleet import FleetConfig, FleetPorts, LocalFleet
 from rlfleet.process_identity import start_time
@@ -202,30 +203,36 @@ def test_stopping_a_crashed_service_does_not_signal_the_process_that_took_its_pi
         other.wait(timeout=10)
 
 
-def test_a_service_that_cannot_be_stopped_leaves_the_others_stopped_and_the_record_kept(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A service still there 10 s after SIGKILL (stuck in the kernel) made stop() raise: the services after
-    it were never stopped and fleet.json, which `rlfleet down` needs to try again, was left unmanaged."""
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    fleet = LocalFleet(FleetConfig(model_path=model, state_dir=tmp_path / "state"))
+def with_a_service_that_cannot_be_stopped(
+    fleet: LocalFleet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> dict[str, ServiceProcess]:
+    """Gives `fleet` reward, rollout and router (recorded in fleet.json), rollout still there 10 s after SIGKILL (stuck
+    in the kernel): its stop times out and killing its group does not end it. The caller stops them all."""
     argv = [sys.executable, "-c", "import time; time.sleep(60)"]
     for name in ("reward", "rollout", "router"):
         fleet.processes[name] = ServiceProcess(name, argv, tmp_path / f"{name}.log")
-    procs = dict(fleet.processes)
     fleet._write_state()
-    stuck = procs["rollout"]
+    stuck = fleet.processes["rollout"]
 
     def cannot_stop(timeout: float = 10.0) -> int | None:
         raise subprocess.TimeoutExpired(stuck.argv, 10)
 
     monkeypatch.setattr(stuck, "stop", cannot_stop)
-    monkeypatch.setattr(local_fleet, "_kill_group", lambda process: None)  # SIGKILL does not end it either
+    monkeypatch.setattr(local_fleet, "_kill_group", lambda process: None)
+    return dict(fleet.processes)
+
+
+def test_a_service_that_cannot_be_stopped_leaves_the_others_stopped_and_the_record_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A service still there 10 s after SIGKILL (stuck in the kernel) made stop() raise: the services after
+    it were never stopped and fleet.json, which `rlfleet down` needs to try again, was left unmanaged."""
+    fleet = fleet_in(tmp_path)
+    procs = with_a_service_that_cannot_be_stopped(fleet, tmp_path, monkeypatch)
+    stuck = procs["rollout"]
     try:
         with caplog.at_level("INFO", logger="rlfleet.local_fleet"):
-            fleet.stop()
+            assert fleet.stop() == ["rollout"]
         assert not procs["router"].alive() and not procs["reward"].alive()  # stopped before and after it
         messages = [r.getMessage() for r in caplog.records]
         assert any(m.startswith(f"could not stop rollout (pid {stuck.pid})") for m in messages), messages
@@ -235,6 +242,52 @@ def test_a_service_that_cannot_be_stopped_leaves_the_others_stopped_and_the_reco
     finally:
         monkeypatch.undo()
         stuck.stop(timeout=5)
+
+
+def test_up_whose_stop_left_a_service_running_says_so_and_fails_instead_of_fleet_stopped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`rlfleet up` printed "fleet stopped" and exited 0 right after stop() had logged rollout as still running."""
+    fleet = fleet_in(tmp_path)
+    procs = with_a_service_that_cannot_be_stopped(fleet, tmp_path, monkeypatch)
+    monkeypatch.setattr(fleet, "start", lambda: None)  # the fleet above stands for one that started
+    fleet.request_stop()  # as Ctrl-C once it is up
+    try:
+        assert run_fleet(fleet) == 1
+        out, err = capsys.readouterr()
+        assert "fleet stopped" not in out, out
+        assert (
+            f"rlfleet: error: rollout still running after the fleet's stop ({tmp_path / 'state' / 'fleet.json'} "
+            f"names them): stop them with `rlfleet down --state-dir {tmp_path / 'state'}`"
+        ) in err, err
+    finally:
+        monkeypatch.undo()
+        for proc in procs.values():
+            proc.stop(timeout=5)
+
+
+def test_up_whose_failed_start_left_a_service_running_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start that fails stops what it started; what that stop left running was not said ("the fleet did not
+    start" alone), as if nothing of the fleet were left for `rlfleet down`."""
+    fleet = fleet_in(tmp_path)
+    procs: dict[str, ServiceProcess] = {}
+
+    def start_all() -> None:
+        procs.update(with_a_service_that_cannot_be_stopped(fleet, tmp_path, monkeypatch))
+        raise ServiceStartError("router did not become healthy")
+
+    monkeypatch.setattr(fleet, "_start_all", start_all)
+    try:
+        assert run_fleet(fleet) == 1
+        err = capsys.readouterr().err
+        assert "rlfleet: error: the fleet did not start: router did not become healthy" in err, err
+        assert f"rollout still running after the fleet's stop ({tmp_path / 'state' / 'fleet.json'} names them)" in err
+    finally:
+        monkeypatch.undo()
+        for proc in procs.values():
+            proc.stop(timeout=5)
 
 
 def test_an_interrupt_while_stopping_one_service_stops_every_service_then_is_raised_naming_it(

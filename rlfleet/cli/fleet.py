@@ -5,7 +5,8 @@ the model, so `rlfleet down` can stop it from then on), starts the fleet (record
 starts it), restarts a service that exits (fleet_supervisor.py), and stops everything on Ctrl-C, SIGTERM
 (what `rlfleet down` sends), SIGHUP or a service it cannot keep running.
 Exit status: 0 when stopped after the fleet was up, 130 / 143 / 129 when stopped while starting (SIGINT /
-SIGTERM / SIGHUP), 1 when a service failed to start or kept crashing, 2 for bad flags.
+SIGTERM / SIGHUP), 1 when a service failed to start or kept crashing, or when a service outlived the stop (it says
+which: fleet.json keeps them for `rlfleet down`), 2 for bad flags.
 """
 
 from __future__ import annotations
@@ -198,25 +199,48 @@ def run_fleet(fleet: LocalFleet) -> int:
             fleet.start()
         except StartInterrupted:
             name = signal.Signals(received[0]).name if received else "a stop request"
+            if fleet.left_running:
+                what = left_running(fleet, fleet.left_running)
+                print(f"rlfleet: error: {name} while the fleet was starting: {what}", file=sys.stderr)
+                return 1
             print(f"{name} while the fleet was starting: stopped every service it had started", file=sys.stderr)
             return 128 + (received[0] if received else signal.SIGTERM)
         except ServiceStartError as exc:
             print(f"rlfleet: error: the fleet did not start: {exc}", file=sys.stderr)
+            if fleet.left_running:
+                print(f"rlfleet: error: {left_running(fleet, fleet.left_running)}", file=sys.stderr)
             return 1
         try:
-            print(up_message(fleet), flush=True)
-            Supervisor(fleet, RestartPolicy(), say=lambda line: print(line, flush=True)).run(fleet.stopping)
-            print("stopping the fleet ...", flush=True)
-            return 0
-        except GaveUp as exc:
-            print(f"rlfleet: error: {exc}\nstopping the fleet", file=sys.stderr, flush=True)
-            return 1
-        except StartInterrupted:  # stopped while a crashed service was being restarted
-            print("stopping the fleet ...", flush=True)
-            return 0
+            code = supervise(fleet)
         finally:
-            fleet.stop()
-            print("fleet stopped", flush=True)
+            left = fleet.stop()
+        if left:
+            print(f"rlfleet: error: {left_running(fleet, left)}", file=sys.stderr, flush=True)
+            return 1
+        print("fleet stopped", flush=True)
+        return code
+
+
+def supervise(fleet: LocalFleet) -> int:
+    """Keeps the started fleet running until a stop signal (0) or a service it cannot keep running (1)."""
+    try:
+        print(up_message(fleet), flush=True)
+        Supervisor(fleet, RestartPolicy(), say=lambda line: print(line, flush=True)).run(fleet.stopping)
+    except GaveUp as exc:
+        print(f"rlfleet: error: {exc}\nstopping the fleet", file=sys.stderr, flush=True)
+        return 1
+    except StartInterrupted:  # stopped while a crashed service was being restarted
+        pass
+    print("stopping the fleet ...", flush=True)
+    return 0
+
+
+def left_running(fleet: LocalFleet, left: list[str]) -> str:
+    """What a stop that left services running says: fleet.json keeps them for `rlfleet down`, which tries again."""
+    return (
+        f"{', '.join(left)} still running after the fleet's stop ({fleet.state_path} names them): "
+        f"stop them with `rlfleet down --state-dir {fleet.config.state_dir}`"
+    )
 
 
 def up_message(fleet: LocalFleet) -> str:
