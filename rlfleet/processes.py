@@ -220,16 +220,19 @@ class ServiceProcess:
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         rotate_log(self.log_path)
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            self.argv,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
-            cwd=cwd,
-            start_new_session=True,
-        )
+        # Only the child writes the log, through its own copy of the descriptor: this process's handle is closed as
+        # soon as the child has it. Held until stop(), it leaked when stop was interrupted (Ctrl-C in its wait),
+        # when the program could not be started, and for a process never stopped.
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **(env or {})},
+                cwd=cwd,
+                start_new_session=True,
+            )
         logger.info("started %s (pid %d), log %s", name, self.proc.pid, self.log_path)
 
     @property
@@ -354,7 +357,6 @@ class ServiceProcess:
         if group_runs(self.pid):
             logger.warning("processes %s started were left after it stopped; killing them", self.name)
             self._signal_group(signal.SIGKILL)
-        self._log.close()
         return self.proc.returncode
 
     def _signal_group(self, sig: signal.Signals) -> None:

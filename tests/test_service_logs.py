@@ -1,8 +1,10 @@
 """A service's log file: moved aside when the service starts on a long one, so a fleet's logs stay bounded across
-restarts and every start's lines are kept; its tail (in start errors) is read from the end, whatever its length."""
+restarts and every start's lines are kept; its tail (in start errors) is read from the end, whatever its length;
+this process holds no handle on it, whether the service's stop is interrupted or it could not be started."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -58,3 +60,41 @@ def test_the_tail_is_the_last_whole_lines_of_a_log_longer_than_what_is_read(
     process = ServiceProcess("quiet", [sys.executable, "-c", "pass"], short)
     process.stop(timeout=5)
     assert process.log_tail() == "only\nlines"
+
+
+def handles_on(path: Path) -> list[int]:
+    """This process's file descriptors open on `path`."""
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == str(path.resolve()):
+                fds.append(int(fd))
+        except OSError:  # the descriptor listdir itself used, closed since
+            pass
+    return fds
+
+
+def test_an_interrupted_stop_leaves_no_handle_on_the_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KeyboardInterrupt (Ctrl-C) in stop's wait skipped the close at its end: the log stayed open in this process,
+    one descriptor per service a fleet's interrupted stop went through."""
+    log = tmp_path / "engine.log"
+    process = ServiceProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"], log)
+    try:
+
+        def interrupted(timeout: float | None = None) -> int:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(process.proc, "wait", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            process.stop(timeout=5)
+        assert handles_on(log) == []
+    finally:
+        monkeypatch.undo()
+        process.stop(timeout=5)
+
+
+def test_a_program_that_cannot_be_started_leaves_no_handle_on_its_log(tmp_path: Path) -> None:
+    log = tmp_path / "engine.log"
+    with pytest.raises(FileNotFoundError) as raised:  # held: its traceback keeps the half-made ServiceProcess
+        ServiceProcess("missing", [str(tmp_path / "no-such-program")], log)
+    assert handles_on(log) == [], raised.value
