@@ -202,8 +202,8 @@ class LocalFleet:
         """Set by `request_stop` (from a signal handler): start and restart give up waiting and raise
         StartInterrupted."""
         self.left_running: list[str] = []
-        """What the stop of a failed `start` left running (as `stop` returns it): the error `start` raises is the
-        start's, and its caller would otherwise say every service was stopped."""
+        """What the last `stop` left running (as it returns it), read where its result cannot be: after a failed
+        `start` (the error it raises is the start's), or a stop in a `finally`."""
         self._commands: dict[str, _Command] = {}
         self._started: dict[str, float | None] = {}
         self._up = False
@@ -262,7 +262,7 @@ class LocalFleet:
             self._up = True
             self._write_state()
         except BaseException:
-            self.left_running = self.stop()
+            self.stop()
             raise
 
     def request_stop(self) -> None:
@@ -273,7 +273,8 @@ class LocalFleet:
         """Stops every service in reverse order, each within its bound (stop_timeout_s), releases the claim of
         the Redis key prefix once every service that uses Redis has stopped (before a Redis of its own stops,
         whose AOF would keep it), and removes fleet.json if this process wrote it. Returns the services still
-        running after all that ([] when every one stopped), for the caller to say so rather than "stopped".
+        running after all that ([] when every one stopped; also `left_running`, for a caller whose start failed), for
+        the caller to say so rather than "stopped".
 
         An error while stopping one service (an interrupted wait, a service still there after SIGKILL) never leaves
         the others running: it is logged naming the service, the service's process group is killed (SIGKILL), and
@@ -296,7 +297,7 @@ class LocalFleet:
                 failed[name] = process
                 errors.append(exc)
         self._release_claim_noting(errors)
-        left = _still_running(failed)
+        left = self.left_running = _still_running(failed)
         if left:
             logger.error(
                 "%s still running: %s keeps them; `rlfleet down --state-dir %s` tries again",

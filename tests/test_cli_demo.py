@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import cast
 
 import pytest
@@ -565,3 +566,26 @@ def test_a_stop_signal_while_the_demo_restarts_a_service_stops_the_restarted_ser
         for pid in engines:
             if process_runs(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_demo_whose_fleet_outlived_its_stop_says_so_and_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """The demo said "5/5 fleet stopped" and exited 0 after a stop that left a service running."""
+    from rlfleet.cli import demo
+
+    def trained(fleet: SimpleNamespace, spec: object) -> tuple[Run, dict[int, float], list[float]]:
+        fleet.left_running = ["rollout"]  # what LocalFleet.stop, called by train_on_fleet, says it left
+        return Run(id="r", state=RunState.RUN_STATE_SUCCEEDED), {}, []
+
+    def prepared(args: argparse.Namespace, spec: object, out: Path) -> SimpleNamespace:
+        config = fleet_config(args, out)
+        return SimpleNamespace(config=config, state_path=config.state_dir / "fleet.json", left_running=[])
+
+    monkeypatch.setattr(demo, "prepare", prepared)
+    monkeypatch.setattr(demo, "train_on_fleet", trained)
+    out = tmp_path / "demo"
+    assert demo.run_demo(demo_args("--out", str(out))) == 1
+    printed = capsys.readouterr()
+    assert "fleet stopped" not in printed.out
+    assert "rollout still running" in printed.err and f"rlfleet down --state-dir {out / 'fleet'}" in printed.err

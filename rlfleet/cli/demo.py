@@ -20,6 +20,7 @@ import argparse
 import json
 import shutil
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from rlfleet.cli.arg_types import engine_count, positive_int, redis_prefix
 from rlfleet.cli.down import delete_keys
-from rlfleet.cli.fleet import check_redis_url
+from rlfleet.cli.fleet import check_redis_url, left_running
 from rlfleet.cli.runs import progress_line
 from rlfleet.cli.steps import StepFailed, warm_start
 from rlfleet.cli.stop_signals import StopSignal, raise_on_signals, stop_on_signals
@@ -97,12 +98,15 @@ def run_demo(args: argparse.Namespace) -> int:
             remove_own_record(out / "fleet")
             raise
     final, rewards, diffs = train_on_fleet(fleet, spec)
-    say("5/5 fleet stopped")
+    if fleet.left_running:
+        print(f"rlfleet: error: {left_running(fleet, fleet.left_running)}", file=sys.stderr, flush=True)
+    else:
+        say("5/5 fleet stopped")
     summary = summarize(final, rewards, diffs, time.monotonic() - started, args.engines)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
     say(f"summary written to {out / 'summary.json'}")
-    return 0 if final.state == RunState.RUN_STATE_SUCCEEDED else 1
+    return 0 if final.state == RunState.RUN_STATE_SUCCEEDED and not fleet.left_running else 1
 
 
 def prepare(args: argparse.Namespace, spec: RunSpec, out: Path) -> LocalFleet:
