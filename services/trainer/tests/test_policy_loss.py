@@ -217,3 +217,44 @@ def test_dual_clip_bounds_a_negative_advantages_loss() -> None:
         logp, rollout, advantages, torch.ones(1, 3), PolicyLossConfig(aggregation="token_mean")
     )
     assert off.item() == pytest.approx(5.0 - 1.2 + 2.0) and "pg_dual_clipfrac" not in off_stats
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        PolicyLossConfig(kl_coef=0.1, entropy_coef=0.01, tis_cap=2.0, ratio_mask_low=0.5, ratio_mask_high=2.0),
+        PolicyLossConfig(sequence_ratio=True, clip_low=3e-4, clip_high=4e-4, tis_cap=2.0, ratio_mask_low=0.5),
+        PolicyLossConfig(aggregation="token_mean", kl_coef=0.1, kl_estimator="k1"),
+    ],
+)
+def test_environment_tokens_inside_a_response_move_nothing(config: PolicyLossConfig) -> None:
+    """A multi-turn response holds a tool's reply (loss mask 0) between the policy's turns; the engine and the
+    reference report whatever they like there. Neither the loss, its gradient nor a statistic may see it, through
+    any term (KL, entropy, TIS, the band, GSPO's sequence ratio)."""
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 1.0, 1.0]])
+    generator = torch.Generator().manual_seed(3)
+    logp = -1.0 + 0.3 * torch.randn(2, 5, generator=generator)
+    rollout = logp + 0.05 * torch.randn(2, 5, generator=generator)
+    ref = logp + 0.1 * torch.randn(2, 5, generator=generator)
+    before = logp + 0.01 * torch.randn(2, 5, generator=generator)
+    entropy = torch.rand(2, 5, generator=generator)
+    advantages = torch.tensor([[1.0], [-0.5]]).expand(2, 5)
+    runs = []
+    for tool_logp in (0.0, -60.0):
+        current = logp.clone().requires_grad_(True)
+        off_mask = torch.full_like(logp, tool_logp)
+        loss, stats = policy_loss(
+            current,
+            torch.where(mask > 0, rollout, off_mask),
+            advantages,
+            mask,
+            config,
+            torch.where(mask > 0, ref, off_mask),
+            entropy,
+            before,
+        )
+        (grad,) = torch.autograd.grad(loss, current)
+        assert bool((grad[mask == 0] == 0).all())
+        runs.append((loss.item(), grad, {name: value.item() for name, value in stats.items()}))
+    (loss_a, grad_a, stats_a), (loss_b, grad_b, stats_b) = runs
+    assert loss_a == loss_b and torch.equal(grad_a, grad_b) and stats_a == stats_b
