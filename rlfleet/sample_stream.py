@@ -133,6 +133,29 @@ return lost and 1 or 0
 """
 _LOST_FIELD = b"lost"
 
+# XCLAIMs for consumer ARGV[2] of consumer group ARGV[1] the entries ARGV[4..] of stream KEYS[1] still pending and
+# on the stream, if idle for ARGV[3] ms; answers {those pending but gone from the stream, XCLAIM's reply}. Those were
+# deleted while pending: they are left pending for the caller to move to the dead letters (XCLAIM would drop them
+# from the pending list without a trace), and told apart here, not after XCLAIM, where an entry that its consumer
+# acknowledged and trimmed meanwhile (a trainer still committing) looked deleted as well, and failed the run for a
+# group it had trained.
+_CLAIM_PRESENT = """
+local deleted, present = {}, {}
+for i = 4, #ARGV do
+  if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1) > 0 then
+    if #redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i], 'COUNT', 1) > 0 then
+      present[#present + 1] = ARGV[i]
+    else
+      deleted[#deleted + 1] = ARGV[i]
+    end
+  end
+end
+if #present == 0 then
+  return {deleted, {}}
+end
+return {deleted, redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], unpack(present))}
+"""
+
 
 def entry_order(entry_id: bytes | str) -> tuple[int, int]:
     """Sort key of stream entry ids ("<ms>-<seq>"), which do not sort as strings."""
@@ -416,6 +439,7 @@ class SampleStream:
         self._append_once = client.register_script(_APPEND_ONCE)
         self._trim_acknowledged = client.register_script(_TRIM_ACKNOWLEDGED)
         self._move_aside = client.register_script(_MOVE_TO_DEAD_LETTERS)
+        self._claim_present = client.register_script(_CLAIM_PRESENT)
 
     # -- producer -------------------------------------------------------------------------------
 
@@ -477,19 +501,14 @@ class SampleStream:
             stale.extend(row["message_id"] for row in rows)
         if not stale:
             return []
-        oldest: list[Any] = sorted(stale, key=entry_order)[:count]
-        # XCLAIM checks the idle time again, so an entry its consumer touched meanwhile stays with it.
-        claimed = cast(
-            list[tuple[bytes | None, dict[bytes, bytes] | None]],
-            self.client.xclaim(self.key, self.consumer_group, consumer, min_idle_time=min_idle_ms, message_ids=oldest),
+        oldest = sorted(stale, key=entry_order)[:count]
+        deleted, claimed = cast(
+            list[list[Any]],
+            self._claim_present(keys=[self.key], args=[self.consumer_group, consumer, min_idle_ms, *oldest]),
         )
-        # Redis before 7 claims a deleted entry without fields (_decode moves it aside); Redis 7 drops it from
-        # the pending list and leaves it out of the reply.
-        returned = {raw_id for raw_id, _ in claimed if raw_id is not None}
-        for raw_id in oldest:
-            if raw_id not in returned and self._deleted_while_pending(raw_id):
-                self._move_to_dead_letters(raw_id.decode(), {}, _DELETED)
-        return self._decode([(raw_id, fields or {}) for raw_id, fields in claimed if raw_id is not None])
+        for raw_id in deleted:
+            self._move_to_dead_letters(raw_id.decode(), {}, _DELETED)
+        return self._decode([(raw_id, dict(zip(flat[::2], flat[1::2], strict=True))) for raw_id, flat in claimed])
 
     def pending_elsewhere(self, consumer: str) -> bool:
         """Whether consumers other than `consumer` hold pending entries (a trainer that ran under another name)."""
@@ -502,12 +521,6 @@ class SampleStream:
             for info in consumers
         ]
         return [name for name, info in names if name != consumer and info["pending"]]
-
-    def _deleted_while_pending(self, raw_id: bytes) -> bool:
-        """An entry no consumer holds any more and the stream no longer has: XCLAIM dropped it as deleted."""
-        entry_id = raw_id.decode()
-        held = self.client.xpending_range(self.key, self.consumer_group, min=entry_id, max=entry_id, count=1)
-        return not held and not self.client.xrange(self.key, min=entry_id, max=entry_id, count=1)
 
     def ack(self, entry_ids: Iterable[str]) -> int:
         ids = list(entry_ids)

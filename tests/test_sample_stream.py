@@ -137,6 +137,49 @@ def test_an_entry_deleted_while_a_dead_consumer_held_it_goes_to_dead_letters(
     assert stream.lost_groups() == [(ids[1], "entry was deleted while pending")]
 
 
+def test_an_entry_its_consumer_acknowledges_and_trims_during_a_claim_is_not_lost(
+    stream: SampleStream, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trainer still committing (acknowledge, then trim) while its successor claimed its idle groups: the groups
+    it had trained, gone from the stream by the claim, were taken for deleted while pending and recorded as lost,
+    and the orchestrator failed the run for groups that were trained."""
+    ids = [cast(str, stream.append(make_group("run1", i))) for i in range(3)]
+    stream.read("old", count=3)
+    xpending_range = redis_client.xpending_range
+
+    def listed_then_committed(*args: object, **kwargs: object) -> object:
+        listed = xpending_range(*args, **kwargs)  # type: ignore[arg-type]
+        redis_client.xack(stream.key, stream.consumer_group, ids[0], ids[1])  # the old trainer's commit, just after
+        stream.trim_acknowledged()
+        return listed
+
+    monkeypatch.setattr(redis_client, "xpending_range", listed_then_committed)
+    claimed = stream.claim_stale("new", min_idle_ms=0)
+    assert [e.entry_id for e in claimed] == [ids[2]]
+    assert stream.dead_letters() == [] and stream.lost_groups() == []
+
+
+def test_an_entry_deleted_while_pending_is_still_found_by_the_claim_after_one_that_failed(
+    stream: SampleStream, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The claim dropped the deleted entry from the pending list before moving it aside: when the move failed (Redis
+    gone past the client's retries, the trainer killed), no claim found it again and no dead letter told of it."""
+    ids = [cast(str, stream.append(make_group("run1", i))) for i in range(2)]
+    stream.read("old", count=2)
+    redis_client.xdel(stream.key, ids[0])
+    move = stream._move_to_dead_letters
+
+    def fail(*args: object) -> None:
+        raise redis.ConnectionError("Redis went away")
+
+    monkeypatch.setattr(stream, "_move_to_dead_letters", fail)
+    with pytest.raises(redis.ConnectionError):
+        stream.claim_stale("new", min_idle_ms=0)
+    monkeypatch.setattr(stream, "_move_to_dead_letters", move)
+    stream.claim_stale("new", min_idle_ms=0)
+    assert stream.lost_groups() == [(ids[0], "entry was deleted while pending")]
+
+
 def test_undecodable_entry_goes_to_dead_letters(stream: SampleStream, redis_client: redis.Redis) -> None:
     redis_client.xadd(stream.key, {"group_id": "x", "group": b"\xff\xff not protobuf"})
     stream.append(make_group("run1", 1))
