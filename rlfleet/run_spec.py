@@ -312,7 +312,14 @@ def validate(spec: RunSpec) -> None:
     # must be reported under its own name, not under the critic's that the user never set.
     tr = spec.trainer
     _require(_finite(tr.learning_rate) and 0 < tr.learning_rate < 1, "trainer.learning_rate", "must be in (0, 1)")
-    _require(_finite(tr.weight_decay) and tr.weight_decay >= 0, "trainer.weight_decay", "must be >= 0")
+    # AdamW multiplies every weight by 1 - lr x weight_decay each step: from lr x weight_decay = 1 on, the weights
+    # vanish, or flip sign and grow until they overflow.
+    _require(
+        _finite(tr.weight_decay) and 0 <= tr.weight_decay * tr.learning_rate < 1,
+        "trainer.weight_decay",
+        f"must be >= 0 and below 1 / trainer.learning_rate = {1 / tr.learning_rate:g} (each step scales every "
+        "weight by 1 - learning_rate x weight_decay)",
+    )
     _require(_finite(tr.grad_clip) and tr.grad_clip >= 0, "trainer.grad_clip", "must be >= 0 (0 disables)")
     _require(tr.micro_batch_tokens >= 64, "trainer.micro_batch_tokens", "must be >= 64")
     _require(tr.warmup_steps >= 0, "trainer.warmup_steps", "must be >= 0")
@@ -341,9 +348,19 @@ def validate(spec: RunSpec) -> None:
         "algorithm.clip_ratio_c",
         "must be 0 (off) or > 1 (dual clip bounds a negative advantage's loss at clip_ratio_c x |A|)",
     )
-    _require(_finite(al.kl_coef) and al.kl_coef >= 0, "algorithm.kl_coef", "must be >= 0")
+    # The trainer computes the loss in float32: a coefficient past its range (3.4e38) is infinite there, and
+    # multiplies the first step's KL of 0 (or any entropy) into a NaN or infinite loss at every step.
+    _require(
+        _finite(al.kl_coef) and 0 <= al.kl_coef <= MAX_MAGNITUDE,
+        "algorithm.kl_coef",
+        f"must be in [0, {MAX_MAGNITUDE:g}]",
+    )
     _require(al.kl_estimator in KL_ESTIMATORS, "algorithm.kl_estimator", f"must be one of {list(KL_ESTIMATORS)}")
-    _require(_finite(al.entropy_coef), "algorithm.entropy_coef", "must be a finite number")
+    _require(
+        _finite(al.entropy_coef) and abs(al.entropy_coef) <= MAX_MAGNITUDE,
+        "algorithm.entropy_coef",
+        f"must be a finite number within +-{MAX_MAGNITUDE:g}",
+    )
     _require(
         al.loss_aggregation in LOSS_AGGREGATIONS,
         "algorithm.loss_aggregation",

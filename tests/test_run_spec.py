@@ -133,6 +133,13 @@ def test_one_update_per_batch_unless_asked_and_as_many_mini_batches_as_samples()
         ({"algorithm": {"name": "ppo", "gae_lambda": 1.5}}, "algorithm.gae_lambda"),
         ({"algorithm": {"name": "ppo", "value_clip": 0}}, "algorithm.value_clip"),
         ({"algorithm": {"clip_ratio_c": 0.9}}, "algorithm.clip_ratio_c"),
+        # Infinite in the trainer's float32: the loss was NaN (0 x inf) or infinite at every step.
+        ({"algorithm": {"kl_coef": 1e39}}, "algorithm.kl_coef"),
+        ({"algorithm": {"entropy_coef": -1e39}}, "algorithm.entropy_coef"),
+        # AdamW scaled every weight by 1 - 1e-4 x 3e4 = -2 a step: infinite within a hundred steps.
+        ({"trainer": {"learning_rate": 1e-4, "weight_decay": 3e4}}, "trainer.weight_decay"),
+        ({"trainer": {"learning_rate": 0.5, "weight_decay": 2}}, "trainer.weight_decay"),
+        ({"trainer": {"weight_decay": -0.1}}, "trainer.weight_decay"),
         ({"trainer": {"lr_schedule": "step"}}, "trainer.lr_schedule"),
         ({"trainer": {"min_lr_ratio": 2}}, "trainer.min_lr_ratio"),
         ({"trainer": {"pack_row_tokens": -1}}, "trainer.pack_row_tokens"),
@@ -256,6 +263,14 @@ def test_a_non_finite_number_anywhere_in_params_is_named() -> None:
 def test_the_largest_eval_size_and_any_positive_reward_time_limit_pass() -> None:
     # The time limit's upper bound is a reward hub setting (max_timeout_seconds): the hub checks it at submit.
     validate(resolve(spec_from({"dataset": {"eval_size": MAX_EVAL_SIZE}, "reward": {"timeout_seconds": 1e9}})))
+
+
+def test_the_largest_loss_coefficients_and_weight_decay_pass() -> None:
+    largest = {
+        "algorithm": {"kl_coef": 1e9, "entropy_coef": -1e9},
+        "trainer": {"learning_rate": 0.5, "weight_decay": 1.9},
+    }
+    validate(resolve(spec_from(largest)))
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
