@@ -19,6 +19,9 @@ from rlfleet.http_errors import error_response
 
 # Probes and scrapes carry no token: Kubernetes and Prometheus must reach them.
 OPEN_PATHS = ("/health", "/liveness", "/metrics")
+WS_POLICY_VIOLATION = 1008
+"""The close code (RFC 6455) a websocket without the token is refused with: every scope but lifespan is guarded, so
+a websocket route added later is not left open either."""
 
 
 class BearerTokenMiddleware:
@@ -41,12 +44,16 @@ class BearerTokenMiddleware:
         return path in self.open_paths or (scope["method"] in self.open_methods and path not in self.guarded_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self._open(scope):
+        kind = scope["type"]
+        if kind == "lifespan" or (kind == "http" and self._open(scope)):
             await self.app(scope, receive, send)
             return
         try:
             self.guard.check(Headers(scope=scope).get("authorization"), "http")
         except Unauthenticated as exc:
+            if kind == "websocket":  # refused before the handshake: the client gets 403, and no route runs
+                await send({"type": "websocket.close", "code": WS_POLICY_VIOLATION, "reason": str(exc)[:120]})
+                return
             response = error_response(exc)
             response.headers["WWW-Authenticate"] = 'Bearer realm="rlfleet"'
             await response(scope, receive, send)

@@ -11,11 +11,14 @@ import grpc
 import httpx
 import pytest
 import redis
+from fastapi import FastAPI, WebSocket, WebSocketDisconnect
+from fastapi.testclient import TestClient
 from launchers import Service, stored_runs
 from prometheus_client import CollectorRegistry
 
 from rlfleet.api_token import ApiTokenGuard, client_token, read_token_file
 from rlfleet.errors import InvalidInput, Unauthenticated
+from rlfleet.http_auth import WS_POLICY_VIOLATION, require_api_token
 from rlfleet.v1 import runs_pb2, runs_pb2_grpc
 
 pytestmark = pytest.mark.e2e
@@ -43,6 +46,25 @@ def test_the_guard_accepts_only_the_bearer_token_and_counts_refusals() -> None:
             g.check(header, "http")
     assert g.rejected.labels(transport="http")._value.get() == len(refusals)
     guard(None).check(None, "http")  # no token configured: open
+
+
+def test_a_websocket_needs_the_token_as_any_other_route() -> None:
+    """The middleware let every scope but http through: a websocket route would have been open to anyone."""
+    app = FastAPI()
+
+    @app.websocket("/ws")
+    async def echo(socket: WebSocket) -> None:
+        await socket.accept()
+        await socket.send_text("in")
+        await socket.close()
+
+    require_api_token(app, guard())
+    client = TestClient(app)
+    with pytest.raises(WebSocketDisconnect) as refused, client.websocket_connect("/ws"):
+        pass
+    assert refused.value.code == WS_POLICY_VIOLATION and "needs the API token" in refused.value.reason
+    with client.websocket_connect("/ws", headers={"Authorization": "Bearer s3cret"}) as socket:
+        assert socket.receive_text() == "in"
 
 
 def test_token_files_are_read_once_and_bad_ones_named(tmp_path: Path) -> None:
