@@ -16,6 +16,7 @@ describe its weights; so does `/update_weights_from_distributed`'s answer.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
@@ -85,6 +86,7 @@ def create_app(core: EngineCore, registry: CollectorRegistry) -> FastAPI:
         card = {
             "id": name,
             "object": "model",
+            "created": int(time.time()),  # OpenAI's Model requires it; SGLang's card stamps the answer's time too
             "owned_by": "rlfleet",
             "root": name,
             "max_model_len": core.backend.context_length,

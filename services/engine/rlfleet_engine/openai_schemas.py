@@ -150,6 +150,11 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+# Chat fields SGLang takes as null, for "the default" (its ChatCompletionRequest types them Optional; a completion
+# request's are not).
+_CHAT_NULL_IS_DEFAULT = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 class ChatCompletionRequest(OpenAISampling):
     """POST /v1/chat/completions."""
 
@@ -159,6 +164,13 @@ class ChatCompletionRequest(OpenAISampling):
     max_completion_tokens: int | None = Field(default=None, gt=0)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: object) -> object:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in _CHAT_NULL_IS_DEFAULT}
+        return data
 
     @model_validator(mode="after")
     def _top_logprobs_with_logprobs(self) -> ChatCompletionRequest:

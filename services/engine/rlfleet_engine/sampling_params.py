@@ -34,6 +34,9 @@ _UNSUPPORTED_AT_NEUTRAL: dict[str, Any] = {
     "logit_bias": None,
     "custom_params": None,
 }
+# Parameters whose null SGLang reads as their default (its SamplingParams.__post_init__), so a client may send
+# `"temperature": null` for "the default".
+_NULL_IS_DEFAULT = ("temperature", "top_p", "top_k", "min_p", "n", "ignore_eos", "skip_special_tokens", "no_stop_trim")
 
 
 class SamplingParams(BaseModel):
@@ -42,7 +45,7 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
 
     max_new_tokens: int = Field(default=128, ge=0)
-    temperature: float = Field(default=1.0, ge=0.0)
+    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = -1
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
@@ -54,6 +57,13 @@ class SamplingParams(BaseModel):
     n: int = Field(default=1, ge=1)
     sampling_seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     """Seeds the request's own random generators (one per sample), so the same request samples the same tokens."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: object) -> object:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in _NULL_IS_DEFAULT}
+        return data
 
     @field_validator("max_new_tokens", mode="before")
     @classmethod
@@ -70,7 +80,10 @@ class SamplingParams(BaseModel):
     @field_validator("stop_token_ids", mode="before")
     @classmethod
     def _stop_ids_as_list(cls, value: object) -> object:
-        return [] if value is None else value
+        # SGLang drops null ids from the list, as it reads a null list.
+        if value is None:
+            return []
+        return [t for t in value if t is not None] if isinstance(value, list) else value
 
     @field_validator("top_k")
     @classmethod

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.e2e
         ({"input_ids": "abc"}, "body.input_ids"),
         ({"text": "1+1=", "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
         ({"text": "1+1=", "sampling_params": {"top_p": 1.5}}, "sampling_params.top_p"),
+        ({"text": "1+1=", "sampling_params": {"temperature": float("inf")}}, "sampling_params.temperature"),
         ({"text": "1+1=", "sampling_params": {"max_new_tokens": -3}}, "sampling_params.max_new_tokens"),
         ({"text": "1+1=", "stream": "sometimes"}, "body.stream"),
     ],
@@ -97,6 +98,16 @@ def test_empty_values_of_unsupported_parameters_read_as_absent(engine: RunningEn
     assert out["meta_info"]["completion_tokens"] == 1
     refused = engine.post("/generate", {"text": "1+1=", "sampling_params": {"logit_bias": {"5": 2.0}}})
     assert refused.status_code == 400 and "logit_bias" in refused.json()["message"]
+
+
+def test_null_sampling_parameters_read_as_their_defaults(engine: RunningEngine) -> None:
+    """SGLang reads a null parameter as its default (a client's "not set"); each was a 400 here."""
+    nulls = dict.fromkeys(("top_p", "top_k", "min_p", "n", "ignore_eos", "skip_special_tokens", "no_stop_trim"))
+    greedy = {"max_new_tokens": 4, "temperature": 0}
+    out = engine.generate({"text": "1+1=", "sampling_params": {**greedy, "stop_token_ids": [None], **nulls}})
+    assert out["output_ids"] == engine.generate({"text": "1+1=", "sampling_params": greedy})["output_ids"]
+    answer = engine.post("/generate", {"text": "1+1=", "sampling_params": {"max_new_tokens": 1, "temperature": None}})
+    assert answer.status_code == 200, answer.text
 
 
 @pytest.mark.parametrize("body", [{"rid": None, "abort_all": True}, {"rid": ""}, {"rid": None}])

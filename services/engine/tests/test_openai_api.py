@@ -288,6 +288,30 @@ def test_a_constraint_the_engine_cannot_honour_is_refused_not_ignored(
     assert field in answer.json()["message"] and "not supported" in answer.json()["message"]
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_an_infinite_temperature_is_refused_as_sglang_refuses_it(client: TestClient, route: str) -> None:
+    """JSON as Python writes it carries Infinity; it was sampled as a uniform draw."""
+    body = {"prompt": "x"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    sent = json.dumps({**body, "max_tokens": 2, "temperature": float("inf")})
+    answer = client.post(route, content=sent, headers={"content-type": "application/json"})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["message"] == "body.temperature: Input should be a finite number"
+
+
+def test_a_chat_request_takes_null_sampling_fields_as_their_defaults(client: TestClient) -> None:
+    """SGLang's chat request types them Optional (OpenAI's API allows null); each was a 400 here."""
+    nulls = dict.fromkeys(("temperature", "top_p", "top_k", "min_p", "repetition_penalty"))
+    answer = client.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **nulls}
+    )
+    assert answer.status_code == 200, answer.text
+
+
+def test_the_model_card_has_openais_fields(client: TestClient) -> None:
+    card = client.get("/v1/models").json()["data"][0]
+    assert isinstance(card["created"], int) and card["object"] == "model" and card["owned_by"]
+
+
 def test_neutral_values_of_those_fields_pass(client: TestClient) -> None:
     messages = [{"role": "user", "content": "x"}]
     neutral = {"logit_bias": {}, "response_format": {"type": "text"}, "tools": [{"type": "function"}]}

@@ -46,10 +46,10 @@ def test_a_top_k_past_the_vocabulary_keeps_every_token() -> None:
     assert set(draws(SamplingParams(top_k=2**63))) == {0, 1, 2, 3}
 
 
-@pytest.mark.parametrize("temperature", [1e300, float("inf")])
-def test_a_temperature_past_float32_draws_uniformly_among_the_possible_tokens(temperature: float) -> None:
+def test_a_temperature_past_float32_draws_uniformly_among_the_possible_tokens() -> None:
+    # Finite, yet inf in float32 (an infinite one is refused, as SGLang refuses it).
     logits = torch.tensor([[0.0, 1.0, float("-inf"), 2.0]])  # a masked token stays impossible, not NaN
-    assert set(draws(SamplingParams(temperature=temperature), logits=logits)) == {0, 1, 3}
+    assert set(draws(SamplingParams(temperature=1e300), logits=logits)) == {0, 1, 3}
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
