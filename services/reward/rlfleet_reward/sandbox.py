@@ -9,8 +9,9 @@ hold together (`group_memory_bytes`, see `sandbox_memory`), which the watchdog c
 scrubbed environment (PATH, LANG, HOME and TMPDIR only) and `python -I`;
 a fresh working directory, deleted afterwards (or, when the hub killed the worker mid-run, by the next
 run of another worker); seccomp refusing `socket()` (AF_UNIX too), memory outside the address-space limit
-(`memfd_create`, `shmget`), and, where neither a PID namespace nor
-Landlock ABI >= 6 does it, signals to processes outside the sandbox (see `sandbox_init`). Importing this module
+(`memfd_create`, `shmget`), namespaces of the program's own (a tmpfs there would hold memory nothing counts), and,
+where neither a PID namespace nor Landlock ABI >= 6 does it, signals to processes outside the sandbox (see
+`sandbox_init`). Importing this module
 makes the process undumpable: its /proc/<pid>/environ and memory are then closed to its own user's
 other processes, a sandboxed program among them where Landlock (which also hides /proc) is missing.
 When the hub runs as root, the program runs as `nobody` instead: root ignores RLIMIT_NPROC, and an
@@ -156,7 +157,8 @@ class Isolation:
             landlock += ", signals and abstract sockets scoped" if scoped else ", NOT signals (ABI < 6)"
         seccomp = "NO seccomp (unsupported machine)"
         if self.seccomp:
-            seccomp = "seccomp: socket() (AF_UNIX too), io_uring, setsid/setpgid, memfd_create/shmget refused"
+            seccomp = "seccomp: socket() (AF_UNIX too), io_uring, setsid/setpgid, memfd_create/shmget"
+            seccomp += ", namespaces (unshare/setns/clone) refused"
             seccomp += ", signals to other processes refused" if self.signals_confined_by_seccomp else ""
         elif not self.namespaces and self.landlock < sandbox_init._FIRST_SIGNAL_SCOPING_ABI:
             seccomp += ", signals to the hub's processes NOT stopped"

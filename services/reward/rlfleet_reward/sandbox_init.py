@@ -1,7 +1,10 @@
 """The first program inside a code sandbox: lock the process down, then exec the untrusted program.
 
 Run as `python -I -S -c SOURCE_OF_THIS_FILE CONFIG_JSON PROGRAM [ARGS...]` (standard library only: it runs
-before, and outside, any site-packages). In order, it
+before, and outside, any site-packages). First it makes itself undumpable: without a PID namespace it is the
+program's parent, of the same user, and where no Landlock domain stands between them the program could otherwise
+trace it or write its memory through /proc (stop it, so that step 5 never runs; or make it, which has no signal
+filter, signal the hub). The program's exec makes the program itself dumpable again. Then, in order, it
 0. in a mount namespace (entered with the capabilities `unshare --keep-caps` leaves it), mounts an empty
    read-only tmpfs over each of the host's shared directories it is given (/tmp, /run, /dev/shm, the hub's
    HOME: where Unix sockets, agents' and buses' among them, and other users' files live), binding the working
@@ -14,8 +17,12 @@ before, and outside, any site-packages). In order, it
 4. installs a seccomp filter (x86_64, aarch64): `socket()` (of every family: AF_UNIX too, or the program could
    connect to any Unix socket its user may reach, an SSH agent, a D-Bus bus, docker.sock; `socketpair()` stays),
    `io_uring` (which can open sockets too), leaving the process group (`setsid`, `setpgid`: so the parent's group
-   kill reaches every descendant), and memory no address-space limit counts (`memfd_create`, System V `shmget`:
-   pages held without being mapped) fail with EPERM; syscalls of another ABI kill the process,
+   kill reaches every descendant), memory no address-space limit counts (`memfd_create`, System V `shmget`:
+   pages held without being mapped), and namespaces of its own (`unshare`, `setns`, `clone` with a CLONE_NEW* flag:
+   in a user namespace of its own the program could mount a tmpfs where Landlock does not refuse mounts, files held
+   in memory that neither an rlimit nor the hub's disk and memory watchdogs count) fail with EPERM; `clone3`, whose
+   flags a filter cannot read, fails with ENOSYS, so that libc falls back to `clone`; syscalls of another ABI kill
+   the process,
 5. turns its parent's death into the death of its whole process group: the hub SIGKILLs a worker whose
    item overran, mid-run, and where no PID namespace ends the program with this process, nothing else
    would (the program and its children would live on under init),
@@ -47,6 +54,7 @@ import sys
 SETUP_FAILED = 125
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_DUMPABLE = 4
 _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
 _HIDING_TMPFS = b"size=64k,mode=755"
@@ -65,11 +73,15 @@ _FS_REFER, _FS_TRUNCATE, _FS_IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15
 _NET_BIND_TCP, _NET_CONNECT_TCP = 1 << 0, 1 << 1
 _SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1 << 0, 1 << 1
 
-# (audit arch, socket, setsid, setpgid, io_uring_setup, memfd_create, shmget) per machine.
+# (audit arch, socket, setsid, setpgid, io_uring_setup, memfd_create, shmget, unshare, setns) per machine.
 _SYSCALLS = {
-    "x86_64": (0xC000003E, 41, 112, 109, 425, 319, 29),
-    "aarch64": (0xC00000B7, 198, 157, 154, 425, 279, 194),
+    "x86_64": (0xC000003E, 41, 112, 109, 425, 319, 29, 272, 308),
+    "aarch64": (0xC00000B7, 198, 157, 154, 425, 279, 194, 97, 268),
 }
+# (clone, clone3) per machine: clone's flags are its first argument; clone3's are in memory, out of a filter's reach.
+_CLONE_SYSCALLS = {"x86_64": (56, 435), "aarch64": (220, 435)}
+# CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET.
+_CLONE_NEW_NAMESPACES = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
 # (kill, rt_sigqueueinfo, tgkill, rt_tgsigqueueinfo, tkill, pidfd_send_signal, fcntl, ioctl) per machine.
 _SIGNAL_SYSCALLS = {
     "x86_64": (62, 129, 234, 297, 200, 424, 72, 16),
@@ -81,8 +93,10 @@ _F_SETOWN, _F_SETOWN_EX, _FIOSETOWN, _SIOCSPGRP = 8, 15, 0x8901, 0x8902
 _FIRST_SIGNAL_SCOPING_ABI = 6
 _STOP_SIGNALS = (signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
 _FS_MAKE_BLOCK = 1 << 11
-_BPF_LOAD, _BPF_JEQ, _BPF_JGE, _BPF_RET = 0x20, 0x15, 0x35, 0x06
+_ENOSYS = 38
+_BPF_LOAD, _BPF_JEQ, _BPF_JGE, _BPF_JSET, _BPF_RET = 0x20, 0x15, 0x35, 0x45, 0x06
 _ALLOW, _DENY, _KILL = 0x7FFF0000, 0x00050000 | _EPERM, 0x80000000
+_NOT_IMPLEMENTED = 0x00050000 | _ENOSYS
 
 
 class _RulesetAttr(ctypes.Structure):
@@ -162,16 +176,25 @@ def seccomp_program(machine: str) -> bytes | None:
     if machine not in _SYSCALLS:
         return None
     arch, *refused = _SYSCALLS[machine]
-    load, jeq, jge, ret = _BPF_LOAD, _BPF_JEQ, _BPF_JGE, _BPF_RET
+    clone, clone3 = _CLONE_SYSCALLS[machine]
+    load, jeq, jge, jset, ret = _BPF_LOAD, _BPF_JEQ, _BPF_JGE, _BPF_JSET, _BPF_RET
+    n = len(refused)
     return b"".join([
         _bpf(load, 0, 0, 4),                                   # arch
         _bpf(jeq, 1, 0, arch),                                 # our ABI -> the syscall number
         _bpf(ret, 0, 0, _KILL),
         _bpf(load, 0, 0, 0),                                   # the syscall number
-        _bpf(jge, len(refused) + 1, 0, _X32_SYSCALL_BIT),      # x32 ABI -> deny
-        *(_bpf(jeq, len(refused) - i, 0, number) for i, number in enumerate(refused)),  # -> deny
+        _bpf(jge, n + 3, 0, _X32_SYSCALL_BIT),                 # x32 ABI -> deny
+        *(_bpf(jeq, n + 2 - i, 0, number) for i, number in enumerate(refused)),  # -> deny
+        _bpf(jeq, 4, 0, clone),                                # -> clone's flags
+        _bpf(jeq, 2, 0, clone3),                               # -> not implemented
         _bpf(ret, 0, 0, _ALLOW),
         _bpf(ret, 0, 0, _DENY),
+        _bpf(ret, 0, 0, _NOT_IMPLEMENTED),
+        _bpf(load, 0, 0, 16),                                  # clone's flags (the low half of argument 0)
+        _bpf(jset, 0, 1, _CLONE_NEW_NAMESPACES),               # a namespace flag -> deny
+        _bpf(ret, 0, 0, _DENY),
+        _bpf(ret, 0, 0, _ALLOW),
     ])  # fmt: skip
 
 
@@ -313,8 +336,10 @@ def die_with_group_on_parent_death(libc: ctypes.CDLL) -> None:
 def main(argv: list[str]) -> None:
     config = json.loads(argv[1])
     try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        _check(libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0), "making the sandbox's first process undumpable")
         landlock = lock_down(config)
-        die_with_group_on_parent_death(ctypes.CDLL(None, use_errno=True))
+        die_with_group_on_parent_death(libc)
     except OSError as exc:
         sys.stderr.write(f"sandbox setup failed: {exc}\n")
         os._exit(SETUP_FAILED)

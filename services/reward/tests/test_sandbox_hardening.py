@@ -233,3 +233,75 @@ def _processes_naming(marker: str) -> list[int]:
         except OSError:
             continue
     return found
+
+
+@pytest.fixture(params=["with namespaces", "without namespaces"])
+def without_landlock(request: pytest.FixtureRequest) -> Isolation:
+    """A kernel before 5.13, or one whose `lsm=` leaves Landlock out; with namespaces or (unshare refused) without."""
+    probed = probe_isolation()
+    if request.param == "with namespaces" and not probed.namespaces:
+        pytest.skip("no namespaces on this machine")
+    return dataclasses.replace(probed, namespaces=request.param == "with namespaces", landlock=0)
+
+
+def test_a_program_cannot_make_namespaces_of_its_own(without_landlock: Isolation) -> None:
+    """Where the kernel allowed unprivileged user namespaces, a program made one, with a mount namespace, and mounted
+    a tmpfs there: without Landlock (which refuses mounts) it held 400 MiB of files under a 256 MiB address-space
+    limit and a 64 MiB disk bound, in pages no rlimit counts and in a directory the hub's watchdog, in another mount
+    namespace, cannot see. Threads and child processes, which clone without namespace flags, still start."""
+    if not without_landlock.seccomp:
+        pytest.skip("seccomp is not supported on this machine")
+    program = (
+        "import ctypes, os, subprocess, sys, threading\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "CLONE_NEWUSER, CLONE_NEWNS, SIGCHLD = 0x10000000, 0x20000, 17\n"
+        "CLONE = 56 if os.uname().machine == 'x86_64' else 220\n"
+        "def attempt(name, result, forks):\n"
+        "    if forks and result == 0:\n"
+        "        os._exit(0)  # the child of a raw clone\n"
+        "    print(name, 'allowed' if result >= 0 else os.strerror(ctypes.get_errno()))\n"
+        "attempt('unshare', libc.unshare(CLONE_NEWUSER | CLONE_NEWNS), False)\n"
+        "attempt('clone', libc.syscall(CLONE, CLONE_NEWUSER | SIGCHLD, 0, 0, 0, 0), True)\n"
+        "attempt('clone3', libc.syscall(435, ctypes.create_string_buffer(88), 88), True)\n"
+        "thread = threading.Thread(target=print, args=('thread ran',)); thread.start(); thread.join()\n"
+        "child = subprocess.run([sys.executable, '-c', 'print(\"child ran\")'], capture_output=True)\n"
+        "print(child.stdout.decode().strip())\n"
+    )
+    result = run_python(program, "", LIMITS, without_landlock)
+    assert result.stdout.splitlines() == [
+        "unshare Operation not permitted",
+        "clone Operation not permitted",
+        "clone3 Function not implemented",  # so that glibc falls back to clone, whose flags the filter can read
+        "thread ran",
+        "child ran",
+    ], result.stderr
+
+
+def test_a_program_cannot_trace_or_write_the_sandboxs_first_process_without_landlock(
+    without_landlock: Isolation,
+) -> None:
+    """Without a PID namespace that first process is the program's parent, of the same user and, until now,
+    dumpable: where no Landlock domain stood between them, the program could stop it with PTRACE_ATTACH (so it never
+    killed the group when the worker died) or write its memory through /proc (and, since it carries no signal
+    filter, make it signal the hub)."""
+    program = (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "parent = os.getppid()\n"
+        "attached = libc.ptrace(16, parent, None, None)  # PTRACE_ATTACH\n"
+        "print('ptrace', 'allowed' if attached == 0 else os.strerror(ctypes.get_errno()))\n"
+        "if attached == 0:\n"
+        "    os.waitpid(parent, 0x40000000)  # __WALL\n"
+        "    libc.ptrace(17, parent, None, None)  # PTRACE_DETACH, so that a failing run leaves it running\n"
+        "for name in ('mem', 'environ'):\n"
+        "    try:\n"
+        "        open(f'/proc/{parent}/{name}', 'rb').close(); print(name, 'allowed')\n"
+        "    except OSError as exc:\n"
+        "        print(name, exc.strerror)\n"
+    )
+    result = run_python(program, "", LIMITS, without_landlock)
+    assert result.stdout.splitlines() == [
+        "ptrace Operation not permitted",
+        "mem Permission denied",
+        "environ Permission denied",
+    ], result.stderr
