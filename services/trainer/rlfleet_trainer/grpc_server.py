@@ -81,6 +81,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def StartRun(
         self, request: trainer_pb2.StartRunRequest, context: aio.ServicerContext
     ) -> trainer_pb2.TrainerStatus:  # noqa: N802,E501
+        # Refused for what is missing, not for the first empty field of an empty spec (model.path).
+        if not request.HasField("spec"):
+            raise InvalidInput("spec must be set: the run's RunSpec (model, dataset, rollout, reward, ...)")
         join_wait = _wait_s(context, START_JOIN_WAIT_S)
         # Not cut short: a start goes on after its caller stops waiting (asking again joins it).
         return await self._answer(lambda: self._in_thread(self.core.start_run, request.run_id, request.spec, join_wait))

@@ -67,6 +67,8 @@ START_JOIN_WAIT_S = 60.0
 # A run id names the run's directory under the work dir, so it must be one plain name: no separator
 # or leading dot could then write outside it or into another run's.
 RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+# The most of a refused run id an error quotes.
+_RUN_ID_SHOWN = 128
 # Finished runs whose step reports are kept beside their status.
 KEPT_FINISHED_RUNS = 4
 
@@ -114,12 +116,7 @@ class TrainerCore:
     def start_run(self, run_id: str, spec: RunSpec, join_wait_s: float = START_JOIN_WAIT_S) -> TrainerStatus:
         """Starts (or resumes) the run; asked again while that run starts, waits up to `join_wait_s` for
         the start's outcome, then answers Unavailable (ask again)."""
-        if not RUN_ID.fullmatch(run_id):
-            raise InvalidInput(
-                f"run_id {run_id!r} must be 1 to 128 letters, digits, '.', '_' or '-', not starting with '.'"
-                if run_id
-                else "run_id must be set"
-            )
+        check_run_id(run_id)
         spec = resolve(spec)
         validate(spec)
         deadline = time.monotonic() + join_wait_s
@@ -235,8 +232,7 @@ class TrainerCore:
     def status(self, run_id: str) -> TrainerStatus:
         """The run's status (STARTING while StartRun loads it); Checkpoint and WatchSteps look their run up
         here too."""
-        if not run_id:
-            raise InvalidInput("run_id must be set")
+        check_run_id(run_id)
         with self._lock:
             # Before `_runs`: a stopped run of the same id may be there while StartRun resumes it.
             if run_id in self._starting:
@@ -277,8 +273,7 @@ class TrainerCore:
         Waits up to `timeout_s` for the run to stop; DeadlineExceeded if it has not by then (the stop
         stands: ask again). A run that has stopped answers with its final status, however often asked.
         """
-        if not run_id:
-            raise InvalidInput("run_id must be set")
+        check_run_id(run_id)
         deadline = time.monotonic() + timeout_s
         self.request_stop(run_id, checkpoint)
         with self._lock:
@@ -559,6 +554,21 @@ def _unavailable_dependencies(run_id: str, run_dir: Path, model_path: str) -> It
         raise Unavailable(
             f"run {run_id} cannot start now: storage failed at {where}: {exc.strerror or exc}; ask again once it serves"
         ) from exc
+
+
+def check_run_id(run_id: str) -> None:
+    """InvalidInput naming run_id unless a run can have it (RUN_ID), so every RPC refuses the same ids. An oversized
+    one is quoted by its start only: quoted whole, the refusal outgrew what a gRPC status may carry, and the caller
+    heard RESOURCE_EXHAUSTED ("received metadata size exceeds hard limit") instead of the field at fault."""
+    if not run_id:
+        raise InvalidInput("run_id must be set")
+    if not RUN_ID.fullmatch(run_id):
+        shown = (
+            repr(run_id)
+            if len(run_id) <= _RUN_ID_SHOWN
+            else f"{run_id[:_RUN_ID_SHOWN]!r}... ({len(run_id)} characters)"
+        )
+        raise InvalidInput(f"run_id {shown} must be 1 to 128 letters, digits, '.', '_' or '-', not starting with '.'")
 
 
 def _starting_status(run_id: str) -> TrainerStatus:

@@ -22,6 +22,7 @@ from rlfleet.errors import Unavailable
 from rlfleet.processes import ServiceProcess, free_port
 from rlfleet.sample_stream import SampleStream
 from rlfleet.v1 import trainer_pb2_grpc
+from rlfleet.v1.runs_pb2 import RunSpec
 from rlfleet.v1.trainer_pb2 import (
     CheckpointRequest,
     StartRunRequest,
@@ -211,6 +212,44 @@ def test_checkpoint_and_watch_steps_without_a_run_id_name_the_missing_field(core
                 next(stub.WatchSteps(WatchStepsRequest(run_id="r", from_step=-5), timeout=10))
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert refused.value.details() == "from_step: must be >= 0 (0 starts with the next step), got -5"
+    finally:
+        done.set()
+
+
+@pytest.mark.parametrize("run_id", ["x" * 100_000, "../x"])
+def test_every_call_refuses_a_run_id_no_run_can_have_naming_the_field(core: TrainerCore, run_id: str) -> None:
+    """Before, an oversized id was quoted whole in the refusal, which outgrew a gRPC status: the caller heard
+    RESOURCE_EXHAUSTED ("received metadata size exceeds hard limit"), and Status or StopRun of "../x" NOT_FOUND."""
+    port, done = serve_grpc(core)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = trainer_pb2_grpc.TrainerStub(channel)
+            calls = {
+                "StartRun": lambda: stub.StartRun(StartRunRequest(run_id=run_id, spec=RunSpec()), timeout=10),
+                "Status": lambda: stub.Status(StatusRequest(run_id=run_id), timeout=10),
+                "StopRun": lambda: stub.StopRun(StopRunRequest(run_id=run_id), timeout=10),
+                "Checkpoint": lambda: stub.Checkpoint(CheckpointRequest(run_id=run_id), timeout=10),
+                "WatchSteps": lambda: next(stub.WatchSteps(WatchStepsRequest(run_id=run_id), timeout=10)),
+            }
+            for name, call in calls.items():
+                with pytest.raises(grpc.RpcError) as refused:
+                    call()
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, refused.value.code())
+                details = refused.value.details()
+                assert details.startswith("run_id ") and "must be 1 to 128 letters" in details, name
+                assert len(details) < 400, (name, len(details))
+    finally:
+        done.set()
+
+
+def test_start_run_without_a_spec_names_the_spec(core: TrainerCore) -> None:
+    """Before, it was refused for the empty spec's first field, model.path, which the caller had never sent."""
+    port, done = serve_grpc(core)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, pytest.raises(grpc.RpcError) as refused:
+            trainer_pb2_grpc.TrainerStub(channel).StartRun(StartRunRequest(run_id="a"), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details().startswith("spec must be set")
     finally:
         done.set()
 
