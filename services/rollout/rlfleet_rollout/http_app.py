@@ -12,7 +12,8 @@ GET  /v1/runs/{id}:watch    server-sent events, `data: <Run JSON>` with the run 
                            also ends, after a `: watch ended: <why>` comment, when the orchestrator shuts down,
                            loses Redis or the run's record (a client watches again). The event of the run's
                            end has `id: end`; a watch sent `Last-Event-ID: end` (a browser's EventSource
-                           reconnecting after it) of a run that ended is answered 204, which stops the reconnects
+                           reconnecting after it) of a run that ended is answered 204, which stops the reconnects.
+                           An event's data is the Run alone (gRPC's RunEvent.run, without its message and time)
 GET  /liveness                                             -> 200 while the process serves (Redis or not)
 GET  /health                                               -> 200 once Redis answers, else 503 (readiness), within
                                                               HEALTH_TIMEOUT_S
@@ -45,7 +46,7 @@ from rlfleet.proto_parse_errors import parse_json_message
 from rlfleet.v1.runs_pb2 import RunEvent, RunSpec, RunState
 from rlfleet_rollout.metrics import RolloutMetrics
 from rlfleet_rollout.run_events import is_terminal
-from rlfleet_rollout.runs_core import RunsCore
+from rlfleet_rollout.runs_core import RunsCore, unknown_state
 from rlfleet_rollout.sse_keepalive import with_keepalive
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,10 @@ END_EVENT_ID = "end"
 
 
 def sse_event(event: RunEvent) -> str:
+    """The event's run as one SSE event. Its data is the Run, not the RunEvent gRPC's Watch sends: every release's
+    `rlfleet watch` (RunsClient.watch) and the clients the README documents read each `data:` line as a Run, and
+    would read a RunEvent as an empty run (its fields are none of a Run's). The message a RunEvent adds says what
+    changed since the previous event, which a client finds by comparing the two runs; its time is when it was sent."""
     end = f"id: {END_EVENT_ID}\n" if is_terminal(event.run.state) else ""
     return f"{end}data: {json.dumps(to_json(event.run))}\n\n"
 
@@ -107,8 +112,7 @@ def parse_state(value: str) -> RunState:
     name = value.upper()
     name = name if name.startswith("RUN_STATE_") else f"RUN_STATE_{name}"
     if name not in RunState.keys() or name == "RUN_STATE_UNSPECIFIED":
-        known = ", ".join(k.removeprefix("RUN_STATE_") for k in RunState.keys() if k != "RUN_STATE_UNSPECIFIED")
-        raise InvalidInput(f"state: unknown run state {value!r}; one of {known}")
+        raise unknown_state(value)
     return RunState.Value(name)
 
 
@@ -151,6 +155,12 @@ def build_app(
     async def list_runs(request: Request, state: str = "", page_size: int = 0, page_token: str = "") -> JSONResponse:
         check_query(request, ("state", "page_size", "page_token"))
         return JSONResponse(to_json(await core.list(parse_state(state), page_size, page_token)))
+
+    # The framework answers a method that no route of a path takes with the Allow of the path's first route, POST
+    # here, as if a List sent as GET were wrong too; this route answers those methods naming both.
+    @app.api_route("/v1/runs", methods=["PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"], include_in_schema=False)
+    async def runs_by_other_method() -> JSONResponse:
+        raise HTTPException(status_code=405, headers={"Allow": "GET, POST"})
 
     # Registered before GET /v1/runs/{run_id}, which would otherwise take `id:watch` for a run id.
     @app.get("/v1/runs/{run_id}:watch")

@@ -70,6 +70,13 @@ def require_id(run_id: str) -> None:
         raise InvalidInput("id: required: the id of a run, as Submit and List return it")
 
 
+def unknown_state(value: object) -> InvalidInput:
+    """The refusal of a List filter that names no run state, worded alike for REST's name and gRPC's number, and
+    listing the states there are: gRPC's said only `unknown run state 99`."""
+    known = ", ".join(state_name(s) for s in RunState.values() if s != RunState.RUN_STATE_UNSPECIFIED)
+    return InvalidInput(f"state: unknown run state {value!r}; one of {known}")
+
+
 @contextlib.contextmanager
 def records_reachable() -> Iterator[None]:
     """Redis unavailable (unreachable beyond the client's retries, or refusing writes) becomes Unavailable naming
@@ -202,7 +209,7 @@ class RunsCore:
 
     async def list(self, state: RunState, page_size: int, page_token: str) -> ListRunsResponse:
         if state not in RunState.values():
-            raise InvalidInput(f"state: unknown run state {state}")
+            raise unknown_state(state)
         with records_reachable():
             runs, token = await self.api_store.page(state, page_size, page_token)
         return ListRunsResponse(runs=runs, next_page_token=token)

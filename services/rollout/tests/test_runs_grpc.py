@@ -12,10 +12,12 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 import redis
 from google.protobuf import json_format
 from grpc import aio
+from prometheus_client import CollectorRegistry
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from rollout_test_support import FakeFleet, Orchestrator, spec_json, wait_until
@@ -37,6 +39,7 @@ from rlfleet.v1.runs_pb2 import (
 )
 from rlfleet.v1.runs_pb2_grpc import RunsStub
 from rlfleet_rollout.grpc_server import build_grpc_server
+from rlfleet_rollout.http_app import build_app
 from rlfleet_rollout.runs_core import RunsCore
 
 
@@ -205,6 +208,31 @@ def test_a_request_naming_no_run_is_invalid_argument_naming_the_field(redis_pref
     for error in asyncio.run(scenario()):
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
         assert error.details() == "id: required: the id of a run, as Submit and List return it"
+
+
+def test_an_unknown_state_filter_is_refused_alike_on_both_transports(redis_prefix: str) -> None:
+    """Before: gRPC's List said only "state: unknown run state 99", where REST's named the states there are."""
+
+    async def scenario() -> tuple[aio.AioRpcError, httpx.Response]:
+        async with runs_core(redis_prefix) as core, _served(core) as runs:
+            with pytest.raises(aio.AioRpcError) as refused:
+                await runs.List(ListRunsRequest(state=99), timeout=10)  # type: ignore[arg-type]
+            app = build_app(
+                core,
+                core.metrics,
+                core.store.client,
+                ApiTokenGuard(None, CollectorRegistry(), "rollout"),  # the served gRPC's guard has the core's
+                watch_keepalive_s=15,
+            )
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://rest") as rest:
+                return refused.value, await rest.get("/v1/runs", params={"state": "stalled"})
+
+    grpc_error, rest_error = asyncio.run(scenario())
+    known = "one of QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED"
+    assert grpc_error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert grpc_error.details() == f"state: unknown run state 99; {known}"
+    assert rest_error.status_code == 400
+    assert rest_error.json()["error"]["message"] == f"state: unknown run state 'stalled'; {known}"
 
 
 def test_with_redis_unreachable_the_api_is_unavailable_naming_redis() -> None:

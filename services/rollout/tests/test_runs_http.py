@@ -185,6 +185,24 @@ def test_a_cancel_sent_as_get_is_a_405_that_says_to_post(orchestrator: Orchestra
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("method", ["PUT", "DELETE", "PATCH", "OPTIONS"])
+def test_another_method_on_the_runs_collection_is_a_405_naming_get_and_post(
+    orchestrator: Orchestrator, method: str
+) -> None:
+    """Before: `Allow: POST` and "this path takes POST", the first route's methods alone, though GET lists runs."""
+    response = httpx.request(method, f"{orchestrator.url}/v1/runs", timeout=5)
+    assert response.status_code == 405, response.text
+    assert response.headers["allow"] == "GET, POST"
+    assert response.json()["error"] == {
+        "kind": "method_not_allowed",
+        "message": f"{method} /v1/runs: method not allowed; this path takes GET, POST",
+        "code": 405,
+    }
+    head = httpx.head(f"{orchestrator.url}/v1/runs", timeout=5)
+    assert (head.status_code, head.headers["allow"]) == (405, "GET, POST")
+
+
+@pytest.mark.e2e
 def test_a_run_ends_with_its_last_steps_metrics_when_the_trainers_reports_reach_it_late(
     orchestrator: Orchestrator, fleet: FakeFleet, tokenizer_dir: Path
 ) -> None:
