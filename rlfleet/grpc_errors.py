@@ -22,15 +22,30 @@ from rlfleet.errors import InvalidInput, RlfleetError
 logger = logging.getLogger(__name__)
 
 
+# The most of a message a status carries, in UTF-8 bytes. It travels in a trailer (grpc-message, percent-encoded:
+# a non-ASCII byte takes three), and a client refuses trailers past 8 KiB whole: a message quoting an oversized
+# input (a 100,000-character run id) reached the caller as RESOURCE_EXHAUSTED instead of its own code.
+MAX_DETAILS_BYTES = 1500
+
+
 def status_code(error: RlfleetError) -> grpc.StatusCode:
     return grpc.StatusCode[error.grpc_code]
+
+
+def details(message: str) -> str:
+    """`message`, cut to MAX_DETAILS_BYTES with the length it had said, so the status reaches the caller."""
+    encoded = message.encode()
+    if len(encoded) <= MAX_DETAILS_BYTES:
+        return message
+    shown = encoded[:MAX_DETAILS_BYTES].decode(errors="ignore")
+    return f"{shown}... ({len(message)} characters)"
 
 
 async def _abort(context: aio.ServicerContext, exc: BaseException, method: str) -> None:
     if isinstance(exc, RlfleetError):
         if exc.http_status >= 500:
             logger.error("%s failed: %s", method, exc)
-        await context.abort(status_code(exc), str(exc))
+        await context.abort(status_code(exc), details(str(exc)))
     logger.exception("%s failed", method, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, "internal error; see the service log")
 

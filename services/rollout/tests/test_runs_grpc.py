@@ -256,3 +256,19 @@ def test_with_redis_unreachable_the_api_is_unavailable_naming_redis() -> None:
     for error in asyncio.run(scenario()):
         assert error.code() == grpc.StatusCode.UNAVAILABLE, error
         assert error.details().startswith("run records (Redis) unreachable: "), error.details()
+
+
+def test_a_refusal_quoting_an_oversized_id_still_reaches_the_caller_with_its_code(redis_prefix: str) -> None:
+    """A NotFound quoting a 100,000-character id whole outgrew what a gRPC status may carry: the caller heard
+    RESOURCE_EXHAUSTED or INTERNAL instead of NOT_FOUND."""
+
+    async def scenario() -> aio.AioRpcError:
+        async with runs_core(redis_prefix) as core, _served(core) as runs:
+            with pytest.raises(aio.AioRpcError) as refused:
+                await runs.Get(GetRunRequest(id="r" * 100_000), timeout=10)
+            return refused.value
+
+    error = asyncio.run(scenario())
+    assert error.code() == grpc.StatusCode.NOT_FOUND, error
+    assert error.details().startswith("run 'rrrr") and "characters" in error.details()
+    assert len(error.details()) < 2000
