@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.routing import BaseRoute, Match
 
 from rlfleet.errors import (
     Conflict,
@@ -99,6 +100,16 @@ def framework_error_body(request: Request, exc: HTTPException) -> dict[str, dict
     return {"error": {"kind": kind, "message": message, "code": exc.status_code}}
 
 
+def allowed_methods(app: FastAPI, request: Request) -> str:
+    """The methods the routes of the request's path take, together ("" if none does). The framework's 405 names
+    only those of the path's first route: GET /v1/runs lists runs, yet a PUT there was told the path takes POST."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        if isinstance(route, BaseRoute) and route.matches(request.scope)[0] is Match.PARTIAL:
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(sorted(methods))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RlfleetError)
     async def _rlfleet_error(request: Request, exc: RlfleetError) -> JSONResponse:
@@ -108,6 +119,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _routing_error(request: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code == 405 and (allowed := allowed_methods(app, request)):
+            exc.headers = {**(exc.headers or {}), "Allow": allowed}
         return JSONResponse(framework_error_body(request, exc), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)

@@ -86,6 +86,25 @@ def test_a_method_the_path_does_not_take_is_a_405_in_the_api_error_format(client
     }
 
 
+def test_a_405_names_the_methods_of_every_route_of_the_path() -> None:
+    """The framework named only the first route's: with GET and POST served by two routes, a PUT was told the path
+    takes POST, as if a GET were wrong too."""
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/runs")
+    async def submit() -> dict[str, str]:
+        return {}
+
+    @app.get("/runs")
+    async def listed() -> dict[str, str]:
+        return {}
+
+    response = TestClient(app).put("/runs")
+    assert response.status_code == 405 and response.headers["allow"] == "GET, POST"
+    assert response.json()["error"]["message"] == "PUT /runs: method not allowed; this path takes GET, POST"
+
+
 def test_a_path_no_route_serves_is_a_404_in_the_api_error_format(client: TestClient) -> None:
     response = client.post("/nowhere", json={})
     assert response.status_code == 404

@@ -156,12 +156,6 @@ def build_app(
         check_query(request, ("state", "page_size", "page_token"))
         return JSONResponse(to_json(await core.list(parse_state(state), page_size, page_token)))
 
-    # The framework answers a method that no route of a path takes with the Allow of the path's first route, POST
-    # here, as if a List sent as GET were wrong too; this route answers those methods naming both.
-    @app.api_route("/v1/runs", methods=["PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"], include_in_schema=False)
-    async def runs_by_other_method() -> JSONResponse:
-        raise HTTPException(status_code=405, headers={"Allow": "GET, POST"})
-
     # Registered before GET /v1/runs/{run_id}, which would otherwise take `id:watch` for a run id.
     @app.get("/v1/runs/{run_id}:watch")
     async def watch(request: Request, run_id: str) -> Response:
