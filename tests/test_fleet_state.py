@@ -411,6 +411,27 @@ def test_down_without_its_up_gives_each_service_sigterm_and_kills_only_one_that_
         graceful.stop(timeout=1)
 
 
+def test_down_keeps_the_record_and_fails_when_a_service_outlives_its_sigkill(
+    tmp_path: Path, sleepers: list[ServiceProcess], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """`rlfleet down` said "fleet stopped" (exit 0) and removed fleet.json after a SIGKILL whatever it did: a service
+    stuck in the kernel ran on with no record left to find it by."""
+    from rlfleet.cli import down
+
+    owner, service = sleepers
+    record(tmp_path, owner, service)
+    owner.stop(timeout=5)  # `rlfleet up` is gone
+    monkeypatch.setattr(local_fleet, "STOP_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(down, "send_stop", lambda pid: True)  # SIGTERM does not reach it ...
+    monkeypatch.setattr(down.os, "killpg", lambda pid, sig: None)  # ... nor SIGKILL
+    monkeypatch.setattr(down, "KILLED_WITHIN_S", 0.2)
+    assert main(["down", "--state-dir", str(tmp_path)]) == 1
+    printed = capsys.readouterr()
+    assert "engine-0 still running after SIGKILL" in printed.out and "fleet stopped" not in printed.out
+    assert f"rlfleet down --state-dir {tmp_path}` again" in printed.err
+    assert process_runs(service.pid) and (tmp_path / "fleet.json").exists()
+
+
 def test_the_trainer_has_time_to_checkpoint_before_it_is_killed() -> None:
     """On SIGTERM the trainer's gRPC server gets 5 s and its runs up to 30 s to end their step and checkpoint
     (rlfleet_trainer's serve, TrainerCore.shutdown); the orchestrator may wait out a trainer call of up to 30 s."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 
 import redis
 
-from rlfleet.local_fleet import owner_runs, read_state, running_services, stop_timeout_s
+from rlfleet.local_fleet import KILLED_WITHIN_S, owner_runs, read_state, running_services, stop_timeout_s
 from rlfleet.processes import group_runs, process_runs, send_stop
 from rlfleet.redis_claim import CLAIM_TTL_S, release_gone_owner
 
@@ -46,6 +47,12 @@ def run_down(args: argparse.Namespace) -> int:
         return 0
     print(f"stopping the fleet of pid {state['pid']} ({state.get('state', 'up')}) ...", flush=True)
     stop_from_state(args.state_dir, say=lambda line: print(line, flush=True))
+    if read_state(args.state_dir) is not None:  # kept for what outlived even SIGKILL (stop_from_state said which)
+        print(
+            f"rlfleet: error: the fleet did not stop: try `rlfleet down --state-dir {args.state_dir}` again",
+            file=sys.stderr,
+        )
+        return 1
     print("fleet stopped", flush=True)
     return 0
 
@@ -65,12 +72,15 @@ def stop_from_state(state_dir: Path, say: Callable[[str], None]) -> bool:
     else:
         say(f"the process that started the fleet (pid {owner}) is gone: stopping its services one by one")
     services = running_services(state)
-    stop_services({name: pid for name, pid in services.items() if name != "redis"}, say)
+    left = stop_services({name: pid for name, pid in services.items() if name != "redis"}, say)
     if not owner_runs(state):  # what its owner would have cleared is left: before a Redis of its own stops
         release_claim(state, state_dir, say)
         delete_scratch_keys(state, say)
-    stop_services({name: pid for name, pid in services.items() if name == "redis"}, say)
-    (Path(state_dir) / "fleet.json").unlink(missing_ok=True)
+    left += stop_services({name: pid for name, pid in services.items() if name == "redis"}, say)
+    if left:  # the record stays, naming them, for the next `down`
+        say(f"{', '.join(left)} still running after SIGKILL: {Path(state_dir) / 'fleet.json'} keeps them")
+    else:
+        (Path(state_dir) / "fleet.json").unlink(missing_ok=True)
     return True
 
 
@@ -145,10 +155,12 @@ def _wait_for_owner(state_dir: Path, owner: int, say: Callable[[str], None]) -> 
     return state is None
 
 
-def stop_services(services: dict[str, int], say: Callable[[str], None]) -> None:
+def stop_services(services: dict[str, int], say: Callable[[str], None]) -> list[str]:
     """Stops processes that are not this one's children, in reverse order: SIGTERM to each (`send_stop`), then
     SIGKILL to what is left of its process group (the service, or helpers that outlive it) after its stop bound
-    (stop_timeout_s)."""
+    (stop_timeout_s). Returns those whose group still runs KILLED_WITHIN_S after SIGKILL (a process stuck in the
+    kernel outlasts even that)."""
+    left = []
     for name, pid in reversed(list(services.items())):
         bound = stop_timeout_s(name)
         say(f"stopping {name} (pid {pid}) ...")
@@ -169,3 +181,9 @@ def stop_services(services: dict[str, int], say: Callable[[str], None]) -> None:
         except ProcessLookupError:
             pass
         say(f"{name} did not stop within {bound:g} s of SIGTERM: killed")
+        killed_by = time.monotonic() + KILLED_WITHIN_S
+        while group_runs(pid) and time.monotonic() < killed_by:
+            time.sleep(0.05)
+        if group_runs(pid):
+            left.append(name)
+    return left
