@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlfleet_engine.request_expansion import MAX_TOP_LOGPROBS_NUM
-from rlfleet_engine.sampling_params import MAX_SEED
+from rlfleet_engine.sampling_params import MAX_SEED, without_nulls
 from rlfleet_engine.schemas import UnicodeStr
 
 
@@ -168,9 +168,7 @@ class ChatCompletionRequest(OpenAISampling):
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data: object) -> object:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None or k not in _CHAT_NULL_IS_DEFAULT}
-        return data
+        return without_nulls(data, _CHAT_NULL_IS_DEFAULT)
 
     @model_validator(mode="after")
     def _top_logprobs_with_logprobs(self) -> ChatCompletionRequest:

@@ -39,6 +39,14 @@ _UNSUPPORTED_AT_NEUTRAL: dict[str, Any] = {
 _NULL_IS_DEFAULT = ("temperature", "top_p", "top_k", "min_p", "n", "ignore_eos", "skip_special_tokens", "no_stop_trim")
 
 
+def without_nulls(data: object, fields: tuple[str, ...]) -> object:
+    """A request body without those of `fields` it sets to null, so that they take their defaults, as SGLang reads
+    a null there; anything but a JSON object is left for validation to refuse."""
+    if isinstance(data, dict):
+        return {k: v for k, v in data.items() if v is not None or k not in fields}
+    return data
+
+
 class SamplingParams(BaseModel):
     """How to sample one completion. `temperature` 0 means greedy."""
 
@@ -61,9 +69,7 @@ class SamplingParams(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data: object) -> object:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None or k not in _NULL_IS_DEFAULT}
-        return data
+        return without_nulls(data, _NULL_IS_DEFAULT)
 
     @field_validator("max_new_tokens", mode="before")
     @classmethod
