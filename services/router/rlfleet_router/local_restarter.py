@@ -6,9 +6,11 @@ starts `local_engine_count` engines from it when it starts (on free ports), and 
 of `worker_urls` (started by someone else). To restart an engine it stops the process it started
 (SIGTERM, then SIGKILL of the process group), or for an adopted engine waits until its port is
 free, then starts the command again on the same host and port; the new process is then its own.
-A restart cancelled because its engine left the fleet starts nothing after that, and `release` stops the
-process it started, so no engine outlives its worker (the healer does not call it once a worker at the same URL
-joined again: the process is that worker's). On shutdown it stops every process it started.
+An engine that leaves the fleet (`DELETE /workers`, or removed while its restart was under way, which then starts
+nothing more) is released: `release` stops the process started for it, so no engine the router started outlives its
+worker (the healer does not call it once a worker at the same URL joined again: the process is that worker's).
+Processes are known by host and port, so an engine elsewhere at the same port is never taken for one of them. On
+shutdown it stops every process it started.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class LocalRestarter:
         self._log_dir = log_dir
         self._timeout = timeout_secs
         self._stop_timeout = stop_timeout_secs
-        self._processes: dict[int, ServiceProcess] = {}  # by port
+        self._processes: dict[tuple[str, int], ServiceProcess] = {}  # by host and port
 
     @classmethod
     def from_config(cls, config: RouterConfig) -> LocalRestarter:
@@ -56,8 +58,9 @@ class LocalRestarter:
             stop_timeout_secs=config.local_engine_stop_timeout_secs,
         )
 
-    def pid(self, port: int) -> int | None:
-        process = self._processes.get(port)
+    def pid(self, url: str) -> int | None:
+        """The pid of the process this restarter started for the engine at `url`, if it runs one."""
+        process = self._processes.get(_address(url))
         return process.pid if process is not None else None
 
     async def start(self) -> list[str]:
@@ -73,7 +76,7 @@ class LocalRestarter:
         host, port = parts.hostname or self._host, parts.port
         if port is None:
             raise Unavailable(f"cannot restart {url} locally: the URL has no port")
-        process = self._processes.pop(port, None)
+        process = self._processes.pop((host, port), None)
         if process is not None:
             await asyncio.to_thread(process.stop, self._stop_timeout)
         await self._wait_port_free(host, port, url)
@@ -86,8 +89,7 @@ class LocalRestarter:
         return url
 
     async def release(self, url: str) -> None:
-        port = urlsplit(url).port
-        process = self._processes.pop(port, None) if port is not None else None
+        process = self._processes.pop(_address(url), None)
         if process is not None:
             logger.info("stopping engine %s (pid %d): it left the fleet", url, process.pid)
             await asyncio.to_thread(process.stop, self._stop_timeout)
@@ -112,8 +114,14 @@ class LocalRestarter:
     def _spawn(self, host: str, port: int) -> None:
         argv = shlex.split(self._command.format(host=host, port=port))
         process = ServiceProcess(f"engine-{port}", argv, self._log_dir / f"engine-{port}.log")
-        self._processes[port] = process
+        self._processes[(host.lower(), port)] = process
         logger.info("started engine %s (pid %d)", f"http://{host}:{port}", process.pid)
+
+
+def _address(url: str) -> tuple[str, int]:
+    """The host and port of `url` (port -1 without one: no process is started for such a URL)."""
+    parts = urlsplit(url)
+    return parts.hostname or "", parts.port if parts.port is not None else -1
 
 
 def listening(host: str, port: int) -> bool:

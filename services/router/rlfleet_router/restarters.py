@@ -3,8 +3,8 @@
 A restarter is any object with `restart(url) -> url`, `release(url)` and `close()` (the `Restarter`
 protocol); `restart` returns once the engine was asked to come back, with the URL it serves on afterwards (a
 Kubernetes pod comes back with a new address). The router's health checks decide when it is
-healthy again, and it loads the fleet's weights before it rejoins routing. A restart is cancelled when its
-engine leaves the fleet; `release` then stops what the restarter started for it.
+healthy again, and it loads the fleet's weights before it rejoins routing. When an engine leaves the fleet its
+restart, if one is under way, is cancelled, and `release` stops what the restarter started for it.
 
 Built-ins, declared as entry points of this package in the group `rlfleet.router.restarters`:
 `local` (engine processes from a command template), `docker` (Docker Engine API) and `kubernetes`
@@ -35,8 +35,8 @@ class Restarter(Protocol):
         ...
 
     async def release(self, url: str) -> None:
-        """The engine at `url` left the fleet while it was being restarted (the restart was cancelled): stops what
-        this restarter started for it, if anything. Not called if a worker at `url` joined again meanwhile."""
+        """The engine at `url` left the fleet (a restart of it under way was cancelled first): stops what this
+        restarter started for it, if anything. Not called if a worker at `url` joined again meanwhile."""
         ...
 
     async def close(self) -> None:

@@ -16,11 +16,11 @@ again within the restart timeout of coming back is in a crash loop (it passes a 
 fleet's weights, say): its backoff goes on from where it was, rather than starting over with an immediate
 restart each time.
 
-An engine removed from the fleet meanwhile (`forget`) stops being restarted at once, and nothing more is counted
-for it. What the restarter started for it is stopped (`Restarter.release`), unless a worker at its URL joined
-since (added back at once, while the cancelled restart was still starting the process): the restarter keeps
-engines by address, so that process is the new worker's engine, which would otherwise sit without one until its
-own failures added up to a restart.
+An engine removed from the fleet (`forget`) stops being restarted at once, and nothing more is counted for it.
+What the restarter started for it, by a restart or when the router started, is stopped (`Restarter.release`),
+whether a restart was under way or not, unless a worker at its URL joined since (added back at once, while a
+cancelled restart was still starting the process): the restarter keeps engines by address, so that process is the
+new worker's engine, which would otherwise sit without one until its own failures added up to a restart.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class Healer:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         # Per worker: the attempts of its last restart and when it came back, for a crash loop's backoff to go on.
         self._came_back: dict[str, tuple[int, float]] = {}
-        self._cancelled: set[asyncio.Task[None]] = set()  # restarts of engines removed from the fleet, ending
+        self._ending: set[asyncio.Task[None]] = set()  # restarts cancelled and releases of engines removed, ending
 
     def on_failed(self, worker: Worker) -> None:
         """Called by the registry when `worker`, out of routing, keeps failing its probes. A new engine gets as long
@@ -85,13 +85,17 @@ class Healer:
         """`worker` left the fleet: its restart stops, and what the restarter started for it is stopped."""
         self._came_back.pop(worker.id, None)
         task = self._tasks.pop(worker.id, None)
-        if task is not None and task is not asyncio.current_task():
-            task.cancel()
-            self._cancelled.add(task)  # until it has stopped what it started
-            task.add_done_callback(self._cancelled.discard)
+        if task is not None and task is asyncio.current_task():
+            return  # its own restart removes it: the engine came back as another worker, which keeps what it runs
+        if task is not None and not task.done():
+            task.cancel()  # the cancelled restart stops what it started
+        else:
+            task = asyncio.create_task(self._release(worker), name=f"release-{worker.id}")
+        self._ending.add(task)  # until it has stopped what it started
+        task.add_done_callback(self._ending.discard)
 
     async def stop(self, timeout_secs: float = 5.0) -> None:
-        tasks = [*self._tasks.values(), *self._cancelled]
+        tasks = [*self._tasks.values(), *self._ending]
         for task in tasks:
             task.cancel()
         if tasks:
@@ -181,7 +185,7 @@ class Healer:
         self._workers.remove(worker.id)
 
     async def _release(self, worker: Worker) -> None:
-        """Stops what the restarter started for `worker`, removed mid-restart, unless a worker at its URL joined
+        """Stops what the restarter started for `worker`, removed from the fleet, unless a worker at its URL joined
         since (see the module docstring)."""
         url = worker.url
         if any(other.url == url for other in self._workers.all()):

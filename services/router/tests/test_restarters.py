@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -415,19 +414,64 @@ def test_the_local_restarter_stops_what_it_started_for_an_engine_that_left_the_f
 
     async def scenario() -> int:
         [url] = await restarter.start()
-        port = urlsplit(url).port
-        assert port is not None
-        first = restarter.pid(port)
+        first = restarter.pid(url)
         assert await restarter.restart(url) == url
-        restarted = restarter.pid(port)
+        restarted = restarter.pid(url)
         assert restarted is not None and restarted != first
         await restarter.release(url)
-        assert restarter.pid(port) is None
+        assert restarter.pid(url) is None
         await restarter.close()
         return restarted
 
     restarted = asyncio.run(scenario())
     assert not process_runs(restarted)
+
+
+def test_an_engine_removed_from_the_fleet_outside_a_restart_has_its_process_stopped(tmp_path: Path) -> None:
+    """An engine the local restarter started (at the router's start, or by a restart long done) and then removed
+    from the fleet (DELETE /workers, to scale down): its process ran on, serving no one, until the router stopped."""
+    command = f"{sys.executable} -c 'import time; time.sleep(60)' {{host}} {{port}}"
+    restarter = LocalRestarter(command, 2, "127.0.0.1", tmp_path, timeout_secs=10, stop_timeout_secs=2)
+
+    async def scenario() -> tuple[int | None, bool, bool]:
+        kept_url, removed_url = await restarter.start()
+        kept, removed = restarter.pid(kept_url), restarter.pid(removed_url)
+        workers = WorkerRegistry(1, 1)
+        workers.add(kept_url)
+        worker, _ = workers.add(removed_url)
+        healer = Healer(restarter, workers, LeastLoad(), RouterMetrics(workers, lambda: None), 10.0, 10.0, 10.0)
+        try:
+            workers.remove(worker.id)  # as Fleet.remove_worker does
+            healer.forget(worker)
+            deadline = time.monotonic() + 10.0
+            while removed is not None and process_runs(removed) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return kept, removed is not None and not process_runs(removed), kept is not None and process_runs(kept)
+        finally:
+            await healer.stop()
+
+    kept, removed_stopped, kept_ran = asyncio.run(scenario())
+    assert removed_stopped, "the removed engine's process ran on after it left the fleet"
+    assert kept_ran, "the engine still in the fleet was stopped too"
+    assert kept is not None and not process_runs(kept), "the router's shutdown stops what its restarter started"
+
+
+def test_the_local_restarter_releases_only_the_process_at_the_url_s_own_host(tmp_path: Path) -> None:
+    """Processes were known by port alone: releasing an engine elsewhere at the same port (an adopted one on
+    another host, removed from the fleet) stopped the local engine at that port."""
+    command = f"{sys.executable} -c 'import time; time.sleep(60)' {{host}} {{port}}"
+    restarter = LocalRestarter(command, 1, "127.0.0.1", tmp_path, timeout_secs=10, stop_timeout_secs=2)
+
+    async def scenario() -> tuple[int | None, int | None]:
+        [url] = await restarter.start()
+        before = restarter.pid(url)
+        await restarter.release(url.replace("127.0.0.1", "10.0.0.7"))
+        after = restarter.pid(url)
+        await restarter.close()
+        return before, after
+
+    before, after = asyncio.run(scenario())
+    assert before is not None and after == before
 
 
 class SlowStarts(LocalRestarter):
@@ -464,9 +508,7 @@ def test_an_engine_added_again_while_its_removed_predecessor_restarts_keeps_the_
 
     async def scenario() -> tuple[int | None, int | None, bool]:
         [url] = await restarter.start()
-        port = urlsplit(url).port
-        assert port is not None
-        first = restarter.pid(port)
+        first = restarter.pid(url)
         workers = WorkerRegistry(1, 1)
         removed, _ = workers.add(url)
         removed.added_at -= 60  # not a new engine still given the restart timeout to come up
@@ -484,7 +526,7 @@ def test_an_engine_added_again_while_its_removed_predecessor_restarts_keeps_the_
             while not await asyncio.to_thread(answers, url) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             await asyncio.sleep(0.5)  # the cancelled restart's cleanup has run by now
-            return first, restarter.pid(port), await asyncio.to_thread(answers, url)
+            return first, restarter.pid(url), await asyncio.to_thread(answers, url)
         finally:
             await healer.stop()
 
