@@ -224,9 +224,17 @@ class RunsClient:
         return self._run(self._request("GET", run_path(run_id)))
 
     def list(self, state: str | None = None) -> list[Run]:
-        """Every run (in `state`, if given), oldest first, page after page."""
+        """Every run (in `state`, if given), oldest first, page after page. An answer naming a page already read
+        as the next one is Unavailable: paging on would never end (a proxy caching the listing's answer, say)."""
         runs, token = self.page(state, LIST_PAGE_SIZE)
+        read: set[str] = set()
         while token:
+            if token in read:
+                raise Unavailable(
+                    f"{self.base_url}/v1/runs named page {token[:64]!r} as the next page again after {len(runs)} runs; "
+                    "is a proxy or cache answering in the orchestrator's place?"
+                )
+            read.add(token)
             more, token = self.page(state, LIST_PAGE_SIZE, token)
             runs.extend(more)
         return runs
