@@ -50,6 +50,10 @@ ALGORITHM_DEFAULTS: dict[str, AlgorithmDefaults] = {
     "ppo": AlgorithmDefaults(loss_aggregation="token_mean", kl_mode="reward"),
 }
 ALGORITHMS = tuple(ALGORITHM_DEFAULTS)
+# What only ppo's returns and value head read, and their values when unset: the discount (REINFORCE++ discounts with
+# 1), GAE's lambda and the value loss's clip range. A resolved spec holds them whatever its algorithm, so another
+# algorithm's spec is refused only for a value other than these.
+PPO_ONLY_DEFAULTS = {"gamma": 1.0, "gae_lambda": 0.95, "value_clip": 0.2}
 # The algorithms whose advantages compare each sample with the others of its group (the trainer's per_group
 # estimators): a group of identical samples gives every one of them the advantage 0. PPO (a critic) and
 # REINFORCE++ (whitened over the whole batch) learn from a group whose samples agree.
@@ -162,12 +166,9 @@ def resolve(spec: RunSpec) -> RunSpec:
     # In the reward only k1's expectation has the gradient of the KL (E[grad log p * k1] = grad KL); k3's is
     # grad KL(pi||ref) - grad KL(ref||pi), which nearly cancels near the reference: a penalty that barely pulls.
     al.kl_estimator = al.kl_estimator or ("k1" if al.kl_mode == "reward" else "k3")
-    if not al.HasField("gamma"):
-        al.gamma = 1.0
-    if not al.HasField("gae_lambda"):
-        al.gae_lambda = 0.95
-    if not al.HasField("value_clip"):
-        al.value_clip = 0.2
+    for field, default in PPO_ONLY_DEFAULTS.items():
+        if not al.HasField(field):
+            setattr(al, field, default)
     if not al.HasField("critic_learning_rate"):
         al.critic_learning_rate = min(0.5, 10 * tr.learning_rate)
     if not al.HasField("clip_ratio_c"):
@@ -381,6 +382,14 @@ def validate(spec: RunSpec) -> None:
     _require(_finite(al.gamma) and 0 < al.gamma <= 1, "algorithm.gamma", "must be in (0, 1]")
     _require(_finite(al.gae_lambda) and 0 <= al.gae_lambda <= 1, "algorithm.gae_lambda", "must be in [0, 1]")
     _require(_finite(al.value_clip) and al.value_clip > 0, "algorithm.value_clip", "must be > 0")
+    if al.name != "ppo":  # set otherwise, they would change nothing the user asked for
+        for field, default in PPO_ONLY_DEFAULTS.items():
+            value = getattr(al, field)
+            _require(
+                value == default,
+                f"algorithm.{field}",
+                f"applies to ppo only: {al.name} would ignore {value:g} (leave it unset, or {default:g})",
+            )
     _require(
         _finite(al.critic_learning_rate) and 0 < al.critic_learning_rate < 1,
         "algorithm.critic_learning_rate",

@@ -132,6 +132,10 @@ def test_one_update_per_batch_unless_asked_and_as_many_mini_batches_as_samples()
         ({"algorithm": {"name": "ppo", "gamma": 0}}, "algorithm.gamma"),
         ({"algorithm": {"name": "ppo", "gae_lambda": 1.5}}, "algorithm.gae_lambda"),
         ({"algorithm": {"name": "ppo", "value_clip": 0}}, "algorithm.value_clip"),
+        # Read only by ppo: a grpo run with a discount of 0.9 trained undiscounted, saying nothing.
+        ({"algorithm": {"name": "grpo", "gamma": 0.9}}, "algorithm.gamma"),
+        ({"algorithm": {"name": "reinforce_pp", "gae_lambda": 0.9}}, "algorithm.gae_lambda"),
+        ({"algorithm": {"name": "gspo", "value_clip": 0.5}}, "algorithm.value_clip"),
         ({"algorithm": {"clip_ratio_c": 0.9}}, "algorithm.clip_ratio_c"),
         # Infinite in the trainer's float32: the loss was NaN (0 x inf) or infinite at every step.
         ({"algorithm": {"kl_coef": 1e39}}, "algorithm.kl_coef"),
