@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000
-# A page ends early past this many bytes of records: a run holds its spec (inline prompts too) and evaluations,
+# A page ends early past this many bytes of records: a run holds its spec (up to 1 MiB) and evaluations,
 # and 50 such runs made a ListRuns answer larger than a gRPC client takes by default (4 MiB).
 MAX_PAGE_BYTES = 2 * 1024 * 1024
 # A write that lost the race for a record waits a random pause, up to this one doubled per loss (so that writers

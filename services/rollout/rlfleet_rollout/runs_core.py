@@ -48,6 +48,7 @@ from rlfleet_rollout.run_events import RunFeeds, RunNotifier, describe_change, i
 from rlfleet_rollout.run_fence import RunFence
 from rlfleet_rollout.run_lease import lease_key
 from rlfleet_rollout.run_store import RunStore
+from rlfleet_rollout.spec_size import require_spec_fits
 from rlfleet_rollout.submit_requests import RequestRecord, SubmitRequest
 
 logger = logging.getLogger(__name__)
@@ -153,6 +154,7 @@ class RunsCore:
             if earlier is not None:  # checked before the spec: a retry is not refused for a reward hub down now
                 return await self._run_of_request(request, earlier)
         resolved = resolve(spec)
+        require_spec_fits(resolved)  # first: the checks after it would read a spec that cannot be taken
         validate(resolved)
         require_under_roots(resolved, self.data_roots)  # before any of them is opened
         require_model_config(resolved.model.path)
