@@ -4,7 +4,8 @@ writer) to the trainer (the only reader, through a consumer group).
 Delivery is at least once and nothing is lost: an entry stays pending in the consumer group until
 the trainer acknowledges it, and entries left pending by a dead consumer are claimed again
 (`claim_stale`). Writing is idempotent per `group_id`: a group the stream has already seen is not
-appended twice, so a producer that retries or restarts cannot duplicate a group. An entry that
+appended twice, so a producer that retries or restarts cannot duplicate a group; an append whose reply was lost
+and which its client sent again is still answered its entry, not "appended before". An entry that
 cannot be decoded, or whose group cannot be trained on (`check_trainable`), is moved to the run's
 dead-letter stream with the reason, never silently dropped and never handed to the trainer; one the run
 is short of (its own group, or an entry deleted while pending) is also recorded in a small hash, so counting
@@ -20,6 +21,7 @@ import logging
 import math
 import re
 import time
+import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -43,14 +45,18 @@ _DELETED = "entry was deleted while pending"
 _ID_FIELD = b"group_id"
 
 # Append unless the group id was seen before, atomically (a crash between the two steps would
-# otherwise either lose the group or let it be written twice). Once the run has ended its keys expire; a key an
-# append after the end creates (the id set, at the first group of a run cancelled while it produced) expires
-# with the other instead of staying for good.
+# otherwise either lose the group or let it be written twice). Each append leaves a receipt, KEYS[3] (named by a token
+# of that append's own) holding its entry id for ARGV[3] ms: the client sends a command again when its connection
+# drops, also after Redis ran it, and the append sent again finds its group id seen and its receipt there, and answers
+# the entry it made rather than "appended before", which its producer would not count. Once the run has ended its
+# keys expire; a key an append after the end creates (the id set, at the first group of a run cancelled while it
+# produced) expires with the other instead of staying for good.
 _APPEND_ONCE = """
 if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then
-  return false
+  return redis.call('GET', KEYS[3])
 end
 local id = redis.call('XADD', KEYS[1], '*', 'group_id', ARGV[1], 'group', ARGV[2])
+redis.call('SET', KEYS[3], id, 'PX', ARGV[3])
 local stream_ttl, ids_ttl = redis.call('PTTL', KEYS[1]), redis.call('PTTL', KEYS[2])
 if stream_ttl > 0 and ids_ttl == -1 then
   redis.call('PEXPIRE', KEYS[2], stream_ttl)
@@ -180,6 +186,9 @@ from its first attempt: no retry starts past it, so the command ends within it a
 timeout. (Counting retries alone, a Redis that accepts connections but does not answer cost each attempt its
 socket timeout: 18 attempts of 10 s and the backoffs between them, three and a half minutes.)"""
 REDIS_RETRY_ERRORS: tuple[type[redis.RedisError], ...] = (redis.ConnectionError, redis.TimeoutError)
+APPEND_RECEIPT_TTL_S = 4 * REDIS_RETRY_BUDGET_S
+"""How long an append's receipt is kept (`_APPEND_ONCE`): well past the last attempt of its client's retries, which
+starts within REDIS_RETRY_BUDGET_S of the first."""
 _BACKOFF_BASE_S, _BACKOFF_CAP_S = 0.1, 2.0
 # redis-py has no class for these refusals; inside a transaction it prefixes the reply with the command that met it
 # ("Command # 1 (SET ...) of pipeline caused error: ('MISCONF ...',)").
@@ -280,9 +289,9 @@ def connect_redis(url: str, timeout_s: float = 10.0) -> redis.Redis:
     exponential backoff for up to REDIS_RETRY_BUDGET_S. Every service's synchronous client is made here.
 
     Retrying is safe for what the fleet writes: stream appends are idempotent per group_id (a
-    retried append of a group already written is a no-op), acknowledgements and the trainer's
-    record (absolute values, MULTI/EXEC) can be applied twice, and a WATCHed transaction is never
-    retried by the client (it raises WatchError)."""
+    retried append of a group already written adds nothing, and is answered the entry it made),
+    acknowledgements and the trainer's record (absolute values, MULTI/EXEC) can be applied twice,
+    and a WATCHed transaction is never retried by the client (it raises WatchError)."""
     budget = REDIS_RETRY_BUDGET_S
     retry = _RetryWithin(_BackoffWithin(budget), _retries_within(budget), supported_errors=REDIS_RETRY_ERRORS)
     return redis.Redis.from_url(url, retry=retry, **_client_options(timeout_s))
@@ -444,11 +453,16 @@ class SampleStream:
     # -- producer -------------------------------------------------------------------------------
 
     def append(self, group: SampleGroup) -> str | None:
-        """Appends `group`; returns its entry id, or None when this group_id was appended before."""
+        """Appends `group`; returns its entry id, or None when this group_id was appended before, by another call
+        (a call whose first attempt landed and whose reply was lost returns the entry that attempt made)."""
         validate_group(group)
         if group.run_id != self.run_id:
             raise InvalidInput(f"SampleGroup {group.group_id} belongs to run {group.run_id}, not {self.run_id}")
-        entry_id = self._append_once(keys=[self.key, self.ids_key], args=[group.group_id, group.SerializeToString()])
+        receipt = f"{self.key}:receipt:{uuid.uuid4().hex}"
+        entry_id = self._append_once(
+            keys=[self.key, self.ids_key, receipt],
+            args=[group.group_id, group.SerializeToString(), math.ceil(APPEND_RECEIPT_TTL_S * 1000)],
+        )
         if entry_id is None:
             logger.info("group %s already on stream %s; not appended again", group.group_id, self.key)
             return None
