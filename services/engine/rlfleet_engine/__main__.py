@@ -36,10 +36,15 @@ def serve(config: EngineConfig) -> None:
     from transformers import AutoTokenizer
 
     from rlfleet_engine.engine_core import EngineCore, Tokenizer
+    from rlfleet_engine.generation_defaults import read_chat_sampling_defaults
     from rlfleet_engine.http_app import create_app
     from rlfleet_engine.serving import serve_http
     from rlfleet_engine.transformers_backend import TransformersBackend, tokenizer_eos_token_ids
 
+    # Read before the model loads, so a bad file stops the engine at once.
+    chat_defaults = read_chat_sampling_defaults(config.model_path)
+    if chat_defaults:
+        logger.info("chat requests default to the model's generation_config.json sampling values: %s", chat_defaults)
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     logger.info("loading %s (%s, %d torch threads)", config.model_path, config.dtype, torch.get_num_threads())
@@ -53,7 +58,7 @@ def serve(config: EngineConfig) -> None:
     )
     registry = CollectorRegistry()
     core = EngineCore(config, backend, tokenizer, registry)
-    app = create_app(core, registry)
+    app = create_app(core, registry, chat_defaults)
     core.start()
     try:
         serve_http(app, config, lambda: core.abort("", abort_all=True))

@@ -1,11 +1,14 @@
 """SGLang's HTTP API over an EngineCore: the same paths, bodies and status codes as `sglang.launch_server`.
 
-Error bodies follow SGLang, which has two: a body that fails validation (malformed JSON, wrong
-types, missing prompt) answers 400 `{"object": "error", "message", "type": "Bad Request", "param",
-"code": 400}`, and so does any request the OpenAI routes refuse; a request /generate cannot run (prompt
-over the context, bad token ids) answers 400 `{"error": {"message", ...}}` through rlfleet's shared error
-handlers. Weight loads answer `{"success", "message"}` (and `num_paused_requests` from a load, as SGLang
-does): 200, or the failure's own status (400 bad input, 503 a group that could not be joined or broke, 504 a
+Refusals take the shape SGLang gives them on each route. /generate: a body of the wrong form (malformed JSON, a
+top-level field of the wrong type) answers 400 `{"object": "error", "message", "type": "Bad Request", "param",
+"code": 400}`, as FastAPI's validation does there; a bad value in `sampling_params`, no prompt, and any request
+the engine cannot run (prompt over the context, bad token ids) answer `{"error": {"message", ...}}` through
+rlfleet's shared error handlers, as SGLang's handler answers its ValueErrors (`body_errors`). The OpenAI routes:
+a body of the wrong form is the same 400 `{"object": "error", ...}`; a request they refuse past that (a sampling
+value out of range, a prompt over the context) is the same object with `"type": "BadRequestError"`, as SGLang's
+OpenAI handlers answer it. Weight loads answer `{"success", "message"}` (and `num_paused_requests` from a load, as
+SGLang does): 200, or the failure's own status (400 bad input, 503 a group that could not be joined or broke, 504 a
 load that timed out).
 
 `/get_model_info` and `/get_server_info` add one field to SGLang's: `weights_partial`, true while the engine
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
@@ -27,8 +30,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from rlfleet.client_gone import ClientGone, unless_client_leaves
-from rlfleet.errors import RlfleetError
-from rlfleet.http_errors import install_error_handlers, whole_body_problem
+from rlfleet.errors import InvalidInput, RlfleetError
+from rlfleet.http_errors import error_response, install_error_handlers, whole_body_problem
+from rlfleet_engine.body_errors import describe, refused_past_validation
 from rlfleet_engine.openai_api import OpenAIServer
 from rlfleet_engine.openai_schemas import ChatCompletionRequest, CompletionRequest
 from rlfleet_engine.schemas import (
@@ -44,19 +48,25 @@ from rlfleet_engine.schemas import (
 if TYPE_CHECKING:  # the sim backend serves this app without importing torch
     from rlfleet_engine.engine_core import EngineCore
 
-# Names pydantic gives the alternatives of a union in an error path (besides generic ones like `list[int]`).
-_UNION_TAGS = frozenset({"str", "int", "float", "bool"})
+# The `type` of SGLang's OpenAI refusals past validation (its serving handlers' create_error_response).
+_OPENAI_REFUSAL_TYPE = "BadRequestError"
 
 
-def create_app(core: EngineCore, registry: CollectorRegistry) -> FastAPI:
+def create_app(
+    core: EngineCore, registry: CollectorRegistry, chat_defaults: Mapping[str, float] | None = None
+) -> FastAPI:
+    """`chat_defaults`: the sampling values a chat request leaves unset takes (the model's generation_config.json)."""
     # strict_content_type=False: a body without a Content-Type is read as JSON, as SGLang's server reads it.
     app = FastAPI(title="rlfleet-engine", version="0.1.0", strict_content_type=False)
     install_error_handlers(app)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message = whole_body_problem(exc, request.headers.get("content-type"), missing_reads_as_json=True)
-        return _openai_error(message or _describe(exc), HTTPStatus.BAD_REQUEST)
+        whole = whole_body_problem(exc, request.headers.get("content-type"), missing_reads_as_json=True)
+        message = whole or describe(exc.errors())
+        if request.url.path == "/generate" and whole is None and refused_past_validation(exc.body, exc.errors()):
+            return error_response(InvalidInput(message))
+        return _openai_error(message, HTTPStatus.BAD_REQUEST, HTTPStatus.BAD_REQUEST.phrase)
 
     @app.get("/health")
     async def health() -> Response:
@@ -80,10 +90,9 @@ def create_app(core: EngineCore, registry: CollectorRegistry) -> FastAPI:
     async def weight_version() -> dict[str, Any]:
         return {"weight_version": core.weight_version}
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    def model_card() -> dict[str, Any]:
         name = core.config.served_model_name
-        card = {
+        return {
             "id": name,
             "object": "model",
             "created": int(time.time()),  # OpenAI's Model requires it; SGLang's card stamps the answer's time too
@@ -91,7 +100,25 @@ def create_app(core: EngineCore, registry: CollectorRegistry) -> FastAPI:
             "root": name,
             "max_model_len": core.backend.context_length,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    # `:path`, as SGLang's: a served name is often a Hugging Face id or a directory, with slashes.
+    @app.get("/v1/models/{model:path}", response_model=None)
+    async def retrieve_model(model: str) -> dict[str, Any] | JSONResponse:
+        card = model_card()
+        if model != card["id"]:
+            # OpenAI's answer for a model it does not have, as SGLang gives it.
+            error = {
+                "message": f"The model '{model}' does not exist; this engine serves '{card['id']}'",
+                "type": "invalid_request_error",
+                "param": "model",
+                "code": "model_not_found",
+            }
+            return JSONResponse({"error": error}, status_code=HTTPStatus.NOT_FOUND)
+        return card
 
     @app.exception_handler(ClientGone)
     async def _client_gone(request: Request, exc: ClientGone) -> Response:
@@ -104,7 +131,7 @@ def create_app(core: EngineCore, registry: CollectorRegistry) -> FastAPI:
         chunks = core.generate_stream(req)
         return StreamingResponse(_server_sent_events(chunks), media_type="text/event-stream")
 
-    openai = OpenAIServer(core)
+    openai = OpenAIServer(core, chat_defaults or {})
 
     async def openai_answer(req: CompletionRequest | ChatCompletionRequest, request: Request) -> Any:
         try:
@@ -114,8 +141,10 @@ def create_app(core: EngineCore, registry: CollectorRegistry) -> FastAPI:
         except RlfleetError as exc:
             if exc.http_status >= 500:
                 raise  # logged and answered by the shared handlers
-            # A refused request in the OpenAI error shape, as SGLang's OpenAI server answers it.
-            return _openai_error(str(exc), HTTPStatus(exc.http_status))
+            # A refused request in the OpenAI error shape, as SGLang's OpenAI handlers answer it; statuses other than
+            # 400 are this engine's own limits (413), named by their phrase.
+            status = HTTPStatus(exc.http_status)
+            return _openai_error(str(exc), status, _OPENAI_REFUSAL_TYPE if status == 400 else status.phrase)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest, request: Request) -> Any:
@@ -211,8 +240,8 @@ def create_app(core: EngineCore, registry: CollectorRegistry) -> FastAPI:
     return app
 
 
-def _openai_error(message: str, status: HTTPStatus) -> JSONResponse:
-    body = {"object": "error", "message": message, "type": status.phrase, "param": None, "code": status.value}
+def _openai_error(message: str, status: HTTPStatus, kind: str) -> JSONResponse:
+    body = {"object": "error", "message": message, "type": kind, "param": None, "code": status.value}
     return JSONResponse(body, status_code=status)
 
 
@@ -224,24 +253,3 @@ async def _server_sent_events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIte
     async for chunk in chunks:
         yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
     yield b"data: [DONE]\n\n"
-
-
-def _describe(exc: RequestValidationError) -> str:
-    """One clause per problem, naming the field (`body.sampling_params.top_p: ...`).
-
-    Pydantic reports a failed union once per alternative, with the alternative's name in the path;
-    those names are dropped, and of the alternatives only the most specific complaint per field is kept.
-    """
-    found: list[tuple[str, str]] = []
-    for err in exc.errors():
-        if err.get("type") == "json_invalid":
-            return (
-                f"malformed JSON body: {err.get('ctx', {}).get('error', 'decode error')} at position {err['loc'][-1]}"
-            )
-        path = [str(p) for p in err.get("loc", ()) if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS))]
-        found.append((".".join(path), str(err.get("msg", "invalid")).removeprefix("Value error, ")))
-    deepest = [(loc, msg) for loc, msg in found if not any(o != loc and o.startswith(loc + ".") for o, _ in found)]
-    seen: dict[str, str] = {}
-    for loc, msg in deepest:
-        seen.setdefault(loc, msg)
-    return "; ".join(f"{loc}: {msg}" for loc, msg in seen.items()) or "invalid request"

@@ -13,6 +13,10 @@ prompt ids can be returned with `return_token_ids`), and each /generate output b
 carry `usage` (prompt tokens counted once per prompt, as SGLang does) and `metadata`, the first output's
 `weight_version` and `weight_versions` spans. Streams send deltas as server-sent events, then `data: [DONE]`;
 a streamed chat answer cannot return token ids (400), as SGLang's cannot.
+
+A chat request that leaves temperature, top_p, top_k or min_p unset (or null) takes the model's
+generation_config.json value (`generation_defaults`), as SGLang's chat handler does by default; a completion
+request takes the OpenAI defaults, as SGLang's does.
 """
 
 from __future__ import annotations
@@ -20,14 +24,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from fastapi.exceptions import RequestValidationError
 from jinja2 import TemplateError, TemplateSyntaxError
 from pydantic import ValidationError
 
 from rlfleet.errors import InvalidInput
+from rlfleet_engine.body_errors import describe
 from rlfleet_engine.openai_schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAISampling
 from rlfleet_engine.request_expansion import check_vocabulary, unicode_text
 from rlfleet_engine.sampling_params import SamplingParams
@@ -86,10 +90,12 @@ def _outputs(result: dict[str, Any] | list[dict[str, Any]]) -> list[dict[str, An
 
 
 class OpenAIServer:
-    """Turns OpenAI requests into /generate requests on `core`, and its outputs into OpenAI answers."""
+    """Turns OpenAI requests into /generate requests on `core`, and its outputs into OpenAI answers.
+    `chat_defaults`: the sampling values a chat request leaves unset takes."""
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, chat_defaults: Mapping[str, float]) -> None:
         self._core = core
+        self._chat_defaults = chat_defaults
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -122,14 +128,17 @@ class OpenAIServer:
             return_logprob, top = req.logprobs, req.top_logprobs or 0
         else:
             return_logprob, top = req.logprobs is not None, req.logprobs or 0
+        requested = req.sampling_params()
+        if isinstance(req, ChatCompletionRequest):  # the model's defaults were checked at start: they pass
+            requested.update({k: v for k, v in self._chat_defaults.items() if k not in req.model_fields_set})
         try:
-            params = SamplingParams.model_validate(req.sampling_params())
+            params = SamplingParams.model_validate(requested)
         except ValidationError as exc:
-            # Refused as /generate refuses a bad body, naming the field as the client sent it.
+            # Named as the client sent the field.
             errors = [
                 {**err, "loc": ("body", *(_OPENAI_NAMES.get(str(p), p) for p in err["loc"]))} for err in exc.errors()
             ]
-            raise RequestValidationError(errors) from exc
+            raise InvalidInput(describe(errors)) from exc
         # Checked here too, so a refusal names the field the client sent rather than /generate's.
         check_vocabulary(params.stop_token_ids, self._core.backend.vocab_size, "stop_token_ids")
         batch = len(prompts) > 1

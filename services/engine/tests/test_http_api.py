@@ -20,18 +20,13 @@ pytestmark = pytest.mark.e2e
     [
         ("{not json", "malformed JSON"),
         ("[1, 2]", "body: must be a JSON object, got an array"),
-        ({"sampling_params": {"max_new_tokens": 2}}, "either text or input_ids (got neither)"),
-        ({"text": "1+1=", "input_ids": [5]}, "not both"),
         ({"text": 5}, "body.text"),
         ({"input_ids": "abc"}, "body.input_ids"),
-        ({"text": "1+1=", "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
-        ({"text": "1+1=", "sampling_params": {"top_p": 1.5}}, "sampling_params.top_p"),
-        ({"text": "1+1=", "sampling_params": {"temperature": float("inf")}}, "sampling_params.temperature"),
-        ({"text": "1+1=", "sampling_params": {"max_new_tokens": -3}}, "sampling_params.max_new_tokens"),
         ({"text": "1+1=", "stream": "sometimes"}, "body.stream"),
     ],
 )
 def test_malformed_requests_get_sglangs_400_naming_the_problem(engine: RunningEngine, body: Any, fragment: str) -> None:
+    """A body of the wrong form, in the shape of SGLang's validation (bad values: test_sglang_error_shapes.py)."""
     content = body if isinstance(body, str) else json.dumps(body)
     response = httpx.post(
         engine.url + "/generate", content=content, headers={"content-type": "application/json"}, timeout=10
@@ -97,7 +92,7 @@ def test_empty_values_of_unsupported_parameters_read_as_absent(engine: RunningEn
     out = engine.generate({"text": "1+1=", "sampling_params": {"max_new_tokens": 1, **neutral}})
     assert out["meta_info"]["completion_tokens"] == 1
     refused = engine.post("/generate", {"text": "1+1=", "sampling_params": {"logit_bias": {"5": 2.0}}})
-    assert refused.status_code == 400 and "logit_bias" in refused.json()["message"]
+    assert refused.status_code == 400 and "logit_bias" in refused.json()["error"]["message"]
 
 
 def test_null_sampling_parameters_read_as_their_defaults(engine: RunningEngine) -> None:
@@ -155,7 +150,7 @@ def test_generate_fields_the_engine_cannot_honour_are_refused_naming_them(
     """They were ignored: a LoRA request got the base model's tokens, an image request an answer to the text alone."""
     response = engine.post("/generate", {"text": "1+1=", "sampling_params": {"max_new_tokens": 2}, **extra})
     assert response.status_code == 400
-    assert response.json()["message"] == f"body: {field}: not supported by rlfleet-engine (leave out, or null)"
+    assert response.json()["error"]["message"] == f"body: {field}: not supported by rlfleet-engine (leave out, or null)"
 
 
 def test_single_and_batch_shapes_with_n_and_rid(engine: RunningEngine) -> None:
@@ -283,8 +278,10 @@ def test_a_seed_past_64_bits_is_refused_naming_the_field(
 ) -> None:
     response = engine.post(route, body)
     assert response.status_code == 400, response.text
-    assert response.json()["object"] == "error"
-    assert f".{field}: Input should be less than or equal to {2**64 - 1}" in response.json()["message"]
+    # /generate checks its sampling_params past validation, as SGLang does, and answers in that shape.
+    refusal = response.json()
+    message = refusal["error"]["message"] if route == "/generate" else refusal["message"]
+    assert f".{field}: Input should be less than or equal to {2**64 - 1}" in message
     largest = json.loads(json.dumps(body).replace(str(2**64), str(2**64 - 1)))
     assert engine.post(route, largest).status_code == 200
 

@@ -174,7 +174,7 @@ def test_a_sampling_parameter_out_of_range_is_refused_naming_the_openai_field(
         assert answer.json() == {
             "object": "error",
             "message": message,
-            "type": "Bad Request",
+            "type": "BadRequestError",
             "param": None,
             "code": 400,
         }
@@ -355,7 +355,7 @@ def test_a_conversation_the_chat_template_refuses_is_bad_input(llama_client: Tes
     assert answer.json() == {
         "object": "error",
         "message": f"messages: the model's chat template refused them: {refusal}",
-        "type": "Bad Request",
+        "type": "BadRequestError",
         "param": None,
         "code": 400,
     }

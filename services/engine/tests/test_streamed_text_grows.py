@@ -73,7 +73,8 @@ def openai_deltas(outputs: list[dict[str, Any]], chat: bool) -> list[str]:
         req = CompletionRequest(prompt=[1], stream=True)
 
     async def collect() -> list[bytes]:
-        return [event async for event in OpenAIServer(core=None)._events(req, [[1]], _replay(outputs))]  # type: ignore[arg-type]
+        server = OpenAIServer(core=None, chat_defaults={})  # type: ignore[arg-type]
+        return [event async for event in server._events(req, [[1]], _replay(outputs))]
 
     choices = [json.loads(e[6:])["choices"] for e in asyncio.run(collect()) if e.startswith(b"data: {")]
     if chat:
