@@ -10,8 +10,8 @@ request that does not is refused before it reaches an engine, with the field to 
 
 and in every case n = 1 and stream false (a trajectory follows one sample, read whole). The output ids are read
 where SGLang answers them: `output_ids` (/generate), a completion choice's `token_ids`, a chat choice's
-`response_token_ids`; the versions that sampled them from `weight_versions` spans (meta_info, or an OpenAI
-answer's metadata).
+`response_token_ids` (`token_ids` in SGLang releases whose chat choice names them as a completion's does); the
+versions that sampled them from `weight_versions` spans (meta_info, or an OpenAI answer's metadata).
 """
 
 from __future__ import annotations
@@ -113,6 +113,12 @@ def _sampled_by(spans: object) -> tuple[str, ...]:
     return tuple(str(span["version"]) for span in spans)
 
 
+def _chat_ids_field(choice: Mapping[str, Any]) -> str:
+    """Where a chat choice holds its output ids: SGLang has named them `response_token_ids`, and in later
+    releases `token_ids`, as in a completion choice."""
+    return "token_ids" if "response_token_ids" not in choice and "token_ids" in choice else "response_token_ids"
+
+
 def _aborted_before_prefill(finish_reason: object, output_ids: object) -> bool:
     """An abort that came before the request generated anything: SGLang answers one still in its queue (a weight
     update's abort_all_requests, an abort by rid) with no output ids or logprobs at all ("Abort before prefill").
@@ -140,13 +146,12 @@ def _turn(route: str, request: Mapping[str, Any], parsed: Any, engine: str, engi
     else:
         choice = parsed["choices"][0]
         prompt = _ids(choice.get("prompt_token_ids"), "prompt_token_ids")
-        chat = route == "/v1/chat/completions"  # SGLang names a chat choice's output ids apart from a completion's
-        if _aborted_before_prefill(
-            choice.get("finish_reason"), choice.get("response_token_ids" if chat else "token_ids")
-        ):
+        chat = route == "/v1/chat/completions"
+        ids_field = _chat_ids_field(choice) if chat else "token_ids"
+        if _aborted_before_prefill(choice.get("finish_reason"), choice.get(ids_field)):
             outputs, logprobs = (), ()
         elif chat:
-            outputs = _ids(choice.get("response_token_ids"), "response_token_ids")
+            outputs = _ids(choice.get(ids_field), ids_field)
             logprobs = tuple(float(c["logprob"]) for c in choice["logprobs"]["content"])
         else:
             outputs = _ids(choice.get("token_ids"), "token_ids")

@@ -219,6 +219,18 @@ def test_an_openai_chat_turn_is_read_as_sglang_answers_it() -> None:
     assert (turn.weight_version, turn.weight_versions, turn.rid) == ("2", ("1", "2"), "r")
 
 
+def test_a_chat_turn_is_read_from_token_ids_where_an_sglang_release_names_them_so() -> None:
+    """Later SGLang releases name a chat choice's output ids `token_ids`, as a completion's: read only as
+    `response_token_ids`, every chat turn through such an engine was lost."""
+    request = {"messages": [{"role": "user", "content": "hi"}], "return_token_ids": True, "logprobs": True}
+    content = [{"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}, {"token": "b", "logprob": -1.0}]
+    choice = {"index": 0, "message": {"role": "assistant", "content": "ab"}, "logprobs": {"content": content},
+              "finish_reason": "stop", "prompt_token_ids": [1, 2], "token_ids": [3, 4]}  # fmt: skip
+    answer = json.dumps({"id": "r", "choices": [choice], "metadata": {"weight_version": "2"}}).encode()
+    turn = turn_from_answer("/v1/chat/completions", request, answer, "e", None)
+    assert (turn.prompt_ids, turn.output_ids, turn.output_logprobs) == ((1, 2), (3, 4), (-0.5, -1.0))
+
+
 def test_logprobs_come_back_exactly_as_the_engine_sent_them() -> None:
     """Kept as doubles: an engine's logprob need not be a float32 value (-0.1 is not one)."""
     store = TrajectoryStore(max_tokens=1000, max_update_lag=1)
