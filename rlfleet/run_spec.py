@@ -72,6 +72,10 @@ DEFAULT_CHECKPOINT_EVERY = 50
 STALE_GROUPS = ("drop", "downweight")
 ON_WEIGHT_UPDATE = ("finish", "abort_resume")
 MAX_EVAL_SAMPLES = 64
+# A run's record keeps every evaluation's result (under 100 bytes each) and is rewritten whole at each change, and
+# Get, List and Watch answer with it: past this many, the record would outgrow what a gRPC client receives by
+# default (4 MiB) and each write copy megabytes.
+MAX_EVALUATIONS = 10_000
 # Every evaluation generates eval_size x eval_samples answers, and submit draws the held-out rows: past
 # this many, evaluation would dwarf training, and submit would hold a worker thread for seconds.
 MAX_EVAL_SIZE = 10_000
@@ -400,6 +404,14 @@ def validate(spec: RunSpec) -> None:
     _require(spec.schedule.steps != 0, "schedule.steps", "is required: set the run's training steps (>= 1)")
     _require(spec.schedule.steps >= 1, "schedule.steps", "must be >= 1")
     _require(spec.schedule.eval_every >= 0, "schedule.eval_every", "must be >= 0 (0: only before and after)")
+    evaluations = evaluation_count(spec.schedule.steps, spec.schedule.eval_every)
+    _require(
+        evaluations <= MAX_EVALUATIONS,
+        "schedule.eval_every",
+        f"{spec.schedule.eval_every} over {spec.schedule.steps} steps makes {evaluations} evaluations, and a run "
+        f"records at most {MAX_EVALUATIONS}: evaluate less often (eval_every >= "
+        f"{(spec.schedule.steps - 1) // (MAX_EVALUATIONS - 1) + 1})",
+    )
     _require(
         1 <= spec.schedule.eval_samples <= MAX_EVAL_SAMPLES,
         "schedule.eval_samples",
@@ -412,6 +424,12 @@ def validate(spec: RunSpec) -> None:
         f"must be 1 when {greedy} makes sampling greedy (temperature below 1e-6, or top_k 1): the "
         f"{spec.schedule.eval_samples} samples of a held-out prompt would be one answer, and pass@k the accuracy",
     )
+
+
+def evaluation_count(steps: int, eval_every: int) -> int:
+    """How many evaluations a run of `steps` makes: before the first step, every `eval_every` steps in between
+    (none for 0), and after the last."""
+    return 2 + ((steps - 1) // eval_every if eval_every > 0 else 0)
 
 
 def _greedy_field(sp: SamplingParams) -> str | None:

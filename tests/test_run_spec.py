@@ -119,6 +119,7 @@ def test_one_update_per_batch_unless_asked_and_as_many_mini_batches_as_samples()
     assert (trainer.mini_batches, trainer.epochs) == (1, 1)
     most = {"rollout": {"group_size": 2, "groups_per_step": 2}, "trainer": {"mini_batches": 4, "epochs": MAX_EPOCHS}}
     validate(resolve(spec_from(most)))
+    validate(resolve(spec_from({"schedule": {"steps": 19997, "eval_every": 2}})))  # 10,000 evaluations
 
 
 @pytest.mark.parametrize(
@@ -173,6 +174,8 @@ def test_one_update_per_batch_unless_asked_and_as_many_mini_batches_as_samples()
         ({"rollout": {"stale_weight": 0}}, "rollout.stale_weight"),
         ({"rollout": {"on_weight_update": "drop"}}, "rollout.on_weight_update"),
         ({"schedule": {"eval_samples": 0}}, "schedule.eval_samples"),
+        # 10,002 evaluations: the run's record outgrew what a gRPC client receives by default.
+        ({"schedule": {"steps": 20001, "eval_every": 2}}, "schedule.eval_every"),
         ({"dataset": {"eval_size": 0}}, "dataset.eval_size"),
         ({"dataset": {"eval_size": MAX_EVAL_SIZE + 1}}, "dataset.eval_size"),
         (
