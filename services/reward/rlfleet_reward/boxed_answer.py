@@ -1,11 +1,15 @@
 """`boxed`: the response's last `\\boxed{...}` answer compared with the label, after light LaTeX normalization.
 
 Braces are matched, so `\\boxed{\\frac{1}{2}}` yields `\\frac{1}{2}`. The label may be boxed itself or
-plain. Normalization drops `$` and `\\$`, spacing commands (`\\!`, `\\,`, `\\;`, `\\ `), `\\left`/`\\right` (not
-`\\leftarrow`), `^\\circ`, `%` and `\\%`, `\\text{...}` wrappers, thousands separators in an answer that is one
-number (`1,000`, `1{,}000`: a comma between digits and followed by exactly three, so the lists `1,2` and `2, 345`
-and the point `(2,100)` keep theirs), whitespace and a trailing period; it reads `\\dfrac`/`\\tfrac` as `\\frac`,
-`\\frac12` as `\\frac{1}{2}`, the Unicode minus as `-` and `.5` as `0.5`. It is string equality after that, not
+plain. Normalization drops `$` and `\\$`, spacing commands (`\\!`, `\\,`, `\\;`, `\\ `; not the row break `\\\\`),
+`\\left`/`\\right` (not `\\leftarrow`), `^\\circ`, `%` and `\\%`, a unit in `\\text{...}` or `\\mathrm{...}` after a
+number (`12\\text{ dollars}`, `5\\,\\mathrm{cm}^2`), one variable naming the answer (`x = 5`: a letter, then the
+answer's only `=`), the `\\text{...}` wrappers left, thousands separators in an answer that is one number (`1,000`,
+`1{,}000`: a comma between digits and followed by exactly three, so the lists `1,2` and `2, 345` and the point
+`(2,100)` keep theirs), whitespace and a trailing period; it reads `\\dfrac`/`\\tfrac` as `\\frac`, `\\frac12` as
+`\\frac{1}{2}`, `\\sqrt2` as `\\sqrt{2}`, the Unicode minus as `-` and `.5` as `0.5`. Two answers that are each one
+number (an integer or decimal, `a/b`, or `\\frac{a}{b}`, signed) are equal when their values are exactly
+(`0.5`, `1/2` and `\\frac{2}{4}`; not `0.333` and `\\frac13`); other answers when their strings are. It is not
 symbolic equivalence (that is the `math` function).
 """
 
@@ -13,13 +17,24 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from fractions import Fraction
 from typing import Any
 
 from rlfleet_reward.reward_function import RewardFunction, RewardInput, Scored
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
-# `\left(`, not the `\left` of `\leftarrow`; a percent sign, as verl's normalization drops it.
-_DROPPED = re.compile(r"\\[!,;: $]|\\(?:left|right)(?![A-Za-z])|\^\{?\\circ\}?|\$|\\?%")
+# `\left(`, not the `\left` of `\leftarrow`; a percent sign, as verl's normalization drops it. A row break `\\`
+# is matched first and kept (group 1), so that its second backslash and a space do not read as the space `\ `.
+_DROPPED = re.compile(r"(\\\\)|\\[!,;: $]|\\(?:left|right)(?![A-Za-z])|\^\{?\\circ\}?|\$|\\?%")
+# A unit after a number (or a fraction's brace) that ends the answer: `12\text{ dollars}`, `5\,\mathrm{cm}^2`.
+_UNIT = re.compile(
+    r"(?<=[\d}])(?:\s|~|\\[,;: !])*\\(?:text|textrm|mathrm|mbox)\{\s*[A-Za-z][A-Za-z/. ]*\}(?:\^\{?\d\}?)?\s*$"
+)
+# `x = 5`, `k_1 = 5`: the name of what the answer is, when the answer has no other `=`.
+_NAMED = re.compile(r"\s*[A-Za-z](?:_\{?\w+\}?)?\s*=")
+_SQRT = re.compile(r"\\sqrt([0-9A-Za-z])")  # `\sqrt2` as `\sqrt{2}`, after spaces are dropped (`\sqrt 2`)
+_DECIMAL = r"-?\d+(?:\.\d+)?"
+_ONE_NUMBER = re.compile(rf"({_DECIMAL})(?:/({_DECIMAL}))?|(-?)\\frac\{{({_DECIMAL})\}}\{{({_DECIMAL})\}}")
 # Only in an answer that is one number, so that the point `(2,100)` does not read as (2100); checked before
 # whitespace is dropped, so that the list `2, 345` does not read as 2345.
 _GROUPED_NUMBER = re.compile(r"[-+]?\d{1,3}(?:(?:,|\{,\})\d{3})+(?:\.\d+)?")
@@ -62,12 +77,38 @@ def _closing_braces(text: str) -> dict[int, int]:
 
 
 def normalize(answer: str) -> str:
-    answer = _DROPPED.sub("", _TEXT.sub(r"\1", answer)).replace("\u2212", "-")
+    answer = _UNIT.sub("", answer)
+    if answer.count("=") == 1 and (named := _NAMED.match(answer)):
+        answer = answer[named.end() :]
+    answer = _DROPPED.sub(r"\1", _TEXT.sub(r"\1", answer)).replace("\u2212", "-")
     if _GROUPED_NUMBER.fullmatch(answer.strip()):
         answer = _THOUSANDS.sub("", answer)
     answer = _SPACE.sub("", answer).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     answer = _FRAC.sub(lambda m: "\\frac" + "".join(_braced(arg) for arg in m.groups()), answer)
+    answer = _SQRT.sub(r"\\sqrt{\1}", answer)
     return _BARE_DECIMAL.sub("0.", answer).rstrip(".")
+
+
+def _value(answer: str) -> Fraction | None:
+    """The exact value of a normalized answer that is one number (`-0.5`, `1/2`, `\\frac{1}{2}`); else None."""
+    match = _ONE_NUMBER.fullmatch(answer)
+    if match is None:
+        return None
+    number, over, sign, numerator, denominator = match.groups()
+    try:
+        if number is not None:
+            return Fraction(number) / Fraction(over) if over else Fraction(number)
+        quotient = Fraction(numerator) / Fraction(denominator)
+    except (ValueError, ZeroDivisionError):  # a zero denominator; digits past int()'s limit: compared as text
+        return None
+    return -quotient if sign else quotient
+
+
+def _same_answer(normalized: str, gold: str) -> bool:
+    if normalized == gold:
+        return True
+    number = _value(normalized)
+    return number is not None and number == _value(gold)
 
 
 def _braced(argument: str) -> str:
@@ -80,7 +121,7 @@ def score_boxed(sample: RewardInput, params: Mapping[str, Any]) -> Scored:
     if not gold:
         raise ValueError(f"the label {sample.label[:60]!r} has no answer")
     answer = last_boxed(sample.response)
-    correct = answer is not None and normalize(answer) == gold
+    correct = answer is not None and _same_answer(normalize(answer), gold)
     return Scored(score=float(correct), parts={"found": float(answer is not None)})
 
 

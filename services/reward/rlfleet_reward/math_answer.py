@@ -14,6 +14,13 @@ one set, so a response that tries 3 and then settles on 4 would match neither. A
 (`\\boxed{12.}`) is dropped, as math-verify reads `12.` as no number. A response without a box is searched
 whole.
 
+Both texts are first rewritten where math-verify misreads a common form: the Unicode minus `−` as `-` (it read
+no number), a thin space between digit groups (`1\\,000`, read as 1 times 000) dropped, `°` and `\\degree` as
+`^\\circ` (no answer), `\\varnothing` as `\\emptyset` (a symbol), and a number in E notation (`1.5e3`, read as
+1.5 times e times 3) as `1.5\\times10^{3}`. A percent equals its number and its value (`12.5\\%` matches 12.5
+and 0.125): math-verify does so for whole numbers only, so answers that fail with a percent sign in either are
+compared again without it.
+
 math-verify bounds its own parsing and comparison with `signal.alarm`, which works only in a
 process's main thread: the hub calls reward functions in the main thread of its worker processes.
 """
@@ -57,7 +64,20 @@ _WORD = re.compile(r"[A-Za-z]{2,}")
 _WITH_UNIT = re.compile(r"([-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:/\d+)?)\s+([A-Za-z]{2,}[A-Za-z0-9^/ ]*)")
 
 
+# Forms math-verify misreads, as forms it reads: see the module docstring.
+_MISREAD = re.compile(r"\u2212|(?<=\d)\\,(?=\d{3}(?!\d))|\u00b0|\\degree(?![A-Za-z])|\\varnothing(?![A-Za-z])")
+_READ_AS = {"\u2212": "-", "\\,": "", "\u00b0": "^\\circ", "\\degree": "^\\circ", "\\varnothing": "\\emptyset"}
+_E_NOTATION = re.compile(r"(?<![\w.\\])(\d+(?:\.\d+)?)[eE]([-+]?\d+)(?![\w.])")
+_PERCENT = re.compile(r"\\?%")
+
+
+def _readable(text: str) -> str:
+    text = _MISREAD.sub(lambda match: _READ_AS[match.group()], text)
+    return _E_NOTATION.sub(r"\1\\times10^{\2}", text)
+
+
 def _gold_text(label: str) -> str:
+    label = _readable(label)
     if _DELIMITED.search(label) or _SENTENCE.search(_TEXT.sub(" ", label)):
         return _answer_text(label)
     bare = _CLOSING_PERIOD.sub("", label.strip())
@@ -75,18 +95,24 @@ def _answer_text(text: str) -> str:
 
 
 def score_math(sample: RewardInput, params: Mapping[str, Any]) -> float:
-    gold = parse(_gold_text(sample.label))
+    gold_text, answer_text = _gold_text(sample.label), _answer_text(_readable(sample.response))
+    gold = parse(gold_text)
     if not gold:
         raise ValueError(f"math-verify found no answer in the label {sample.label[:60]!r}")
-    answer = parse(_answer_text(sample.response))
-    correct = verify(
+    correct = _equivalent(gold, answer_text, params)
+    if not correct and (_PERCENT.search(gold_text) or _PERCENT.search(answer_text)):
+        correct = _equivalent(parse(_PERCENT.sub("", gold_text)), _PERCENT.sub("", answer_text), params)
+    return 1.0 if correct else 0.0
+
+
+def _equivalent(gold: list[Any], answer_text: str, params: Mapping[str, Any]) -> bool:
+    return verify(
         gold,
-        answer,
+        parse(answer_text),
         float_rounding=params["float_rounding"],
         numeric_precision=params["numeric_precision"],
         strict=params["strict"],
     )
-    return 1.0 if correct else 0.0
 
 
 MATH = RewardFunction(

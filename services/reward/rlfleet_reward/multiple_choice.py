@@ -1,14 +1,17 @@
 """`multiple_choice`: the option letter the response chose equals the label's.
 
-The choice is read, in order of preference, from the last `\\boxed{B}` (or `\\boxed{\\text{B}}`), the last
-"answer is (B)" / "Answer: B" (markdown emphasis around them allowed: "**Answer:** B"), a response that is only a letter
-("B", "(B)", "B."), the last parenthesized letter, or a letter that ends the response ("... so it is B.").
-Only letters among `choices` count. After "answer is" the letter is the choice ("the answer is A as shown
-above"). `A` and `I` are also words: after "Answer:", one followed on its line
-by a lower-case word ("Answer: I think it is B", "Answer: A careful reading gives C") starts a sentence and
-is not the choice, nor is a letter opening a contraction ("I'm"), unless that word is one the article "A"
-or the pronoun "I" cannot be followed by ("Answer: A is correct", "Answer: I because ..."). Other letters are
-not words, so "Answer: B because ..." is B.
+When the response has a `</think>`, only what follows the last one is read: a choice inside the reasoning is a
+draft. The choice is read, in order of preference, from the last `\\boxed{B}` (or `\\boxed{\\text{B}}`), the last
+"answer is (B)" / "Answer: B" (markdown emphasis around them allowed: "**Answer:** B"; the letter may be named
+"option B" and written as math or text, `$B$`, `\\(B\\)`, `\\text{B}`, or in brackets `[B]`), a response that is
+only a letter ("B", "(B)", "B."), the last parenthesized letter, a letter that ends the response ("... so it is
+B."), the last "B is correct" / "B is the right one" (after those: "Statement I is correct, so (B)" is B), or a
+letter opening the response with its option's text ("B) 42", "C. The area doubles"). Only letters among `choices`
+count. After "answer is" the letter is the choice ("the answer is A as shown above"). `A` and `I` are also words:
+after "Answer:", one followed on its line by a lower-case word ("Answer: I think it is B", "Answer: A careful
+reading gives C") starts a sentence and is not the choice, nor is a letter opening a contraction ("I'm"), unless
+that word is one the article "A" or the pronoun "I" cannot be followed by ("Answer: A is correct", "Answer: I
+because ..."). Other letters are not words, so "Answer: B because ..." is B.
 """
 
 from __future__ import annotations
@@ -32,9 +35,16 @@ CHOICE_FOLLOWERS = r"(?:is|because|since)"
 """Words after "A" or "I" that make it the choice: neither the article nor the pronoun precedes them."""
 
 
+# What may wrap the letter after "answer is": emphasis, math (`$B$`, `\(B\)`), text (`\text{B}`), brackets.
+_OPENING = r"(?:[*_$(\[]|\\\(|\\(?:text|textbf|mathrm|mathbf)\{)*+"
+_CLOSING = r"(?:[*_$)\]}]|\\\))*+"
+
+
 def chosen(response: str, choices: str) -> str | None:
+    response = response.rpartition("</think>")[2]
     letter = f"[{choices}]"
-    after = rf"[*_]*+\s*+:?\s*+[*_]*+\(?({letter})\)?[*_]*(?![A-Za-z'’])"  # the letter after "answer is" or "Answer:"
+    # The letter after "answer is" or "Answer:", perhaps named as the option ("option B").
+    after = rf"[*_]*+\s*+:?\s*+[*_]*+(?:(?i:option|choice)\s++)?{_OPENING}({letter}){_CLOSING}(?![A-Za-z'’])"
     patterns = (
         # In a box, alone or as text: \boxed{B}, \boxed{\text{B}}, \boxed{\textbf{(B)}}.
         rf"\\boxed\{{\s*(?:\\(?:text|textbf|mathrm|mathbf)\{{\s*)?\(?({letter})\)?\s*\}}?\s*\}}",
@@ -48,6 +58,9 @@ def chosen(response: str, choices: str) -> str | None:
         rf"^\s*\(?({letter})[).:]?\s*$",
         rf"\(({letter})\)",
         rf"(?<![A-Za-z'’])({letter})[*_]*[).]?\s*$",
+        # "B is correct": after the letters above, as "Statement I is correct, so (B)" names a statement first.
+        rf"(?<![A-Za-z'’])({letter})[ \t]+is[ \t]+(?:the[ \t]+)?(?:correct|right)\b",
+        rf"^\s*[*_]*\(?({letter})[).:][*_]*\s",  # the option and its text: "B) 42"
     )
     for pattern in patterns:
         found = re.findall(pattern, response)

@@ -1,8 +1,8 @@
 """`numeric`: the response's last number (or the whole response) within a tolerance of the label's.
 
-Numbers may carry a sign (the ASCII `-` or the Unicode minus `−` that typeset text uses), thousands
-separators (`1,234`; a comma elsewhere, as in `1,2,3` or `12,5`, is no number), decimals, an exponent, or be a
-fraction `3/4`. The comparison is
+Numbers may carry a sign (the ASCII `-` or the Unicode minus `−` that typeset text uses; not right after a digit,
+where it is a range's dash or a subtraction: `5-10` ends in 10), thousands separators (`1,234`; a comma elsewhere,
+as in `1,2,3` or `12,5`, is no number), decimals, an exponent, or be a fraction `3/4`. The comparison is
 `math.isclose(answer, label, rel_tol, abs_tol)`: by default relative only (1e-9), so a label of any magnitude
 is matched to its own digits, and a label of 0 by 0 alone.
 """
@@ -20,8 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from rlfleet_reward.reward_function import RewardFunction, RewardInput, Scored
 
 _MINUS = "\u2212"
+# A sign is one only where no digit precedes it: the dash of `5-10` is a range's, the minus of `12-7` a subtraction's.
+_SIGN = r"(?:(?<!\d)[-+\u2212])?"
 _NUMBER = re.compile(
-    r"[-+\u2212]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?(?:[eE][-+]?\d+)?(?:/\d+)?|[-+\u2212]?\.\d+(?:[eE][-+]?\d+)?"
+    rf"{_SIGN}(?:\d{{1,3}}(?:,\d{{3}})+|\d+)(?:\.\d*)?(?:[eE][-+]?\d+)?(?:/\d+)?|{_SIGN}\.\d+(?:[eE][-+]?\d+)?"
 )
 
 

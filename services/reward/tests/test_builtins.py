@@ -119,6 +119,41 @@ def test_math_reads_the_last_box_as_the_answer_without_a_closing_period(
     assert score_math(RewardInput(response=response, label=label), MATH_DEFAULTS) == expected
 
 
+@pytest.mark.parametrize(
+    ("response", "label", "expected"),
+    [
+        # Forms math-verify reads as something else or as nothing: the Unicode minus of typeset text (nothing),
+        # a thin space between digit groups (1 times 000), a degree sign or `\\degree` (nothing), `\\varnothing`
+        # (a symbol), and `1.5e3` (1.5 times e times 3).
+        ("The answer is \u22127.", "-7", 1.0),
+        ("The answer is \u22127.", "7", 0.0),
+        ("\\boxed{\u22125}", "\u22125", 1.0),
+        ("\\boxed{1\\,000}", "1000", 1.0),
+        ("\\boxed{1\\,000\\,000}", "1000000", 1.0),
+        ("\\boxed{1000}", "1\\,000", 1.0),
+        ("\\boxed{1\\,000}", "1", 0.0),
+        ("\\boxed{90\u00b0}", "90", 1.0),
+        ("\\boxed{90\\degree}", "90^\\circ", 1.0),
+        ("\\boxed{45\u00b0}", "90", 0.0),
+        ("\\boxed{\\varnothing}", "\\emptyset", 1.0),
+        ("\\boxed{\\varnothing}", "\\{0\\}", 0.0),
+        ("\\boxed{1.5e3}", "1500", 1.0),
+        ("\\boxed{1e-3}", "0.001", 1.0),
+        ("\\boxed{1.5e3}", "15", 0.0),
+        # A percent equals its number and its value: math-verify held that for whole numbers (`50\\%` = 50 = 0.5)
+        # but read `12.5\\%` as 0.125 only.
+        ("\\boxed{12.5\\%}", "12.5", 1.0),
+        ("\\boxed{12.5}", "12.5\\%", 1.0),
+        ("\\boxed{0.125}", "12.5\\%", 1.0),
+        ("\\boxed{50\\%}", "50", 1.0),
+        ("\\boxed{12.5\\%}", "12.6", 0.0),
+        ("\\boxed{13.5\\%}", "12.5\\%", 0.0),
+    ],
+)
+def test_math_reads_forms_math_verify_misreads(response: str, label: str, expected: float) -> None:
+    assert score_math(RewardInput(response=response, label=label), MATH_DEFAULTS) == expected
+
+
 def test_math_rejects_a_label_without_an_answer() -> None:
     with pytest.raises(ValueError, match="no answer in the label"):
         score_math(RewardInput(response="4", label=""), MATH_DEFAULTS)

@@ -72,6 +72,41 @@ def test_boxed(response: str, label: str, expected: tuple[float, dict[str, float
 
 
 @pytest.mark.parametrize(
+    ("response", "label", "expected"),
+    [
+        # A number is compared by its exact value, whatever its form: `0.5`, `1/2` and `\\frac{1}{2}` are one answer.
+        ("\\boxed{1/2}", "\\frac{1}{2}", 1.0),
+        ("\\boxed{0.5}", "\\frac12", 1.0),
+        ("\\boxed{\\dfrac{1}{2}}", "0.5", 1.0),
+        ("\\boxed{-\\frac{3}{4}}", "-0.75", 1.0),
+        ("\\boxed{5.0}", "5", 1.0),
+        ("\\boxed{\\frac{2}{4}}", "1/2", 1.0),
+        ("\\boxed{0.333}", "\\frac{1}{3}", 0.0),
+        ("\\boxed{\\frac{1}{2}}", "-0.5", 0.0),
+        ("\\boxed{" + "1" * 5000 + "}", "1" * 5000, 1.0),  # past int()'s digit limit: compared as text
+        # A unit in `\\text{...}` after a number is not part of the answer.
+        ("\\boxed{12\\text{ dollars}}", "12", 1.0),
+        ("\\boxed{5}", "5 \\text{cm}", 1.0),
+        ("\\boxed{5\\,\\mathrm{cm}^2}", "5", 1.0),
+        ("\\boxed{6\\text{ cm}}", "5", 0.0),
+        ("\\boxed{\\text{Paris}}", "Paris", 1.0),
+        # One variable named before the answer: `x = 5` is 5.
+        ("\\boxed{x = 5}", "5", 1.0),
+        ("\\boxed{5}", "k=5", 1.0),
+        ("\\boxed{x = 6}", "5", 0.0),
+        ("\\boxed{x = 2, y = 3}", "2, 3", 0.0),
+        # `\\sqrt2` is `\\sqrt{2}`, as LaTeX reads it; and `\\\\` separates a matrix's rows, it is no space.
+        ("\\boxed{\\sqrt2}", "\\sqrt{2}", 1.0),
+        ("\\boxed{2\\sqrt 3}", "2\\sqrt{3}", 1.0),
+        ("\\boxed{\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}", 1.0),
+        ("\\boxed{\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}}", "\\begin{pmatrix}12\\end{pmatrix}", 0.0),
+    ],
+)
+def test_boxed_reads_one_answer_in_its_usual_forms(response: str, label: str, expected: float) -> None:
+    assert scored(score_boxed(RewardInput(response=response, label=label), {}))[0] == expected
+
+
+@pytest.mark.parametrize(
     ("answer", "same_as"),
     [
         ("1,000", "1000"),
@@ -123,6 +158,10 @@ def test_exact(response: str, label: str, options: dict, expected: float) -> Non
         ("1,2,3", "123", {"extract": "whole"}, 0.0),
         ("12,34", "1234", {"extract": "whole"}, 0.0),
         ("1,234.5", "1234.5", {"extract": "whole"}, 1.0),
+        # A minus after a digit is a range's dash or a subtraction, not a sign: 5-10 ends in 10.
+        ("it takes 5-10 minutes", "10", {}, 1.0),
+        ("it takes 5\u221210 minutes", "-10", {}, 0.0),
+        ("so 12-7=5, and the loss is -5", "-5", {}, 1.0),
     ],
 )
 def test_numeric(response: str, label: str, options: dict, expected: float) -> None:
@@ -196,6 +235,39 @@ def test_multiple_choice(response: str, label: str, expected: float) -> None:
     ],
 )
 def test_multiple_choice_tells_the_words_a_and_i_from_choices(
+    response: str, label: str, expected: tuple[float, dict[str, float]]
+) -> None:
+    assert scored(score_multiple_choice(RewardInput(response=response, label=label), params(ChoiceParams))) == expected
+
+
+@pytest.mark.parametrize(
+    ("response", "label", "expected"),
+    [
+        # The letter written as math or text, or in brackets, after "answer is" or "Answer:".
+        ("The answer is $C$.", "C", (1.0, {"found": 1.0})),
+        ("The answer is $\\text{C}$, as computed", "C", (1.0, {"found": 1.0})),
+        ("The answer is \\textbf{B}", "B", (1.0, {"found": 1.0})),
+        ("Answer: [B]", "B", (1.0, {"found": 1.0})),
+        ("The answer is \\(D\\) since x > 0", "D", (1.0, {"found": 1.0})),
+        # ... or named as the option.
+        ("The answer is option B, since it works", "B", (1.0, {"found": 1.0})),
+        ("Answer: Option C because it fits", "C", (1.0, {"found": 1.0})),
+        ("Answer: choice (A) since the rest fail", "A", (1.0, {"found": 1.0})),
+        # A letter said to be correct.
+        ("I think B is correct.", "B", (1.0, {"found": 1.0})),
+        ("A is wrong and (D) is the correct one", "D", (1.0, {"found": 1.0})),
+        ("Statement I is correct and II is not, so (B)", "B", (1.0, {"found": 1.0})),
+        # A response that opens with the option and its text.
+        ("B) 42", "B", (1.0, {"found": 1.0})),
+        ("**C.** The area doubles", "C", (1.0, {"found": 1.0})),
+        ("A bird in the hand", "A", (0.0, {"found": 0.0})),
+        # The answer follows the reasoning: a box inside `<think>` is a draft.
+        ("<think>Maybe \\boxed{A}?</think> Answer: B", "B", (1.0, {"found": 1.0})),
+        ("<think>Maybe (A) or (B)</think>", "A", (0.0, {"found": 0.0})),
+        ("The answer is $x = 3$", "C", (0.0, {"found": 0.0})),
+    ],
+)
+def test_multiple_choice_reads_the_letter_in_its_usual_forms(
     response: str, label: str, expected: tuple[float, dict[str, float]]
 ) -> None:
     assert scored(score_multiple_choice(RewardInput(response=response, label=label), params(ChoiceParams))) == expected
