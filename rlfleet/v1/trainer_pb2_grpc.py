@@ -68,7 +68,7 @@ class TrainerServicer:
         """Starts the run, or resumes it from its last checkpoint. Asked again while that run starts: its
         outcome, or UNAVAILABLE (ask again) before the caller's deadline. FAILED_PRECONDITION while the
         trainer holds another run, or when the run's checkpoint does not fit the spec's model; UNAVAILABLE
-        when the router or the checkpoint's storage fails.
+        when the router or the checkpoint's storage fails, or when the trainer shuts down while it starts.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from rlfleet_trainer.rank_group import RankGroup
+    from rlfleet_trainer.stop_signal import StopSignal
 
 logger = logging.getLogger("rlfleet_trainer")
 
@@ -168,25 +169,47 @@ def serve(settings: TrainerSettings) -> int:
 
     When the ranks fall out of step for good (a rank hung or died, a collective timed out) every rank
     ends with status 1 (EXIT_RANKS_BROKEN) once the calls in flight have answered, so that torchrun
-    and Kubernetes restart the job; its runs resume from their last checkpoint."""
-    import torch
-    from prometheus_client import CollectorRegistry
+    and Kubernetes restart the job; its runs resume from their last checkpoint.
 
+    A SIGTERM while the trainer starts ends it at once, with the status of a stop (stop_signal.py)."""
+    from rlfleet_trainer.stop_signal import StoppedStarting, StopSignal
+
+    stop = StopSignal()  # first: importing torch alone takes seconds
+    ranks: RankGroup | None = None
+    try:
+        import torch
+        from prometheus_client import CollectorRegistry
+
+        from rlfleet_trainer.rank_group import RankGroup
+        from rlfleet_trainer.rank_ops import RANK_OPS, RankState, ShardingOptions
+
+        torch.set_num_threads(settings.torch_threads)
+        if "WORLD_SIZE" in os.environ:
+            die_with_launcher()
+        registry = CollectorRegistry()
+        options = ShardingOptions(settings.mixed_precision, settings.activation_checkpointing)
+        ranks = RankGroup(RANK_OPS, RankState(options), settings.collective_timeout_s, registry)
+        if ranks.rank == 0:
+            return serve_api(settings, ranks, registry, stop)
+        # torchrun signals every rank on shutdown; rank 0 alone decides when the followers stop.
+        stop.ignore()
+    except StoppedStarting:
+        logger.info("stopped by SIGTERM while starting, before serving")
+        if ranks is None:
+            return 0
+        # Rank 0 releases the followers, which wait for its commands, as after serving; a follower just ends.
+        if ranks.rank == 0 and not (ranks.stop(RELEASE_WAIT_S) and ranks.close()):
+            leave_now(ranks.broken)
+        return left_group(ranks)
+    return follow_rank_0(settings, ranks, registry)
+
+
+def follow_rank_0(settings: TrainerSettings, ranks: RankGroup, registry: CollectorRegistry) -> int:
+    """A rank other than 0: runs the ops rank 0 announces until it stops them, or until the ranks break."""
     from rlfleet_trainer.http_app import make_http_app
     from rlfleet_trainer.node_http import serving_in_thread
-    from rlfleet_trainer.rank_group import RankGroup, RanksBroken
-    from rlfleet_trainer.rank_ops import RANK_OPS, RankState, ShardingOptions
+    from rlfleet_trainer.rank_group import RanksBroken
 
-    torch.set_num_threads(settings.torch_threads)
-    if "WORLD_SIZE" in os.environ:
-        die_with_launcher()
-    registry = CollectorRegistry()
-    options = ShardingOptions(settings.mixed_precision, settings.activation_checkpointing)
-    ranks = RankGroup(RANK_OPS, RankState(options), settings.collective_timeout_s, registry)
-    if ranks.rank == 0:
-        return serve_api(settings, ranks, registry)
-    # torchrun signals every rank on shutdown; rank 0 alone decides when the followers stop.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logger.info("rank %d of %d follows rank 0", ranks.rank, ranks.ranks.world)
     node_http: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
@@ -203,8 +226,9 @@ def serve(settings: TrainerSettings) -> int:
     return left_group(ranks)
 
 
-def serve_api(settings: TrainerSettings, ranks: RankGroup, registry: CollectorRegistry) -> int:
-    """Rank 0: the gRPC Trainer API and HTTP until SIGTERM or until the ranks break, then the runs' shutdown."""
+def serve_api(settings: TrainerSettings, ranks: RankGroup, registry: CollectorRegistry, stop: StopSignal) -> int:
+    """Rank 0: the gRPC Trainer API and HTTP until SIGTERM or until the ranks break, then the runs' shutdown.
+    A SIGTERM that comes before it serves ends it without serving (`stop`)."""
     import uvicorn
 
     from rlfleet.api_token import read_token_file
@@ -226,8 +250,6 @@ def serve_api(settings: TrainerSettings, ranks: RankGroup, registry: CollectorRe
     )
 
     async def run_servers() -> None:
-        grpc_server = make_grpc_server(core, settings.host, settings.grpc_port)
-        await grpc_server.start()
         http = uvicorn.Server(
             uvicorn.Config(
                 make_http_app(registry, ranks.rank, ranks.ranks.world, lambda: ranks.broken),
@@ -237,6 +259,12 @@ def serve_api(settings: TrainerSettings, ranks: RankGroup, registry: CollectorRe
                 http=HeadLimitedHttpProtocol,
             )
         )
+        # From here a SIGTERM stops the servers (uvicorn does not serve once told to exit before it serves), and the
+        # one uvicorn re-raises once it has stopped is swallowed, so the shutdown below runs (runs stopped, followers
+        # released, every rank at the barrier) instead of dying.
+        stop.serving(lambda: setattr(http, "should_exit", True))
+        grpc_server = make_grpc_server(core, settings.host, settings.grpc_port)
+        await grpc_server.start()
         logger.info(
             "trainer serving gRPC on %s:%d, HTTP on %s:%d",
             settings.host,
@@ -271,13 +299,13 @@ def serve_api(settings: TrainerSettings, ranks: RankGroup, registry: CollectorRe
             await http.serve()  # returns on SIGTERM / SIGINT, or once the ranks broke
         finally:
             watcher.cancel()
+            # Begun beside the gRPC drain, not after it: a StartRun waiting for the fleet's load hears of the shutdown
+            # (UNAVAILABLE, naming it) within the drain, rather than gRPC's "Cancelling all calls" at its end.
+            shutdown = asyncio.ensure_future(asyncio.to_thread(core.shutdown, settings.shutdown_timeout_s))
             await grpc_server.stop(grace=5)
             refusing.set()
-            await asyncio.to_thread(core.shutdown, settings.shutdown_timeout_s)
+            await shutdown
 
-    # uvicorn re-raises the SIGTERM it handled once it has stopped: swallow it, so the shutdown
-    # below runs (runs stopped, followers released, every rank at the barrier) instead of dying.
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
         asyncio.run(run_servers())
     finally:

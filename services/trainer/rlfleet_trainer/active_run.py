@@ -15,7 +15,7 @@ from typing import cast
 from transformers import PreTrainedModel
 
 from rlfleet.errors import Conflict, DeadlineExceeded
-from rlfleet.sample_stream import SampleStream
+from rlfleet.sample_stream import SampleStream, StreamEntry
 from rlfleet.v1.runs_pb2 import RunSpec
 from rlfleet.v1.trainer_pb2 import CheckpointResponse, StepReport, TrainerState, TrainerStatus
 from rlfleet_trainer.rank_group import RankGroup
@@ -59,6 +59,9 @@ class ActiveRun:
     """Stream entries trained since the last checkpoint: pending until a checkpoint covers them."""
     cursor: str = "0"
     """Last of this consumer's pending entries taken for training; the next step reads after it."""
+    claimed_behind: list[StreamEntry] = field(default_factory=list)
+    """Entries claimed from another consumer with ids at or before `cursor`, not yet trained: the next steps take
+    them first, as reading after the cursor never would (they stayed pending here until a restart)."""
     checkpoint_wanted: bool = False
     checkpoint_on_stop: bool = False
     state: TrainerState = TrainerState.TRAINER_STATE_STARTING

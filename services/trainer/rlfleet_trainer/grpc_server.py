@@ -120,14 +120,19 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     ) -> AsyncIterator[trainer_pb2.StepReport]:  # noqa: N802,E501
         if request.from_step < 0:
             raise InvalidInput(f"from_step: must be >= 0 (0 starts with the next step), got {request.from_step}")
-        next_step = request.from_step or self.core.status(request.run_id).step + 1
+        # 0: the step after the run's current one, or, while the run starts, the first step it takes once loaded.
+        first_step = None if request.from_step else self.core.first_step_to_watch(request.run_id)
+        next_step = request.from_step
         while True:
-            reports, finished = self.core.reports(request.run_id, next_step)
-            for report in reports:
-                yield report
-                next_step = report.step + 1
-            if finished and not reports:
-                return
+            if first_step is not None and (step := first_step()) is not None:
+                next_step, first_step = step, None
+            if first_step is None:
+                reports, finished = self.core.reports(request.run_id, next_step)
+                for report in reports:
+                    yield report
+                    next_step = report.step + 1
+                if finished and not reports:
+                    return
             with contextlib.suppress(TimeoutError):  # every thread busy: poll again rather than wait for one
                 await asyncio.wait_for(self._in_thread(self.core.wait_for_change, request.run_id, 1.0), 2.0)
 

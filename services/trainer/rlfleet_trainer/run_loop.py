@@ -1,7 +1,8 @@
 """The training loop of one run, as a plain function over the objects that hold state.
 
-Per step: collect `groups_per_step` groups from the stream (this consumer's pending entries in id
-order after the last one taken, then entries a dead consumer left, once idle, then new ones), take one step of
+Per step: collect `groups_per_step` groups from the stream (entries a dead consumer left, claimed once idle, of
+which those older than the last one taken come first; then this consumer's pending entries in id order after the
+last one taken; then new ones), take one step of
 the run's algorithm, write the weights as version step + 1 and make the fleet serve them. A step
 acknowledges nothing: a checkpoint does (checkpoint_commit.py), every `trainer.checkpoint_every`
 steps, at the schedule's end, at a stop that asks for one, and when a Checkpoint call asks. The
@@ -105,13 +106,20 @@ def collect_groups(
             # Another consumer (a dead one, or this trainer under an earlier name) holds groups, which may be older
             # than this one's own: all are claimed, once idle enough, before any is taken, so each step is made of
             # the run's pending groups in id order whoever held them, the steps it was made of before the restart.
-            claim = partial(stream.claim_stale, consumer, settings.claim_idle_ms, CLAIM_BATCH)
-            if not waiting_out_redis(run, claim):
+            claimed = waiting_out_redis(run, partial(stream.claim_stale, consumer, settings.claim_idle_ms, CLAIM_BATCH))
+            if claimed:
+                run.claimed_behind = _behind_cursor(run, claimed, entries)
+            else:
                 run.stop.wait(settings.read_block_ms / 1000)
             continue
+        if run.claimed_behind:
+            taken = run.claimed_behind[: needed - len(entries)]
+            del run.claimed_behind[: len(taken)]
+            entries += taken
+            continue
         if not own_taken:
-            own = partial(stream.read_own_pending, consumer, needed, after=run.cursor)
-            entries = waiting_out_redis(run, own) or []
+            own = partial(stream.read_own_pending, consumer, needed - len(entries), after=run.cursor)
+            entries += waiting_out_redis(run, own) or []
             own_taken = True
             if entries:
                 logger.info("run %s: %d group(s) were delivered before", run.run_id, len(entries))
@@ -127,6 +135,18 @@ def collect_groups(
     # them. (When own pending ones ran short, all of them were taken, and new ones come after all.)
     run.cursor = max([run.cursor, *(e.entry_id for e in entries)], key=entry_order)
     return entries
+
+
+def _behind_cursor(run: ActiveRun, claimed: list[StreamEntry], entries: list[StreamEntry]) -> list[StreamEntry]:
+    """`run.claimed_behind` with the `claimed` entries added that the cursor has passed and that the run has neither
+    trained nor taken, in id order. Another consumer reading the stream beside this trainer held them while this one
+    read newer entries: read after the cursor, they would wait for a restart, and hold back the trimming of the stream.
+    Those the run trained itself and got back (another consumer claimed them while they awaited their checkpoint)
+    are not taken again: the next checkpoint acknowledges them where they are."""
+    cursor = entry_order(run.cursor)
+    known = {*run.uncommitted, *(e.entry_id for e in entries), *(e.entry_id for e in run.claimed_behind)}
+    behind = [e for e in claimed if entry_order(e.entry_id) <= cursor and e.entry_id not in known]
+    return sorted([*run.claimed_behind, *behind], key=lambda e: entry_order(e.entry_id))
 
 
 def _with_undelivered_replies(

@@ -13,7 +13,10 @@ run that has stopped answers with its final status every time. A run that is sta
 (Status answers STARTING), and a start that fails leaves nothing loaded on any rank. A run that has ended
 still holds its policy until its thread has let go of it (and of its weight sync with the fleet): the next
 start waits for that, bounded, so the old run's unload never throws the new run's policy away. A start that
-meets Redis or storage failing answers Unavailable naming it, so its caller asks again.
+meets Redis or storage failing answers Unavailable naming it, so its caller asks again. A start loads in a thread
+of its own: a shutdown answers the calls waiting for it at once (Unavailable, naming the shutdown), and the process
+ends without waiting for a load nobody waits for any more (it writes nothing that a stop midway leaves half done:
+weight versions and checkpoints are renamed into place whole).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import pickle
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,11 +78,18 @@ KEPT_FINISHED_RUNS = 4
 
 @dataclass
 class _Start:
-    """A StartRun in progress (loading the policy, making the fleet serve its version)."""
+    """A StartRun in progress (loading the policy, making the fleet serve its version), in a thread of its own."""
 
     stop: threading.Event = field(default_factory=threading.Event)
     """Set by a StopRun meanwhile: once loaded, the run ends instead of training."""
     done: threading.Event = field(default_factory=threading.Event)
+    """Set once the start has its outcome: `status`, or `error`."""
+    settled: threading.Event = field(default_factory=threading.Event)
+    """Set with `done`, or earlier by the shutdown: the calls waiting for the start stop waiting."""
+    status: TrainerStatus | None = None
+    error: Exception | None = None
+    first_step: int | None = None
+    """The first step the run takes (its checkpoint's step + 1 when it resumes), once it is loaded."""
 
 
 class TrainerCore:
@@ -167,30 +177,51 @@ class TrainerCore:
                         f"weight sync with the fleet, freeing its policy); run {run_id} starts once it has: ask again"
                     )
             # The same run asked again while it starts (a caller that restarted or timed out): the answer is
-            # that start's outcome, not "busy with" the run itself.
-            elif under_way is not None and not under_way.done.wait(remaining):
+            # that start's outcome, not "busy with" the run itself (or, once the shutdown has begun, Unavailable).
+            elif under_way is not None and not under_way.settled.wait(remaining):
                 raise Unavailable(f"run {run_id} is still starting (loading its policy, loading the fleet); ask again")
         assert start is not None  # registered before the loop ends
+        threading.Thread(target=self._load, args=(start, run_id, spec), name=f"start-{run_id}", daemon=True).start()
+        # As long as the load: each of its waits (the ranks' collective timeout, the router's weight_load_timeout_s)
+        # is bounded, and the shutdown ends this one at once.
+        start.settled.wait()
+        if not start.done.is_set():
+            raise Unavailable(
+                f"the trainer is shutting down; run {run_id} was still starting and does not start here: ask again "
+                "once the trainer is back (the run resumes from its last checkpoint)"
+            )
+        if start.error is not None:
+            raise start.error
+        assert start.status is not None  # one of the two, before `done`
+        return start.status
+
+    def _load(self, start: _Start, run_id: str, spec: RunSpec) -> None:
+        """Thread of `start`: loads the run and trains it, or ends it at once when it was stopped meanwhile."""
         try:
             with _unavailable_dependencies(run_id, self.settings.work_dir / "runs" / run_id, spec.model.path):
                 run = self._prepare(run_id, spec)
+            start.first_step = run.step + 1
             with self._lock:
                 # Checked under the lock StopRun looks the run up with: a stop either finds the run
                 # training (and stops it there) or is seen here.
                 if not start.stop.is_set():
                     self._train(run)
-                    return run.status()
+                    start.status = run.status()
+                    return
             release_policy(self.ranks, run_id, run.policy)
             run.update(state=TrainerState.TRAINER_STATE_STOPPED)
             with self._lock:
                 self._release_finished()
                 self._runs[run_id] = run
             logger.info("run %s was stopped while it started; it does not train", run_id, extra={"run_id": run_id})
-            return run.status()
+            start.status = run.status()
+        except Exception as exc:  # noqa: BLE001 - the outcome of the start, raised to the call waiting for it
+            start.error = exc
         finally:
             with self._lock:
                 self._starting.pop(run_id, None)
             start.done.set()
+            start.settled.set()
 
     def _give_up(self, start: _Start | None) -> None:
         """Withdraws this call's start, registered while it waited for the previous run's release (under `_lock`)."""
@@ -199,6 +230,7 @@ class TrainerCore:
                 if registered is start:
                     del self._starting[run_id]
             start.done.set()
+            start.settled.set()
 
     def _train(self, run: ActiveRun) -> None:
         """Makes `run` this trainer's run and starts its training thread (under `_lock`)."""
@@ -340,6 +372,24 @@ class TrainerCore:
         finished = run.finished
         return run.reports_from(from_step), finished
 
+    def first_step_to_watch(self, run_id: str) -> Callable[[], int | None]:
+        """Where WatchSteps with from_step 0 ("the next step") begins, as a function to ask until it answers: the step
+        after the run's current one; for a run that is starting, the first step that start takes (its checkpoint's
+        step + 1 when it resumes), None until the run is loaded. A run resumed in this process keeps the reports of
+        the steps it resumes after, which "the next step" must not replay. NotFound for a run this trainer never had
+        (also once a start it was asked during failed)."""
+        start, _ = self._lookup(run_id)
+        if start is None:
+            step = self.status(run_id).step + 1
+            return lambda: step
+
+        def first_step() -> int | None:
+            if not start.done.is_set():
+                return None
+            return start.first_step if start.first_step is not None else self.status(run_id).step + 1
+
+        return first_step
+
     def wait_for_change(self, run_id: str, timeout_s: float) -> None:
         start, run = self._lookup(run_id)
         if start is not None:
@@ -351,14 +401,16 @@ class TrainerCore:
     def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
         """Stops every run after its step in progress, checkpointing it (a graceful termination,
         e.g. SIGTERM, loses no training); a run still starting stops once loaded, without training,
-        and no run starts afterwards. Waits up to `timeout_s` in all (`serve` passes --shutdown-timeout-s):
-        a step still going on then is abandoned without its checkpoint."""
+        and no run starts afterwards. The calls waiting for a start answer Unavailable at once. Waits up to
+        `timeout_s` in all (`serve` passes --shutdown-timeout-s): a step still going on then is abandoned without
+        its checkpoint, a start still loading (its thread does not hold the process) without its run."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             self._closing = True
             starts = list(self._starting.values())
         for start in starts:
             start.stop.set()
+            start.settled.set()  # its callers hear of the shutdown now, not once the load (of the fleet) has ended
         for start in starts:
             start.done.wait(timeout=max(0.0, deadline - time.monotonic()))
         with self._lock:

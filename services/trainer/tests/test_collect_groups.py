@@ -53,7 +53,15 @@ def group(run_id: str, i: int) -> SampleGroup:
 
 
 def run_on(stream: SampleStream) -> Any:
-    return SimpleNamespace(run_id="run", stream=stream, cursor="0", stop=threading.Event(), checkpoint_wanted=False)
+    return SimpleNamespace(
+        run_id="run",
+        stream=stream,
+        cursor="0",
+        uncommitted=[],
+        claimed_behind=[],
+        stop=threading.Event(),
+        checkpoint_wanted=False,
+    )
 
 
 def test_entries_whose_reply_was_lost_are_trained_first_and_none_is_skipped(
@@ -160,6 +168,36 @@ def test_groups_held_elsewhere_older_than_the_own_ones_are_trained_first(
     run = run_on(stream)
     steps = [[e.entry_id for e in collect_groups(run, settings, 2, checkpoints=None)] for _ in range(3)]  # type: ignore[arg-type]
     assert steps == [ids[:2], ids[2:4], ids[4:]]
+
+
+def test_groups_claimed_from_a_consumer_reading_beside_the_trainer_are_trained_though_behind_its_cursor(
+    redis_client: redis.Redis, redis_prefix: str
+) -> None:
+    """Two consumers read one run's stream at once (a trainer still running beside the one that replaced it, under
+    another name): the other took groups 0 and 1 while this trainer took 2 and 3 and trained them. Claimed once the
+    other had gone quiet, 0 and 1 lay behind the cursor, which the steps read after: pending on this trainer, never
+    trained, until it restarted, and the stream untrimmed from them on. Its own groups 2 and 3, which the other had
+    claimed in turn while they awaited their checkpoint, are not trained again."""
+    stream = SampleStream(redis_client, "run7", prefix=redis_prefix)
+    stream.ensure_consumer_group()
+    ids = [stream.append(group("run7", i)) for i in range(8)]
+    assert [e.entry_id for e in stream.read("trainer-other", 2)] == ids[:2]
+    assert [e.entry_id for e in stream.read(CONSUMER, 2)] == ids[2:4]  # step 1, trained, not yet checkpointed
+    run = run_on(stream)
+    run.cursor, run.uncommitted = ids[3], ids[2:4]
+    time.sleep(0.05)
+    assert [e.entry_id for e in stream.claim_stale("trainer-other", 10)] == ids[2:4]
+    time.sleep(0.05)
+    settings = SimpleNamespace(consumer=CONSUMER, claim_idle_ms=10, read_block_ms=50)
+    done = threading.Timer(10, run.stop.set)  # a bound on the wait, were groups 0 and 1 never taken
+    done.start()
+    try:
+        steps = [[e.entry_id for e in collect_groups(run, settings, 2, checkpoints=None)] for _ in range(3)]  # type: ignore[arg-type]
+    finally:
+        done.cancel()
+    assert steps == [ids[:2], ids[4:6], ids[6:]]
+    held = cast(list[dict[str, Any]], redis_client.xpending_range(stream.key, stream.consumer_group, "-", "+", 10))
+    assert {row["consumer"] for row in held} == {CONSUMER.encode()} and len(held) == 8  # 2 and 3 await a checkpoint
 
 
 class AwayFor(SampleStream):

@@ -518,23 +518,80 @@ def test_a_starting_run_is_known_by_name(core, small_model_dir, fake_router, red
 
 
 def test_shutdown_during_a_start_stops_the_run_before_it_trains(core, small_model_dir, fake_router) -> None:
-    """SIGTERM while StartRun loads: no training thread may outlive the shutdown (the ranks stop after it)."""
+    """SIGTERM while StartRun loads: no training thread may outlive the shutdown (the ranks stop after it), and the
+    call waiting for the start hears of the shutdown at once, not once the fleet has loaded."""
     fake_router.delay_s = 1.5
-    answers: list[trainer_pb2.TrainerStatus] = []
+    answers: list[trainer_pb2.TrainerStatus | Exception] = []
+
+    def start() -> None:
+        try:
+            answers.append(core.start_run("q", spec))
+        except Unavailable as exc:
+            answers.append(exc)
+
     spec = spec_for(small_model_dir, steps=3, groups_per_step=1)
-    starting = threading.Thread(target=lambda: answers.append(core.start_run("q", spec)))
+    starting = threading.Thread(target=start)
     starting.start()
     try:
         assert fake_router.loading.wait(30), "StartRun did not reach its weight load"
-        core.shutdown(timeout_s=30)
+        stopping = threading.Thread(target=core.shutdown, kwargs={"timeout_s": 30})
+        stopping.start()
+        starting.join(timeout=1.0)
+        assert [str(a) for a in answers] == [
+            "the trainer is shutting down; run q was still starting and does not start here: ask again once the "
+            "trainer is back (the run resumes from its last checkpoint)"
+        ]
+        stopping.join(timeout=30)
         # Once shutdown returns, the start has ended without training.
         assert core.status("q").state == TrainerState.TRAINER_STATE_STOPPED and core.ranks.state.policy is None
         assert not [t for t in threading.enumerate() if t.name == "train-q"]
     finally:
         starting.join(timeout=30)
-    assert [a.state for a in answers] == [TrainerState.TRAINER_STATE_STOPPED]
     with pytest.raises(Unavailable, match="shutting down"):
         core.start_run("r", spec)
+
+
+def test_watch_steps_from_the_next_step_during_a_resumed_start_begins_after_the_step_it_resumes_from(
+    core, small_model_dir, redis_client, redis_prefix, fake_router
+) -> None:
+    """from_step 0 starts with the next step. Asked while a run stopped at step 2 started again in the same trainer,
+    it began at step 1: the watcher got steps 1 and 2, the reports the resumed run keeps, as if just taken."""
+    spec = spec_for(small_model_dir, steps=4, groups_per_step=1)
+    spec.trainer.checkpoint_every = 1
+    stream = SampleStream(redis_client, "w", prefix=redis_prefix)
+    model = load_policy(small_model_dir)
+    core.start_run("w", spec)
+    for i in range(2):
+        stream.append(rollout_group(model, "w", i, 0))
+    wait_for(lambda: core.status("w").checkpoint_step == 2)
+    assert core.stop_run("w").state == TrainerState.TRAINER_STATE_STOPPED
+    wait_for(lambda: not core._runs["w"].releasing)
+    fake_router.loading.clear()
+    fake_router.delay_s = 1.5  # the resumed start makes the fleet serve version 2 first
+    starting = threading.Thread(target=lambda: core.start_run("w", spec))
+    starting.start()
+    port, done = serve_grpc(core)
+    watched: list[int] = []
+    try:
+        assert fake_router.loading.wait(30), "StartRun did not reach its weight load"
+        assert core.status("w").state == TrainerState.TRAINER_STATE_STARTING
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            reports = trainer_pb2_grpc.TrainerStub(channel).WatchSteps(
+                trainer_pb2.WatchStepsRequest(run_id="w"), timeout=60
+            )
+            watcher = threading.Thread(target=lambda: watched.extend(report.step for report in reports))
+            watcher.start()
+            starting.join(timeout=30)
+            fake_router.delay_s = 0.0
+            assert core.status("w").step == 2
+            for i in range(2, 4):
+                stream.append(rollout_group(model, "w", i, 0))
+            watcher.join(timeout=60)
+            assert not watcher.is_alive()
+    finally:
+        done.set()
+        starting.join(timeout=30)
+    assert watched == [3, 4]  # the steps after the one it resumed from, then the end of the run
 
 
 def test_a_run_resumed_in_the_same_trainer_keeps_the_reports_of_the_steps_it_resumes_after(
