@@ -41,7 +41,18 @@ from rlfleet.v1.runs_pb2 import Run, RunSpec, RunState
 
 logger = logging.getLogger(__name__)
 
-STATUS_ERRORS: dict[int, type[RlfleetError]] = {400: InvalidInput, 401: Unauthenticated, 404: NotFound, 409: Conflict}
+
+class RunNotFound(NotFound):
+    """The orchestrator holds no run of the id asked for (a server without the Runs API's routes is a NotFound of
+    its own, naming the address)."""
+
+
+STATUS_ERRORS: dict[int, type[RlfleetError]] = {
+    400: InvalidInput,
+    401: Unauthenticated,
+    404: RunNotFound,  # the orchestrator's 404 on every route of the Runs API, once other servers' are told apart
+    409: Conflict,
+}
 FINAL_STATES = (RunState.RUN_STATE_SUCCEEDED, RunState.RUN_STATE_FAILED, RunState.RUN_STATE_CANCELLED)
 WATCH_READ_TIMEOUT_S = 60.0
 """How long a watch waits for its next line. The orchestrator sends an event per change and a keep-alive
@@ -221,7 +232,11 @@ class RunsClient:
             wait = min(2 * wait, longest)
 
     def get(self, run_id: str) -> Run:
-        return self._run(self._request("GET", run_path(run_id)))
+        return self._run(self.get_json(run_id))
+
+    def get_json(self, run_id: str) -> dict[str, Any]:
+        """The run as the API's JSON, fields this client does not know included (an orchestrator newer than it)."""
+        return self._request("GET", run_path(run_id))
 
     def list(self, state: str | None = None) -> list[Run]:
         """Every run (in `state`, if given), oldest first, page after page. An answer naming a page already read

@@ -14,7 +14,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from rlfleet.cli import data, demo, down, fleet, model, runs
+from rlfleet.cli import data, demo, down, fleet, model, runs, show
 from rlfleet.cli.defaults_help import CommandParser
 from rlfleet.cli.runs import WATCH_ENDED_EXIT, WatchInterrupted
 from rlfleet.cli.stop_signals import StopSignal
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     fleet.register(areas)
     down.register(areas)
     runs.register(areas)
+    show.register(areas)
     demo.register(areas)
     return parser
 

@@ -1,8 +1,9 @@
 """`rlfleet submit|runs|watch|cancel`: the Runs API from the command line.
 
-The orchestrator is the one named by --api, else by $RLFLEET_API_URL, else the fleet `rlfleet up` recorded
-in <state-dir>/fleet.json (so a fleet on other ports is found), else http://127.0.0.1:8000. An error about the
-address says which of them gave it: a stale variable or fleet.json would look like a fleet that is down.
+The orchestrator (theirs and `show`'s, cli/show.py) is the one named by --api, else by $RLFLEET_API_URL, else
+the fleet `rlfleet up` recorded in <state-dir>/fleet.json (so a fleet on other ports is found), else
+http://127.0.0.1:8000. An error about the address says which of them gave it: a stale variable or fleet.json
+would look like a fleet that is down.
 
 `submit` sends its Submit with a fresh request_id (a UUID4) and, while nothing answers, the answer is lost or a 5xx
 comes back, sends it again with the same request_id for up to 30 s: the orchestrator answers a repeat with the run
@@ -87,31 +88,37 @@ def register(areas: argparse._SubParsersAction) -> None:
     cancel.add_argument("run_id")
     cancel.set_defaults(func=run_cancel)
     for parser in (submit, runs, watch, cancel):
-        parser.add_argument(
-            "--api",
-            help=f"orchestrator URL (default: ${API_URL_ENV}, else the Runs API of the fleet recorded in "
-            f"<state-dir>/fleet.json, else {FALLBACK_URL})",
-        )
-        parser.add_argument(
-            "--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="the state directory `rlfleet up` used"
-        )
-        watches = (
-            f"; a watch starts only once the orchestrator has answered within it, then waits up to "
-            f"{WATCH_READ_TIMEOUT_S:g} s for each event or keep-alive"
-            if parser in (submit, watch)
-            else ""
-        )
-        parser.add_argument(
-            "--timeout",
-            type=positive_float,
-            default=30.0,
-            help=f"seconds to wait for connecting and for each answer{watches}",
-        )
-        parser.add_argument(
-            "--api-token-file",
-            type=Path,
-            help=f"file holding the API token (default: ${TOKEN_FILE_ENV}, else the token in ${TOKEN_ENV})",
-        )
+        add_api_options(parser, watches=parser in (submit, watch))
+
+
+def add_api_options(parser: argparse.ArgumentParser, watches: bool = False) -> None:
+    """The options that find the Runs API and talk to it (`client_for` reads them); `watches` when the command
+    watches a run, whose --timeout bounds only the watch's start."""
+    parser.add_argument(
+        "--api",
+        help=f"orchestrator URL (default: ${API_URL_ENV}, else the Runs API of the fleet recorded in "
+        f"<state-dir>/fleet.json, else {FALLBACK_URL})",
+    )
+    parser.add_argument(
+        "--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="the state directory `rlfleet up` used"
+    )
+    watch_timeout = (
+        f"; a watch starts only once the orchestrator has answered within it, then waits up to "
+        f"{WATCH_READ_TIMEOUT_S:g} s for each event or keep-alive"
+        if watches
+        else ""
+    )
+    parser.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=30.0,
+        help=f"seconds to wait for connecting and for each answer{watch_timeout}",
+    )
+    parser.add_argument(
+        "--api-token-file",
+        type=Path,
+        help=f"file holding the API token (default: ${TOKEN_FILE_ENV}, else the token in ${TOKEN_ENV})",
+    )
 
 
 def api_url(args: argparse.Namespace) -> tuple[str, str] | None:
