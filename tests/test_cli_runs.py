@@ -172,16 +172,22 @@ def build_api() -> FastAPI:
             await asyncio.sleep(0.1)
             yield ": keep-alive\n\n"
 
+    def not_held(run_id: str) -> JSONResponse:
+        """As the orchestrator answers for a run it does not hold."""
+        error = {"kind": "not_found", "message": f"run {run_id!r} not found", "code": 404}
+        return JSONResponse({"error": error}, status_code=404)
+
     @app.post("/v1/runs/{run_id}:cancel")
     async def cancel(run_id: str) -> JSONResponse:
+        if not run_id.removeprefix("run-").isdigit():
+            return not_held(run_id)
         CANCELS.append(run_id)
         return JSONResponse(run_json(int(run_id.removeprefix("run-")), "RUN_STATE_CANCELLED", step=2))
 
     @app.get("/v1/runs/{run_id}")
     async def get(run_id: str) -> JSONResponse:
-        if not run_id.removeprefix("run-").isdigit():  # as the orchestrator answers for a run it does not hold
-            error = {"kind": "not_found", "message": f"run {run_id!r} not found", "code": 404}
-            return JSONResponse({"error": error}, status_code=404)
+        if not run_id.removeprefix("run-").isdigit():
+            return not_held(run_id)
         i = int(run_id.removeprefix("run-"))
         return JSONResponse(run_json(i, "RUN_STATE_RUNNING", step=2) if i in RUNNING_IDS else run_json(i, step=6))
 
@@ -371,9 +377,17 @@ def test_an_address_no_runs_api_can_have_is_refused_as_such(bad: str, why: str, 
     )
 
 
-def test_a_run_the_orchestrator_does_not_hold_is_not_found(api: str, capsys: pytest.CaptureFixture) -> None:
-    assert main(["watch", "run-none", "--api", api]) == 2
-    assert capsys.readouterr().err == "rlfleet: error: HTTP 404: run 'run-none' not found\n"
+@pytest.mark.parametrize("command", ["watch", "cancel"])
+def test_a_run_the_orchestrator_does_not_hold_is_not_found_there(
+    api: str, command: str, capsys: pytest.CaptureFixture
+) -> None:
+    """Named with the address asked and where it came from (a stale fleet.json or $RLFLEET_API_URL names another
+    fleet): it said only "HTTP 404: run 'run-none' not found"."""
+    assert main([command, "run-none", "--api", api]) == 2
+    assert capsys.readouterr().err == (
+        f"rlfleet: error: no run 'run-none' at {api} (the address came from --api); `rlfleet runs --api {api}` "
+        "lists the runs it holds\n"
+    )
 
 
 @pytest.mark.parametrize("command", ["watch", "cancel"])

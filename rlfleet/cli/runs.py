@@ -31,9 +31,16 @@ from typing import TextIO
 from rlfleet.api_token import TOKEN_ENV, TOKEN_FILE_ENV, client_token, read_token_file
 from rlfleet.cli.arg_types import positive_float, positive_int
 from rlfleet.cli.fleet import DEFAULT_STATE_DIR
-from rlfleet.errors import Unavailable
+from rlfleet.errors import NotFound, Unavailable
 from rlfleet.local_fleet import owner_runs, read_state
-from rlfleet.runs_client import WATCH_READ_TIMEOUT_S, WATCH_RECONNECT_S, RunsClient, load_spec_file, spec_yaml
+from rlfleet.runs_client import (
+    WATCH_READ_TIMEOUT_S,
+    WATCH_RECONNECT_S,
+    RunNotFound,
+    RunsClient,
+    load_spec_file,
+    spec_yaml,
+)
 from rlfleet.v1.runs_pb2 import Run, RunState
 
 API_URL_ENV = "RLFLEET_API_URL"
@@ -311,11 +318,33 @@ def run_list(args: argparse.Namespace) -> int:
 
 
 def run_watch(args: argparse.Namespace) -> int:
-    final = watch_until_done(client_for(args), args.run_id, sys.stdout, WATCH_RECONNECT_S)
+    client = client_for(args)
+    try:
+        final = watch_until_done(client, args.run_id, sys.stdout, WATCH_RECONNECT_S)
+    except RunNotFound:
+        raise no_such_run(args, client.base_url) from None
     return 0 if final.state == RunState.RUN_STATE_SUCCEEDED else 1
 
 
 def run_cancel(args: argparse.Namespace) -> int:
-    run = client_for(args).cancel(args.run_id)
+    client = client_for(args)
+    try:
+        run = client.cancel(args.run_id)
+    except RunNotFound:
+        raise no_such_run(args, client.base_url) from None
     print(f"{run.id} {state_name(run)}")
     return 0
+
+
+def no_such_run(args: argparse.Namespace, base_url: str) -> NotFound:
+    """The error for a run `args.run_id` the orchestrator at `base_url` does not hold, saying where that address
+    came from: a stale $RLFLEET_API_URL or fleet.json names another fleet, which holds other runs."""
+    named = api_url(args)
+    source = (
+        f"the address came from {named[1]}"
+        if named
+        else f"the default address, as no fleet is recorded in {Path(args.state_dir) / 'fleet.json'}"
+    )
+    return NotFound(
+        f"no run {args.run_id!r} at {base_url} ({source}); `rlfleet runs{address_flags(args)}` lists the runs it holds"
+    )

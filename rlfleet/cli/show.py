@@ -13,12 +13,10 @@ import argparse
 import json
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from rlfleet.cli.runs import add_api_options, address_flags, api_url, client_for, state_name
-from rlfleet.errors import NotFound
+from rlfleet.cli.runs import add_api_options, client_for, no_such_run, state_name
 from rlfleet.runs_client import RunNotFound, spec_yaml
 from rlfleet.v1.runs_pb2 import Run
 
@@ -51,17 +49,7 @@ def run_show(args: argparse.Namespace) -> int:
             return 0
         run = client.get(args.run_id)
     except RunNotFound:
-        # A stale $RLFLEET_API_URL or fleet.json names another fleet, which holds other runs: say which it was.
-        named = api_url(args)
-        source = (
-            f"the address came from {named[1]}"
-            if named
-            else f"the default address, as no fleet is recorded in {Path(args.state_dir) / 'fleet.json'}"
-        )
-        raise NotFound(
-            f"no run {args.run_id!r} at {client.base_url} ({source}); `rlfleet runs{address_flags(args)}` lists the "
-            "runs it holds"
-        ) from None
+        raise no_such_run(args, client.base_url) from None
     print(summary(run, datetime.now(UTC)), end="")
     if args.spec:
         print(f"\n{SPEC_HEADING}\n{spec_yaml(run.spec)}", end="")
