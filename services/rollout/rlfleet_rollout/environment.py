@@ -13,10 +13,12 @@ An environment is an object with one method, registered under a name in the entr
     [project.entry-points."rlfleet.rollout.environments"]
     echo = "my_package.echo:echo"
 
-After every model turn, `reply` gets the episode's prompt and the text of every model turn so far,
-and returns the text that enters the conversation next (a tool's output, a user's follow-up) or
-None to end the episode. The returned text is tokenized and appended to the model's own tokens; it
-is trained with loss mask 0. The last model turn is what the reward functions score.
+After every model turn, `reply` gets the episode's prompt and the text of every model turn so far
+(as the conversation goes on with it: a stop string that ended a turn is in its text, though the
+engine cuts it from the text it answers with), and returns the text that enters the conversation
+next (a tool's output, a user's follow-up) or None to end the episode. The returned text is
+tokenized and appended to the model's own tokens; it is trained with loss mask 0. The last model
+turn is what the reward functions score.
 
 `reply` is called in a worker thread of the orchestrator's `ReplyPool`, so a slow tool does not hold
 up generation, and several episodes may call it at once: an environment that keeps state guards it.

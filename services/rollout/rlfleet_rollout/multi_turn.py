@@ -5,7 +5,8 @@
         generate from ids through the router, under the sample's trajectory id (a turn a weight
         update aborts is resumed on the new weights under rollout.on_weight_update abort_resume),
         max_new_tokens cut to what the model's context leaves
-        ask the environment for a reply to the turns so far (on a thread of the orchestrator's ReplyPool);
+        ask the environment for a reply to the turns so far (on a thread of the orchestrator's ReplyPool), each
+        turn's text as its tokens carry it on (a stop string the engine cut from its text included);
         stop if it has none (or the turn was cut); an environment that raises, or does not reply within the
         pool's time limit, ends the episode as a failed sample
         stop, cut (finish reason length), when the reply would leave no room for another turn
@@ -15,9 +16,9 @@
 
 Each turn's prompt extends the previous one by exactly the generated ids, so the router lays the
 turns out as one sequence of the tokens the engines produced: nothing is re-tokenised. The last
-model turn is what the reward functions score. The environment's reply is appended as its text's tokens,
-right after the model's: with a chat model, an environment writes the chat template's turn markers into
-its reply itself.
+model turn, as the engine wrote it (as single_turn's response), is what the reward functions score. The
+environment's reply is appended as its text's tokens, right after the model's: with a chat model, an
+environment writes the chat template's turn markers into its reply itself.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ async def multi_turn(ctx: RolloutContext, request: GroupRequest) -> SampleGroup:
             loss_mask=episode.loss_mask if not completion.error else None,
             weight_versions=episode.weight_versions,
         )
-        # The router keeps the trajectory under this id until it is evicted: the sample can be checked against it.
+        # The id the episode's turns went to the router under (which deleted it once read): its logs name it.
         sample.metadata["trajectory_id"] = trajectory_ids[j]
         sample.metadata["turns"] = str(episode.turns)
         if not completion.error:
@@ -169,7 +170,7 @@ async def _play_episode(
             # Only this turn's tokens came back: a sample of them alone would misstate the episode.
             return Episode(Completion(finish_reason=last.finish_reason, error=last.error), turns=turn + 1)
         first = first if turn else last
-        texts.append(ctx.response_text(last))
+        texts.append(conversation_text(ctx, last))
         if last.finish_reason == FinishReason.FINISH_REASON_LENGTH or turn + 1 == max_turns:
             break
         try:
@@ -218,4 +219,15 @@ async def _play_episode(
         weight_version=versions[-1] if versions else None,
         cached_tokens=first.cached_tokens,
     )
-    return Episode(whole, trajectory.loss_mask, versions, texts[-1], turns)
+    return Episode(whole, trajectory.loss_mask, versions, ctx.response_text(last), turns)
+
+
+def conversation_text(ctx: RolloutContext, completion: Completion) -> str:
+    """A model turn's text as the conversation goes on with it, which is what its environment reads: the engine's
+    text with the stop string it cut from the end. The turn's tokens keep that stop string (the next turn's prompt
+    holds it), so without it an environment did not see a call the stop string closes (`stop: ["]"]` with the
+    calculator: `[12+7` is no call, and the episode ended on it). When the tokens decoded here do not begin with
+    the engine's text (an engine that decodes otherwise), the engine's text stands."""
+    text = ctx.response_text(completion)
+    decoded = ctx.tokenizer.decode(list(completion.output_ids), skip_special_tokens=True)
+    return decoded if decoded.startswith(text) else text

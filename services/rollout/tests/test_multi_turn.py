@@ -255,6 +255,39 @@ def test_a_failed_turn_fails_its_sample_not_the_group(tokenizer_dir: Path, repli
     assert "turn 2: generation failed" in group.samples[0].error
 
 
+class TrimsTheStop(FakeRouter):
+    """Ends a turn at a stop string as SGLang does: its tokens up to the one that completes the stop string, its text
+    without the stop string."""
+
+    async def generate_turn(self, prompt: list[int], sampling: dict[str, Any], rid: str, tid: str) -> Completion:
+        whole = await super().generate_turn(prompt, sampling, rid, tid)
+        said = whole.text or ""
+        at = min((said.find(s) for s in sampling.get("stop", ()) if s in said), default=-1)
+        if at < 0:
+            return whole
+        end = at + len(next(s for s in sampling["stop"] if said.find(s) == at))
+        turn = self.turns[tid][-1]
+        self.turns[tid][-1] = (turn[0], turn[1][:end], turn[2][:end])
+        return replace(whole, output_ids=whole.output_ids[:end], logprobs=whole.logprobs[:end], text=said[:at])
+
+
+def test_the_environment_reads_a_turn_with_the_stop_string_that_ended_it(
+    tokenizer_dir: Path, replies: ReplyPool
+) -> None:
+    """The engine cuts a matched stop string from its text, not from the turn's tokens: given that text, the
+    calculator read `[12+7` (its call closed by the stop string "]") as the final answer, and every episode ended
+    there, wrong, without calling it."""
+    ctx = _context(tokenizer_dir, replies, TrimsTheStop(), max_turns=3)
+    ctx.spec.rollout.sampling.stop.append("]")
+    group = asyncio.run(multi_turn(ctx, _request()))
+    call, reply, answer = _ids("[12+7]"), _ids("=19\n"), _ids("19") + [EOS_ID]
+    for sample in group.samples:
+        assert sample.status == SampleStatus.SAMPLE_STATUS_OK and sample.metadata["turns"] == "2", sample.error
+        assert list(sample.response_token_ids) == call + reply + answer
+        assert list(sample.loss_mask) == [1] * len(call) + [0] * len(reply) + [1] * len(answer)
+        assert sample.reward == 1.0
+
+
 class ForgetsBetweenTurns(FakeRouter):
     """Drops each trajectory before its second turn, as the router evicts one (two weight updates while a tool
     ran, its token budget) or restarts: the second turn starts a new trajectory on the whole conversation."""
