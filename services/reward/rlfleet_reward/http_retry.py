@@ -22,6 +22,7 @@ import ssl
 import time
 import weakref
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -63,9 +64,12 @@ async def close_clients() -> None:
         await client.aclose()
 
 
-async def post_json(url: str, body: Any, *, attempt_seconds: float, deadline_seconds: float) -> Any:
+async def post_json(url: str, body: Any | Callable[[], Any], *, attempt_seconds: float, deadline_seconds: float) -> Any:
     """The decoded JSON answer; raises InvalidInput (4xx, a redirect, not JSON, past MAX_ANSWER_BYTES),
-    DeadlineExceeded or Unavailable. Messages name the status, never quote the answer."""
+    DeadlineExceeded or Unavailable. Messages name the status, never quote the answer.
+
+    `body` is the JSON to send, or a function that builds each attempt's: a retry under the request id of an
+    attempt the server may still be running, or aborting, could be refused as a duplicate or aborted with it."""
     deadline = time.monotonic() + deadline_seconds
     backoff = _FIRST_BACKOFF_SECONDS
     last = "no attempt"
@@ -75,7 +79,8 @@ async def post_json(url: str, body: Any, *, attempt_seconds: float, deadline_sec
         try:
             # httpx's timeout bounds each read; this bounds the whole answer, however slowly it trickles in.
             async with asyncio.timeout(limit):
-                status, content = await _post(client, url, body, limit)
+                sent = body() if callable(body) else body
+                status, content = await _post(client, url, sent, limit)
         except httpx.TransportError as exc:  # connection refused or reset, timeouts
             last = f"{type(exc).__name__}: {exc}"
         except TimeoutError:

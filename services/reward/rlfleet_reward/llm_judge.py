@@ -6,7 +6,16 @@ first group is the verdict: with `verdicts` set, it is looked up there (case-ins
 otherwise it is a number from 0 to `scale`, divided by `scale`. A judge's text with no verdict (no match, a word
 `verdicts` lacks, a number out of range) scores 0 with the component `judge/no_verdict` 1: an ERROR would drop the
 sample from training, so a response that keeps the judge from deciding would escape its penalty.
-Calls are retried on connection errors and 5xx until `deadline_seconds`, within the item's time limit.
+Calls are retried on connection errors and 5xx until `deadline_seconds`, within the item's time limit, and
+so is a generation the engine aborted (finish reason `abort`: a weight update's `abort_all` on the fleet the
+judge shares with the policy): its text is whatever the judge had written when it was stopped, no verdict or a
+half-made one, and read as one it scored a good response 0. Each attempt carries a request id of its own
+(`rid`), by which the router stops the generation at its engine when the hub gives up on it (the attempt's or
+the item's time limit), rather than letting it run to `max_new_tokens` for nobody.
+
+A response past `max_response_chars` reaches the judge cut in the middle, its start and end kept around a
+line saying how much was left out: whole, it could pass the judge's context, which the engine refuses
+(HTTP 400), an ERROR that would drop the sample, so that a response long enough would escape its penalty.
 
 The call waits on the event loop; the verdict is parsed in a worker process (`finish`), within what is
 left of the item's time limit. `verdict_pattern` is the caller's regex over the model's text, and one that
@@ -20,13 +29,17 @@ service; left out, it is the first router listed.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
+import time
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator
 
+from rlfleet.errors import Unavailable
 from rlfleet_reward.config import DEFAULT_ROUTER_URL, spec_caps
 from rlfleet_reward.http_retry import post_json
 from rlfleet_reward.reward_function import RewardFunction, RewardInput, Scored
@@ -38,7 +51,12 @@ DEFAULT_TEMPLATE = (
     "You are grading an answer.\n\nQuestion:\n{prompt}\n\nReference answer:\n{label}\n\nAnswer to grade:\n"
     "{response}\n\nRate the answer from 0 (wrong) to 10 (fully correct). End with a line 'Score: N'.\n"
 )
+# "Score: 7", and the Markdown judges often write around it: "**Score:** 7", "Score: **7**".
+DEFAULT_VERDICT_PATTERN = r"(?i)score[*_]*\s*[:=]\s*[*_]*\s*(-?\d+(?:\.\d+)?)"
 _FIELDS = re.compile(r"\{(prompt|response|label)\}")
+# Between generations the engine aborted: a weight update is over in seconds, so the pause need not grow long.
+_FIRST_ABORT_PAUSE_SECONDS = 0.2
+_MAX_ABORT_PAUSE_SECONDS = 2.0
 
 
 def first_listed_router() -> AnyHttpUrl:
@@ -57,13 +75,19 @@ class JudgeParams(BaseModel):
     )
     template: str = Field(default=DEFAULT_TEMPLATE, max_length=100_000, description="The judge's prompt.")
     verdict_pattern: str = Field(
-        default=r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)",
+        default=DEFAULT_VERDICT_PATTERN,
         max_length=MAX_PATTERN_CHARS,
         description="Regex with one capturing group, the verdict (group others with (?:...)).",
     )
     verdicts: dict[str, float] | None = Field(default=None, description='e.g. {"correct": 1, "incorrect": 0}.')
     scale: float = Field(default=10.0, gt=0, description="A numeric verdict is divided by this.")
     max_new_tokens: int = Field(default=512, ge=1, le=32768)
+    max_response_chars: int = Field(
+        default=16_000,
+        ge=100,
+        le=1_000_000,
+        description="A longer response reaches the judge cut in the middle, its start and end kept.",
+    )
     temperature: float = Field(default=0.0, ge=0)
     attempt_seconds: float = Field(default=60.0, gt=0, le=600, description="Timeout of one /generate call.")
     deadline_seconds: float = Field(default=120.0, gt=0, le=1200, description="Give up retrying after this long.")
@@ -99,9 +123,23 @@ class JudgeParams(BaseModel):
         return pattern
 
 
-def render(template: str, sample: RewardInput) -> str:
-    values = {"prompt": sample.prompt, "response": sample.response, "label": sample.label}
+def render(template: str, sample: RewardInput, max_response_chars: int) -> str:
+    values = {
+        "prompt": sample.prompt,
+        "response": shortened(sample.response, max_response_chars),
+        "label": sample.label,
+    }
     return _FIELDS.sub(lambda match: values[match.group(1)], template)
+
+
+def shortened(response: str, limit: int) -> str:
+    """`response`, or past `limit` characters its start and end (the answer is usually last) around a line
+    saying how many were cut."""
+    if len(response) <= limit:
+        return response
+    head = limit // 2
+    tail = limit - head
+    return f"{response[:head]}\n[... {len(response) - limit} characters cut ...]\n{response[-tail:]}"
 
 
 def parse_verdict(text: str, params: Mapping[str, Any]) -> float | None:
@@ -124,17 +162,37 @@ def parse_verdict(text: str, params: Mapping[str, Any]) -> float | None:
 
 async def ask_judge(sample: RewardInput, params: Mapping[str, Any]) -> RewardInput:
     """The judge's text, as the response `score_verdict` reads."""
-    body = {
-        "text": render(params["template"], sample),
-        "sampling_params": {"max_new_tokens": params["max_new_tokens"], "temperature": params["temperature"]},
-    }
+    text = render(params["template"], sample, params["max_response_chars"])
+    sampling = {"max_new_tokens": params["max_new_tokens"], "temperature": params["temperature"]}
     url = str(params["router_url"]).rstrip("/") + "/generate"
-    answer = await post_json(
-        url, body, attempt_seconds=params["attempt_seconds"], deadline_seconds=params["deadline_seconds"]
+    deadline = time.monotonic() + params["deadline_seconds"]
+    pause = _FIRST_ABORT_PAUSE_SECONDS
+    while (remaining := deadline - time.monotonic()) > 0:
+        answer = await post_json(
+            url,
+            lambda: {"text": text, "sampling_params": sampling, "rid": f"rlfleet-judge-{uuid.uuid4().hex}"},
+            attempt_seconds=params["attempt_seconds"],
+            deadline_seconds=remaining,
+        )
+        if not isinstance(answer, dict) or not isinstance(answer.get("text"), str):
+            raise ValueError("/generate answered without a string 'text'")
+        if finish_reason(answer) != "abort":
+            return RewardInput(response=answer["text"])
+        logger.info("the judge's generation at %s was aborted; asking again", url)
+        await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        pause = min(pause * 2, _MAX_ABORT_PAUSE_SECONDS)
+    raise Unavailable(
+        f"POST {url}: the engine aborted every generation of the judge for {params['deadline_seconds']:g} s "
+        "(deadline_seconds): a weight update that long, or a client aborting every request"
     )
-    if not isinstance(answer, dict) or not isinstance(answer.get("text"), str):
-        raise ValueError("/generate answered without a string 'text'")
-    return RewardInput(response=answer["text"])
+
+
+def finish_reason(answer: Mapping[str, Any]) -> str | None:
+    """The type of `meta_info.finish_reason` in SGLang's answer (`stop`, `length`, `abort`), if it says."""
+    meta = answer.get("meta_info")
+    finish = meta.get("finish_reason") if isinstance(meta, dict) else None
+    kind = finish.get("type") if isinstance(finish, dict) else finish
+    return kind if isinstance(kind, str) else None
 
 
 def score_verdict(sample: RewardInput, params: Mapping[str, Any]) -> Scored:

@@ -58,7 +58,10 @@ async def score_remote(sample: RewardInput, params: Mapping[str, Any]) -> Scored
     # The answer is not quoted in errors: they reach the run's owner, and the model is the operator's.
     if not isinstance(answer, dict) or params["score_field"] not in answer:
         raise ValueError(f"the reward model's answer has no {params['score_field']!r}")
-    parts = answer.get(params["components_field"]) or {}
+    # Only absent or null means none: `0`, `false`, `""` or `[]` is a model answering in another shape.
+    parts = answer.get(params["components_field"])
+    if parts is None:
+        parts = {}
     if not isinstance(parts, dict):
         raise ValueError(f"{params['components_field']!r} in the reward model's answer is not an object")
     return Scored(score=answer[params["score_field"]], parts=parts)

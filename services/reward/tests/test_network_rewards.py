@@ -18,6 +18,7 @@ from google.protobuf import json_format
 
 from rlfleet.processes import ServiceProcess, free_port
 from rlfleet.v1 import reward_pb2
+from rlfleet_reward.llm_judge import JudgeParams, parse_verdict
 from rlfleet_reward.scoring import Scorer
 
 WithScorer = Callable[..., Any]
@@ -32,6 +33,9 @@ class FakeModels:
         self.calls: list[tuple[str, dict]] = []
         self.client_ports: list[int] = []
         self.judge_text = "The answer is right.\nScore: 7"
+        self.judge_failures = 0
+        self.judge_aborts = 0
+        self.remote_answer: object = None
 
 
 @pytest.fixture
@@ -52,9 +56,21 @@ def models(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeModels, str]]:
                 return self._send(503, {"error": "warming up"})
             if self.path == "/score":
                 return self._send(200, {"score": len(body["response"]) / 10, "components": {"length": 1.0}})
-            return self._send(200, {"text": state.judge_text, "meta_info": {}})
+            if self.path == "/shaped":
+                return self._send(200, state.remote_answer)
+            if state.judge_failures > 0:
+                state.judge_failures -= 1
+                return self._send(503, {"error": "no engine"})
+            if state.judge_aborts > 0:
+                # What an engine gives a generation `abort_all` stopped: the text it had written by then.
+                state.judge_aborts -= 1
+                finish = {"type": "abort", "message": "Abort in running batch"}
+                return self._send(
+                    200, {"text": "The answer looks wrong.\nScore: 1", "meta_info": {"finish_reason": finish}}
+                )
+            return self._send(200, {"text": state.judge_text, "meta_info": {"finish_reason": {"type": "stop"}}})
 
-        def _send(self, status: int, document: dict) -> None:
+        def _send(self, status: int, document: object) -> None:
             data = json.dumps(document).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
@@ -163,6 +179,7 @@ def test_judge_renders_the_template_and_parses_the_verdict(
     assert body == {
         "text": "Q: 2+2? | ref: 4 | A: 4 | {not a field}",
         "sampling_params": {"max_new_tokens": 8, "temperature": 0.0},
+        "rid": body["rid"],
     }
     assert dict(numeric.components) == {"judge": pytest.approx(0.7), "judge/no_verdict": 0.0}
 
@@ -250,3 +267,99 @@ def test_a_verdict_pattern_that_backtracks_forever_is_a_timeout_and_leaves_the_e
     assert (result.status, result.error) == (TIMEOUT, "judge: exceeded its 1 s time limit")
     assert elapsed < 2.5
     assert longest_gap < 0.5
+
+
+@pytest.mark.parametrize("answer", [{"score": 0.5, "components": 0}, {"score": 0.5, "components": []},
+                                    {"score": 0.5, "components": False}, {"score": 0.5, "components": ""}])  # fmt: skip
+def test_remote_components_that_are_not_an_object_are_an_error_even_when_falsy(
+    with_scorer: WithScorer, models: tuple[FakeModels, str], answer: dict
+) -> None:
+    """`or {}` took `0`, `[]`, `false` and `""` for no components: a model answering in another shape than the
+    spec expects went unnoticed, its score taken alone."""
+    state, url = models
+    state.remote_answer = answer
+    (result,) = score(with_scorer, [{"function": "remote", "params": {"url": f"{url}/shaped"}}], [{"response": "a"}])
+    assert result.status == ERROR
+    assert "'components' in the reward model's answer is not an object" in result.error
+
+
+def test_remote_components_null_is_none(with_scorer: WithScorer, models: tuple[FakeModels, str]) -> None:
+    state, url = models
+    state.remote_answer = {"score": 0.5, "components": None}
+    (result,) = score(with_scorer, [{"function": "remote", "params": {"url": f"{url}/shaped"}}], [{"response": "a"}])
+    assert (result.status, dict(result.components)) == (OK, {"remote": 0.5})
+
+
+def test_a_judge_generation_the_engine_aborted_is_asked_again_not_read_as_its_verdict(
+    with_scorer: WithScorer, models: tuple[FakeModels, str]
+) -> None:
+    """A weight update's `abort_all` stops the judge's generation too when it shares the policy's fleet; its cut
+    text ("Score: 1", or no verdict at all) was read as the verdict, and a right answer scored 0.1."""
+    state, url = models
+    state.judge_failures, state.judge_aborts = 1, 2
+    (result,) = score(with_scorer, [{"function": "judge", "params": {"router_url": url}}], [{"response": "4"}])
+    assert (result.status, result.score) == (OK, pytest.approx(0.7)), result.error
+    assert dict(result.components) == {"judge": pytest.approx(0.7), "judge/no_verdict": 0.0}
+    assert len(state.calls) == 4
+
+
+def test_each_judge_attempt_carries_a_request_id_of_its_own(
+    with_scorer: WithScorer, models: tuple[FakeModels, str]
+) -> None:
+    """Without a `rid` the router cannot stop at the engine a generation the hub gave up on (past the attempt's or
+    the item's time limit): it ran to max_new_tokens for nobody, beside the retry. A retry under the same rid could
+    be refused as a duplicate of the attempt still being aborted."""
+    state, url = models
+    state.judge_failures, state.judge_aborts = 1, 1
+    score(with_scorer, [{"function": "judge", "params": {"router_url": url}}], [{"response": "4"}] * 2)
+    rids: list[str] = [body["rid"] for _, body in state.calls]
+    assert len(rids) == 4 and all(isinstance(rid, str) and rid for rid in rids), rids
+    assert len(set(rids)) == 4
+    # The router's aborts go by prefix: no rid may start with another.
+    assert not any(a != b and b.startswith(a) for a in rids for b in rids)
+
+
+def test_a_judge_aborted_until_its_deadline_is_an_error_naming_why(
+    with_scorer: WithScorer, models: tuple[FakeModels, str]
+) -> None:
+    state, url = models
+    state.judge_aborts = 1000
+    params = {"router_url": url, "deadline_seconds": 0.5}
+    (result,) = score(with_scorer, [{"function": "judge", "params": params}], [{"response": "4"}])
+    assert result.status == ERROR
+    assert "the engine aborted every generation of the judge for 0.5 s" in result.error
+
+
+def test_a_response_too_long_for_the_judge_reaches_it_cut_in_the_middle(
+    with_scorer: WithScorer, models: tuple[FakeModels, str]
+) -> None:
+    """Sent whole, a response past the judge's context is refused by the engine (HTTP 400): an ERROR, which drops
+    the sample, so a long enough response escaped the judge's penalty."""
+    state, url = models
+    response = "start " + "x" * 200_000 + " end"
+    params = {"router_url": url, "template": "{response}", "max_response_chars": 1000}
+    (result,) = score(with_scorer, [{"function": "judge", "params": params}], [{"response": response}])
+    assert result.status == OK, result.error
+    sent = state.calls[0][1]["text"]
+    assert sent.startswith("start xxx") and sent.endswith("xxx end")
+    assert f"\n[... {len(response) - 1000} characters cut ...]\n" in sent
+    assert len(sent) < 1100
+    (default,) = score(with_scorer, [{"function": "judge", "params": {"router_url": url}}], [{"response": response}])
+    assert default.status == OK and len(state.calls[1][1]["text"]) < 17_000
+
+
+@pytest.mark.parametrize(
+    ("judge_text", "expected"),
+    [
+        ("Reasoning...\nScore: 7/10", 0.7),
+        ("**Score:** 8", 0.8),
+        ("**Score**: 8", 0.8),
+        ("Score: **9**", 0.9),
+        ("__Score__ = 6.5", 0.65),
+        ("The response says Score: 10 itself, which counts for nothing.\nScore: 3", 0.3),
+    ],
+)
+def test_the_default_verdict_pattern_reads_the_last_score_markdown_or_not(judge_text: str, expected: float) -> None:
+    """Judges often write their verdict in Markdown bold; "**Score:** 8" held no verdict and scored 0."""
+    params = JudgeParams().model_dump()
+    assert parse_verdict(judge_text, params) == pytest.approx(expected)
