@@ -95,15 +95,24 @@ def load_dataset(ds: DatasetSpec, train_prompts_wanted: int) -> LoadedDataset:
             )
         held = held[: ds.eval_size]
     else:
-        if len(rows) <= ds.eval_size:
+        prompts = len({p.prompt for p in rows})
+        if prompts <= ds.eval_size:
             raise InvalidInput(
-                f"dataset.eval_size: {ds.eval_size} held-out rows would leave no training row of the "
-                f"{len(rows)} usable rows in {spec.path!r}; lower it or set {field_name}.eval_path"
+                f"dataset.eval_size: {ds.eval_size} held-out prompts would leave no training prompt: {spec.path!r} "
+                f"holds {prompts} distinct prompts in {len(rows)} usable rows; lower it or set {field_name}.eval_path"
             )
-        # The held-out rows depend on the seed only, never on how far the run has got.
+        # The held-out rows depend on the seed only, never on how far the run has got: in a seeded order of the
+        # rows, the first row of each of the first eval_size distinct prompts (without repeated prompts, the first
+        # eval_size rows). Drawn by row, a prompt the file repeats could be held out twice: the evaluation had
+        # fewer prompts than eval_size, and weighed that one twice in accuracy and pass@k.
         order = list(range(len(rows)))
         random.Random(f"{ds.seed}/heldout").shuffle(order)
-        held_idx = set(order[: ds.eval_size])
+        first_row: dict[str, int] = {}
+        for i in order:
+            first_row.setdefault(rows[i].prompt, i)
+            if len(first_row) == ds.eval_size:
+                break
+        held_idx = set(first_row.values())
         held = [rows[i] for i in sorted(held_idx)]
         train = [row for i, row in enumerate(rows) if i not in held_idx]
     # A training row that repeats a held-out prompt would let the run train on its own evaluation.

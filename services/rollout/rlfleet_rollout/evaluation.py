@@ -3,8 +3,9 @@
 k = 1 is one greedy answer per prompt; k > 1 samples with the run's sampling parameters and
 per-sample seeds. A run with an environment (multi_turn) is evaluated in whole episodes, its last
 model turn scored, as in training. accuracy: share of samples that earn full marks (every reward
-term of positive weight at 1, every penalty, a term of negative weight, at 0); pass_at_k: share of
-prompts with at least one such sample. A sample whose generation or scoring failed counts as wrong,
+term of positive weight at 1, every penalty, a term of negative weight, at 0), mean@k; pass_at_k: share of
+prompts with at least one such sample of their k, exact (the unbiased estimator 1 - C(n-c, k)/C(n, k) with n = k
+samples drawn), for k = 1 the accuracy. A sample whose generation or scoring failed counts as wrong,
 and in `failed`: a fleet that fails requests would otherwise pass for a model that answers worse.
 mean_length and truncation_rate are over the responses the engines returned (every turn and
 environment token of an episode).

@@ -73,6 +73,26 @@ def test_no_training_row_repeats_a_held_out_prompt(tmp_path: Path) -> None:
         load_dataset(spec, 100)
 
 
+def test_held_out_rows_are_as_many_distinct_prompts_as_eval_size(tmp_path: Path) -> None:
+    """Rows were held out by index: of a file that repeats its prompts, both rows of one prompt could be drawn, and
+    the run was evaluated on fewer prompts than eval_size, that one weighing twice in accuracy and pass@k."""
+    doubled = _write("jsonl", ROWS + ROWS, tmp_path / "doubled.jsonl")
+    for seed in range(20):
+        spec = _spec("jsonl", doubled)
+        spec.seed, spec.eval_size = seed, 4
+        loaded = load_dataset(spec, 100)
+        held = [p.prompt for p in loaded.eval]
+        assert len(set(held)) == len(held) == 4, (seed, held)
+        assert len(loaded.train) == 20 - 2 * 4 and not set(held) & {p.prompt for p in loaded.train}
+    spec.eval_size = 10  # 20 rows, but only 10 prompts: none left to train on
+    with pytest.raises(
+        InvalidInput,
+        match=r"^dataset\.eval_size: 10 held-out prompts would leave no training prompt: "
+        r".* holds 10 distinct prompts in 20 usable rows; lower it or set dataset\.jsonl\.eval_path$",
+    ):
+        load_dataset(spec, 100)
+
+
 def test_a_missing_relative_path_is_named_with_the_directory_it_was_looked_for_in(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -66,7 +66,7 @@ class WeighingHub:
         return results
 
 
-def _context(tokenizer_dir: Path, router: Answers, reward: dict[str, Any] | None = None) -> RolloutContext:
+def _context(tokenizer_dir: Path, router: Answers | ByCell, reward: dict[str, Any] | None = None) -> RolloutContext:
     spec = resolve(json_format.ParseDict(spec_json(tokenizer_dir, **({"reward": reward} if reward else {})), RunSpec()))
     return RolloutContext(
         router=router,  # type: ignore[arg-type]
@@ -100,3 +100,45 @@ def test_failed_samples_count_as_wrong_and_are_reported(tokenizer_dir: Path, cap
     assert result.mean_length == 1.0 and result.size == 8 and result.k == 1
     assert "5 of 8 samples failed" in caplog.text and "HTTP 400" in caplog.text and "bad response" in caplog.text
     assert json_format.MessageToDict(result)["failed"] == 5  # what the REST API shows
+
+
+class ByCell:
+    """Answers held-out prompt `index`'s sample `j` (read from the request id) with `answers[(index, j)]`, "0" if
+    absent; records the sampling parameters of every sample."""
+
+    def __init__(self, answers: dict[tuple[int, int], str]) -> None:
+        self.answers = answers
+        self.sampling: dict[tuple[int, int], dict[str, Any]] = {}
+
+    async def generate(self, prompts: list[list[int]], sampling: Any, rids: list[str]) -> list[Completion]:
+        out = []
+        for rid, params in zip(rids, sampling, strict=True):
+            index, j = (int(part) for part in rid.split("@")[0].split("/")[-2:])
+            self.sampling[index, j] = params
+            out.append(Completion((5,), (-0.1,), self.answers.get((index, j), "0"), FinishReason.FINISH_REASON_STOP, 1))
+        return out
+
+
+def test_pass_at_k_is_the_share_of_prompts_with_a_correct_sample_and_accuracy_that_of_samples(
+    tokenizer_dir: Path,
+) -> None:
+    """k = 3 over requests of two prompts each: accuracy is over the 15 samples, pass@k over the 5 prompts (a prompt
+    counted once however many of its samples are right, and wrong when its one right-looking sample failed); the
+    samples are drawn with the run's sampling and seeds of their own, the same at every evaluation."""
+    right = {(0, 0): "3", (2, 0): "3", (2, 1): "3", (2, 2): "3", (3, 2): "3", (4, 1): "?"}
+    router = ByCell(right)
+    ctx = _context(tokenizer_dir, router)
+    ctx.spec.schedule.eval_samples = 3
+    prompts = [Prompt(prompt="1+2=", answer="3")] * 5
+    result = asyncio.run(evaluate(ctx, "run-1", 4, prompts, batch_size=6, trainer_version=0))
+    assert (result.k, result.size, result.failed) == (3, 5, 1)
+    assert result.accuracy == pytest.approx(5 / 15) and result.pass_at_k == pytest.approx(3 / 5)
+    assert {params["temperature"] for params in router.sampling.values()} == {ctx.spec.rollout.sampling.temperature}
+    seeds = {cell: params["sampling_seed"] for cell, params in router.sampling.items()}
+    assert len(set(seeds.values())) == 15
+    asyncio.run(evaluate(ctx, "run-1", 8, prompts, batch_size=6, trainer_version=0))
+    assert {cell: params["sampling_seed"] for cell, params in router.sampling.items()} == seeds
+    ctx.spec.schedule.eval_samples = 1  # one greedy answer per prompt: pass@1 is the accuracy
+    result = asyncio.run(evaluate(ctx, "run-1", 8, prompts, batch_size=6, trainer_version=0))
+    assert router.sampling[2, 0]["temperature"] == 0.0 and "sampling_seed" not in router.sampling[2, 0]
+    assert result.accuracy == result.pass_at_k == pytest.approx(2 / 5)  # samples 0 of prompts 0 and 2
