@@ -1,13 +1,13 @@
 """Engines the router keeps busy itself: loading weights it sent them, or paused by a /pause_generation it relayed.
 
-SGLang runs a generation only once no weight update holds its `model_update_lock` and generation is not
-paused (`is_pause`), and its health probe (`/health_generate`, and `/health`, the same handler) is a
-one-token generation: while the router loads weights into an engine or keeps it paused, that probe waits
-and times out however healthy the engine is. Judged by it, every engine loading a large checkpoint would
-fail its way out of routing (and be restarted) before the load ends. The health checker therefore asks
-`reason(worker)` first and checks a busy engine with `LIVENESS_ROUTE`, which SGLang's HTTP process answers
-from memory behind neither gate: an engine that is gone (connection refused) or hung (no answer) still
-fails it, and the weight request itself stays bounded by its own deadline.
+SGLang runs a generation only once no weight update holds its `model_update_lock` and generation is not paused
+(`is_pause`), and its health probe (`/health_generate`; `/health` too before 2026, and since then with
+`SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`) is a one-token generation: while the router loads weights into an
+engine or keeps it paused, that probe waits and times out however healthy the engine is. Judged by it, every engine
+loading a large checkpoint would fail its way out of routing (and be restarted) before the load ends. The health
+checker therefore asks `reason(worker)` first and checks a busy engine with `LIVENESS_ROUTE`, which SGLang's HTTP
+process answers from memory behind neither gate: an engine that is gone (connection refused) or hung (no answer)
+still fails it, and the weight request itself stays bounded by its own deadline.
 
 A pause counts for at most `pause_bound_secs`: a trainer that died between /pause_generation and
 /continue_generation must neither shield an engine from its probes nor stall its generation for ever. The

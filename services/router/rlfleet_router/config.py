@@ -118,7 +118,8 @@ class RouterConfig(BaseSettings):
         2, ge=1, description="Successes in a row that bring a taken-out engine back (a new one needs one)."
     )
     health_check_endpoint: str = Field(
-        "/health_generate", description="Engine path probed: /health_generate (runs the model) or /health."
+        "/health_generate",
+        description="Engine path probed: /health_generate (runs the model) or /health (recent SGLang: HTTP only).",
     )
 
     weight_update_timeout_secs: float = Field(

@@ -2,7 +2,7 @@
 
 SGLang's contract is per engine; the router turns it into one fleet-wide group:
   * `init_group`: the healthy engines become the members. SGLang joins an engine's tensor-parallel workers
-    each as rank rank_offset + its tp_rank, so an engine takes as many ranks as its tp_size (`/get_server_info`):
+    each as rank rank_offset + its tp_rank, so an engine takes as many ranks as its tp_size (`/server_info`):
     engine i's rank_offset is 1 plus the ranks of the engines before it, and the world is 1 + every engine's
     ranks (`world`, which the trainer asks first). A world_size other than that, or a member that does not
     answer, is refused before any engine is asked to join (an engine that joins blocks until every rank has,
@@ -41,6 +41,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, replace
+from http import HTTPStatus
 
 import httpx
 
@@ -67,8 +68,11 @@ STOP_SECS = 5.0
 """How long stopping the router waits for the destroys of groups it closed."""
 
 
-SERVER_INFO_ROUTE = "/get_server_info"
-"""Where an engine says its tp_size (SGLang's and rlfleet-engine's; SGLang also answers it as /server_info)."""
+SERVER_INFO_ROUTE = "/server_info"
+"""Where an engine says its tp_size. SGLang names it so since it deprecated /get_server_info (logged as deprecated at
+every call, to be removed); an engine that answers 404 here (an older SGLang, rlfleet-engine) is asked there
+(`LEGACY_SERVER_INFO_ROUTE`)."""
+LEGACY_SERVER_INFO_ROUTE = "/get_server_info"
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,7 @@ class DistributedWeights:
         self._closed: dict[str, asyncio.Task[GroupResult]] = {}
         self._tasks: set[asyncio.Task[GroupResult]] = set()
         self._sessions = WeightSessions(weights)
+        self._legacy_server_info: set[str] = set()  # engines (worker ids) that answer only LEGACY_SERVER_INFO_ROUTE
 
     def group(self, name: str) -> WeightGroup:
         group = self.groups.get(name)
@@ -329,16 +334,22 @@ class DistributedWeights:
     async def _ranks_of(self, worker: Worker) -> int | str:
         """The ranks `worker` takes in a group (its tp_size; 1 when it does not say), or why it did not answer.
         Not /health: SGLang's runs a generation, which waits while the trainer has generation paused."""
+        route = LEGACY_SERVER_INFO_ROUTE if worker.id in self._legacy_server_info else SERVER_INFO_ROUTE
         try:
-            response = await self._client.get(f"{worker.url}{SERVER_INFO_ROUTE}", timeout=self._probe_timeout)
+            response = await self._client.get(f"{worker.url}{route}", timeout=self._probe_timeout)
+            if response.status_code == HTTPStatus.NOT_FOUND:  # it has the other name only (or has changed since)
+                route = SERVER_INFO_ROUTE if route == LEGACY_SERVER_INFO_ROUTE else LEGACY_SERVER_INFO_ROUTE
+                response = await self._client.get(f"{worker.url}{route}", timeout=self._probe_timeout)
+                if response.status_code != HTTPStatus.NOT_FOUND:
+                    self._legacy_server_info.symmetric_difference_update({worker.id})
         except httpx.HTTPError as exc:
             return f"{worker.url}: {describe_error(exc)}"
         if response.status_code != 200:
-            return f"{worker.url}: {SERVER_INFO_ROUTE} answered {response.status_code}"
+            return f"{worker.url}: {route} answered {response.status_code}"
         info = parse_json_object(response) or {}
         tp_size = info.get("tp_size", 1)
         if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-            return f"{worker.url}: {SERVER_INFO_ROUTE} gave tp_size {tp_size!r}, not a whole number of ranks"
+            return f"{worker.url}: {route} gave tp_size {tp_size!r}, not a whole number of ranks"
         return tp_size
 
     async def _deliver(self, worker: Worker, version: str | None, request_body: bytes) -> EngineUpdateResult:

@@ -76,11 +76,15 @@ class FakeEngine:
     drops_unknown_aborts: bool = False
     rid_delay: float = 0.0
     serves_openai: bool = False  # /v1/completions and /v1/chat/completions served as /generate
-    tp_size: int = 1  # /get_server_info's: the ranks it takes in a weight update group
+    tp_size: int = 1  # /server_info's: the ranks it takes in a weight update group
     # The routes that answer what it serves: SGLang before 0.5 has only the legacy one, 0.5.23 both (logging the
     # legacy one as deprecated at every call), a later one may have only /model_info.
     info_routes: tuple[str, ...] = ("/get_model_info",)
     info_calls: list[str] = field(default_factory=list)  # the paths asked, in order
+    # Likewise for its server info: SGLang before /server_info has only /get_server_info, later ones both (logging
+    # /get_server_info as deprecated at every call and announcing its removal).
+    server_info_routes: tuple[str, ...] = ("/get_server_info",)
+    server_info_calls: list[str] = field(default_factory=list)  # the paths asked, in order
     refused_controls: set[str] = field(default_factory=set)  # control routes answered 503 (and not applied)
     refused_with: int = 503  # the status of those refusals
     control_queries: list[str] = field(default_factory=list)  # the query string of each control request
@@ -170,9 +174,13 @@ class FakeEngine:
             }
             return JSONResponse(info)
 
+        @app.get("/server_info")
         @app.get("/get_server_info")
-        async def get_server_info() -> dict[str, object]:
-            return {"engine": self.name, "weight_version": self.weight_version, "tp_size": self.tp_size}
+        async def get_server_info(request: Request) -> Response:
+            self.server_info_calls.append(request.url.path)
+            if request.url.path not in self.server_info_routes:
+                return JSONResponse({"detail": "Not Found"}, status_code=404)
+            return JSONResponse({"engine": self.name, "weight_version": self.weight_version, "tp_size": self.tp_size})
 
         @app.post("/update_weights_from_disk")
         async def update_weights(request: Request) -> Response:

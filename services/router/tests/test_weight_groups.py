@@ -641,3 +641,22 @@ def test_an_engine_that_gained_sessions_since_the_last_group_gets_them_in_the_ne
         answer = router.client.post("/update_weights_from_distributed", json=bucket(["w"], version=version))
         assert answer.status_code == 200, answer.text
     assert engine.ended[-3:] == ["begin", "update", "end"]
+
+
+def test_ranks_are_read_from_server_info_or_where_its_sglang_has_it(
+    start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """SGLang deprecated /get_server_info for /server_info (a warning logged at every call, the old name to be
+    removed): asked only the old name, an engine that answers the new one alone (404 there) stopped every group from
+    forming. /server_info is asked first, and an engine without it (an older SGLang, rlfleet-engine) keeps its own."""
+    current = start_engine("current", server_info_routes=("/server_info", "/get_server_info"), tp_size=2)
+    older = start_engine("older")  # /get_server_info only
+    later = start_engine("later", server_info_routes=("/server_info",), tp_size=4)
+    router = start_router([current.url, older.url, later.url])
+    router.wait_healthy(3)
+    for _ in range(2):
+        world = router.client.get("/weights_update_world_size")
+        assert world.status_code == 200, world.text
+        assert world.json()["world_size"] == 1 + 2 + 1 + 4
+    assert current.server_info_calls == later.server_info_calls == ["/server_info"] * 2
+    assert older.server_info_calls == ["/server_info", "/get_server_info", "/get_server_info"], "asked where it answers"
