@@ -93,13 +93,15 @@ def create_app(config: RouterConfig) -> GenerationRelay:
         fleet.trajectories.delete(trajectory_id)
         return {"status": "deleted", "trajectory_id": trajectory_id}
 
+    # Each name relayed as the client asked it: SGLang serves /model_info and /server_info, and the get_ names
+    # before them (deprecated since, and announced for removal); a client knows which its engines have.
     @app.get("/get_model_info")
-    async def get_model_info(request: Request) -> EngineResponse:
-        return await fleet.proxy.forward(RoutingRequest(route="/get_model_info"), b"", request.headers, method="GET")
-
+    @app.get("/model_info")
     @app.get("/get_server_info")
-    async def get_server_info(request: Request) -> EngineResponse:
-        return await fleet.proxy.forward(RoutingRequest(route="/get_server_info"), b"", request.headers, method="GET")
+    @app.get("/server_info")
+    async def engine_info(request: Request) -> EngineResponse:
+        route = RoutingRequest(route=request.url.path)
+        return await fleet.proxy.forward(route, b"", request.headers, method="GET")
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(update: UpdateWeightsRequest, request: Request) -> JSONResponse:

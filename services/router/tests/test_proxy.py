@@ -272,12 +272,21 @@ def test_a_plain_answer_trickling_past_the_deadline_is_cut_off(
     router.wait_for(lambda: router.workers()[0]["in_flight"] == 0, what="the engine slot released")
 
 
-def test_get_model_info_passes_through(
+def test_model_and_server_info_pass_through_under_both_names(
     start_engine: Callable[..., FakeEngine], start_router: Callable[..., RunningRouter]
 ) -> None:
-    engine = start_engine("a", weight_version="7")
+    """SGLang's /model_info and /server_info were a 404 at the router, which relayed only the deprecated names."""
+    engine = start_engine(
+        "a",
+        weight_version="7",
+        info_routes=("/model_info", "/get_model_info"),
+        server_info_routes=("/server_info", "/get_server_info"),
+    )
     router = start_router([engine.url])
     router.wait_healthy(1)
-    assert router.client.get("/get_model_info").json()["weight_version"] == "7"
-    assert router.client.get("/get_server_info").json()["engine"] == "a"
+    for route in ("/get_model_info", "/model_info"):
+        assert router.client.get(route).json()["weight_version"] == "7"
+    for route in ("/get_server_info", "/server_info"):
+        assert router.client.get(route).json()["engine"] == "a"
+    assert engine.server_info_calls[-2:] == ["/get_server_info", "/server_info"], "relayed as the client asked"
     assert httpx.get(f"{router.url}/liveness", timeout=5).status_code == 200
