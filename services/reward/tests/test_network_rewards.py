@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from google.protobuf import json_format
+from pydantic import ValidationError
 
 from rlfleet.processes import ServiceProcess, free_port
 from rlfleet.v1 import reward_pb2
@@ -26,13 +27,16 @@ OK, ERROR, TIMEOUT = reward_pb2.SCORE_STATUS_OK, reward_pb2.SCORE_STATUS_ERROR, 
 
 
 class FakeModels:
-    """`/score`: 503 for the first `failures` calls, then a score; `/generate`: a judge; `/slow`: never answers."""
+    """`/score`: 503 for the first `failures` calls, then a score; `/generate` and `/v1/chat/completions`: a judge,
+    which says `judge_text` and stops for `judge_finish`; `/slow`: never answers."""
 
     def __init__(self) -> None:
         self.failures = 0
         self.calls: list[tuple[str, dict]] = []
         self.client_ports: list[int] = []
         self.judge_text = "The answer is right.\nScore: 7"
+        self.judge_finish = "stop"
+        self.chat_answer: object = None  # in place of the judge's chat completion, when set
         self.judge_failures = 0
         self.judge_aborts = 0
         self.remote_answer: object = None
@@ -64,11 +68,19 @@ def models(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeModels, str]]:
             if state.judge_aborts > 0:
                 # What an engine gives a generation `abort_all` stopped: the text it had written by then.
                 state.judge_aborts -= 1
-                finish = {"type": "abort", "message": "Abort in running batch"}
-                return self._send(
-                    200, {"text": "The answer looks wrong.\nScore: 1", "meta_info": {"finish_reason": finish}}
-                )
-            return self._send(200, {"text": state.judge_text, "meta_info": {"finish_reason": {"type": "stop"}}})
+                return self._judge("The answer looks wrong.\nScore: 1", "abort")
+            return self._judge(state.judge_text, state.judge_finish)
+
+        def _judge(self, text: str, finish: str) -> None:
+            """The judge's answer in SGLang's shape for the route asked."""
+            if self.path == "/v1/chat/completions":
+                if state.chat_answer is not None:
+                    return self._send(200, state.chat_answer)
+                message = {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": None}
+                choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+                return self._send(200, {"id": "c", "object": "chat.completion", "choices": [choice]})
+            meta = {"type": finish, "message": "Abort in running batch"} if finish == "abort" else {"type": finish}
+            return self._send(200, {"text": text, "meta_info": {"finish_reason": meta}})
 
         def _send(self, status: int, document: object) -> None:
             data = json.dumps(document).encode()
@@ -181,7 +193,7 @@ def test_judge_renders_the_template_and_parses_the_verdict(
         "sampling_params": {"max_new_tokens": 8, "temperature": 0.0},
         "rid": body["rid"],
     }
-    assert dict(numeric.components) == {"judge": pytest.approx(0.7), "judge/no_verdict": 0.0}
+    assert dict(numeric.components) == {"judge": pytest.approx(0.7), "judge/no_verdict": 0.0, "judge/truncated": 0.0}
 
 
 @pytest.mark.parametrize(
@@ -201,7 +213,7 @@ def test_a_judge_text_without_a_verdict_in_range_scores_0_and_says_so(
         with_scorer, [{"function": "judge", "params": {"router_url": url, **params}}], [{"response": "4"}]
     )
     assert (undecided.status, undecided.score) == (OK, 0.0), undecided.error
-    assert dict(undecided.components) == {"judge": 0.0, "judge/no_verdict": 1.0}
+    assert dict(undecided.components) == {"judge": 0.0, "judge/no_verdict": 1.0, "judge/truncated": 0.0}
 
 
 def test_a_judge_text_without_a_verdict_is_logged_by_the_hub_from_its_worker(
@@ -290,28 +302,32 @@ def test_remote_components_null_is_none(with_scorer: WithScorer, models: tuple[F
     assert (result.status, dict(result.components)) == (OK, {"remote": 0.5})
 
 
+@pytest.mark.parametrize("api", [{}, {"api": "chat"}], ids=["generate", "chat"])
 def test_a_judge_generation_the_engine_aborted_is_asked_again_not_read_as_its_verdict(
-    with_scorer: WithScorer, models: tuple[FakeModels, str]
+    with_scorer: WithScorer, models: tuple[FakeModels, str], api: dict
 ) -> None:
     """A weight update's `abort_all` stops the judge's generation too when it shares the policy's fleet; its cut
     text ("Score: 1", or no verdict at all) was read as the verdict, and a right answer scored 0.1."""
     state, url = models
     state.judge_failures, state.judge_aborts = 1, 2
-    (result,) = score(with_scorer, [{"function": "judge", "params": {"router_url": url}}], [{"response": "4"}])
+    params = {"router_url": url, **api}
+    (result,) = score(with_scorer, [{"function": "judge", "params": params}], [{"response": "4"}])
     assert (result.status, result.score) == (OK, pytest.approx(0.7)), result.error
-    assert dict(result.components) == {"judge": pytest.approx(0.7), "judge/no_verdict": 0.0}
+    assert dict(result.components) == {"judge": pytest.approx(0.7), "judge/no_verdict": 0.0, "judge/truncated": 0.0}
     assert len(state.calls) == 4
+    assert {path for path, _ in state.calls} == {"/v1/chat/completions" if api else "/generate"}
 
 
+@pytest.mark.parametrize("api", [{}, {"api": "chat"}], ids=["generate", "chat"])
 def test_each_judge_attempt_carries_a_request_id_of_its_own(
-    with_scorer: WithScorer, models: tuple[FakeModels, str]
+    with_scorer: WithScorer, models: tuple[FakeModels, str], api: dict
 ) -> None:
     """Without a `rid` the router cannot stop at the engine a generation the hub gave up on (past the attempt's or
     the item's time limit): it ran to max_new_tokens for nobody, beside the retry. A retry under the same rid could
     be refused as a duplicate of the attempt still being aborted."""
     state, url = models
     state.judge_failures, state.judge_aborts = 1, 1
-    score(with_scorer, [{"function": "judge", "params": {"router_url": url}}], [{"response": "4"}] * 2)
+    score(with_scorer, [{"function": "judge", "params": {"router_url": url, **api}}], [{"response": "4"}] * 2)
     rids: list[str] = [body["rid"] for _, body in state.calls]
     assert len(rids) == 4 and all(isinstance(rid, str) and rid for rid in rids), rids
     assert len(set(rids)) == 4
@@ -363,3 +379,102 @@ def test_the_default_verdict_pattern_reads_the_last_score_markdown_or_not(judge_
     """Judges often write their verdict in Markdown bold; "**Score:** 8" held no verdict and scored 0."""
     params = JudgeParams().model_dump()
     assert parse_verdict(judge_text, params) == pytest.approx(expected)
+
+
+def test_a_chat_judge_gets_the_template_as_the_user_message_after_the_system(
+    with_scorer: WithScorer, models: tuple[FakeModels, str]
+) -> None:
+    """An instruct-tuned judge sent raw text gets no chat template: it reads its prompt unlike anything it was
+    trained on, and a response can close the user's turn and write the judge's verdict itself."""
+    state, url = models
+    template = "Q: {prompt} A: {response}"
+    params = {
+        "router_url": url,
+        "api": "chat",
+        "system": "Grade answers to {prompt}.",
+        "template": template,
+        "max_new_tokens": 8,
+    }
+    (result,) = score(with_scorer, [{"function": "judge", "params": params}], [{"prompt": "2+2?", "response": "4"}])
+    assert (result.status, result.score) == (OK, pytest.approx(0.7)), result.error
+    assert dict(result.components) == {"judge": pytest.approx(0.7), "judge/no_verdict": 0.0, "judge/truncated": 0.0}
+    [(path, body)] = state.calls
+    assert path == "/v1/chat/completions"
+    assert body == {
+        "model": "default",
+        "messages": [
+            {"role": "system", "content": "Grade answers to {prompt}."},
+            {"role": "user", "content": "Q: 2+2? A: 4"},
+        ],
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "stream": False,
+        "rid": body["rid"],
+    }
+    score(with_scorer, [{"function": "judge", "params": {"router_url": url, "api": "chat"}}], [{"response": "4"}])
+    assert [message["role"] for message in state.calls[1][1]["messages"]] == ["user"]
+
+
+def test_a_system_message_without_the_chat_api_is_refused_naming_both() -> None:
+    """A raw /generate prompt has no system turn: the message would have been dropped without a word."""
+    with pytest.raises(ValidationError, match='system is sent only as a chat message: set api "chat"'):
+        JudgeParams(system="Be strict.")
+    assert JudgeParams(api="chat", system="Be strict.").system == "Be strict."
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        {"choices": []},
+        {"choices": [{"index": 0, "finish_reason": "stop"}]},
+        {"choices": [{"index": 0, "message": {"content": ["SECRET Score: 9"]}, "finish_reason": "stop"}]},
+        ["SECRET"],
+    ],
+)
+def test_a_chat_answer_without_a_text_is_an_error_naming_what_is_missing_not_quoting_it(
+    with_scorer: WithScorer, models: tuple[FakeModels, str], answer: object
+) -> None:
+    state, url = models
+    state.chat_answer = answer
+    (result,) = score(with_scorer, [{"function": "judge", "params": {"router_url": url, "api": "chat"}}],
+                      [{"response": "4"}])  # fmt: skip
+    assert result.status == ERROR
+    assert "/v1/chat/completions answered with" in result.error and "choices[0].message" in result.error
+    assert "SECRET" not in result.error
+
+
+def test_a_chat_judge_that_wrote_only_reasoning_gave_no_verdict(
+    with_scorer: WithScorer, models: tuple[FakeModels, str]
+) -> None:
+    """SGLang's reasoning parser leaves `content` null when the judge's text was all reasoning: no verdict, not an
+    ERROR that would drop the sample."""
+    state, url = models
+    message = {"role": "assistant", "content": None, "reasoning_content": "Hmm. Score: 9 maybe"}
+    state.chat_answer = {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}
+    (result,) = score(with_scorer, [{"function": "judge", "params": {"router_url": url, "api": "chat"}}],
+                      [{"response": "4"}])  # fmt: skip
+    assert (result.status, result.score) == (OK, 0.0), result.error
+    assert dict(result.components) == {"judge": 0.0, "judge/no_verdict": 1.0, "judge/truncated": 0.0}
+
+
+@pytest.mark.parametrize("api", [{}, {"api": "chat"}], ids=["generate", "chat"])
+@pytest.mark.parametrize(
+    "judge_text",
+    [
+        "The answer is right.\nScore: 1",  # of "Score: 10", cut
+        "At first sight Score: 8, but the second step",  # a tentative score in the judge's reasoning
+        "Score: 9\nThe response also says",  # a verdict, then more: the judge had not stopped
+    ],
+)
+def test_a_judge_text_cut_at_max_new_tokens_holds_no_verdict_and_says_so(
+    with_scorer: WithScorer, models: tuple[FakeModels, str], api: dict, judge_text: str
+) -> None:
+    """Cut before the judge finished, its last match was read as its verdict: a score cut short, or one it wrote
+    on the way, which a response that keeps the judge talking could choose."""
+    state, url = models
+    state.judge_text, state.judge_finish = judge_text, "length"
+    (result,) = score(with_scorer, [{"function": "judge", "params": {"router_url": url, **api}}],
+                      [{"response": "4"}])  # fmt: skip
+    assert (result.status, result.score) == (OK, 0.0), result.error
+    assert dict(result.components) == {"judge": 0.0, "judge/no_verdict": 1.0, "judge/truncated": 1.0}
+    assert len(state.calls) == 1  # scored, not asked again: at the same budget the judge would stop as short
