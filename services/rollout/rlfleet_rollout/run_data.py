@@ -111,10 +111,14 @@ def data_position_key(run_id: str, prefix: str) -> str:
 
 @dataclass(frozen=True)
 class StepCounts:
-    """What the producer of a step set aside: groups dropped, by reason, and groups sent with a reduced weight."""
+    """What the producer of a step set aside: groups dropped, by reason, and groups sent with a reduced weight; and
+    the rewards of the step's usable samples (their sum and number), for its mean reward."""
 
     filtered: Mapping[str, int] = field(default_factory=dict)
     downweighted: int = 0
+    reward_sum: float = 0.0
+    rewards: int = 0
+    """0 in a record written before rewards were: its mean is unknown."""
 
 
 class DataPosition:
@@ -157,7 +161,12 @@ class DataPosition:
     def record_end(self, step: int, position: int, slots: list[int], counts: StepCounts) -> bool:
         """Records where step `step` ended, the prompt position of each of its slots and what it set aside; False
         if another producer recorded it first (the step was re-produced after a restart)."""
-        tally = {"filtered": dict(counts.filtered), "downweighted": counts.downweighted}
+        tally = {
+            "filtered": dict(counts.filtered),
+            "downweighted": counts.downweighted,
+            "reward_sum": counts.reward_sum,
+            "rewards": counts.rewards,
+        }
         # Compact JSON: no space in it but those a reason's name may hold, as the fields are split on spaces.
         value = f"{position} {self.token} {','.join(str(p) for p in slots)} {json.dumps(tally, separators=(',', ':'))}"
         if self.client.hsetnx(self.key, str(step + 1), value):
@@ -184,4 +193,4 @@ def _step_counts(raw: object) -> StepCounts:
     if len(fields) < 4:  # recorded before counts were
         return StepCounts()
     tally = json.loads(fields[3])
-    return StepCounts(tally["filtered"], tally["downweighted"])
+    return StepCounts(tally["filtered"], tally["downweighted"], tally.get("reward_sum", 0.0), tally.get("rewards", 0))

@@ -334,7 +334,7 @@ async def _produce_step(
         outcome = await produce_step(ctx, data, deps.filters, run_id, step, start, version)
         # Recorded before the groups go out: a re-produced step then starts the next one at the same place,
         # and fills its slots with the same prompts.
-        counts = StepCounts(dict(outcome.filtered), outcome.downweighted)
+        counts = StepCounts(dict(outcome.filtered), outcome.downweighted, sum(outcome.rewards), len(outcome.rewards))
         first_time = await asyncio.to_thread(position.record_end, step, outcome.end, outcome.slots, counts)
         if not first_time:  # another producer recorded the step first: its prompts are the step's
             slots = await asyncio.to_thread(position.slots_of, step)
@@ -360,10 +360,16 @@ async def _produce_step(
             deps.metrics.group_staleness.observe(staleness(group, step))
     # Over every sample generated for the step, filtered groups' too: zero_variance drops the groups all right and
     # all wrong, and the trained ones alone would stay near the middle however the policy does. Failed and aborted
-    # samples have no reward (0 on the wire): counted, an engine fault would read as a worse policy.
+    # samples have no reward (0 on the wire): counted, an engine fault would read as a worse policy. A step
+    # produced before (a restart) has the mean its producer recorded, not that of the few groups refilled now.
     ours = outcome if first_time else None  # the step as this orchestrator produced it
-    rewards = ours.rewards if ours is not None else [r for g in groups for r in usable_rewards(g)]
-    mean_reward = sum(rewards) / len(rewards) if rewards else 0.0
+    recorded = None if ours is not None else (await asyncio.to_thread(position.counts_of, range(step, step + 1)))[step]
+    if recorded is not None and recorded.rewards:
+        reward_sum, rewards = recorded.reward_sum, recorded.rewards
+    else:
+        usable = ours.rewards if ours is not None else [r for g in groups for r in usable_rewards(g)]
+        reward_sum, rewards = sum(usable), len(usable)
+    mean_reward = reward_sum / rewards if rewards else 0.0
     if rewards:
         deps.metrics.reward_mean.set(mean_reward)
     if ours is not None:

@@ -219,3 +219,40 @@ def test_a_group_whose_append_was_retried_after_a_lost_reply_is_counted_once(
     assert again.length() == GROUPS_PER_STEP
     assert counted("rlfleet_rollout_groups_produced_total") == GROUPS_PER_STEP
     assert counted("rlfleet_rollout_group_staleness_count") == GROUPS_PER_STEP
+
+
+def test_a_step_reproduced_after_a_crash_keeps_the_mean_reward_its_producer_recorded(
+    redis_client: redis.Redis, redis_prefix: str
+) -> None:
+    """The restarted orchestrator refills 2 of the 4 groups: its mean reward covered those 2 alone, on newer
+    weights, and replaced the step's own in the run's progress."""
+    spec = resolve(json_format.ParseDict({"rollout": {"group_size": 2, "groups_per_step": GROUPS_PER_STEP}}, RunSpec()))
+    data = RunData(LoadedDataset([Prompt(f"p{i}", str(i)) for i in range(20)], [], []), seed=1)
+    policy = Policy()
+    ctx = type("Ctx", (), {"spec": spec, "rollout": policy, "encode": staticmethod(list), "render": str,
+                           "context_tokens": 0})()  # fmt: skip
+    core = Core()
+    deps = RunDeps(core, None, None, None, redis_client, None, RolloutMetrics(), FilterRegistry({}), None)  # type: ignore[arg-type]
+    position = DataPosition(redis_client, RUN, prefix=redis_prefix)
+    dying = DiesWhileAppending(redis_client, RUN, prefix=redis_prefix, appends=2)
+    try:
+        asyncio.run(_produce_step(ctx, deps, data, dying, position, RUN, 0, 0))  # type: ignore[arg-type]
+    except KeyboardInterrupt:
+        pass
+    slots = position.slots_of(0)
+    assert slots is not None
+    # Every other prompt solved (rewards 0 and 1), the others not (0 and 0): the step's own mean.
+    expected = sum(0.5 if position_ % 2 == 0 else 0.0 for position_ in slots) / len(slots)
+
+    async def solves_all(ctx: Any, request: GroupRequest) -> SampleGroup:  # newer weights
+        group = await policy(ctx, request)
+        for sample in group.samples:
+            sample.reward = 1.0
+        return group
+
+    later = type("Ctx", (), {"spec": spec, "rollout": staticmethod(solves_all), "encode": staticmethod(list),
+                             "render": str, "context_tokens": 0})()  # fmt: skip
+    stream = SampleStream(redis_client, RUN, prefix=redis_prefix)
+    restarted = DataPosition(redis_client, RUN, prefix=redis_prefix)
+    asyncio.run(_produce_step(later, deps, data, stream, restarted, RUN, 0, 0))  # type: ignore[arg-type]
+    assert core.run.progress.mean_reward == expected
