@@ -293,14 +293,48 @@ def _restore_rng(saved: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def load_model_weights(path: Path, model: torch.nn.Module) -> None:
-    """Loads only the policy's weights of the checkpoint at `path` into `model` (any sharding)."""
+    """Loads only the policy's weights of the checkpoint at `path` into `model` (any sharding), all of them: a
+    checkpoint holding policy tensors `model` has no place for, or different tensors under two names `model` ties,
+    is CheckpointFailed (not damaged) rather than a model missing part of what was trained."""
     if not (path / ".metadata").exists():
         raise FileNotFoundError(f"no checkpoint at {path} (its .metadata file is missing)")
     _check_sums(path)
-    state = {"model": get_model_state_dict(model)}
+    weights: dict[str, Any] = get_model_state_dict(model)
+    # DCP reads the keys asked for and skips the others: a model of fewer layers (of the same width) would take
+    # the first ones and drop the rest without a word.
+    saved = sorted(key.removeprefix("model.") for key in _saved_keys(path) if key.startswith("model."))
+    unplaced = [name for name in saved if name not in weights]
+    if unplaced:
+        more = f" and {len(unplaced) - 3} more" if len(unplaced) > 3 else ""
+        raise CheckpointFailed(
+            f"checkpoint {path} holds policy tensors the model has no place for: {', '.join(unplaced[:3])}{more}", []
+        )
+    # A tied parameter appears under each of its names; read into one tensor, the copy read last would win.
+    tied = {name: first for name, first in _tied_names(model).items() if name in weights and first in weights}
+    for name in tied:
+        weights[name] = torch.empty_like(weights[name])
+    state = {"model": weights}
     with _dcp_call(f"reading checkpoint {path}"):
         dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
-    set_model_state_dict(model, state["model"])
+    for name, first in tied.items():
+        if not torch.equal(weights[name], weights[first]):
+            raise CheckpointFailed(
+                f"checkpoint {path} holds different tensors as {first} and {name}, which the model ties "
+                "(tie_word_embeddings)",
+                [],
+            )
+    set_model_state_dict(model, weights | {name: weights[first] for name, first in tied.items()})
+
+
+def _tied_names(model: torch.nn.Module) -> dict[str, str]:
+    """The names under which `model` holds a parameter it holds under an earlier name too, each to that name."""
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        earlier = first.setdefault(id(tensor), name)
+        if earlier != name:
+            tied[name] = earlier
+    return tied
 
 
 def checkpoint_steps(root: Path) -> list[int]:

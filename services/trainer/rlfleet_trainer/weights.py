@@ -133,7 +133,9 @@ def _write_staged(
     if dtype is not None:
         config = json.loads((tmp / "config.json").read_text())
         config["dtype"] = dtype  # transformers writes the tensors' own (float32)
-        config.pop("torch_dtype", None)  # the key before transformers 4.56, read as dtype by later ones
+        # And under the key transformers read before 4.56 (later ones read it as dtype too): an engine on an older
+        # one (vLLM, SGLang) found none, took the model for float32 and served it in float16.
+        config["torch_dtype"] = dtype
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 

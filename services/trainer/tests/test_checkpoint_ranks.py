@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlfleet_trainer.export import export_checkpoint
 from rlfleet_trainer.policy import load_policy
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -63,6 +64,15 @@ def test_checkpoint_resumes_on_more_and_on_fewer_ranks(small_model_dir: Path, tm
 
     weights = {name: torch.load(path) for name, path in out.items()}
     base = load_policy(small_model_dir).state_dict()
+    # Exported on one process, the checkpoint two FSDP ranks wrote is the model one rank trained.
+    exported = {
+        n: load_policy(export_checkpoint(Path(roots[n]) / "step_1", small_model_dir, tmp_path / f"export{n}"))
+        for n in (1, 2)
+    }
+    for name, tensor in exported[1].state_dict().items():
+        assert not torch.equal(tensor, base[name]), f"{name} was not trained"
+        diff = float((exported[2].state_dict()[name] - tensor).abs().max())
+        assert diff <= TOLERANCE, f"exported from 2 ranks vs 1: {name} differs by {diff}"
     assert any(not torch.equal(base[name], tensor) for name, tensor in weights["loaded2"].items()), "nothing trained"
     for resumed, original in (("loaded2", "saved1"), ("loaded1", "saved2"), ("saved2", "saved1")):
         assert weights[resumed].keys() == weights[original].keys()

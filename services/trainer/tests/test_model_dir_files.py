@@ -85,9 +85,12 @@ def test_a_bfloat16_base_is_named_so_in_versions_and_exported_in_it(small_model_
         with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
             return {f.get_tensor(key).dtype for key in f.keys()}  # noqa: SIM118 - safe_open is no mapping
 
-    assert json.loads((version / "config.json").read_text())["dtype"] == "bfloat16"
+    # Under both keys: an engine on a transformers before 4.56 reads torch_dtype alone, and without it took the
+    # model for float32 (served in float16).
+    for written in (version, exported):
+        config = json.loads((written / "config.json").read_text())
+        assert config["dtype"] == config["torch_dtype"] == "bfloat16"
     assert tensor_dtypes(version) == {torch.float32}
-    assert json.loads((exported / "config.json").read_text())["dtype"] == "bfloat16"
     assert tensor_dtypes(exported) == {torch.bfloat16}
     assert AutoModelForCausalLM.from_pretrained(exported).dtype == torch.bfloat16
 
