@@ -26,7 +26,8 @@ SGLang's contract is per engine; the router turns it into one fleet-wide group:
     So does generation continuing, or a new group opening, before a version's last bucket.
   * Each member takes a version's buckets inside a weight-update session of its own (SGLang 0.5.23 on), which
     the router opens before the first reaches it and ends once the last is applied, or when the group closes
-    (weight_sessions.py); the trainer knows nothing of it.
+    (weight_sessions.py; one left open is ended before the engine next loads from disk); the trainer knows nothing
+    of it.
   * A group the router closes is destroyed on its engines by the router, each once it is done with its
     last request through it (a destroy behind a pending collective would wait for it, or break it): the
     trainer forgets a group whose broadcast failed, and a later destroy of it from the trainer is
@@ -47,7 +48,6 @@ import httpx
 
 from rlfleet.errors import Conflict, NotFound, Unavailable
 from rlfleet_router.lock_turns import NoTurn, turn
-from rlfleet_router.weight_sessions import WeightSessions
 from rlfleet_router.weights import (
     DISTRIBUTED_UPDATE_ROUTE,
     FANOUT_QUEUE_DEADLINE_SECS,
@@ -138,7 +138,7 @@ class DistributedWeights:
         # Groups the router closed, by name: their destroy on the engines (the latest close of each name).
         self._closed: dict[str, asyncio.Task[GroupResult]] = {}
         self._tasks: set[asyncio.Task[GroupResult]] = set()
-        self._sessions = WeightSessions(weights)
+        self._sessions = weights.sessions  # the disk loads of FleetWeights end a session a version left open
         self._legacy_server_info: set[str] = set()  # engines (worker ids) that answer only LEGACY_SERVER_INFO_ROUTE
 
     def group(self, name: str) -> WeightGroup:

@@ -145,7 +145,7 @@ class Admission:
             target.version,
         )
         with weights.busy.loading([worker]):
-            load_call = weights.post_update(worker, DISK_UPDATE_ROUTE, request_body)
+            load_call = weights.load_from_disk(worker, request_body)
             result = await self._workers.while_member(worker, load_call, STOPPED)
         if not result.success:
             raise Unavailable(f"could not load weight version {target.version!r}: {result.message}")

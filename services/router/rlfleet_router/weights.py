@@ -43,6 +43,7 @@ from rlfleet.errors import Conflict, Unavailable
 from rlfleet_router.busy_engines import LEGACY_LIVENESS_ROUTE, LIVENESS_ROUTE, LOADING, BusyEngines
 from rlfleet_router.lock_turns import turn
 from rlfleet_router.metrics import RouterMetrics
+from rlfleet_router.weight_sessions import WeightSessions
 from rlfleet_router.workers import Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
@@ -204,6 +205,7 @@ class FleetWeights:
         self.stranded: dict[str, Worker] = {}
         # A pause is trusted as long as a weight load may take.
         self.busy = BusyEngines(timeout_secs, metrics.registry, workers)
+        self.sessions = WeightSessions(self.post_update)
         self.sync_seconds = Histogram(
             "rlfleet_router_weight_sync_seconds",
             "Time to bring the fleet to a new weight version, by path (disk: one load fan-out; "
@@ -367,9 +369,7 @@ class FleetWeights:
         version before it rejoins. A `rejoining` (stranded) engine is out of routing already: it is waited for
         while it is in the fleet."""
         post = asyncio.create_task(
-            self.post_update(
-                worker, DISK_UPDATE_ROUTE, request_body, timeout=min(self._timeout, FANOUT_ENGINE_DEADLINE_SECS)
-            )
+            self.load_from_disk(worker, request_body, timeout=min(self._timeout, FANOUT_ENGINE_DEADLINE_SECS))
         )
         while True:
             done, _ = await asyncio.wait({post}, timeout=ROUTING_CHECK_SECS)
@@ -385,6 +385,17 @@ class FleetWeights:
                 logger.warning("worker %s left routing while loading weights (%s); not waited for", worker.url, reason)
                 self._metrics.weight_update_engines_skipped.inc()
                 return None
+
+    async def load_from_disk(
+        self, worker: Worker, request_body: bytes, timeout: float | None = None
+    ) -> EngineUpdateResult:
+        """Loads weights from disk into one engine (`request_body`, SGLang's), its weight-update session ended first
+        (`WeightSessions.before_disk_load`), both within `timeout` (`weight_update_timeout_secs` when None)."""
+        budget = self._timeout if timeout is None else timeout
+        deadline = time.monotonic() + budget
+        await self.sessions.before_disk_load(worker, budget)
+        left = max(deadline - time.monotonic(), 0.0)
+        return await self.post_update(worker, DISK_UPDATE_ROUTE, request_body, timeout=left)
 
     def loaded(self, route: str, request_body: bytes, workers: list[Worker]) -> None:
         """`workers` accepted the weight request `route` with `request_body`: their caches are empty if it flushes."""

@@ -77,6 +77,13 @@ class FakeEngine:
     rid_delay: float = 0.0
     serves_openai: bool = False  # /v1/completions and /v1/chat/completions served as /generate
     tp_size: int = 1  # /server_info's: the ranks it takes in a weight update group
+    # As SGLang 0.5.23 on: /begin_weight_update ... /end_weight_update, one session open at a time (404 without
+    # `sessions`, as before 0.5.23). A disk load inside a session keeps the old version reported until the end
+    # publishes it, as later SGLang publishes the version of an update inside a session.
+    sessions: bool = False
+    session_open: bool = False
+    session_events: list[str] = field(default_factory=list)  # "begin" and "end" as answered
+    _held_version: str | None = None  # a disk load's version, held back until the session ends
     # The routes that answer what it serves: SGLang before 0.5 has only the legacy one, 0.5.23 both (logging the
     # legacy one as deprecated at every call), a later one may have only /model_info.
     info_routes: tuple[str, ...] = ("/get_model_info",)
@@ -85,7 +92,8 @@ class FakeEngine:
     # /get_server_info as deprecated at every call and announcing its removal).
     server_info_routes: tuple[str, ...] = ("/get_server_info",)
     server_info_calls: list[str] = field(default_factory=list)  # the paths asked, in order
-    refused_controls: set[str] = field(default_factory=set)  # control routes answered 503 (and not applied)
+    # Control routes (and /end_weight_update) answered `refused_with` (503) and not applied.
+    refused_controls: set[str] = field(default_factory=set)
     refused_with: int = 503  # the status of those refusals
     control_queries: list[str] = field(default_factory=list)  # the query string of each control request
     raw_bodies: list[bytes] = field(default_factory=list)
@@ -190,10 +198,41 @@ class FakeEngine:
             if self.fail_updates:
                 return JSONResponse({"success": False, "message": "cannot read checkpoint"}, status_code=400)
             self.events.append("update")
-            self.weight_version = str(body["weight_version"])
+            if self.session_open:
+                self._held_version = str(body["weight_version"])
+            else:
+                self.weight_version = str(body["weight_version"])
             self.model_path = str(body["model_path"])
             self.weights_partial = False
             return JSONResponse({"success": True, "message": "Succeeded to update model weights."})
+
+        not_found = JSONResponse({"detail": "Not Found"}, status_code=404)
+
+        @app.post("/begin_weight_update")
+        async def begin() -> Response:
+            if not self.sessions:
+                return not_found
+            if self.session_open:
+                refusal = "a weight-update session is already open; call end_weight_update() first"
+                return JSONResponse({"success": False, "message": refusal}, status_code=400)
+            self.session_open = True
+            self.session_events.append("begin")
+            return JSONResponse({"success": True, "message": "Success"})
+
+        @app.post("/end_weight_update")
+        async def end() -> Response:
+            if not self.sessions:
+                return not_found
+            if "/end_weight_update" in self.refused_controls:
+                return JSONResponse({"detail": "refused"}, status_code=self.refused_with)
+            if not self.session_open:
+                refusal = "no weight-update session is open; call begin_weight_update() first"
+                return JSONResponse({"success": False, "message": refusal}, status_code=400)
+            self.session_open = False
+            if self._held_version is not None:
+                self.weight_version, self._held_version = self._held_version, None
+            self.session_events.append("end")
+            return JSONResponse({"success": True, "message": "Success"})
 
         async def control(request: Request) -> Response:
             """Like SGLang's: a body is read as JSON only under a JSON Content-Type."""

@@ -49,13 +49,28 @@ class GroupEngine:
     incomplete: bool = False
     update_delay: float = 0.0
     fail_init: bool = False
-    # As SGLang 0.5.23 on: buckets only inside a weight-update session; "begin" and "end" join `ended` as answered.
-    sessions: bool = False
-    session_open: bool = False
 
     @property
     def url(self) -> str:
         return self.engine.url
+
+    # As SGLang 0.5.23 on: buckets only inside a weight-update session (the fake engine's, whose "begin" and "end"
+    # join `ended` as answered).
+    @property
+    def sessions(self) -> bool:
+        return self.engine.sessions
+
+    @sessions.setter
+    def sessions(self, value: bool) -> None:
+        self.engine.sessions = value
+
+    @property
+    def session_open(self) -> bool:
+        return self.engine.session_open
+
+    @session_open.setter
+    def session_open(self, value: bool) -> None:
+        self.engine.session_open = value
 
 
 @pytest.fixture
@@ -63,33 +78,9 @@ def start_group_engine() -> Iterator[Callable[..., GroupEngine]]:
     started: list[ThreadedServer] = []
 
     def start(name: str, port: int | None = None, sessions: bool = False) -> GroupEngine:
-        fake = GroupEngine(FakeEngine(name=name), sessions=sessions)
+        fake = GroupEngine(FakeEngine(name=name, sessions=sessions))
+        fake.engine.session_events = fake.ended  # one record of the session, the buckets and the destroys
         app = fake.engine.app()
-
-        # Without sessions, the routes are unknown: 404, as on SGLang before 0.5.23.
-        not_found = JSONResponse({"detail": "Not Found"}, status_code=404)
-
-        @app.post("/begin_weight_update")
-        async def begin() -> JSONResponse:
-            if not fake.sessions:
-                return not_found
-            if fake.session_open:
-                refusal = "a weight-update session is already open; call end_weight_update() first"
-                return JSONResponse({"success": False, "message": refusal}, status_code=400)
-            fake.session_open = True
-            fake.ended.append("begin")
-            return JSONResponse({"success": True, "message": "Success"})
-
-        @app.post("/end_weight_update")
-        async def end() -> JSONResponse:
-            if not fake.sessions:
-                return not_found
-            if not fake.session_open:
-                refusal = "no weight-update session is open; call begin_weight_update() first"
-                return JSONResponse({"success": False, "message": refusal}, status_code=400)
-            fake.session_open = False
-            fake.ended.append("end")
-            return JSONResponse({"success": True, "message": "Success"})
 
         @app.post("/init_weights_update_group")
         async def init(request: Request) -> JSONResponse:
@@ -660,3 +651,30 @@ def test_ranks_are_read_from_server_info_or_where_its_sglang_has_it(
         assert world.json()["world_size"] == 1 + 2 + 1 + 4
     assert current.server_info_calls == later.server_info_calls == ["/server_info"] * 2
     assert older.server_info_calls == ["/server_info", "/get_server_info", "/get_server_info"], "asked where it answers"
+
+
+def test_a_session_whose_end_failed_as_the_group_closed_is_ended_before_the_disk_fallback(
+    start_group_engine: Callable[..., GroupEngine], start_router: Callable[..., RunningRouter]
+) -> None:
+    """A bucket fails and the group closes, but a member refuses the end of its session: SGLang would hold the
+    version of the trainer's disk fallback back until an end, and the member would be reloaded for drift again and
+    again. The fallback ends the session first."""
+    good, bad = start_group_engine("good", sessions=True), start_group_engine("bad", sessions=True)
+    router = start_router([good.url, bad.url])
+    router.wait_healthy(2)
+    assert router.client.post("/init_weights_update_group", json={**INIT, "world_size": 3}).status_code == 200
+    bad.fail_updates = True
+    good.engine.refused_controls = {"/end_weight_update"}
+    assert router.client.post("/update_weights_from_distributed", json=bucket(["w"], version="2")).status_code == 502
+    router.wait_for(lambda: "destroy" in good.ended and "destroy" in bad.ended, what="the group destroyed")
+    assert good.session_open, "its end was refused"
+
+    good.engine.refused_controls = set()
+    fallback = router.client.post("/update_weights_from_disk", json={"model_path": "/w/v2", "weight_version": "2"})
+    assert fallback.status_code == 200, fallback.text
+    assert not good.session_open and good.ended[-1] == "end"
+    router.wait_healthy(2)
+    time.sleep(1.0)  # ten health rounds: a member reporting its old version would be reloaded meanwhile
+    router.wait_healthy(2)
+    assert good.engine.weight_version == "2"
+    assert [b["weight_version"] for b in good.engine.update_bodies] == ["2"]
