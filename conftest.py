@@ -96,6 +96,36 @@ def redis_prefix(redis_client: redis.Redis) -> Iterator[str]:
         redis_client.delete(*keys)
 
 
+@pytest.fixture
+def redis_losing_first_script_reply() -> Iterator[redis.Redis]:
+    """A client of the services' kind (connect_redis: it retries a lost connection) whose first script call runs on
+    Redis and then has its reply lost, as when the connection drops after Redis executed the command."""
+    lost = False
+
+    class ReplyLostOnce(redis.Connection):
+        calls_script = False
+
+        def send_command(self, *args: Any, **kwargs: Any) -> None:
+            self.calls_script = str(args[0]).upper() in ("EVAL", "EVALSHA")
+            super().send_command(*args, **kwargs)
+
+        def read_response(self, *args: Any, **kwargs: Any) -> Any:
+            nonlocal lost
+            response = super().read_response(*args, **kwargs)
+            if self.calls_script and not lost:
+                lost = True
+                self.disconnect()
+                raise redis.ConnectionError("connection lost before the reply was read")
+            return response
+
+    client = connect_redis(REDIS_URL, timeout_s=5.0)
+    client.connection_pool.connection_class = ReplyLostOnce
+    try:
+        yield client
+    finally:
+        client.close()
+
+
 @pytest.fixture(scope="session")
 def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A very small model of the tiny-model family (same tokenizer), for tests that need speed."""

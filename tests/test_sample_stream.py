@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import time
-from typing import Any, cast
+from typing import cast
 
 import pytest
 import redis
 
 from rlfleet.errors import InvalidInput
-from rlfleet.sample_stream import SampleStream, connect_redis
+from rlfleet.sample_stream import SampleStream
 from rlfleet.v1.samples_pb2 import Sample, SampleGroup, SampleStatus
-
-REDIS_URL = os.environ.get("RLFLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 def make_group(run_id: str, i: int, n: int = 2) -> SampleGroup:
@@ -61,46 +58,18 @@ def test_same_group_id_is_appended_once(stream: SampleStream) -> None:
     assert stream.length() == 1
 
 
-def losing_first_script_reply() -> redis.Redis:
-    """A client of the services' kind (connect_redis: it retries a lost connection) whose first script call runs on
-    Redis and then has its reply lost, as when the connection drops after Redis executed the command."""
-    lost = False
-
-    class ReplyLostOnce(redis.Connection):
-        calls_script = False
-
-        def send_command(self, *args: Any, **kwargs: Any) -> None:
-            self.calls_script = str(args[0]).upper() in ("EVAL", "EVALSHA")
-            super().send_command(*args, **kwargs)
-
-        def read_response(self, *args: Any, **kwargs: Any) -> Any:
-            nonlocal lost
-            response = super().read_response(*args, **kwargs)
-            if self.calls_script and not lost:
-                lost = True
-                self.disconnect()
-                raise redis.ConnectionError("connection lost before the reply was read")
-            return response
-
-    client = connect_redis(REDIS_URL, timeout_s=5.0)
-    client.connection_pool.connection_class = ReplyLostOnce
-    return client
-
-
-def test_an_append_whose_lost_reply_is_retried_returns_its_entry(redis_prefix: str) -> None:
+def test_an_append_whose_lost_reply_is_retried_returns_its_entry(
+    redis_losing_first_script_reply: redis.Redis, redis_prefix: str
+) -> None:
     """The client retries an append whose connection dropped after Redis ran it; the retry found the group id known
     and the append said None, "appended before", so the orchestrator did not count a group that it had appended.
     A later append of the same group id is still refused."""
-    client = losing_first_script_reply()
-    try:
-        stream = SampleStream(client, "run1", prefix=redis_prefix)
-        entry_id = stream.append(make_group("run1", 0))
-        [entry] = stream.entries()
-        assert entry_id == entry.entry_id
-        assert stream.append(make_group("run1", 0)) is None
-        assert stream.length() == stream.appended_count() == 1
-    finally:
-        client.close()
+    stream = SampleStream(redis_losing_first_script_reply, "run1", prefix=redis_prefix)
+    entry_id = stream.append(make_group("run1", 0))
+    [entry] = stream.entries()
+    assert entry_id == entry.entry_id
+    assert stream.append(make_group("run1", 0)) is None
+    assert stream.length() == stream.appended_count() == 1
 
 
 def test_read_ack_and_pending(stream: SampleStream) -> None:

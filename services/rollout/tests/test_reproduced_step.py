@@ -7,7 +7,6 @@ the rollout function is a fake whose solved prompts change between attempts."""
 from __future__ import annotations
 
 import asyncio
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +15,7 @@ import redis
 from google.protobuf import json_format
 
 from rlfleet.run_spec import resolve
-from rlfleet.sample_stream import SampleStream, connect_redis
+from rlfleet.sample_stream import SampleStream
 from rlfleet.v1.runs_pb2 import Run, RunSpec
 from rlfleet.v1.samples_pb2 import Sample, SampleGroup, SampleStatus
 from rlfleet_rollout.datasets import LoadedDataset, Prompt
@@ -28,7 +27,6 @@ from rlfleet_rollout.run_loop import RunDeps, _produce_step
 
 RUN = "run1"
 GROUPS_PER_STEP = 4
-REDIS_URL = os.environ.get("RLFLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 @dataclass
@@ -166,34 +164,8 @@ def test_a_steps_mean_reward_counts_the_groups_its_filters_dropped(
     assert core.run.progress.mean_reward == 0.25 and metrics.reward_mean._value.get() == 0.25
 
 
-def losing_first_script_reply() -> redis.Redis:
-    """A client of the orchestrator's kind (connect_redis: it retries a lost connection) whose first script call runs
-    on Redis and then has its reply lost, as when the connection drops after Redis executed the command."""
-    lost = False
-
-    class ReplyLostOnce(redis.Connection):
-        calls_script = False
-
-        def send_command(self, *args: Any, **kwargs: Any) -> None:
-            self.calls_script = str(args[0]).upper() in ("EVAL", "EVALSHA")
-            super().send_command(*args, **kwargs)
-
-        def read_response(self, *args: Any, **kwargs: Any) -> Any:
-            nonlocal lost
-            response = super().read_response(*args, **kwargs)
-            if self.calls_script and not lost:
-                lost = True
-                self.disconnect()
-                raise redis.ConnectionError("connection lost before the reply was read")
-            return response
-
-    client = connect_redis(REDIS_URL, timeout_s=5.0)
-    client.connection_pool.connection_class = ReplyLostOnce
-    return client
-
-
 def test_a_group_whose_append_was_retried_after_a_lost_reply_is_counted_once(
-    redis_client: redis.Redis, redis_prefix: str
+    redis_client: redis.Redis, redis_prefix: str, redis_losing_first_script_reply: redis.Redis
 ) -> None:
     """The first append's reply was lost after Redis ran it; its retry was answered "appended before", and
     rlfleet_rollout_groups_produced missed the group (the stream had it). Producing the step again adds nothing."""
@@ -204,12 +176,8 @@ def test_a_group_whose_append_was_retried_after_a_lost_reply_is_counted_once(
     metrics = RolloutMetrics()
     deps = RunDeps(Core(), None, None, None, redis_client, None, metrics, FilterRegistry({}), None)  # type: ignore[arg-type]
     position = DataPosition(redis_client, RUN, prefix=redis_prefix)
-    lossy = losing_first_script_reply()
-    try:
-        stream = SampleStream(lossy, RUN, prefix=redis_prefix)
-        asyncio.run(_produce_step(ctx, deps, data, stream, position, RUN, 0, 0))  # type: ignore[arg-type]
-    finally:
-        lossy.close()
+    stream = SampleStream(redis_losing_first_script_reply, RUN, prefix=redis_prefix)
+    asyncio.run(_produce_step(ctx, deps, data, stream, position, RUN, 0, 0))  # type: ignore[arg-type]
     again = SampleStream(redis_client, RUN, prefix=redis_prefix)
     asyncio.run(_produce_step(ctx, deps, data, again, position, RUN, 0, 0))  # type: ignore[arg-type]
 
