@@ -64,7 +64,7 @@ class SpecCaps(BaseSettings):
     judge_router_urls: list[AnyHttpUrl] = Field(
         default_factory=lambda: [AnyHttpUrl(DEFAULT_ROUTER_URL)],
         description="Routers `judge` may use: a spec's `router_url` must be one of them; the judge POSTs only to "
-        "its `/generate`.",
+        "its `/generate` (api 'generate') or `/v1/chat/completions` (api 'chat').",
     )
 
     @field_validator("remote_url_prefixes", "judge_router_urls")
