@@ -332,3 +332,13 @@ def test_rlfleet_help_lists_show_and_show_takes_the_watch_options(capsys: pytest
 )
 def test_durations_read_as_a_person_says_them(seconds: float, text: str) -> None:
     assert duration(timedelta(seconds=seconds)) == text
+
+
+def test_held_out_prompts_left_out_as_too_long_are_named_beside_the_size() -> None:
+    """SIZE counts the prompts evaluated; without the note, 180 of a held-out split of 200 read as the whole split."""
+    run = succeeded_run(evals=2)
+    run.evals[1].size, run.evals[1].prompts_too_long = 180, 20
+    assert (
+        "evaluations (2; the accuracy counts failed samples as wrong; SIZE leaves out up to 20 held-out prompts too "
+        "long to evaluate, as training skips them)\n" in summary(run, now=at(900))
+    )

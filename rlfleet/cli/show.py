@@ -149,6 +149,9 @@ def evaluations(run: Run) -> list[str]:
     head = ["STEP", "WEIGHTS", "SIZE", "K", "ACCURACY", "PASS@K", "MEAN LEN", "TRUNCATED", "FAILED"]
     # Without the note, a fleet failing to answer would read as a model that got worse.
     note = "; the accuracy counts failed samples as wrong" if any(e.failed for e in run.evals) else ""
+    if too_long := max(e.prompts_too_long for e in run.evals):
+        # SIZE would otherwise read as the whole held-out split.
+        note += f"; SIZE leaves out up to {too_long} held-out prompts too long to evaluate, as training skips them"
     return [f"evaluations ({len(rows)}{note})", *table(head, rows)]
 
 

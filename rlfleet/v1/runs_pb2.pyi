@@ -260,7 +260,7 @@ class RunProgress(_message.Message):
     def __init__(self, step: _Optional[int] = ..., total_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., groups_produced: _Optional[int] = ..., groups_trained: _Optional[int] = ..., groups_filtered: _Optional[int] = ..., mean_reward: _Optional[float] = ..., filtered_by_reason: _Optional[_Mapping[str, int]] = ..., rows_skipped: _Optional[int] = ..., prompts_consumed: _Optional[int] = ..., epoch: _Optional[int] = ..., groups_downweighted: _Optional[int] = ...) -> None: ...
 
 class EvalResult(_message.Message):
-    __slots__ = ("step", "weight_version", "size", "accuracy", "pass_at_k", "mean_length", "truncation_rate", "k", "failed")
+    __slots__ = ("step", "weight_version", "size", "accuracy", "pass_at_k", "mean_length", "truncation_rate", "k", "failed", "prompts_too_long")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +270,7 @@ class EvalResult(_message.Message):
     TRUNCATION_RATE_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_TOO_LONG_FIELD_NUMBER: _ClassVar[int]
     step: int
     weight_version: int
     size: int
@@ -279,7 +280,8 @@ class EvalResult(_message.Message):
     truncation_rate: float
     k: int
     failed: int
-    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., size: _Optional[int] = ..., accuracy: _Optional[float] = ..., pass_at_k: _Optional[float] = ..., mean_length: _Optional[float] = ..., truncation_rate: _Optional[float] = ..., k: _Optional[int] = ..., failed: _Optional[int] = ...) -> None: ...
+    prompts_too_long: int
+    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., size: _Optional[int] = ..., accuracy: _Optional[float] = ..., pass_at_k: _Optional[float] = ..., mean_length: _Optional[float] = ..., truncation_rate: _Optional[float] = ..., k: _Optional[int] = ..., failed: _Optional[int] = ..., prompts_too_long: _Optional[int] = ...) -> None: ...
 
 class Run(_message.Message):
     __slots__ = ("id", "spec", "state", "error", "progress", "metrics", "evals", "created_at", "started_at", "finished_at", "stalled")

@@ -132,6 +132,16 @@ class RolloutContext:
             return [ScoreResult(id=item.id, status=ScoreStatus.SCORE_STATUS_ERROR, error=error) for item in items]
 
 
+def prompt_too_long(ctx: RolloutContext, prompt_tokens: int) -> bool:
+    """Whether a prompt of `prompt_tokens` is skipped: longer than rollout.max_prompt_tokens, or leaving no room for a
+    response in the model's context (every sample of it would fail, as if the fleet were down). Training filters its
+    group as "prompt_too_long"; evaluation leaves it out and counts it (EvalResult.prompts_too_long)."""
+    limit = ctx.spec.rollout.max_prompt_tokens
+    if limit and prompt_tokens > limit:
+        return True
+    return bool(ctx.context_tokens) and generation_room(ctx.context_tokens, prompt_tokens) < 1
+
+
 def full_marks(reward: RewardSpec) -> float:
     """The least score of a fully correct response, as the hub weighs terms (the weighted sum of their scores):
     every positive-weight term at 1 and every penalty (a negative weight) at 0. Summing every weight would put a

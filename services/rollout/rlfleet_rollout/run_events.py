@@ -289,7 +289,8 @@ def describe_change(before: Run | None, after: Run) -> str:
         return f"run {after.id}: {after.stalled}" if after.stalled else f"run {after.id} makes progress again"
     if len(after.evals) > len(before.evals):
         ev = after.evals[-1]
-        return f"eval at step {ev.step}: accuracy {ev.accuracy:.3f} on {ev.size} held-out prompts"
+        text = f"eval at step {ev.step}: accuracy {ev.accuracy:.3f} on {ev.size} held-out prompts"
+        return f"{text} ({ev.prompts_too_long} more left out as too long)" if ev.prompts_too_long else text
     p = after.progress
     return (
         f"step {p.step}/{p.total_steps}, weight version {p.weight_version}, groups produced {p.groups_produced}, "

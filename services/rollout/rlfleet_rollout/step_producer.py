@@ -27,7 +27,7 @@ from rlfleet.errors import ResourceExhausted, Unavailable
 from rlfleet.v1.samples_pb2 import SampleGroup
 from rlfleet_rollout.concurrency import gather_cancelling
 from rlfleet_rollout.group_filters import UNUSABLE, FilterRegistry, usable_rewards
-from rlfleet_rollout.group_producer import GroupRequest, RolloutContext, generation_room, rename_group
+from rlfleet_rollout.group_producer import GroupRequest, RolloutContext, prompt_too_long, rename_group
 from rlfleet_rollout.run_data import RunData
 
 logger = logging.getLogger(__name__)
@@ -183,12 +183,9 @@ def _position_of(group: SampleGroup) -> int:
 async def _candidate(
     ctx: RolloutContext, run_id: str, step: int, position: int, data: RunData, fallback_version: int
 ) -> SampleGroup | None:
-    """The scored group of the prompt at `position`, or None when the prompt is longer than max_prompt_tokens or
-    leaves no room in the model's context (every sample of it would fail, as if the fleet were down)."""
+    """The scored group of the prompt at `position`, or None when the prompt is too long (`prompt_too_long`)."""
     prompt = data.prompt_at(position)
-    limit = ctx.spec.rollout.max_prompt_tokens
-    tokens = len(ctx.encode(ctx.render(prompt.prompt)))
-    if (limit and tokens > limit) or (ctx.context_tokens and generation_room(ctx.context_tokens, tokens) < 1):
+    if prompt_too_long(ctx, len(ctx.encode(ctx.render(prompt.prompt)))):
         return None
     request = GroupRequest(run_id, f"{run_id}/{step}/p{position}", position, prompt, fallback_version)
     return await ctx.rollout(ctx, request)

@@ -1,7 +1,7 @@
 """Generations stay within the model's context (read from its config.json): max_new_tokens is cut to the
-room a prompt leaves, a held-out prompt the context cannot hold is wrong alone, and a training prompt
-that fills the context is filtered as too long, instead of an engine's refusal failing samples, whole
-eval requests, or the run."""
+room a prompt leaves, and a prompt that fills the context is skipped as too long (a training prompt's group
+filtered, a held-out prompt left out of the evaluation and counted), instead of an engine's refusal failing
+samples, whole eval requests, or the run."""
 
 from __future__ import annotations
 
@@ -61,12 +61,16 @@ class RefusesPastTheContext:
         return [Completion((1,), (-0.1,), "3", FinishReason.FINISH_REASON_STOP, 0) for _ in prompts]
 
 
-def test_one_held_out_prompt_past_the_context_is_wrong_alone(tokenizer_dir: Path) -> None:
-    """Sent with the others, its refusal failed every prompt of the request: 63 answerable prompts scored 0."""
+def test_a_held_out_prompt_past_the_context_is_left_out_alone(tokenizer_dir: Path) -> None:
+    """Sent with the others, its refusal failed every prompt of the request: 63 answerable prompts scored 0. Then it
+    counted as a wrong, failed sample, where training skips such a prompt as too long: it is left out as there,
+    counted in prompts_too_long, and the others are evaluated."""
     ctx = replace(_context(tokenizer_dir, RefusesPastTheContext(), "finish"), context_tokens=16)
     prompts = [Prompt(prompt="1+2=", answer="3")] * 3 + [Prompt(prompt="1+2=" * 5, answer="3")]
     result = asyncio.run(evaluate(ctx, "run-1", 0, prompts, batch_size=32, trainer_version=0))
-    assert result.accuracy == pytest.approx(3 / 4)
+    assert result.accuracy == 1.0 and (result.size, result.prompts_too_long, result.failed) == (3, 1, 0)
+    with pytest.raises(InvalidInput, match="every one of the 1 held-out prompts .* context of 16 tokens"):
+        asyncio.run(evaluate(ctx, "run-1", 0, prompts[3:], batch_size=32, trainer_version=0))
 
 
 def test_a_prompt_the_context_cannot_hold_is_filtered_as_too_long(tokenizer_dir: Path) -> None:

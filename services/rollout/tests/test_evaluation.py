@@ -1,6 +1,6 @@
 """Held-out evaluation in process, with a fake router and a fake hub that weighs terms as the reward hub does:
-a penalty term (negative weight) does not lower the bar for full marks, and samples that failed are counted
-as wrong and reported as failed."""
+a penalty term (negative weight) does not lower the bar for full marks, samples that failed are counted
+as wrong and reported as failed, and a held-out prompt training would skip as too long is left out and counted."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import pytest
 from google.protobuf import json_format
 from rollout_test_support import spec_json
 
-from rlfleet.errors import InvalidInput
+from rlfleet.errors import InvalidInput, Unavailable
 from rlfleet.run_spec import resolve
 from rlfleet.v1.reward_pb2 import RewardSpec, ScoreItem, ScoreResult, ScoreStatus
-from rlfleet.v1.runs_pb2 import RunSpec
+from rlfleet.v1.runs_pb2 import EvalResult, Run, RunSpec
 from rlfleet.v1.samples_pb2 import FinishReason
 from rlfleet_rollout.datasets import Prompt
 from rlfleet_rollout.evaluation import evaluate
@@ -25,6 +25,7 @@ from rlfleet_rollout.metrics import RolloutMetrics
 from rlfleet_rollout.prompt_tokenizer import load_tokenizer
 from rlfleet_rollout.rollout_function import RolloutRegistry
 from rlfleet_rollout.router_client import Completion
+from rlfleet_rollout.run_events import describe_change
 
 PENALISED = {
     "terms": [{"function": "arith_exact"}, {"function": "format_regex", "weight": -1.0, "params": {"pattern": "x"}}]
@@ -142,3 +143,59 @@ def test_pass_at_k_is_the_share_of_prompts_with_a_correct_sample_and_accuracy_th
     result = asyncio.run(evaluate(ctx, "run-1", 8, prompts, batch_size=6, trainer_version=0))
     assert router.sampling[2, 0]["temperature"] == 0.0 and "sampling_seed" not in router.sampling[2, 0]
     assert result.accuracy == result.pass_at_k == pytest.approx(2 / 5)  # samples 0 of prompts 0 and 2
+
+
+def test_a_held_out_prompt_over_max_prompt_tokens_is_left_out_and_counted(tokenizer_dir: Path) -> None:
+    """Training skips a prompt longer than rollout.max_prompt_tokens ("prompt_too_long"); evaluation sent it, and
+    its answer moved accuracy and pass@k. It is not sent now, no figure counts it, `prompts_too_long` does, and the
+    other prompts keep their request ids and seeds."""
+    right = {(i, j): "3" for i in (0, 2, 3) for j in range(3)}
+    router = ByCell(right)
+    ctx = _context(tokenizer_dir, router)
+    ctx.spec.schedule.eval_samples = 3
+    prompts = [Prompt(prompt="1+2=", answer="3")] * 4
+    prompts[1] = Prompt(prompt="1+2=" * 5, answer="3")  # 20 characters; the others fit in 10 tokens
+    asyncio.run(evaluate(ctx, "run-1", 0, prompts, batch_size=6, trainer_version=0))
+    seeds = {cell: params["sampling_seed"] for cell, params in router.sampling.items()}
+    assert len(seeds) == 12
+
+    router.sampling.clear()
+    ctx.spec.rollout.max_prompt_tokens = 10
+    result = asyncio.run(evaluate(ctx, "run-1", 2, prompts, batch_size=6, trainer_version=0))
+    assert (result.size, result.prompts_too_long, result.k, result.failed) == (3, 1, 3, 0)
+    assert result.accuracy == 1.0 and result.pass_at_k == 1.0
+    assert {cell: params["sampling_seed"] for cell, params in router.sampling.items()} == {
+        cell: seed for cell, seed in seeds.items() if cell[0] != 1
+    }
+    assert json_format.MessageToDict(result)["promptsTooLong"] == 1  # what the REST API shows
+
+
+def test_an_evaluation_of_only_prompts_over_max_prompt_tokens_names_the_field(tokenizer_dir: Path) -> None:
+    """Every held-out prompt past the limit leaves nothing to evaluate: an error that says how to fix the spec,
+    not figures over prompts training never takes."""
+    ctx = _context(tokenizer_dir, Answers(["3"] * 4))
+    ctx.spec.rollout.max_prompt_tokens = 10
+    prompts = [Prompt(prompt="1+2=" * 5, answer="3")] * 2
+    with pytest.raises(InvalidInput, match=r"rollout\.max_prompt_tokens: .*2 held-out prompts.* longer than 10"):
+        asyncio.run(evaluate(ctx, "run-1", 0, prompts, batch_size=8, trainer_version=0))
+
+
+def test_an_evaluation_none_of_whose_samples_could_be_scored_is_no_result(tokenizer_dir: Path) -> None:
+    """The engines answered but the hub scored nothing: the evaluation was recorded with accuracy 0 (a model that
+    answers nothing right), and never repeated at that step. As with no answer at all, it is an error instead."""
+    ctx = _context(tokenizer_dir, Answers(["?"] * 4))
+    prompts = [Prompt(prompt="1+2=", answer="3")] * 4
+    with pytest.raises(
+        Unavailable, match=r"evaluation at step 5: none of the 4 samples could be generated and scored.*bad response"
+    ):
+        asyncio.run(evaluate(ctx, "run-1", 5, prompts, batch_size=8, trainer_version=0))
+
+
+def test_a_watch_event_of_an_evaluation_says_how_many_prompts_were_too_long() -> None:
+    before = Run(id="run-1")
+    after = Run(id="run-1", evals=[EvalResult(step=2, size=3, accuracy=1.0, prompts_too_long=1)])
+    assert describe_change(before, after) == (
+        "eval at step 2: accuracy 1.000 on 3 held-out prompts (1 more left out as too long)"
+    )
+    after.evals[0].prompts_too_long = 0
+    assert describe_change(before, after) == "eval at step 2: accuracy 1.000 on 3 held-out prompts"

@@ -389,6 +389,23 @@ def test_a_multi_turn_run_is_evaluated_in_episodes(tokenizer_dir: Path, replies:
     assert all(len(turns) == 2 for turns in router.turns.values()) and len(router.turns) == 2
 
 
+def test_a_multi_turn_evaluation_leaves_out_a_prompt_over_max_prompt_tokens(
+    tokenizer_dir: Path, replies: ReplyPool
+) -> None:
+    """As training skips it: no episode of it starts, and it is counted, not scored."""
+    router = FakeRouter()
+    ctx = _context(tokenizer_dir, replies, router, max_turns=3)
+    ctx.spec.rollout.max_prompt_tokens = 10
+    prompts = [
+        Prompt(prompt="12+7=", answer="19"),
+        Prompt(prompt="1+1+1+1+1+1+1+1=", answer="8"),
+        Prompt(prompt="30+4=", answer="34"),
+    ]
+    result = asyncio.run(evaluate_run(ctx, "run-1", 0, prompts, batch_size=8, trainer_version=0))
+    assert (result.size, result.prompts_too_long, result.failed, result.accuracy) == (2, 1, 0, 1.0)
+    assert len(router.turns) == 2 and not any(":eval:0:1:" in tid for tid in router.turns)
+
+
 def test_an_environment_without_a_reply_method_is_refused_at_start_up() -> None:
     with pytest.raises(TypeError, match="'broken' is a object without a reply"):
         RolloutRegistry({}, {"broken": object()})
