@@ -4,9 +4,9 @@ The proxy hands it over once the answer is committed to: a plain answer already 
 stream whose first piece has arrived. The bytes going by are copied for the prompt and cached tokens
 the engine reports (`engine_usage`) and, for a trajectory, the whole answer. A stream that breaks after
 its first piece cannot move to another engine (part of it was delivered): it ends with an error, an
-SSE error event in the router's error shape when the stream stands between two events, then a cut
-connection rather than a false end. A stream given up at the request's deadline (its engine too slow, or
-its client not reading), or whose client left, is also aborted at its engine by rid.
+SSE error event in the router's error shape (OpenAI's on its routes, `openai_errors`) when the stream stands
+between two events, then a cut connection rather than a false end. A stream given up at the request's deadline
+(its engine too slow, or its client not reading), or whose client left, is also aborted at its engine by rid.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from rlfleet.errors import DeadlineExceeded, RlfleetError, Unavailable
-from rlfleet.http_errors import error_body
 from rlfleet_router.engine_attempts import Attempt, EngineFailed
 from rlfleet_router.engine_client import EngineAnswer, EngineConnectionError, EngineReadTimeout
 from rlfleet_router.engine_usage import PromptUsage, UsageTap
 from rlfleet_router.metrics import RouterMetrics
+from rlfleet_router.openai_errors import route_error_body
 from rlfleet_router.weights import describe_error
 from rlfleet_router.workers import Worker, WorkerRegistry
 
@@ -71,6 +71,7 @@ class EngineResponse(StreamingResponse):
         abort: Abort,
         on_answer: AnswerReader | None = None,
         on_usage: UsageReader | None = None,
+        route: str = "",
     ) -> None:
         super().__init__(self._relay(), status_code=upstream.status)
         worker = attempt.worker
@@ -90,6 +91,7 @@ class EngineResponse(StreamingResponse):
         self._workers = workers
         self._metrics = metrics
         self._abort = abort
+        self._route = route  # names the shape of a stream's error event (OpenAI's on its routes)
         self._tap = UsageTap(upstream.content_type) if upstream.status == 200 else None
         self._on_answer = on_answer if upstream.status == 200 else None
         self._on_usage = on_usage
@@ -161,7 +163,7 @@ class EngineResponse(StreamingResponse):
         except (EngineReadTimeout, EngineConnectionError, EngineFailed) as exc:
             error = self._cut_short(exc)
             if self._sse and self._between_events:
-                yield b"data: " + json.dumps(error_body(error)).encode() + b"\n\n"
+                yield b"data: " + json.dumps(route_error_body(self._route, error)).encode() + b"\n\n"
             # Ending the body now would look like a complete answer; failing the connection does not.
             raise error from exc
         self._complete = True

@@ -21,11 +21,11 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rlfleet.errors import DeadlineExceeded, Internal, MethodNotAllowed, ResourceExhausted, RlfleetError
-from rlfleet.http_errors import error_response
 from rlfleet_router.config import RouterConfig
 from rlfleet_router.engine_attempts import ClientGone
 from rlfleet_router.fleet import Fleet
 from rlfleet_router.metrics import GENERATION_ROUTES
+from rlfleet_router.openai_errors import route_error_response
 from rlfleet_router.workers import NoHealthyEngine
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class GenerationRelay:
             try:
                 body = await read_body(receive, headers.get("content-length"), self.max_bytes)
             except RlfleetError as exc:  # a body over the router's size bound, refused as it arrived
-                await error_response(exc)(scope, receive, send_and_watch)
+                await route_error_response(route, exc)(scope, receive, send_and_watch)
                 return
             if body is None:
                 status = CLIENT_CLOSED_REQUEST
@@ -116,10 +116,10 @@ class GenerationRelay:
         except RlfleetError as exc:
             if exc.http_status >= 500:
                 logger.error("%s %s failed: %s", scope["method"], route, exc)
-            response = error_answer(exc, self.fleet.config)
+            response = error_answer(exc, self.fleet.config, route)
         except Exception:
             logger.exception("%s %s failed", scope["method"], route)
-            response = error_response(Internal("internal error; see the service log"))
+            response = route_error_response(route, Internal("internal error; see the service log"))
         await response(scope, receive, send)
 
 
@@ -131,10 +131,10 @@ async def watch_disconnect(receive: Receive, gone: asyncio.Future[None]) -> None
         gone.set_result(None)
 
 
-def error_answer(error: RlfleetError, config: RouterConfig) -> Response:
-    """`error` in the API's error shape. A 503 for want of a healthy engine says when to ask again: after the next
-    round of health checks, which may bring an engine back."""
-    response = error_response(error)
+def error_answer(error: RlfleetError, config: RouterConfig, route: str = "") -> Response:
+    """`error` in the API's error shape (OpenAI's on its routes: `openai_errors`). A 503 for want of a healthy engine
+    says when to ask again: after the next round of health checks, which may bring an engine back."""
+    response = route_error_response(route, error)
     if isinstance(error, NoHealthyEngine):
         response.headers["retry-after"] = str(max(1, math.ceil(config.health_check_interval_secs)))
     return response
@@ -143,7 +143,9 @@ def error_answer(error: RlfleetError, config: RouterConfig) -> Response:
 def method_not_allowed(method: str, route: str, allowed: tuple[str, ...]) -> Response:
     """405 in the API's error shape (as the app answers one), its Allow header naming the methods `route` takes."""
     takes = ", ".join(allowed)
-    response = error_response(MethodNotAllowed(f"{method} {route}: method not allowed; this path takes {takes}"))
+    response = route_error_response(
+        route, MethodNotAllowed(f"{method} {route}: method not allowed; this path takes {takes}")
+    )
     response.headers["allow"] = takes
     return response
 

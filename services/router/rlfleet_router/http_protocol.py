@@ -27,7 +27,6 @@ from starlette.types import Message, Scope
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from rlfleet.errors import Internal, RlfleetError
-from rlfleet.http_errors import error_response
 from rlfleet.http_head_limit import HeadLimitedHttpProtocol
 from rlfleet_router.generation_relay import (
     CLIENT_CLOSED_REQUEST,
@@ -36,6 +35,7 @@ from rlfleet_router.generation_relay import (
     too_large,
     within_deadline,
 )
+from rlfleet_router.openai_errors import route_error_response
 
 # The ASGI version uvicorn announces: streamed answers keep watching for the client's disconnect.
 ASGI = {"version": "3.0", "spec_version": "2.3"}
@@ -143,7 +143,7 @@ class GenerationExchange:
     def _refuse_too_large(self) -> None:
         """Answers 413 at once and closes the connection: the rest of the body is not read."""
         self.keep_alive = False
-        response = error_response(too_large(self.relay.max_bytes))
+        response = route_error_response(self.route, too_large(self.relay.max_bytes))
         self._start(lambda scope: response(scope, self._receive, self._send))
 
     def _start(self, answer: Callable[[Scope], Awaitable[None]]) -> None:
@@ -175,7 +175,7 @@ class GenerationExchange:
                     self.protocol.transport.close()
             else:  # nothing reached the client: an error in the router's shape
                 self.keep_alive, self._head, self._chunked = False, None, False
-                await error_response(error)(scope, self._receive, self._send)
+                await route_error_response(self.route, error)(scope, self._receive, self._send)
         finally:
             self._end()
 

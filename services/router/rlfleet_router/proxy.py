@@ -335,7 +335,7 @@ class Proxy:
         chars = routing.single_text_chars
         on_usage = None if chars is None else lambda usage: self._chars_per_token.observe(chars, usage.prompt_tokens)
         return EngineResponse(
-            upstream, attempt, first, whole, self._workers, self._metrics, self._abort, on_answer, on_usage
+            upstream, attempt, first, whole, self._workers, self._metrics, self._abort, on_answer, on_usage, route
         )
 
     def _aborts_at_engine(self, attempt: Attempt) -> AbortAtEngine:

@@ -8,7 +8,8 @@ request that does not is refused before it reaches an engine, with the field to 
     /v1/completions       return_token_ids: true, logprobs: 0 (or more), one prompt
     /v1/chat/completions  return_token_ids: true, logprobs: true
 
-and in every case n = 1 and stream false (a trajectory follows one sample, read whole). The output ids are read
+and in every case n = 1 and stream false (a trajectory follows one sample, read whole); /v1/completions also
+echo false (the prompt's logprobs would come first). The output ids are read
 where SGLang answers them: `output_ids` (/generate), a completion choice's `token_ids`, a chat choice's
 `response_token_ids` (`token_ids` in SGLang releases whose chat choice names them as a completion's does); the
 versions that sampled them from `weight_versions` spans (meta_info, or an OpenAI answer's metadata).
@@ -85,6 +86,10 @@ def check_trajectory_request(route: str, body: Mapping[str, Any]) -> None:
         raise InvalidInput(f"prompt: one prompt (text or token ids) is required for {where}")
     if not isinstance(body.get("logprobs"), int) or isinstance(body.get("logprobs"), bool):
         raise InvalidInput(f"logprobs: must be an integer (0 for the sampled tokens only) for {where}")
+    if body.get("echo"):
+        # SGLang then puts the prompt's logprobs (the first one null) before the output's in `token_logprobs`:
+        # the turn could not be read, and the trajectory would be lost only once its sample is asked for.
+        raise InvalidInput(f"echo: must be false for {where}")
 
 
 def _ids(value: object, what: str) -> tuple[int, ...]:
