@@ -39,4 +39,5 @@ ARITH_EXACT = RewardFunction(
     fn=score_arith_exact,
     inputs=frozenset({"response", "label"}),
     description="1.0 if the response's first line, stripped, is the label's integer; else 0.0",
+    timeout_score=0.0,
 )

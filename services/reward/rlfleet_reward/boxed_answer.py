@@ -129,4 +129,5 @@ BOXED = RewardFunction(
     fn=score_boxed,
     inputs=frozenset({"response", "label"}),
     description="1.0 if the response's last \\boxed{} answer equals the label after LaTeX normalization",
+    timeout_score=0.0,
 )

@@ -241,4 +241,5 @@ CODE = RewardFunction(
     inputs=frozenset({"response", "label"}),
     description="fraction of the label's test cases the response's Python passes, each run in a sandbox",
     params=CodeParams,
+    timeout_score=0.0,
 )

@@ -31,4 +31,5 @@ EXACT = RewardFunction(
     inputs=frozenset({"response", "label"}),
     description="1.0 if the response equals the label (stripped; optionally ignoring case)",
     params=ExactParams,
+    timeout_score=0.0,
 )

@@ -46,4 +46,5 @@ FORMAT = RewardFunction(
     inputs=frozenset({"response"}),
     description="1.0 if the response matches a regular expression (default: <think>...</think><answer>...</answer>)",
     params=FormatParams,
+    timeout_score=0.0,
 )

@@ -21,12 +21,21 @@ no number), a thin space between digit groups (`1\\,000`, read as 1 times 000) d
 and 0.125): math-verify does so for whole numbers only, so answers that fail with a percent sign in either are
 compared again without it.
 
-math-verify bounds its own parsing and comparison with `signal.alarm`, which works only in a
-process's main thread: the hub calls reward functions in the main thread of its worker processes.
+Time: math-verify bounds each parse and each comparison with a `signal.alarm` of its own, 5 s apiece, and one
+item makes several (the label, the response, a comparison per pair of their readings, then again without a
+percent sign): together they passed the hub's default 10 s limit, and the item ended a TIMEOUT, which training drops.
+Those limits are off here; one limit, `timeout_seconds` (5 s), bounds the whole item instead (an ITIMER_REAL
+alarm, which works only in a process's main thread: the hub calls reward functions in the main thread of its
+worker processes). A response math-verify cannot read and compare within it (thousands of `\\frac`, a tower of
+exponents) scores 0 with `math/timed_out` 1 (`TimeLimitExceeded`, and `MATH.timeout_score`), in the worker,
+which goes on serving; one stuck in C code that no alarm interrupts runs to the item's limit, where the hub
+kills the worker and scores it the same. A label that cannot be read within the limit is the dataset's fault,
+not the response's: the item is an ERROR.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -36,6 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rlfleet_reward.boxed_answer import last_boxed
 from rlfleet_reward.reward_function import RewardFunction, RewardInput
+from rlfleet_reward.time_limit import TimeLimitExceeded, time_limit
 
 
 class MathParams(BaseModel):
@@ -44,6 +54,24 @@ class MathParams(BaseModel):
     float_rounding: int = Field(default=6, ge=0, le=30, description="Decimal places floats are rounded to.")
     numeric_precision: int = Field(default=15, ge=1, le=100, description="Significant digits of numeric comparisons.")
     strict: bool = Field(default=True, description="Variables must match by name, sets never equal tuples.")
+    timeout_seconds: float = Field(
+        default=5.0,
+        gt=0,
+        le=300,
+        description="Longest math-verify may take on one item, reading both answers and comparing them; past it "
+        "the response scores 0 (`math/timed_out`). Keep it below the spec's time limit.",
+    )
+
+
+class _OwnLimitNotice(logging.Filter):
+    """Drops math-verify's warning that its own time limits are off: `score_math` bounds the work itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_OwnLimitNotice())
 
 
 _DELIMITED = re.compile(r"(?<!\\)\$|\\\(|\\\[|\\boxed")
@@ -95,23 +123,40 @@ def _answer_text(text: str) -> str:
 
 
 def score_math(sample: RewardInput, params: Mapping[str, Any]) -> float:
+    """1.0 or 0.0; raises TimeLimitExceeded past `timeout_seconds`, ValueError for a label without an answer."""
     gold_text, answer_text = _gold_text(sample.label), _answer_text(_readable(sample.response))
-    gold = parse(gold_text)
-    if not gold:
-        raise ValueError(f"math-verify found no answer in the label {sample.label[:60]!r}")
-    correct = _equivalent(gold, answer_text, params)
-    if not correct and (_PERCENT.search(gold_text) or _PERCENT.search(answer_text)):
-        correct = _equivalent(parse(_PERCENT.sub("", gold_text)), _PERCENT.sub("", answer_text), params)
+    limit = params["timeout_seconds"]
+    reading_label = True
+    try:
+        with time_limit(limit, "math-verify"):
+            gold = _parse(gold_text)
+            reading_label = False
+            if not gold:
+                raise ValueError(f"math-verify found no answer in the label {sample.label[:60]!r}")
+            correct = _equivalent(gold, answer_text, params)
+            if not correct and (_PERCENT.search(gold_text) or _PERCENT.search(answer_text)):
+                correct = _equivalent(_parse(_PERCENT.sub("", gold_text)), _PERCENT.sub("", answer_text), params)
+    except TimeLimitExceeded:
+        if reading_label:
+            raise ValueError(
+                f"math-verify could not read the label {sample.label[:60]!r} within timeout_seconds ({limit:g} s)"
+            ) from None
+        raise
     return 1.0 if correct else 0.0
+
+
+def _parse(text: str) -> list[Any]:
+    return parse(text, parsing_timeout=None)  # bounded by score_math's own limit
 
 
 def _equivalent(gold: list[Any], answer_text: str, params: Mapping[str, Any]) -> bool:
     return verify(
         gold,
-        parse(answer_text),
+        _parse(answer_text),
         float_rounding=params["float_rounding"],
         numeric_precision=params["numeric_precision"],
         strict=params["strict"],
+        timeout_seconds=None,
     )
 
 
@@ -120,4 +165,5 @@ MATH = RewardFunction(
     inputs=frozenset({"response", "label"}),
     description="1.0 if math-verify finds the response's answer equivalent to the label's; else 0.0",
     params=MathParams,
+    timeout_score=0.0,
 )

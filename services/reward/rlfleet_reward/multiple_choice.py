@@ -83,4 +83,5 @@ MULTIPLE_CHOICE = RewardFunction(
     inputs=frozenset({"response", "label"}),
     description="1.0 if the option letter the response chose is the label's",
     params=ChoiceParams,
+    timeout_score=0.0,
 )

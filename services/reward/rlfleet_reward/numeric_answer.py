@@ -72,4 +72,5 @@ NUMERIC = RewardFunction(
     inputs=frozenset({"response", "label"}),
     description="1.0 if the response's last number is within tolerance of the label's number",
     params=NumericParams,
+    timeout_score=0.0,
 )

@@ -11,11 +11,19 @@ many at once, cancelled at its time limit, and must not block. Work after the wa
 on what came back (the judge's caller-given regex over a model's text) goes in `finish`, a plain
 function that runs in a worker like any other: cancelling a coroutine cannot stop a regex, which holds
 the event loop, and with it every request and /health, until it is done.
+
+An item that runs out of time (past the item's limit, or a limit of the function's own: it raises
+`TimeLimitExceeded`) is a TIMEOUT, which training drops, unless the function declares a `timeout_score`: then
+the term scores that, with a `timed_out` part of 1. A verifier declares one (0): a response it cannot check in
+time is almost surely wrong, and one dropped from the batch would teach the policy that such responses escape
+a low reward. A function that waits on something other than the response (a reward model over the network)
+declares none: its timeouts say nothing about the response.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -61,6 +69,8 @@ class RewardFunction:
     (or, for an `async def`, on the hub's event loop). `finish`, only beside an `async def` fn, is
     a module-level plain function that scores what `fn` returned, a `RewardInput` (the judge's:
     the model's text as `response`), in a worker, within what is left of the item's time limit.
+    `timeout_score`: what the term scores on an item that runs out of time (with a `timed_out` part of 1);
+    None keeps such an item a TIMEOUT.
     """
 
     fn: ScoreFn | AsyncScoreFn
@@ -68,6 +78,7 @@ class RewardFunction:
     description: str
     params: type[BaseModel] | None = None
     finish: ScoreFn | None = None
+    timeout_score: float | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.inputs) - set(INPUT_FIELDS)
@@ -79,6 +90,8 @@ class RewardFunction:
             raise ValueError("a reward function needs a one-line description")
         if self.finish is not None and not (self.waits_on_io and not inspect.iscoroutinefunction(self.finish)):
             raise ValueError("finish is a plain function that follows an async def fn; a plain fn scores by itself")
+        if self.timeout_score is not None and not math.isfinite(self.timeout_score):
+            raise ValueError(f"timeout_score must be a finite number or None, got {self.timeout_score}")
         object.__setattr__(self, "inputs", frozenset(self.inputs))
 
     @property

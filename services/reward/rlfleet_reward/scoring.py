@@ -6,9 +6,13 @@ call per item, at most `max_concurrent_io_calls` at a time, each followed by the
 it has one, in the pool. An item's result is OK only when all its terms are: then `score` is the
 weighted sum and `components` holds each term's unweighted score (plus `<function>/<part>` sub-scores).
 Otherwise the item is TIMEOUT (some term exceeded the limit) or ERROR (some term failed, or the weighted
-sum overflowed), with score 0, no components, and `error` naming the function and the reason. One bad
-item never fails the batch; only a malformed request does, or one the hub found no room for within its
-bounded wait (`admission`). An item's `seconds` is the time its function calls took, summed.
+sum overflowed), with score 0, no components, and `error` naming the function and the reason. A term whose
+function declares a `timeout_score` (the verifiers: a response they cannot check in time is wrong) is not a
+TIMEOUT when it runs out of time: it scores that, with a `<function>/timed_out` component of 1, and is still
+counted as a timeout in the metrics. One bad item never fails the batch; only a malformed request does, or
+one the hub found no room for within its bounded wait (`admission`): a hub too busy to take the request is
+the hub's failure, never the response's, so it never scores 0. An item's `seconds` is the time its function
+calls took, summed.
 
 `validate_spec` runs the same checks on a spec alone, without items: the orchestrator asks it at
 submit, so a spec `score` would refuse fails then rather than at the run's first step.
@@ -36,8 +40,12 @@ from rlfleet_reward.metrics import RewardMetrics
 from rlfleet_reward.registry import Registry
 from rlfleet_reward.reward_function import INPUT_FIELDS, RewardFunction, RewardInput
 from rlfleet_reward.sandbox_memory import PARAMS_CONTEXT_KEY
+from rlfleet_reward.time_limit import TimeLimitExceeded
 from rlfleet_reward.worker import checked_reply, failure_reply
 from rlfleet_reward.worker_pool import JobResult, JobStatus, WorkerPool
+
+# The part, `<function>/timed_out`, that marks a term scored by its `timeout_score` because the item ran out of time.
+TIMED_OUT_PART = "timed_out"
 
 
 @dataclass(frozen=True)
@@ -242,7 +250,13 @@ class Scorer:
             self.metrics.items.labels(term.name, status.value).inc(count)
             if status is JobStatus.TIMEOUT:
                 self.metrics.timeouts.labels(term.name).inc(count)
-        return outcomes
+        on_timeout = term.function.timeout_score
+        if on_timeout is None:
+            return outcomes
+        return [
+            _scored_timeout(outcome, on_timeout) if outcome.status is JobStatus.TIMEOUT else outcome
+            for outcome in outcomes
+        ]
 
     async def _run_on_loop(self, term: _Term, sample: RewardInput, timeout: float) -> JobResult:
         finish = term.function.finish
@@ -258,6 +272,8 @@ class Scorer:
                 if limit.expired():  # the item's limit, not a TimeoutError the function raised itself
                     return _timed_out(timeout)
                 reply = failure_reply(exc)
+            except TimeLimitExceeded as exc:  # a limit of the function's own
+                return JobResult(JobStatus.TIMEOUT, error=str(exc), seconds=time.monotonic() - started)
             finally:
                 self.metrics.io_calls_in_flight.dec()
         spent = time.monotonic() - started
@@ -309,6 +325,11 @@ class Scorer:
 
 def _timed_out(timeout: float) -> JobResult:
     return JobResult(JobStatus.TIMEOUT, error=f"exceeded its {timeout:g} s time limit", seconds=timeout)
+
+
+def _scored_timeout(outcome: JobResult, score: float) -> JobResult:
+    """A TIMEOUT of a function that scores running out of time (a verifier: 0), marked `timed_out`."""
+    return JobResult(JobStatus.OK, score=score, parts={TIMED_OUT_PART: 1.0}, seconds=outcome.seconds)
 
 
 def _non_finite_numbers(params: struct_pb2.Struct) -> list[tuple[str, float]]:

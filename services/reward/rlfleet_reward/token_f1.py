@@ -56,4 +56,5 @@ F1 = RewardFunction(
     fn=score_f1,
     inputs=frozenset({"response", "label"}),
     description="token-overlap F1 of the response against the label (or the best of a JSON list of labels)",
+    timeout_score=0.0,
 )

@@ -28,6 +28,7 @@ from typing import Any
 from rlfleet.logs import init_logging
 from rlfleet_reward.reward_function import RewardInput, Scored, ScoreFn
 from rlfleet_reward.sandbox_memory import WorkerMemory, install
+from rlfleet_reward.time_limit import TimeLimitExceeded
 
 _PR_SET_PDEATHSIG = 1
 # The first message of every worker: it started and can unpickle the functions it was given.
@@ -49,6 +50,7 @@ class Chunk:
 class Reply:
     """`error` is empty on success; otherwise it says why and `score`/`parts` are meaningless.
 
+    `timed_out`: the error is the function's own time limit running out (`TimeLimitExceeded`), not a failure.
     `seconds` is how long the function ran.
     """
 
@@ -56,6 +58,7 @@ class Reply:
     parts: Mapping[str, float] | None = None
     error: str = ""
     seconds: float = 0.0
+    timed_out: bool = False
 
 
 class Progress:
@@ -107,13 +110,19 @@ def failure_reply(exc: Exception) -> Reply:
     return Reply(error=f"{type(exc).__name__}: {exc}"[:1000])
 
 
+def timed_out_reply(exc: TimeLimitExceeded) -> Reply:
+    return Reply(error=str(exc)[:1000] or "ran past its own time limit", timed_out=True)
+
+
 def run_call(fn: ScoreFn, sample: RewardInput, params: Mapping[str, Any]) -> Reply:
     started = time.monotonic()
     try:
         reply = checked_reply(fn(sample, params))
     except Exception as exc:  # noqa: BLE001 - a function's failure is the item's ERROR, not the worker's
         reply = failure_reply(exc)
-    return Reply(reply.score, reply.parts, reply.error, seconds=time.monotonic() - started)
+    except TimeLimitExceeded as exc:  # its own limit: the item ran out of time, the worker is fine
+        reply = timed_out_reply(exc)
+    return Reply(reply.score, reply.parts, reply.error, time.monotonic() - started, reply.timed_out)
 
 
 def run_chunk(conn: Connection, functions: Mapping[str, ScoreFn], chunk: Chunk, progress: Progress) -> None:

@@ -70,6 +70,8 @@ class JobResult:
 
     @classmethod
     def from_reply(cls, reply: Reply, seconds: float) -> JobResult:
+        if reply.timed_out:
+            return cls(JobStatus.TIMEOUT, error=reply.error, seconds=seconds)
         if reply.error:
             return cls(JobStatus.ERROR, error=reply.error, seconds=seconds)
         return cls(JobStatus.OK, score=reply.score, parts=reply.parts or {}, seconds=seconds)

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from rlfleet_reward.reward_function import RewardFunction, RewardInput, Scored
+from rlfleet_reward.time_limit import time_limit
 
 
 class SleepParams(BaseModel):
@@ -95,6 +96,19 @@ def many_parts(sample: RewardInput, params: Mapping[str, Any]) -> Scored:
     return Scored(score=1.0, parts={f"part{i}": 1.0 for i in range(params["count"])})
 
 
+class LimitParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    limit: float = 0.2
+
+
+def spin_within_own_limit(sample: RewardInput, params: Mapping[str, Any]) -> float:
+    """Works in Python until its own `limit` interrupts it (a verifier's library, bounded by the function)."""
+    with time_limit(params["limit"], "the spin"):
+        while True:
+            sum(range(1000))
+
+
 async def own_timeout(sample: RewardInput, params: Mapping[str, Any]) -> float:
     """An async function whose own wait on something gives up: its error, not the hub's time limit."""
     raise TimeoutError("the upstream did not answer within its 2 s")
@@ -106,14 +120,29 @@ async def wait_then_one(sample: RewardInput, params: Mapping[str, Any]) -> float
     return 1.0
 
 
-def _declare(fn: Any, inputs: set[str], description: str, params: type[BaseModel] | None = None) -> RewardFunction:
-    return RewardFunction(fn=fn, inputs=frozenset(inputs), description=description, params=params)
+def _declare(
+    fn: Any,
+    inputs: set[str],
+    description: str,
+    params: type[BaseModel] | None = None,
+    timeout_score: float | None = None,
+) -> RewardFunction:
+    return RewardFunction(
+        fn=fn, inputs=frozenset(inputs), description=description, params=params, timeout_score=timeout_score
+    )
 
 
 TEST_FUNCTIONS = {
     "sleep": _declare(sleep_then_one, {"response"}, "sleeps `seconds`, then scores 1.0", SleepParams),
     "hang": _declare(hang, {"response"}, "never returns and ignores signals"),
     "hang_on_label": _declare(hang_on_label, {"label"}, "hangs when the label is 'hang', else 1.0"),
+    "verify_or_hang": _declare(
+        hang_on_label, {"label"}, "a verifier: hangs when the label is 'hang', else 1.0", timeout_score=0.0
+    ),
+    "own_limit": _declare(spin_within_own_limit, {"response"}, "spins until its own limit", LimitParams),
+    "verify_own_limit": _declare(
+        spin_within_own_limit, {"response"}, "a verifier that spins until its own limit", LimitParams, 0.0
+    ),
     "record_label": _declare(record_label, {"label"}, "logs the label, then misbehaves as it says", RecordParams),
     "raise": _declare(raise_error, {"response"}, "always raises"),
     "exit": _declare(exit_process, {"response"}, "ends its worker process"),

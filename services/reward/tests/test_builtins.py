@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from rlfleet_reward.arith_exact import ARITH_EXACT, score_arith_exact
 from rlfleet_reward.code_execution import extract_program
 from rlfleet_reward.math_answer import MATH, MathParams, score_math
 from rlfleet_reward.reward_function import RewardInput
+from rlfleet_reward.time_limit import TimeLimitExceeded
 
 MATH_DEFAULTS = MathParams().model_dump()
 
@@ -157,6 +160,19 @@ def test_math_reads_forms_math_verify_misreads(response: str, label: str, expect
 def test_math_rejects_a_label_without_an_answer() -> None:
     with pytest.raises(ValueError, match="no answer in the label"):
         score_math(RewardInput(response="4", label=""), MATH_DEFAULTS)
+
+
+def test_math_bounds_the_whole_item_with_its_own_limit() -> None:
+    # Thousands of fractions take math-verify's parser seconds, each parse once under a 5 s limit of its own.
+    fractions = "\\boxed{" + "+".join(f"\\frac{{{i}}}{{{i + 1}}}" for i in range(1, 4000)) + "}"
+    params = {**MATH_DEFAULTS, "timeout_seconds": 0.3}
+    started = time.monotonic()
+    with pytest.raises(TimeLimitExceeded, match="math-verify ran past its 0.3 s limit"):
+        score_math(RewardInput(response=fractions, label="7\\%"), params)
+    assert time.monotonic() - started < 1.5
+    with pytest.raises(ValueError, match="could not read the label"):
+        score_math(RewardInput(response="7", label=fractions), params)
+    assert score_math(RewardInput(response="\\boxed{7}", label="7\\%"), params) == 1.0  # and the next item scores
 
 
 @pytest.mark.parametrize(
