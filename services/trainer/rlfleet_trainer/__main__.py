@@ -6,7 +6,7 @@ is torchrun without a traceback when stopped):
         --master-port=29400 -m rlfleet_trainer serve ...     (on node K; rank 0, on NODE0, serves the API;
                                                               each node's first rank serves /health)
     python -m rlfleet_trainer sft --model-path DIR --out DIR --steps 300
-    python -m rlfleet_trainer export --checkpoint DIR --base-model DIR --out DIR
+    python -m rlfleet_trainer export --checkpoint DIR --base-model DIR --out DIR [--max-shard-size 5GB]
 
 Arguments are parsed before torch is imported, so `--help` is instant.
 """
@@ -31,6 +31,7 @@ from rlfleet.cli.defaults_help import DefaultsShown
 from rlfleet.logs import init_logging
 from rlfleet.settings_flags import Flag, add_flags, settings_from_flags
 from rlfleet_trainer.config import TrainerSettings
+from rlfleet_trainer.shard_size import DEFAULT_MAX_SHARD_SIZE, parse_shard_size
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -87,7 +88,23 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--tokenizer", type=Path, help="the run's model.tokenizer_path, if it set one (default: --base-model)"
     )
+    export.add_argument(
+        "--max-shard-size",
+        type=_shard_size,
+        default=DEFAULT_MAX_SHARD_SIZE,
+        help="most bytes in one safetensors file, e.g. 5GB or 500MiB; a larger model is written in several, with "
+        f"model.safetensors.index.json (default {DEFAULT_MAX_SHARD_SIZE})",
+    )
     return parser
+
+
+def _shard_size(text: str) -> str:
+    """--max-shard-size as given, once it reads as a size: a bad one stops the command before torch is imported."""
+    try:
+        parse_shard_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--max-shard-size ")) from exc
+    return text
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -123,14 +140,12 @@ def run_sft_command(args: argparse.Namespace) -> int:
 
 
 def run_export_command(args: argparse.Namespace) -> int:
-    if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
-        error = f"{args.out} is not an empty directory; choose another --out"
-        print(f"rlfleet_trainer export: error: {error}", file=sys.stderr)
-        return 2
     from rlfleet_trainer.export import export_checkpoint
 
     try:
-        path = export_checkpoint(args.checkpoint, args.base_model, args.out, args.tokenizer)
+        path = export_checkpoint(
+            args.checkpoint, args.base_model, args.out, args.tokenizer, max_shard_size=args.max_shard_size
+        )
     except (OSError, ValueError) as exc:
         print(f"rlfleet_trainer export: error: {exc}", file=sys.stderr)
         return 2

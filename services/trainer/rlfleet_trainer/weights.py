@@ -89,17 +89,45 @@ def write_model_dir(
     `untied`: `state_dict` is `without_tied_copies` already, so `model`'s own state is not read. A disk copy written
     in the background beside a training step must not read it: an FSDP2 model's `state_dict()` reshards its
     parameters, which mid-forward would pull them from under the step."""
-    # Named for this writer: a disk copy given up at its bound may still be writing the same version as the run
-    # resumed after it; and for its process, so `prune_versions` can tell what a crash left (`writer_gone`).
-    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{PROCESS_TOKEN}-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir(parents=True)  # with the umask's mode, as the directory engines read
+    tmp = stage_model_dir(model, dest, tokenizer_dir, state_dict, base_dir=base_dir, untied=untied)
     try:
-        _write_staged(model, tmp, tokenizer_dir, state_dict, base_dir=base_dir, untied=untied)
         replace_directory(tmp, dest)  # an existing one is a leftover from a step that was rolled back
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
+
+
+def stage_model_dir(
+    model: PreTrainedModel,
+    dest: Path,
+    tokenizer_dir: Path,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+    *,
+    base_dir: Path | None = None,
+    untied: bool = False,
+    max_shard_size: int | None = None,
+) -> Path:
+    """Writes what `write_model_dir` puts at `dest` into a new directory beside it (`staging_dir`) and returns that
+    directory, not yet flushed to disk; a failure deletes it. `max_shard_size`: bytes a safetensors file holds at
+    most (None: transformers' default), more in more files with their model.safetensors.index.json."""
+    tmp = staging_dir(dest)
+    tmp.mkdir(parents=True)  # with the umask's mode, as the directory engines read
+    try:
+        _write_staged(
+            model, tmp, tokenizer_dir, state_dict, base_dir=base_dir, untied=untied, max_shard_size=max_shard_size
+        )
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tmp
+
+
+def staging_dir(dest: Path) -> Path:
+    """A new name beside `dest` to write it under, `.<name>.tmp-<pid>-<PROCESS_TOKEN>-<id>`: named for its writer, as
+    a disk copy given up at its bound may still be writing the same version as the run resumed after it; and for
+    its process, so what a crash left can be told apart (`writer_gone`)."""
+    return dest.parent / f".{dest.name}.tmp-{os.getpid()}-{PROCESS_TOKEN}-{uuid.uuid4().hex[:12]}"
 
 
 def _write_staged(
@@ -110,13 +138,17 @@ def _write_staged(
     *,
     base_dir: Path | None,
     untied: bool,
+    max_shard_size: int | None,
 ) -> None:
     tensors: dict[str, torch.Tensor] | None = None
     if state_dict is not None:
         # save_pretrained would keep both names of a tied parameter.
         tensors = dict(state_dict) if untied else without_tied_copies(state_dict, model)
     written_dtype = None if tensors is None else floating_dtype_name(tensors)  # save_pretrained empties `tensors`
-    model.save_pretrained(str(tmp), state_dict=tensors, safe_serialization=True)
+    if max_shard_size is None:
+        model.save_pretrained(str(tmp), state_dict=tensors, safe_serialization=True)
+    else:
+        model.save_pretrained(str(tmp), state_dict=tensors, safe_serialization=True, max_shard_size=max_shard_size)
     for source in tokenizer_files(tokenizer_dir):
         shutil.copy2(source, tmp / source.name)
     if (tokenizer_dir / CHAT_TEMPLATE_DIR).is_dir():
