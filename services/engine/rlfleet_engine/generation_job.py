@@ -3,7 +3,8 @@
 Output shape (non-incremental, as SGLang streams by default: every chunk is cumulative):
     {"text": str, "output_ids": [int], "meta_info": {"id", "finish_reason", "prompt_tokens",
      "completion_tokens", "cached_tokens", "weight_version", "weight_versions", "e2e_latency" (when finished),
-     "input_token_logprobs" + "output_token_logprobs" (when return_logprob), ...}}
+     "input_token_logprobs" (the last prompt token's `[null, id, text]`, as SGLang's default logprob_start_len
+     answers it) + "output_token_logprobs" (when return_logprob), ...}}
 `weight_version` is the engine's version when the output was published; `weight_versions`, as SGLang's
 (sglang/srt/utils/weight_versions.py), lists oldest first the spans of output tokens each version sampled,
 `{"version", "start", "end"}` (token indices, end exclusive), so a sequence that ran across a weight load
@@ -179,13 +180,16 @@ class GenerationJob:
             "weight_versions": self._version_spans(weight_version),
         }
         if self.return_logprob:
-            meta["input_token_logprobs"] = []
+            # SGLang's default logprob_start_len (-1) starts the prompt's logprobs at its last token, and the first
+            # prompt logprob it reports is always null: one entry, and one null row of top logprobs.
+            last = self.input_ids[-1]
+            meta["input_token_logprobs"] = [[None, last, self._token_text(tokenizer, last)]]
             meta["output_token_logprobs"] = [
                 [lp, tid, self._token_text(tokenizer, tid)]
                 for lp, tid in zip(self.output_logprobs, self.output_ids, strict=True)
             ]
             if self.top_logprobs_num:
-                meta["input_top_logprobs"] = []
+                meta["input_top_logprobs"] = [None]
                 meta["output_top_logprobs"] = [
                     [[lp, tid, self._token_text(tokenizer, tid)] for lp, tid in row] for row in self.output_top_logprobs
                 ]

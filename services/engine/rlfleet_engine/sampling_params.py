@@ -27,6 +27,7 @@ _UNSUPPORTED_AT_NEUTRAL: dict[str, Any] = {
     "presence_penalty": 0.0,
     "repetition_penalty": 1.0,
     "min_new_tokens": 0,
+    "stop_regex": None,
     "json_schema": None,
     "regex": None,
     "ebnf": None,

@@ -38,8 +38,10 @@ UnicodeStr = Annotated[str, AfterValidator(_unicode)]
 """A string the engine may send back (a rid, a weight version, a model name): refused unless it is Unicode text."""
 
 # Fields of SGLang's GenerateReqInput that change what is generated or answered and that this engine cannot honour:
-# refused when set (null, false or empty reads as absent, as SGLang reads it), not answered without them (the base
-# model's tokens for a LoRA adapter, the text alone for an image, an answer missing the hidden states asked for).
+# refused when set (null, false or empty reads as absent, as SGLang reads it, and so does a per-prompt list of such
+# values), not answered without them (the base model's tokens for a LoRA adapter, the text alone for an image, a
+# session turn without the session's context, an answer missing the hidden states, routed experts, entropy or
+# sampling masks asked for).
 _UNSUPPORTED_GENERATE_FIELDS = (
     "input_embeds",
     "image_data",
@@ -47,9 +49,24 @@ _UNSUPPORTED_GENERATE_FIELDS = (
     "audio_data",
     "lora_path",
     "custom_logit_processor",
+    "positional_embed_overrides",
+    "session_params",
     "return_hidden_states",
+    "return_routed_experts",
+    "return_indexer_topk",
+    "return_entropy",
+    "return_sampling_mask",
     "token_ids_logprob",
 )
+_ABSENT: tuple[object, ...] = (None, False, "", [], {})
+
+
+def _is_set(value: object) -> bool:
+    """Whether a field of `_UNSUPPORTED_GENERATE_FIELDS` asks for something: not absent, nor a list of absent values."""
+    if isinstance(value, list):
+        return any(_is_set(item) for item in value)
+    return value not in _ABSENT
+
 
 PauseMode = Literal["abort", "retract", "in_place"]
 """What /pause_generation does with the requests in flight (SGLang's PauseGenerationReqInput.mode)."""
@@ -75,7 +92,7 @@ class GenerateRequest(BaseModel):
     @classmethod
     def _refuse_unsupported(cls, data: object) -> object:
         if isinstance(data, dict):
-            given = [name for name in _UNSUPPORTED_GENERATE_FIELDS if data.get(name) not in (None, False, "", [], {})]
+            given = [name for name in _UNSUPPORTED_GENERATE_FIELDS if _is_set(data.get(name))]
             if given:
                 raise ValueError(f"{', '.join(given)}: not supported by rlfleet-engine (leave out, or null)")
         return data

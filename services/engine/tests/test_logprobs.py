@@ -100,6 +100,10 @@ def test_text_prompt_and_top_logprobs(engine: RunningEngine, reference_model: An
     )
     tops = out["meta_info"]["output_top_logprobs"]
     assert len(tops) == 4 and all(len(row) == 3 for row in tops)
+    # SGLang's default logprob_start_len: the prompt's last token alone, its logprob null.
+    [(logprob, token, text)] = out["meta_info"]["input_token_logprobs"]
+    assert logprob is None and isinstance(token, int) and text == "="
+    assert out["meta_info"]["input_top_logprobs"] == [None]
     # Greedy: the chosen token is the most likely one, with the same logprob.
     for chosen, row in zip(out["meta_info"]["output_token_logprobs"], tops, strict=True):
         assert row[0][1] == chosen[1] and abs(row[0][0] - chosen[0]) < 1e-6

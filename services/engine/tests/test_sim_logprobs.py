@@ -43,7 +43,7 @@ def test_generate_returns_k_top_logprobs_per_position_holding_the_sampled_token(
     outputs = generate(body)
     for out in outputs:
         meta = out["meta_info"]
-        assert meta["input_top_logprobs"] == [], "prompt logprobs are not computed (logprob_start_len -1)"
+        assert meta["input_top_logprobs"] == [None], "prompt logprobs are not computed (logprob_start_len -1)"
         tops = meta["output_top_logprobs"]
         assert len(tops) == len(out["output_ids"]) == 6
         for sampled, row in zip(meta["output_token_logprobs"], tops, strict=True):
