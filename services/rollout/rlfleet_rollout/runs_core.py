@@ -12,6 +12,10 @@ share one reader of its record (run_events.py): Redis sees one read per change, 
 with the run as its driver left it: the trainer's final progress, recorded after the run's end once the trainer has
 stopped, is in its last event (the reader asks whether an orchestrator still holds the run's lease, run_lease.py).
 
+List's page tokens are opaque (AIP-158) and page on only the listing they came from: a token names the state filter
+it was made for, and a List by another state is refused, as it would list from the middle of another set of runs
+and leave out every run before it (`to_page_token`, `page_cursor`).
+
 Redis unreachable once its client's retries have run out, or refusing writes (full, read-only, unable to persist:
 redis_outage.py), is Unavailable to the API's callers (503 / UNAVAILABLE, "run records (Redis) unreachable: ..." or
 "... refuse writes: ..."): a dependency is down, nothing of ours failed.
@@ -20,6 +24,8 @@ redis_outage.py), is Unavailable to the API's callers (503 / UNAVAILABLE, "run r
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import copy
 import logging
@@ -76,6 +82,50 @@ def unknown_state(value: object) -> InvalidInput:
     listing the states there are: gRPC's said only `unknown run state 99`."""
     known = ", ".join(state_name(s) for s in RunState.values() if s != RunState.RUN_STATE_UNSPECIFIED)
     return InvalidInput(f"state: unknown run state {value!r}; one of {known}")
+
+
+_PAGE_TOKEN_VERSION = "p1"
+_PAGE_TOKEN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+
+
+def _listing(state: RunState) -> str:
+    return "every run" if state == RunState.RUN_STATE_UNSPECIFIED else f"the {state_name(state)} runs"
+
+
+def to_page_token(state: RunState, cursor: str) -> str:
+    """The page token of the run store's `cursor` ("" after the last page) in a List by `state`: URL-safe and
+    opaque, no bare number a client would read as a run's position. One a client makes up pages from wherever it
+    says, which shows nothing a List from the start does not."""
+    if not cursor:
+        return ""
+    raw = f"{_PAGE_TOKEN_VERSION}:{state_name(state)}:{cursor}".encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def page_cursor(state: RunState, token: str) -> str:
+    """The run store's cursor in `token` ("" for none); InvalidInput naming page_token for a token List did not
+    return, or one it returned for a List by another state."""
+    if not token:
+        return ""
+    refused = InvalidInput(f"page_token: {token[:40]!r} is not a token returned by List")
+    if len(token) > 64 or not set(token) <= _PAGE_TOKEN_CHARS:
+        raise refused
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode("ascii")
+    except (binascii.Error, ValueError):
+        raise refused from None
+    version, listed, cursor = (raw.split(":") + ["", ""])[:3]
+    # A creation number has at most 19 digits (run_store.py).
+    if version != _PAGE_TOKEN_VERSION or not (cursor.isascii() and cursor.isdigit() and len(cursor) <= 19):
+        raise refused
+    if listed != state_name(state):
+        was = RunState.Value(f"RUN_STATE_{listed}") if f"RUN_STATE_{listed}" in RunState.keys() else None
+        raise InvalidInput(
+            f"page_token: it pages on a List of {_listing(was) if was is not None else listed}, not of "
+            f"{_listing(state)}: a token pages on only the listing it came from (page_size may change); to list "
+            f"{_listing(state)}, start again without a page_token"
+        )
+    return cursor
 
 
 @contextlib.contextmanager
@@ -212,9 +262,10 @@ class RunsCore:
     async def list(self, state: RunState, page_size: int, page_token: str) -> ListRunsResponse:
         if state not in RunState.values():
             raise unknown_state(state)
+        cursor = page_cursor(state, page_token)
         with records_reachable():
-            runs, token = await self.api_store.page(state, page_size, page_token)
-        return ListRunsResponse(runs=runs, next_page_token=token)
+            runs, after = await self.api_store.page(state, page_size, cursor)
+        return ListRunsResponse(runs=runs, next_page_token=to_page_token(state, after))
 
     async def cancel(self, run_id: str) -> Run:
         """QUEUED or RUNNING -> CANCELLED; a finished run is a Conflict, one already CANCELLED too (a second Cancel).
