@@ -280,9 +280,8 @@ class RunFeeds:
 
 def describe_change(before: Run | None, after: Run) -> str:
     """What changed from `before` to `after`, for humans reading a watch stream."""
-    if before is None:
-        return f"run {after.id} is {state_name(after.state)}"
-    if before.state != after.state:
+    if before is None or before.state != after.state:
+        # A watch that comes once the run failed is told why, as one that saw it fail is.
         text = f"run {after.id} is {state_name(after.state)}"
         return f"{text}: {after.error}" if after.error else text
     if before.stalled != after.stalled:

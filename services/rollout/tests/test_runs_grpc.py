@@ -272,3 +272,15 @@ def test_a_refusal_quoting_an_oversized_id_still_reaches_the_caller_with_its_cod
     assert error.code() == grpc.StatusCode.NOT_FOUND, error
     assert error.details().startswith("run 'rrrr") and "characters" in error.details()
     assert len(error.details()) < 2000
+
+
+def test_a_watch_of_a_run_that_failed_says_why_in_its_one_event(redis_prefix: str) -> None:
+    """Before: "run run-f is FAILED", the reason given only to a watch that saw the run fail."""
+
+    async def scenario() -> list[RunEvent]:
+        async with runs_core(redis_prefix) as core, _served(core) as runs:
+            await core.store.create(Run(id="run-f", state=RunState.RUN_STATE_FAILED, error="the trainer is gone"))
+            return [event async for event in runs.Watch(WatchRunRequest(id="run-f"), timeout=10)]
+
+    events = asyncio.run(scenario())
+    assert [e.message for e in events] == ["run run-f is FAILED: the trainer is gone"]
