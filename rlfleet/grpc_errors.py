@@ -4,7 +4,8 @@ Handlers raise `RlfleetError`s; the interceptor aborts the call with the matchin
 error's message. Anything else becomes INTERNAL with a generic message (details go to the log).
 Requests are decoded here too, so bytes that are not the method's message are INVALID_ARGUMENT
 (gRPC itself would answer UNKNOWN with the exception's class name); no handler sees such a request, so a
-service that counts its refusals is told of it through `on_malformed`.
+service that counts its refusals is told of it through `on_malformed`. So is a request holding a field its
+message does not have (`rlfleet.unknown_fields`: sent from a newer .proto, it would be read without it).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from google.protobuf.message import DecodeError
 from grpc import aio
 
 from rlfleet.errors import InvalidInput, RlfleetError
+from rlfleet.unknown_fields import require_known_fields
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +61,17 @@ def _decoder(deserializer: Deserializer, method: str, on_malformed: Callable[[st
         if deserializer is None:
             return raw
         try:
-            return deserializer(raw)
+            request = deserializer(raw)
+            require_known_fields(request)
         except DecodeError as exc:
             if on_malformed is not None:
                 on_malformed(method)
             raise InvalidInput(f"malformed request: {exc}") from None
+        except InvalidInput:
+            if on_malformed is not None:
+                on_malformed(method)
+            raise
+        return request
 
     return decode
 

@@ -76,7 +76,7 @@ def test_a_list_filter_this_orchestrator_does_not_know_is_refused_not_ignored(re
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
     assert error.details().startswith(
         "no field numbered 900 in rlfleet.v1.ListRunsRequest (its fields: state = 1, page_size = 2, page_token = 3); "
-        "was the client built from a newer runs.proto?"
+        "was the sender built from a newer rlfleet/v1/runs.proto?"
     ), error.details()
 
 
@@ -98,7 +98,7 @@ def test_a_spec_option_this_orchestrator_does_not_know_is_refused_naming_where_i
     errors, stored = asyncio.run(scenario())
     assert [e.code() for e in errors] == [grpc.StatusCode.INVALID_ARGUMENT] * 3, errors
     for error in errors[:2]:
-        assert error.details().startswith("rollout: no field numbered 900 in rlfleet.v1.RolloutSpec (its fields: "), (
+        assert error.details().startswith("spec.rollout: no field numbered 900 in rlfleet.v1.RolloutSpec (its fields: "), (
             error.details()
         )
     assert errors[2].details().startswith("no field numbered 900 in rlfleet.v1.SubmitRunRequest"), errors[2].details()
