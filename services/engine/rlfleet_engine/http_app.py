@@ -18,6 +18,7 @@ describe its weights; so does `/update_weights_from_distributed`'s answer.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -46,6 +47,7 @@ from rlfleet_engine.schemas import (
 )
 
 if TYPE_CHECKING:  # the sim backend serves this app without importing torch
+    from rlfleet_engine.distributed_weights import WeightReceiver
     from rlfleet_engine.engine_core import EngineCore
 
 # The `type` of SGLang's OpenAI refusals past validation (its serving handlers' create_error_response).
@@ -172,10 +174,16 @@ def create_app(
             return JSONResponse(failed, status_code=exc.http_status)
         return JSONResponse(result)
 
+    async def receiver() -> WeightReceiver:
+        """The core's weight receiver, made off the event loop: the sim backend makes it on first use, importing
+        torch, seconds in which the engine answered nothing (a router asking /end_weight_update before a disk load
+        saw /model_info time out, and took the engine out of routing)."""
+        return await asyncio.to_thread(lambda: core.weight_receiver)
+
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(req: InitWeightsUpdateGroupRequest) -> JSONResponse:
         try:
-            message = await core.weight_receiver.init_group(req)
+            message = await (await receiver()).init_group(req)
         except RlfleetError as exc:
             return _weight_failure(exc, "Failed to initialize custom process group")
         return JSONResponse({"success": True, "message": message})
@@ -183,7 +191,7 @@ def create_app(
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(req: UpdateWeightsFromDistributedRequest) -> JSONResponse:
         try:
-            update = await core.weight_receiver.update(req)
+            update = await (await receiver()).update(req)
         except RlfleetError as exc:
             return _weight_failure(exc, "Failed to update parameter online")
         answer = {
@@ -197,7 +205,7 @@ def create_app(
     @app.post("/begin_weight_update")
     async def begin_weight_update() -> JSONResponse:
         try:
-            message = core.weight_receiver.begin_session()
+            message = (await receiver()).begin_session()
         except RlfleetError as exc:
             return _weight_failure(exc, "Failed to begin the weight update")
         return JSONResponse({"success": True, "message": message})
@@ -205,7 +213,7 @@ def create_app(
     @app.post("/end_weight_update")
     async def end_weight_update() -> JSONResponse:
         try:
-            message = core.weight_receiver.end_session()
+            message = (await receiver()).end_session()
         except RlfleetError as exc:
             return _weight_failure(exc, "Failed to end the weight update")
         return JSONResponse({"success": True, "message": message})
@@ -213,7 +221,7 @@ def create_app(
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(req: DestroyWeightsUpdateGroupRequest) -> JSONResponse:
         try:
-            message = core.weight_receiver.destroy_group(req)
+            message = (await receiver()).destroy_group(req)
         except RlfleetError as exc:
             return _weight_failure(exc, "Failed to destroy custom process group")
         return JSONResponse({"success": True, "message": message})
