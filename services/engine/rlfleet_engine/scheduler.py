@@ -242,7 +242,10 @@ class Scheduler:
         self._advance(list(self._running), logits)
 
     def _advance(self, jobs: list[GenerationJob], logits: torch.Tensor) -> None:
-        """Samples one token for each of `jobs` (one row of `logits` each), publishes, drops finished rows."""
+        """Samples one token for each of `jobs` (one row of `logits` each), drops finished rows, publishes. A finished
+        job leaves the running batch before its answer is published: a client that has its whole answer and asks
+        /flush_cache at once found it still running ("pending requests"), as often as the scheduler thread was slow
+        to come back."""
         drawn = sample(
             logits,
             [job.params for job in jobs],
@@ -258,13 +261,14 @@ class Scheduler:
                 reason = job.check_stop_strings(self.tokenizer)
             if reason is not None:
                 job.finish_with(reason)
+        if any(job.finish is not None for job in jobs):
+            self._drop_finished()
+        for job in jobs:
             if job.finish is not None or job.stream:
                 self._publish(job)
         if counted := sum(job.log_metrics for job in jobs):  # not the health probe's token
             self.metrics.observe_generated(counted)
         self.last_step_at = time.monotonic()
-        if any(job.finish is not None for job in jobs):
-            self._drop_finished()
 
     def _drop_finished(self) -> None:
         keep = [i for i, job in enumerate(self._running) if job.finish is None]
