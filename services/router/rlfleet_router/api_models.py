@@ -5,13 +5,69 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 
 class AddWorkerRequest(BaseModel):
-    # sglang-router's POST /workers takes more fields (model_id, priority, labels, ...); accept and ignore them.
+    """sglang-router's `WorkerConfigRequest` (`POST /workers`, and `/add_worker`'s query or body): each field it
+    defines is taken or refused here by name, so a launcher written for sglang-router learns at registration
+    what this router does not do; fields of newer sglang-router versions, unknown here, are ignored."""
+
     model_config = ConfigDict(extra="ignore")
 
     url: str = Field(description="Base URL of the engine, e.g. http://10.0.0.5:30001.")
+    worker_type: str | None = Field(
+        None, description="'regular' (or absent); 'prefill' and 'decode' (disaggregation) are refused."
+    )
+    api_key: str | None = Field(None, description="Refused: the router sends engines no API key.")
+    bootstrap_port: int | None = Field(None, description="Refused: a prefill worker's, and there are none here.")
+    model_id: str | None = Field(None, description="Ignored: the router serves the one model its engines hold.")
+    priority: int | None = Field(None, ge=0, description="Ignored: no routing policy here reads it.")
+    cost: float | None = Field(None, ge=0, description="Ignored: no routing policy here reads it.")
+    labels: dict[str, str] | None = Field(None, description="Ignored.")
+    # sglang-router reads these in gRPC mode only; engines here are HTTP, as in its HTTP mode they are ignored.
+    tokenizer_path: str | None = None
+    reasoning_parser: str | None = None
+    tool_parser: str | None = None
+    chat_template: str | None = None
+
+    @field_validator("worker_type")
+    @classmethod
+    def _regular_only(cls, value: str | None) -> str | None:
+        if value in (None, "regular"):
+            return value
+        if value in ("prefill", "decode"):
+            raise PydanticCustomError(
+                "worker_type_unsupported",
+                "{worker_type} workers are not supported: this router has no prefill-decode disaggregation; "
+                "register the engine as a regular one (worker_type 'regular', or leave it out)",
+                {"worker_type": value},
+            )
+        raise PydanticCustomError(
+            "worker_type_unknown", "must be 'regular' (or absent), got '{worker_type}'", {"worker_type": value}
+        )
+
+    @field_validator("api_key")
+    @classmethod
+    def _no_api_key(cls, value: str | None) -> str | None:
+        if value:
+            raise PydanticCustomError(
+                "api_key_unsupported",
+                "the router sends engines no API key: an engine that requires one (SGLang's --api-key) passes its "
+                "health probes, then refuses (401) every request and weight load; start it without --api-key and "
+                "leave api_key out",
+            )
+        return None
+
+    @field_validator("bootstrap_port")
+    @classmethod
+    def _no_bootstrap_port(cls, value: int | None) -> int | None:
+        if value is not None:
+            raise PydanticCustomError(
+                "bootstrap_port_unsupported",
+                "only prefill workers have one, and this router does not support them; leave bootstrap_port out",
+            )
+        return None
 
 
 class UpdateWeightsRequest(BaseModel):

@@ -3,7 +3,8 @@
 Engine-facing routes keep SGLang's paths and shapes (`/generate`, `/v1/completions`,
 `/v1/chat/completions`, `/update_weights_from_disk`, `/get_model_info`, ...); control requests
 (`/abort_request`, `/pause_generation`, `/continue_generation`, `/flush_cache`) go to every engine;
-membership follows sglang-router's `/workers` API; the fleet's own state is at `/fleet` and
+membership follows sglang-router's worker API (`/workers`, and the older `/add_worker`, `/remove_worker`,
+`/list_workers`); the fleet's own state is at `/fleet` and
 `/weight_version`; cached multi-turn trajectories at `/trajectories/{id}`.
 """
 
@@ -21,7 +22,7 @@ from rlfleet.api_token import ApiTokenGuard
 from rlfleet.http_auth import require_api_token
 from rlfleet.http_errors import install_error_handlers
 from rlfleet.http_limits import BodySizeLimitMiddleware
-from rlfleet_router.api_models import AddWorkerRequest, UpdateWeightsRequest
+from rlfleet_router.api_models import UpdateWeightsRequest
 from rlfleet_router.config import RouterConfig
 from rlfleet_router.engine_controls import FLUSH_ROUTE
 from rlfleet_router.fanout import FANOUT_ROUTES
@@ -31,6 +32,7 @@ from rlfleet_router.metrics import RequestMetricsMiddleware
 from rlfleet_router.policies import RoutingRequest
 from rlfleet_router.proxy import EngineResponse
 from rlfleet_router.weight_group_routes import weight_group_routes
+from rlfleet_router.worker_routes import worker_routes
 from rlfleet_router.workers import NoHealthyEngine
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -128,34 +130,7 @@ def create_app(config: RouterConfig) -> GenerationRelay:
     async def fleet_status() -> dict[str, object]:
         return fleet.describe()
 
-    @app.get("/workers")
-    async def list_workers() -> dict[str, object]:
-        workers = [w.describe() for w in fleet.workers.all()]
-        return {"workers": workers, "total": len(workers)}
-
-    @app.post("/workers")
-    async def add_worker(add: AddWorkerRequest) -> JSONResponse:
-        worker, created = fleet.add_worker(add.url)
-        location = f"/workers/{worker.id}"
-        body = {
-            "status": "accepted" if created else "exists",
-            "worker_id": worker.id,
-            "url": worker.url,
-            "location": location,
-            "message": "worker added; it takes traffic once healthy and on the fleet's weight version"
-            if created
-            else "worker already in the fleet",
-        }
-        return JSONResponse(body, status_code=202 if created else 200, headers={"location": location})
-
-    @app.get("/workers/{worker_key:path}")
-    async def get_worker(worker_key: str) -> dict[str, object]:
-        return fleet.workers.get(worker_key).describe()
-
-    @app.delete("/workers/{worker_key:path}")
-    async def remove_worker(worker_key: str) -> dict[str, object]:
-        worker = fleet.remove_worker(worker_key)
-        return {"status": "removed", "worker_id": worker.id, "url": worker.url}
+    app.include_router(worker_routes(fleet))
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     @app.api_route("/readiness", methods=["GET", "HEAD"])
