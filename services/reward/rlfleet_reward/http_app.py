@@ -16,7 +16,7 @@ from starlette.requests import ClientDisconnect
 
 from rlfleet.client_gone import ClientGone, unless_client_leaves
 from rlfleet.errors import InvalidInput, ResourceExhausted, RlfleetError, Unavailable
-from rlfleet.http_errors import error_body, install_error_handlers
+from rlfleet.http_errors import error_body, install_error_handlers, is_json_media_type
 from rlfleet.proto_parse_errors import misshapen_field
 from rlfleet.v1 import reward_pb2
 from rlfleet_reward.admission import RETRY_AFTER_SECONDS, Overloaded
@@ -35,6 +35,16 @@ def _json_response(message: Message) -> Response:
         message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True, indent=None
     )
     return Response(body, media_type="application/json")
+
+
+def _require_json(request: Request) -> None:
+    """InvalidInput unless the body is declared JSON, as the Runs API requires. A body of any type was read as JSON,
+    so a web page could POST one across sites without the browser asking the hub first (text/plain, a form, a body
+    with no type): any site a user of a hub on localhost visited could make it run programs in its `code` sandbox."""
+    content_type = request.headers.get("content-type")
+    if content_type is None or not is_json_media_type(content_type):
+        sent = f"the request's Content-Type is {content_type!r}" if content_type else "the request has no Content-Type"
+        raise InvalidInput(f"body: not read as JSON: {sent}; send it with Content-Type: application/json")
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -95,6 +105,7 @@ def create_app(scorer: Scorer, metrics: RewardMetrics, max_request_bytes: int) -
     @app.post("/score")
     async def score(request: Request) -> Response:
         try:
+            _require_json(request)
             body = await _read_body(request, max_request_bytes)
             if len(body) > PARSE_OFF_LOOP_BYTES:
                 message = await asyncio.to_thread(parse_request, body, reward_pb2.ScoreRequest())
@@ -114,6 +125,7 @@ def create_app(scorer: Scorer, metrics: RewardMetrics, max_request_bytes: int) -
 
     @app.post("/validate")
     async def validate(request: Request) -> Response:
+        _require_json(request)
         try:
             body = await _read_body(request, max_request_bytes)
         except ClientDisconnect:

@@ -27,6 +27,7 @@ MAX_BATCH = 16
 MAX_BYTES = 100_000
 MAX_PENDING_JOBS = 24  # a full batch of two terms (32 jobs) is taken only by an idle hub
 ADMISSION_WAIT_SECONDS = 0.3
+JSON_BODY = {"content-type": "application/json"}
 
 
 class Hub:
@@ -195,7 +196,7 @@ def test_a_hang_comes_back_timeout_within_its_limit_and_the_hub_keeps_serving(
 def test_bad_http_input_is_a_4xx_naming_the_problem(hub: Hub, content: bytes, status: int, message: str) -> None:
     outcome = "invalid_input" if status == 400 else "resource_exhausted"
     before = refused(hub, outcome)
-    response = httpx.post(f"{hub.url}/score", content=content, timeout=10)
+    response = httpx.post(f"{hub.url}/score", content=content, headers=JSON_BODY, timeout=10)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert message in error["message"], error
@@ -230,6 +231,26 @@ def test_bad_grpc_input_is_invalid_argument(
         stub.Score(request_, timeout=10)
     assert raised.value.code() == code
     assert message in raised.value.details()
+
+
+def test_items_that_share_an_id_are_refused_alike_over_both_transports(
+    hub: Hub, stub: reward_pb2_grpc.RewardStub
+) -> None:
+    """Each result carries its item's id, and callers match results to items by it: two items of one id were both
+    scored, and a caller read one item's result for both."""
+    body = arith_request([{"id": "p1-s0", "response": "82", "label": "82"}, {"id": "p1-s0", "response": "81"}])
+    message = (
+        "items[1].id: 'p1-s0' is also the id of items[0]; results carry their item's id, so give each item its own "
+        "(or leave ids empty and read the results in request order)"
+    )
+    before = refused(hub, "invalid_input")
+    response = hub.score(body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] == {"kind": "invalid_input", "message": message, "code": 400}
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.Score(json_format.ParseDict(body, reward_pb2.ScoreRequest()), timeout=10)
+    assert (raised.value.code(), raised.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+    assert refused(hub, "invalid_input") == before + 2
 
 
 def test_a_pattern_nested_too_deeply_to_compile_is_the_callers_error(hub: Hub) -> None:
@@ -287,6 +308,7 @@ def test_non_finite_params_are_named_over_grpc_and_by_validate(hub: Hub, stub: r
     over_http = httpx.post(
         f"{hub.url}/validate",
         content=b'{"spec": {"terms": [{"function": "judge", "params": {"scale": Infinity}}]}}',
+        headers=JSON_BODY,
         timeout=10,
     )
     assert over_http.status_code == 200, over_http.text

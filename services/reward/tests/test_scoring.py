@@ -11,7 +11,7 @@ from google.protobuf import json_format
 from rlfleet.errors import InvalidInput, ResourceExhausted, Unavailable
 from rlfleet.v1 import reward_pb2
 from rlfleet_reward.admission import Overloaded
-from rlfleet_reward.scoring import Scorer
+from rlfleet_reward.scoring import MAX_PARAMS_PROBLEMS, Scorer
 
 WithScorer = Callable[..., Any]
 OK, ERROR, TIMEOUT = reward_pb2.SCORE_STATUS_OK, reward_pb2.SCORE_STATUS_ERROR, reward_pb2.SCORE_STATUS_TIMEOUT
@@ -170,6 +170,16 @@ ITEM = {"response": "1", "label": "1"}
         ),
         (request([{"function": "math"}], [ITEM], timeout=31), InvalidInput, "must be > 0 and <= 30"),
         (request([{"function": "math"}], [ITEM] * 65), ResourceExhausted, "items has 65 entries; the limit is 64"),
+        (
+            request([{"function": "math"}], [{"id": "a"}, {"id": "b"}, {}, {}, {"id": "a"}]),
+            InvalidInput,
+            "items[4].id: 'a' is also the id of items[0]; results carry their item's id",
+        ),
+        (
+            request([{"function": "math"}], [{"id": "x" * 5000}] * 2),
+            InvalidInput,
+            f"items[1].id: '{'x' * 100}...' is also the id of items[0]",
+        ),
     ],
 )
 def test_bad_requests_are_rejected_naming_the_field(
@@ -181,6 +191,18 @@ def test_bad_requests_are_rejected_naming_the_field(
         assert message in str(raised.value)
 
     with_scorer(body, workers=1)
+
+
+def test_items_without_ids_are_scored_in_request_order(with_scorer: WithScorer) -> None:
+    """An empty id is no id, so any number of items may leave it out: results come in request order."""
+    req = request([{"function": "arith_exact"}], [{"response": "1", "label": "1"}, {}, {"id": "a"}, {"response": "2"}])
+
+    async def body(scorer: Scorer) -> reward_pb2.ScoreResponse:
+        return await scorer.score(req)
+
+    results = with_scorer(body, workers=1).results
+    assert [(r.id, r.status) for r in results] == [("", OK), ("", ERROR), ("a", ERROR), ("", ERROR)]
+    assert results[0].score == 1.0
 
 
 def test_validate_spec_reports_every_problem_score_would_refuse_by_field(with_scorer: WithScorer) -> None:
@@ -260,6 +282,42 @@ def test_more_terms_than_functions_is_one_problem_not_one_per_term(with_scorer: 
     assert field == "terms" and message.startswith(f"has 10000 entries, but each reward function may appear once and "
                                                    f"the hub has {functions} (known: ")  # fmt: skip
     assert len(refusal) < 2000, len(refusal)
+
+
+def test_a_terms_params_problems_are_listed_up_to_a_bound_and_the_rest_counted(with_scorer: WithScorer) -> None:
+    """Each unknown or non-finite param was a problem of its own, each named: a spec of 100,000 unknown params got
+    100,000 problems from /validate, and /score built its refusal from all of them."""
+    unknown = {f"p{i:06d}": 0 for i in range(100_000)}
+    terms = [
+        {"function": "exact", "params": unknown},
+        {"function": "arith_exact", "params": unknown},
+        {"function": "judge", "params": {f"p{i:04d}": float("nan") for i in range(1000)}},
+    ]
+    spec = json_format.ParseDict({"terms": terms}, reward_pb2.RewardSpec())
+
+    async def body(scorer: Scorer) -> tuple[list[tuple[str, str]], str]:
+        with pytest.raises(InvalidInput) as raised:
+            await scorer.score(reward_pb2.ScoreRequest(spec=spec, items=[reward_pb2.ScoreItem(response="1")]))
+        problems = scorer.validate_spec(reward_pb2.ValidateSpecRequest(spec=spec)).problems
+        return [(p.field, p.message) for p in problems], str(raised.value)
+
+    problems, refusal = with_scorer(body, workers=1)
+    assert len(problems) == 2 * (MAX_PARAMS_PROBLEMS + 1) + 1, len(problems)
+    listed = problems[:MAX_PARAMS_PROBLEMS]
+    assert all(f.removeprefix("terms[0].params.") in unknown for f, _ in listed), listed
+    assert {message for _, message in listed} == {"Extra inputs are not permitted"}
+    assert problems[MAX_PARAMS_PROBLEMS] == ("terms[0].params", "99990 more problems, not listed; fix these first")
+    field, message = problems[MAX_PARAMS_PROBLEMS + 1]
+    assert field == "terms[1].params"
+    assert message == (
+        f"'arith_exact' takes no params, got 100000: {sorted(unknown)[:MAX_PARAMS_PROBLEMS]} and 99990 more"
+    )
+    assert problems[-1] == ("terms[2].params", "990 more problems, not listed; fix these first")
+    assert problems[-MAX_PARAMS_PROBLEMS - 1 : -1] == [
+        (f"terms[2].params.p{i:04d}", "must be a finite number, got nan") for i in range(MAX_PARAMS_PROBLEMS)
+    ]
+    assert refusal == "; ".join(f"spec.{field}: {message}" for field, message in problems)
+    assert len(refusal) < 3000, len(refusal)
 
 
 def test_a_weighted_sum_that_overflows_is_an_item_error(with_scorer: WithScorer) -> None:
