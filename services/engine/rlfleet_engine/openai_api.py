@@ -7,16 +7,18 @@ prompt ids can be returned with `return_token_ids`), and each /generate output b
                         finish_reason, matched_stop[, token_ids, prompt_token_ids]}
     chat choice:       {index, message: {role: "assistant", content, reasoning_content: null, tool_calls: null},
                         logprobs: {content: [{token, bytes, logprob, top_logprobs}]} | null,
-                        finish_reason, matched_stop[, prompt_token_ids, response_token_ids]}
+                        finish_reason, matched_stop[, prompt_token_ids, response_token_ids, meta_info]}
 
 (SGLang names a chat choice's output ids `response_token_ids`, a completion choice's `token_ids`.) Both answers
 carry `usage` (prompt tokens counted once per prompt, as SGLang does) and `metadata`, the first output's
-`weight_version` and `weight_versions` spans. Streams send deltas as server-sent events, then `data: [DONE]`;
-a streamed chat answer cannot return token ids (400), as SGLang's cannot.
+`weight_version` and `weight_versions` spans. Streams send deltas as server-sent events (each content chunk with
+its choice's `usage` so far under `stream_options.continuous_usage_stats`), then `data: [DONE]`; a streamed chat
+answer cannot return token ids or meta_info (400), as SGLang's cannot.
 
 A chat request that leaves temperature, top_p, top_k or min_p unset (or null) takes the model's
 generation_config.json value (`generation_defaults`), as SGLang's chat handler does by default; a completion
-request takes the OpenAI defaults, as SGLang's does.
+request takes the OpenAI defaults, as SGLang's does. A chat request without `max_tokens` or
+`max_completion_tokens` may run to the context, as SGLang's chat does (a completion's default is 16 tokens).
 """
 
 from __future__ import annotations
@@ -44,32 +46,82 @@ if TYPE_CHECKING:
 _OPENAI_NAMES = {"sampling_seed": "seed", "max_new_tokens": "max_tokens"}
 
 
-def chat_prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage]) -> list[int]:
+def chat_prompt_ids(
+    tokenizer: Any,
+    messages: Sequence[ChatMessage],
+    *,
+    continue_final_message: bool = False,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> list[int]:
     """The prompt ids of a conversation, ending where the assistant's next turn begins.
 
-    A tokenizer with a chat template renders it; the text is encoded without the tokenizer's special tokens,
-    because the template writes its own ({{ bos_token }}) and a BOS post-processor would add a second one
-    (transformers' apply_chat_template, SGLang and the orchestrator encode it so too). One without a template
-    (the sim tokenizer) gets a plain `<|role|>\\ncontent\\n` layout, encoded as a raw prompt is, so chat
-    requests still work on every backend.
+    A tokenizer with a chat template renders it, with each message's tool calls (their arguments as objects),
+    `tool_call_id`, `name` and `reasoning_content`, and `template_kwargs`; the text is encoded without the tokenizer's
+    special tokens, because the template writes its own ({{ bos_token }}) and a BOS post-processor would add a second
+    one (transformers' apply_chat_template, SGLang and the orchestrator encode it so too). One without a template (the
+    sim tokenizer) gets a plain `<|role|>\\ncontent\\n` layout, encoded as a raw prompt is, so chat requests still
+    work on every backend. A last assistant message is, as in SGLang's chat handler, the start of the answer with
+    `continue_final_message` (its text follows the generation prompt), else rendered as a user's message.
     """
     try:
-        plain = [{"role": m.role, "content": m.text()} for m in messages]
+        plain = [_template_message(m) for m in messages]
     except ValueError as exc:
         raise InvalidInput(f"messages: {exc}") from exc
     for i, message in enumerate(plain):
         unicode_text(message["role"], f"messages[{i}].role")
         unicode_text(message["content"], f"messages[{i}].content")
+    answer_start = ""
+    if plain[-1]["role"] == "assistant":
+        if continue_final_message:
+            answer_start = plain.pop()["content"]
+        else:
+            plain[-1] = {"role": "user", "content": plain[-1]["content"]}
     if not getattr(tokenizer, "chat_template", None):
         layout = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in plain) + "<|assistant|>\n"
-        return tokenizer.encode(layout)
+        return tokenizer.encode(layout + answer_start)
     try:
-        text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            plain, tokenize=False, add_generation_prompt=True, **dict(template_kwargs or {})
+        )
     except TemplateSyntaxError:
         raise  # the model's template is broken: the server's fault, whatever the request
-    except TemplateError as exc:  # raise_exception: the template says what it refused (a role, an order)
+    except (TemplateError, TypeError) as exc:
+        # raise_exception: the template says what it refused (a role, an order); a TypeError is a kwarg the call
+        # already has, or a value the template cannot use. SGLang answers both 400.
         raise InvalidInput(f"messages: the model's chat template refused them: {exc}") from exc
-    return tokenizer.encode(str(text), add_special_tokens=False)
+    return tokenizer.encode(str(text) + answer_start, add_special_tokens=False)
+
+
+# The message fields besides role and content that chat templates render (an assistant's tool calls, a tool's answer).
+_TEMPLATE_FIELDS = ("tool_calls", "tool_call_id", "name", "reasoning_content")
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as the chat template reads it: its text, and the fields of `_TEMPLATE_FIELDS` it has, an assistant's
+    tool call arguments parsed from their JSON text into objects, as SGLang gives them to the template."""
+    rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
+    extra = message.model_extra or {}
+    for name in _TEMPLATE_FIELDS:
+        if extra.get(name) is not None:
+            rendered[name] = extra[name]
+    if message.role == "assistant" and isinstance(rendered.get("tool_calls"), list):
+        rendered["tool_calls"] = [_with_parsed_arguments(call) for call in rendered["tool_calls"]]
+    return rendered
+
+
+def _with_parsed_arguments(call: object) -> object:
+    if not isinstance(call, dict):
+        return call
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError as exc:
+        raise ValueError("Assistant tool call function.arguments must be valid JSON.") from exc
+    if not isinstance(arguments, dict):
+        raise ValueError("Assistant tool call function.arguments must be a JSON object.")
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _finish(meta: dict[str, Any]) -> tuple[str | None, int | str | None]:
@@ -99,10 +151,29 @@ class OpenAIServer:
 
     # ---- requests ------------------------------------------------------------------------------
 
+    @staticmethod
+    def _refuse_what_cannot_be_honoured(req: CompletionRequest | ChatCompletionRequest) -> None:
+        unsupported = req.unsupported_fields()
+        if unsupported:
+            raise InvalidInput(f"{', '.join(unsupported)}: not supported by rlfleet-engine (leave out, or null)")
+        if isinstance(req, ChatCompletionRequest):
+            problem = req.tool_choice_problem()
+            if problem is not None:
+                raise InvalidInput(problem)
+
     def _prompts(self, req: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
         encode = self._core.tokenizer.encode
         if isinstance(req, ChatCompletionRequest):
-            return [chat_prompt_ids(self._core.tokenizer, req.messages)]
+            if req.input_ids is not None:  # SGLang's chat sends them as they are, the messages not rendered
+                check_vocabulary(req.input_ids, self._core.backend.vocab_size, "input_ids")
+                return [list(req.input_ids)]
+            ids = chat_prompt_ids(
+                self._core.tokenizer,
+                req.messages,
+                continue_final_message=req.continue_final_message,
+                template_kwargs=req.template_kwargs(),
+            )
+            return [ids]
         prompt = req.prompt
         if isinstance(prompt, str):
             prompts = [encode(unicode_text(prompt, "prompt"))]
@@ -155,6 +226,7 @@ class OpenAIServer:
     # ---- whole answers -------------------------------------------------------------------------
 
     async def complete(self, req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+        self._refuse_what_cannot_be_honoured(req)
         prompts = self._prompts(req)
         outputs = _outputs(await self._core.generate(self._generate_request(req, prompts)))
         chat = isinstance(req, ChatCompletionRequest)
@@ -165,6 +237,11 @@ class OpenAIServer:
             if req.return_token_ids:
                 choice["response_token_ids" if chat else "token_ids"] = list(out["output_ids"])
                 choice["prompt_token_ids"] = prompt_ids
+            if isinstance(req, ChatCompletionRequest):
+                if req.return_prompt_token_ids:
+                    choice["prompt_token_ids"] = prompt_ids
+                if req.return_meta_info:
+                    choice["meta_info"] = out["meta_info"]
             choices.append(choice)
         return {
             "id": _answer_id(outputs[0]["meta_info"]["id"], len(outputs)),
@@ -246,11 +323,16 @@ class OpenAIServer:
 
     def stream(self, req: CompletionRequest | ChatCompletionRequest) -> AsyncIterator[bytes]:
         """Submits `req` now (bad input raises before the response starts) and returns its SSE byte stream."""
-        if isinstance(req, ChatCompletionRequest) and req.return_token_ids:
-            raise InvalidInput(
-                "return_token_ids is not supported with streaming on /v1/chat/completions. Please set stream=false "
-                "when using return_token_ids=true."
-            )
+        self._refuse_what_cannot_be_honoured(req)
+        if isinstance(req, ChatCompletionRequest):
+            # In SGLang's words.
+            for field in ("return_token_ids", "return_prompt_token_ids", "return_meta_info"):
+                if getattr(req, field):
+                    where = " on /v1/chat/completions" if field == "return_token_ids" else ""
+                    raise InvalidInput(
+                        f"{field} is not supported with streaming{where}. Please set stream=false when using "
+                        f"{field}=true."
+                    )
         prompts = self._prompts(req)
         chunks = self._core.generate_stream(self._generate_request(req, prompts))
         return self._events(req, prompts, chunks)
@@ -265,14 +347,16 @@ class OpenAIServer:
         sent_tokens: dict[int, int] = {}
         finals: dict[int, dict[str, Any]] = {}
 
-        def event(choice: dict[str, Any]) -> bytes:
-            body = {
+        def event(choice: dict[str, Any], usage: dict[str, int] | None = None) -> bytes:
+            body: dict[str, Any] = {
                 "id": stream_id,
                 "object": kind,
                 "created": int(time.time()),
                 "model": req.model,
                 "choices": [choice],
             }
+            if usage is not None:
+                body["usage"] = usage
             return b"data: " + json.dumps(body).encode() + b"\n\n"
 
         async for out in chunks:
@@ -302,7 +386,12 @@ class OpenAIServer:
                     choice["prompt_token_ids"] = prompts[index // req.n]
             if reason is not None:
                 finals[index] = out
-            yield event(choice)
+            if req.continuous_usage_stats:  # this choice's usage so far, as SGLang puts it on each content chunk
+                prompt, completion = len(prompts[index // req.n]), int(meta["completion_tokens"])
+                so_far = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+                yield event(choice, so_far)
+            else:
+                yield event(choice)
         if chat:
             for index, out in finals.items():
                 reason, matched = _finish(out["meta_info"])

@@ -2,33 +2,56 @@
 
 Unknown fields are ignored (clients send many); the SGLang extensions that matter for RL rollouts are
 read: `rid`, `return_token_ids` (prompt and completion token ids in every choice), `top_k`, `min_p`,
-`stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim`. Penalties and the other
-sampling knobs go on to `SamplingParams`, which refuses any value it cannot honour. So are the fields that
-constrain the answer and this engine cannot honour (`logit_bias`, a `response_format` other than text,
-`tools`): refused, naming the field, rather than answered without the constraint.
+`stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim`, and for chat `input_ids`,
+`continue_final_message`, `chat_template_kwargs`, `reasoning_effort` and `return_prompt_token_ids`. Penalties
+and the other sampling knobs go on to `SamplingParams`, which refuses any value it cannot honour. So are the fields
+that constrain the answer and this engine cannot honour (`logit_bias`, a `response_format` other than text,
+`tools`): refused, naming the field, rather than answered without the constraint; and the other SGLang fields that
+change what is generated or answered (`unsupported_fields`: `stop_regex`, `min_tokens`, `regex`, `lora_path`,
+`return_hidden_states`, ...), refused past validation as SGLang's handlers refuse a request.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlfleet_engine.request_expansion import MAX_TOP_LOGPROBS_NUM
 from rlfleet_engine.sampling_params import MAX_SEED, without_nulls
-from rlfleet_engine.schemas import UnicodeStr
+from rlfleet_engine.schemas import UnicodeStr, is_set
+
+# Fields of SGLang's CompletionRequest and ChatCompletionRequest that change what is generated or answered and that
+# this engine cannot honour: a stop at a regex match, a floor on the output's length, a grammar, a LoRA adapter, a
+# logit processor, a session's context, hidden states, routed experts or per-source cached tokens in the answer.
+# Refused when set (null, false, 0 and empty read as absent, as SGLang reads them), not answered without them.
+_UNSUPPORTED_FIELDS = (
+    "stop_regex",
+    "min_tokens",
+    "regex",
+    "ebnf",
+    "custom_params",
+    "custom_logit_processor",
+    "lora_path",
+    "session_params",
+    "return_hidden_states",
+    "return_routed_experts",
+    "return_cached_tokens_details",
+)
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    include_usage: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+    """Usage (of the chunk's choice so far) on every content chunk, as SGLang sends it."""
 
 
 class OpenAISampling(BaseModel):
     """Fields the two endpoints share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: UnicodeStr = "default"
     max_tokens: int | None = Field(default=None, gt=0)
@@ -96,20 +119,34 @@ class OpenAISampling(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    @property
+    def continuous_usage_stats(self) -> bool:
+        return self.stream_options is not None and bool(self.stream_options.continuous_usage_stats)
+
+    def unsupported_fields(self) -> list[str]:
+        """The fields sent that ask for what this engine cannot honour (`_UNSUPPORTED_FIELDS`, and the route's own)."""
+        extra = self.model_extra or {}
+        return [name for name in (*_UNSUPPORTED_FIELDS, *self.ROUTE_UNSUPPORTED) if is_set(extra.get(name))]
+
+    ROUTE_UNSUPPORTED: ClassVar[tuple[str, ...]] = ()
 
 
 class CompletionRequest(OpenAISampling):
     """POST /v1/completions. SGLang's default budget for completions is 16 tokens."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, gt=0)
+    max_tokens: int = Field(default=16, gt=0)
+    """SGLang's completion types it `int` (a null is refused); its chat takes null for "until the context"."""
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS_NUM)
     echo: bool = False
     # Read only to be refused when they ask for something: the best `n` of `best_of` samples, a text after the
     # completion to fill in. Answered without them, the completion would not be what they ask for.
     best_of: int | None = None
     suffix: str | None = None
+
+    ROUTE_UNSUPPORTED = ("json_schema",)
 
     @field_validator("echo")
     @classmethod
@@ -164,6 +201,22 @@ class ChatCompletionRequest(OpenAISampling):
     max_completion_tokens: int | None = Field(default=None, gt=0)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    input_ids: list[int] | None = Field(default=None, min_length=1)
+    """The prompt's ids, as SGLang takes them: sent as they are, the messages not rendered."""
+    continue_final_message: bool = False
+    """A last assistant message is the start of the answer, continued; without this SGLang renders it as a user's."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Passed to the chat template (Qwen3's `enable_thinking`, ...)."""
+    reasoning_effort: str | float | None = None
+    """Passed to the chat template, and its `thinking` / `enable_thinking` default to whether it is other than
+    "none", as SGLang does."""
+    return_prompt_token_ids: bool = False
+    """The prompt's ids in each choice, as `prompt_token_ids` (not with a stream, as in SGLang)."""
+    return_meta_info: bool = False
+    """The output's `meta_info` in each choice (not with a stream, as in SGLang)."""
+
+    # SGLang reads `reasoning` ({"effort", "enabled"}) into reasoning_effort and the template's kwargs.
+    ROUTE_UNSUPPORTED = ("reasoning",)
 
     @model_validator(mode="before")
     @classmethod
@@ -184,8 +237,28 @@ class ChatCompletionRequest(OpenAISampling):
             raise ValueError("tools are not supported by rlfleet-engine: leave them out, or set tool_choice 'none'")
         return self
 
+    def tool_choice_problem(self) -> str | None:
+        """What SGLang's chat handler says of a tool choice that names tools the request does not give."""
+        if self.tools:
+            return None
+        if isinstance(self.tool_choice, str) and self.tool_choice.lower() == "required":
+            return "Tools cannot be empty if tool choice is set to required."
+        if isinstance(self.tool_choice, dict):
+            return "Tools cannot be empty if tool choice is set to a specific tool."
+        return None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template is rendered with besides the messages, as SGLang's chat handler gives it."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            thinking = self.reasoning_effort != "none"
+            kwargs.setdefault("thinking", thinking)
+            kwargs.setdefault("enable_thinking", thinking)
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        return kwargs
+
     def sampling_params(self) -> dict[str, Any]:
         params = super().sampling_params()
-        if self.max_completion_tokens is not None:
-            params["max_new_tokens"] = self.max_completion_tokens
+        # As SGLang's chat: without either, the answer may run to the context (or an eos), not to a default budget.
+        params["max_new_tokens"] = self.max_completion_tokens or self.max_tokens
         return params

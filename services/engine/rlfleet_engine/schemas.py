@@ -61,10 +61,11 @@ _UNSUPPORTED_GENERATE_FIELDS = (
 _ABSENT: tuple[object, ...] = (None, False, "", [], {})
 
 
-def _is_set(value: object) -> bool:
-    """Whether a field of `_UNSUPPORTED_GENERATE_FIELDS` asks for something: not absent, nor a list of absent values."""
+def is_set(value: object) -> bool:
+    """Whether a field the engine cannot honour asks for something: not absent (null, false, zero, empty), nor a list
+    of absent values."""
     if isinstance(value, list):
-        return any(_is_set(item) for item in value)
+        return any(is_set(item) for item in value)
     return value not in _ABSENT
 
 
@@ -92,7 +93,7 @@ class GenerateRequest(BaseModel):
     @classmethod
     def _refuse_unsupported(cls, data: object) -> object:
         if isinstance(data, dict):
-            given = [name for name in _UNSUPPORTED_GENERATE_FIELDS if _is_set(data.get(name))]
+            given = [name for name in _UNSUPPORTED_GENERATE_FIELDS if is_set(data.get(name))]
             if given:
                 raise ValueError(f"{', '.join(given)}: not supported by rlfleet-engine (leave out, or null)")
         return data
