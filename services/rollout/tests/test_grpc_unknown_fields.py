@@ -98,8 +98,9 @@ def test_a_spec_option_this_orchestrator_does_not_know_is_refused_naming_where_i
     errors, stored = asyncio.run(scenario())
     assert [e.code() for e in errors] == [grpc.StatusCode.INVALID_ARGUMENT] * 3, errors
     for error in errors[:2]:
-        assert error.details().startswith("spec.rollout: no field numbered 900 in rlfleet.v1.RolloutSpec (its fields: "), (
-            error.details()
+        refusal = error.details() or ""
+        assert refusal.startswith("spec.rollout: no field numbered 900 in rlfleet.v1.RolloutSpec (its fields: "), (
+            refusal
         )
     assert errors[2].details().startswith("no field numbered 900 in rlfleet.v1.SubmitRunRequest"), errors[2].details()
     assert stored == 0
